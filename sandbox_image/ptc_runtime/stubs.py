@@ -1,0 +1,125 @@
+"""What the generated ``tools`` package is built on: the ``tool`` decorator.
+
+The generator in the service writes one typed, documented function per tool
+(its body is only the docstring) and decorates it with ``Toolbox.tool``. The
+decorator replaces it with a stub that binds the call's arguments against
+that signature, maps safe Python spellings back to the tool's original
+parameter names, and sends the call to the broker. Only the arguments the
+script actually passed are sent: defaults shown in the signature are the
+tool's own and are applied by the tool, never invented by the stub. Missing
+or unexpected arguments are not refused here but by the broker, so that every
+attempted call has a record.
+
+The synchronous stub lives where the function is defined (``tools.<name>``);
+its awaitable twin is registered under the same path in ``tools.aio``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from ptc_runtime.client import ToolError, client
+
+__all__ = ["Namespace", "ToolError", "Toolbox"]
+
+
+class Namespace:
+    """A plain attribute container: ``tools.aio`` and its dotted sub-namespaces."""
+
+    def __init__(self, path: str) -> None:
+        self.__path = path
+
+    def __repr__(self) -> str:
+        names = sorted(k for k in vars(self) if not k.startswith("_"))
+        return f"<tools namespace {self.__path or 'aio'}: {', '.join(names)}>"
+
+
+class _Binder:
+    """Turns ``(*args, **kwargs)`` into the tool's argument object (original names)."""
+
+    def __init__(self, tool: str, fn: Callable[..., Any], renames: Dict[str, str]) -> None:
+        self.tool = tool
+        self.signature = inspect.signature(fn)
+        self.renames = renames
+        self.safe_for_original = {original: safe for safe, original in renames.items()}
+
+    def bind(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+        params = self.signature.parameters
+        named: Dict[str, Any] = {}
+        unknown: Dict[str, Any] = {}
+        for key, value in kwargs.items():
+            if key in params and key not in self.safe_for_original:
+                safe = key
+            elif key in self.safe_for_original:
+                safe = self.safe_for_original[key]
+            else:
+                unknown[key] = value
+                continue
+            if safe in named:
+                raise TypeError(f"{self.tool}() got argument {key!r} twice")
+            named[safe] = value
+        bound = self.signature.bind_partial(*args, **named)
+        result = {self.renames.get(k, k): v for k, v in bound.arguments.items()}
+        result.update(unknown)  # forwarded so that the broker refuses them, with a record
+        return result
+
+
+class _Stub:
+    def __init__(self, binder: _Binder, fn: Callable[..., Any]) -> None:
+        self._binder = binder
+        self.__name__ = fn.__name__
+        self.__qualname__ = fn.__qualname__
+        self.__doc__ = fn.__doc__
+        self.__signature__ = binder.signature
+        self.__wrapped__ = fn
+
+    def __repr__(self) -> str:
+        return f"<tool {self._binder.tool}{self._binder.signature}>"
+
+
+class SyncStub(_Stub):
+    """``tools.<name>(...)``: blocks until the result; safe to call from many threads."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        binder = self._binder
+        return client().request({"tool": binder.tool, "args": binder.bind(args, kwargs)})
+
+
+class AsyncStub(_Stub):
+    """``await tools.aio.<name>(...)``: many may be in flight at once (``asyncio.gather``)."""
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        binder = self._binder
+        return await client().arequest({"tool": binder.tool, "args": binder.bind(args, kwargs)})
+
+
+class Toolbox:
+    """Registry behind one generated ``tools`` package."""
+
+    def __init__(self) -> None:
+        self.aio = Namespace("")
+
+    def tool(self, name: str, renames: Optional[Dict[str, str]] = None) -> Callable[[Callable[..., Any]], SyncStub]:
+        """Decorator: make the decorated signature a stub of tool ``name``.
+
+        Args:
+            name: the tool's original name, as the broker knows it.
+            renames: safe Python parameter spelling -> original parameter name,
+                for parameters whose names are not Python identifiers.
+        """
+
+        def decorate(fn: Callable[..., Any]) -> SyncStub:
+            binder = _Binder(name, fn, dict(renames or {}))
+            node = self.aio
+            *parents, leaf = fn.__qualname__.split(".")
+            for part in parents:
+                child = getattr(node, part, None)
+                if not isinstance(child, Namespace):
+                    child = Namespace(f"{node._Namespace__path}.{part}".lstrip("."))  # type: ignore[attr-defined]
+                    setattr(node, part, child)
+                node = child
+            setattr(node, leaf, AsyncStub(binder, fn))
+            return SyncStub(binder, fn)
+
+        return decorate

@@ -1,0 +1,39 @@
+"""Command line: ``ptc-sandbox serve [--host H] [--port P]`` (settings come from ``PTC_*`` variables)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+
+from service.api import create_app
+from service.settings import Settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``ptc-sandbox`` console script; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="ptc-sandbox", description="Programmatic Tool Calling execution service.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the HTTP service")
+    serve.add_argument("--host", help="bind address (default: PTC_HOST or 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default: PTC_PORT or 8080)")
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    settings = Settings(**overrides)
+    logging.basicConfig(
+        level=settings.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=10,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The service's exception hierarchy (one root; ``api`` maps it to RFC 9457 problem+json).
+
+::
+
+    PtcError
+    ├── ManifestError        a tool manifest entry is unusable          -> 422
+    ├── RequestLimitError    a request asks past a server maximum       -> 422
+    ├── JobNotFound          no job with that id                         -> 404
+    └── SandboxError         the engine failed us (not the script)      -> 503
+        └── EngineUnavailable  the engine cannot be reached             -> 503
+"""
+
+from __future__ import annotations
+
+
+class PtcError(Exception):
+    """Root of every error this service raises on purpose."""
+
+
+class ManifestError(PtcError):
+    """A manifest entry cannot be turned into a tool.
+
+    Attributes:
+        loc: where in the request body the problem is, e.g. ``("tools", 2, "parameters")``.
+    """
+
+    def __init__(self, message: str, loc: tuple[str | int, ...] = ()) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
+class RequestLimitError(PtcError):
+    """A request field exceeds what the server allows; ``loc`` names the field."""
+
+    def __init__(self, message: str, loc: tuple[str | int, ...] = ()) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
+class JobNotFound(PtcError):
+    """No job with the given id is known."""
+
+
+class SandboxError(PtcError):
+    """The sandbox backend failed for a reason that is not the script's."""
+
+
+class EngineUnavailable(SandboxError):
+    """The container engine cannot be reached."""

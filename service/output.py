@@ -1,0 +1,108 @@
+"""Capped capture of one output stream: head and tail kept, the middle elided and counted."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+ELISION_MARK = "\n[... {n} bytes elided by ptc-sandbox ...]\n"
+
+
+@dataclass(frozen=True)
+class RenderedOutput:
+    """One stream as the job view shows it.
+
+    Attributes:
+        text: the kept bytes decoded as UTF-8; invalid bytes become U+FFFD.
+        truncated: whether bytes were elided (then ``text`` holds the marker
+            ``ELISION_MARK`` between head and tail).
+        total_bytes: every byte the script wrote to the stream.
+        invalid_utf8: whether decoding replaced bytes that were not UTF-8.
+    """
+
+    text: str
+    truncated: bool
+    total_bytes: int
+    invalid_utf8: bool
+
+
+class CappedStream:
+    """Accumulates a byte stream into at most ``cap`` bytes (thread-safe).
+
+    The first ``cap // 2`` bytes are kept as the head; the last ``cap - cap // 2``
+    bytes as the tail; everything in between is counted but dropped, so memory
+    stays bounded whatever the script prints.
+    """
+
+    def __init__(self, cap: int) -> None:
+        if cap < 2:
+            raise ValueError("cap must be at least 2 bytes")
+        self._head_cap = cap // 2
+        self._tail_cap = cap - self._head_cap
+        self._head = bytearray()
+        self._tail = bytearray()
+        self._total = 0
+        self._lock = threading.Lock()
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes written so far."""
+        return self._total
+
+    def write(self, data: bytes) -> None:
+        """Append ``data`` (any size)."""
+        with self._lock:
+            self._total += len(data)
+            room = self._head_cap - len(self._head)
+            if room > 0:
+                self._head += data[:room]
+                data = data[room:]
+            if not data:
+                return
+            if len(data) >= self._tail_cap:
+                self._tail = bytearray(data[-self._tail_cap :])
+            else:
+                self._tail += data
+                excess = len(self._tail) - self._tail_cap
+                if excess > 0:
+                    del self._tail[:excess]
+
+    def render(self) -> RenderedOutput:
+        """Decode what is kept; a multi-byte character cut at either edge of the gap is dropped, not flagged."""
+        with self._lock:
+            head, tail, total = bytes(self._head), bytes(self._tail), self._total
+        elided = total - len(head) - len(tail)
+        if elided == 0:
+            text, invalid = _decode(head + tail)
+            return RenderedOutput(text, False, total, invalid)
+        head_cut = _incomplete_suffix(head)
+        tail_cut = _continuation_prefix(tail)
+        head_text, head_invalid = _decode(head[: len(head) - head_cut])
+        tail_text, tail_invalid = _decode(tail[tail_cut:])
+        mark = ELISION_MARK.format(n=elided + head_cut + tail_cut)
+        return RenderedOutput(head_text + mark + tail_text, True, total, head_invalid or tail_invalid)
+
+
+def _decode(data: bytes) -> tuple[str, bool]:
+    try:
+        return data.decode("utf-8"), False
+    except UnicodeDecodeError:
+        return data.decode("utf-8", "replace"), True
+
+
+def _incomplete_suffix(data: bytes) -> int:
+    """Length of a UTF-8 sequence cut short at the end of ``data`` (0..3)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # a lead byte or ASCII
+            need = 2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else 4 if byte & 0xF8 == 0xF0 else 1
+            return back if need > back else 0
+    return 0
+
+
+def _continuation_prefix(data: bytes) -> int:
+    """Number of UTF-8 continuation bytes at the start of ``data`` (0..3)."""
+    n = 0
+    while n < min(3, len(data)) and data[n] & 0xC0 == 0x80:
+        n += 1
+    return n

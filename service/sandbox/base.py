@@ -1,0 +1,107 @@
+"""The small interface every sandbox backend implements (start, wait, kill, remove, sweep).
+
+A backend runs the sandbox image with the job's folder mounted at
+``/run/ptc`` (socket, ``tools`` package, ``script.py``); the image's
+entrypoint runs the script. Output is pushed to an ``OutputSink`` as raw
+bytes while the script runs. All methods are coroutines: blocking engine
+calls run off the event loop.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+Stream = Literal["stdout", "stderr"]
+OutputSink = Callable[[Stream, bytes], None]
+"""Receives each chunk of output as it arrives (called from a backend thread)."""
+
+RUN_DIR = "/run/ptc"
+"""Where the job's folder appears inside the sandbox (DESIGN.md, data flow step 2)."""
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What one sandbox is given.
+
+    Attributes:
+        image: image reference.
+        job_dir: host folder mounted read-only at ``RUN_DIR``.
+        memory_mb: memory limit in MiB; swap is not added (memory+swap = memory).
+        cpus: CPU quota in CPUs (fractions allowed).
+        pids: maximum processes and threads.
+        tmp_mb: size of the tmpfs at ``/tmp`` in MiB.
+        file_size_mb: RLIMIT_FSIZE in MiB.
+        open_files: RLIMIT_NOFILE.
+        env: extra environment variables for the script.
+        labels: engine labels (instance and job ids) used by ``sweep``.
+        runtime: OCI runtime name (``runsc`` for gVisor), None for the engine default.
+    """
+
+    image: str
+    job_dir: Path
+    memory_mb: int
+    cpus: float
+    pids: int
+    tmp_mb: int
+    file_size_mb: int
+    open_files: int
+    env: Mapping[str, str] = field(default_factory=dict)
+    labels: Mapping[str, str] = field(default_factory=dict)
+    runtime: str | None = None
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    """How a sandbox's main process ended: ``exit_code`` (128+N for signal N) and whether the kernel OOM-killed in it."""
+
+    exit_code: int
+    oom_killed: bool
+
+
+@dataclass
+class SandboxHandle:
+    """A started sandbox: ``id`` is the engine's container id."""
+
+    id: str
+    spec: SandboxSpec
+
+
+class SandboxBackend(abc.ABC):
+    """One container engine."""
+
+    @abc.abstractmethod
+    async def start(self, spec: SandboxSpec, sink: OutputSink) -> SandboxHandle:
+        """Create and start a sandbox, streaming its output to ``sink`` from the first byte.
+
+        Raises:
+            SandboxError: the engine refused or failed (nothing is left behind).
+            EngineUnavailable: the engine cannot be reached.
+        """
+
+    @abc.abstractmethod
+    async def wait(self, handle: SandboxHandle) -> ExitStatus:
+        """Wait (without limit) until the main process exits and all output has reached the sink."""
+
+    @abc.abstractmethod
+    async def kill(self, handle: SandboxHandle) -> None:
+        """SIGKILL everything in the sandbox; no error if it has already exited."""
+
+    @abc.abstractmethod
+    async def remove(self, handle: SandboxHandle) -> None:
+        """Remove the sandbox whatever its state; no error if it is already gone."""
+
+    @abc.abstractmethod
+    async def remove_labelled(self, labels: Mapping[str, str]) -> int:
+        """Remove every sandbox carrying all of ``labels``; returns how many."""
+
+    @abc.abstractmethod
+    async def ready(self, image: str) -> tuple[bool, str]:
+        """(ok, reason): the engine answers and ``image`` is present."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release the backend's resources (not the sandboxes)."""

@@ -1,0 +1,204 @@
+"""Docker backend: one container per sandbox, hardened as DESIGN.md's "Sandbox defaults".
+
+The only module that imports the Docker SDK. Every blocking SDK call runs in
+this backend's thread pool; each sandbox's output is read by its own thread
+from an attach stream opened before the container starts, so no byte is
+missed and the script never blocks on a full pipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import docker
+import docker.errors
+import requests.exceptions
+from docker.types import LogConfig, Mount, Ulimit
+from docker.utils.socket import frames_iter
+
+from service.errors import EngineUnavailable, SandboxError
+from service.sandbox.base import RUN_DIR, ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MIB = 1024 * 1024
+SANDBOX_USER = "10001:10001"
+OUTPUT_DRAIN_S = 5.0
+_STREAMS = {1: "stdout", 2: "stderr"}
+
+
+class DockerBackend(SandboxBackend):
+    """Sandboxes as Docker containers.
+
+    Args:
+        base_url: engine URL; None = ``DOCKER_HOST`` or the local socket.
+        max_workers: threads for blocking SDK calls.
+    """
+
+    def __init__(self, base_url: str | None = None, max_workers: int = 16) -> None:
+        try:
+            if base_url:
+                self._client = docker.DockerClient(base_url=base_url, max_pool_size=max_workers)
+            else:
+                self._client = docker.from_env(max_pool_size=max_workers)
+        except docker.errors.DockerException as exc:
+            raise EngineUnavailable(f"cannot connect to the Docker engine: {exc}") from exc
+        self._api = self._client.api
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ptc-docker")
+        self._readers: dict[str, threading.Thread] = {}
+
+    async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+        except (requests.exceptions.RequestException, docker.errors.DockerException) as exc:
+            if isinstance(exc, docker.errors.APIError):
+                raise SandboxError(f"the Docker engine refused: {exc.explanation or exc}") from exc
+            raise EngineUnavailable(f"the Docker engine is not reachable: {type(exc).__name__}") from exc
+
+    def _create(self, spec: SandboxSpec) -> str:
+        host_config = self._api.create_host_config(
+            network_mode="none",
+            read_only=True,
+            tmpfs={"/tmp": f"size={spec.tmp_mb}m,mode=1777,nosuid,nodev"},
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            mem_limit=spec.memory_mb * MIB,
+            memswap_limit=spec.memory_mb * MIB,
+            nano_cpus=int(spec.cpus * 1e9),
+            pids_limit=spec.pids,
+            ulimits=[
+                Ulimit(name="nofile", soft=spec.open_files, hard=spec.open_files),
+                Ulimit(name="fsize", soft=spec.file_size_mb * MIB, hard=spec.file_size_mb * MIB),
+            ],
+            mounts=[Mount(target=RUN_DIR, source=str(spec.job_dir), type="bind", read_only=True)],
+            init=True,
+            ipc_mode="private",
+            log_config=LogConfig(type="none"),
+            runtime=spec.runtime,
+        )
+        container = self._api.create_container(
+            spec.image,
+            user=SANDBOX_USER,
+            working_dir="/tmp",
+            environment=dict(spec.env),
+            labels=dict(spec.labels),
+            host_config=host_config,
+            network_disabled=True,
+            stdin_open=False,
+            tty=False,
+        )
+        return str(container["Id"])
+
+    def _attach(self, container_id: str, sink: OutputSink) -> threading.Thread:
+        sock = self._api.attach_socket(container_id, params={"stdout": 1, "stderr": 1, "stream": 1})
+        for s in (sock, getattr(sock, "_sock", None)):  # the SDK's 60 s read timeout would end a quiet script's stream
+            if s is not None and hasattr(s, "settimeout"):
+                s.settimeout(None)
+
+        def read() -> None:
+            try:
+                for stream, chunk in frames_iter(sock, False):
+                    name = _STREAMS.get(stream)
+                    if name is not None and chunk:
+                        sink(name, chunk)  # type: ignore[arg-type]
+            except Exception:  # the stream ends with the container; anything else is worth a trace
+                log.debug("output stream of %s ended with an error", container_id[:12], exc_info=True)
+            finally:
+                with contextlib.suppress(Exception):
+                    sock.close()
+
+        return threading.Thread(target=read, name=f"ptc-output-{container_id[:12]}", daemon=True)
+
+    def _start_blocking(self, spec: SandboxSpec, sink: OutputSink) -> str:
+        container_id = self._create(spec)
+        try:
+            reader = self._attach(container_id, sink)
+            self._api.start(container_id)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._api.remove_container(container_id, force=True)
+            raise
+        reader.start()
+        self._readers[container_id] = reader
+        return container_id
+
+    async def start(self, spec: SandboxSpec, sink: OutputSink) -> SandboxHandle:
+        try:
+            container_id = await self._run(self._start_blocking, spec, sink)
+        except SandboxError:
+            if spec.labels:  # a create that failed late may still have left a container
+                with contextlib.suppress(SandboxError):
+                    await self.remove_labelled(spec.labels)
+            raise
+        return SandboxHandle(id=container_id, spec=spec)
+
+    def _wait_blocking(self, container_id: str) -> ExitStatus:
+        result = self._api.wait(container_id, timeout=None)
+        reader = self._readers.pop(container_id, None)
+        if reader is not None:
+            reader.join(OUTPUT_DRAIN_S)
+        state = self._api.inspect_container(container_id)["State"]
+        return ExitStatus(
+            exit_code=int(result.get("StatusCode", state.get("ExitCode", -1))), oom_killed=bool(state.get("OOMKilled"))
+        )
+
+    async def wait(self, handle: SandboxHandle) -> ExitStatus:
+        return await self._run(self._wait_blocking, handle.id)
+
+    def _kill_blocking(self, container_id: str) -> None:
+        try:
+            self._api.kill(container_id)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as exc:
+            if exc.status_code != 409:  # 409: not running any more
+                raise
+
+    async def kill(self, handle: SandboxHandle) -> None:
+        await self._run(self._kill_blocking, handle.id)
+
+    def _remove_blocking(self, container_id: str) -> None:
+        self._readers.pop(container_id, None)
+        try:
+            self._api.remove_container(container_id, force=True)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as exc:
+            if exc.status_code != 409:  # 409: removal already in progress
+                raise
+
+    async def remove(self, handle: SandboxHandle) -> None:
+        await self._run(self._remove_blocking, handle.id)
+
+    def _remove_labelled_blocking(self, labels: Mapping[str, str]) -> int:
+        filters = {"label": [f"{k}={v}" for k, v in labels.items()]}
+        containers = self._api.containers(all=True, quiet=True, filters=filters)
+        for container in containers:
+            self._remove_blocking(container["Id"])
+        return len(containers)
+
+    async def remove_labelled(self, labels: Mapping[str, str]) -> int:
+        return await self._run(self._remove_labelled_blocking, labels)
+
+    async def ready(self, image: str) -> tuple[bool, str]:
+        try:
+            await self._run(self._api.ping)
+        except SandboxError as exc:
+            return False, str(exc)
+        try:
+            await self._run(self._api.inspect_image, image)
+        except SandboxError:
+            return False, f"sandbox image {image!r} is not present (build it with sandbox_image/build.sh)"
+        return True, "ok"
+
+    async def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._client.close()

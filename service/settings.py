@@ -1,0 +1,75 @@
+"""Service configuration, read from ``PTC_*`` environment variables (pydantic-settings)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Every setting of the service; each field is the env var ``PTC_<NAME>``.
+
+    Defaults are the sandbox defaults of DESIGN.md ("Sandbox defaults"); a
+    request may lower a limit, or raise it up to the ``max_*`` ceiling.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="PTC_", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds to.")
+    port: int = Field(8080, description="Port the HTTP server listens on.")
+    instance_id: str = Field(
+        default_factory=socket.gethostname,
+        description="Name of this service instance; labels its containers so that a restart can sweep "
+        "what a crashed run left behind. Default: the host name.",
+    )
+    docker_host: str | None = Field(
+        None,
+        description="Docker engine URL (e.g. unix:///var/run/docker.sock); default: DOCKER_HOST or the local socket.",
+    )
+    sandbox_image: str = Field("ptc-sandbox-runtime:latest", description="Image every sandbox runs.")
+    runtime: str | None = Field(
+        None, description="OCI runtime for sandboxes (e.g. runsc for gVisor); default: the engine's."
+    )
+    work_dir: Path = Field(
+        Path("/var/lib/ptc-sandbox"),
+        description="Host directory for per-job folders (socket, stubs, script), bind-mounted into sandboxes. "
+        "Keep the path short: a unix socket path must fit in 107 bytes.",
+    )
+    max_concurrent_sandboxes: int = Field(0, description="Sandboxes running at once; 0 means 2 x CPU count.")
+
+    default_timeout_s: float = Field(300, gt=0, description="Wall-clock limit of a job when the request sets none (s).")
+    max_timeout_s: float = Field(3600, gt=0, description="Largest timeout_s a request may ask for (s).")
+    default_memory_mb: int = Field(256, ge=16, description="Memory of a sandbox (MiB); swap is not added.")
+    max_memory_mb: int = Field(4096, ge=16, description="Largest memory_mb a request may ask for (MiB).")
+    default_cpus: float = Field(1.0, gt=0, description="CPUs of a sandbox.")
+    max_cpus: float = Field(4.0, gt=0, description="Largest cpus a request may ask for.")
+    default_pids: int = Field(128, ge=8, description="Process/thread limit of a sandbox.")
+    max_pids: int = Field(1024, ge=8, description="Largest pids a request may ask for.")
+    default_output_bytes: int = Field(
+        64 * 1024, ge=1024, description="Inline cap per stream (bytes): head and tail kept."
+    )
+    max_output_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest output_bytes a request may ask for.")
+    default_tmp_mb: int = Field(64, ge=1, description="Size of the sandbox's tmpfs /tmp (MiB).")
+    max_tmp_mb: int = Field(1024, ge=1, description="Largest tmp_mb a request may ask for (MiB).")
+    file_size_mb: int = Field(64, ge=1, description="RLIMIT_FSIZE of sandbox processes (MiB).")
+    open_files: int = Field(1024, ge=16, description="RLIMIT_NOFILE of sandbox processes.")
+
+    max_tool_calls: int = Field(10_000, ge=1, description="Tool calls a job may make; later ones are refused.")
+    tool_timeout_s: float = Field(30.0, gt=0, description="Default time limit of one http tool call (s).")
+    max_tool_result_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="Largest tool result passed back to a script (bytes of JSON)."
+    )
+    max_request_line_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, description="Largest single stub request on the broker socket (bytes)."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+
+    def concurrency(self) -> int:
+        """Sandboxes allowed to run at once (``max_concurrent_sandboxes`` or 2 x CPUs)."""
+        import os
+
+        return self.max_concurrent_sandboxes or 2 * (os.cpu_count() or 1)

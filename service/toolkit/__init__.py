@@ -1,0 +1,1 @@
+"""Tools: manifest parsing, JSON Schema handling, stub generation and endpoint clients."""

@@ -1,0 +1,184 @@
+"""JSON Schema as tool manifests write it: BFCL's dialect mapped to JSON Schema, and Python types.
+
+BFCL (the Berkeley Function Calling Leaderboard, ``bfcl-eval`` data) writes
+``dict`` for ``object``, ``float`` for ``number``, ``tuple`` for ``array`` and
+``any`` for "no constraint", plus Java and JavaScript type names in its
+``simple_java``/``simple_javascript`` files (``String``, ``HashMap``,
+``ArrayList``, ``long``, ``double``, ``char``, ``Boolean``, ...); it marks
+optional parameters with ``"optional": true`` as well as by ``required``.
+``to_json_schema`` maps all of that to Draft 2020-12; a type it does not know
+becomes "any value" rather than an error, and an ``enum`` whose values
+contradict the declared type keeps the enum and drops the type.
+"""
+
+from __future__ import annotations
+
+import keyword
+import re
+from typing import Any
+
+JsonSchema = dict[str, Any]
+
+_TYPE_MAP: dict[str, str | None] = {
+    "object": "object",
+    "dict": "object",
+    "hashmap": "object",
+    "map": "object",
+    "array": "array",
+    "list": "array",
+    "tuple": "array",
+    "arraylist": "array",
+    "set": "array",
+    "string": "string",
+    "str": "string",
+    "char": "string",
+    "character": "string",
+    "integer": "integer",
+    "int": "integer",
+    "long": "integer",
+    "short": "integer",
+    "byte": "integer",
+    "number": "number",
+    "float": "number",
+    "double": "number",
+    "bigdecimal": "number",
+    "boolean": "boolean",
+    "bool": "boolean",
+    "null": "null",
+    "none": "null",
+    "any": None,
+    "object?": None,
+    "": None,
+}
+
+_PY_TYPE = {
+    "object": "dict[str, Any]",
+    "array": "list[Any]",
+    "string": "str",
+    "integer": "int",
+    "number": "float",
+    "boolean": "bool",
+    "null": "None",
+}
+
+_JSON_TYPE_CHECK: dict[str, Any] = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+}
+
+MAX_DEPTH = 8
+
+
+def json_type(name: Any) -> str | None:
+    """JSON Schema type for a manifest's type name (BFCL dialect included); None = any value."""
+    if not isinstance(name, str):
+        return None
+    return _TYPE_MAP.get(name.strip().lower())
+
+
+def _types_of(schema: JsonSchema) -> list[str]:
+    raw = schema.get("type")
+    names = raw if isinstance(raw, list) else [raw] if raw is not None else []
+    mapped = [json_type(n) for n in names]
+    if any(m is None for m in mapped):
+        return []
+    return list(dict.fromkeys(m for m in mapped if m is not None))
+
+
+def to_json_schema(schema: Any, depth: int = 0) -> JsonSchema:
+    """Map a manifest parameter schema (any dialect above) to Draft 2020-12 JSON Schema.
+
+    Args:
+        schema: the schema as the manifest gives it; a non-dict means "any value".
+        depth: recursion depth; below ``MAX_DEPTH`` levels the rest is "any value".
+
+    Returns:
+        A new schema; the input is not modified. Unknown keywords are kept.
+    """
+    if not isinstance(schema, dict) or depth > MAX_DEPTH:
+        return {}
+    out: JsonSchema = {
+        k: v for k, v in schema.items() if k not in ("type", "properties", "items", "required", "optional", "default")
+    }
+    if "default" in schema:
+        out["default"] = schema["default"]
+    types = _types_of(schema)
+    enum = schema.get("enum")
+    if isinstance(enum, list) and types:
+        if not all(any(_JSON_TYPE_CHECK[t](v) for t in types) for v in enum):
+            types = []
+    if types:
+        out["type"] = types[0] if len(types) == 1 else types
+    properties = schema.get("properties")
+    if isinstance(properties, dict):
+        out["properties"] = {str(k): to_json_schema(v, depth + 1) for k, v in properties.items()}
+        required = [r for r in schema.get("required") or [] if isinstance(r, str)]
+        optional = {k for k, v in properties.items() if isinstance(v, dict) and v.get("optional") in (True, "true")}
+        required = [r for r in dict.fromkeys(required) if r not in optional]
+        if required:
+            out["required"] = required
+    elif isinstance(schema.get("required"), list):
+        out["required"] = [r for r in schema["required"] if isinstance(r, str)]
+    items = schema.get("items")
+    if isinstance(items, dict):
+        out["items"] = to_json_schema(items, depth + 1)
+    elif isinstance(items, list):  # draft-4 tuple form
+        out["prefixItems"] = [to_json_schema(i, depth + 1) for i in items]
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(schema.get(key), list):
+            out[key] = [to_json_schema(s, depth + 1) for s in schema[key]]
+    return out
+
+
+def python_type(schema: JsonSchema, depth: int = 0) -> str:
+    """Python annotation text for a JSON Schema (``str``, ``list[int]``, ``Literal['a', 'b']``, ``X | None``).
+
+    Bounded: beyond ``MAX_DEPTH`` levels, or for shapes it does not render, ``Any``.
+    """
+    if depth > MAX_DEPTH:
+        return "Any"
+    enum = schema.get("enum")
+    if (
+        isinstance(enum, list)
+        and enum
+        and len(enum) <= 64
+        and all(isinstance(v, (str, int, bool)) or v is None for v in enum)
+    ):
+        literal = f"Literal[{', '.join(repr(v) for v in enum)}]"
+        return literal if len(literal) <= 2000 else "Any"
+    types = _types_of(schema)
+    if not types:
+        variants = schema.get("anyOf") or schema.get("oneOf")
+        if isinstance(variants, list) and variants:
+            rendered = list(dict.fromkeys(python_type(v, depth + 1) for v in variants if isinstance(v, dict)))
+            return "Any" if "Any" in rendered or not rendered else " | ".join(rendered)
+        return "Any"
+    parts = []
+    for t in types:
+        if t == "array" and isinstance(schema.get("items"), dict):
+            parts.append(f"list[{python_type(schema['items'], depth + 1)}]")
+        else:
+            parts.append(_PY_TYPE[t])
+    return " | ".join(dict.fromkeys(parts))
+
+
+def safe_identifier(name: str, taken: set[str]) -> str:
+    """A valid, unused Python identifier for ``name`` (``from`` -> ``from_``, ``Content-Type`` -> ``Content_Type``).
+
+    Rule (documented in README, "Stubs"): characters that cannot appear in an
+    identifier become ``_``; a leading digit gets a ``_`` prefix; a keyword, or
+    a name already in ``taken``, gets ``_`` appended until it is free. The
+    result is added to ``taken``.
+    """
+    ident = name if name.isascii() and name.isidentifier() else re.sub(r"\W", "_", name, flags=re.ASCII)
+    if not ident or ident[0].isdigit():
+        ident = "_" + ident
+    while keyword.iskeyword(ident) or ident in taken:
+        ident += "_"
+    taken.add(ident)
+    return ident
