@@ -147,9 +147,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         errors = [
             {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in exc.errors()
         ]
-        first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
-        field = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
-        return problem(422, "Invalid request", f"{field}: {first['msg']}", errors=errors)
+        first = errors[0] if errors else {"loc": [], "msg": "invalid request", "type": ""}
+        if first["type"] == "json_invalid":
+            position = first["loc"][-1] if first["loc"] else "?"
+            detail = f"body: not valid JSON (at character {position}): {first['msg']}"
+        else:
+            field = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
+            detail = f"{field}: {first['msg']}"
+        return problem(422, "Invalid request", detail, errors=errors)
 
     @app.exception_handler(ManifestError)
     async def bad_manifest(_: Request, exc: ManifestError) -> Response:

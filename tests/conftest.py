@@ -1,0 +1,149 @@
+"""Fixtures: a real ptc-sandbox service process on the real Docker engine, and a real HTTP tool server.
+
+Integration tests skip when no engine or sandbox image is present, except
+under ``CI=true``, where that is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import docker
+import httpx
+import pytest
+
+from tests.toolserver import ToolServer
+
+IMAGE = os.environ.get("PTC_SANDBOX_IMAGE", "ptc-sandbox-runtime:latest")
+LABEL_INSTANCE = "io.ptc-sandbox.instance"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _engine_problem() -> str | None:
+    try:
+        client = docker.from_env()
+        client.ping()
+        client.images.get(IMAGE)
+    except Exception as exc:
+        return f"no Docker engine with image {IMAGE}: {exc}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def engine() -> docker.DockerClient:
+    """The real engine; skips (fails under CI=true) without one."""
+    problem = _engine_problem()
+    if problem:
+        if os.environ.get("CI") == "true":
+            pytest.fail(problem)
+        pytest.skip(problem)
+    return docker.from_env()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Service:
+    """A running ``ptc-sandbox serve`` process."""
+
+    url: str
+    instance_id: str
+    work_dir: Path
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def client(self, timeout: float = 120.0) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_service(instance_id: str, work_dir: Path, **env: str) -> Service:
+    """Start the service as a subprocess and wait until ``/readyz`` answers 200."""
+    port = free_port()
+    log_path = work_dir.with_suffix(".log")
+    environ = {**os.environ, "PTC_PORT": str(port), "PTC_INSTANCE_ID": instance_id, "PTC_WORK_DIR": str(work_dir),
+               "PTC_SANDBOX_IMAGE": IMAGE, **env}
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen([sys.executable, "-m", "service", "serve"], cwd=ROOT, env=environ,
+                                   stdout=log_file, stderr=subprocess.STDOUT)
+    service = Service(f"http://127.0.0.1:{port}", instance_id, work_dir, process, log_path)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"service exited with {process.returncode}:\n{service.log()}")
+        try:
+            if httpx.get(f"{service.url}/readyz", timeout=2).status_code == 200:
+                return service
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    service.stop()
+    raise RuntimeError(f"service not ready in 30 s:\n{service.log()}")
+
+
+def labelled_containers(engine: docker.DockerClient, instance_id: str) -> list[Any]:
+    return list(engine.containers.list(all=True, filters={"label": f"{LABEL_INSTANCE}={instance_id}"}))
+
+
+@pytest.fixture(scope="session")
+def scratch() -> Iterator[Path]:
+    """A short temporary folder (unix socket paths must stay under 108 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="ptc", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def service(engine: docker.DockerClient, scratch: Path) -> Iterator[Service]:
+    """The shared service; at the end, no container it labelled may remain."""
+    svc = start_service(f"pytest-{secrets.token_hex(4)}", scratch / "svc")
+    yield svc
+    svc.stop()
+    left = labelled_containers(engine, svc.instance_id)
+    assert not left, f"containers left behind: {[c.name for c in left]}"
+
+
+@pytest.fixture(scope="session")
+def api(service: Service) -> Iterator[httpx.Client]:
+    with service.client() as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def tool_server() -> Iterator[ToolServer]:
+    server = ToolServer().start()
+    yield server
+    server.stop()
+
+
+def execute(api: httpx.Client, script: str, tools: list[dict[str, Any]] | None = None, **body: Any) -> dict[str, Any]:
+    """POST /execute and return the job view (asserts 200)."""
+    response = api.post("/execute", json={"script": script, "tools": tools or [], **body})
+    assert response.status_code == 200, response.text
+    view: dict[str, Any] = response.json()
+    return view

@@ -1,0 +1,95 @@
+"""A real HTTP tool server for the tests (stdlib ``http.server`` on 127.0.0.1, in a thread).
+
+Routes (POST, JSON object body = the tool's arguments):
+
+- ``/triangle_area``   ``{"base", "height"}`` -> ``0.5 * base * height``
+- ``/circumference``   ``{"radius"}`` -> ``2 * pi * radius``
+- ``/square_perimeter`` ``{"side"}`` -> ``4 * side``
+- ``/population``      ``{"country"}`` -> ``{"country", "population"}`` from ``POPULATIONS`` (404 if unknown)
+- ``/hang``            never answers within the test's tool timeout (sleeps ``HANG_S``)
+- ``/fail``            answers 500 with a text body
+- ``/not_json``        answers 200 with a body that is not JSON
+
+Every request is appended to ``requests`` as ``(path, args)``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+POPULATIONS = {
+    "China": 1_411_750_000,
+    "India": 1_428_627_663,
+    "United States": 339_996_563,
+    "Indonesia": 277_534_122,
+    "Pakistan": 240_485_658,
+    "Nigeria": 223_804_632,
+    "Brazil": 216_422_446,
+}
+HANG_S = 30.0
+
+
+class ToolServer:
+    """Start with ``start()``; ``url(route)`` gives the endpoint URL; ``stop()`` ends it."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, Any]] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("content-length") or 0)
+                args = json.loads(self.rfile.read(length) or b"null")
+                server.requests.append((self.path, args))
+                status, body = server.answer(self.path, args)
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+
+    def answer(self, path: str, args: Any) -> tuple[int, Any]:
+        if path == "/triangle_area":
+            return 200, 0.5 * args["base"] * args["height"]
+        if path == "/circumference":
+            return 200, 2 * math.pi * args["radius"]
+        if path == "/square_perimeter":
+            return 200, 4 * args["side"]
+        if path == "/population":
+            country = args["country"]
+            if country not in POPULATIONS:
+                return 404, {"error": f"unknown country {country}"}
+            return 200, {"country": country, "population": POPULATIONS[country]}
+        if path == "/hang":
+            time.sleep(HANG_S)
+            return 200, None
+        if path == "/fail":
+            return 500, b"internal failure in the tool"
+        if path == "/not_json":
+            return 200, b"<html>not json</html>"
+        return 404, {"error": "no such route"}
+
+    def url(self, route: str) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host!s}:{port}/{route}"
+
+    def start(self) -> ToolServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
