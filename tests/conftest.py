@@ -86,11 +86,18 @@ def start_service(instance_id: str, work_dir: Path, **env: str) -> Service:
     """Start the service as a subprocess and wait until ``/readyz`` answers 200."""
     port = free_port()
     log_path = work_dir.with_suffix(".log")
-    environ = {**os.environ, "PTC_PORT": str(port), "PTC_INSTANCE_ID": instance_id, "PTC_WORK_DIR": str(work_dir),
-               "PTC_SANDBOX_IMAGE": IMAGE, **env}
+    environ = {
+        **os.environ,
+        "PTC_PORT": str(port),
+        "PTC_INSTANCE_ID": instance_id,
+        "PTC_WORK_DIR": str(work_dir),
+        "PTC_SANDBOX_IMAGE": IMAGE,
+        **env,
+    }
     with open(log_path, "ab") as log_file:
-        process = subprocess.Popen([sys.executable, "-m", "service", "serve"], cwd=ROOT, env=environ,
-                                   stdout=log_file, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "service", "serve"], cwd=ROOT, env=environ, stdout=log_file, stderr=subprocess.STDOUT
+        )
     service = Service(f"http://127.0.0.1:{port}", instance_id, work_dir, process, log_path)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -11,7 +11,9 @@ from tests.conftest import execute
 from tests.toolserver import POPULATIONS, ToolServer
 
 
-def http_tool(server: ToolServer, name: str, route: str, properties: dict[str, Any], description: str) -> dict[str, Any]:
+def http_tool(
+    server: ToolServer, name: str, route: str, properties: dict[str, Any], description: str
+) -> dict[str, Any]:
     return {
         "name": name,
         "description": description,
@@ -90,8 +92,13 @@ def test_fan_out_populations(api: httpx.Client, tool_server: ToolServer) -> None
 
 
 def test_hundred_concurrent_calls_all_recorded(api: httpx.Client) -> None:
-    tools = [{"name": "ping", "parameters": {"type": "object", "properties": {"i": {"type": "integer"}}},
-              "endpoint": {"kind": "echo"}}]
+    tools = [
+        {
+            "name": "ping",
+            "parameters": {"type": "object", "properties": {"i": {"type": "integer"}}},
+            "endpoint": {"kind": "echo"},
+        }
+    ]
     script = (
         "import asyncio, threading, tools\n"
         "async def main():\n"
@@ -111,13 +118,21 @@ def test_hundred_concurrent_calls_all_recorded(api: httpx.Client) -> None:
 
 
 def test_dotted_names_and_unsafe_parameter_names(api: httpx.Client) -> None:
-    tools = [{
-        "name": "mail.send",
-        "parameters": {"type": "object", "required": ["from", "Content-Type"],
-                       "properties": {"from": {"type": "string"}, "Content-Type": {"type": "string"},
-                                      "cc": {"type": "string", "default": "nobody"}}},
-        "endpoint": {"kind": "echo"},
-    }]
+    tools = [
+        {
+            "name": "mail.send",
+            "parameters": {
+                "type": "object",
+                "required": ["from", "Content-Type"],
+                "properties": {
+                    "from": {"type": "string"},
+                    "Content-Type": {"type": "string"},
+                    "cc": {"type": "string", "default": "nobody"},
+                },
+            },
+            "endpoint": {"kind": "echo"},
+        }
+    ]
     script = (
         "import asyncio, tools\n"
         "tools.mail.send(from_='a@x', Content_Type='text/plain')\n"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from ptc_runtime.client import ToolError, client
 
@@ -36,7 +36,7 @@ def _script_line(tb: Any, filename: str) -> Optional[int]:
     return line
 
 
-def main(argv: list) -> int:
+def main(argv: List[str]) -> int:
     path = argv[1] if len(argv) > 1 else os.path.join(RUN_DIR, "script.py")
     sys.path.insert(0, os.path.dirname(path) or RUN_DIR)
     sys.argv = [path]

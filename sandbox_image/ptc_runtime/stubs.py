@@ -21,14 +21,24 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from ptc_runtime.client import ToolError, client
 
-__all__ = ["Namespace", "ToolError", "Toolbox"]
+__all__ = ["CallableNamespace", "Namespace", "ToolError", "Toolbox"]
 
 
 class Namespace:
-    """A plain attribute container: ``tools.aio`` and its dotted sub-namespaces."""
+    """An attribute container: ``tools.aio`` and its dotted sub-namespaces.
+
+    A namespace that is also a tool (``auth`` beside ``auth.login``) holds that
+    tool's stub as ``__call__`` in its instance dict, and calling it calls that.
+    """
 
     def __init__(self, path: str) -> None:
         self.__path = path
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        own = vars(self).get("__call__")
+        if own is None:
+            raise TypeError(f"tools namespace {self.__path or 'aio'!r} is not a tool")
+        return own(*args, **kwargs)
 
     def __repr__(self) -> str:
         names = sorted(k for k in vars(self) if not k.startswith("_"))
@@ -94,8 +104,17 @@ class AsyncStub(_Stub):
         return await client().arequest({"tool": binder.tool, "args": binder.bind(args, kwargs)})
 
 
+class CallableNamespace(type):
+    """Metaclass of a generated namespace class that is also a tool: calling the class calls its ``__call__`` stub."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        return cls.__dict__["__call__"](*args, **kwargs)
+
+
 class Toolbox:
     """Registry behind one generated ``tools`` package."""
+
+    CallableNamespace = CallableNamespace
 
     def __init__(self) -> None:
         self.aio = Namespace("")

@@ -56,7 +56,7 @@ class SandboxSpec:
 
 @dataclass(frozen=True)
 class ExitStatus:
-    """How a sandbox's main process ended: ``exit_code`` (128+N for signal N) and whether the kernel OOM-killed in it."""
+    """How a sandbox's main process ended: ``exit_code`` (128+N for signal N) and whether it was OOM-killed."""
 
     exit_code: int
     oom_killed: bool

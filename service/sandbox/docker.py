@@ -105,7 +105,7 @@ class DockerBackend(SandboxBackend):
 
         def read() -> None:
             try:
-                for stream, chunk in frames_iter(sock, False):
+                for stream, chunk in frames_iter(sock, False):  # type: ignore[no-untyped-call]
                     name = _STREAMS.get(stream)
                     if name is not None and chunk:
                         sink(name, chunk)  # type: ignore[arg-type]

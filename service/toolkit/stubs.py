@@ -12,8 +12,11 @@ sends the call to the broker. Names (README, "Stubs"):
   keyword, gets a safe spelling (``schema.safe_identifier``: ``from`` ->
   ``from_``, ``Content-Type`` -> ``Content_Type``); the decorator carries the
   parameter mapping so calls are recorded with the original names;
-- a tool whose Python name is taken (by ``aio``, ``ToolError``, the typing
-  names, or a namespace of the same name) gets ``_`` appended.
+- a tool whose name is also a namespace (``auth`` beside ``auth.login``) is
+  the namespace's ``__call__``: ``tools.auth(...)`` and ``tools.auth.login(...)``
+  both work;
+- a tool whose Python name is taken (by ``aio``, ``ToolError`` or the typing
+  names) gets ``_`` appended.
 
 Nothing from the manifest is executed: every string is written as a Python
 literal (``repr``) or inside an escaped docstring.
@@ -57,6 +60,7 @@ __all__ = ["aio", "ToolError"{exports}]
 @dataclass
 class _Node:
     tools: list[tuple[str, ToolSpec]] = field(default_factory=list)
+    own: ToolSpec | None = None  # the tool named like this namespace, rendered as its __call__
     children: dict[str, _Node] = field(default_factory=dict)
     child_names: dict[str, str] = field(default_factory=dict)  # original segment -> python name
 
@@ -148,12 +152,29 @@ def _build_tree(tools: Iterable[ToolSpec]) -> _Node:
                 node.children[segment] = _Node()
             node = node.children[segment]
         node.tools.append((leaf, spec))
+    _merge_namesakes(root)
     return root
 
 
+def _merge_namesakes(node: _Node) -> None:
+    """Move each tool that shares its name with a sibling namespace into that namespace (as ``own``)."""
+    kept = []
+    for leaf, spec in node.tools:
+        child = node.children.get(leaf)
+        if child is not None and child.own is None:
+            child.own = spec
+        else:
+            kept.append((leaf, spec))
+    node.tools = kept
+    for child in node.children.values():
+        _merge_namesakes(child)
+
+
 def _render(node: _Node, indent: str, exports: list[str] | None) -> list[str]:
-    taken: set[str] = set(RESERVED)
+    taken: set[str] = set(RESERVED) | {"__call__"}
     blocks: list[str] = []
+    if node.own is not None:
+        blocks.append(_function_source("__call__", node.own, indent))
     for segment in node.children:  # namespaces claim their names first
         node.child_names[segment] = safe_identifier(segment, taken)
     for leaf, spec in node.tools:
@@ -165,9 +186,12 @@ def _render(node: _Node, indent: str, exports: list[str] | None) -> list[str]:
         py_name = node.child_names[segment]
         inner = indent + INDENT
         body = _render(child, inner, None)
-        blocks.append(
-            f"{indent}class {py_name}:\n{inner}{_doc_literal(f'Tools named {segment}.*', inner)}\n\n" + "\n".join(body)
-        )
+        if child.own is None:
+            header, doc = f"class {py_name}:", f"Tools named {segment}.*"
+        else:
+            header = f"class {py_name}(metaclass=_ptc_toolbox.CallableNamespace):"
+            doc = f"Tools named {segment}.*; calling the namespace calls the tool {child.own.name!r}."
+        blocks.append(f"{indent}{header}\n{inner}{_doc_literal(doc, inner)}\n\n" + "\n".join(body))
         if exports is not None:
             exports.append(py_name)
     return blocks

@@ -1,0 +1,113 @@
+"""Manifest parsing, BFCL's schema dialect, and argument validation messages that name the parameter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from service.errors import ManifestError
+from service.toolkit.manifest import parse_manifest, parse_tool
+from service.toolkit.schema import to_json_schema
+
+ECHO = {"kind": "echo"}
+
+
+def test_bfcl_dialect_maps_to_json_schema() -> None:
+    schema = to_json_schema(
+        {
+            "type": "dict",
+            "properties": {
+                "x": {"type": "float"},
+                "pair": {"type": "tuple", "items": {"type": "integer"}},
+                "anything": {"type": "any"},
+                "name": {"type": "String"},
+                "opts": {"type": "HashMap", "optional": True},
+                "flag": {"type": "boolean", "enum": ["true", "false"]},
+            },
+            "required": ["x", "opts"],
+        }
+    )
+    props = schema["properties"]
+    assert schema["type"] == "object"
+    assert props["x"] == {"type": "number"}
+    assert props["pair"] == {"type": "array", "items": {"type": "integer"}}
+    assert props["anything"] == {}
+    assert props["name"] == {"type": "string"}
+    assert "type" not in props["flag"] and props["flag"]["enum"] == ["true", "false"]
+    assert schema["required"] == ["x"]  # "optional": true wins
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}},
+        {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}},
+        {"name": "f", "input_schema": {"type": "object", "properties": {}}},
+        {"name": "f", "inputSchema": {"type": "object", "properties": {}}},
+    ],
+)
+def test_openai_anthropic_and_mcp_shapes_are_accepted(entry: dict[str, Any]) -> None:
+    assert parse_tool({**entry, "endpoint": ECHO}, ("tools", 0)).name == "f"
+
+
+def tool() -> Any:
+    return parse_tool(
+        {
+            "name": "area",
+            "parameters": {
+                "type": "dict",
+                "properties": {
+                    "base": {"type": "integer"},
+                    "size": {"type": "dict", "properties": {"w": {"type": "float"}}, "required": ["w"]},
+                },
+                "required": ["base"],
+            },
+            "endpoint": ECHO,
+        },
+        ("tools", 0),
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({}, "missing required argument 'base'"),
+        ({"base": "3"}, "argument 'base': '3' is not of type 'integer'"),
+        ({"base": 3, "size": {"w": "x"}}, "argument 'size.w': 'x' is not of type 'number'"),
+        ({"base": 3, "size": {}}, "argument 'size': 'w' is a required property"),
+        ({"base": 3, "bse": 1}, "unexpected argument 'bse' (did you mean 'base'?)"),
+        ([1], "arguments must be a JSON object, got list"),
+    ],
+)
+def test_validation_names_the_parameter(args: Any, message: str) -> None:
+    problem = tool().check_arguments(args)
+    assert problem is not None and message in problem, problem
+
+
+def test_valid_arguments_pass() -> None:
+    assert tool().check_arguments({"base": 3, "size": {"w": 2}}) is None
+
+
+@pytest.mark.parametrize(
+    ("entry", "loc"),
+    [
+        ({"name": "", "endpoint": ECHO}, ("tools", 0, "name")),
+        ({"name": "f"}, ("tools", 0, "endpoint")),
+        ({"name": "f", "endpoint": {"kind": "http", "url": "file:///etc/passwd"}}, ("tools", 0, "endpoint", "url")),
+        (
+            {"name": "f", "endpoint": ECHO, "parameters": {"type": "object", "properties": {"a": {"minimum": "x"}}}},
+            ("tools", 0, "parameters"),
+        ),
+        ("not an object", ("tools", 0)),
+    ],
+)
+def test_bad_entries_raise_with_their_location(entry: Any, loc: tuple[Any, ...]) -> None:
+    with pytest.raises(ManifestError) as info:
+        parse_manifest([entry])
+    assert info.value.loc == loc
+
+
+def test_duplicate_names_are_refused() -> None:
+    with pytest.raises(ManifestError, match="duplicate"):
+        parse_manifest([{"name": "f", "endpoint": ECHO}, {"name": "f", "endpoint": ECHO}])
