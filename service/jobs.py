@@ -108,9 +108,9 @@ class Job:
         out, err = self.stdout.render(), self.stderr.render()
         duration = queue = None
         if self.started_at is not None:
-            queue = (self.started_at - self.created_at).total_seconds() * 1000
+            queue = round((self.started_at - self.created_at).total_seconds() * 1000, 3)
             if self.ended_at is not None:
-                duration = (self.ended_at - self.started_at).total_seconds() * 1000
+                duration = round((self.ended_at - self.started_at).total_seconds() * 1000, 3)
         return JobView.model_validate(
             {
                 "job_id": self.id,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 from typing import Literal
@@ -70,6 +71,17 @@ class Settings(BaseSettings):
 
     def concurrency(self) -> int:
         """Sandboxes allowed to run at once (``max_concurrent_sandboxes`` or 2 x CPUs)."""
-        import os
 
         return self.max_concurrent_sandboxes or 2 * (os.cpu_count() or 1)
+
+
+def settings_table() -> str:
+    """The README's settings table (Markdown), rendered from the fields above so the two cannot drift."""
+    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    for name, info in Settings.model_fields.items():
+        if info.default_factory is not None:
+            default = "(computed)"
+        else:
+            default = "—" if info.default is None else f"`{info.default}`"
+        rows.append(f"| `PTC_{name.upper()}` | {default} | {info.description} |")
+    return "\n".join(rows)

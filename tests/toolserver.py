@@ -37,7 +37,7 @@ HANG_S = 30.0
 class ToolServer:
     """Start with ``start()``; ``url(route)`` gives the endpoint URL; ``stop()`` ends it."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.requests: list[tuple[str, Any]] = []
         server = self
 
@@ -57,7 +57,7 @@ class ToolServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
 
@@ -93,3 +93,22 @@ class ToolServer:
     def stop(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
+
+
+def main() -> None:
+    """``python -m tests.toolserver [--port N]``: serve the demo tools until interrupted (README example)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Demo HTTP tool server for ptc-sandbox (127.0.0.1 only).")
+    parser.add_argument("--port", type=int, default=8765)
+    port = parser.parse_args().port
+    server = ToolServer(port)
+    print(f"demo tools on http://127.0.0.1:{port}/{{triangle_area,circumference,square_perimeter,population}}")
+    try:
+        server._httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
