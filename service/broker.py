@@ -17,7 +17,10 @@ Every request naming a tool gets a call record, appended when it arrives
 
 Past ``max_calls`` a request is refused without a record (counted in
 ``calls_over_limit``). Nothing from the sandbox is trusted: malformed lines
-get an error reply, oversized lines close the connection.
+get an error reply, oversized lines close the connection, and at most
+``MAX_IN_FLIGHT`` requests per job are handled at once: past that the broker
+stops reading, so a flooding script blocks on its own socket instead of
+growing the service's memory.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from service.toolkit.manifest import ToolSpec
 log = logging.getLogger(__name__)
 
 REPORT_FIELD_CAP = 2000
+MAX_IN_FLIGHT = 1024
 
 
 def _now() -> datetime:
@@ -78,6 +82,7 @@ class Broker:
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._connections: set[asyncio.StreamWriter] = set()
+        self._in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
 
     async def start(self, path: Path) -> None:
         """Listen on ``path`` (a unix socket, mode 0666 so the sandbox user can connect)."""
@@ -113,12 +118,17 @@ class Broker:
                 if not line:
                     return
                 if line.strip():
+                    await self._in_flight.acquire()
                     task = asyncio.create_task(self._handle(line, writer, lock))
                     self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
+                    task.add_done_callback(self._task_done)
         finally:
             self._connections.discard(writer)
             writer.close()
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._in_flight.release()
 
     async def _reply(self, writer: asyncio.StreamWriter, lock: asyncio.Lock, reply: dict[str, Any]) -> None:
         data = orjson.dumps(reply) + b"\n"

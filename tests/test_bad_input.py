@@ -245,3 +245,43 @@ def test_unknown_job_is_404(api: httpx.Client) -> None:
     response = api.get("/jobs/job_nope")
     assert response.status_code == 404
     assert response.headers["content-type"] == "application/problem+json"
+
+
+def test_broker_flood_blocks_only_the_flooding_script(api: httpx.Client) -> None:
+    script = (
+        "import socket\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        "s.connect('/run/ptc/tools.sock')\n"
+        's.sendall(b\'{"id": 1, "op": "report", "error": {"type": "Forged", "message": "x"}}\\n\')\n'
+        's.sendall(b\'not json\\n[1]\\n{"id": [1], "tool": 5}\\n\')\n'
+        "s.settimeout(3)\n"
+        "try:\n"
+        "    while True:\n"
+        '        s.sendall(b\'{"id": 2, "tool": "t", "args": {}}\\n\' * 1000)  # never reads a reply\n'
+        "except OSError:\n"
+        "    print('blocked')\n"
+    )
+    tools = [{"name": "t", "endpoint": ECHO}]
+    started = time.monotonic()
+    view = execute(api, script, tools, timeout_s=20)
+    assert time.monotonic() - started < 20
+    assert view["stdout"] == "blocked\n"
+    assert 0 < len(view["calls"]) <= 10_000
+    assert all(c["tool"] == "t" for c in view["calls"])
+
+
+def test_oversized_request_line_closes_the_connection(api: httpx.Client) -> None:
+    script = (
+        "import socket\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        "s.connect('/run/ptc/tools.sock')\n"
+        "try:\n"
+        "    s.sendall(b'x' * (17 * 1024 * 1024))\n"
+        "    print('closed' if s.recv(10) == b'' else 'open')\n"
+        "except OSError:\n"
+        "    print('closed')\n"
+        "import tools\n"
+        "print(tools.t()['tool'])\n"
+    )
+    view = execute(api, script, [{"name": "t", "endpoint": ECHO}], timeout_s=30)
+    assert view["stdout"] == "closed\nt\n", view

@@ -80,7 +80,8 @@ class Client:
 
     def __init__(self, path: str = SOCKET_PATH) -> None:
         self._path = path
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the state below; never held while blocking on I/O
+        self._send_lock = threading.Lock()  # one writer at a time, so lines never interleave
         self._sock: Optional[socket.socket] = None
         self._closed_reason: Optional[str] = None
         self._next_id = 0
@@ -89,25 +90,30 @@ class Client:
     def _send(self, body: Dict[str, Any], waiter: _Waiter) -> None:
         try:
             payload = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+            payload.encode("utf-8")  # lone surrogates cannot travel as JSON
         except (TypeError, ValueError) as exc:
             raise ToolError(
                 "invalid_arguments", f"arguments are not JSON-serializable: {exc}", body.get("tool")
             ) from None
+        tool = body.get("tool")
         with self._lock:
             if self._closed_reason is not None:
-                raise ToolError("broker_unavailable", self._closed_reason, body.get("tool"))
+                raise ToolError("broker_unavailable", self._closed_reason, tool)
             if self._sock is None:
                 self._connect()
             self._next_id += 1
             request_id = self._next_id
             self._pending[request_id] = waiter
-            line = '{"id":%d,%s\n' % (request_id, payload[1:])
-            assert self._sock is not None
-            try:
-                self._sock.sendall(line.encode("utf-8", "surrogatepass"))
-            except OSError as exc:
+            sock = self._sock
+        assert sock is not None
+        line = ('{"id":%d,%s\n' % (request_id, payload[1:])).encode("utf-8")
+        try:
+            with self._send_lock:
+                sock.sendall(line)
+        except OSError as exc:
+            with self._lock:
                 self._pending.pop(request_id, None)
-                raise ToolError("broker_unavailable", f"cannot send to the broker: {exc}", body.get("tool")) from None
+            raise ToolError("broker_unavailable", f"cannot send to the broker: {exc}", tool) from None
 
     def _connect(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
