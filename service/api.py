@@ -113,10 +113,15 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         return manager
 
     @app.post("/execute", response_model=JobView, responses={422: {}, 503: {}})
-    async def execute(body: ExecuteRequest, request: Request) -> JobView:
-        """Run ``body.script`` in a new sandbox; answers with the job view when the job has ended."""
+    async def execute(body: ExecuteRequest, request: Request) -> JobView | Response:
+        """Run ``body.script`` in a new sandbox; answers with the job view when the job has ended.
+
+        A job that could not start because the engine is unreachable answers 503 (with its ``job_id``).
+        """
         job = jobs_of(request).submit(body)
         await job.done.wait()
+        if job.error is not None and job.error.get("type") == "engine_unavailable":
+            return problem(503, "Container engine unavailable", str(job.error["message"]), job_id=job.id)
         return job.view()
 
     @app.get("/jobs/{job_id}", response_model=JobView, responses={404: {}})

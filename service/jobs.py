@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from service.broker import Broker
-from service.errors import JobNotFound, RequestLimitError, SandboxError
+from service.errors import EngineUnavailable, JobNotFound, RequestLimitError, SandboxError
 from service.output import CappedStream
 from service.sandbox.base import ExitStatus, SandboxBackend, SandboxHandle, SandboxSpec, Stream
 from service.schemas import ExecuteRequest, JobView
@@ -158,7 +158,11 @@ class JobManager:
 
     async def start(self) -> None:
         """Sweep what a previous run of this instance left: its containers and job folders."""
-        removed = await self._backend.remove_labelled(self._instance_labels)
+        try:
+            removed = await self._backend.remove_labelled(self._instance_labels)
+        except SandboxError as exc:
+            log.warning("could not sweep sandboxes of instance %s: %s", self._settings.instance_id, exc)
+            removed = 0
         if removed:
             log.warning(
                 "removed %d sandbox(es) left behind by an earlier run of instance %s",
@@ -259,7 +263,8 @@ class JobManager:
         except SandboxError as exc:
             log.error("job %s: sandbox failure: %s", job.id, exc)
             job.status = "failed"
-            job.error = {"type": "sandbox_error", "message": str(exc)}
+            kind = "engine_unavailable" if isinstance(exc, EngineUnavailable) else "sandbox_error"
+            job.error = {"type": kind, "message": str(exc)}
         except Exception:
             log.exception("job %s: unexpected failure", job.id)
             job.status = "failed"

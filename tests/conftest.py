@@ -82,8 +82,8 @@ class Service:
         return self.log_path.read_text(errors="replace")
 
 
-def start_service(instance_id: str, work_dir: Path, **env: str) -> Service:
-    """Start the service as a subprocess and wait until ``/readyz`` answers 200."""
+def start_service(instance_id: str, work_dir: Path, probe: str = "/readyz", **env: str) -> Service:
+    """Start the service as a subprocess and wait until ``probe`` answers 200."""
     port = free_port()
     log_path = work_dir.with_suffix(".log")
     environ = {
@@ -104,7 +104,7 @@ def start_service(instance_id: str, work_dir: Path, **env: str) -> Service:
         if process.poll() is not None:
             raise RuntimeError(f"service exited with {process.returncode}:\n{service.log()}")
         try:
-            if httpx.get(f"{service.url}/readyz", timeout=2).status_code == 200:
+            if httpx.get(f"{service.url}{probe}", timeout=2).status_code == 200:
                 return service
         except httpx.HTTPError:
             pass

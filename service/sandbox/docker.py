@@ -32,6 +32,7 @@ MIB = 1024 * 1024
 SANDBOX_USER = "10001:10001"
 OUTPUT_DRAIN_S = 5.0
 _STREAMS = {1: "stdout", 2: "stderr"}
+FALLBACK_API_VERSION = "1.41"  # Docker 20.10's API; every later engine still serves it
 
 
 class DockerBackend(SandboxBackend):
@@ -44,15 +45,21 @@ class DockerBackend(SandboxBackend):
 
     def __init__(self, base_url: str | None = None, max_workers: int = 16) -> None:
         try:
-            if base_url:
-                self._client = docker.DockerClient(base_url=base_url, max_pool_size=max_workers)
-            else:
-                self._client = docker.from_env(max_pool_size=max_workers)
+            self._client = self._connect(base_url, max_workers, None)
         except docker.errors.DockerException as exc:
-            raise EngineUnavailable(f"cannot connect to the Docker engine: {exc}") from exc
+            # The engine is down now; serve anyway (readyz says why) and talk to it when it is back.
+            log.warning("Docker engine not reachable at start (%s); will retry on each request", exc)
+            self._client = self._connect(base_url, max_workers, FALLBACK_API_VERSION)
         self._api = self._client.api
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ptc-docker")
         self._readers: dict[str, threading.Thread] = {}
+
+    @staticmethod
+    def _connect(base_url: str | None, max_workers: int, version: str | None) -> docker.DockerClient:
+        """A client for ``base_url``, or as ``DOCKER_HOST``/``DOCKER_TLS_VERIFY``/``DOCKER_CERT_PATH`` say."""
+        if base_url:
+            return docker.DockerClient(base_url=base_url, version=version, max_pool_size=max_workers)
+        return docker.from_env(version=version, max_pool_size=max_workers)
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -153,27 +160,23 @@ class DockerBackend(SandboxBackend):
     async def wait(self, handle: SandboxHandle) -> ExitStatus:
         return await self._run(self._wait_blocking, handle.id)
 
-    def _kill_blocking(self, container_id: str) -> None:
+    @staticmethod
+    def _unless_gone(action: Callable[[str], object], container_id: str) -> None:
+        """Run ``action(container_id)``; a container that is gone (404) or already ending (409) is not an error."""
         try:
-            self._api.kill(container_id)
+            action(container_id)
         except docker.errors.NotFound:
             pass
         except docker.errors.APIError as exc:
-            if exc.status_code != 409:  # 409: not running any more
+            if exc.status_code != 409:  # 409: not running any more, or removal already in progress
                 raise
 
     async def kill(self, handle: SandboxHandle) -> None:
-        await self._run(self._kill_blocking, handle.id)
+        await self._run(self._unless_gone, self._api.kill, handle.id)
 
     def _remove_blocking(self, container_id: str) -> None:
         self._readers.pop(container_id, None)
-        try:
-            self._api.remove_container(container_id, force=True)
-        except docker.errors.NotFound:
-            pass
-        except docker.errors.APIError as exc:
-            if exc.status_code != 409:  # 409: removal already in progress
-                raise
+        self._unless_gone(lambda cid: self._api.remove_container(cid, force=True), container_id)
 
     async def remove(self, handle: SandboxHandle) -> None:
         await self._run(self._remove_blocking, handle.id)
