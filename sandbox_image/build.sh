@@ -51,6 +51,9 @@ case "$base_mode" in
 esac
 
 echo "build.sh: building $tag from $base" >&2
-DOCKER_BUILDKIT=0 docker build --quiet --network none --build-arg "BASE_IMAGE=$base" -t "$tag" "$here" >/dev/null
+# The legacy builder needs no buildx plugin; its deprecation banner is shown only if the build fails.
+if ! out=$(DOCKER_BUILDKIT=0 docker build --quiet --network none --build-arg "BASE_IMAGE=$base" -t "$tag" "$here" 2>&1); then
+  echo "$out" >&2; exit 1
+fi
 docker run --rm --network none --entrypoint python3 "$tag" -c 'import ptc_runtime.stubs' 
 echo "$tag"
