@@ -2,24 +2,37 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from datetime import UTC, datetime
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+import orjson
+from fastapi import FastAPI, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import __version__
-from service.errors import EngineUnavailable, JobNotFound, ManifestError, RequestLimitError, SandboxError
-from service.jobs import JobManager
-from service.sandbox.base import SandboxBackend
-from service.schemas import ExecuteRequest, JobView
+from service.errors import (
+    EngineUnavailable,
+    JobNotFound,
+    ManifestError,
+    QueueFull,
+    RequestLimitError,
+    SandboxError,
+)
+from service.jobs import JobManager, view_bytes
+from service.sandbox.base import SandboxBackend, Stream
+from service.schemas import ExecuteRequest, JobList, JobStatus, JobView
 from service.settings import Settings
+from service.store import InvalidCursor, JobQuery, SQLiteJobStore
 from service.toolkit.endpoints import EndpointClients
 
 log = logging.getLogger(__name__)
@@ -91,17 +104,24 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
 
             backend = DockerBackend(settings.docker_host, max_workers=4 * settings.concurrency() + 8)
         endpoints = EndpointClients(settings.tool_timeout_s, settings.max_tool_result_bytes)
-        jobs = JobManager(settings, backend, endpoints)
+        store = SQLiteJobStore(settings.job_store_path())
+        await store.open()
+        jobs = JobManager(settings, backend, endpoints, store)
         await jobs.start()
         app.state.jobs, app.state.backend = jobs, backend
         log.info(
-            "ptc-sandbox %s ready: instance %s, image %s", __version__, settings.instance_id, settings.sandbox_image
+            "ptc-sandbox %s ready: instance %s, image %s, store %s",
+            __version__,
+            settings.instance_id,
+            settings.sandbox_image,
+            settings.job_store_path(),
         )
         try:
             yield
         finally:
             await jobs.close()
             await endpoints.aclose()
+            await store.close()
             await backend.close()
 
     app = FastAPI(title="ptc-sandbox", version=__version__, lifespan=lifespan)
@@ -112,22 +132,103 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         manager: JobManager = request.app.state.jobs
         return manager
 
-    @app.post("/execute", response_model=JobView, responses={422: {}, 503: {}})
-    async def execute(body: ExecuteRequest, request: Request) -> JobView | Response:
-        """Run ``body.script`` in a new sandbox; answers with the job view when the job has ended.
+    def json_view(view: dict[str, Any], status_code: int = 200) -> Response:
+        return Response(view_bytes(view), status_code=status_code, media_type="application/json")
 
-        A job that could not start because the engine is unreachable answers 503 (with its ``job_id``).
+    @app.post("/execute", response_model=JobView, responses={202: {"model": JobView}, 422: {}, 429: {}, 503: {}})
+    async def execute(body: ExecuteRequest, request: Request) -> Response:
+        """Run ``body.script`` in a new sandbox.
+
+        Answers 200 with the final view if the job ends within ``wait_s``, else 202
+        with the view so far (the job runs on until it ends or hits ``timeout_s``).
+        A job that could not start because the engine is unreachable answers 503.
         """
-        job = jobs_of(request).submit(body)
-        await job.done.wait()
-        if job.error is not None and job.error.get("type") == "engine_unavailable":
-            return problem(503, "Container engine unavailable", str(job.error["message"]), job_id=job.id)
-        return job.view()
+        manager = jobs_of(request)
+        job = manager.submit(body)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(job.done.wait(), job.limits.wait_s)
+        if not job.done.is_set():
+            return json_view(job.view_dict(), 202)
+        view = await manager.view(job.id)
+        if view["error"] is not None and view["error"].get("type") == "engine_unavailable":
+            return problem(503, "Container engine unavailable", str(view["error"]["message"]), job_id=job.id)
+        return json_view(view)
+
+    @app.get("/jobs", response_model=JobList, responses={422: {}})
+    async def list_jobs(
+        request: Request,
+        status: Annotated[list[JobStatus] | None, Query(description="Keep only these statuses.")] = None,
+        created_after: Annotated[datetime | None, Query(description="ISO 8601; exclusive.")] = None,
+        created_before: Annotated[datetime | None, Query(description="ISO 8601; exclusive.")] = None,
+        cursor: Annotated[str | None, Query(description="next_cursor of the previous page.")] = None,
+        limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    ) -> JobList:
+        """Jobs, newest first, a page at a time."""
+        query = JobQuery(
+            statuses=tuple(status or ()),
+            created_after=_utc(created_after),
+            created_before=_utc(created_before),
+            cursor=cursor,
+            limit=limit,
+        )
+        try:
+            jobs, next_cursor = await jobs_of(request).page(query)
+        except InvalidCursor as exc:
+            raise RequestLimitError(str(exc), ("query", "cursor")) from exc
+        return JobList(jobs=jobs, next_cursor=next_cursor)
 
     @app.get("/jobs/{job_id}", response_model=JobView, responses={404: {}})
-    async def get_job(job_id: str, request: Request) -> JobView:
-        """The job's current view."""
-        return jobs_of(request).get(job_id).view()
+    async def get_job(
+        job_id: str,
+        request: Request,
+        stdout_offset: Annotated[int | None, Query(ge=0, description="Return stdout from this byte offset.")] = None,
+        stderr_offset: Annotated[int | None, Query(ge=0, description="Return stderr from this byte offset.")] = None,
+    ) -> Response:
+        """The job's view: live while it runs, final after."""
+        manager = jobs_of(request)
+        if stdout_offset is None and stderr_offset is None and manager.live(job_id) is None:
+            return Response(await manager.stored_view(job_id), media_type="application/json")
+        return json_view(await manager.view(job_id, {"stdout": stdout_offset, "stderr": stderr_offset}))
+
+    @app.get("/jobs/{job_id}/output/{stream}", responses={404: {}})
+    async def get_output(
+        job_id: str,
+        stream: Stream,
+        request: Request,
+        offset: Annotated[int, Query(ge=0)] = 0,
+        length: Annotated[int, Query(ge=1, le=16 * 1024 * 1024)] = 1024 * 1024,
+    ) -> Response:
+        """Raw retained bytes of ``stdout`` or ``stderr`` from ``offset`` (``application/octet-stream``)."""
+        data = await jobs_of(request).read_output(job_id, stream, offset, length)
+        return Response(data, media_type="application/octet-stream", headers={"X-Offset": str(offset)})
+
+    @app.post("/jobs/{job_id}/wait", response_model=JobView, responses={404: {}})
+    async def wait_job(
+        job_id: str,
+        request: Request,
+        timeout_s: Annotated[float, Query(ge=0, le=settings.max_wait_s)] = settings.default_wait_s,
+    ) -> Response:
+        """Block until the job ends or ``timeout_s`` passes; answers the view then."""
+        return json_view(await jobs_of(request).wait(job_id, timeout_s))
+
+    @app.post("/jobs/{job_id}/stop", response_model=JobView, responses={404: {}})
+    async def stop_job(job_id: str, request: Request) -> Response:
+        """End the job: SIGTERM to the script's processes, SIGKILL after the grace. Idempotent."""
+        return json_view(await jobs_of(request).stop(job_id))
+
+    @app.get("/jobs/{job_id}/events", responses={404: {}})
+    async def job_events(job_id: str, request: Request) -> EventSourceResponse:
+        """Server-Sent Events: ``status``, ``stdout``/``stderr``, ``call`` and a final ``end``."""
+        manager = jobs_of(request)
+        if manager.live(job_id) is None:
+            await manager.stored_view(job_id)  # 404 before the stream starts
+
+        async def stream() -> AsyncIterator[dict[str, str]]:
+            async for event, data in manager.events(job_id):
+                payload = view_bytes(data) if event == "end" else orjson.dumps(data, default=str)
+                yield {"event": event, "data": payload.decode()}
+
+        return EventSourceResponse(stream(), ping=15)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -143,6 +244,13 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         return JSONResponse({"status": "ready", "image": settings.sandbox_image})
 
     return app
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    """A query datetime in UTC (naive ones are taken as UTC)."""
+    if value is None:
+        return None
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -179,6 +287,12 @@ def _install_error_handlers(app: FastAPI) -> None:
             str(exc),
             errors=[{"loc": list(exc.loc), "msg": str(exc), "type": "limit"}],
         )
+
+    @app.exception_handler(QueueFull)
+    async def queue_full(_: Request, exc: QueueFull) -> Response:
+        response = problem(429, "Too many jobs", str(exc))
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+        return response
 
     @app.exception_handler(JobNotFound)
     async def not_found(_: Request, exc: JobNotFound) -> Response:

@@ -9,7 +9,7 @@ exists: ``{"id": n, "op": "report", "error": {...}}``, by which the runtime
 describes the script's uncaught exception; it is kept as the job's ``error``.
 
 Every request naming a tool gets a call record, appended when it arrives
-(``seq`` in arrival order) and completed when it ends:
+(``seq`` in arrival order, status ``pending``) and completed when it ends:
 
 - ``rejected``: unknown tool, or arguments that fail the tool's schema;
 - ``ok`` / ``error`` / ``timeout``: the endpoint's outcome;
@@ -178,7 +178,7 @@ class Broker:
             "call_id": "call_" + secrets.token_hex(8),
             "tool": tool_name,
             "args": args,
-            "status": "rejected",
+            "status": "pending",
             "started_at": _now(),
             "duration_ms": None,
         }

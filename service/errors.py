@@ -6,6 +6,7 @@
     ├── ManifestError        a tool manifest entry is unusable          -> 422
     ├── RequestLimitError    a request asks past a server maximum       -> 422
     ├── JobNotFound          no job with that id                         -> 404
+    ├── QueueFull            all sandbox slots busy and the queue full   -> 429
     └── SandboxError         the engine failed us (not the script)      -> 503
         └── EngineUnavailable  the engine cannot be reached             -> 503
 """
@@ -47,3 +48,11 @@ class SandboxError(PtcError):
 
 class EngineUnavailable(SandboxError):
     """The container engine cannot be reached."""
+
+
+class QueueFull(PtcError):
+    """Every sandbox slot is busy and the queue is full; retry after ``retry_after_s`` seconds."""
+
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__(f"the job queue is full; retry after {retry_after_s} s")
+        self.retry_after_s = retry_after_s

@@ -1,10 +1,23 @@
 """Jobs: one script run, from request to terminal status (DESIGN.md, "Data flow of one execution").
 
-``JobManager.submit`` checks a request, prepares the job's folder (script,
-generated ``tools`` package, broker socket) and runs the job as a task: wait
-for a sandbox slot, start the sandbox, enforce the wall-clock limit, then
-remove the sandbox and the folder whatever happened. Jobs live in memory in
-this version; the view of an ended job does not change.
+Lifecycle::
+
+    queued --(sandbox slot)--> running --> succeeded | failed | timed_out | oom_killed
+       \\                          \\--(stop)--> stopped
+        \\--(stop)--> stopped
+    (any state not ended when the service stops or dies) --> lost
+
+``JobManager.submit`` checks a request, admits it (at most ``concurrency``
+running plus ``max_queue`` queued, else ``QueueFull``) and runs it as a task:
+wait for a sandbox slot, start the sandbox with the job's folder (script,
+generated ``tools`` package, broker socket), enforce ``timeout_s`` and stop
+requests, then remove the sandbox and the folder whatever happened.
+
+Every status change is saved to the job store; the final view is saved
+before anyone is told the job ended, so an ended job survives any crash of
+the service. While a job runs it is served from memory; once saved as
+ended, from the store. Output bytes are kept on disk under
+``work_dir/output/<job_id>/`` (see ``output.OutputLog``) for offset reads.
 """
 
 from __future__ import annotations
@@ -16,17 +29,23 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import httpx
+import orjson
+
+from service import callbacks
 from service.broker import Broker
-from service.errors import EngineUnavailable, JobNotFound, RequestLimitError, SandboxError
-from service.output import CappedStream
+from service.errors import EngineUnavailable, JobNotFound, QueueFull, RequestLimitError, SandboxError
+from service.output import OutputLog, decode_slice, read_range
 from service.sandbox.base import ExitStatus, SandboxBackend, SandboxHandle, SandboxSpec, Stream
-from service.schemas import ExecuteRequest, JobView
+from service.schemas import TERMINAL_STATUSES, ExecuteRequest, JobSummary, JobView
 from service.settings import Settings
+from service.store import JobQuery, JobStore, StoredJob
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.manifest import ToolSpec, parse_manifest
 from service.toolkit.stubs import generate_stub_module
@@ -37,6 +56,8 @@ LABEL_INSTANCE = "io.ptc-sandbox.instance"
 LABEL_JOB = "io.ptc-sandbox.job"
 LABEL_MANAGED = "io.ptc-sandbox.managed"
 KILL_WAIT_S = 30.0
+STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
+SLICE_BYTES_MAX = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -44,6 +65,7 @@ class ResolvedLimits:
     """A request's limits after defaults and server maxima were applied."""
 
     timeout_s: float
+    wait_s: float
     memory_mb: int
     cpus: float
     pids: int
@@ -66,6 +88,7 @@ def resolve_limits(request: ExecuteRequest, settings: Settings) -> ResolvedLimit
 
     return ResolvedLimits(
         timeout_s=pick(request.timeout_s, settings.default_timeout_s, settings.max_timeout_s, ("timeout_s",)),
+        wait_s=pick(request.wait_s, settings.default_wait_s, settings.max_wait_s, ("wait_s",)),
         memory_mb=pick(limits.memory_mb, settings.default_memory_mb, settings.max_memory_mb, ("limits", "memory_mb")),
         cpus=pick(limits.cpus, settings.default_cpus, settings.max_cpus, ("limits", "cpus")),
         pids=pick(limits.pids, settings.default_pids, settings.max_pids, ("limits", "pids")),
@@ -80,15 +103,24 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+def _ms(start: datetime | None, end: datetime | None) -> float | None:
+    if start is None or end is None:
+        return None
+    return round((end - start).total_seconds() * 1000, 3)
+
+
 @dataclass
 class Job:
-    """One execution and everything the view shows of it."""
+    """One execution while the service holds it in memory (from submission until saved as ended)."""
 
     id: str
     limits: ResolvedLimits
     metadata: dict[str, Any]
-    stdout: CappedStream
-    stderr: CappedStream
+    callback_url: str | None
+    output_dir: Path
+    stdout: OutputLog
+    stderr: OutputLog
+    loop: asyncio.AbstractEventLoop
     status: str = "queued"
     exit_code: int | None = None
     error: dict[str, Any] | None = None
@@ -98,66 +130,91 @@ class Job:
     started_at: datetime | None = None
     ended_at: datetime | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def sink(self, stream: Stream, data: bytes) -> None:
-        """OutputSink for this job's sandbox."""
+        """OutputSink for this job's sandbox (called on the backend's reader thread)."""
         (self.stdout if stream == "stdout" else self.stderr).write(data)
+        self.loop.call_soon_threadsafe(self.notify)
 
-    def view(self) -> JobView:
-        """The job as the API shows it now."""
-        out, err = self.stdout.render(), self.stderr.render()
-        duration = queue = None
-        if self.started_at is not None:
-            queue = round((self.started_at - self.created_at).total_seconds() * 1000, 3)
-            if self.ended_at is not None:
-                duration = round((self.ended_at - self.started_at).total_seconds() * 1000, 3)
-        return JobView.model_validate(
-            {
-                "job_id": self.id,
-                "status": self.status,
-                "exit_code": self.exit_code,
-                "stdout": out.text,
-                "stderr": err.text,
-                "stdout_truncated": out.truncated,
-                "stderr_truncated": err.truncated,
-                "stdout_bytes": out.total_bytes,
-                "stderr_bytes": err.total_bytes,
-                "stdout_invalid_utf8": out.invalid_utf8,
-                "stderr_invalid_utf8": err.invalid_utf8,
-                "calls": self.calls,
-                "calls_over_limit": self.calls_over_limit,
-                "error": self.error,
-                "metadata": self.metadata,
-                "created_at": self.created_at,
-                "started_at": self.started_at,
-                "ended_at": self.ended_at,
-                "duration_ms": duration,
-                "queue_ms": queue,
-            }
-        )
+    def notify(self) -> None:
+        """Wake whoever follows the job (events stream): something changed. Event-loop thread only."""
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def changed(self) -> asyncio.Event:
+        """An event set at the next change after this call."""
+        return self._changed
+
+    def view_dict(self) -> dict[str, Any]:
+        """The job view as a plain dict (inline output, records so far)."""
+        out, err = self.stdout.inline.render(), self.stderr.inline.render()
+        started = self.started_at
+        return {
+            "job_id": self.id,
+            "status": self.status,
+            "exit_code": self.exit_code,
+            "stdout": out.text,
+            "stderr": err.text,
+            "stdout_truncated": out.truncated,
+            "stderr_truncated": err.truncated,
+            "stdout_bytes": out.total_bytes,
+            "stderr_bytes": err.total_bytes,
+            "stdout_invalid_utf8": out.invalid_utf8,
+            "stderr_invalid_utf8": err.invalid_utf8,
+            "calls": self.calls,
+            "calls_over_limit": self.calls_over_limit,
+            "error": self.error,
+            "metadata": self.metadata,
+            "created_at": self.created_at,
+            "started_at": started,
+            "ended_at": self.ended_at,
+            "duration_ms": _ms(started, self.ended_at),
+            "queue_ms": _ms(self.created_at, started or (None if self.ended_at else _now())),
+            "stdout_next_offset": out.total_bytes,
+            "stderr_next_offset": err.total_bytes,
+            "stdout_retained_bytes": self.stdout.retained_bytes,
+            "stderr_retained_bytes": self.stderr.retained_bytes,
+            "callback": {"url": self.callback_url, "state": "pending", "attempts": []} if self.callback_url else None,
+        }
+
+
+def view_bytes(view: dict[str, Any]) -> bytes:
+    """The view as JSON bytes, validated against ``JobView`` (the stored and served form)."""
+    return JobView.model_validate(view).model_dump_json().encode()
 
 
 class JobManager:
-    """Runs jobs in sandboxes, at most ``settings.concurrency()`` at once.
+    """Runs jobs in sandboxes, at most ``settings.concurrency()`` at once, and keeps them in the store.
 
     Args:
         settings: service settings.
         backend: the sandbox backend.
         endpoints: shared endpoint clients used by every job's broker.
+        store: the job store (opened and closed by the caller).
     """
 
-    def __init__(self, settings: Settings, backend: SandboxBackend, endpoints: EndpointClients) -> None:
+    def __init__(
+        self, settings: Settings, backend: SandboxBackend, endpoints: EndpointClients, store: JobStore
+    ) -> None:
         self._settings = settings
         self._backend = backend
         self._endpoints = endpoints
+        self._store = store
         self._slots = asyncio.Semaphore(settings.concurrency())
-        self._jobs: dict[str, Job] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._live: dict[str, Job] = {}
+        self._admitted = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._jobs_dir = settings.work_dir / "jobs"
+        self._output_dir = settings.work_dir / "output"
         self._instance_labels = {LABEL_MANAGED: "1", LABEL_INSTANCE: settings.instance_id}
+        self._http = httpx.AsyncClient(follow_redirects=False)
+
+    # -- start-up, shutdown, retention ---------------------------------------------------------
 
     async def start(self) -> None:
-        """Sweep what a previous run of this instance left: its containers and job folders."""
+        """Reconcile what a previous run of this instance left: sandboxes, job folders, unfinished jobs."""
         try:
             removed = await self._backend.remove_labelled(self._instance_labels)
         except SandboxError as exc:
@@ -171,44 +228,98 @@ class JobManager:
             )
         if self._jobs_dir.exists():
             shutil.rmtree(self._jobs_dir, ignore_errors=True)
-        self._jobs_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self._settings.work_dir, 0o755)
-        os.chmod(self._jobs_dir, 0o755)
+        for folder in (self._jobs_dir, self._output_dir):
+            folder.mkdir(parents=True, exist_ok=True)
+        for folder in (self._settings.work_dir, self._jobs_dir):
+            os.chmod(folder, 0o755)
+        os.chmod(self._output_dir, 0o700)
+        for stored in await self._store.unfinished(self._settings.instance_id):
+            view = orjson.loads(stored.view)
+            ended = _now()
+            view.update(
+                status="lost",
+                ended_at=ended,
+                error={
+                    "type": "service_restarted",
+                    "message": "the service stopped while the job was "
+                    f"{stored.status}; its sandbox was removed when it started again",
+                },
+                duration_ms=_ms(datetime.fromisoformat(view["started_at"]) if view.get("started_at") else None, ended),
+            )
+            await self._store.put(
+                StoredJob(stored.job_id, "lost", stored.instance_id, stored.created_at, ended, view_bytes(view))
+            )
+            log.warning("job %s was %s when the service last stopped: marked lost", stored.job_id, stored.status)
+        self._spawn(self._purge_loop(), "retention purge")
 
     async def close(self) -> None:
-        """Stop every job still running (each cleans up its sandbox) and wait for them."""
+        """Stop every job still running (each removes its sandbox and is saved as lost) and background work."""
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._http.aclose()
 
-    def get(self, job_id: str) -> Job:
-        """The job with this id; raises JobNotFound."""
-        try:
-            return self._jobs[job_id]
-        except KeyError:
-            raise JobNotFound(job_id) from None
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _purge_loop(self) -> None:
+        while True:
+            try:
+                await self.purge_expired()
+            except Exception:
+                log.exception("purging expired jobs failed")
+            await asyncio.sleep(self._settings.purge_interval_s)
+
+    async def purge_expired(self) -> int:
+        """Delete ended jobs older than the retention, with their output files; returns how many."""
+        cutoff = _now() - timedelta(seconds=self._settings.job_retention_s)
+        ids = await self._store.purge(cutoff)
+        for job_id in ids:
+            await asyncio.to_thread(shutil.rmtree, self._output_dir / job_id, True)
+        if ids:
+            log.info("purged %d job(s) ended before %s", len(ids), cutoff.isoformat())
+        return len(ids)
+
+    # -- submission and the run ----------------------------------------------------------------
 
     def submit(self, request: ExecuteRequest) -> Job:
-        """Check ``request`` and start its job.
+        """Check and admit ``request``, and start its job.
 
         Raises:
             ManifestError: a tool entry is unusable (names the entry and field).
             RequestLimitError: a limit exceeds its server maximum.
+            QueueFull: ``concurrency`` jobs run and ``max_queue`` wait already.
         """
         tools = parse_manifest(request.tools, ("body", "tools"))
         limits = resolve_limits(request, self._settings)
+        if request.callback_url and self._settings.callback_secret is None:
+            raise RequestLimitError(
+                "callback_url needs the server setting PTC_CALLBACK_SECRET (callbacks are always signed)",
+                ("body", "callback_url"),
+            )
+        if self._admitted >= self._settings.concurrency() + self._settings.max_queue:
+            raise QueueFull(self._settings.retry_after_s)
+        job_id = "job_" + secrets.token_hex(12)
+        output_dir = self._output_dir / job_id
+        output_dir.mkdir(mode=0o700)
+        retain, inline = self._settings.output_retention_bytes, limits.output_bytes
         job = Job(
-            id="job_" + secrets.token_hex(12),
+            id=job_id,
             limits=limits,
             metadata=request.metadata,
-            stdout=CappedStream(limits.output_bytes),
-            stderr=CappedStream(limits.output_bytes),
+            callback_url=request.callback_url,
+            output_dir=output_dir,
+            stdout=OutputLog(output_dir / "stdout", inline, retain),
+            stderr=OutputLog(output_dir / "stderr", inline, retain),
+            loop=asyncio.get_running_loop(),
         )
-        self._jobs[job.id] = job
-        task = asyncio.create_task(self._run(job, request, tools), name=f"job {job.id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._live[job.id] = job
+        self._admitted += 1
+        self._spawn(self._run(job, request, tools), f"job {job.id}")
         return job
 
     def _prepare_dir(self, job: Job, script: str, tools: dict[str, ToolSpec]) -> Path:
@@ -222,16 +333,62 @@ class JobManager:
             os.chmod(path, 0o644)
         return job_dir
 
+    async def _save(self, job: Job) -> None:
+        await self._store.put(
+            StoredJob(
+                job.id,
+                job.status,
+                self._settings.instance_id,
+                job.created_at,
+                job.ended_at,
+                view_bytes(job.view_dict()),
+            )
+        )
+
+    async def _set_status(self, job: Job, status: str) -> None:
+        job.status = status
+        job.notify()
+        await self._save(job)
+
+    async def _acquire_slot(self, job: Job) -> bool:
+        """Wait for a sandbox slot; False (and no slot held) if the job was stopped while queued."""
+        acquire = asyncio.ensure_future(self._slots.acquire())
+        stopped = asyncio.ensure_future(job.stop_requested.wait())
+        try:
+            await asyncio.wait({acquire, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not acquire.done():
+                acquire.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await acquire
+        got_slot = acquire.done() and not acquire.cancelled()
+        if got_slot and job.stop_requested.is_set():
+            self._slots.release()
+            return False
+        return got_slot
+
     async def _run(self, job: Job, request: ExecuteRequest, tools: dict[str, ToolSpec]) -> None:
         settings = self._settings
-        broker = Broker(tools, self._endpoints, settings.max_tool_calls, settings.max_request_line_bytes)
+        broker = Broker(
+            tools,
+            self._endpoints,
+            settings.max_tool_calls,
+            settings.max_request_line_bytes,
+            on_call_end=lambda _record: job.notify(),
+        )
         job.calls = broker.records
         handle: SandboxHandle | None = None
         job_dir: Path | None = None
         try:
+            await self._save(job)
             job_dir = await asyncio.to_thread(self._prepare_dir, job, request.script, tools)
             await broker.start(job_dir / "tools.sock")
-            async with self._slots:
+            if not await self._acquire_slot(job):
+                job.status = "stopped"
+                job.error = {"type": "stopped", "message": "stopped before it started"}
+                return
+            try:
                 spec = SandboxSpec(
                     image=settings.sandbox_image,
                     job_dir=job_dir,
@@ -245,17 +402,14 @@ class JobManager:
                     labels={**self._instance_labels, LABEL_JOB: job.id},
                     runtime=settings.runtime,
                 )
-                job.status, job.started_at = "running", _now()
+                job.started_at = _now()
+                await self._set_status(job, "running")
                 started = time.monotonic()
                 handle = await self._backend.start(spec, job.sink)
-                waiting = asyncio.ensure_future(self._backend.wait(handle))
-                remaining = job.limits.timeout_s - (time.monotonic() - started)
-                done, _ = await asyncio.wait({waiting}, timeout=max(remaining, 0))
-                timed_out = not done
-                if timed_out:
-                    await self._backend.kill(handle)
-                exit_status = await asyncio.wait_for(waiting, KILL_WAIT_S)
-                self._finish(job, exit_status, timed_out, broker)
+                exit_status, ended_by = await self._supervise(job, handle, started)
+                self._finish(job, exit_status, ended_by, broker)
+            finally:
+                self._slots.release()
         except asyncio.CancelledError:
             job.status = "lost"
             job.error = {"type": "service_stopped", "message": "the service stopped while the job ran"}
@@ -270,16 +424,43 @@ class JobManager:
             job.status = "failed"
             job.error = {"type": "internal_error", "message": "the service failed to run the job; see its log"}
         finally:
-            await self._cleanup(job, handle, broker, job_dir)
+            await asyncio.shield(self._cleanup(job, handle, broker, job_dir))
 
-    def _finish(self, job: Job, exit_status: ExitStatus, timed_out: bool, broker: Broker) -> None:
+    async def _supervise(self, job: Job, handle: SandboxHandle, started: float) -> tuple[ExitStatus, str | None]:
+        """Wait for the sandbox to exit, its time limit, or a stop request; returns (exit, what ended it)."""
+        waiting = asyncio.ensure_future(self._backend.wait(handle))
+        stop = asyncio.ensure_future(job.stop_requested.wait())
+        try:
+            remaining = max(job.limits.timeout_s - (time.monotonic() - started), 0)
+            done, _ = await asyncio.wait({waiting, stop}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            ended_by = None
+            if waiting not in done:
+                if stop in done:
+                    ended_by = "stopped"
+                    await self._backend.signal(handle, "SIGTERM")
+                    grace_done, _ = await asyncio.wait({waiting}, timeout=self._settings.stop_grace_s)
+                    if not grace_done:
+                        await self._backend.kill(handle)
+                else:
+                    ended_by = "timed_out"
+                    await self._backend.kill(handle)
+            return await asyncio.wait_for(waiting, KILL_WAIT_S), ended_by
+        finally:
+            stop.cancel()
+            if not waiting.done():
+                waiting.cancel()
+
+    def _finish(self, job: Job, exit_status: ExitStatus, ended_by: str | None, broker: Broker) -> None:
         job.exit_code = exit_status.exit_code
-        if timed_out:
+        if ended_by == "timed_out":
             job.status = "timed_out"
             job.error = {
                 "type": "timeout",
                 "message": f"the script ran past timeout_s={job.limits.timeout_s:g} and was killed",
             }
+        elif ended_by == "stopped":
+            job.status = "stopped"
+            job.error = {"type": "stopped", "message": "stopped on request"}
         elif exit_status.oom_killed:
             job.status = "oom_killed"
             job.error = {
@@ -292,17 +473,195 @@ class JobManager:
             job.error = broker.reported_error if exit_status.exit_code != 0 else None
 
     async def _cleanup(self, job: Job, handle: SandboxHandle | None, broker: Broker, job_dir: Path | None) -> None:
-        if handle is not None:
+        """Remove the sandbox and folder, save the final view, then tell waiters. Never raises."""
+        try:
+            if handle is not None:
+                try:
+                    await self._backend.remove(handle)
+                except Exception:
+                    log.exception("job %s: could not remove sandbox %s", job.id, handle.id[:12])
+            with contextlib.suppress(Exception):
+                await broker.close()
+            job.calls_over_limit = broker.calls_over_limit
+            for log_ in (job.stdout, job.stderr):
+                log_.close()
+            if job_dir is not None:
+                await asyncio.to_thread(shutil.rmtree, job_dir, True)
+            job.ended_at = _now()
+            if job.status not in TERMINAL_STATUSES:
+                job.status = "lost"
             try:
-                await asyncio.shield(self._backend.remove(handle))
+                await self._save(job)
             except Exception:
-                log.exception("job %s: could not remove sandbox %s", job.id, handle.id[:12])
-        with contextlib.suppress(Exception):
-            await broker.close()
-        job.calls_over_limit = broker.calls_over_limit
-        if job_dir is not None:
-            await asyncio.to_thread(shutil.rmtree, job_dir, True)
-        job.ended_at = _now()
-        if job.started_at is None:
-            job.started_at = job.ended_at
-        job.done.set()
+                log.exception("job %s: could not save its final view", job.id)
+        finally:
+            self._admitted -= 1
+            job.notify()
+            job.done.set()
+            self._live.pop(job.id, None)
+            if job.callback_url:
+                self._spawn(self._deliver_callback(job.id), f"callback {job.id}")
+
+    # -- callbacks -----------------------------------------------------------------------------
+
+    async def _deliver_callback(self, job_id: str) -> None:
+        stored = await self._store.get(job_id)
+        secret = self._settings.callback_secret
+        if stored is None or secret is None:
+            return
+        view = orjson.loads(stored.view)
+        callback = view["callback"]
+        body = stored.view
+        pending: list[asyncio.Task[None]] = []
+
+        def on_attempt(attempt: dict[str, Any]) -> None:
+            callback["attempts"].append(attempt)
+            pending.append(asyncio.ensure_future(self._put_view(stored, view)))
+
+        delivered = await callbacks.deliver(
+            self._http,
+            callback["url"],
+            body,
+            secret.get_secret_value().encode(),
+            max_attempts=self._settings.callback_max_attempts,
+            backoff_s=self._settings.callback_backoff_s,
+            timeout_s=self._settings.callback_timeout_s,
+            on_attempt=on_attempt,
+        )
+        callback["state"] = "delivered" if delivered else "failed"
+        await asyncio.gather(*pending, return_exceptions=True)
+        await self._put_view(stored, view)
+        if not delivered:
+            log.warning(
+                "job %s: callback to its callback_url failed after %d attempts", job_id, len(callback["attempts"])
+            )
+
+    async def _put_view(self, stored: StoredJob, view: dict[str, Any]) -> None:
+        await self._store.put(
+            StoredJob(
+                stored.job_id, stored.status, stored.instance_id, stored.created_at, stored.ended_at, view_bytes(view)
+            )
+        )
+
+    # -- reading, waiting, stopping ------------------------------------------------------------
+
+    def live(self, job_id: str) -> Job | None:
+        """The job if it has not been saved as ended yet."""
+        return self._live.get(job_id)
+
+    async def stored_view(self, job_id: str) -> bytes:
+        """The saved view (JSON bytes) of a job that is not live; raises JobNotFound."""
+        stored = await self._store.get(job_id)
+        if stored is None:
+            raise JobNotFound(job_id)
+        return stored.view
+
+    async def view(self, job_id: str, offsets: dict[Stream, int | None] | None = None) -> dict[str, Any]:
+        """The job's view; with ``offsets``, a stream's text holds its bytes from that offset.
+
+        Raises:
+            JobNotFound: no such job.
+        """
+        job = self._live.get(job_id)
+        view = job.view_dict() if job is not None else orjson.loads(await self.stored_view(job_id))
+        for stream in STREAMS:
+            offset = (offsets or {}).get(stream)
+            if offset is not None:
+                await self._slice(view, stream, offset)
+        return view
+
+    async def _slice(self, view: dict[str, Any], stream: Stream, offset: int) -> None:
+        """Put the stream's bytes from ``offset`` (up to the inline cap, at most 1 MiB) into ``view``."""
+        final = view["status"] in TERMINAL_STATUSES
+        inline_cap = max(len(view[stream].encode()), 64 * 1024)
+        length = min(SLICE_BYTES_MAX, inline_cap)
+        data = await asyncio.to_thread(read_range, self._output_dir / view["job_id"] / stream, offset, length)
+        text, consumed, invalid = decode_slice(data, final=final)
+        view[stream] = text
+        view[f"{stream}_offset"] = offset
+        view[f"{stream}_next_offset"] = offset + consumed
+        view[f"{stream}_invalid_utf8"] = invalid
+        view[f"{stream}_truncated"] = offset + consumed < view[f"{stream}_retained_bytes"]
+
+    async def read_output(self, job_id: str, stream: Stream, offset: int, length: int) -> bytes:
+        """Raw retained bytes of a stream; raises JobNotFound."""
+        if job_id not in self._live:
+            await self.stored_view(job_id)
+        return await asyncio.to_thread(read_range, self._output_dir / job_id / stream, offset, length)
+
+    async def wait(self, job_id: str, timeout_s: float) -> dict[str, Any]:
+        """Block until the job ends or ``timeout_s`` passes; returns its view then. Raises JobNotFound."""
+        job = self._live.get(job_id)
+        if job is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(job.done.wait(), timeout_s)
+        return await self.view(job_id)
+
+    async def stop(self, job_id: str) -> dict[str, Any]:
+        """Stop the job (SIGTERM to its processes, SIGKILL after the grace); returns its view.
+
+        Idempotent: on an ended job it only returns the final view. Raises JobNotFound.
+        """
+        job = self._live.get(job_id)
+        if job is not None:
+            job.stop_requested.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(job.done.wait(), self._settings.stop_grace_s + 1)
+        return await self.view(job_id)
+
+    async def page(self, query: JobQuery) -> tuple[list[JobSummary], str | None]:
+        """A page of jobs (newest first) and the next cursor; raises InvalidCursor."""
+        stored, cursor = await self._store.page(query)
+        summaries = []
+        for row in stored:
+            live = self._live.get(row.job_id)
+            view = live.view_dict() if live is not None else orjson.loads(row.view)
+            summaries.append(JobSummary.model_validate({**view, "calls": len(view["calls"])}))
+        return summaries, cursor
+
+    async def count(self) -> int:
+        """Jobs in the store."""
+        return await self._store.count()
+
+    async def events(self, job_id: str) -> AsyncIterator[tuple[str, Any]]:
+        """Follow a job: yields ``(event, data)`` pairs, in order, until the job has ended.
+
+        Events: ``status`` ``{"status"}`` on each change; ``stdout``/``stderr``
+        ``{"offset", "text"}`` for each new piece of output (retained bytes);
+        ``call`` with each call record once it has its outcome; finally ``end``
+        with the final view. A follower that joins late first gets everything
+        so far. Raises JobNotFound.
+        """
+        job = self._live.get(job_id)
+        if job is None:
+            await self.stored_view(job_id)
+        offsets = {"stdout": 0, "stderr": 0}
+        sent_calls: set[int] = set()
+        last_status = None
+        while True:
+            changed = job.changed() if job is not None else None
+            view = job.view_dict() if job is not None else await self.view(job_id)
+            if view["status"] != last_status:
+                last_status = view["status"]
+                yield "status", {"status": last_status}
+            for record in view["calls"]:
+                if record["status"] != "pending" and record["seq"] not in sent_calls:
+                    sent_calls.add(record["seq"])
+                    yield "call", record
+            ended = view["status"] in TERMINAL_STATUSES and (job is None or job.done.is_set())
+            for stream in STREAMS:
+                while offsets[stream] < view[f"{stream}_retained_bytes"]:
+                    data = await self.read_output(job_id, stream, offsets[stream], 64 * 1024)
+                    text, consumed, _ = decode_slice(data, final=ended)
+                    if not consumed:
+                        break
+                    yield stream, {"offset": offsets[stream], "text": text}
+                    offsets[stream] += consumed
+            if ended:
+                yield "end", (view if job is None else await self.view(job_id))
+                return
+            assert changed is not None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), 15)
+            if job is not None and job.done.is_set() and job_id not in self._live:
+                job = None  # saved as ended: read the final view from the store

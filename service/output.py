@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 ELISION_MARK = "\n[... {n} bytes elided by ptc-sandbox ...]\n"
 
@@ -106,3 +107,60 @@ def _continuation_prefix(data: bytes) -> int:
     while n < min(3, len(data)) and data[n] & 0xC0 == 0x80:
         n += 1
     return n
+
+
+class OutputLog:
+    """One stream of a job: the inline ``CappedStream`` plus the retained bytes on disk.
+
+    The first ``retain_bytes`` bytes go to ``path`` (unbuffered, so readers see
+    them at once); later bytes are counted but not kept. Written by one thread
+    (the sandbox's output reader), read by any.
+
+    Args:
+        path: the file of retained bytes (created empty).
+        inline_bytes: cap of the inline view (head and tail).
+        retain_bytes: how many bytes to keep on disk.
+    """
+
+    def __init__(self, path: Path, inline_bytes: int, retain_bytes: int) -> None:
+        self.path = path
+        self.inline = CappedStream(inline_bytes)
+        self._retain = retain_bytes
+        self.retained_bytes = 0
+        self._file = open(path, "wb", buffering=0)
+
+    def write(self, data: bytes) -> None:
+        """Append one chunk."""
+        self.inline.write(data)
+        room = self._retain - self.retained_bytes
+        if room > 0 and not self._file.closed:
+            kept = data[:room]
+            self._file.write(kept)
+            self.retained_bytes += len(kept)
+
+    def close(self) -> None:
+        """No more writes."""
+        self._file.close()
+
+
+def read_range(path: Path, offset: int, length: int) -> bytes:
+    """Up to ``length`` retained bytes of a stream from byte ``offset`` (b"" past the end or without a file)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+    except FileNotFoundError:
+        return b""
+
+
+def decode_slice(data: bytes, final: bool) -> tuple[str, int, bool]:
+    """Decode a slice of a stream read from some offset.
+
+    Returns:
+        (text, consumed, invalid_utf8): ``consumed`` excludes a multi-byte
+        character cut short at the end, so the next read starts with it,
+        unless ``final`` (nothing more will come), when it is decoded as U+FFFD.
+    """
+    cut = 0 if final else _incomplete_suffix(data)
+    text, invalid = _decode(data[: len(data) - cut])
+    return text, len(data) - cut, invalid

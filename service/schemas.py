@@ -15,7 +15,7 @@ _RESERVED_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PTC_")
 
 JobStatus = Literal["queued", "running", "waiting", "succeeded", "failed", "timed_out", "stopped", "oom_killed", "lost"]
 TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "timed_out", "stopped", "oom_killed", "lost"})
-CallStatus = Literal["ok", "error", "rejected", "timeout"]
+CallStatus = Literal["pending", "ok", "error", "rejected", "timeout"]
 
 
 class Limits(BaseModel):
@@ -40,6 +40,14 @@ class ExecuteRequest(BaseModel):
         default_factory=list, max_length=MAX_TOOLS, description="Tool manifest: one entry per tool."
     )
     timeout_s: float | None = Field(None, gt=0, description="Wall-clock limit in seconds (default: server setting).")
+    wait_s: float | None = Field(
+        None,
+        ge=0,
+        description="How long to wait for the end before answering 202 with the job so far (s); 0 = at once.",
+    )
+    callback_url: str | None = Field(
+        None, max_length=2048, description="Where to POST the final job view, signed (see README, Callbacks)."
+    )
     limits: Limits = Field(default_factory=Limits)
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for the script.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Opaque; returned in the job view.")
@@ -50,6 +58,13 @@ class ExecuteRequest(BaseModel):
         if "\x00" in script:
             raise ValueError("script contains a NUL character")
         return script
+
+    @field_validator("callback_url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        if url is not None and not url.lower().startswith(("http://", "https://")):
+            raise ValueError("callback_url must be an absolute http(s) URL")
+        return url
 
     @field_validator("env")
     @classmethod
@@ -78,7 +93,7 @@ class CallRecord(BaseModel):
     call_id: str
     tool: str = Field(description="The tool's original name.")
     args: Any = Field(description="The arguments as sent, with original parameter names.")
-    status: CallStatus
+    status: CallStatus = Field(description="pending while the tool has not answered.")
     result: Any = None
     error: ToolCallError | None = None
     started_at: datetime
@@ -93,6 +108,23 @@ class JobError(BaseModel):
     line: int | None = None
     column: int | None = None
     text: str | None = Field(None, description="The offending source line (SyntaxError).")
+
+
+class CallbackAttempt(BaseModel):
+    """One delivery attempt of the completion callback."""
+
+    at: datetime
+    status_code: int | None = Field(description="The receiver's HTTP status; None when no answer came.")
+    error: str | None = Field(description="Why the attempt failed; None when it succeeded (2xx).")
+    duration_ms: float
+
+
+class CallbackState(BaseModel):
+    """Delivery of the job's completion callback."""
+
+    url: str
+    state: Literal["pending", "delivered", "failed"]
+    attempts: list[CallbackAttempt]
 
 
 class JobView(BaseModel):
@@ -117,4 +149,35 @@ class JobView(BaseModel):
     started_at: datetime | None
     ended_at: datetime | None
     duration_ms: float | None = Field(description="Milliseconds from sandbox start to end.")
-    queue_ms: float | None = Field(description="Milliseconds spent waiting for a sandbox slot.")
+    queue_ms: float | None = Field(description="Milliseconds spent waiting for a sandbox slot (so far, while queued).")
+    stdout_offset: int | None = Field(
+        None, description="Set when the view was asked from a byte offset: stdout then holds the bytes from there."
+    )
+    stderr_offset: int | None = None
+    stdout_next_offset: int = Field(0, description="Byte offset to ask from next to get only newer output.")
+    stderr_next_offset: int = 0
+    stdout_retained_bytes: int = Field(0, description="Bytes of stdout kept on disk (readable by offset).")
+    stderr_retained_bytes: int = 0
+    callback: CallbackState | None = None
+
+
+class JobSummary(BaseModel):
+    """A job in a listing (no output, no calls)."""
+
+    job_id: str
+    status: JobStatus
+    exit_code: int | None
+    error: JobError | None
+    metadata: dict[str, Any]
+    created_at: datetime
+    started_at: datetime | None
+    ended_at: datetime | None
+    duration_ms: float | None
+    calls: int = Field(description="Number of call records.")
+
+
+class JobList(BaseModel):
+    """A page of ``GET /jobs``, newest first."""
+
+    jobs: list[JobSummary]
+    next_cursor: str | None = Field(description="Pass as cursor for the next page; None on the last page.")

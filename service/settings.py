@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -68,6 +68,36 @@ class Settings(BaseSettings):
         16 * 1024 * 1024, ge=1024, description="Largest single stub request on the broker socket (bytes)."
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+
+    store_path: Path | None = Field(None, description="SQLite job store file; default: jobs.sqlite3 in the work dir.")
+    output_retention_bytes: int = Field(
+        16 * 1024 * 1024, ge=0, description="Bytes of each stream kept on disk per job, readable by offset (bytes)."
+    )
+    job_retention_s: float = Field(
+        24 * 3600, gt=0, description="How long ended jobs (view, output, calls) are kept before they are purged (s)."
+    )
+    purge_interval_s: float = Field(300, gt=0, description="How often expired jobs are purged (s).")
+    default_wait_s: float = Field(
+        30, ge=0, description="How long POST /execute waits for the end when wait_s is not given (s)."
+    )
+    max_wait_s: float = Field(300, ge=0, description="Largest wait_s, and largest timeout_s of /jobs/{id}/wait (s).")
+    max_queue: int = Field(
+        100, ge=0, description="Jobs that may wait for a sandbox slot; past that /execute answers 429."
+    )
+    retry_after_s: int = Field(2, ge=1, description="Retry-After of a 429 (s).")
+    stop_grace_s: float = Field(2.0, ge=0, description="Time between SIGTERM and SIGKILL when a job is stopped (s).")
+    callback_secret: SecretStr | None = Field(
+        None, description="HMAC-SHA256 key that signs completion callbacks; callback_url is refused without it."
+    )
+    callback_max_attempts: int = Field(5, ge=1, description="Deliveries tried per completion callback.")
+    callback_backoff_s: float = Field(
+        0.5, gt=0, description="First retry delay of a callback; doubles per attempt, at most 60 s (s)."
+    )
+    callback_timeout_s: float = Field(10, gt=0, description="Time limit of one callback delivery (s).")
+
+    def job_store_path(self) -> Path:
+        """Where the SQLite store lives (``store_path`` or ``work_dir/jobs.sqlite3``)."""
+        return self.store_path or self.work_dir / "jobs.sqlite3"
 
     def concurrency(self) -> int:
         """Sandboxes allowed to run at once (``max_concurrent_sandboxes`` or 2 x CPUs)."""

@@ -87,6 +87,10 @@ class SandboxBackend(abc.ABC):
         """Wait (without limit) until the main process exits and all output has reached the sink."""
 
     @abc.abstractmethod
+    async def signal(self, handle: SandboxHandle, signal: str) -> None:
+        """Send ``signal`` (e.g. ``SIGTERM``) to the script's whole process group; no error if it has exited."""
+
+    @abc.abstractmethod
     async def kill(self, handle: SandboxHandle) -> None:
         """SIGKILL everything in the sandbox; no error if it has already exited."""
 

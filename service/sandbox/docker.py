@@ -95,7 +95,7 @@ class DockerBackend(SandboxBackend):
             spec.image,
             user=SANDBOX_USER,
             working_dir="/tmp",
-            environment=dict(spec.env),
+            environment={**spec.env, "TINI_KILL_PROCESS_GROUP": "1"},
             labels=dict(spec.labels),
             host_config=host_config,
             network_disabled=True,
@@ -170,6 +170,10 @@ class DockerBackend(SandboxBackend):
         except docker.errors.APIError as exc:
             if exc.status_code != 409:  # 409: not running any more, or removal already in progress
                 raise
+
+    async def signal(self, handle: SandboxHandle, signal: str) -> None:
+        # The init process (tini, started with TINI_KILL_PROCESS_GROUP=1) passes it to the script's process group.
+        await self._run(self._unless_gone, lambda cid: self._api.kill(cid, signal=signal), handle.id)
 
     async def kill(self, handle: SandboxHandle) -> None:
         await self._run(self._unless_gone, self._api.kill, handle.id)

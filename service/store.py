@@ -1,0 +1,264 @@
+"""The job store: where jobs live once created, and where ended jobs outlive the process.
+
+``JobStore`` is the small interface a PostgreSQL or Redis store would
+implement; ``SQLiteJobStore`` is the embedded default. A stored job is its
+view as the API shows it (JSON bytes) plus the columns used to find it.
+Output bytes are not in the store: they are files beside it (see
+``service.output``).
+
+SQLite settings: WAL journal, ``synchronous=NORMAL`` (a committed job
+survives a crash of the process, including ``kill -9``; the last commits may
+be lost only on power failure: https://www.sqlite.org/pragma.html#pragma_synchronous).
+Every statement runs on one dedicated thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import base64
+import sqlite3
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StoredJob:
+    """One job in the store.
+
+    Attributes:
+        job_id: the job's id.
+        status: its status when last saved.
+        instance_id: the service instance that ran it.
+        created_at: UTC creation time.
+        ended_at: UTC end time, None while it has not ended.
+        view: the job view as JSON bytes (the final view once ended).
+    """
+
+    job_id: str
+    status: str
+    instance_id: str
+    created_at: datetime
+    ended_at: datetime | None
+    view: bytes
+
+
+@dataclass(frozen=True)
+class JobQuery:
+    """A page of ``GET /jobs``: newest first.
+
+    Attributes:
+        statuses: keep only these statuses (empty = all).
+        created_after / created_before: bounds on ``created_at`` (exclusive).
+        cursor: from a previous page's ``next_cursor``.
+        limit: page size.
+    """
+
+    statuses: Sequence[str] = ()
+    created_after: datetime | None = None
+    created_before: datetime | None = None
+    cursor: str | None = None
+    limit: int = 50
+
+
+class InvalidCursor(ValueError):
+    """A ``cursor`` that no page of this store produced."""
+
+
+def encode_cursor(created_at: datetime, job_id: str) -> str:
+    """Opaque cursor for the position after (``created_at``, ``job_id``) in newest-first order."""
+    return base64.urlsafe_b64encode(f"{created_at.isoformat()}|{job_id}".encode()).decode()
+
+
+def decode_cursor(cursor: str) -> tuple[str, str]:
+    """(created_at ISO text, job_id) of a cursor; raises InvalidCursor."""
+    try:
+        created, job_id = base64.urlsafe_b64decode(cursor.encode()).decode().split("|", 1)
+        datetime.fromisoformat(created)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidCursor("cursor is not one this service produced") from exc
+    return created, job_id
+
+
+class JobStore(abc.ABC):
+    """Persistence of jobs. All methods are coroutines and safe to call concurrently."""
+
+    @abc.abstractmethod
+    async def open(self) -> None:
+        """Create or open the store."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Flush and release the store."""
+
+    @abc.abstractmethod
+    async def put(self, job: StoredJob) -> None:
+        """Insert or replace the job with this id."""
+
+    @abc.abstractmethod
+    async def get(self, job_id: str) -> StoredJob | None:
+        """The job, or None."""
+
+    @abc.abstractmethod
+    async def page(self, query: JobQuery) -> tuple[list[StoredJob], str | None]:
+        """A page of jobs (newest first) and the cursor of the next page (None at the end).
+
+        Raises:
+            InvalidCursor: ``query.cursor`` is not one of this store's.
+        """
+
+    @abc.abstractmethod
+    async def unfinished(self, instance_id: str) -> list[StoredJob]:
+        """Jobs of ``instance_id`` that were saved as not ended (for reconciliation at start-up)."""
+
+    @abc.abstractmethod
+    async def purge(self, ended_before: datetime) -> list[str]:
+        """Delete jobs that ended before ``ended_before``; returns their ids."""
+
+    @abc.abstractmethod
+    async def count(self) -> int:
+        """How many jobs the store holds."""
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id      TEXT PRIMARY KEY,
+    status      TEXT NOT NULL,
+    instance_id TEXT NOT NULL,
+    created_at  TEXT NOT NULL,
+    ended_at    TEXT,
+    view        BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS jobs_by_created ON jobs (created_at DESC, job_id DESC);
+CREATE INDEX IF NOT EXISTS jobs_by_ended ON jobs (ended_at) WHERE ended_at IS NOT NULL;
+CREATE INDEX IF NOT EXISTS jobs_unfinished ON jobs (instance_id) WHERE ended_at IS NULL;
+"""
+
+_COLUMNS = "job_id, status, instance_id, created_at, ended_at, view"
+
+
+def _row(row: tuple[str, str, str, str, str | None, bytes]) -> StoredJob:
+    job_id, status, instance_id, created, ended, view = row
+    return StoredJob(
+        job_id,
+        status,
+        instance_id,
+        datetime.fromisoformat(created),
+        datetime.fromisoformat(ended) if ended else None,
+        bytes(view),
+    )
+
+
+class SQLiteJobStore(JobStore):
+    """The embedded store: one SQLite file.
+
+    Args:
+        path: the database file (created with its folder when missing).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ptc-store")
+        self._db: sqlite3.Connection | None = None
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        def call() -> T:
+            assert self._db is not None, "the store is not open"
+            return fn(self._db)
+
+        return await asyncio.get_running_loop().run_in_executor(self._thread, call)
+
+    async def open(self) -> None:
+        def connect() -> None:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self._path, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA busy_timeout=5000")
+            db.executescript(_SCHEMA)
+            self._db = db
+
+        await asyncio.get_running_loop().run_in_executor(self._thread, connect)
+
+    async def close(self) -> None:
+        def disconnect() -> None:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+        await asyncio.get_running_loop().run_in_executor(self._thread, disconnect)
+        self._thread.shutdown(wait=True)
+
+    async def put(self, job: StoredJob) -> None:
+        await self._run(
+            lambda db: db.execute(
+                f"INSERT OR REPLACE INTO jobs ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    job.job_id,
+                    job.status,
+                    job.instance_id,
+                    job.created_at.isoformat(),
+                    job.ended_at.isoformat() if job.ended_at else None,
+                    job.view,
+                ),
+            )
+        )
+
+    async def get(self, job_id: str) -> StoredJob | None:
+        row = await self._run(
+            lambda db: db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        )
+        return _row(row) if row else None
+
+    async def page(self, query: JobQuery) -> tuple[list[StoredJob], str | None]:
+        where: list[str] = []
+        params: list[object] = []
+        if query.statuses:
+            where.append(f"status IN ({', '.join('?' * len(query.statuses))})")
+            params += list(query.statuses)
+        if query.created_after is not None:
+            where.append("created_at > ?")
+            params.append(query.created_after.isoformat())
+        if query.created_before is not None:
+            where.append("created_at < ?")
+            params.append(query.created_before.isoformat())
+        if query.cursor:
+            created, job_id = decode_cursor(query.cursor)
+            where.append("(created_at, job_id) < (?, ?)")
+            params += [created, job_id]
+        sql = f"SELECT {_COLUMNS} FROM jobs"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY created_at DESC, job_id DESC LIMIT ?"
+        params.append(query.limit + 1)
+        rows = await self._run(lambda db: db.execute(sql, params).fetchall())
+        jobs = [_row(r) for r in rows[: query.limit]]
+        more = len(rows) > query.limit
+        return jobs, encode_cursor(jobs[-1].created_at, jobs[-1].job_id) if more and jobs else None
+
+    async def unfinished(self, instance_id: str) -> list[StoredJob]:
+        rows = await self._run(
+            lambda db: db.execute(
+                f"SELECT {_COLUMNS} FROM jobs WHERE instance_id = ? AND ended_at IS NULL", (instance_id,)
+            ).fetchall()
+        )
+        return [_row(r) for r in rows]
+
+    async def purge(self, ended_before: datetime) -> list[str]:
+        def delete(db: sqlite3.Connection) -> list[str]:
+            cutoff = ended_before.isoformat()
+            ids = [r[0] for r in db.execute("SELECT job_id FROM jobs WHERE ended_at < ?", (cutoff,))]
+            db.execute("DELETE FROM jobs WHERE ended_at < ?", (cutoff,))
+            return ids
+
+        return await self._run(delete)
+
+    async def count(self) -> int:
+        row = await self._run(lambda db: db.execute("SELECT COUNT(*) FROM jobs").fetchone())
+        return int(row[0])
