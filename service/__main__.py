@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import resource
 import sys
 
 import uvicorn
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = Settings(**overrides)
+    _raise_open_files_limit()
     logging.basicConfig(
         level=settings.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -33,6 +35,13 @@ def main(argv: list[str] | None = None) -> int:
         timeout_graceful_shutdown=10,
     )
     return 0
+
+
+def _raise_open_files_limit() -> None:
+    """Use the hard RLIMIT_NOFILE: each running job holds a few descriptors (broker connections, output files)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from service.toolkit.endpoints import EndpointClients
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
+DRAIN_BYTES = 64 * 1024 * 1024
 PROBLEM = "application/problem+json"
 
 
@@ -60,6 +61,7 @@ class BodyLimit:
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._drain(receive)
             await self._refuse(scope, receive, send)
             return
         seen = 0
@@ -76,7 +78,19 @@ class BodyLimit:
         try:
             await self.app(scope, limited_receive, send)
         except _BodyTooLarge:
+            await self._drain(receive)
             await self._refuse(scope, receive, send)
+
+    async def _drain(self, receive: Receive) -> None:
+        """Read (and drop) the rest of the body, up to DRAIN_BYTES, so the client sees the 413, not a reset."""
+        drained = 0
+        while drained < DRAIN_BYTES:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            drained += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = problem(413, "Request body too large", f"the body exceeds {self.limit} bytes")
@@ -144,7 +158,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         A job that could not start because the engine is unreachable answers 503.
         """
         manager = jobs_of(request)
-        job = manager.submit(body)
+        job = await manager.submit(body)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(job.done.wait(), job.limits.wait_s)
         if not job.done.is_set():

@@ -15,12 +15,20 @@ Every request naming a tool gets a call record, appended when it arrives
 - ``ok`` / ``error`` / ``timeout``: the endpoint's outcome;
 - ``error`` with type ``cancelled``: the job ended while the call was in flight.
 
-Past ``max_calls`` a request is refused without a record (counted in
-``calls_over_limit``). Nothing from the sandbox is trusted: malformed lines
-get an error reply, oversized lines close the connection, and at most
-``MAX_IN_FLIGHT`` requests per job are handled at once: past that the broker
-stops reading, so a flooding script blocks on its own socket instead of
-growing the service's memory.
+Nothing from the sandbox is trusted, and one job cannot starve the others:
+
+- past ``max_calls``, or once the job's records hold ``max_record_bytes``
+  (arguments and results), a call is refused without a record (counted in
+  ``calls_over_limit``);
+- malformed lines get an error reply; a line over ``max_line_bytes`` closes
+  its connection; at most ``MAX_CONNECTIONS`` connections per job;
+- at most ``MAX_IN_FLIGHT`` requests per job are handled at once (past that
+  the broker stops reading, so a flooding script blocks on its own socket),
+  and at most ``MAX_ENDPOINT_CALLS`` of them wait on endpoints at once;
+- arguments and results nested deeper than ``MAX_JSON_DEPTH`` are refused;
+- argument validation runs on a worker thread, never on the event loop;
+- once ``close`` begins, nothing new is read or dispatched, and calls still
+  in flight end ``cancelled``: the records are final.
 """
 
 from __future__ import annotations
@@ -41,11 +49,16 @@ import orjson
 
 from service.toolkit.endpoints import EndpointClients, ToolCallFailed
 from service.toolkit.manifest import ToolSpec
+from service.toolkit.schema import json_depth
 
 log = logging.getLogger(__name__)
 
 REPORT_FIELD_CAP = 2000
 MAX_IN_FLIGHT = 1024
+MAX_CONNECTIONS = 32
+MAX_ENDPOINT_CALLS = 64
+MAX_JSON_DEPTH = 64
+MAX_TOOL_NAME_SHOWN = 256
 
 
 def _now() -> datetime:
@@ -60,6 +73,7 @@ class Broker:
         endpoints: the shared endpoint clients.
         max_calls: tool calls accepted for this job.
         max_line_bytes: the longest request line accepted.
+        max_record_bytes: bytes of arguments and results the job's records may hold.
         on_call_end: called with each completed record (metrics hook).
     """
 
@@ -69,13 +83,17 @@ class Broker:
         endpoints: EndpointClients,
         max_calls: int,
         max_line_bytes: int,
+        max_record_bytes: int,
         on_call_end: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self._tools = tools
         self._endpoints = endpoints
         self._max_calls = max_calls
         self._max_line = max_line_bytes
+        self._record_budget = max_record_bytes
         self._on_call_end = on_call_end
+        self._closing = False
+        self._endpoint_slots = asyncio.Semaphore(MAX_ENDPOINT_CALLS)
         self.records: list[dict[str, Any]] = []
         self.calls_over_limit = 0
         self.reported_error: dict[str, Any] | None = None
@@ -90,24 +108,31 @@ class Broker:
         os.chmod(path, 0o666)
 
     async def close(self) -> None:
-        """Stop listening, cancel calls in flight (their records end ``cancelled``), close connections."""
+        """Stop listening and reading, cancel calls in flight (records end ``cancelled``), close connections."""
+        self._closing = True
         if self._server is not None:
             self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
         for writer in list(self._connections):
             writer.close()
+        while self._tasks:
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for record in self.records:
+            if record["status"] == "pending":  # cancelled before its task ever ran
+                record.update(status="error", error=dict(_CANCELLED))
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._closing or len(self._connections) >= MAX_CONNECTIONS:
+            writer.close()
+            return
         self._connections.add(writer)
         lock = asyncio.Lock()
         try:
-            while True:
+            while not self._closing:
                 try:
                     line = await reader.readline()
                 except (ValueError, asyncio.LimitOverrunError):
@@ -119,6 +144,9 @@ class Broker:
                     return
                 if line.strip():
                     await self._in_flight.acquire()
+                    if self._closing:
+                        self._in_flight.release()
+                        return
                     task = asyncio.create_task(self._handle(line, writer, lock))
                     self._tasks.add(task)
                     task.add_done_callback(self._task_done)
@@ -131,7 +159,10 @@ class Broker:
         self._in_flight.release()
 
     async def _reply(self, writer: asyncio.StreamWriter, lock: asyncio.Lock, reply: dict[str, Any]) -> None:
-        data = orjson.dumps(reply) + b"\n"
+        try:
+            data = orjson.dumps(reply) + b"\n"
+        except orjson.JSONEncodeError:  # cannot happen for depth-checked values; never leave a caller hanging
+            data = orjson.dumps(_error(reply.get("id"), "bad_response", "the reply could not be encoded")) + b"\n"
         async with lock:
             if writer.is_closing():
                 return
@@ -159,17 +190,22 @@ class Broker:
         if not isinstance(tool_name, str):
             await self._reply(writer, lock, _error(request_id, "bad_request", "the request names no tool"))
             return
-        if len(self.records) >= self._max_calls:
+        over = self._over_limit(len(line))
+        if over is not None:
             self.calls_over_limit += 1
-            await self._reply(
-                writer,
-                lock,
-                _error(request_id, "limit_exceeded", f"this job may make at most {self._max_calls} tool calls"),
-            )
+            await self._reply(writer, lock, _error(request_id, "limit_exceeded", over))
             return
-        reply = await self._call(tool_name, request.get("args"))
+        self._record_budget -= len(line)
+        reply = await self._call(tool_name[:MAX_TOOL_NAME_SHOWN], request.get("args"))
         reply["id"] = request_id
         await self._reply(writer, lock, reply)
+
+    def _over_limit(self, request_bytes: int) -> str | None:
+        if len(self.records) >= self._max_calls:
+            return f"this job may make at most {self._max_calls} tool calls"
+        if request_bytes > self._record_budget:
+            return "this job's call records reached their size limit (arguments and results)"
+        return None
 
     async def _call(self, tool_name: str, args: Any) -> dict[str, Any]:
         """Validate, dispatch and record one call; returns the reply without its id."""
@@ -187,9 +223,7 @@ class Broker:
         try:
             reply = await self._dispatch(tool_name, args, record)
         except asyncio.CancelledError:
-            record.update(
-                status="error", error={"type": "cancelled", "message": "the job ended before the tool answered"}
-            )
+            record.update(status="error", error=dict(_CANCELLED))
             raise
         finally:
             record["duration_ms"] = round((time.perf_counter() - started) * 1000, 3)
@@ -200,19 +234,31 @@ class Broker:
     async def _dispatch(self, tool_name: str, args: Any, record: dict[str, Any]) -> dict[str, Any]:
         tool = self._tools.get(tool_name)
         if tool is None:
-            close = difflib.get_close_matches(tool_name, list(self._tools), n=3)
+            close = difflib.get_close_matches(tool_name, list(self._tools)[:1000], n=3) if len(tool_name) <= 64 else []
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
             return self._fail(record, "rejected", "unknown_tool", f"no tool named {tool_name!r}{hint}")
-        problem = tool.check_arguments(args)
+        if json_depth(args, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+            record["args"] = None
+            return self._fail(
+                record, "rejected", "invalid_arguments", f"{tool_name}: arguments nested deeper than {MAX_JSON_DEPTH}"
+            )
+        problem = await asyncio.to_thread(tool.check_arguments, args)
         if problem is not None:
             return self._fail(record, "rejected", "invalid_arguments", f"{tool_name}: {problem}")
         try:
-            result = await self._endpoints.call(tool, args)
+            async with self._endpoint_slots:
+                result = await self._endpoints.call(tool, args)
         except ToolCallFailed as exc:
             return self._fail(record, "timeout" if exc.type == "timeout" else "error", exc.type, exc.message)
         except Exception:
             log.exception("broker: endpoint of tool %s failed unexpectedly", tool_name)
             return self._fail(record, "error", "endpoint_error", "the tool's endpoint failed; see the service log")
+        if json_depth(result, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+            return self._fail(record, "error", "bad_response", f"the result is nested deeper than {MAX_JSON_DEPTH}")
+        size = len(orjson.dumps(result))
+        if size > self._record_budget:
+            return self._fail(record, "error", "limit_exceeded", "this job's call records reached their size limit")
+        self._record_budget -= size
         record.update(status="ok", result=result)
         return {"ok": True, "result": result}
 
@@ -223,7 +269,8 @@ class Broker:
         return {"ok": False, "error": error}
 
     def _keep_report(self, error: Any) -> None:
-        if self.reported_error is not None or not isinstance(error, dict):
+        """Keep the last report (the runtime's comes after the script's code); it is informational only."""
+        if not isinstance(error, dict):
             return
         kept: dict[str, Any] = {}
         for key in ("type", "message", "text"):
@@ -234,6 +281,9 @@ class Broker:
                 kept[key] = error[key]
         if "type" in kept:
             self.reported_error = kept
+
+
+_CANCELLED = {"type": "cancelled", "message": "the job ended before the tool answered"}
 
 
 def _error(request_id: Any, type_: str, message: str) -> dict[str, Any]:

@@ -46,9 +46,8 @@ from service.sandbox.base import ExitStatus, SandboxBackend, SandboxHandle, Sand
 from service.schemas import TERMINAL_STATUSES, ExecuteRequest, JobSummary, JobView
 from service.settings import Settings
 from service.store import JobQuery, JobStore, StoredJob
+from service.toolkit.cache import CompiledManifest, ManifestCache
 from service.toolkit.endpoints import EndpointClients
-from service.toolkit.manifest import ToolSpec, parse_manifest
-from service.toolkit.stubs import generate_stub_module
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +89,7 @@ def resolve_limits(request: ExecuteRequest, settings: Settings) -> ResolvedLimit
         timeout_s=pick(request.timeout_s, settings.default_timeout_s, settings.max_timeout_s, ("timeout_s",)),
         wait_s=pick(request.wait_s, settings.default_wait_s, settings.max_wait_s, ("wait_s",)),
         memory_mb=pick(limits.memory_mb, settings.default_memory_mb, settings.max_memory_mb, ("limits", "memory_mb")),
-        cpus=pick(limits.cpus, settings.default_cpus, settings.max_cpus, ("limits", "cpus")),
+        cpus=pick(limits.cpus, settings.default_cpus, min(settings.max_cpus, os.cpu_count() or 1), ("limits", "cpus")),
         pids=pick(limits.pids, settings.default_pids, settings.max_pids, ("limits", "pids")),
         output_bytes=pick(
             limits.output_bytes, settings.default_output_bytes, settings.max_output_bytes, ("limits", "output_bytes")
@@ -210,6 +209,7 @@ class JobManager:
         self._output_dir = settings.work_dir / "output"
         self._instance_labels = {LABEL_MANAGED: "1", LABEL_INSTANCE: settings.instance_id}
         self._http = httpx.AsyncClient(follow_redirects=False)
+        self._manifests = ManifestCache()
 
     # -- start-up, shutdown, retention ---------------------------------------------------------
 
@@ -286,7 +286,7 @@ class JobManager:
 
     # -- submission and the run ----------------------------------------------------------------
 
-    def submit(self, request: ExecuteRequest) -> Job:
+    async def submit(self, request: ExecuteRequest) -> Job:
         """Check and admit ``request``, and start its job.
 
         Raises:
@@ -294,7 +294,6 @@ class JobManager:
             RequestLimitError: a limit exceeds its server maximum.
             QueueFull: ``concurrency`` jobs run and ``max_queue`` wait already.
         """
-        tools = parse_manifest(request.tools, ("body", "tools"))
         limits = resolve_limits(request, self._settings)
         if request.callback_url and self._settings.callback_secret is None:
             raise RequestLimitError(
@@ -303,6 +302,12 @@ class JobManager:
             )
         if self._admitted >= self._settings.concurrency() + self._settings.max_queue:
             raise QueueFull(self._settings.retry_after_s)
+        self._admitted += 1  # counted before the first await, so admission is exact under concurrency
+        try:
+            manifest = await self._manifests.compile(request.tools)
+        except BaseException:
+            self._admitted -= 1
+            raise
         job_id = "job_" + secrets.token_hex(12)
         output_dir = self._output_dir / job_id
         output_dir.mkdir(mode=0o700)
@@ -318,31 +323,35 @@ class JobManager:
             loop=asyncio.get_running_loop(),
         )
         self._live[job.id] = job
-        self._admitted += 1
-        self._spawn(self._run(job, request, tools), f"job {job.id}")
+        self._spawn(self._run(job, request, manifest), f"job {job.id}")
         return job
 
-    def _prepare_dir(self, job: Job, script: str, tools: dict[str, ToolSpec]) -> Path:
+    def _prepare_dir(self, job: Job, script: str, manifest: CompiledManifest) -> Path:
         job_dir = self._jobs_dir / job.id
         package = job_dir / "tools"
         package.mkdir(parents=True, mode=0o755)
         os.chmod(job_dir, 0o755)
-        (package / "__init__.py").write_text(generate_stub_module(tools.values()), encoding="utf-8")
+        (package / "__init__.py").write_text(manifest.stub_source, encoding="utf-8")
         (job_dir / "script.py").write_text(script, encoding="utf-8", errors="surrogatepass")
         for path in (package / "__init__.py", job_dir / "script.py"):
             os.chmod(path, 0o644)
         return job_dir
 
     async def _save(self, job: Job) -> None:
-        await self._store.put(
-            StoredJob(
-                job.id,
-                job.status,
-                self._settings.instance_id,
-                job.created_at,
-                job.ended_at,
-                view_bytes(job.view_dict()),
+        view = job.view_dict()
+        try:
+            data = view_bytes(view)
+        except ValueError:  # a view that cannot be encoded must still be saved: keep what can be
+            log.exception("job %s: its view cannot be encoded; saving it without output and calls", job.id)
+            view.update(
+                stdout="",
+                stderr="",
+                calls=[],
+                error={"type": "internal_error", "message": "the job's output or calls could not be encoded"},
             )
+            data = view_bytes(view)
+        await self._store.put(
+            StoredJob(job.id, job.status, self._settings.instance_id, job.created_at, job.ended_at, data)
         )
 
     async def _set_status(self, job: Job, status: str) -> None:
@@ -368,13 +377,14 @@ class JobManager:
             return False
         return got_slot
 
-    async def _run(self, job: Job, request: ExecuteRequest, tools: dict[str, ToolSpec]) -> None:
+    async def _run(self, job: Job, request: ExecuteRequest, manifest: CompiledManifest) -> None:
         settings = self._settings
         broker = Broker(
-            tools,
+            manifest.tools,
             self._endpoints,
             settings.max_tool_calls,
             settings.max_request_line_bytes,
+            settings.max_record_bytes,
             on_call_end=lambda _record: job.notify(),
         )
         job.calls = broker.records
@@ -382,7 +392,7 @@ class JobManager:
         job_dir: Path | None = None
         try:
             await self._save(job)
-            job_dir = await asyncio.to_thread(self._prepare_dir, job, request.script, tools)
+            job_dir = await asyncio.to_thread(self._prepare_dir, job, request.script, manifest)
             await broker.start(job_dir / "tools.sock")
             if not await self._acquire_slot(job):
                 job.status = "stopped"

@@ -6,10 +6,15 @@ import re
 from datetime import datetime
 from typing import Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from service.toolkit.schema import json_depth
 
 MAX_SCRIPT_CHARS = 1024 * 1024
 MAX_TOOLS = 1000
+MAX_METADATA_DEPTH = 32
+MAX_METADATA_BYTES = 64 * 1024
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _RESERVED_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PTC_")
 
@@ -24,7 +29,7 @@ class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     memory_mb: int | None = Field(None, ge=16, description="Memory in MiB (swap is not added).")
-    cpus: float | None = Field(None, gt=0, description="CPU quota in CPUs.")
+    cpus: float | None = Field(None, ge=0.01, description="CPU quota in CPUs (at most the host's CPU count).")
     pids: int | None = Field(None, ge=8, description="Maximum processes and threads.")
     output_bytes: int | None = Field(None, ge=1024, description="Inline cap per stream in bytes (head and tail kept).")
     tmp_mb: int | None = Field(None, ge=1, description="Size of the tmpfs /tmp in MiB.")
@@ -58,6 +63,19 @@ class ExecuteRequest(BaseModel):
         if "\x00" in script:
             raise ValueError("script contains a NUL character")
         return script
+
+    @field_validator("metadata")
+    @classmethod
+    def _small_json(cls, metadata: dict[str, Any]) -> dict[str, Any]:
+        if json_depth(metadata, MAX_METADATA_DEPTH) > MAX_METADATA_DEPTH:
+            raise ValueError(f"metadata is nested deeper than {MAX_METADATA_DEPTH} levels")
+        try:
+            size = len(orjson.dumps(metadata))
+        except orjson.JSONEncodeError as exc:
+            raise ValueError(f"metadata cannot be stored as JSON: {exc}") from None
+        if size > MAX_METADATA_BYTES:
+            raise ValueError(f"metadata is larger than {MAX_METADATA_BYTES} bytes of JSON")
+        return metadata
 
     @field_validator("callback_url")
     @classmethod

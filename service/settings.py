@@ -65,7 +65,12 @@ class Settings(BaseSettings):
         8 * 1024 * 1024, ge=1024, description="Largest tool result passed back to a script (bytes of JSON)."
     )
     max_request_line_bytes: int = Field(
-        16 * 1024 * 1024, ge=1024, description="Largest single stub request on the broker socket (bytes)."
+        1024 * 1024, ge=1024, description="Largest single stub request on the broker socket (bytes)."
+    )
+    max_record_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024,
+        description="Bytes of arguments and results a job's call records may hold; later calls are refused (bytes).",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 

@@ -9,6 +9,7 @@ Routes (POST, JSON object body = the tool's arguments):
 - ``/hang``            never answers within the test's tool timeout (sleeps ``HANG_S``)
 - ``/fail``            answers 500 with a text body
 - ``/not_json``        answers 200 with a body that is not JSON
+- ``/trickle``         answers 200 but sends its body one byte every 0.5 s (for ``HANG_S``)
 
 Every request is appended to ``requests`` as ``(path, args)``.
 """
@@ -49,6 +50,9 @@ class ToolServer:
                 length = int(self.headers.get("content-length") or 0)
                 args = json.loads(self.rfile.read(length) or b"null")
                 server.requests.append((self.path, args))
+                if self.path == "/trickle":
+                    self.trickle()
+                    return
                 status, body = server.answer(self.path, args)
                 data = body if isinstance(body, bytes) else json.dumps(body).encode()
                 self.send_response(status)
@@ -56,6 +60,19 @@ class ToolServer:
                 self.send_header("content-length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+
+            def trickle(self) -> None:
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(int(HANG_S * 2)))
+                self.end_headers()
+                try:
+                    for _ in range(int(HANG_S * 2)):
+                        self.wfile.write(b" ")
+                        self.wfile.flush()
+                        time.sleep(0.5)
+                except OSError:
+                    pass
 
         self._httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self._httpd.daemon_threads = True

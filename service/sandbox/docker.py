@@ -88,6 +88,7 @@ class DockerBackend(SandboxBackend):
             mounts=[Mount(target=RUN_DIR, source=str(spec.job_dir), type="bind", read_only=True)],
             init=True,
             ipc_mode="private",
+            shm_size=f"{min(spec.tmp_mb, 64)}m",  # /dev/shm is tmpfs too: no larger than /tmp
             log_config=LogConfig(type="none"),
             runtime=spec.runtime,
         )

@@ -6,11 +6,13 @@ Dispatch is by ``Endpoint.kind`` through the table in ``EndpointClients``:
 - ``http`` (DESIGN.md, "http endpoint protocol"): POST the arguments as a
   JSON object to ``url`` with the endpoint's headers; a 2xx JSON body is the
   result; anything else is a ``ToolCallFailed`` carrying the status and a capped
-  excerpt of the body. Redirects are not followed.
+  excerpt of the body. Redirects are not followed. The endpoint's ``timeout_s``
+  bounds the whole call (connect, send, every read), not each read.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -48,7 +50,7 @@ class EndpointClients:
     def __init__(self, default_timeout_s: float, max_result_bytes: int) -> None:
         self._default_timeout_s = default_timeout_s
         self._max_result_bytes = max_result_bytes
-        self._http = httpx.AsyncClient(follow_redirects=False, limits=httpx.Limits(max_connections=256))
+        self._http = httpx.AsyncClient(follow_redirects=False, limits=httpx.Limits(max_connections=512))
         self._dispatch: dict[str, Callable[[ToolSpec, dict[str, Any]], Awaitable[Any]]] = {
             "echo": self._echo,
             "http": self._post,
@@ -71,9 +73,12 @@ class EndpointClients:
         timeout = endpoint.timeout_s or self._default_timeout_s
         headers = {"content-type": "application/json", **endpoint.headers}
         try:
-            async with self._http.stream(
-                "POST", endpoint.url, content=orjson.dumps(args), headers=headers, timeout=timeout
-            ) as response:
+            async with (
+                asyncio.timeout(timeout),
+                self._http.stream(
+                    "POST", endpoint.url, content=orjson.dumps(args), headers=headers, timeout=timeout
+                ) as response,
+            ):
                 body = bytearray()
                 async for chunk in response.aiter_bytes():
                     body += chunk
@@ -81,7 +86,7 @@ class EndpointClients:
                         raise ToolCallFailed(
                             "result_too_large", f"the endpoint answered more than {self._max_result_bytes} bytes"
                         )
-        except httpx.TimeoutException as exc:
+        except (TimeoutError, httpx.TimeoutException) as exc:
             raise ToolCallFailed("timeout", f"the endpoint did not answer within {timeout:g} s") from exc
         except httpx.HTTPError as exc:
             raise ToolCallFailed("endpoint_unreachable", f"cannot reach the endpoint: {type(exc).__name__}") from exc

@@ -15,17 +15,59 @@ Accepted entry shapes (DESIGN.md, "Tool manifest"):
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jsonschema
+import referencing
+import referencing.exceptions
+import regex
 from jsonschema.exceptions import ValidationError
 
 from service.errors import ManifestError
-from service.toolkit.schema import JsonSchema, to_json_schema
+from service.toolkit.schema import JsonSchema, json_depth, to_json_schema
 
 MAX_TOOL_NAME = 256
+MAX_NAME_SEGMENTS = 16
+MAX_SCHEMA_DEPTH = 64
+MAX_ERRORS_EXAMINED = 50
+PATTERN_TIMEOUT_S = 0.05
+HINT_NAME_MAX = 64
+
+# No "$ref" is ever fetched: a manifest could otherwise make the service GET any URL, and block on it.
+_NO_RETRIEVAL: referencing.Registry[Any] = referencing.Registry()
+
+
+def _search(pattern: str, text: str) -> bool:
+    """``re.search`` semantics with a time bound (the ``regex`` module), so a pattern cannot stall the broker."""
+    try:
+        return regex.search(pattern, text, timeout=PATTERN_TIMEOUT_S) is not None
+    except TimeoutError:
+        raise ValidationError(f"matching {pattern!r} took too long") from None
+    except regex.error as exc:
+        raise ValidationError(f"invalid pattern {pattern!r}: {exc}") from None
+
+
+def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Iterator[ValidationError]:
+    if validator.is_type(instance, "string") and not _search(pattern, instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _pattern_properties(validator: Any, patterns: Any, instance: Any, schema: Any) -> Iterator[ValidationError]:
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        for key, value in instance.items():
+            if _search(pattern, key):
+                yield from validator.descend(value, subschema, path=key, schema_path=pattern)
+
+
+Validator = jsonschema.validators.extend(  # type: ignore[no-untyped-call]
+    jsonschema.Draft202012Validator, {"pattern": _pattern, "patternProperties": _pattern_properties}
+)
+_META_VALIDATOR = jsonschema.Draft202012Validator(jsonschema.Draft202012Validator.META_SCHEMA)
 
 
 @dataclass(frozen=True)
@@ -69,9 +111,13 @@ class ToolSpec:
         """None when ``args`` are valid, else one message that names the parameter at fault."""
         if not isinstance(args, dict):
             return f"arguments must be a JSON object, got {type(args).__name__}"
-        errors = sorted(
-            self.validator.iter_errors(args), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path)))
-        )
+        try:
+            found = list(itertools.islice(self.validator.iter_errors(args), MAX_ERRORS_EXAMINED))
+        except referencing.exceptions.Unresolvable as exc:
+            return f"the tool's schema has a $ref that cannot be resolved here: {exc}"
+        except RecursionError:
+            return "the arguments are nested too deeply to check"
+        errors = sorted(found, key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
         if not errors:
             return None
         return "; ".join(_describe(e, self) for e in errors[:3]) + (
@@ -88,12 +134,29 @@ def _describe(error: ValidationError, tool: ToolSpec) -> str:
     if error.validator == "additionalProperties" and not path:
         known = list(tool.parameters.get("properties", {}))
         extra = [k for k in error.instance if k not in known] if isinstance(error.instance, dict) else []
-        hints = []
-        for name in extra:
-            close = difflib.get_close_matches(name, known, n=1)
-            hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        return f"unexpected argument {', '.join(hints)}; parameters are {', '.join(map(repr, known)) or 'none'}"
+        hints = [_with_hint(name, known) for name in extra[:3]]
+        more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+        listed = ", ".join(map(repr, known[:50])) or "none"
+        return f"unexpected argument {', '.join(hints)}{more}; parameters are {listed}"
     return f"{where}: {error.message}"
+
+
+def _with_hint(name: str, known: list[str]) -> str:
+    """``'nme' (did you mean 'name'?)``; no hint for long names (difflib is quadratic)."""
+    shown = repr(name[:HINT_NAME_MAX] + ("..." if len(name) > HINT_NAME_MAX else ""))
+    if len(name) > HINT_NAME_MAX or len(known) > 1000:
+        return shown
+    close = difflib.get_close_matches(name, known, n=1)
+    return shown + (f" (did you mean {close[0]!r}?)" if close else "")
+
+
+def _check_name(name: str, loc: tuple[str | int, ...]) -> None:
+    if len(name.split(".")) > MAX_NAME_SEGMENTS:
+        raise ManifestError(f"a tool name may have at most {MAX_NAME_SEGMENTS} dotted parts", loc)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ManifestError("the name contains a lone surrogate, which no call could carry", loc) from None
 
 
 def _as_mapping(entry: Any, loc: tuple[str | int, ...]) -> Mapping[str, Any]:
@@ -137,6 +200,7 @@ def parse_tool(entry: Any, loc: tuple[str | int, ...]) -> ToolSpec:
     name = inner.get("name")
     if not isinstance(name, str) or not name.strip() or len(name) > MAX_TOOL_NAME:
         raise ManifestError(f"name must be a non-empty string of at most {MAX_TOOL_NAME} characters", (*loc, "name"))
+    _check_name(name, (*loc, "name"))
     description = inner.get("description") or ""
     if not isinstance(description, str):
         raise ManifestError("description must be a string", (*loc, "description"))
@@ -145,25 +209,27 @@ def parse_tool(entry: Any, loc: tuple[str | int, ...]) -> ToolSpec:
         raw_params = {"type": "object", "properties": {}}
     if not isinstance(raw_params, Mapping):
         raise ManifestError("parameters must be a JSON Schema object", (*loc, "parameters"))
+    if json_depth(raw_params, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise ManifestError(f"parameters is nested deeper than {MAX_SCHEMA_DEPTH} levels", (*loc, "parameters"))
     parameters = to_json_schema(dict(raw_params))
     parameters.setdefault("type", "object")
     parameters.setdefault("properties", {})
     parameters.setdefault("additionalProperties", False)
-    validator_cls = jsonschema.validators.validator_for(parameters, default=jsonschema.Draft202012Validator)
-    try:
-        validator_cls.check_schema(parameters)
-    except jsonschema.SchemaError as exc:
-        where = "/".join(str(p) for p in exc.absolute_path)
+    for param in parameters["properties"]:
+        _check_name(param, (*loc, "parameters", "properties"))
+    error = jsonschema.exceptions.best_match(_META_VALIDATOR.iter_errors(parameters))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path)
         raise ManifestError(
-            f"parameters is not a valid JSON Schema at {where or 'top'}: {exc.message}", (*loc, "parameters")
-        ) from exc
+            f"parameters is not a valid JSON Schema at {where or 'top'}: {error.message}", (*loc, "parameters")
+        )
     endpoint = parse_endpoint(outer.get("endpoint", inner.get("endpoint")), (*loc, "endpoint"))
     return ToolSpec(
         name=name,
         description=description,
         parameters=parameters,
         endpoint=endpoint,
-        validator=validator_cls(parameters),
+        validator=Validator(parameters, registry=_NO_RETRIEVAL),
     )
 
 

@@ -167,17 +167,42 @@ def python_type(schema: JsonSchema, depth: int = 0) -> str:
     return " | ".join(dict.fromkeys(parts))
 
 
-def safe_identifier(name: str, taken: set[str]) -> str:
+def json_depth(value: Any, limit: int) -> int:
+    """Nesting depth of a JSON value (a scalar is 0), counted without recursion and only up to ``limit + 1``."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        depth += 1
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        stack.extend((child, depth) for child in children)
+    return deepest
+
+
+def safe_identifier(name: str, taken: set[str], in_class: bool = False) -> str:
     """A valid, unused Python identifier for ``name`` (``from`` -> ``from_``, ``Content-Type`` -> ``Content_Type``).
 
     Rule (documented in README, "Stubs"): characters that cannot appear in an
-    identifier become ``_``; a leading digit gets a ``_`` prefix; a keyword, or
-    a name already in ``taken``, gets ``_`` appended until it is free. The
-    result is added to ``taken``.
+    identifier become ``_``; a leading digit gets a ``_`` prefix; a dunder
+    name (``__qualname__``), or in a class body (a namespace) any name with a
+    leading double underscore, starts with a single one instead, so nothing is
+    taken for a special name or mangled; a keyword, or a name already in
+    ``taken``, gets ``_`` appended until it is free. The result is added to
+    ``taken``.
     """
     ident = name if name.isascii() and name.isidentifier() else re.sub(r"\W", "_", name, flags=re.ASCII)
     if not ident or ident[0].isdigit():
         ident = "_" + ident
+    if ident.startswith("__") and (in_class or ident.endswith("__")):
+        ident = "_" + ident.lstrip("_")
     while keyword.iskeyword(ident) or ident in taken:
         ident += "_"
     taken.add(ident)

@@ -107,6 +107,7 @@ def _default_literal(value: Any) -> str | None:
 
 
 def _function_source(py_name: str, spec: ToolSpec, indent: str) -> str:
+    in_class = bool(indent)
     props: dict[str, Any] = spec.parameters.get("properties") or {}
     required = [r for r in spec.parameters.get("required") or [] if isinstance(r, str)]
     names = list(dict.fromkeys([*required, *props]))
@@ -117,7 +118,7 @@ def _function_source(py_name: str, spec: ToolSpec, indent: str) -> str:
     doc_args: list[str] = []
     for original in names:
         schema = props.get(original) or {}
-        safe = safe_identifier(original, taken)
+        safe = safe_identifier(original, taken, in_class)
         if safe != original:
             renames[safe] = original
         annotation = python_type(schema) if isinstance(schema, dict) else "Any"
@@ -175,10 +176,11 @@ def _render(node: _Node, indent: str, exports: list[str] | None) -> list[str]:
     blocks: list[str] = []
     if node.own is not None:
         blocks.append(_function_source("__call__", node.own, indent))
+    in_class = bool(indent)
     for segment in node.children:  # namespaces claim their names first
-        node.child_names[segment] = safe_identifier(segment, taken)
+        node.child_names[segment] = safe_identifier(segment, taken, in_class)
     for leaf, spec in node.tools:
-        py_name = safe_identifier(leaf, taken)
+        py_name = safe_identifier(leaf, taken, in_class)
         blocks.append(_function_source(py_name, spec, indent))
         if exports is not None:
             exports.append(py_name)

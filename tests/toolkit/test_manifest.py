@@ -13,6 +13,13 @@ from service.toolkit.schema import to_json_schema
 ECHO = {"kind": "echo"}
 
 
+def _deep(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {}
+    for _ in range(levels):
+        schema = {"not": schema}
+    return schema
+
+
 def test_bfcl_dialect_maps_to_json_schema() -> None:
     schema = to_json_schema(
         {
@@ -111,3 +118,51 @@ def test_bad_entries_raise_with_their_location(entry: Any, loc: tuple[Any, ...])
 def test_duplicate_names_are_refused() -> None:
     with pytest.raises(ManifestError, match="duplicate"):
         parse_manifest([{"name": "f", "endpoint": ECHO}, {"name": "f", "endpoint": ECHO}])
+
+
+def timed_check(entry: dict[str, Any], args: Any) -> tuple[str | None, float]:
+    import time
+
+    tool_ = parse_tool({**entry, "endpoint": ECHO}, ("tools", 0))
+    started = time.monotonic()
+    problem = tool_.check_arguments(args)
+    return problem, time.monotonic() - started
+
+
+def test_remote_refs_are_never_fetched() -> None:
+    entry = {"name": "f", "parameters": {"type": "object", "properties": {"x": {"$ref": "http://127.0.0.1:9/s"}}}}
+    problem, elapsed = timed_check(entry, {"x": 1})
+    assert problem is not None and "cannot be resolved" in problem
+    assert elapsed < 1
+
+
+def test_catastrophic_pattern_is_bounded() -> None:
+    entry = {
+        "name": "f",
+        "parameters": {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a+)+$"}}},
+    }
+    problem, elapsed = timed_check(entry, {"s": "a" * 60 + "!"})
+    assert problem is not None
+    assert elapsed < 1
+
+
+def test_many_unexpected_arguments_are_described_quickly() -> None:
+    problem, elapsed = timed_check(
+        {"name": "f", "parameters": {"properties": {"a": {}}}}, {f"k{i}": 0 for i in range(200_000)}
+    )
+    assert problem is not None and "and 199997 more" in problem
+    assert elapsed < 5
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"name": ".".join(["a"] * 17)}, "dotted parts"),
+        ({"name": "bad\ud800"}, "lone surrogate"),
+        ({"name": "f", "parameters": {"properties": {"p\ud800": {}}}}, "lone surrogate"),
+        ({"name": "f", "parameters": {"properties": {"deep": _deep(300)}}}, "deeper"),
+    ],
+)
+def test_unusable_names_and_schemas_are_refused(entry: dict[str, Any], message: str) -> None:
+    with pytest.raises(ManifestError, match=message):
+        parse_manifest([{**entry, "endpoint": ECHO}])

@@ -164,3 +164,32 @@ def test_tool_named_like_a_namespace_is_callable_there() -> None:
         tools.auth(user="x")
     with pytest.raises(tools.ToolError):
         asyncio.run(tools.aio.auth(user="x"))
+
+
+def test_special_and_private_names_neither_break_nor_hijack_the_module() -> None:
+    names = [
+        "x.__qualname__",
+        "x.__slots__",
+        "x.__dict__",
+        "x.__class__",
+        "x.__private",
+        "__class__",
+        "__all__",
+        "__getattr__",
+        "__get_all_users",
+    ]
+    tools = load(
+        [{"name": n, "endpoint": ECHO} for n in names]
+        + [{"name": "y.z", "parameters": {"properties": {"__secret": {}}}, "endpoint": ECHO}]
+    )
+    assert tools.x._qualname__._binder.tool == "x.__qualname__"
+    assert tools.x._slots__._binder.tool == "x.__slots__"
+    assert tools.x._private._binder.tool == "x.__private"
+    assert tools._class__._binder.tool == "__class__"
+    assert tools._all__._binder.tool == "__all__" and "aio" in tools.__all__
+    assert tools._getattr__._binder.tool == "__getattr__"
+    assert tools.__get_all_users._binder.tool == "__get_all_users"  # top level: not mangled, kept
+    assert list(inspect.signature(tools.y.z).parameters) == ["_secret"]
+    assert tools.y.z._binder.bind((), {"_secret": 1}) == {"__secret": 1}
+    with pytest.raises(AttributeError):
+        tools.no_such_tool  # noqa: B018 - a misspelling is not hijacked by a __getattr__ tool

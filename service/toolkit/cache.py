@@ -1,0 +1,60 @@
+"""Compiled manifests, cached by content: parsing, schema checks and stub generation run once per manifest.
+
+A manifest is identified by the SHA-256 of its canonical JSON (keys sorted),
+so the same tools sent again (the usual case: an agent re-sends its manifest
+with every script) cost one hash. Compilation runs on a worker thread, never
+on the event loop: a large manifest takes seconds to check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from service.toolkit.manifest import ToolSpec, parse_manifest
+from service.toolkit.stubs import generate_stub_module
+
+CACHED_MANIFESTS = 256
+
+
+@dataclass(frozen=True)
+class CompiledManifest:
+    """A manifest ready to run: its tools by original name and the ``tools`` package source."""
+
+    tools: dict[str, ToolSpec]
+    stub_source: str
+
+
+def compile_manifest(entries: list[dict[str, Any]]) -> CompiledManifest:
+    """Parse and generate stubs; raises ManifestError (located under ``body.tools``)."""
+    tools = parse_manifest(entries, ("body", "tools"))
+    return CompiledManifest(tools, generate_stub_module(tools.values()))
+
+
+class ManifestCache:
+    """An LRU of ``CompiledManifest`` by content hash (at most ``size`` entries)."""
+
+    def __init__(self, size: int = CACHED_MANIFESTS) -> None:
+        self._size = size
+        self._entries: OrderedDict[bytes, CompiledManifest] = OrderedDict()
+
+    async def compile(self, entries: list[dict[str, Any]]) -> CompiledManifest:
+        """The compiled manifest, from the cache or built on a worker thread; raises ManifestError."""
+        try:
+            key: bytes | None = hashlib.sha256(orjson.dumps(entries, option=orjson.OPT_SORT_KEYS)).digest()
+        except TypeError:  # not representable as canonical JSON (e.g. a lone surrogate): compile, don't cache
+            key = None
+        if key is not None and key in self._entries:
+            self._entries.move_to_end(key)
+            return self._entries[key]
+        compiled = await asyncio.to_thread(compile_manifest, entries)
+        if key is not None:
+            self._entries[key] = compiled
+            while len(self._entries) > self._size:
+                self._entries.popitem(last=False)
+        return compiled

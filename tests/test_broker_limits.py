@@ -1,0 +1,120 @@
+"""One job cannot hurt the service or other jobs through its broker, and its records are final once it ends."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import execute, start_service
+from tests.toolserver import ToolServer
+
+ECHO = {"kind": "echo"}
+
+
+def nested(levels: int) -> list[object]:
+    value: list[object] = []
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def test_deeply_nested_arguments_are_rejected_not_fatal(api: httpx.Client) -> None:
+    script = (
+        "import tools\nv = []\nfor _ in range(300):\n    v = [v]\n"
+        "try:\n    tools.f(x=v)\nexcept tools.ToolError as e:\n    print(e.type)\n"
+    )
+    view = execute(api, script, [{"name": "f", "endpoint": ECHO}], timeout_s=20)
+    assert (view["status"], view["stdout"]) == ("succeeded", "invalid_arguments\n")
+    assert view["calls"][0]["status"] == "rejected"
+
+
+def test_records_are_final_when_the_job_ends(api: httpx.Client, tool_server: ToolServer) -> None:
+    tools = [{"name": "slow", "endpoint": {"kind": "http", "url": tool_server.url("hang"), "timeout_s": 20}}]
+    script = (
+        "import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect('/run/ptc/tools.sock')\n"
+        's.sendall(b\'\'.join(b\'{"id":%d,"tool":"slow","args":{}}\\n\' % i for i in range(3000)))\n'
+    )
+    before = len(tool_server.requests)
+    started = time.monotonic()
+    view = execute(api, script, tools, timeout_s=10)
+    assert time.monotonic() - started < 10
+    assert view["status"] == "succeeded"
+    assert view["calls"], "some calls reached the broker before the script ended"
+    assert all(c["status"] == "error" and c["error"]["type"] == "cancelled" for c in view["calls"])
+    time.sleep(1.5)
+    again = api.get(f"/jobs/{view['job_id']}").json()
+    assert again == view
+    assert len(tool_server.requests) - before <= 64  # at most MAX_ENDPOINT_CALLS ever reached the endpoint
+    settled = len(tool_server.requests)
+    time.sleep(1)
+    assert len(tool_server.requests) == settled
+
+
+def test_connections_per_job_are_capped(api: httpx.Client) -> None:
+    script = (
+        "import socket\nopen_ = []\n"
+        "for _ in range(100):\n"
+        "    s = socket.socket(socket.AF_UNIX)\n    s.connect('/run/ptc/tools.sock')\n    open_.append(s)\n"
+        "import time\ntime.sleep(0.5)\nclosed = 0\n"
+        "for s in open_:\n    s.setblocking(False)\n"
+        "    try:\n        closed += s.recv(1) == b''\n    except BlockingIOError:\n        pass\n"
+        "print(closed)\n"
+    )
+    view = execute(api, script, timeout_s=20)
+    assert view["status"] == "succeeded", view
+    assert int(view["stdout"]) >= 100 - 32
+
+
+def test_endpoint_timeout_bounds_the_whole_call(api: httpx.Client, tool_server: ToolServer) -> None:
+    tools = [{"name": "trickle", "endpoint": {"kind": "http", "url": tool_server.url("trickle"), "timeout_s": 2}}]
+    script = "import tools\ntry:\n    tools.trickle()\nexcept tools.ToolError as e:\n    print(e.type)\n"
+    started = time.monotonic()
+    view = execute(api, script, tools, timeout_s=20)
+    assert time.monotonic() - started < 6
+    assert view["stdout"] == "timeout\n"
+
+
+def test_the_scripts_last_report_wins(api: httpx.Client) -> None:
+    script = (
+        "from ptc_runtime.client import client\n"
+        "client().request({'op': 'report', 'error': {'type': 'timeout', 'message': 'forged'}})\n"
+        "raise ValueError('real')\n"
+    )
+    view = execute(api, script)
+    assert view["error"]["type"] == "ValueError"
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"limits": {"cpus": 1e-9}}, "limits.cpus"),
+        ({"limits": {"cpus": 512}}, "limits.cpus"),
+        ({"metadata": {"x": "\ud800"}}, "metadata"),
+        ({"metadata": {"x": nested(40)}}, "metadata"),
+    ],
+)
+def test_limits_and_metadata_that_cannot_work_get_422(api: httpx.Client, body: dict[str, object], field: str) -> None:
+    content = json.dumps({"script": "print(1)", **body}).encode()  # stdlib json writes a lone surrogate as \ud800
+    response = api.post("/execute", content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"].startswith(field)
+
+
+def test_record_budget_refuses_calls_past_it(scratch: Path) -> None:
+    svc = start_service("pytest-budget", scratch / "budget", PTC_MAX_RECORD_BYTES="100000")
+    try:
+        with svc.client() as api:
+            script = (
+                "import tools\nfor i in range(10):\n    try:\n        tools.f(x='y' * 20000)\n"
+                "    except tools.ToolError as e:\n        print(e.type)\n"
+            )
+            view = execute(api, script, [{"name": "f", "parameters": {"properties": {"x": {}}}, "endpoint": ECHO}])
+            assert view["status"] == "succeeded"
+            assert 1 <= len([c for c in view["calls"] if c["status"] == "ok"]) < 10
+            assert "limit_exceeded" in view["stdout"]
+    finally:
+        svc.stop()
