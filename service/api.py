@@ -220,9 +220,15 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     async def wait_job(
         job_id: str,
         request: Request,
-        timeout_s: Annotated[float, Query(ge=0, le=settings.max_wait_s)] = settings.default_wait_s,
+        timeout_s: Annotated[float | None, Query(ge=0, description="Seconds; default PTC_DEFAULT_WAIT_S.")] = None,
     ) -> Response:
         """Block until the job ends or ``timeout_s`` passes; answers the view then."""
+        if timeout_s is None:
+            timeout_s = settings.default_wait_s
+        if timeout_s > settings.max_wait_s:
+            raise RequestLimitError(
+                f"timeout_s = {timeout_s} exceeds the server maximum of {settings.max_wait_s}", ("query", "timeout_s")
+            )
         return json_view(await jobs_of(request).wait(job_id, timeout_s))
 
     @app.post("/jobs/{job_id}/stop", response_model=JobView, responses={404: {}})

@@ -1,0 +1,303 @@
+"""Background jobs: wait budget and 202, offsets, wait, stop, listing, store durability, backpressure, callbacks, SSE."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import docker
+import httpx
+import pytest
+
+from service.callbacks import SIGNATURE_HEADER, verify
+from tests.conftest import Service, execute, labelled_containers, start_service
+
+TICKER = "import time\nfor i in range(15):\n    print(f'tick {i}', flush=True)\n    time.sleep(0.2)\n"
+
+
+def test_wait_zero_answers_202_and_offsets_reassemble_the_output(api: httpx.Client) -> None:
+    started = time.monotonic()
+    response = api.post("/execute", json={"script": TICKER, "wait_s": 0})
+    assert response.status_code == 202
+    assert time.monotonic() - started < 1
+    job = response.json()
+    assert job["status"] in ("queued", "running")
+    job_id, offset, pieces, polls = job["job_id"], 0, [], 0
+    while True:
+        view = api.get(f"/jobs/{job_id}", params={"stdout_offset": offset}).json()
+        assert view["stdout_offset"] == offset
+        pieces.append(view["stdout"])
+        offset = view["stdout_next_offset"]
+        polls += 1
+        if view["status"] not in ("queued", "running") and offset == view["stdout_bytes"]:
+            break
+        time.sleep(0.1)
+    assert "".join(pieces) == "".join(f"tick {i}\n" for i in range(15))
+    assert polls > 3  # it really was read while running
+    final = api.post(f"/jobs/{job_id}/wait", params={"timeout_s": 10}).json()
+    assert final["status"] == "succeeded"
+
+
+def test_wait_returns_at_its_timeout_while_the_job_runs_on(api: httpx.Client) -> None:
+    job = api.post("/execute", json={"script": "import time\ntime.sleep(2)\nprint('end')", "wait_s": 0.2}).json()
+    assert job["status"] in ("queued", "running")
+    started = time.monotonic()
+    view = api.post(f"/jobs/{job['job_id']}/wait", params={"timeout_s": 0.5}).json()
+    assert 0.4 < time.monotonic() - started < 1.5
+    assert view["status"] == "running"
+    waiters = ThreadPoolExecutor(4)
+    views = list(
+        waiters.map(lambda _: api.post(f"/jobs/{job['job_id']}/wait", params={"timeout_s": 20}).json(), range(4))
+    )
+    assert {v["status"] for v in views} == {"succeeded"}
+    assert {v["stdout"] for v in views} == {"end\n"}
+
+
+def test_stop_ends_a_script_that_ignores_sigterm_and_has_a_child(
+    api: httpx.Client, engine: docker.DockerClient, service: Service
+) -> None:
+    script = (
+        "import signal, subprocess, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "child = subprocess.Popen(['sleep', '300'])\n"
+        "print('ready', flush=True)\n"
+        "while True:\n    time.sleep(1)\n"
+    )
+    job = api.post("/execute", json={"script": script, "wait_s": 0}).json()
+    deadline = time.monotonic() + 20
+    while api.get(f"/jobs/{job['job_id']}").json()["stdout"] != "ready\n":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    started = time.monotonic()
+    stopped = api.post(f"/jobs/{job['job_id']}/stop").json()
+    assert time.monotonic() - started < 3
+    assert stopped["status"] == "stopped"
+    assert stopped["error"]["type"] == "stopped"
+    assert [
+        c
+        for c in labelled_containers(engine, service.instance_id)
+        if c.labels.get("io.ptc-sandbox.job") == job["job_id"]
+    ] == []
+    again = api.post(f"/jobs/{job['job_id']}/stop")
+    assert again.status_code == 200
+    assert again.json() == stopped
+
+
+def test_stop_on_an_ended_job_returns_the_final_view_unchanged(api: httpx.Client) -> None:
+    view = execute(api, "print('x')")
+    response = api.post(f"/jobs/{view['job_id']}/stop")
+    assert response.status_code == 200
+    assert response.json() == view
+
+
+@pytest.mark.parametrize("route", ["/jobs/job_nope", "/jobs/job_nope/events", "/jobs/job_nope/output/stdout"])
+def test_unknown_jobs_are_404_problems(api: httpx.Client, route: str) -> None:
+    response = api.get(route)
+    assert response.status_code == 404
+    assert response.headers["content-type"] == "application/problem+json"
+    for action in ("wait", "stop"):
+        assert api.post(f"/jobs/job_nope/{action}").status_code == 404
+
+
+def test_full_output_is_kept_past_the_inline_cap_and_read_by_range(api: httpx.Client) -> None:
+    script = "import sys\nfor i in range(20000):\n    sys.stdout.write('%09d\\n' % i)\n"
+    view = execute(api, script, limits={"output_bytes": 2048})
+    assert view["stdout_truncated"] and view["stdout_bytes"] == 200_000 == view["stdout_retained_bytes"]
+    raw = api.get(f"/jobs/{view['job_id']}/output/stdout", params={"offset": 100_000, "length": 20}).content
+    assert raw == b"000010000\n000010001\n"
+    whole = b""
+    offset = 0
+    while offset < view["stdout_bytes"]:
+        page = api.get(f"/jobs/{view['job_id']}", params={"stdout_offset": offset}).json()
+        whole += page["stdout"].encode()
+        offset = page["stdout_next_offset"]
+    assert whole == b"".join(b"%09d\n" % i for i in range(20000))
+
+
+def test_list_filters_and_pages(api: httpx.Client) -> None:
+    marker = secrets.token_hex(4)
+    ids = [execute(api, f"print({i})", metadata={"marker": marker})["job_id"] for i in range(3)]
+    failed = execute(api, "raise SystemExit(2)", metadata={"marker": marker})["job_id"]
+    created_after = api.get(f"/jobs/{ids[0]}").json()["created_at"]
+    first = api.get("/jobs", params={"created_after": created_after, "limit": 2}).json()
+    assert [j["job_id"] for j in first["jobs"]] == [failed, ids[2]]
+    second = api.get("/jobs", params={"created_after": created_after, "limit": 2, "cursor": first["next_cursor"]})
+    assert [j["job_id"] for j in second.json()["jobs"]] == [ids[1]]
+    assert second.json()["next_cursor"] is None
+    only_failed = api.get("/jobs", params={"status": "failed", "created_after": created_after}).json()
+    assert [j["job_id"] for j in only_failed["jobs"]] == [failed]
+    assert only_failed["jobs"][0]["exit_code"] == 2 and only_failed["jobs"][0]["metadata"] == {"marker": marker}
+    assert api.get("/jobs", params={"cursor": "garbage"}).status_code == 422
+    assert api.get("/jobs", params={"status": "nonsense"}).status_code == 422
+
+
+def test_events_stream_shows_every_call_and_the_final_status(api: httpx.Client) -> None:
+    tools = [{"name": "ping", "parameters": {"properties": {"i": {"type": "integer"}}}, "endpoint": {"kind": "echo"}}]
+    script = (
+        "import time, tools\nfor i in range(5):\n    tools.ping(i=i)\n    print(i, flush=True)\n    time.sleep(0.2)\n"
+    )
+    job = api.post("/execute", json={"script": script, "tools": tools, "wait_s": 0}).json()
+    events: list[tuple[str, Any]] = []
+    with api.stream("GET", f"/jobs/{job['job_id']}/events", timeout=30) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        event = None
+        for line in response.iter_lines():
+            if line.startswith("event:"):
+                event = line.split(":", 1)[1].strip()
+            elif line.startswith("data:") and event:
+                events.append((event, json.loads(line.split(":", 1)[1])))
+                if event == "end":
+                    break
+    kinds = [e for e, _ in events]
+    assert kinds[0] == "status" and kinds[-1] == "end"
+    assert [d["args"]["i"] for e, d in events if e == "call"] == [0, 1, 2, 3, 4]
+    assert "".join(d["text"] for e, d in events if e == "stdout") == "0\n1\n2\n3\n4\n"
+    assert events[-1][1]["status"] == "succeeded"
+    assert ("status", {"status": "succeeded"}) in events
+    # an ended job replays everything at once
+    replay = api.get(f"/jobs/{job['job_id']}/events", timeout=10).text
+    assert replay.count("event: call") == 5 and "event: end" in replay
+
+
+def test_restart_keeps_ended_jobs_and_marks_running_ones_lost(engine: docker.DockerClient, scratch: Path) -> None:
+    instance = f"pytest-durable-{secrets.token_hex(4)}"
+    first = start_service(instance, scratch / "durable")
+    tools = [{"name": "t", "endpoint": {"kind": "echo"}}]
+    with first.client() as api:
+        ended = [execute(api, f"import tools\ntools.t()\nprint({i})", tools) for i in range(3)]
+        ended.append(execute(api, "raise ValueError('x')"))
+        running = api.post("/execute", json={"script": "import time\ntime.sleep(60)", "wait_s": 0}).json()
+        deadline = time.monotonic() + 20
+        while api.get(f"/jobs/{running['job_id']}").json()["status"] != "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    first.process.send_signal(signal.SIGKILL)
+    first.process.wait()
+    second = start_service(instance, scratch / "durable")
+    try:
+        with second.client() as api:
+            for view in ended:
+                assert api.get(f"/jobs/{view['job_id']}").json() == view
+            lost = api.get(f"/jobs/{running['job_id']}").json()
+            assert lost["status"] == "lost"
+            assert lost["error"]["type"] == "service_restarted" and "running" in lost["error"]["message"]
+            assert lost["ended_at"] is not None
+        assert labelled_containers(engine, instance) == []
+    finally:
+        second.stop()
+
+
+def test_backpressure_admits_cap_plus_queue_and_refuses_the_rest(scratch: Path) -> None:
+    svc = start_service("pytest-queue", scratch / "queue", PTC_MAX_CONCURRENT_SANDBOXES="2", PTC_MAX_QUEUE="2")
+    try:
+        with svc.client() as api, ThreadPoolExecutor(10) as pool:
+            body = {"script": "import time\ntime.sleep(3)\nprint('ok')", "wait_s": 0}
+            responses = list(pool.map(lambda _: api.post("/execute", json=body), range(10)))
+            accepted = [r.json() for r in responses if r.status_code == 202]
+            refused = [r for r in responses if r.status_code == 429]
+            assert len(accepted) == 4 and len(refused) == 6
+            assert all(r.headers["Retry-After"] == "2" for r in refused)
+            assert refused[0].headers["content-type"] == "application/problem+json"
+            time.sleep(1)
+            statuses = sorted(api.get(f"/jobs/{j['job_id']}").json()["status"] for j in accepted)
+            assert statuses == ["queued", "queued", "running", "running"]
+            finals = [api.post(f"/jobs/{j['job_id']}/wait", params={"timeout_s": 30}).json() for j in accepted]
+            assert [f["status"] for f in finals] == ["succeeded"] * 4
+            assert all(f["stdout"] == "ok\n" for f in finals)
+            assert sum(f["queue_ms"] > 2000 for f in finals) == 2
+    finally:
+        svc.stop()
+
+
+class Receiver:
+    """A callback receiver on 127.0.0.1 that answers 500 to the first ``failures`` deliveries."""
+
+    def __init__(self, failures: int) -> None:
+        self.deliveries: list[tuple[int, dict[str, str], bytes]] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"]))
+                status = 500 if len(receiver.deliveries) < failures else 204
+                receiver.deliveries.append((status, dict(self.headers), body))
+                self.send_response(status)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver(failures=2)
+    yield r
+    r.httpd.shutdown()
+
+
+def test_callback_is_retried_and_signed(scratch: Path, receiver: Receiver) -> None:
+    secret = "s3cret-for-tests"
+    svc = start_service(
+        "pytest-callback", scratch / "callback", PTC_CALLBACK_SECRET=secret, PTC_CALLBACK_BACKOFF_S="0.2"
+    )
+    try:
+        with svc.client() as api:
+            view = execute(api, "print('done')", callback_url=receiver.url)
+            deadline = time.monotonic() + 20
+            while len(receiver.deliveries) < 3:
+                assert time.monotonic() < deadline, receiver.deliveries
+                time.sleep(0.1)
+            statuses = [status for status, _, _ in receiver.deliveries]
+            assert statuses == [500, 500, 204]
+            _, headers, body = receiver.deliveries[2]
+            assert verify(secret.encode(), headers[SIGNATURE_HEADER], body)
+            assert not verify(b"wrong", headers[SIGNATURE_HEADER], body)
+            delivered = json.loads(body)
+            assert (delivered["job_id"], delivered["status"], delivered["stdout"]) == (
+                view["job_id"],
+                "succeeded",
+                "done\n",
+            )
+            deadline = time.monotonic() + 5
+            while api.get(f"/jobs/{view['job_id']}").json()["callback"]["state"] != "delivered":
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            attempts = api.get(f"/jobs/{view['job_id']}").json()["callback"]["attempts"]
+            assert [a["status_code"] for a in attempts] == [500, 500, 204]
+    finally:
+        svc.stop()
+
+
+def test_callback_url_needs_a_configured_secret(api: httpx.Client) -> None:
+    response = api.post("/execute", json={"script": "print(1)", "callback_url": "http://127.0.0.1:9/x"})
+    assert response.status_code == 422
+    assert response.json()["detail"].startswith("callback_url")
+
+
+def test_ended_jobs_are_purged_after_the_retention(scratch: Path) -> None:
+    svc = start_service("pytest-retention", scratch / "retention", PTC_JOB_RETENTION_S="1", PTC_PURGE_INTERVAL_S="0.5")
+    try:
+        with svc.client() as api:
+            view = execute(api, "print('bye')")
+            output = svc.work_dir / "output" / view["job_id"]
+            assert (output / "stdout").read_bytes() == b"bye\n"
+            deadline = time.monotonic() + 10
+            while api.get(f"/jobs/{view['job_id']}").status_code != 404:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            assert not output.exists()
+    finally:
+        svc.stop()
