@@ -1,4 +1,4 @@
-"""Background jobs: wait budget and 202, offsets, wait, stop, listing, store durability, backpressure, callbacks, SSE."""
+"""Background jobs: wait budget, offsets, wait, stop, listing, durability, backpressure, callbacks, SSE."""
 
 from __future__ import annotations
 
