@@ -42,7 +42,7 @@ async def fill(path: Path, template: StoredJob, count: int) -> list[str]:
         ids.append(job_id)
     total = await store.count()
     await store.close()
-    print(f"store: {total} jobs in {path} ({path.stat().st_size / 1e6:.0f} MB)")
+    print(f"store: {total} jobs in {path}")
     return ids
 
 
