@@ -305,14 +305,20 @@ class JobManager:
         self._admitted += 1  # counted before the first await, so admission is exact under concurrency
         try:
             manifest = await self._manifests.compile(request.tools)
+            job = self._new_job(limits, request)
         except BaseException:
             self._admitted -= 1
             raise
+        self._live[job.id] = job
+        self._spawn(self._run(job, request, manifest), f"job {job.id}")
+        return job
+
+    def _new_job(self, limits: ResolvedLimits, request: ExecuteRequest) -> Job:
         job_id = "job_" + secrets.token_hex(12)
         output_dir = self._output_dir / job_id
         output_dir.mkdir(mode=0o700)
         retain, inline = self._settings.output_retention_bytes, limits.output_bytes
-        job = Job(
+        return Job(
             id=job_id,
             limits=limits,
             metadata=request.metadata,
@@ -322,9 +328,6 @@ class JobManager:
             stderr=OutputLog(output_dir / "stderr", inline, retain),
             loop=asyncio.get_running_loop(),
         )
-        self._live[job.id] = job
-        self._spawn(self._run(job, request, manifest), f"job {job.id}")
-        return job
 
     def _prepare_dir(self, job: Job, script: str, manifest: CompiledManifest) -> Path:
         job_dir = self._jobs_dir / job.id
