@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service import __version__
 from service.errors import (
     EngineUnavailable,
+    InvalidField,
     JobNotFound,
     ManifestError,
     QueueFull,
@@ -30,7 +31,7 @@ from service.errors import (
 )
 from service.jobs import JobManager, view_bytes
 from service.sandbox.base import SandboxBackend, Stream
-from service.schemas import ExecuteRequest, JobList, JobStatus, JobView
+from service.schemas import CallRecord, ExecuteRequest, JobList, JobStatus, JobView
 from service.settings import Settings
 from service.store import InvalidCursor, JobQuery, SQLiteJobStore
 from service.toolkit.endpoints import EndpointClients
@@ -123,10 +124,13 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         jobs = JobManager(settings, backend, endpoints, store)
         await jobs.start()
         app.state.jobs, app.state.backend = jobs, backend
+        ok, reason = await backend.ready(settings.sandbox_image)
+        if not ok:
+            log.warning("not ready yet: %s (GET /readyz answers 503 until this is fixed)", reason)
         log.info(
             "ptc-sandbox %s ready: instance %s, image %s, store %s",
             __version__,
-            settings.instance_id,
+            settings.instance(),
             settings.sandbox_image,
             settings.job_store_path(),
         )
@@ -188,7 +192,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         try:
             jobs, next_cursor = await jobs_of(request).page(query)
         except InvalidCursor as exc:
-            raise RequestLimitError(str(exc), ("query", "cursor")) from exc
+            raise InvalidField(f"cursor: {exc}", ("query", "cursor")) from exc
         return JobList(jobs=jobs, next_cursor=next_cursor)
 
     @app.get("/jobs/{job_id}", response_model=JobView, responses={404: {}})
@@ -245,7 +249,12 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
 
         async def stream() -> AsyncIterator[dict[str, str]]:
             async for event, data in manager.events(job_id):
-                payload = view_bytes(data) if event == "end" else orjson.dumps(data, default=str)
+                if event == "end":
+                    payload = view_bytes(data)
+                elif event == "call":
+                    payload = CallRecord.model_validate(data).model_dump_json().encode()
+                else:
+                    payload = orjson.dumps(data)
                 yield {"event": event, "data": payload.decode()}
 
         return EventSourceResponse(stream(), ping=15)
@@ -299,11 +308,11 @@ def _install_error_handlers(app: FastAPI) -> None:
             errors=[{"loc": list(exc.loc), "msg": str(exc), "type": "manifest"}],
         )
 
-    @app.exception_handler(RequestLimitError)
-    async def over_limit(_: Request, exc: RequestLimitError) -> Response:
+    @app.exception_handler(InvalidField)
+    async def invalid_field(_: Request, exc: InvalidField) -> Response:
         return problem(
             422,
-            "Limit exceeds the server maximum",
+            "Limit exceeds the server maximum" if isinstance(exc, RequestLimitError) else "Invalid request",
             str(exc),
             errors=[{"loc": list(exc.loc), "msg": str(exc), "type": "limit"}],
         )

@@ -35,8 +35,13 @@ def sign(secret: bytes, timestamp: int, body: bytes) -> str:
     return f"t={timestamp},v1={digest}"
 
 
-def verify(secret: bytes, header: str, body: bytes, tolerance_s: float = 300) -> bool:
-    """Check an ``X-PTC-Signature`` header (constant-time); False when wrong or older than ``tolerance_s``."""
+def verify(secret: bytes | str, header: str, body: bytes, tolerance_s: float = 300) -> bool:
+    """Check an ``X-PTC-Signature`` header (constant-time); False when wrong or older than ``tolerance_s``.
+
+    ``secret`` is ``PTC_CALLBACK_SECRET`` (str, UTF-8) or its bytes; ``body`` the raw request body.
+    """
+    if isinstance(secret, str):
+        secret = secret.encode()
     try:
         fields = dict(part.split("=", 1) for part in header.split(","))
         timestamp = int(fields["t"])

@@ -4,7 +4,9 @@
 
     PtcError
     ├── ManifestError        a tool manifest entry is unusable          -> 422
-    ├── RequestLimitError    a request asks past a server maximum       -> 422
+    ├── InvalidField         a field the service cannot use             -> 422
+    │   └── RequestLimitError  a request asks past a server maximum     -> 422
+    ├── WorkDirBusy          another instance holds the work dir        (start-up)
     ├── JobNotFound          no job with that id                         -> 404
     ├── QueueFull            all sandbox slots busy and the queue full   -> 429
     └── SandboxError         the engine failed us (not the script)      -> 503
@@ -30,12 +32,20 @@ class ManifestError(PtcError):
         self.loc = loc
 
 
-class RequestLimitError(PtcError):
-    """A request field exceeds what the server allows; ``loc`` names the field."""
+class InvalidField(PtcError):
+    """A request field the models accept but the service cannot use; ``loc`` names the field."""
 
     def __init__(self, message: str, loc: tuple[str | int, ...] = ()) -> None:
         super().__init__(message)
         self.loc = loc
+
+
+class RequestLimitError(InvalidField):
+    """A request field exceeds what the server allows."""
+
+
+class WorkDirBusy(PtcError):
+    """Another running instance holds the work dir."""
 
 
 class JobNotFound(PtcError):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import secrets
@@ -40,7 +41,15 @@ import orjson
 
 from service import callbacks
 from service.broker import Broker
-from service.errors import EngineUnavailable, JobNotFound, QueueFull, RequestLimitError, SandboxError
+from service.errors import (
+    EngineUnavailable,
+    InvalidField,
+    JobNotFound,
+    QueueFull,
+    RequestLimitError,
+    SandboxError,
+    WorkDirBusy,
+)
 from service.output import OutputLog, decode_slice, read_range
 from service.sandbox.base import ExitStatus, SandboxBackend, SandboxHandle, SandboxSpec, Stream
 from service.schemas import TERMINAL_STATUSES, ExecuteRequest, JobSummary, JobView
@@ -56,7 +65,7 @@ LABEL_JOB = "io.ptc-sandbox.job"
 LABEL_MANAGED = "io.ptc-sandbox.managed"
 KILL_WAIT_S = 30.0
 STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
-SLICE_BYTES_MAX = 1024 * 1024
+SLICE_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -207,24 +216,30 @@ class JobManager:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._jobs_dir = settings.work_dir / "jobs"
         self._output_dir = settings.work_dir / "output"
-        self._instance_labels = {LABEL_MANAGED: "1", LABEL_INSTANCE: settings.instance_id}
+        self._instance = settings.instance()
+        self._instance_labels = {LABEL_MANAGED: "1", LABEL_INSTANCE: self._instance}
         self._http = httpx.AsyncClient(follow_redirects=False)
         self._manifests = ManifestCache()
 
     # -- start-up, shutdown, retention ---------------------------------------------------------
 
     async def start(self) -> None:
-        """Reconcile what a previous run of this instance left: sandboxes, job folders, unfinished jobs."""
+        """Lock the work dir, then reconcile what a previous run left: sandboxes, job folders, unfinished jobs.
+
+        Raises:
+            WorkDirBusy: another running instance holds the work dir.
+        """
+        self._lock_work_dir()
         try:
             removed = await self._backend.remove_labelled(self._instance_labels)
         except SandboxError as exc:
-            log.warning("could not sweep sandboxes of instance %s: %s", self._settings.instance_id, exc)
+            log.warning("could not sweep sandboxes of instance %s: %s", self._instance, exc)
             removed = 0
         if removed:
             log.warning(
                 "removed %d sandbox(es) left behind by an earlier run of instance %s",
                 removed,
-                self._settings.instance_id,
+                self._instance,
             )
         if self._jobs_dir.exists():
             shutil.rmtree(self._jobs_dir, ignore_errors=True)
@@ -233,7 +248,7 @@ class JobManager:
         for folder in (self._settings.work_dir, self._jobs_dir):
             os.chmod(folder, 0o755)
         os.chmod(self._output_dir, 0o700)
-        for stored in await self._store.unfinished(self._settings.instance_id):
+        for stored in await self._store.unfinished(self._instance):
             view = orjson.loads(stored.view)
             ended = _now()
             view.update(
@@ -251,6 +266,24 @@ class JobManager:
             )
             log.warning("job %s was %s when the service last stopped: marked lost", stored.job_id, stored.status)
         self._spawn(self._purge_loop(), "retention purge")
+
+    def _lock_work_dir(self) -> None:
+        """Hold an exclusive lock on ``work_dir/.lock`` for the process's life (the kernel drops it on any exit)."""
+        work_dir = self._settings.work_dir
+        work_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(work_dir / ".lock", "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise WorkDirBusy(
+                f"another ptc-sandbox instance is using {work_dir}; give this one its own PTC_WORK_DIR"
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        self._lock_file = lock
 
     async def close(self) -> None:
         """Stop every job still running (each removes its sandbox and is saved as lost) and background work."""
@@ -296,7 +329,7 @@ class JobManager:
         """
         limits = resolve_limits(request, self._settings)
         if request.callback_url and self._settings.callback_secret is None:
-            raise RequestLimitError(
+            raise InvalidField(
                 "callback_url needs the server setting PTC_CALLBACK_SECRET (callbacks are always signed)",
                 ("body", "callback_url"),
             )
@@ -353,9 +386,7 @@ class JobManager:
                 error={"type": "internal_error", "message": "the job's output or calls could not be encoded"},
             )
             data = view_bytes(view)
-        await self._store.put(
-            StoredJob(job.id, job.status, self._settings.instance_id, job.created_at, job.ended_at, data)
-        )
+        await self._store.put(StoredJob(job.id, job.status, self._instance, job.created_at, job.ended_at, data))
 
     async def _set_status(self, job: Job, status: str) -> None:
         job.status = status
@@ -584,11 +615,13 @@ class JobManager:
         return view
 
     async def _slice(self, view: dict[str, Any], stream: Stream, offset: int) -> None:
-        """Put the stream's bytes from ``offset`` (up to the inline cap, at most 1 MiB) into ``view``."""
+        """Put the stream's retained bytes from ``offset`` (at most ``SLICE_BYTES``) into ``view``.
+
+        ``<stream>_truncated`` then says whether retained bytes follow the slice.
+        """
         final = view["status"] in TERMINAL_STATUSES
-        inline_cap = max(len(view[stream].encode()), 64 * 1024)
-        length = min(SLICE_BYTES_MAX, inline_cap)
-        data = await asyncio.to_thread(read_range, self._output_dir / view["job_id"] / stream, offset, length)
+        path = self._output_dir / view["job_id"] / stream
+        data = await asyncio.to_thread(read_range, path, offset, SLICE_BYTES)
         text, consumed, invalid = decode_slice(data, final=final)
         view[stream] = text
         view[f"{stream}_offset"] = offset

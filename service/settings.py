@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from pathlib import Path
@@ -22,10 +23,11 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="Address the HTTP server binds to.")
     port: int = Field(8080, description="Port the HTTP server listens on.")
-    instance_id: str = Field(
-        default_factory=socket.gethostname,
+    instance_id: str | None = Field(
+        None,
         description="Name of this service instance; labels its containers so that a restart can sweep "
-        "what a crashed run left behind. Default: the host name.",
+        "what a crashed run left behind. Default: the host name and a hash of the work dir, so instances with "
+        "their own work dirs never sweep each other's sandboxes.",
     )
     docker_host: str | None = Field(
         None,
@@ -99,6 +101,13 @@ class Settings(BaseSettings):
         0.5, gt=0, description="First retry delay of a callback; doubles per attempt, at most 60 s (s)."
     )
     callback_timeout_s: float = Field(10, gt=0, description="Time limit of one callback delivery (s).")
+
+    def instance(self) -> str:
+        """``instance_id``, or ``<host name>-<8 hex of the work dir's path>``."""
+        if self.instance_id:
+            return self.instance_id
+        digest = hashlib.sha256(str(self.work_dir.resolve()).encode()).hexdigest()[:8]
+        return f"{socket.gethostname()}-{digest}"
 
     def job_store_path(self) -> Path:
         """Where the SQLite store lives (``store_path`` or ``work_dir/jobs.sqlite3``)."""

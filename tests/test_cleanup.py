@@ -10,6 +10,7 @@ from pathlib import Path
 
 import docker
 import httpx
+import pytest
 
 from tests.conftest import IMAGE, LABEL_INSTANCE, labelled_containers, start_service
 
@@ -72,3 +73,34 @@ def test_graceful_stop_removes_running_sandboxes(engine: docker.DockerClient, sc
     svc.stop()
     worker.join(30)
     assert labelled_containers(engine, instance) == []
+
+
+def test_a_second_instance_cannot_share_a_work_dir(scratch: Path) -> None:
+    first = start_service(f"pytest-{secrets.token_hex(4)}", scratch / "shared")
+    try:
+        with pytest.raises(RuntimeError, match="another ptc-sandbox instance is using"):
+            start_service(f"pytest-{secrets.token_hex(4)}", scratch / "shared")
+        assert first.process.poll() is None
+    finally:
+        first.stop()
+
+
+def test_default_instance_ids_differ_by_work_dir(engine: docker.DockerClient, scratch: Path) -> None:
+    """Two instances left at their default instance id never sweep each other's sandboxes."""
+    first = start_service("", scratch / "default-a", PTC_INSTANCE_ID="")
+    try:
+        worker = threading.Thread(
+            target=lambda: httpx.post(
+                f"{first.url}/execute", json={"script": "import time\ntime.sleep(4)\nprint('ok')"}, timeout=30
+            )
+        )
+        worker.start()
+        time.sleep(1.5)
+        second = start_service("", scratch / "default-b", PTC_INSTANCE_ID="")
+        second.stop()
+        worker.join(30)
+        with first.client() as api:
+            [job] = api.get("/jobs").json()["jobs"]
+            assert (job["status"], job["exit_code"]) == ("succeeded", 0)
+    finally:
+        first.stop()
