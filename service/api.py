@@ -276,10 +276,13 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
 
 
 def _utc(value: datetime | None) -> datetime | None:
-    """A query datetime in UTC (naive ones are taken as UTC)."""
+    """A query datetime in UTC (naive ones are taken as UTC); raises InvalidField when it has no UTC equivalent."""
     if value is None:
         return None
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    try:
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    except OverflowError:
+        raise InvalidField(f"{value.isoformat()} is outside the range of UTC datetimes", ("query",)) from None
 
 
 def _install_error_handlers(app: FastAPI) -> None:

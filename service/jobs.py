@@ -50,7 +50,7 @@ from service.errors import (
     SandboxError,
     WorkDirBusy,
 )
-from service.output import OutputLog, decode_slice, read_range
+from service.output import CappedStream, OutputLog, decode_slice, read_range
 from service.sandbox.base import ExitStatus, SandboxBackend, SandboxHandle, SandboxSpec, Stream
 from service.schemas import TERMINAL_STATUSES, ExecuteRequest, JobSummary, JobView
 from service.settings import Settings
@@ -66,6 +66,7 @@ LABEL_MANAGED = "io.ptc-sandbox.managed"
 KILL_WAIT_S = 30.0
 STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
 SLICE_BYTES = 1024 * 1024
+CALLBACK_DELIVERIES = 32
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,23 @@ def view_bytes(view: dict[str, Any]) -> bytes:
     return JobView.model_validate(view).model_dump_json().encode()
 
 
+def stored_job(view: dict[str, Any], instance_id: str) -> StoredJob:
+    """The store's row for a job view (its columns, summary and callback flag all derived from the view)."""
+    model = JobView.model_validate(view)
+    summary = JobSummary.model_validate({**model.model_dump(), "calls": len(model.calls)})
+    pending = model.callback is not None and model.callback.state == "pending" and model.ended_at is not None
+    return StoredJob(
+        job_id=model.job_id,
+        status=model.status,
+        instance_id=instance_id,
+        created_at=model.created_at,
+        ended_at=model.ended_at,
+        view=model.model_dump_json().encode(),
+        summary=summary.model_dump_json().encode(),
+        callback_pending=pending,
+    )
+
+
 class JobManager:
     """Runs jobs in sandboxes, at most ``settings.concurrency()`` at once, and keeps them in the store.
 
@@ -218,7 +236,8 @@ class JobManager:
         self._output_dir = settings.work_dir / "output"
         self._instance = settings.instance()
         self._instance_labels = {LABEL_MANAGED: "1", LABEL_INSTANCE: self._instance}
-        self._http = httpx.AsyncClient(follow_redirects=False)
+        self._http = httpx.AsyncClient(follow_redirects=False, limits=httpx.Limits(max_connections=CALLBACK_DELIVERIES))
+        self._callback_slots = asyncio.Semaphore(CALLBACK_DELIVERIES)
         self._manifests = ManifestCache()
 
     # -- start-up, shutdown, retention ---------------------------------------------------------
@@ -245,27 +264,55 @@ class JobManager:
             shutil.rmtree(self._jobs_dir, ignore_errors=True)
         for folder in (self._jobs_dir, self._output_dir):
             folder.mkdir(parents=True, exist_ok=True)
-        for folder in (self._settings.work_dir, self._jobs_dir):
-            os.chmod(folder, 0o755)
-        os.chmod(self._output_dir, 0o700)
+        # Only root (the service) enters the work dir: the engine mounts job folders into sandboxes itself.
+        os.chmod(self._settings.work_dir, 0o700)
         for stored in await self._store.unfinished(self._instance):
-            view = orjson.loads(stored.view)
-            ended = _now()
-            view.update(
-                status="lost",
-                ended_at=ended,
-                error={
-                    "type": "service_restarted",
-                    "message": "the service stopped while the job was "
-                    f"{stored.status}; its sandbox was removed when it started again",
-                },
-                duration_ms=_ms(datetime.fromisoformat(view["started_at"]) if view.get("started_at") else None, ended),
-            )
-            await self._store.put(
-                StoredJob(stored.job_id, "lost", stored.instance_id, stored.created_at, ended, view_bytes(view))
-            )
-            log.warning("job %s was %s when the service last stopped: marked lost", stored.job_id, stored.status)
+            await self._mark_lost(stored)
+        for stored in await self._store.callbacks_pending(self._instance):
+            self._spawn(self._deliver_callback(stored.job_id), f"callback {stored.job_id}")
         self._spawn(self._purge_loop(), "retention purge")
+
+    async def _mark_lost(self, stored: StoredJob) -> None:
+        """End a job a previous run left unfinished: status ``lost``, its output as far as it was kept."""
+        view = orjson.loads(stored.view)
+        ended = _now()
+        started = datetime.fromisoformat(view["started_at"]) if view.get("started_at") else None
+        for stream in STREAMS:
+            path = self._output_dir / stored.job_id / stream
+            data = await asyncio.to_thread(read_range, path, 0, self._settings.output_retention_bytes)
+            size = len(data)
+            inline = CappedStream(max(len(view[stream].encode()), 64 * 1024))
+            inline.write(data)
+            rendered = inline.render()
+            view.update(
+                {
+                    stream: rendered.text,
+                    f"{stream}_truncated": rendered.truncated,
+                    f"{stream}_invalid_utf8": rendered.invalid_utf8,
+                    f"{stream}_bytes": max(view[f"{stream}_bytes"], size),
+                    f"{stream}_retained_bytes": size,
+                    f"{stream}_next_offset": max(view[f"{stream}_bytes"], size),
+                }
+            )
+        view.update(
+            status="lost",
+            ended_at=ended,
+            error={
+                "type": "service_restarted",
+                "message": f"the service stopped while the job was {stored.status}; "
+                "its sandbox was removed when it started again",
+            },
+            duration_ms=_ms(started, ended),
+            queue_ms=_ms(datetime.fromisoformat(view["created_at"]), started or ended),
+            calls=[c for c in view["calls"] if c["status"] != "pending"]
+            + [
+                {**c, "status": "error", "error": {"type": "cancelled", "message": "the service stopped"}}
+                for c in view["calls"]
+                if c["status"] == "pending"
+            ],
+        )
+        await self._store.put(stored_job(view, stored.instance_id))
+        log.warning("job %s was %s when the service last stopped: marked lost", stored.job_id, stored.status)
 
     def _lock_work_dir(self) -> None:
         """Hold an exclusive lock on ``work_dir/.lock`` for the process's life (the kernel drops it on any exit)."""
@@ -376,7 +423,7 @@ class JobManager:
     async def _save(self, job: Job) -> None:
         view = job.view_dict()
         try:
-            data = view_bytes(view)
+            row = stored_job(view, self._instance)
         except ValueError:  # a view that cannot be encoded must still be saved: keep what can be
             log.exception("job %s: its view cannot be encoded; saving it without output and calls", job.id)
             view.update(
@@ -385,8 +432,8 @@ class JobManager:
                 calls=[],
                 error={"type": "internal_error", "message": "the job's output or calls could not be encoded"},
             )
-            data = view_bytes(view)
-        await self._store.put(StoredJob(job.id, job.status, self._instance, job.created_at, job.ended_at, data))
+            row = stored_job(view, self._instance)
+        await self._store.put(row)
 
     async def _set_status(self, job: Job, status: str) -> None:
         job.status = status
@@ -549,9 +596,16 @@ class JobManager:
     # -- callbacks -----------------------------------------------------------------------------
 
     async def _deliver_callback(self, job_id: str) -> None:
+        """Deliver the job's completion callback (at most ``CALLBACK_DELIVERIES`` at once), saving each attempt."""
+        async with self._callback_slots:
+            await self._deliver_callback_now(job_id)
+
+    async def _deliver_callback_now(self, job_id: str) -> None:
         stored = await self._store.get(job_id)
         secret = self._settings.callback_secret
         if stored is None or secret is None:
+            if stored is not None:
+                log.warning("job %s: its callback cannot be sent: PTC_CALLBACK_SECRET is not set", job_id)
             return
         view = orjson.loads(stored.view)
         callback = view["callback"]
@@ -581,11 +635,7 @@ class JobManager:
             )
 
     async def _put_view(self, stored: StoredJob, view: dict[str, Any]) -> None:
-        await self._store.put(
-            StoredJob(
-                stored.job_id, stored.status, stored.instance_id, stored.created_at, stored.ended_at, view_bytes(view)
-            )
-        )
+        await self._store.put(stored_job(view, stored.instance_id))
 
     # -- reading, waiting, stopping ------------------------------------------------------------
 
@@ -619,10 +669,10 @@ class JobManager:
 
         ``<stream>_truncated`` then says whether retained bytes follow the slice.
         """
-        final = view["status"] in TERMINAL_STATUSES
         path = self._output_dir / view["job_id"] / stream
         data = await asyncio.to_thread(read_range, path, offset, SLICE_BYTES)
-        text, consumed, invalid = decode_slice(data, final=final)
+        at_end = view["status"] in TERMINAL_STATUSES and offset + len(data) >= view[f"{stream}_retained_bytes"]
+        text, consumed, invalid = decode_slice(data, final=at_end)
         view[stream] = text
         view[f"{stream}_offset"] = offset
         view[f"{stream}_next_offset"] = offset + consumed
@@ -661,8 +711,11 @@ class JobManager:
         summaries = []
         for row in stored:
             live = self._live.get(row.job_id)
-            view = live.view_dict() if live is not None else orjson.loads(row.view)
-            summaries.append(JobSummary.model_validate({**view, "calls": len(view["calls"])}))
+            if live is not None:
+                view = live.view_dict()
+                summaries.append(JobSummary.model_validate({**view, "calls": len(view["calls"])}))
+            else:
+                summaries.append(JobSummary.model_validate_json(row.summary))
         return summaries, cursor
 
     async def count(self) -> int:
@@ -696,9 +749,10 @@ class JobManager:
                     yield "call", record
             ended = view["status"] in TERMINAL_STATUSES and (job is None or job.done.is_set())
             for stream in STREAMS:
-                while offsets[stream] < view[f"{stream}_retained_bytes"]:
+                retained = view[f"{stream}_retained_bytes"]
+                while offsets[stream] < retained:
                     data = await self.read_output(job_id, stream, offsets[stream], 64 * 1024)
-                    text, consumed, _ = decode_slice(data, final=ended)
+                    text, consumed, _ = decode_slice(data, final=ended and offsets[stream] + len(data) >= retained)
                     if not consumed:
                         break
                     yield stream, {"offset": offsets[stream], "text": text}

@@ -149,7 +149,7 @@ def read_range(path: Path, offset: int, length: int) -> bytes:
         with open(path, "rb") as f:
             f.seek(offset)
             return f.read(length)
-    except FileNotFoundError:
+    except (FileNotFoundError, OSError, OverflowError):  # no file, or an offset no file can have
         return b""
 
 

@@ -55,7 +55,7 @@ class Settings(BaseSettings):
     default_output_bytes: int = Field(
         64 * 1024, ge=1024, description="Inline cap per stream (bytes): head and tail kept."
     )
-    max_output_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest output_bytes a request may ask for.")
+    max_output_bytes: int = Field(1024 * 1024, ge=1024, description="Largest output_bytes a request may ask for.")
     default_tmp_mb: int = Field(64, ge=1, description="Size of the sandbox's tmpfs /tmp (MiB).")
     max_tmp_mb: int = Field(1024, ge=1, description="Largest tmp_mb a request may ask for (MiB).")
     file_size_mb: int = Field(64, ge=1, description="RLIMIT_FSIZE of sandbox processes (MiB).")

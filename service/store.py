@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import base64
+import os
 import sqlite3
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +39,9 @@ class StoredJob:
         instance_id: the service instance that ran it.
         created_at: UTC creation time.
         ended_at: UTC end time, None while it has not ended.
-        view: the job view as JSON bytes (the final view once ended).
+        view: the job view as JSON bytes (the final view once ended); empty in listings.
+        summary: the job's listing entry as JSON bytes (small: no output, no calls).
+        callback_pending: the job has ended and its completion callback is not yet delivered or given up.
     """
 
     job_id: str
@@ -47,6 +50,8 @@ class StoredJob:
     created_at: datetime
     ended_at: datetime | None
     view: bytes
+    summary: bytes
+    callback_pending: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,7 @@ class JobStore(abc.ABC):
 
     @abc.abstractmethod
     async def page(self, query: JobQuery) -> tuple[list[StoredJob], str | None]:
-        """A page of jobs (newest first) and the cursor of the next page (None at the end).
+        """A page of jobs (newest first, ``view`` left empty) and the cursor of the next page (None at the end).
 
         Raises:
             InvalidCursor: ``query.cursor`` is not one of this store's.
@@ -116,6 +121,10 @@ class JobStore(abc.ABC):
     @abc.abstractmethod
     async def unfinished(self, instance_id: str) -> list[StoredJob]:
         """Jobs of ``instance_id`` that were saved as not ended (for reconciliation at start-up)."""
+
+    @abc.abstractmethod
+    async def callbacks_pending(self, instance_id: str) -> list[StoredJob]:
+        """Ended jobs of ``instance_id`` whose completion callback still has to be delivered."""
 
     @abc.abstractmethod
     async def purge(self, ended_before: datetime) -> list[str]:
@@ -133,18 +142,22 @@ CREATE TABLE IF NOT EXISTS jobs (
     instance_id TEXT NOT NULL,
     created_at  TEXT NOT NULL,
     ended_at    TEXT,
-    view        BLOB NOT NULL
+    view        BLOB NOT NULL,
+    summary     BLOB NOT NULL,
+    callback_pending INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_by_created ON jobs (created_at DESC, job_id DESC);
 CREATE INDEX IF NOT EXISTS jobs_by_ended ON jobs (ended_at) WHERE ended_at IS NOT NULL;
 CREATE INDEX IF NOT EXISTS jobs_unfinished ON jobs (instance_id) WHERE ended_at IS NULL;
+CREATE INDEX IF NOT EXISTS jobs_callback_pending ON jobs (instance_id) WHERE callback_pending = 1;
 """
 
-_COLUMNS = "job_id, status, instance_id, created_at, ended_at, view"
+_COLUMNS = "job_id, status, instance_id, created_at, ended_at, view, summary, callback_pending"
+_SUMMARY_COLUMNS = "job_id, status, instance_id, created_at, ended_at, x'', summary, callback_pending"
 
 
-def _row(row: tuple[str, str, str, str, str | None, bytes]) -> StoredJob:
-    job_id, status, instance_id, created, ended, view = row
+def _row(row: tuple[str, str, str, str, str | None, bytes, bytes, int]) -> StoredJob:
+    job_id, status, instance_id, created, ended, view, summary, pending = row
     return StoredJob(
         job_id,
         status,
@@ -152,6 +165,8 @@ def _row(row: tuple[str, str, str, str, str | None, bytes]) -> StoredJob:
         datetime.fromisoformat(created),
         datetime.fromisoformat(ended) if ended else None,
         bytes(view),
+        bytes(summary),
+        bool(pending),
     )
 
 
@@ -182,6 +197,7 @@ class SQLiteJobStore(JobStore):
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("PRAGMA busy_timeout=5000")
             db.executescript(_SCHEMA)
+            os.chmod(self._path, 0o600)  # outputs, arguments and results: for the service only
             self._db = db
 
         await asyncio.get_running_loop().run_in_executor(self._thread, connect)
@@ -198,7 +214,7 @@ class SQLiteJobStore(JobStore):
     async def put(self, job: StoredJob) -> None:
         await self._run(
             lambda db: db.execute(
-                f"INSERT OR REPLACE INTO jobs ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
+                f"INSERT OR REPLACE INTO jobs ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     job.job_id,
                     job.status,
@@ -206,6 +222,8 @@ class SQLiteJobStore(JobStore):
                     job.created_at.isoformat(),
                     job.ended_at.isoformat() if job.ended_at else None,
                     job.view,
+                    job.summary,
+                    int(job.callback_pending),
                 ),
             )
         )
@@ -232,7 +250,7 @@ class SQLiteJobStore(JobStore):
             created, job_id = decode_cursor(query.cursor)
             where.append("(created_at, job_id) < (?, ?)")
             params += [created, job_id]
-        sql = f"SELECT {_COLUMNS} FROM jobs"
+        sql = f"SELECT {_SUMMARY_COLUMNS} FROM jobs"
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY created_at DESC, job_id DESC LIMIT ?"
@@ -246,6 +264,14 @@ class SQLiteJobStore(JobStore):
         rows = await self._run(
             lambda db: db.execute(
                 f"SELECT {_COLUMNS} FROM jobs WHERE instance_id = ? AND ended_at IS NULL", (instance_id,)
+            ).fetchall()
+        )
+        return [_row(r) for r in rows]
+
+    async def callbacks_pending(self, instance_id: str) -> list[StoredJob]:
+        rows = await self._run(
+            lambda db: db.execute(
+                f"SELECT {_COLUMNS} FROM jobs WHERE instance_id = ? AND callback_pending = 1", (instance_id,)
             ).fetchall()
         )
         return [_row(r) for r in rows]

@@ -220,7 +220,7 @@ def test_backpressure_admits_cap_plus_queue_and_refuses_the_rest(scratch: Path) 
 class Receiver:
     """A callback receiver on 127.0.0.1 that answers 500 to the first ``failures`` deliveries."""
 
-    def __init__(self, failures: int) -> None:
+    def __init__(self, failures: int, port: int = 0) -> None:
         self.deliveries: list[tuple[int, dict[str, str], bytes]] = []
         receiver = self
 
@@ -236,7 +236,7 @@ class Receiver:
                 self.send_header("content-length", "0")
                 self.end_headers()
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
 
@@ -301,3 +301,111 @@ def test_ended_jobs_are_purged_after_the_retention(scratch: Path) -> None:
             assert not output.exists()
     finally:
         svc.stop()
+
+
+def test_multibyte_output_is_never_split_across_reads(api: httpx.Client) -> None:
+    view = execute(api, "print('€' * 400_000, end='')")
+    offset, text = 0, ""
+    while offset < view["stdout_bytes"]:
+        page = api.get(f"/jobs/{view['job_id']}", params={"stdout_offset": offset}).json()
+        assert not page["stdout_invalid_utf8"]
+        text += page["stdout"]
+        offset = page["stdout_next_offset"]
+    assert text == "€" * 400_000
+    events = api.get(f"/jobs/{view['job_id']}/events", timeout=30).text
+    pieces = [
+        json.loads(line[5:])["text"] for line in events.splitlines() if line.startswith("data:") and '"offset"' in line
+    ]
+    assert "".join(pieces) == "€" * 400_000
+
+
+def test_offsets_and_dates_out_of_range_are_handled(api: httpx.Client) -> None:
+    view = execute(api, "print('x')")
+    far = api.get(f"/jobs/{view['job_id']}", params={"stdout_offset": 2**62})
+    assert far.status_code == 200 and far.json()["stdout"] == ""
+    raw = api.get(f"/jobs/{view['job_id']}/output/stdout", params={"offset": 2**63 - 1})
+    assert raw.status_code == 200 and raw.content == b""
+    assert api.get("/jobs", params={"created_after": "9999-12-31T23:59:59-05:00"}).status_code == 422
+    assert api.get("/jobs", params={"created_before": "0001-01-01T00:00:00+05:00"}).status_code == 422
+
+
+def test_work_dir_and_store_are_private(service: Service) -> None:
+    assert service.work_dir.stat().st_mode & 0o777 == 0o700
+    assert (service.work_dir / "jobs.sqlite3").stat().st_mode & 0o777 == 0o600
+
+
+def test_slow_callback_receiver_is_cut_off_at_the_timeout(scratch: Path) -> None:
+    hang = ThreadingHTTPServer(("127.0.0.1", 0), _Sleeper)
+    threading.Thread(target=hang.serve_forever, daemon=True).start()
+    svc = start_service(
+        "pytest-cb-slow",
+        scratch / "cb-slow",
+        PTC_CALLBACK_SECRET="k",
+        PTC_CALLBACK_TIMEOUT_S="1",
+        PTC_CALLBACK_MAX_ATTEMPTS="2",
+        PTC_CALLBACK_BACKOFF_S="0.1",
+    )
+    try:
+        with svc.client() as api:
+            view = execute(api, "print(1)", callback_url=f"http://127.0.0.1:{hang.server_address[1]}/")
+            deadline = time.monotonic() + 15
+            while (cb := api.get(f"/jobs/{view['job_id']}").json()["callback"])["state"] == "pending":
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            assert cb["state"] == "failed"
+            assert [a["error"] for a in cb["attempts"]] == ["no answer within 1 s"] * 2
+            assert all(a["duration_ms"] < 3000 for a in cb["attempts"])
+    finally:
+        svc.stop()
+        hang.shutdown()
+
+
+class _Sleeper(BaseHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        time.sleep(5)
+        self.send_response(204)
+        self.end_headers()
+
+
+def test_callbacks_and_lost_jobs_survive_a_crash(engine: docker.DockerClient, scratch: Path) -> None:
+    instance = f"pytest-cb-crash-{secrets.token_hex(4)}"
+    env = {"PTC_CALLBACK_SECRET": "k", "PTC_CALLBACK_BACKOFF_S": "60"}
+    receiver = Receiver(failures=0)
+    receiver.httpd.shutdown()
+    receiver.httpd.server_close()  # down for now: the first attempt fails and the retry waits 60 s
+    first = start_service(instance, scratch / "cb-crash", **env)
+    with first.client() as api:
+        ended = execute(api, "print('ended')", callback_url=receiver.url)
+        running = api.post(
+            "/execute",
+            json={
+                "script": "print('r', flush=True)\nimport time\ntime.sleep(60)",
+                "wait_s": 0,
+                "callback_url": receiver.url,
+            },
+        ).json()
+        deadline = time.monotonic() + 20
+        while api.get(f"/jobs/{running['job_id']}").json()["stdout"] != "r\n":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    first.process.send_signal(signal.SIGKILL)
+    first.process.wait()
+    receiver = Receiver(failures=0, port=int(receiver.url.split(":")[2].split("/")[0]))
+    second = start_service(instance, scratch / "cb-crash", **env)
+    try:
+        deadline = time.monotonic() + 20
+        while len(receiver.deliveries) < 2:
+            assert time.monotonic() < deadline, receiver.deliveries
+            time.sleep(0.1)
+        delivered = {json.loads(body)["job_id"]: json.loads(body) for _, _, body in receiver.deliveries}
+        assert delivered[ended["job_id"]]["status"] == "succeeded"
+        assert delivered[running["job_id"]]["status"] == "lost"
+        with second.client() as api:
+            lost = api.get(f"/jobs/{running['job_id']}").json()
+            assert (lost["stdout"], lost["stdout_bytes"], lost["stdout_retained_bytes"]) == ("r\n", 2, 2)
+    finally:
+        second.stop()
+        receiver.httpd.shutdown()

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import orjson
 
+from service.jobs import stored_job
 from service.store import SQLiteJobStore, StoredJob
 from tests.conftest import execute, start_service
 
@@ -37,8 +38,7 @@ async def fill(path: Path, template: StoredJob, count: int) -> list[str]:
     for i in range(count):
         job_id = "job_" + secrets.token_hex(12)
         created = template.created_at - timedelta(milliseconds=count - i)
-        data = orjson.dumps({**view, "job_id": job_id})
-        await store.put(StoredJob(job_id, template.status, template.instance_id, created, created, data))
+        await store.put(stored_job({**view, "job_id": job_id, "created_at": created}, template.instance_id))
         ids.append(job_id)
     total = await store.count()
     await store.close()
