@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,6 +146,14 @@ def tool_server() -> Iterator[ToolServer]:
     server = ToolServer().start()
     yield server
     server.stop()
+
+
+def wait_until(condition: Callable[[], object], timeout_s: float, interval_s: float = 0.1) -> None:
+    """Poll ``condition`` until it is truthy; fails the test after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"condition not met within {timeout_s} s"
+        time.sleep(interval_s)
 
 
 def execute(api: httpx.Client, script: str, tools: list[dict[str, Any]] | None = None, **body: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import docker
 import httpx
 import pytest
 
-from tests.conftest import IMAGE, LABEL_INSTANCE, labelled_containers, start_service
+from tests.conftest import IMAGE, LABEL_INSTANCE, labelled_containers, start_service, wait_until
 
 
 def test_sweep_at_start_removes_what_a_killed_instance_left(engine: docker.DockerClient, scratch: Path) -> None:
@@ -29,9 +29,7 @@ def test_sweep_at_start_removes_what_a_killed_instance_left(engine: docker.Docke
 
     worker = threading.Thread(target=long_job)
     worker.start()
-    deadline = time.monotonic() + 20
-    while not labelled_containers(engine, instance) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: labelled_containers(engine, instance), 20)
     [left] = labelled_containers(engine, instance)
     assert left.labels["io.ptc-sandbox.job"].startswith("job_")
     first.process.send_signal(signal.SIGKILL)
@@ -66,9 +64,7 @@ def test_graceful_stop_removes_running_sandboxes(engine: docker.DockerClient, sc
         target=lambda: httpx.post(f"{svc.url}/execute", json={"script": "import time\ntime.sleep(60)"}, timeout=90)
     )
     worker.start()
-    deadline = time.monotonic() + 20
-    while not labelled_containers(engine, instance) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: labelled_containers(engine, instance), 20)
     assert labelled_containers(engine, instance)
     svc.stop()
     worker.join(30)

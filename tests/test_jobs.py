@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from service.callbacks import SIGNATURE_HEADER, verify
-from tests.conftest import Service, execute, labelled_containers, start_service
+from tests.conftest import Service, execute, labelled_containers, start_service, wait_until
 
 TICKER = "import time\nfor i in range(15):\n    print(f'tick {i}', flush=True)\n    time.sleep(0.2)\n"
 
@@ -72,10 +72,7 @@ def test_stop_ends_a_script_that_ignores_sigterm_and_has_a_child(
         "while True:\n    time.sleep(1)\n"
     )
     job = api.post("/execute", json={"script": script, "wait_s": 0}).json()
-    deadline = time.monotonic() + 20
-    while api.get(f"/jobs/{job['job_id']}").json()["stdout"] != "ready\n":
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    wait_until(lambda: api.get(f"/jobs/{job['job_id']}").json()["stdout"] == "ready\n", 20)
     started = time.monotonic()
     stopped = api.post(f"/jobs/{job['job_id']}/stop").json()
     assert time.monotonic() - started < 3
@@ -175,10 +172,7 @@ def test_restart_keeps_ended_jobs_and_marks_running_ones_lost(engine: docker.Doc
         ended = [execute(api, f"import tools\ntools.t()\nprint({i})", tools) for i in range(3)]
         ended.append(execute(api, "raise ValueError('x')"))
         running = api.post("/execute", json={"script": "import time\ntime.sleep(60)", "wait_s": 0}).json()
-        deadline = time.monotonic() + 20
-        while api.get(f"/jobs/{running['job_id']}").json()["status"] != "running":
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_until(lambda: api.get(f"/jobs/{running['job_id']}").json()["status"] == "running", 20)
     first.process.send_signal(signal.SIGKILL)
     first.process.wait()
     second = start_service(instance, scratch / "durable")
@@ -256,10 +250,7 @@ def test_callback_is_retried_and_signed(scratch: Path, receiver: Receiver) -> No
     try:
         with svc.client() as api:
             view = execute(api, "print('done')", callback_url=receiver.url)
-            deadline = time.monotonic() + 20
-            while len(receiver.deliveries) < 3:
-                assert time.monotonic() < deadline, receiver.deliveries
-                time.sleep(0.1)
+            wait_until(lambda: len(receiver.deliveries) >= 3, 20)
             statuses = [status for status, _, _ in receiver.deliveries]
             assert statuses == [500, 500, 204]
             _, headers, body = receiver.deliveries[2]
@@ -271,10 +262,7 @@ def test_callback_is_retried_and_signed(scratch: Path, receiver: Receiver) -> No
                 "succeeded",
                 "done\n",
             )
-            deadline = time.monotonic() + 5
-            while api.get(f"/jobs/{view['job_id']}").json()["callback"]["state"] != "delivered":
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+            wait_until(lambda: api.get(f"/jobs/{view['job_id']}").json()["callback"]["state"] == "delivered", 5)
             attempts = api.get(f"/jobs/{view['job_id']}").json()["callback"]["attempts"]
             assert [a["status_code"] for a in attempts] == [500, 500, 204]
     finally:
@@ -294,10 +282,7 @@ def test_ended_jobs_are_purged_after_the_retention(scratch: Path) -> None:
             view = execute(api, "print('bye')")
             output = svc.work_dir / "output" / view["job_id"]
             assert (output / "stdout").read_bytes() == b"bye\n"
-            deadline = time.monotonic() + 10
-            while api.get(f"/jobs/{view['job_id']}").status_code != 404:
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
+            wait_until(lambda: api.get(f"/jobs/{view['job_id']}").status_code == 404, 10)
             assert not output.exists()
     finally:
         svc.stop()
@@ -387,19 +372,13 @@ def test_callbacks_and_lost_jobs_survive_a_crash(engine: docker.DockerClient, sc
                 "callback_url": receiver.url,
             },
         ).json()
-        deadline = time.monotonic() + 20
-        while api.get(f"/jobs/{running['job_id']}").json()["stdout"] != "r\n":
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_until(lambda: api.get(f"/jobs/{running['job_id']}").json()["stdout"] == "r\n", 20)
     first.process.send_signal(signal.SIGKILL)
     first.process.wait()
     receiver = Receiver(failures=0, port=int(receiver.url.split(":")[2].split("/")[0]))
     second = start_service(instance, scratch / "cb-crash", **env)
     try:
-        deadline = time.monotonic() + 20
-        while len(receiver.deliveries) < 2:
-            assert time.monotonic() < deadline, receiver.deliveries
-            time.sleep(0.1)
+        wait_until(lambda: len(receiver.deliveries) >= 2, 20)
         delivered = {json.loads(body)["job_id"]: json.loads(body) for _, _, body in receiver.deliveries}
         assert delivered[ended["job_id"]]["status"] == "succeeded"
         assert delivered[running["job_id"]]["status"] == "lost"
