@@ -31,10 +31,20 @@ from service.errors import (
 )
 from service.jobs import JobManager, view_bytes
 from service.sandbox.base import SandboxBackend, Stream
-from service.schemas import CallRecord, ExecuteRequest, JobList, JobStatus, JobView
+from service.schemas import (
+    CallRecord,
+    ExecuteRequest,
+    JobList,
+    JobStatus,
+    JobView,
+    ManifestRequest,
+    StubsView,
+    ToolsetView,
+)
 from service.settings import Settings
 from service.store import InvalidCursor, JobQuery, SQLiteJobStore
 from service.toolkit.endpoints import EndpointClients
+from service.toolkit.stubs import USAGE
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +202,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         try:
             jobs, next_cursor = await jobs_of(request).page(query)
         except InvalidCursor as exc:
-            raise InvalidField(f"cursor: {exc}", ("query", "cursor")) from exc
+            raise InvalidField(str(exc), ("query", "cursor")) from exc
         return JobList(jobs=jobs, next_cursor=next_cursor)
 
     @app.get("/jobs/{job_id}", response_model=JobView, responses={404: {}})
@@ -231,7 +241,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             timeout_s = settings.default_wait_s
         if timeout_s > settings.max_wait_s:
             raise RequestLimitError(
-                f"timeout_s = {timeout_s} exceeds the server maximum of {settings.max_wait_s}", ("query", "timeout_s")
+                f"{timeout_s} exceeds the server maximum of {settings.max_wait_s}", ("query", "timeout_s")
             )
         return json_view(await jobs_of(request).wait(job_id, timeout_s))
 
@@ -259,6 +269,20 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
 
         return EventSourceResponse(stream(), ping=15)
 
+    @app.post("/stubs", response_model=StubsView, responses={422: {}})
+    async def stubs(body: ManifestRequest, request: Request) -> StubsView:
+        """The exact ``tools`` module a sandbox would import for this manifest, and a usage text for the prompt."""
+        compiled = await jobs_of(request).manifest(body.tools, body.toolset)
+        return StubsView(module=compiled.stub_source, usage=USAGE, toolset_id=compiled.toolset_id or "")
+
+    @app.post("/toolsets", response_model=ToolsetView, responses={422: {}})
+    async def toolsets(body: ManifestRequest, request: Request) -> ToolsetView:
+        """Register a manifest once; pass the answer's ``toolset_id`` as ``toolset`` instead of re-sending it."""
+        if body.toolset is not None:
+            raise InvalidField("POST /toolsets takes tools, not a toolset", ("body", "toolset"))
+        compiled = await jobs_of(request).register_toolset(body.tools)
+        return ToolsetView(toolset_id=compiled.toolset_id or "", tools=list(compiled.tools))
+
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         """Liveness: the process answers."""
@@ -282,7 +306,7 @@ def _utc(value: datetime | None) -> datetime | None:
     try:
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
     except OverflowError:
-        raise InvalidField(f"{value.isoformat()} is outside the range of UTC datetimes", ("query",)) from None
+        raise InvalidField(f"{value.isoformat()} is outside the range of UTC datetimes", ("query", "created")) from None
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -313,11 +337,13 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidField)
     async def invalid_field(_: Request, exc: InvalidField) -> Response:
+        field = ".".join(str(p) for p in exc.loc if p not in ("body", "query")) or "request"
+        limit = isinstance(exc, RequestLimitError)
         return problem(
             422,
-            "Limit exceeds the server maximum" if isinstance(exc, RequestLimitError) else "Invalid request",
-            str(exc),
-            errors=[{"loc": list(exc.loc), "msg": str(exc), "type": "limit"}],
+            "Limit exceeds the server maximum" if limit else "Invalid request",
+            f"{field}: {exc}",
+            errors=[{"loc": list(exc.loc), "msg": str(exc), "type": "limit" if limit else "invalid"}],
         )
 
     @app.exception_handler(QueueFull)

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from service.toolkit.endpoints import EndpointClients, ToolCallFailed
 from service.toolkit.manifest import ToolSpec
@@ -59,6 +60,8 @@ MAX_CONNECTIONS = 32
 MAX_ENDPOINT_CALLS = 64
 MAX_JSON_DEPTH = 64
 MAX_TOOL_NAME_SHOWN = 256
+RETRY_BACKOFF_S = 0.2
+RETRY_BACKOFF_MAX_S = 5.0
 
 
 def _now() -> datetime:
@@ -94,6 +97,7 @@ class Broker:
         self._on_call_end = on_call_end
         self._closing = False
         self._endpoint_slots = asyncio.Semaphore(MAX_ENDPOINT_CALLS)
+        self._per_tool: dict[str, asyncio.Semaphore] = {}
         self.records: list[dict[str, Any]] = []
         self.calls_over_limit = 0
         self.reported_error: dict[str, Any] | None = None
@@ -242,25 +246,63 @@ class Broker:
             return self._fail(
                 record, "rejected", "invalid_arguments", f"{tool_name}: arguments nested deeper than {MAX_JSON_DEPTH}"
             )
-        problem = await asyncio.to_thread(tool.check_arguments, args)
-        if problem is not None:
-            return self._fail(record, "rejected", "invalid_arguments", f"{tool_name}: {problem}")
+        if not tool.callable_from_code:
+            return self._fail(
+                record, "rejected", "not_allowed", f"{tool_name} is not callable from code (see its allowed_callers)"
+            )
+        check = await asyncio.to_thread(tool.check_arguments, args)
+        if check.problem is not None:
+            return self._fail(record, "rejected", "invalid_arguments", f"{tool_name}: {check.problem}")
+        if check.repaired:
+            record.update(args=check.args, repaired=True)
         try:
-            async with self._endpoint_slots:
-                result = await self._endpoints.call(tool, args)
+            async with self._endpoint_slots, self._tool_slots(tool):
+                result, attempts = await self._call_endpoint(tool, check.args)
         except ToolCallFailed as exc:
             return self._fail(record, "timeout" if exc.type == "timeout" else "error", exc.type, exc.message)
         except Exception:
             log.exception("broker: endpoint of tool %s failed unexpectedly", tool_name)
             return self._fail(record, "error", "endpoint_error", "the tool's endpoint failed; see the service log")
+        if attempts > 1:
+            record["attempts"] = attempts
         if json_depth(result, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
             return self._fail(record, "error", "bad_response", f"the result is nested deeper than {MAX_JSON_DEPTH}")
+        wrong = await asyncio.to_thread(tool.check_result, result)
+        if wrong is not None:
+            return self._fail(record, "error", "invalid_result", f"{tool_name}: {wrong}")
         size = len(orjson.dumps(result))
         if size > self._record_budget:
             return self._fail(record, "error", "limit_exceeded", "this job's call records reached their size limit")
         self._record_budget -= size
         record.update(status="ok", result=result)
         return {"ok": True, "result": result}
+
+    def _tool_slots(self, tool: ToolSpec) -> contextlib.AbstractAsyncContextManager[Any]:
+        """The tool's ``max_concurrency`` semaphore for this job (created on first use), or no limit."""
+        if tool.max_concurrency is None:
+            return contextlib.nullcontext()
+        slots = self._per_tool.get(tool.name)
+        if slots is None:
+            slots = self._per_tool[tool.name] = asyncio.Semaphore(tool.max_concurrency)
+        return slots
+
+    async def _call_endpoint(self, tool: ToolSpec, args: dict[str, Any]) -> tuple[Any, int]:
+        """Call the endpoint; an idempotent tool is retried (exponential backoff, tenacity) after a failure
+        that may pass (timeout, unreachable, 5xx), up to ``tool.retries`` more times. Returns (result, attempts)."""
+        if not tool.idempotent or tool.retries == 0:
+            return await self._endpoints.call(tool, args), 1
+        attempts = 0
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(tool.retries + 1),
+            wait=wait_exponential(multiplier=RETRY_BACKOFF_S, max=RETRY_BACKOFF_MAX_S),
+            retry=retry_if_exception(_transient),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                attempts += 1
+                return await self._endpoints.call(tool, args), attempts
+        raise AssertionError("unreachable: tenacity either returns or re-raises")
 
     @staticmethod
     def _fail(record: dict[str, Any], status: str, type_: str, message: str) -> dict[str, Any]:
@@ -281,6 +323,13 @@ class Broker:
                 kept[key] = error[key]
         if "type" in kept:
             self.reported_error = kept
+
+
+def _transient(exc: BaseException) -> bool:
+    """Failures worth another attempt of an idempotent tool."""
+    if not isinstance(exc, ToolCallFailed):
+        return False
+    return exc.type in ("timeout", "endpoint_unreachable") or exc.message.startswith("HTTP 5")
 
 
 _CANCELLED = {"type": "cancelled", "message": "the job ended before the tool answered"}

@@ -90,9 +90,7 @@ def resolve_limits(request: ExecuteRequest, settings: Settings) -> ResolvedLimit
         if value is None:
             return default
         if value > maximum:
-            raise RequestLimitError(
-                f"{'.'.join(loc)} = {value} exceeds the server maximum of {maximum}", ("body", *loc)
-            )
+            raise RequestLimitError(f"{value} exceeds the server maximum of {maximum}", ("body", *loc))
         return value
 
     return ResolvedLimits(
@@ -384,7 +382,7 @@ class JobManager:
             raise QueueFull(self._settings.retry_after_s)
         self._admitted += 1  # counted before the first await, so admission is exact under concurrency
         try:
-            manifest = await self._manifests.compile(request.tools)
+            manifest = await self.manifest(request.tools, request.toolset)
             job = self._new_job(limits, request)
         except BaseException:
             self._admitted -= 1
@@ -636,6 +634,34 @@ class JobManager:
 
     async def _put_view(self, stored: StoredJob, view: dict[str, Any]) -> None:
         await self._store.put(stored_job(view, stored.instance_id))
+
+    # -- manifests -----------------------------------------------------------------------------
+
+    async def manifest(self, tools: list[dict[str, Any]], toolset: str | None) -> CompiledManifest:
+        """The compiled manifest of a request: its ``tools``, or the registered ``toolset``.
+
+        Raises:
+            ManifestError: a tool entry is unusable.
+            InvalidField: both or an unknown toolset.
+        """
+        if toolset is not None:
+            if tools:
+                raise InvalidField("give tools or toolset, not both", ("body", "toolset"))
+            raw = await self._store.get_toolset(toolset)
+            if raw is None:
+                raise InvalidField(
+                    f"no toolset {toolset!r}; register the manifest with POST /toolsets", ("body", "toolset")
+                )
+            tools = orjson.loads(raw)
+        return await self._manifests.compile(tools)
+
+    async def register_toolset(self, tools: list[dict[str, Any]]) -> CompiledManifest:
+        """Check a manifest and keep it under its content id (registering it again is a no-op)."""
+        compiled = await self._manifests.compile(tools)
+        if compiled.toolset_id is None:
+            raise InvalidField("this manifest cannot be stored as JSON (lone surrogates?)", ("body", "tools"))
+        await self._store.put_toolset(compiled.toolset_id, orjson.dumps(tools))
+        return compiled
 
     # -- reading, waiting, stopping ------------------------------------------------------------
 

@@ -44,6 +44,7 @@ class ExecuteRequest(BaseModel):
     tools: list[dict[str, Any]] = Field(
         default_factory=list, max_length=MAX_TOOLS, description="Tool manifest: one entry per tool."
     )
+    toolset: str | None = Field(None, max_length=64, description="Id of a manifest registered with POST /toolsets.")
     timeout_s: float | None = Field(None, gt=0, description="Wall-clock limit in seconds (default: server setting).")
     wait_s: float | None = Field(
         None,
@@ -97,6 +98,30 @@ class ExecuteRequest(BaseModel):
         return env
 
 
+class ManifestRequest(BaseModel):
+    """Body of ``POST /stubs`` and ``POST /toolsets``: a manifest, or (for /stubs) a registered toolset."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tools: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_TOOLS)
+    toolset: str | None = Field(None, max_length=64, description="Id from POST /toolsets (instead of tools).")
+
+
+class StubsView(BaseModel):
+    """Answer of ``POST /stubs``."""
+
+    module: str = Field(description="The exact source of the `tools` package the sandbox imports.")
+    usage: str = Field(description="A short text for the model's system prompt.")
+    toolset_id: str = Field(description="The manifest's content id (what POST /toolsets would return).")
+
+
+class ToolsetView(BaseModel):
+    """Answer of ``POST /toolsets``."""
+
+    toolset_id: str = Field(description="Pass as toolset in /execute or /stubs; the same manifest gives the same id.")
+    tools: list[str] = Field(description="The tools' original names.")
+
+
 class ToolCallError(BaseModel):
     """Why a tool call did not return a result (``type`` as ``ToolError.type`` in the script)."""
 
@@ -114,6 +139,8 @@ class CallRecord(BaseModel):
     status: CallStatus = Field(description="pending while the tool has not answered.")
     result: Any = None
     error: ToolCallError | None = None
+    repaired: bool = Field(False, description="An argument sent as JSON text was parsed into the object it encodes.")
+    attempts: int | None = Field(None, description="Attempts made, when an idempotent tool was retried.")
     started_at: datetime
     duration_ms: float | None = Field(description="Milliseconds from arrival to answer.")
 

@@ -134,6 +134,14 @@ class JobStore(abc.ABC):
     async def count(self) -> int:
         """How many jobs the store holds."""
 
+    @abc.abstractmethod
+    async def put_toolset(self, toolset_id: str, manifest: bytes) -> None:
+        """Keep a registered manifest (JSON bytes) under its id; the same id always holds the same manifest."""
+
+    @abc.abstractmethod
+    async def get_toolset(self, toolset_id: str) -> bytes | None:
+        """The manifest registered under ``toolset_id``, or None."""
+
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -150,6 +158,11 @@ CREATE INDEX IF NOT EXISTS jobs_by_created ON jobs (created_at DESC, job_id DESC
 CREATE INDEX IF NOT EXISTS jobs_by_ended ON jobs (ended_at) WHERE ended_at IS NOT NULL;
 CREATE INDEX IF NOT EXISTS jobs_unfinished ON jobs (instance_id) WHERE ended_at IS NULL;
 CREATE INDEX IF NOT EXISTS jobs_callback_pending ON jobs (instance_id) WHERE callback_pending = 1;
+CREATE TABLE IF NOT EXISTS toolsets (
+    toolset_id  TEXT PRIMARY KEY,
+    manifest    BLOB NOT NULL,
+    created_at  TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
+);
 """
 
 _COLUMNS = "job_id, status, instance_id, created_at, ended_at, view, summary, callback_pending"
@@ -288,3 +301,16 @@ class SQLiteJobStore(JobStore):
     async def count(self) -> int:
         row = await self._run(lambda db: db.execute("SELECT COUNT(*) FROM jobs").fetchone())
         return int(row[0])
+
+    async def put_toolset(self, toolset_id: str, manifest: bytes) -> None:
+        await self._run(
+            lambda db: db.execute(
+                "INSERT OR IGNORE INTO toolsets (toolset_id, manifest) VALUES (?, ?)", (toolset_id, manifest)
+            )
+        )
+
+    async def get_toolset(self, toolset_id: str) -> bytes | None:
+        row = await self._run(
+            lambda db: db.execute("SELECT manifest FROM toolsets WHERE toolset_id = ?", (toolset_id,)).fetchone()
+        )
+        return bytes(row[0]) if row else None

@@ -10,6 +10,11 @@ Routes (POST, JSON object body = the tool's arguments):
 - ``/fail``            answers 500 with a text body
 - ``/not_json``        answers 200 with a body that is not JSON
 - ``/trickle``         answers 200 but sends its body one byte every 0.5 s (for ``HANG_S``)
+- ``/flaky``           ``{"key"}``: answers 503 to the first two calls with a key, then ``{"key", "calls"}``
+- ``/slow``            sleeps 0.1 s, answers ``{"ok": true}``; ``max_in_flight`` keeps the most at once
+- ``/wrong_shape``     answers ``{"ok": "yes"}`` (for output-schema checks)
+
+``headers`` keeps the headers of every request, in order.
 
 Every request is appended to ``requests`` as ``(path, args)``.
 """
@@ -40,6 +45,11 @@ class ToolServer:
 
     def __init__(self, port: int = 0) -> None:
         self.requests: list[tuple[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.flaky_calls: dict[str, int] = {}
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._lock = threading.Lock()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -50,6 +60,7 @@ class ToolServer:
                 length = int(self.headers.get("content-length") or 0)
                 args = json.loads(self.rfile.read(length) or b"null")
                 server.requests.append((self.path, args))
+                server.headers.append(dict(self.headers))
                 if self.path == "/trickle":
                     self.trickle()
                     return
@@ -79,6 +90,20 @@ class ToolServer:
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
 
     def answer(self, path: str, args: Any) -> tuple[int, Any]:
+        if path == "/flaky":
+            with self._lock:
+                calls = self.flaky_calls[args["key"]] = self.flaky_calls.get(args["key"], 0) + 1
+            return (503, b"try again") if calls <= 2 else (200, {"key": args["key"], "calls": calls})
+        if path == "/slow":
+            with self._lock:
+                self.in_flight += 1
+                self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            time.sleep(0.1)
+            with self._lock:
+                self.in_flight -= 1
+            return 200, {"ok": True}
+        if path == "/wrong_shape":
+            return 200, {"ok": "yes"}
         if path == "/triangle_area":
             return 200, 0.5 * args["base"] * args["height"]
         if path == "/circumference":

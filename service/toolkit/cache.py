@@ -24,16 +24,21 @@ CACHED_MANIFESTS = 256
 
 @dataclass(frozen=True)
 class CompiledManifest:
-    """A manifest ready to run: its tools by original name and the ``tools`` package source."""
+    """A manifest ready to run: its tools by original name, the ``tools`` package source, and its content id.
+
+    ``toolset_id`` is ``ts_`` + the first 32 hex digits of the SHA-256 of the
+    manifest's canonical JSON (None when it has none, e.g. with a lone surrogate).
+    """
 
     tools: dict[str, ToolSpec]
     stub_source: str
+    toolset_id: str | None = None
 
 
-def compile_manifest(entries: list[dict[str, Any]]) -> CompiledManifest:
+def compile_manifest(entries: list[dict[str, Any]], toolset_id: str | None = None) -> CompiledManifest:
     """Parse and generate stubs; raises ManifestError (located under ``body.tools``)."""
     tools = parse_manifest(entries, ("body", "tools"))
-    return CompiledManifest(tools, generate_stub_module(tools.values()))
+    return CompiledManifest(tools, generate_stub_module(tools.values()), toolset_id)
 
 
 class ManifestCache:
@@ -52,7 +57,7 @@ class ManifestCache:
         if key is not None and key in self._entries:
             self._entries.move_to_end(key)
             return self._entries[key]
-        compiled = await asyncio.to_thread(compile_manifest, entries)
+        compiled = await asyncio.to_thread(compile_manifest, entries, "ts_" + key.hex()[:32] if key else None)
         if key is not None:
             self._entries[key] = compiled
             while len(self._entries) > self._size:

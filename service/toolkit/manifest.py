@@ -14,6 +14,7 @@ Accepted entry shapes (DESIGN.md, "Tool manifest"):
 
 from __future__ import annotations
 
+import copy
 import difflib
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jsonschema
+import orjson
 import referencing
 import referencing.exceptions
 import regex
@@ -75,17 +77,20 @@ class Endpoint:
     """Where a tool's calls go.
 
     Attributes:
-        kind: ``echo`` (answer ``{"tool", "args"}`` without contacting anything) or
-            ``http`` (POST the arguments as a JSON object to ``url``).
-        url: for ``http``, the absolute http(s) URL.
-        headers: for ``http``, sent with every call; stay on the host.
-        timeout_s: for ``http``, limit of one call in seconds (None = server default).
+        kind: ``echo`` (answer ``{"tool", "args"}`` without contacting anything),
+            ``http`` (POST the arguments as a JSON object to ``url``) or
+            ``mcp`` (MCP ``tools/call`` of ``tool`` on the MCP server at ``url``, Streamable HTTP).
+        url: for ``http`` and ``mcp``, the absolute http(s) URL.
+        headers: for ``http`` and ``mcp``, sent with every request; stay on the host.
+        timeout_s: for ``http`` and ``mcp``, limit of one call in seconds (None = server default).
+        tool: for ``mcp``, the tool's name on the MCP server (None = the manifest entry's name).
     """
 
     kind: str
     url: str | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
     timeout_s: float | None = None
+    tool: str | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,13 @@ class ToolSpec:
         endpoint: where calls go.
         validator: compiled validator for ``parameters``; rejects unknown
             arguments unless the schema sets ``additionalProperties``.
+        output_schema: the result's schema (MCP ``outputSchema``, or ``output_schema``), if declared.
+        output_validator: compiled validator for ``output_schema``.
+        timeout_s: limit of one call (s); None = the endpoint's or the server's.
+        idempotent: the tool may be called twice for one call (so failed calls may be retried).
+        retries: extra attempts after a failure, for idempotent tools only (exponential backoff).
+        max_concurrency: calls of this tool in flight at once per job; None = no limit of its own.
+        callable_from_code: False when ``allowed_callers`` excludes code: the broker refuses its calls.
     """
 
     name: str
@@ -106,23 +118,97 @@ class ToolSpec:
     parameters: JsonSchema
     endpoint: Endpoint
     validator: jsonschema.protocols.Validator = field(repr=False, compare=False)
+    output_schema: JsonSchema | None = None
+    output_validator: jsonschema.protocols.Validator | None = field(default=None, repr=False, compare=False)
+    timeout_s: float | None = None
+    idempotent: bool = False
+    retries: int = 0
+    max_concurrency: int | None = None
+    callable_from_code: bool = True
 
-    def check_arguments(self, args: Any) -> str | None:
-        """None when ``args`` are valid, else one message that names the parameter at fault."""
+    def check_arguments(self, args: Any) -> ArgumentCheck:
+        """Validate ``args``; a string where an object or array is expected is parsed once as JSON if that helps.
+
+        Returns:
+            ``ArgumentCheck``: ``problem`` None when valid (then ``args`` are the arguments to send, repaired
+            or not), else one message that names the parameter path at fault.
+        """
         if not isinstance(args, dict):
-            return f"arguments must be a JSON object, got {type(args).__name__}"
+            return ArgumentCheck(args, f"arguments must be a JSON object, got {type(args).__name__}")
+        errors = self._errors(args)
+        if isinstance(errors, str):
+            return ArgumentCheck(args, errors)
+        if not errors:
+            return ArgumentCheck(args, None)
+        repaired = _repair(args, errors)
+        if repaired is not None and self._errors(repaired) == []:
+            return ArgumentCheck(repaired, None, repaired=True)
+        return ArgumentCheck(
+            args,
+            "; ".join(_describe(e, self) for e in errors[:3])
+            + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""),
+        )
+
+    def _errors(self, args: dict[str, Any]) -> list[ValidationError] | str:
         try:
             found = list(itertools.islice(self.validator.iter_errors(args), MAX_ERRORS_EXAMINED))
         except referencing.exceptions.Unresolvable as exc:
             return f"the tool's schema has a $ref that cannot be resolved here: {exc}"
         except RecursionError:
             return "the arguments are nested too deeply to check"
-        errors = sorted(found, key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
-        if not errors:
+        return sorted(found, key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
+
+    def check_result(self, result: Any) -> str | None:
+        """None when there is no output schema or ``result`` fits it, else what is wrong (with its path)."""
+        if self.output_validator is None:
             return None
-        return "; ".join(_describe(e, self) for e in errors[:3]) + (
-            f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
-        )
+        try:
+            error = jsonschema.exceptions.best_match(
+                itertools.islice(self.output_validator.iter_errors(result), MAX_ERRORS_EXAMINED)
+            )
+        except (referencing.exceptions.Unresolvable, RecursionError) as exc:
+            return f"the result cannot be checked against the output schema: {type(exc).__name__}"
+        if error is None:
+            return None
+        path = ".".join(str(p) for p in error.absolute_path)
+        return f"result{'.' + path if path else ''}: {error.message}"
+
+
+@dataclass(frozen=True)
+class ArgumentCheck:
+    """Outcome of ``ToolSpec.check_arguments``: the arguments to send, the problem if any, and whether repaired."""
+
+    args: Any
+    problem: str | None
+    repaired: bool = False
+
+
+def _repair(args: dict[str, Any], errors: list[ValidationError]) -> dict[str, Any] | None:
+    """A copy of ``args`` with each string that failed a ``type: object/array`` check parsed as JSON, or None.
+
+    Models often send a nested object as its JSON text; parsing it once is the only repair made.
+    """
+    fixes = []
+    for error in errors:
+        expected = error.validator_value if error.validator == "type" else None
+        wanted = {expected} if isinstance(expected, str) else set(expected) if isinstance(expected, list) else set()
+        if not isinstance(error.instance, str) or not wanted & {"object", "array"} or not error.absolute_path:
+            continue
+        try:
+            parsed = orjson.loads(error.instance)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(parsed, (dict, list)):
+            fixes.append((list(error.absolute_path), parsed))
+    if not fixes:
+        return None
+    repaired = copy.deepcopy(args)
+    for path, value in fixes:
+        node: Any = repaired
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+    return repaired
 
 
 def _describe(error: ValidationError, tool: ToolSpec) -> str:
@@ -173,10 +259,10 @@ def parse_endpoint(raw: Any, loc: tuple[str | int, ...]) -> Endpoint:
     kind = raw.get("kind")
     if kind == "echo":
         return Endpoint(kind="echo")
-    if kind == "http":
+    if kind in ("http", "mcp"):
         url = raw.get("url")
         if not isinstance(url, str) or not url.lower().startswith(("http://", "https://")):
-            raise ManifestError("an http endpoint needs an absolute http(s) url", (*loc, "url"))
+            raise ManifestError(f"an {kind} endpoint needs an absolute http(s) url", (*loc, "url"))
         headers = raw.get("headers") or {}
         if not isinstance(headers, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
@@ -187,8 +273,15 @@ def parse_endpoint(raw: Any, loc: tuple[str | int, ...]) -> Endpoint:
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600
         ):
             raise ManifestError("timeout_s must be a number of seconds in (0, 3600]", (*loc, "timeout_s"))
-        return Endpoint(kind="http", url=url, headers=dict(headers), timeout_s=float(timeout) if timeout else None)
-    raise ManifestError(f"unknown endpoint kind {kind!r}; expected 'http' or 'echo'", (*loc, "kind"))
+        remote = raw.get("tool") if kind == "mcp" else None
+        if remote is not None and (not isinstance(remote, str) or not remote or len(remote) > MAX_TOOL_NAME):
+            raise ManifestError(
+                f"tool must be a non-empty string of at most {MAX_TOOL_NAME} characters", (*loc, "tool")
+            )
+        return Endpoint(
+            kind=kind, url=url, headers=dict(headers), timeout_s=float(timeout) if timeout else None, tool=remote
+        )
+    raise ManifestError(f"unknown endpoint kind {kind!r}; expected 'http', 'mcp' or 'echo'", (*loc, "kind"))
 
 
 def parse_tool(entry: Any, loc: tuple[str | int, ...]) -> ToolSpec:
@@ -224,13 +317,65 @@ def parse_tool(entry: Any, loc: tuple[str | int, ...]) -> ToolSpec:
             f"parameters is not a valid JSON Schema at {where or 'top'}: {error.message}", (*loc, "parameters")
         )
     endpoint = parse_endpoint(outer.get("endpoint", inner.get("endpoint")), (*loc, "endpoint"))
+    output_schema = _output_schema(outer, inner, loc)
     return ToolSpec(
         name=name,
         description=description,
         parameters=parameters,
         endpoint=endpoint,
         validator=Validator(parameters, registry=_NO_RETRIEVAL),
+        output_schema=output_schema,
+        output_validator=Validator(output_schema, registry=_NO_RETRIEVAL) if output_schema is not None else None,
+        **_policy(outer, inner, loc),
     )
+
+
+def _output_schema(outer: Mapping[str, Any], inner: Mapping[str, Any], loc: tuple[str | int, ...]) -> JsonSchema | None:
+    raw = next((m[k] for m in (outer, inner) for k in ("outputSchema", "output_schema") if k in m), None)
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping) or json_depth(raw, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise ManifestError("the output schema must be a JSON Schema object of bounded depth", (*loc, "outputSchema"))
+    schema = to_json_schema(dict(raw))
+    error = jsonschema.exceptions.best_match(_META_VALIDATOR.iter_errors(schema))
+    if error is not None:
+        raise ManifestError(f"the output schema is not a valid JSON Schema: {error.message}", (*loc, "outputSchema"))
+    return schema
+
+
+CODE_CALLERS = ("code", "code_execution", "programmatic")
+
+
+def _policy(outer: Mapping[str, Any], inner: Mapping[str, Any], loc: tuple[str | int, ...]) -> dict[str, Any]:
+    """The per-tool policy fields of an entry (on the entry itself, or inside an OpenAI ``function``)."""
+
+    def get(key: str) -> Any:
+        return outer.get(key, inner.get(key))
+
+    def number(key: str, low: float, high: float, integer: bool) -> Any:
+        value = get(key)
+        if value is None:
+            return None
+        kinds = (int,) if integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
+            kind = "an integer" if integer else "a number"
+            raise ManifestError(f"{key} must be {kind} in [{low:g}, {high:g}]", (*loc, key))
+        return value
+
+    idempotent = get("idempotent")
+    if idempotent is not None and not isinstance(idempotent, bool):
+        raise ManifestError("idempotent must be true or false", (*loc, "idempotent"))
+    callers = get("allowed_callers")
+    if callers is not None and (not isinstance(callers, list) or not all(isinstance(c, str) for c in callers)):
+        raise ManifestError("allowed_callers must be a list of strings", (*loc, "allowed_callers"))
+    timeout = number("timeout_s", 0.001, 3600, integer=False)
+    return {
+        "timeout_s": float(timeout) if timeout is not None else None,
+        "idempotent": bool(idempotent),
+        "retries": number("retries", 0, 10, integer=True) or 0,
+        "max_concurrency": number("max_concurrency", 1, 1024, integer=True),
+        "callable_from_code": callers is None or any(c.startswith(CODE_CALLERS) for c in callers),
+    }
 
 
 def parse_manifest(entries: Sequence[Any], loc: tuple[str | int, ...] = ("tools",)) -> dict[str, ToolSpec]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import keyword
 import re
+from collections.abc import Callable
 from typing import Any
 
 JsonSchema = dict[str, Any]
@@ -135,10 +136,14 @@ def to_json_schema(schema: Any, depth: int = 0) -> JsonSchema:
     return out
 
 
-def python_type(schema: JsonSchema, depth: int = 0) -> str:
+def python_type(
+    schema: JsonSchema, depth: int = 0, name_object: Callable[[JsonSchema], str | None] | None = None
+) -> str:
     """Python annotation text for a JSON Schema (``str``, ``list[int]``, ``Literal['a', 'b']``, ``X | None``).
 
-    Bounded: beyond ``MAX_DEPTH`` levels, or for shapes it does not render, ``Any``.
+    ``name_object`` may turn an object schema with properties into the name of
+    a TypedDict (it returns None to keep ``dict[str, Any]``). Bounded: beyond
+    ``MAX_DEPTH`` levels, or for shapes it does not render, ``Any``.
     """
     if depth > MAX_DEPTH:
         return "Any"
@@ -155,13 +160,17 @@ def python_type(schema: JsonSchema, depth: int = 0) -> str:
     if not types:
         variants = schema.get("anyOf") or schema.get("oneOf")
         if isinstance(variants, list) and variants:
-            rendered = list(dict.fromkeys(python_type(v, depth + 1) for v in variants if isinstance(v, dict)))
+            rendered = list(
+                dict.fromkeys(python_type(v, depth + 1, name_object) for v in variants if isinstance(v, dict))
+            )
             return "Any" if "Any" in rendered or not rendered else " | ".join(rendered)
         return "Any"
     parts = []
     for t in types:
         if t == "array" and isinstance(schema.get("items"), dict):
-            parts.append(f"list[{python_type(schema['items'], depth + 1)}]")
+            parts.append(f"list[{python_type(schema['items'], depth + 1, name_object)}]")
+        elif t == "object" and name_object is not None and depth < MAX_DEPTH:
+            parts.append(name_object(schema) or _PY_TYPE[t])
         else:
             parts.append(_PY_TYPE[t])
     return " | ".join(dict.fromkeys(parts))

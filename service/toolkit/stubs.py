@@ -24,15 +24,28 @@ literal (``repr``) or inside an escaped docstring.
 
 from __future__ import annotations
 
+import functools
+import re
 import textwrap
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from service.toolkit.manifest import ToolSpec
-from service.toolkit.schema import python_type, safe_identifier
+from service.toolkit.schema import JsonSchema, python_type, safe_identifier
 
-RESERVED = frozenset({"aio", "ToolError", "Any", "Literal", "annotations", "_ptc_toolbox"})
+USAGE = """\
+Call tools from Python: `import tools`, then `tools.<name>(...)` (blocks until the result; safe in threads).
+For many calls at once use `await tools.aio.<name>(...)` with `asyncio.gather`; it runs them concurrently.
+Results are JSON values (dict, list, str, int, float, bool, None).
+A failed call raises `tools.ToolError` with `.type` and `.message`; catch it to recover or report.
+Dotted tool names are namespaces (`tools.math.factorial`); parameter names that are not identifiers
+have a safe spelling shown in the signature (`from` -> `from_`), or pass the original via `**{"from": ...}`.
+Only what you print is returned to you: print the answer, not raw tool results.
+"""
+
+RESERVED = frozenset({"aio", "ToolError", "Any", "Literal", "NotRequired", "TypedDict", "annotations", "_ptc_toolbox"})
+MAX_TYPED_DICTS = 500
 MAX_DOC_CHARS = 4000
 INDENT = "    "
 
@@ -46,7 +59,7 @@ Print only what you need: stdout is what comes back.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, NotRequired, TypedDict
 
 from ptc_runtime.stubs import Toolbox as _Toolbox, ToolError
 
@@ -106,8 +119,9 @@ def _default_literal(value: Any) -> str | None:
     return None
 
 
-def _function_source(py_name: str, spec: ToolSpec, indent: str) -> str:
+def _function_source(py_name: str, spec: ToolSpec, indent: str, shapes: _Shapes) -> str:
     in_class = bool(indent)
+    base = spec.name.split(".")[-1]
     props: dict[str, Any] = spec.parameters.get("properties") or {}
     required = [r for r in spec.parameters.get("required") or [] if isinstance(r, str)]
     names = list(dict.fromkeys([*required, *props]))
@@ -121,7 +135,11 @@ def _function_source(py_name: str, spec: ToolSpec, indent: str) -> str:
         safe = safe_identifier(original, taken, in_class)
         if safe != original:
             renames[safe] = original
-        annotation = python_type(schema) if isinstance(schema, dict) else "Any"
+        annotation = (
+            python_type(schema, 0, functools.partial(shapes.name_object, hint=f"{base}_{original}"))
+            if isinstance(schema, dict)
+            else "Any"
+        )
         if original in required:
             required_params.append(f"{safe}: {annotation}")
         else:
@@ -139,8 +157,11 @@ def _function_source(py_name: str, spec: ToolSpec, indent: str) -> str:
         doc += "\n\nArgs:\n" + "\n".join(textwrap.indent(a, INDENT) for a in doc_args)
     decorator = f"@_ptc_toolbox.tool({spec.name!r}" + (f", {renames!r})" if renames else ")")
     signature = ", ".join([*required_params, *optional_params])
+    returns = "Any"
+    if spec.output_schema is not None:
+        returns = python_type(spec.output_schema, 0, functools.partial(shapes.name_object, hint=f"{base}_result"))
     inner = indent + INDENT
-    return f"{indent}{decorator}\n{indent}def {py_name}({signature}) -> Any:\n{inner}{_doc_literal(doc, inner)}\n"
+    return f"{indent}{decorator}\n{indent}def {py_name}({signature}) -> {returns}:\n{inner}{_doc_literal(doc, inner)}\n"
 
 
 def _build_tree(tools: Iterable[ToolSpec]) -> _Node:
@@ -171,23 +192,59 @@ def _merge_namesakes(node: _Node) -> None:
         _merge_namesakes(child)
 
 
-def _render(node: _Node, indent: str, exports: list[str] | None) -> list[str]:
+def _assign_names(node: _Node, in_class: bool) -> list[str]:
+    """Python names of a node's namespaces (into ``child_names``) and tools (returned, in ``node.tools`` order)."""
     taken: set[str] = set(RESERVED) | {"__call__"}
-    blocks: list[str] = []
-    if node.own is not None:
-        blocks.append(_function_source("__call__", node.own, indent))
-    in_class = bool(indent)
     for segment in node.children:  # namespaces claim their names first
         node.child_names[segment] = safe_identifier(segment, taken, in_class)
-    for leaf, spec in node.tools:
-        py_name = safe_identifier(leaf, taken, in_class)
-        blocks.append(_function_source(py_name, spec, indent))
+    return [safe_identifier(leaf, taken, in_class) for leaf, _ in node.tools]
+
+
+class _Shapes:
+    """TypedDicts for the object schemas of a module, written once at module level.
+
+    Functional form with string annotations, so any key (``Content-Type``) works
+    and nothing is evaluated at import. At most ``MAX_TYPED_DICTS``; past that,
+    objects are ``dict[str, Any]``.
+    """
+
+    def __init__(self, taken: set[str]) -> None:
+        self._taken = taken
+        self.definitions: list[str] = []
+
+    def name_object(self, schema: JsonSchema, hint: str) -> str | None:
+        props = schema.get("properties")
+        if not isinstance(props, dict) or not props or len(self.definitions) >= MAX_TYPED_DICTS:
+            return None
+        name = safe_identifier(
+            "".join(part[:1].upper() + part[1:] for part in re.split(r"\W|_", hint) if part) or "Shape", self._taken
+        )
+        required = set(schema.get("required") or [])
+        fields = []
+        for key, sub in props.items():
+            sub_hint = f"{hint}_{key}"
+            annotation = (
+                python_type(sub, 1, functools.partial(self.name_object, hint=sub_hint))
+                if isinstance(sub, dict)
+                else "Any"
+            )
+            fields.append(f"{key!r}: {annotation if key in required else f'NotRequired[{annotation}]'!r}")
+        self.definitions.append(f"{name} = TypedDict({name!r}, {{{', '.join(fields)}}})")
+        return name
+
+
+def _render(node: _Node, indent: str, exports: list[str] | None, shapes: _Shapes) -> list[str]:
+    blocks: list[str] = []
+    if node.own is not None:
+        blocks.append(_function_source("__call__", node.own, indent, shapes))
+    for (_, spec), py_name in zip(node.tools, _assign_names(node, bool(indent)), strict=True):
+        blocks.append(_function_source(py_name, spec, indent, shapes))
         if exports is not None:
             exports.append(py_name)
     for segment, child in node.children.items():
         py_name = node.child_names[segment]
         inner = indent + INDENT
-        body = _render(child, inner, None)
+        body = _render(child, inner, None, shapes)
         if child.own is None:
             header, doc = f"class {py_name}:", f"Tools named {segment}.*"
         else:
@@ -207,6 +264,14 @@ def generate_stub_module(tools: Iterable[ToolSpec]) -> str:
         ``typing`` and ``ptc_runtime.stubs``.
     """
     exports: list[str] = []
-    blocks = _render(_build_tree(tools), "", exports)
+    root = _build_tree([t for t in tools if t.callable_from_code])
+    root_names = set(_assign_names(root, False)) | set(root.child_names.values())
+    shapes = _Shapes(set(RESERVED) | root_names | {"NotRequired", "TypedDict"})
+    blocks = _render(root, "", exports, shapes)
     header = HEADER.replace("{exports}", "".join(f", {name!r}" for name in exports))
-    return header + "\n\n" + "\n\n".join(blocks)
+    types = (
+        ("\n\n# Shapes of object arguments and results.\n" + "\n".join(shapes.definitions))
+        if shapes.definitions
+        else ""
+    )
+    return header + types + "\n\n\n" + "\n\n".join(blocks)

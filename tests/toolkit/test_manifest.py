@@ -88,12 +88,12 @@ def tool() -> Any:
     ],
 )
 def test_validation_names_the_parameter(args: Any, message: str) -> None:
-    problem = tool().check_arguments(args)
+    problem = tool().check_arguments(args).problem
     assert problem is not None and message in problem, problem
 
 
 def test_valid_arguments_pass() -> None:
-    assert tool().check_arguments({"base": 3, "size": {"w": 2}}) is None
+    assert tool().check_arguments({"base": 3, "size": {"w": 2}}).problem is None
 
 
 @pytest.mark.parametrize(
@@ -125,7 +125,7 @@ def timed_check(entry: dict[str, Any], args: Any) -> tuple[str | None, float]:
 
     tool_ = parse_tool({**entry, "endpoint": ECHO}, ("tools", 0))
     started = time.monotonic()
-    problem = tool_.check_arguments(args)
+    problem = tool_.check_arguments(args).problem
     return problem, time.monotonic() - started
 
 

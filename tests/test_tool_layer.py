@@ -1,0 +1,246 @@
+"""The tool layer end to end: /stubs and /toolsets, manifest shapes, repair, policies, secrets."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import execute
+from tests.toolserver import ToolServer
+
+ECHO = {"kind": "echo"}
+PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "description": "Where."},
+        "filters": {"type": "object", "properties": {"stars": {"type": "integer"}}, "required": ["stars"]},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["city"],
+}
+
+
+def test_stubs_are_exactly_what_the_sandbox_imports(api: httpx.Client) -> None:
+    tools = [{"name": "hotels.search", "description": "Find hotels.", "parameters": PARAMS, "endpoint": ECHO}]
+    stubs = api.post("/stubs", json={"tools": tools})
+    assert stubs.status_code == 200
+    body = stubs.json()
+    assert (
+        "def search(city: str, filters: SearchFilters | None = None, tags: list[str] | None = None)" in body["module"]
+    )
+    assert "SearchFilters = TypedDict('SearchFilters', {'stars': 'int'})" in body["module"]
+    assert "tools.aio" in body["usage"] and "ToolError" in body["usage"]
+    view = execute(api, "print(open('/run/ptc/tools/__init__.py').read(), end='')", tools)
+    assert view["stdout"] == body["module"]
+
+
+def test_toolsets_register_once_and_run_by_id(api: httpx.Client) -> None:
+    tools = [{"name": "ping", "parameters": {"properties": {"i": {"type": "integer"}}}, "endpoint": ECHO}]
+    first = api.post("/toolsets", json={"tools": tools}).json()
+    again = api.post("/toolsets", json={"tools": tools}).json()
+    assert first == again and first["toolset_id"].startswith("ts_") and first["tools"] == ["ping"]
+    view = execute(api, "import tools\nprint(tools.ping(i=3)['args'])", toolset=first["toolset_id"])
+    assert view["stdout"] == "{'i': 3}\n"
+    stubs = api.post("/stubs", json={"toolset": first["toolset_id"]}).json()
+    assert stubs["toolset_id"] == first["toolset_id"]
+    unknown = api.post("/execute", json={"script": "1", "toolset": "ts_nope"})
+    assert unknown.status_code == 422 and unknown.json()["detail"].startswith("toolset")
+    both = api.post("/execute", json={"script": "1", "toolset": first["toolset_id"], "tools": tools})
+    assert both.status_code == 422
+
+
+THREE = [
+    (
+        "get_weather",
+        "Weather in a city.",
+        {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    ),
+    (
+        "add",
+        "Add two numbers.",
+        {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]},
+    ),
+    (
+        "mail.send",
+        "Send mail.",
+        {
+            "type": "object",
+            "properties": {"from": {"type": "string"}, "to": {"type": "array", "items": {"type": "string"}}},
+            "required": ["from", "to"],
+        },
+    ),
+]
+
+
+def manifest_in(form: str) -> list[dict[str, Any]]:
+    if form == "ours":
+        return [{"name": n, "description": d, "parameters": p, "endpoint": ECHO} for n, d, p in THREE]
+    if form == "openai":
+        return [
+            {"type": "function", "function": {"name": n, "description": d, "parameters": p}, "endpoint": ECHO}
+            for n, d, p in THREE
+        ]
+    if form == "anthropic":
+        return [{"name": n, "description": d, "input_schema": p, "endpoint": ECHO} for n, d, p in THREE]
+    return [{"name": n, "description": d, "inputSchema": p, "endpoint": ECHO} for n, d, p in THREE]
+
+
+def test_four_manifest_forms_give_the_same_stubs_and_records(api: httpx.Client) -> None:
+    script = (
+        "import tools\ntools.get_weather(city='Oslo')\ntools.add(1, b=2.5)\ntools.mail.send(from_='a@x', to=['b@x'])\n"
+    )
+    modules, records = set(), []
+    for form in ("ours", "openai", "anthropic", "mcp"):
+        modules.add(api.post("/stubs", json={"tools": manifest_in(form)}).json()["module"])
+        view = execute(api, script, manifest_in(form))
+        records.append([(c["tool"], c["args"], c["status"]) for c in view["calls"]])
+    assert len(modules) == 1
+    assert all(r == records[0] for r in records)
+    assert records[0] == [
+        ("get_weather", {"city": "Oslo"}, "ok"),
+        ("add", {"a": 1, "b": 2.5}, "ok"),
+        ("mail.send", {"from": "a@x", "to": ["b@x"]}, "ok"),
+    ]
+
+
+def test_stringified_objects_are_repaired_and_invalid_ones_rejected_with_their_path(api: httpx.Client) -> None:
+    tools = [{"name": "search", "parameters": PARAMS, "endpoint": ECHO}]
+    script = (
+        "import tools\n"
+        "print(tools.search(city='Oslo', filters='{\"stars\": 4}', tags='[\"spa\"]')['args'])\n"
+        "try:\n    tools.search(city='Oslo', filters={'stars': 'four'})\n"
+        "except tools.ToolError as e:\n    print(e.message)\n"
+    )
+    view = execute(api, script, tools)
+    ok, bad = view["calls"]
+    assert ok["repaired"] is True and ok["args"] == {"city": "Oslo", "filters": {"stars": 4}, "tags": ["spa"]}
+    assert view["stdout"].splitlines()[0] == "{'city': 'Oslo', 'filters': {'stars': 4}, 'tags': ['spa']}"
+    assert bad["status"] == "rejected" and bad["repaired"] is False
+    assert "argument 'filters.stars': 'four' is not of type 'integer'" in view["stdout"]
+
+
+def test_only_idempotent_tools_are_retried(api: httpx.Client, tool_server: ToolServer) -> None:
+    url = tool_server.url("flaky")
+    tools = [
+        {
+            "name": "once",
+            "parameters": {"properties": {"key": {}}},
+            "retries": 3,
+            "endpoint": {"kind": "http", "url": url},
+        },
+        {
+            "name": "again",
+            "parameters": {"properties": {"key": {}}},
+            "idempotent": True,
+            "retries": 3,
+            "endpoint": {"kind": "http", "url": url},
+        },
+    ]
+    script = (
+        "import tools\ntry:\n    tools.once(key='k1')\nexcept tools.ToolError as e:\n    print(e.type)\n"
+        "print(tools.again(key='k2'))\n"
+    )
+    view = execute(api, script, tools)
+    assert view["stdout"] == "http_error\n{'key': 'k2', 'calls': 3}\n"
+    assert tool_server.flaky_calls == {"k1": 1, "k2": 3} | {
+        k: v for k, v in tool_server.flaky_calls.items() if k not in ("k1", "k2")
+    }
+    once, again = view["calls"]
+    assert (once["status"] == "error" and "attempts" not in once) or once["attempts"] is None
+    assert again["status"] == "ok" and again["attempts"] == 3
+
+
+def test_max_concurrency_holds_under_a_wide_gather(api: httpx.Client, tool_server: ToolServer) -> None:
+    tools = [{"name": "slow", "max_concurrency": 2, "endpoint": {"kind": "http", "url": tool_server.url("slow")}}]
+    tool_server.max_in_flight = 0
+    script = (
+        "import asyncio, tools\n"
+        "async def main():\n    return await asyncio.gather(*(tools.aio.slow() for _ in range(50)))\n"
+        "print(len(asyncio.run(main())))\n"
+    )
+    view = execute(api, script, tools, timeout_s=60)
+    assert view["stdout"] == "50\n"
+    assert tool_server.max_in_flight == 2
+
+
+def test_tools_not_callable_from_code_are_hidden_and_refused(api: httpx.Client) -> None:
+    tools = [
+        {"name": "visible", "allowed_callers": ["code_execution_20250825"], "endpoint": ECHO},
+        {"name": "direct_only", "allowed_callers": ["direct"], "endpoint": ECHO},
+    ]
+    assert "direct_only" not in api.post("/stubs", json={"tools": tools}).json()["module"]
+    script = (
+        "import tools\nprint(hasattr(tools, 'direct_only'))\ntools.visible()\n"
+        "from ptc_runtime.client import client\n"
+        "try:\n    client().request({'tool': 'direct_only', 'args': {}})\n"
+        "except tools.ToolError as e:\n    print(e.type)\n"
+    )
+    view = execute(api, script, tools)
+    assert view["stdout"] == "False\nnot_allowed\n"
+    assert [(c["tool"], c["status"]) for c in view["calls"]] == [("visible", "ok"), ("direct_only", "rejected")]
+
+
+def test_results_are_checked_against_the_output_schema(api: httpx.Client, tool_server: ToolServer) -> None:
+    tools = [
+        {
+            "name": "shape",
+            "outputSchema": {"type": "object", "properties": {"ok": {"type": "boolean"}}},
+            "endpoint": {"kind": "http", "url": tool_server.url("wrong_shape")},
+        }
+    ]
+    script = "import tools\ntry:\n    tools.shape()\nexcept tools.ToolError as e:\n    print(e.type, e.message)\n"
+    view = execute(api, script, tools)
+    assert view["stdout"].startswith("invalid_result shape: result.ok: 'yes' is not of type 'boolean'")
+    assert "-> ShapeResult:" in api.post("/stubs", json={"tools": tools}).json()["module"]
+
+
+SECRET = "s3cr3t-token-7f1c2a"
+
+
+def test_endpoint_secrets_never_reach_the_sandbox_stubs_or_view(api: httpx.Client, tool_server: ToolServer) -> None:
+    tools = [
+        {
+            "name": "area",
+            "parameters": {"properties": {"base": {}, "height": {}}},
+            "endpoint": {
+                "kind": "http",
+                "url": tool_server.url("triangle_area"),
+                "headers": {"Authorization": f"Bearer {SECRET}"},
+            },
+        }
+    ]
+    head, tail = SECRET[:6], SECRET[6:]  # the script itself must not contain the secret
+    script = f"""
+import os, tools
+SECRET = {head!r} + {tail!r}
+print(tools.area(base=2, height=3))
+found = [k for k, v in os.environ.items() if SECRET in v]
+for root in ('/run/ptc', '/tmp', '/opt/ptc'):
+    for folder, _, files in os.walk(root):
+        for name in files:
+            try:
+                if SECRET.encode() in open(os.path.join(folder, name), 'rb').read():
+                    found.append(os.path.join(folder, name))
+            except OSError:
+                pass
+print(found)
+"""
+    view = execute(api, script, tools)
+    assert view["stdout"] == "3.0\n[]\n"
+    assert SECRET not in json.dumps(view)
+    assert SECRET not in api.get(f"/jobs/{view['job_id']}").text
+    assert SECRET not in api.post("/stubs", json={"tools": tools}).text
+    assert tool_server.headers[-1]["Authorization"] == f"Bearer {SECRET}"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("retries", 11), ("max_concurrency", 0), ("idempotent", "yes"), ("allowed_callers", "code"), ("timeout_s", -1)],
+)
+def test_bad_policies_are_refused(api: httpx.Client, field: str, value: Any) -> None:
+    response = api.post("/execute", json={"script": "1", "tools": [{"name": "t", field: value, "endpoint": ECHO}]})
+    assert response.status_code == 422
+    assert response.json()["detail"].startswith(f"tools.0.{field}")
