@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import __version__
 from service.errors import (
+    CallNotPending,
     EngineUnavailable,
     InvalidField,
     JobNotFound,
@@ -33,6 +33,7 @@ from service.jobs import JobManager, view_bytes
 from service.sandbox.base import SandboxBackend, Stream
 from service.schemas import (
     CallRecord,
+    ClientAnswer,
     ExecuteRequest,
     JobList,
     JobStatus,
@@ -173,8 +174,13 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         """
         manager = jobs_of(request)
         job = await manager.submit(body)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(job.done.wait(), job.limits.wait_s)
+        ended = asyncio.ensure_future(job.done.wait())
+        waiting = asyncio.ensure_future(job.waiting.wait())  # a client-executed call needs the caller now
+        try:
+            await asyncio.wait({ended, waiting}, timeout=job.limits.wait_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+            waiting.cancel()
         if not job.done.is_set():
             return json_view(job.view_dict(), 202)
         view = await manager.view(job.id)
@@ -244,6 +250,19 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
                 f"{timeout_s} exceeds the server maximum of {settings.max_wait_s}", ("query", "timeout_s")
             )
         return json_view(await jobs_of(request).wait(job_id, timeout_s))
+
+    @app.post("/jobs/{job_id}/calls/{call_id}", response_model=JobView, responses={404: {}, 409: {}, 422: {}})
+    async def answer_call(job_id: str, call_id: str, body: ClientAnswer, request: Request) -> Response:
+        """Answer a client-executed tool call: ``{"result": ...}`` or ``{"error": {"type", "message"}}``."""
+        has_result, has_error = "result" in body.model_fields_set, body.error is not None
+        if has_result == has_error:
+            raise InvalidField("give exactly one of result or error", ("body",))
+        if has_error:
+            assert body.error is not None
+            ok, value = False, body.error.model_dump()
+        else:
+            ok, value = True, body.result
+        return json_view(await jobs_of(request).answer_call(job_id, call_id, ok, value))
 
     @app.post("/jobs/{job_id}/stop", response_model=JobView, responses={404: {}})
     async def stop_job(job_id: str, request: Request) -> Response:
@@ -351,6 +370,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         response = problem(429, "Too many jobs", str(exc))
         response.headers["Retry-After"] = str(exc.retry_after_s)
         return response
+
+    @app.exception_handler(CallNotPending)
+    async def not_pending(_: Request, exc: CallNotPending) -> Response:
+        return problem(
+            409,
+            "Call not waiting",
+            f"call {exc} is not waiting for an answer (unknown, answered, timed out, or its job has ended)",
+        )
 
     @app.exception_handler(JobNotFound)
     async def not_found(_: Request, exc: JobNotFound) -> Response:

@@ -48,6 +48,7 @@ from typing import Any
 import orjson
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
+from service.errors import CallNotPending
 from service.toolkit.endpoints import EndpointClients, ToolCallFailed
 from service.toolkit.manifest import ToolSpec
 from service.toolkit.schema import json_depth
@@ -78,6 +79,8 @@ class Broker:
         max_line_bytes: the longest request line accepted.
         max_record_bytes: bytes of arguments and results the job's records may hold.
         on_call_end: called with each completed record (metrics hook).
+        client_call_timeout_s: how long a client-executed call waits for its answer (s).
+        on_client_calls: called with the number of client-executed calls waiting, whenever it changes.
     """
 
     def __init__(
@@ -88,7 +91,12 @@ class Broker:
         max_line_bytes: int,
         max_record_bytes: int,
         on_call_end: Callable[[dict[str, Any]], None] | None = None,
+        client_call_timeout_s: float = 270.0,
+        on_client_calls: Callable[[int], None] | None = None,
     ) -> None:
+        self._client_timeout = client_call_timeout_s
+        self._on_client_calls = on_client_calls
+        self._client_calls: dict[str, asyncio.Future[tuple[bool, Any]]] = {}
         self._tools = tools
         self._endpoints = endpoints
         self._max_calls = max_calls
@@ -255,6 +263,8 @@ class Broker:
             return self._fail(record, "rejected", "invalid_arguments", f"{tool_name}: {check.problem}")
         if check.repaired:
             record.update(args=check.args, repaired=True)
+        if tool.endpoint.kind == "client":
+            return await self._call_client(tool, check.args, record)
         try:
             async with self._endpoint_slots, self._tool_slots(tool):
                 result, attempts = await self._call_endpoint(tool, check.args)
@@ -276,6 +286,54 @@ class Broker:
         self._record_budget -= size
         record.update(status="ok", result=result)
         return {"ok": True, "result": result}
+
+    @property
+    def pending_client_calls(self) -> list[dict[str, Any]]:
+        """Client-executed calls waiting for their answer: ``{"call_id", "tool", "args"}`` each, in arrival order."""
+        return [
+            {"call_id": r["call_id"], "tool": r["tool"], "args": r["args"]}
+            for r in self.records
+            if r["call_id"] in self._client_calls and r["status"] == "pending"
+        ]
+
+    def answer_client_call(self, call_id: str, ok: bool, value: Any) -> None:
+        """Resolve a waiting client-executed call with a result (``ok``) or an error ``{"type", "message"}``.
+
+        Raises:
+            CallNotPending: no such call is waiting (unknown, already answered or timed out).
+        """
+        future = self._client_calls.get(call_id)
+        if future is None or future.done():
+            raise CallNotPending(call_id)
+        future.set_result((ok, value))
+
+    async def _call_client(self, tool: ToolSpec, args: Any, record: dict[str, Any]) -> dict[str, Any]:
+        """Pause the call until the client answers it (POST /jobs/{id}/calls/{call_id}) or the timeout passes."""
+        future: asyncio.Future[tuple[bool, Any]] = asyncio.get_running_loop().create_future()
+        call_id = record["call_id"]
+        self._client_calls[call_id] = future
+        self._client_calls_changed()
+        timeout = tool.timeout_s or self._client_timeout
+        try:
+            ok, value = await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            return self._fail(
+                record, "timeout", "timeout", f"{tool.name}: the client did not answer within {timeout:g} s"
+            )
+        finally:
+            del self._client_calls[call_id]
+            self._client_calls_changed()
+        if not ok:
+            return self._fail(record, "error", str(value.get("type", "client_error")), str(value.get("message", "")))
+        wrong = await asyncio.to_thread(tool.check_result, value)
+        if wrong is not None:
+            return self._fail(record, "error", "invalid_result", f"{tool.name}: {wrong}")
+        record.update(status="ok", result=value)
+        return {"ok": True, "result": value}
+
+    def _client_calls_changed(self) -> None:
+        if self._on_client_calls is not None:
+            self._on_client_calls(sum(not f.done() for f in self._client_calls.values()))
 
     def _tool_slots(self, tool: ToolSpec) -> contextlib.AbstractAsyncContextManager[Any]:
         """The tool's ``max_concurrency`` semaphore for this job (created on first use), or no limit."""

@@ -9,6 +9,7 @@
     ├── WorkDirBusy          another instance holds the work dir        (start-up)
     ├── JobNotFound          no job with that id                         -> 404
     ├── QueueFull            all sandbox slots busy and the queue full   -> 429
+    ├── CallNotPending       answer to a client call not waiting for one -> 409
     └── SandboxError         the engine failed us (not the script)      -> 503
         └── EngineUnavailable  the engine cannot be reached             -> 503
 """
@@ -50,6 +51,10 @@ class WorkDirBusy(PtcError):
 
 class JobNotFound(PtcError):
     """No job with the given id is known."""
+
+
+class CallNotPending(PtcError):
+    """An answer to a client-executed call that is not waiting for one (unknown, answered, timed out)."""
 
 
 class SandboxError(PtcError):

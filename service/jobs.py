@@ -42,6 +42,7 @@ import orjson
 from service import callbacks
 from service.broker import Broker
 from service.errors import (
+    CallNotPending,
     EngineUnavailable,
     InvalidField,
     JobNotFound,
@@ -138,6 +139,8 @@ class Job:
     ended_at: datetime | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
+    waiting: asyncio.Event = field(default_factory=asyncio.Event)  # set while client calls wait for answers
+    broker: Broker | None = None
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def sink(self, stream: Stream, data: bytes) -> None:
@@ -184,6 +187,7 @@ class Job:
             "stdout_retained_bytes": self.stdout.retained_bytes,
             "stderr_retained_bytes": self.stderr.retained_bytes,
             "callback": {"url": self.callback_url, "state": "pending", "attempts": []} if self.callback_url else None,
+            "pending_calls": self.broker.pending_client_calls if self.broker is not None else [],
         }
 
 
@@ -465,8 +469,11 @@ class JobManager:
             settings.max_request_line_bytes,
             settings.max_record_bytes,
             on_call_end=lambda _record: job.notify(),
+            client_call_timeout_s=settings.client_call_timeout_s,
+            on_client_calls=lambda waiting: self._client_calls_changed(job, waiting),
         )
         job.calls = broker.records
+        job.broker = broker
         handle: SandboxHandle | None = None
         job_dir: Path | None = None
         try:
@@ -538,6 +545,37 @@ class JobManager:
             stop.cancel()
             if not waiting.done():
                 waiting.cancel()
+
+    def _client_calls_changed(self, job: Job, waiting: int) -> None:
+        """``waiting`` while client-executed calls wait for answers, ``running`` again when none does."""
+        if waiting and job.status == "running":
+            job.status = "waiting"
+            job.waiting.set()
+        elif not waiting and job.status == "waiting":
+            job.status = "running"
+            job.waiting.clear()
+        else:
+            job.notify()
+            return
+        job.notify()
+        self._spawn(self._save(job), f"save {job.id}")
+
+    async def answer_call(self, job_id: str, call_id: str, ok: bool, value: Any) -> dict[str, Any]:
+        """Answer a client-executed call of a running job; returns the job's view after it.
+
+        Raises:
+            JobNotFound: no such job.
+            CallNotPending: the job has ended, or that call is not waiting for an answer.
+        """
+        job = self._live.get(job_id)
+        if job is None:
+            await self.stored_view(job_id)
+            raise CallNotPending(call_id)
+        if job.broker is None:
+            raise CallNotPending(call_id)
+        job.broker.answer_client_call(call_id, ok, value)
+        await asyncio.sleep(0)  # let the call's task record the answer first
+        return await self.view(job_id)
 
     def _finish(self, job: Job, exit_status: ExitStatus, ended_by: str | None, broker: Broker) -> None:
         job.exit_code = exit_status.exit_code

@@ -155,6 +155,23 @@ class JobError(BaseModel):
     text: str | None = Field(None, description="The offending source line (SyntaxError).")
 
 
+class PendingCall(BaseModel):
+    """A client-executed call waiting for the client's answer (``POST /jobs/{id}/calls/{call_id}``)."""
+
+    call_id: str
+    tool: str
+    args: Any
+
+
+class ClientAnswer(BaseModel):
+    """Body of ``POST /jobs/{id}/calls/{call_id}``: exactly one of ``result`` (any JSON) or ``error``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    result: Any = None
+    error: ToolCallError | None = None
+
+
 class CallbackAttempt(BaseModel):
     """One delivery attempt of the completion callback."""
 
@@ -204,6 +221,9 @@ class JobView(BaseModel):
     stdout_retained_bytes: int = Field(0, description="Bytes of stdout kept on disk (readable by offset).")
     stderr_retained_bytes: int = 0
     callback: CallbackState | None = None
+    pending_calls: list[PendingCall] = Field(
+        default_factory=list, description="Client-executed calls waiting for an answer (status is then waiting)."
+    )
 
 
 class JobSummary(BaseModel):

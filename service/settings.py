@@ -92,6 +92,9 @@ class Settings(BaseSettings):
         100, ge=0, description="Jobs that may wait for a sandbox slot; past that /execute answers 429."
     )
     retry_after_s: int = Field(2, ge=1, description="Retry-After of a 429 (s).")
+    client_call_timeout_s: float = Field(
+        270, gt=0, description="How long a client-executed tool call waits for the client's answer (s)."
+    )
     stop_grace_s: float = Field(2.0, ge=0, description="Time between SIGTERM and SIGKILL when a job is stopped (s).")
     callback_secret: SecretStr | None = Field(
         None, description="HMAC-SHA256 key that signs completion callbacks; callback_url is refused without it."

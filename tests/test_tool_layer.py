@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import execute
+from tests.conftest import execute, wait_until
 from tests.toolserver import ToolServer
 
 ECHO = {"kind": "echo"}
@@ -244,3 +245,58 @@ def test_bad_policies_are_refused(api: httpx.Client, field: str, value: Any) -> 
     response = api.post("/execute", json={"script": "1", "tools": [{"name": "t", field: value, "endpoint": ECHO}]})
     assert response.status_code == 422
     assert response.json()["detail"].startswith(f"tools.0.{field}")
+
+
+def test_client_executed_tools_pause_the_script_until_answered(api: httpx.Client) -> None:
+    tools = [
+        {
+            "name": "ask_user",
+            "parameters": {"properties": {"q": {"type": "string"}}, "required": ["q"]},
+            "endpoint": {"kind": "client"},
+        },
+        {"name": "slow_user", "timeout_s": 2, "endpoint": {"kind": "client"}},
+    ]
+    script = (
+        "import asyncio, tools\n"
+        "async def main():\n"
+        "    return await asyncio.gather(*(tools.aio.ask_user(q=f'q{i}') for i in range(5)))\n"
+        "print(asyncio.run(main()))\n"
+        "try:\n    tools.slow_user()\nexcept tools.ToolError as e:\n    print(e.type)\n"
+    )
+    started = time.monotonic()
+    response = api.post("/execute", json={"script": script, "tools": tools, "wait_s": 30})
+    assert response.status_code == 202 and time.monotonic() - started < 10
+    view = response.json()
+    wait_until(lambda: len(api.get(f"/jobs/{view['job_id']}").json()["pending_calls"]) == 5, 10)
+    view = api.get(f"/jobs/{view['job_id']}").json()
+    assert view["status"] == "waiting"
+    pending = {c["args"]["q"]: c["call_id"] for c in view["pending_calls"]}
+    assert sorted(pending) == [f"q{i}" for i in range(5)]
+    for q in ("q3", "q0", "q4", "q1"):
+        answered = api.post(f"/jobs/{view['job_id']}/calls/{pending[q]}", json={"result": q.upper()})
+        assert answered.status_code == 200
+    assert api.post(f"/jobs/{view['job_id']}/calls/{pending['q3']}", json={"result": "again"}).status_code == 409
+    assert api.post(f"/jobs/{view['job_id']}/calls/{pending['q2']}", json={}).status_code == 422
+    api.post(f"/jobs/{view['job_id']}/calls/{pending['q2']}", json={"result": {"nested": [2]}})
+    final = api.post(f"/jobs/{view['job_id']}/wait", params={"timeout_s": 20}).json()
+    assert final["status"] == "succeeded", final
+    assert final["stdout"] == "['Q0', 'Q1', {'nested': [2]}, 'Q3', 'Q4']\ntimeout\n"
+    assert final["pending_calls"] == []
+    assert [c["status"] for c in final["calls"]] == ["ok"] * 5 + ["timeout"]
+    assert api.post(f"/jobs/{final['job_id']}/calls/nope", json={"result": 1}).status_code == 409
+    assert api.post("/jobs/job_nope/calls/nope", json={"result": 1}).status_code == 404
+
+
+def test_client_tool_errors_reach_the_script(api: httpx.Client) -> None:
+    tools = [{"name": "confirm", "endpoint": {"kind": "client"}}]
+    script = "import tools\ntry:\n    tools.confirm()\nexcept tools.ToolError as e:\n    print(e.type, e.message)\n"
+    view = api.post("/execute", json={"script": script, "tools": tools, "wait_s": 30}).json()
+    wait_until(lambda: api.get(f"/jobs/{view['job_id']}").json()["pending_calls"], 10)
+    [call] = api.get(f"/jobs/{view['job_id']}").json()["pending_calls"]
+    api.post(
+        f"/jobs/{view['job_id']}/calls/{call['call_id']}",
+        json={"error": {"type": "denied", "message": "the user said no"}},
+    )
+    final = api.post(f"/jobs/{view['job_id']}/wait", params={"timeout_s": 20}).json()
+    assert final["stdout"] == "denied the user said no\n"
+    assert final["calls"][0]["status"] == "error"

@@ -259,6 +259,7 @@ class EndpointClients:
         await self._http.aclose()
 
     async def call(self, tool: ToolSpec, args: dict[str, Any]) -> Any:
+        # ``client`` endpoints never come here: the broker pauses those calls for the client to answer.
         """Run one call; returns the JSON result or raises ToolCallFailed."""
         return await self._dispatch[tool.endpoint.kind](tool, args)
 

@@ -257,8 +257,8 @@ def parse_endpoint(raw: Any, loc: tuple[str | int, ...]) -> Endpoint:
     if raw is None:
         raise ManifestError('endpoint is required (e.g. {"kind": "http", "url": ...} or {"kind": "echo"})', loc)
     kind = raw.get("kind")
-    if kind == "echo":
-        return Endpoint(kind="echo")
+    if kind in ("echo", "client"):
+        return Endpoint(kind=kind)
     if kind in ("http", "mcp"):
         url = raw.get("url")
         if not isinstance(url, str) or not url.lower().startswith(("http://", "https://")):
@@ -281,7 +281,7 @@ def parse_endpoint(raw: Any, loc: tuple[str | int, ...]) -> Endpoint:
         return Endpoint(
             kind=kind, url=url, headers=dict(headers), timeout_s=float(timeout) if timeout else None, tool=remote
         )
-    raise ManifestError(f"unknown endpoint kind {kind!r}; expected 'http', 'mcp' or 'echo'", (*loc, "kind"))
+    raise ManifestError(f"unknown endpoint kind {kind!r}; expected 'http', 'mcp', 'client' or 'echo'", (*loc, "kind"))
 
 
 def parse_tool(entry: Any, loc: tuple[str | int, ...]) -> ToolSpec:
