@@ -573,8 +573,10 @@ class JobManager:
             raise CallNotPending(call_id)
         if job.broker is None:
             raise CallNotPending(call_id)
+        changed = job.changed()
         job.broker.answer_client_call(call_id, ok, value)
-        await asyncio.sleep(0)  # let the call's task record the answer first
+        with contextlib.suppress(TimeoutError):  # let the call's task record the answer before the view is taken
+            await asyncio.wait_for(changed.wait(), 1.0)
         return await self.view(job_id)
 
     def _finish(self, job: Job, exit_status: ExitStatus, ended_by: str | None, broker: Broker) -> None:
@@ -778,8 +780,12 @@ class JobManager:
             if live is not None:
                 view = live.view_dict()
                 summaries.append(JobSummary.model_validate({**view, "calls": len(view["calls"])}))
-            else:
+            elif row.summary:
                 summaries.append(JobSummary.model_validate_json(row.summary))
+            else:  # saved before summaries were kept
+                full = await self._store.get(row.job_id)
+                view = orjson.loads(full.view) if full is not None else {}
+                summaries.append(JobSummary.model_validate({**view, "calls": len(view.get("calls", []))}))
         return summaries, cursor
 
     async def count(self) -> int:

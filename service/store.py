@@ -154,15 +154,21 @@ CREATE TABLE IF NOT EXISTS jobs (
     summary     BLOB NOT NULL,
     callback_pending INTEGER NOT NULL DEFAULT 0
 );
-CREATE INDEX IF NOT EXISTS jobs_by_created ON jobs (created_at DESC, job_id DESC);
-CREATE INDEX IF NOT EXISTS jobs_by_ended ON jobs (ended_at) WHERE ended_at IS NOT NULL;
-CREATE INDEX IF NOT EXISTS jobs_unfinished ON jobs (instance_id) WHERE ended_at IS NULL;
-CREATE INDEX IF NOT EXISTS jobs_callback_pending ON jobs (instance_id) WHERE callback_pending = 1;
 CREATE TABLE IF NOT EXISTS toolsets (
     toolset_id  TEXT PRIMARY KEY,
     manifest    BLOB NOT NULL,
     created_at  TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
 );
+"""
+
+# Columns added after the first release of the table: (name, declaration), for stores made before them.
+_ADDED_COLUMNS = (("summary", "BLOB NOT NULL DEFAULT x''"), ("callback_pending", "INTEGER NOT NULL DEFAULT 0"))
+
+_INDEXES = """
+CREATE INDEX IF NOT EXISTS jobs_by_created ON jobs (created_at DESC, job_id DESC);
+CREATE INDEX IF NOT EXISTS jobs_by_ended ON jobs (ended_at) WHERE ended_at IS NOT NULL;
+CREATE INDEX IF NOT EXISTS jobs_unfinished ON jobs (instance_id) WHERE ended_at IS NULL;
+CREATE INDEX IF NOT EXISTS jobs_callback_pending ON jobs (instance_id) WHERE callback_pending = 1;
 """
 
 _COLUMNS = "job_id, status, instance_id, created_at, ended_at, view, summary, callback_pending"
@@ -210,6 +216,11 @@ class SQLiteJobStore(JobStore):
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("PRAGMA busy_timeout=5000")
             db.executescript(_SCHEMA)
+            present = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
+            for name, declaration in _ADDED_COLUMNS:
+                if name not in present:
+                    db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {declaration}")
+            db.executescript(_INDEXES)
             os.chmod(self._path, 0o600)  # outputs, arguments and results: for the service only
             self._db = db
 
