@@ -1,4 +1,4 @@
-"""Access to the BFCL v4 data shipped inside the ``bfcl_eval`` package (tests only).
+"""Access to the BFCL v4 data shipped inside the ``bfcl_eval`` package, and its replay as scripts (tests only).
 
 Stdlib only.  ``bfcl_eval`` is located through :mod:`importlib` without being
 imported, so its (many) runtime dependencies need not be installed::
@@ -19,23 +19,36 @@ Layout of ``bfcl_eval/data`` as of 2026.3.23:
   mapping a category to a list of entry ids; not JSON Lines.
 * ``possible_answer/BFCL_v4_<category>.json`` -- JSON Lines of
   ``{"id": ..., "ground_truth": [{func_name: {arg: [accepted values...]}}]}``.
+  The ``live_*`` files (user-contributed entries, ids such as
+  ``live_simple_0-0-0``) have the same layout as the others; what differs is
+  only in the values (see :func:`load_ground_truth`, rule 3).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import keyword
 import pathlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 __all__ = [
+    "CASE_MARKER",
     "GROUND_TRUTH_CATEGORIES",
     "GroundTruthCase",
+    "ReplayKind",
+    "ReplayOutcome",
     "bfcl_data_dir",
+    "call_source",
+    "classify_replay",
     "iter_function_docs",
     "load_ground_truth",
+    "pack_batches",
+    "replay_manifest",
+    "replay_script",
+    "split_records",
 ]
 
 BFCL_PIN: Final = "bfcl-eval==2026.3.23"
@@ -46,6 +59,10 @@ GROUND_TRUTH_CATEGORIES: Final = (
     "multiple",
     "parallel",
     "parallel_multiple",
+    "live_simple",
+    "live_multiple",
+    "live_parallel",
+    "live_parallel_multiple",
 )
 
 _OPTIONAL: Final = ""  # marker inside an accepted-values list: "may be omitted"
@@ -145,6 +162,7 @@ class GroundTruthCase:
     """One BFCL entry with its ground truth resolved to concrete calls."""
 
     id: str
+    category: str
     functions: list[dict[str, Any]] = field(repr=False)
     calls: list[tuple[str, dict[str, Any]]]
 
@@ -162,7 +180,9 @@ def _pick(accepted: list[Any], *, required: bool, where: str) -> tuple[bool, Any
     for value in accepted:
         if value != _OPTIONAL:
             return True, value
-    raise ValueError(f"{where}: required argument has no concrete accepted value")
+    if not accepted:  # rule 3: "[]" stands for the empty array
+        return True, []
+    return True, _OPTIONAL  # rule 3: a required argument whose only accepted value is ""
 
 
 def _resolve_dict(accepted: dict[str, Any], schema: dict[str, Any], where: str) -> dict[str, Any]:
@@ -220,6 +240,19 @@ def load_ground_truth(category: str) -> list[GroundTruthCase]:
        ``""``.  A handful of arguments are ``required`` yet list ``""`` (e.g.
        ``simple_python_17`` ``formatted: [true, ""]``); BFCL's checker still
        demands them, hence the ``required`` exception in rule 1.
+    3. An argument with no concrete accepted value takes the empty value its
+       list spells; only ``live_*`` entries have such lists.  ``[""]`` on a
+       ``required`` argument gives ``""`` itself, which BFCL's string checker
+       accepts (``live_multiple_507-149-4`` ``origin_airport``); an empty
+       list ``[]`` gives the empty array ``[]``, the answer the question asks
+       for (``live_simple_106-63-0``, ``live_simple_112-68-0``: ``array``
+       arguments for which the query lists nothing; BFCL's checker accepts no
+       value at all there).
+
+    An argument the schema does not declare and whose list has no ``""`` is
+    kept (``live_multiple_862-181-3``, ``live_multiple_964-207-0``): such
+    ground truth contradicts its own schema, and a call made from it is
+    expected to be refused.
 
     The rule recurses into ``dict`` arguments and arrays of ``dict`` items,
     whose ground truth holds accepted-values lists per key (keys are
@@ -229,7 +262,9 @@ def load_ground_truth(category: str) -> list[GroundTruthCase]:
     ``"data['sales']"`` for an ``array``).
 
     Raises:
-        ValueError: for an unknown category or a malformed ground truth.
+        ValueError: for an unknown category or a malformed ground truth (a
+            call that is not a one-key object, or of a function the entry
+            does not declare).
         TypeError: for an accepted-values entry that is not a list.
     """
     if category not in GROUND_TRUTH_CATEGORIES:
@@ -259,7 +294,157 @@ def load_ground_truth(category: str) -> list[GroundTruthCase]:
                 if present:
                     args[arg] = _resolve_value(value, properties.get(arg, {}), where)
             calls.append((name, args))
-        cases.append(GroundTruthCase(id=case_id, functions=functions, calls=calls))
+        cases.append(GroundTruthCase(id=case_id, category=category, functions=functions, calls=calls))
     if len(answers) != len(cases):
         raise ValueError(f"{category}: {len(answers)} answers for {len(cases)} entries")
     return cases
+
+
+# --- Replay: many entries per script -------------------------------------------------------------------------------
+
+#: The marker tool a replay script calls before each entry's calls (``bfcl_case(id=...)``), so that one job's call
+#: records can be split per entry.  No BFCL function has this name (checked by :func:`pack_batches`).
+CASE_MARKER: Final = "bfcl_case"
+_MARKER_DOC: Final = {
+    "name": CASE_MARKER,
+    "description": "Marks the start of a BFCL entry's calls in a replay script.",
+    "parameters": {"type": "object", "properties": {"id": {"type": "string"}}, "required": ["id"]},
+}
+
+
+def call_source(name: str, args: dict[str, Any]) -> str:
+    """How a model writes the call: keywords where the name allows, ``**{...}`` for the rest.
+
+    ``name`` is used as the attribute path (``math.factorial`` -> ``tools.math.factorial(...)``); BFCL's names in
+    :data:`GROUND_TRUTH_CATEGORIES` are all identifiers per dotted segment, so no safe spelling is needed.
+    """
+    plain = {k: v for k, v in args.items() if k.isidentifier() and not keyword.iskeyword(k)}
+    parts = [f"{k}={v!r}" for k, v in plain.items()]
+    rest = {k: v for k, v in args.items() if k not in plain}
+    if rest:
+        parts.append(f"**{rest!r}")
+    return f"tools.{name}({', '.join(parts)})"
+
+
+def replay_script(cases: list[GroundTruthCase], marker: bool = True) -> str:
+    """Source of a script that makes each case's ground-truth calls in order, one blocking call at a time.
+
+    With ``marker`` each case's calls are preceded by ``tools.bfcl_case(id=<case id>)``.  A refused call
+    (``tools.ToolError``) does not stop the script; any other exception does (it would be a stub bug).
+    """
+    lines = ["import tools", ""]
+    for case in cases:
+        if marker:
+            lines.append(call_source(CASE_MARKER, {"id": case.id}))
+        for name, args in case.calls:
+            lines += ["try:", f"    {call_source(name, args)}", "except tools.ToolError:", "    pass"]
+    return "\n".join(lines) + "\n"
+
+
+def _doc_key(doc: dict[str, Any]) -> str:
+    return json.dumps(doc, sort_keys=True)
+
+
+def pack_batches(cases: list[GroundTruthCase], max_cases: int) -> list[list[GroundTruthCase]]:
+    """Group cases so that each group's function docs can share one manifest.
+
+    First fit, in order: a case joins the first batch that has room and in which every one of its function names is
+    either new or declared by an identical doc (name, description and parameters); otherwise it opens a batch.  So
+    no name is ever renamed, and a batch's manifest (:func:`replay_manifest`) gives each case exactly its own docs.
+
+    Raises:
+        ValueError: if a case declares :data:`CASE_MARKER`, or one name twice with different docs.
+    """
+    batches: list[list[GroundTruthCase]] = []
+    docs: list[dict[str, str]] = []  # per batch: name -> doc key
+    for case in cases:
+        own: dict[str, str] = {}
+        for doc in case.functions:
+            name, key = doc["name"], _doc_key(doc)
+            if name == CASE_MARKER or own.setdefault(name, key) != key:
+                raise ValueError(f"{case.id}: function {name!r} cannot be replayed in a batch")
+        for batch, names in zip(batches, docs, strict=True):
+            if len(batch) < max_cases and all(names.get(n, k) == k for n, k in own.items()):
+                batch.append(case)
+                names.update(own)
+                break
+        else:
+            batches.append([case])
+            docs.append(dict(own))
+    return batches
+
+
+def replay_manifest(cases: list[GroundTruthCase], marker: bool = True) -> list[dict[str, Any]]:
+    """The union of the cases' function docs (one per name), each with an ``echo`` endpoint, plus the marker tool."""
+    by_name: dict[str, dict[str, Any]] = {}
+    for case in cases:
+        for doc in case.functions:
+            by_name.setdefault(doc["name"], doc)
+    docs = [*by_name.values(), _MARKER_DOC] if marker else list(by_name.values())
+    return [{**doc, "endpoint": {"kind": "echo"}} for doc in docs]
+
+
+def split_records(records: list[dict[str, Any]], cases: list[GroundTruthCase]) -> dict[str, list[dict[str, Any]]]:
+    """A job's call records (from :func:`replay_script` with markers) split per case id, the markers dropped.
+
+    Raises:
+        ValueError: if the markers are not exactly one per case, in order, with ``ok`` status.
+    """
+    split: dict[str, list[dict[str, Any]]] = {}
+    current: list[dict[str, Any]] | None = None
+    expected = iter(case.id for case in cases)
+    for record in records:
+        if record["tool"] == CASE_MARKER:
+            case_id = next(expected, None)
+            if case_id is None or record["args"] != {"id": case_id} or record["status"] != "ok":
+                raise ValueError(f"marker record {record['seq']} is {record}, expected one for {case_id!r}")
+            current = split[case_id] = []
+        elif current is None:
+            raise ValueError(f"record {record['seq']} comes before the first marker")
+        else:
+            current.append(record)
+    missing = list(expected)
+    if missing:
+        raise ValueError(f"no marker record for {len(missing)} cases, from {missing[0]!r}")
+    return split
+
+
+ReplayKind = Literal["exact", "rejected", "other"]
+
+
+@dataclass(frozen=True)
+class ReplayOutcome:
+    """How one case's replay went, judged from its call records.
+
+    ``kind``:
+
+    * ``exact`` -- the records' ``(tool, args)`` sequence is the resolved ground truth (same order, same JSON values:
+      ``1`` is not ``1.0`` nor ``true``) and every call is ``ok``;
+    * ``rejected`` -- the same sequence, but the broker refused some calls with ``invalid_arguments`` (the others
+      ``ok``): the ground truth contradicts the entry's own schema;
+    * ``other`` -- anything else (a different sequence, another status or error type).
+
+    ``detail`` is empty for ``exact``; the broker's messages for ``rejected``; what differs for ``other``.
+    """
+
+    kind: ReplayKind
+    detail: str = ""
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def classify_replay(case: GroundTruthCase, records: list[dict[str, Any]]) -> ReplayOutcome:
+    """Judge ``records`` (this case's call records, as in a job view's ``calls``) against ``case.calls``."""
+    recorded = [[r["tool"], r["args"]] for r in records]
+    expected = [[name, args] for name, args in case.calls]
+    if _canonical(recorded) != _canonical(expected):
+        return ReplayOutcome("other", f"recorded {_canonical(recorded)}, expected {_canonical(expected)}")
+    refused = [r for r in records if r["status"] == "rejected" and r["error"]["type"] == "invalid_arguments"]
+    unexpected = [r for r in records if r["status"] != "ok" and r not in refused]
+    if unexpected:
+        return ReplayOutcome("other", "; ".join(f"{r['tool']}: {r['status']} {r['error']}" for r in unexpected))
+    if refused:
+        return ReplayOutcome("rejected", "; ".join(r["error"]["message"] for r in refused))
+    return ReplayOutcome("exact")

@@ -7,8 +7,10 @@ BFCL (the Berkeley Function Calling Leaderboard, ``bfcl-eval`` data) writes
 ``ArrayList``, ``long``, ``double``, ``char``, ``Boolean``, ...); it marks
 optional parameters with ``"optional": true`` as well as by ``required``.
 ``to_json_schema`` maps all of that to Draft 2020-12; a type it does not know
-becomes "any value" rather than an error, and an ``enum`` whose values
-contradict the declared type keeps the enum and drops the type.
+becomes "any value" rather than an error; an ``enum`` whose values contradict
+the declared type keeps the enum and drops the type, except on an array, where
+an enum of scalars is moved to the items; a ``null`` default makes the type
+nullable.
 """
 
 from __future__ import annotations
@@ -110,9 +112,15 @@ def to_json_schema(schema: Any, depth: int = 0) -> JsonSchema:
         out["default"] = schema["default"]
     types = _types_of(schema)
     enum = schema.get("enum")
-    if isinstance(enum, list) and types:
+    items_enum = None
+    if isinstance(enum, list) and types == ["array"] and enum and not any(isinstance(v, (list, dict)) for v in enum):
+        items_enum = enum  # an array whose enum lists item values: the enum belongs to the items
+        del out["enum"]
+    elif isinstance(enum, list) and types:
         if not all(any(_JSON_TYPE_CHECK[t](v) for t in types) for v in enum):
             types = []
+    if types and "default" in schema and schema["default"] is None and "null" not in types:
+        types = [*types, "null"]  # a null default means "may be null"
     if types:
         out["type"] = types[0] if len(types) == 1 else types
     properties = schema.get("properties")
@@ -130,6 +138,8 @@ def to_json_schema(schema: Any, depth: int = 0) -> JsonSchema:
         out["items"] = to_json_schema(items, depth + 1)
     elif isinstance(items, list):  # draft-4 tuple form
         out["prefixItems"] = [to_json_schema(i, depth + 1) for i in items]
+    if items_enum is not None:
+        out["items"] = {**out.get("items", {}), "enum": items_enum}
     for key in ("anyOf", "oneOf", "allOf"):
         if isinstance(schema.get(key), list):
             out[key] = [to_json_schema(s, depth + 1) for s in schema[key]]

@@ -166,3 +166,20 @@ def test_many_unexpected_arguments_are_described_quickly() -> None:
 def test_unusable_names_and_schemas_are_refused(entry: dict[str, Any], message: str) -> None:
     with pytest.raises(ManifestError, match=message):
         parse_manifest([{**entry, "endpoint": ECHO}])
+
+
+def test_array_enums_move_to_items_and_null_defaults_allow_null() -> None:
+    schema = to_json_schema(
+        {
+            "type": "dict",
+            "properties": {
+                "metrics": {"type": "array", "enum": ["temp", "humidity"], "items": {"type": "string"}},
+                "since": {"type": "string", "default": None},
+            },
+        }
+    )
+    assert schema["properties"]["metrics"] == {
+        "type": "array",
+        "items": {"type": "string", "enum": ["temp", "humidity"]},
+    }
+    assert schema["properties"]["since"]["type"] == ["string", "null"]
