@@ -38,6 +38,7 @@ BODY_EXCERPT_BYTES = 500
 ERROR_TEXT_CHARS = 2000  # an MCP tool's error text is cut to this many characters
 MCP_MAX_SESSIONS = 64  # open MCP sessions kept; past it the least recently used idle one is closed
 MCP_HTTP_TIMEOUT_S = 30.0  # connect / write / pool limit of the HTTP requests inside an MCP session
+MCP_INIT_S = 30.0  # an MCP session that is not initialized by then fails (and the next call opens another)
 MCP_HTTP_READ_S = 3660.0  # read limit inside a session: above any call's timeout_s (<= 3600 s)
 MCP_CLOSE_S = 5.0  # how long closing one session may take before its task is cancelled
 MCP_FAILURE_WAIT_S = 1.0  # how long a call whose connection closed waits to learn why
@@ -96,6 +97,7 @@ class _McpSession:
         self._expired = False
         self._closing = asyncio.Event()
         self.task = asyncio.create_task(self._run(), name="mcp-session")
+        self.task.add_done_callback(_retrieved)
 
     @property
     def ended(self) -> bool:
@@ -110,7 +112,13 @@ class _McpSession:
                 streamable_http_client(self.url, http_client=http) as (read, write, _),
                 ClientSession(read, write) as session,
             ):
-                await session.initialize()
+                try:
+                    async with asyncio.timeout(MCP_INIT_S):
+                        await session.initialize()
+                except TimeoutError:
+                    raise ToolCallFailed(
+                        "timeout", f"the MCP server did not start a session within {MCP_INIT_S:g} s"
+                    ) from None
                 self.ready.set_result(session)
                 await self._closing.wait()
         except Exception as exc:  # the SDK's task groups raise ExceptionGroups
@@ -197,6 +205,8 @@ def _mcp_failure(exc: BaseException, initializing: bool) -> ToolCallFailed:
     """The ``ToolCallFailed`` for what ended an MCP session (``exc`` may be an ExceptionGroup)."""
     leaves = list(_leaves(exc))
     for leaf in leaves:
+        if isinstance(leaf, ToolCallFailed):
+            return leaf
         if isinstance(leaf, httpx.TimeoutException):
             return ToolCallFailed("timeout", "the MCP server did not answer in time")
         if isinstance(leaf, httpx.HTTPStatusError):
