@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -29,7 +28,7 @@ from service.errors import (
     RequestLimitError,
     SandboxError,
 )
-from service.jobs import JobManager, view_bytes
+from service.jobs import JobManager, view_bytes, wait_for_end_or_client
 from service.sandbox.base import SandboxBackend, Stream
 from service.schemas import (
     CallRecord,
@@ -174,13 +173,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         """
         manager = jobs_of(request)
         job = await manager.submit(body)
-        ended = asyncio.ensure_future(job.done.wait())
-        waiting = asyncio.ensure_future(job.waiting.wait())  # a client-executed call needs the caller now
-        try:
-            await asyncio.wait({ended, waiting}, timeout=job.limits.wait_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            ended.cancel()
-            waiting.cancel()
+        await wait_for_end_or_client(job, job.limits.wait_s)  # a client-executed call needs the caller now
         if not job.done.is_set():
             return json_view(job.view_dict(), 202)
         view = await manager.view(job.id)

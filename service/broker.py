@@ -41,9 +41,10 @@ import os
 import secrets
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
@@ -61,6 +62,14 @@ MAX_CONNECTIONS = 32
 MAX_ENDPOINT_CALLS = 64
 MAX_JSON_DEPTH = 64
 MAX_TOOL_NAME_SHOWN = 256
+MAX_HINTS = 20  # unknown-tool calls per job that get "did you mean" hints (difflib is slow on big manifests)
+HINT_NAME_MAX = 64
+HINT_CANDIDATES = 1000
+T = TypeVar("T")
+# Argument and result checks run here: a few threads of their own, so that a slow check (a big array with
+# uniqueItems, a large enum) can delay only the calls of jobs that make such calls, never the event loop,
+# job start-up or manifest compilation.
+_VALIDATION_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ptc-validate")
 RETRY_BACKOFF_S = 0.2
 RETRY_BACKOFF_MAX_S = 5.0
 
@@ -105,6 +114,8 @@ class Broker:
         self._on_call_end = on_call_end
         self._closing = False
         self._endpoint_slots = asyncio.Semaphore(MAX_ENDPOINT_CALLS)
+        self._validating = asyncio.Semaphore(1)
+        self._hints_left = MAX_HINTS
         self._per_tool: dict[str, asyncio.Semaphore] = {}
         self.records: list[dict[str, Any]] = []
         self.calls_over_limit = 0
@@ -246,8 +257,12 @@ class Broker:
     async def _dispatch(self, tool_name: str, args: Any, record: dict[str, Any]) -> dict[str, Any]:
         tool = self._tools.get(tool_name)
         if tool is None:
-            close = difflib.get_close_matches(tool_name, list(self._tools)[:1000], n=3) if len(tool_name) <= 64 else []
-            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            hint = ""
+            if self._hints_left > 0 and len(tool_name) <= HINT_NAME_MAX:
+                self._hints_left -= 1
+                visible = [name for name, spec in self._tools.items() if spec.callable_from_code][:HINT_CANDIDATES]
+                close = await self._off_loop(difflib.get_close_matches, tool_name, visible, 3)
+                hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
             return self._fail(record, "rejected", "unknown_tool", f"no tool named {tool_name!r}{hint}")
         if json_depth(args, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
             record["args"] = None
@@ -258,10 +273,18 @@ class Broker:
             return self._fail(
                 record, "rejected", "not_allowed", f"{tool_name} is not callable from code (see its allowed_callers)"
             )
-        check = await asyncio.to_thread(tool.check_arguments, args)
+        check = await self._off_loop(tool.check_arguments, args)
         if check.problem is not None:
             return self._fail(record, "rejected", "invalid_arguments", f"{tool_name}: {check.problem}")
         if check.repaired:
+            if json_depth(check.args, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+                record["args"] = None
+                return self._fail(
+                    record,
+                    "rejected",
+                    "invalid_arguments",
+                    f"{tool_name}: arguments nested deeper than {MAX_JSON_DEPTH}",
+                )
             record.update(args=check.args, repaired=True)
         if tool.endpoint.kind == "client":
             return await self._call_client(tool, check.args, record)
@@ -269,23 +292,36 @@ class Broker:
             async with self._endpoint_slots, self._tool_slots(tool):
                 result, attempts = await self._call_endpoint(tool, check.args)
         except ToolCallFailed as exc:
-            return self._fail(record, "timeout" if exc.type == "timeout" else "error", exc.type, exc.message)
+            message = _scrub(exc.message, tool)
+            return self._fail(record, "timeout" if exc.type == "timeout" else "error", exc.type, message)
         except Exception:
             log.exception("broker: endpoint of tool %s failed unexpectedly", tool_name)
             return self._fail(record, "error", "endpoint_error", "the tool's endpoint failed; see the service log")
         if attempts > 1:
             record["attempts"] = attempts
+        return await self._accept_result(tool, record, result)
+
+    async def _accept_result(self, tool: ToolSpec, record: dict[str, Any], result: Any) -> dict[str, Any]:
+        """Check a result (depth, output schema, the job's record budget) and record it; returns the reply."""
         if json_depth(result, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
             return self._fail(record, "error", "bad_response", f"the result is nested deeper than {MAX_JSON_DEPTH}")
-        wrong = await asyncio.to_thread(tool.check_result, result)
+        wrong = await self._off_loop(tool.check_result, result)
         if wrong is not None:
-            return self._fail(record, "error", "invalid_result", f"{tool_name}: {wrong}")
-        size = len(orjson.dumps(result))
+            return self._fail(record, "error", "invalid_result", f"{tool.name}: {wrong}")
+        try:
+            size = len(orjson.dumps(result))
+        except orjson.JSONEncodeError:
+            return self._fail(record, "error", "bad_response", f"{tool.name}: the result cannot be encoded as JSON")
         if size > self._record_budget:
             return self._fail(record, "error", "limit_exceeded", "this job's call records reached their size limit")
         self._record_budget -= size
         record.update(status="ok", result=result)
         return {"ok": True, "result": result}
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run CPU-bound checking on the validation threads, one at a time per job, never on the event loop."""
+        async with self._validating:
+            return await asyncio.get_running_loop().run_in_executor(_VALIDATION_THREADS, fn, *args)
 
     @property
     def pending_client_calls(self) -> list[dict[str, Any]]:
@@ -324,12 +360,9 @@ class Broker:
             del self._client_calls[call_id]
             self._client_calls_changed()
         if not ok:
-            return self._fail(record, "error", str(value.get("type", "client_error")), str(value.get("message", "")))
-        wrong = await asyncio.to_thread(tool.check_result, value)
-        if wrong is not None:
-            return self._fail(record, "error", "invalid_result", f"{tool.name}: {wrong}")
-        record.update(status="ok", result=value)
-        return {"ok": True, "result": value}
+            kind = str(value.get("type", "client_error"))[:REPORT_FIELD_CAP]
+            return self._fail(record, "error", kind, str(value.get("message", ""))[:REPORT_FIELD_CAP])
+        return await self._accept_result(tool, record, value)
 
     def _client_calls_changed(self) -> None:
         if self._on_client_calls is not None:
@@ -381,6 +414,17 @@ class Broker:
                 kept[key] = error[key]
         if "type" in kept:
             self.reported_error = kept
+
+
+def _scrub(message: str, tool: ToolSpec) -> str:
+    """``message`` without the endpoint's header values (an endpoint may echo credentials in an error page)."""
+    for value in tool.endpoint.headers.values():
+        if len(value) >= 4:
+            message = message.replace(value, "[redacted]")
+            _, _, token = value.partition(" ")  # "Bearer <token>": the token alone too
+            if len(token) >= 4:
+                message = message.replace(token, "[redacted]")
+    return message
 
 
 def _transient(exc: BaseException) -> bool:

@@ -191,6 +191,17 @@ class Job:
         }
 
 
+async def wait_for_end_or_client(job: Job, timeout_s: float) -> None:
+    """Return when the job ends, when it waits on a client-executed call, or after ``timeout_s``."""
+    ended = asyncio.ensure_future(job.done.wait())
+    waiting = asyncio.ensure_future(job.waiting.wait())
+    try:
+        await asyncio.wait({ended, waiting}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        ended.cancel()
+        waiting.cancel()
+
+
 def view_bytes(view: dict[str, Any]) -> bytes:
     """The view as JSON bytes, validated against ``JobView`` (the stored and served form)."""
     return JobView.model_validate(view).model_dump_json().encode()
@@ -240,7 +251,7 @@ class JobManager:
         self._instance_labels = {LABEL_MANAGED: "1", LABEL_INSTANCE: self._instance}
         self._http = httpx.AsyncClient(follow_redirects=False, limits=httpx.Limits(max_connections=CALLBACK_DELIVERIES))
         self._callback_slots = asyncio.Semaphore(CALLBACK_DELIVERIES)
-        self._manifests = ManifestCache()
+        self._manifests = ManifestCache(self._installation_salt())
 
     # -- start-up, shutdown, retention ---------------------------------------------------------
 
@@ -315,6 +326,16 @@ class JobManager:
         )
         await self._store.put(stored_job(view, stored.instance_id))
         log.warning("job %s was %s when the service last stopped: marked lost", stored.job_id, stored.status)
+
+    def _installation_salt(self) -> bytes:
+        """A secret random key kept in the work dir (created once): keys toolset ids so they leak nothing."""
+        path = self._settings.work_dir / ".toolset-salt"
+        self._settings.work_dir.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
+        return path.read_bytes()
 
     def _lock_work_dir(self) -> None:
         """Hold an exclusive lock on ``work_dir/.lock`` for the process's life (the kernel drops it on any exit)."""
@@ -752,11 +773,13 @@ class JobManager:
         return await asyncio.to_thread(read_range, self._output_dir / job_id / stream, offset, length)
 
     async def wait(self, job_id: str, timeout_s: float) -> dict[str, Any]:
-        """Block until the job ends or ``timeout_s`` passes; returns its view then. Raises JobNotFound."""
+        """Block until the job ends, waits for the client (a client-executed call), or ``timeout_s`` passes.
+
+        Returns its view then. Raises JobNotFound.
+        """
         job = self._live.get(job_id)
         if job is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(job.done.wait(), timeout_s)
+            await wait_for_end_or_client(job, timeout_s)
         return await self.view(job_id)
 
     async def stop(self, job_id: str) -> dict[str, Any]:

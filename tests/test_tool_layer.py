@@ -278,7 +278,9 @@ def test_client_executed_tools_pause_the_script_until_answered(api: httpx.Client
     assert api.post(f"/jobs/{view['job_id']}/calls/{pending['q3']}", json={"result": "again"}).status_code == 409
     assert api.post(f"/jobs/{view['job_id']}/calls/{pending['q2']}", json={}).status_code == 422
     api.post(f"/jobs/{view['job_id']}/calls/{pending['q2']}", json={"result": {"nested": [2]}})
-    final = api.post(f"/jobs/{view['job_id']}/wait", params={"timeout_s": 20}).json()
+    # /wait returns as soon as the job waits for the client again (slow_user), so poll for the end
+    wait_until(lambda: api.get(f"/jobs/{view['job_id']}").json()["status"] == "succeeded", 20)
+    final = api.get(f"/jobs/{view['job_id']}").json()
     assert final["status"] == "succeeded", final
     assert final["stdout"] == "['Q0', 'Q1', {'nested': [2]}, 'Q3', 'Q4']\ntimeout\n"
     assert final["pending_calls"] == []
@@ -300,3 +302,64 @@ def test_client_tool_errors_reach_the_script(api: httpx.Client) -> None:
     final = api.post(f"/jobs/{view['job_id']}/wait", params={"timeout_s": 20}).json()
     assert final["stdout"] == "denied the user said no\n"
     assert final["calls"][0]["status"] == "error"
+
+
+def test_endpoint_error_pages_cannot_leak_credentials(api: httpx.Client, tool_server: ToolServer) -> None:
+    tools = [
+        {
+            "name": "guarded",
+            "endpoint": {
+                "kind": "http",
+                "url": tool_server.url("auth_echo"),
+                "headers": {"Authorization": f"Bearer {SECRET}"},
+            },
+        }
+    ]
+    script = "import tools\ntry:\n    tools.guarded()\nexcept tools.ToolError as e:\n    print(e.message)\n"
+    view = execute(api, script, tools)
+    assert view["stdout"] == "HTTP 401: denied for [redacted]\n"
+    bad = [{"name": "t", "endpoint": {"kind": "http", "url": tool_server.url("x"), "headers": {"X": "a\r\nB: c"}}}]
+    assert api.post("/execute", json={"script": "1", "tools": bad}).status_code == 422
+
+
+def test_deep_repaired_arguments_and_client_results_are_refused(api: httpx.Client) -> None:
+    deep = "[" * 200 + "]" * 200
+    tools = [
+        {"name": "t", "parameters": {"properties": {"x": {"type": "array"}}}, "endpoint": ECHO},
+        {"name": "ask", "endpoint": {"kind": "client"}},
+    ]
+    script = (
+        f"import tools\nprint('before', flush=True)\ntry:\n    tools.t(x={deep!r})\n"
+        "except tools.ToolError as e:\n    print(e.type)\ntry:\n    tools.ask()\n"
+        "except tools.ToolError as e:\n    print(e.type)\n"
+    )
+    job = api.post("/execute", json={"script": script, "tools": tools, "wait_s": 30}).json()
+    [call] = job["pending_calls"]
+    nested: list[Any] = []
+    for _ in range(300):
+        nested = [nested]
+    answer = api.post(
+        f"/jobs/{job['job_id']}/calls/{call['call_id']}",
+        content=json.dumps({"result": nested}),
+        headers={"content-type": "application/json"},
+    )
+    assert answer.status_code == 200
+    final = api.post(f"/jobs/{job['job_id']}/wait", params={"timeout_s": 20}).json()
+    assert final["stdout"] == "before\ninvalid_arguments\nbad_response\n"
+    assert [c["status"] for c in final["calls"]] == ["rejected", "error"]
+
+
+def test_a_parameter_may_be_named_self_and_wait_returns_for_the_client(api: httpx.Client) -> None:
+    tools = [
+        {"name": "f", "parameters": {"properties": {"self": {"type": "string"}}}, "endpoint": ECHO},
+        {"name": "ask", "endpoint": {"kind": "client"}},
+    ]
+    script = "import tools\nprint(tools.f(self='a')['args'])\ntools.ask()\ntools.ask()\n"
+    job = api.post("/execute", json={"script": script, "tools": tools, "wait_s": 30}).json()
+    for _ in range(2):
+        [call] = job["pending_calls"]
+        api.post(f"/jobs/{job['job_id']}/calls/{call['call_id']}", json={"result": 1})
+        started = time.monotonic()
+        job = api.post(f"/jobs/{job['job_id']}/wait", params={"timeout_s": 20}).json()
+        assert time.monotonic() - started < 5
+    assert job["status"] == "succeeded" and job["stdout"] == "{'self': 'a'}\n"

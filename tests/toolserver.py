@@ -13,6 +13,7 @@ Routes (POST, JSON object body = the tool's arguments):
 - ``/flaky``           ``{"key"}``: answers 503 to the first two calls with a key, then ``{"key", "calls"}``
 - ``/slow``            sleeps 0.1 s, answers ``{"ok": true}``; ``max_in_flight`` keeps the most at once
 - ``/wrong_shape``     answers ``{"ok": "yes"}`` (for output-schema checks)
+- ``/auth_echo``       answers 401 with the request's Authorization header in its body
 
 ``headers`` keeps the headers of every request, in order.
 
@@ -63,6 +64,13 @@ class ToolServer:
                 server.headers.append(dict(self.headers))
                 if self.path == "/trickle":
                     self.trickle()
+                    return
+                if self.path == "/auth_echo":
+                    denied = f"denied for {self.headers.get('Authorization')}".encode()
+                    self.send_response(401)
+                    self.send_header("content-length", str(len(denied)))
+                    self.end_headers()
+                    self.wfile.write(denied)
                     return
                 status, body = server.answer(self.path, args)
                 data = body if isinstance(body, bytes) else json.dumps(body).encode()

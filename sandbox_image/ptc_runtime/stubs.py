@@ -34,7 +34,7 @@ class Namespace:
     def __init__(self, path: str) -> None:
         self.__path = path
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         own = vars(self).get("__call__")
         if own is None:
             raise TypeError(f"tools namespace {self.__path or 'aio'!r} is not a tool")
@@ -91,7 +91,7 @@ class _Stub:
 class SyncStub(_Stub):
     """``tools.<name>(...)``: blocks until the result; safe to call from many threads."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:  # self positional-only: a parameter may be named self
         binder = self._binder
         return client().request({"tool": binder.tool, "args": binder.bind(args, kwargs)})
 
@@ -99,7 +99,7 @@ class SyncStub(_Stub):
 class AsyncStub(_Stub):
     """``await tools.aio.<name>(...)``: many may be in flight at once (``asyncio.gather``)."""
 
-    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    async def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         binder = self._binder
         return await client().arequest({"tool": binder.tool, "args": binder.bind(args, kwargs)})
 
@@ -107,7 +107,7 @@ class AsyncStub(_Stub):
 class CallableNamespace(type):
     """Metaclass of a generated namespace class that is also a tool: calling the class calls its ``__call__`` stub."""
 
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+    def __call__(cls, /, *args: Any, **kwargs: Any) -> Any:
         return cls.__dict__["__call__"](*args, **kwargs)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -20,14 +21,17 @@ from service.toolkit.manifest import ToolSpec, parse_manifest
 from service.toolkit.stubs import generate_stub_module
 
 CACHED_MANIFESTS = 256
+CACHED_BYTES = 32 * 1024 * 1024  # of canonical manifest JSON; a compiled manifest takes some 20 times that
 
 
 @dataclass(frozen=True)
 class CompiledManifest:
     """A manifest ready to run: its tools by original name, the ``tools`` package source, and its content id.
 
-    ``toolset_id`` is ``ts_`` + the first 32 hex digits of the SHA-256 of the
-    manifest's canonical JSON (None when it has none, e.g. with a lone surrogate).
+    ``toolset_id`` is ``ts_`` + the first 32 hex digits of an HMAC-SHA-256 of
+    the manifest's canonical JSON, keyed with the installation's secret salt
+    (so the id, which a caller sees, reveals nothing about endpoint headers);
+    None when the manifest has no canonical JSON (e.g. a lone surrogate).
     """
 
     tools: dict[str, ToolSpec]
@@ -44,22 +48,28 @@ def compile_manifest(entries: list[dict[str, Any]], toolset_id: str | None = Non
 class ManifestCache:
     """An LRU of ``CompiledManifest`` by content hash (at most ``size`` entries)."""
 
-    def __init__(self, size: int = CACHED_MANIFESTS) -> None:
+    def __init__(self, salt: bytes, size: int = CACHED_MANIFESTS, max_bytes: int = CACHED_BYTES) -> None:
+        self._salt = salt
         self._size = size
-        self._entries: OrderedDict[bytes, CompiledManifest] = OrderedDict()
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        self._entries: OrderedDict[bytes, tuple[CompiledManifest, int]] = OrderedDict()
 
     async def compile(self, entries: list[dict[str, Any]]) -> CompiledManifest:
         """The compiled manifest, from the cache or built on a worker thread; raises ManifestError."""
         try:
-            key: bytes | None = hashlib.sha256(orjson.dumps(entries, option=orjson.OPT_SORT_KEYS)).digest()
+            canonical: bytes | None = orjson.dumps(entries, option=orjson.OPT_SORT_KEYS)
         except TypeError:  # not representable as canonical JSON (e.g. a lone surrogate): compile, don't cache
-            key = None
+            canonical = None
+        key = hmac.new(self._salt, canonical, hashlib.sha256).digest() if canonical is not None else None
         if key is not None and key in self._entries:
             self._entries.move_to_end(key)
-            return self._entries[key]
+            return self._entries[key][0]
         compiled = await asyncio.to_thread(compile_manifest, entries, "ts_" + key.hex()[:32] if key else None)
-        if key is not None:
-            self._entries[key] = compiled
-            while len(self._entries) > self._size:
-                self._entries.popitem(last=False)
+        if key is not None and canonical is not None and len(canonical) <= self._max_bytes // 4:
+            self._entries[key] = (compiled, len(canonical))
+            self._bytes += len(canonical)
+            while len(self._entries) > self._size or self._bytes > self._max_bytes:
+                _, (_, size) = self._entries.popitem(last=False)
+                self._bytes -= size
         return compiled

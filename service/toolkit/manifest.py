@@ -66,8 +66,34 @@ def _pattern_properties(validator: Any, patterns: Any, instance: Any, schema: An
                 yield from validator.descend(value, subschema, path=key, schema_path=pattern)
 
 
+def _canonical(value: Any) -> Any:
+    """A hashable form where JSON-equal values are equal (1 == 1.0, but true != 1), for uniqueItems."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return (type(value).__name__, value)
+    if isinstance(value, (int, float)):
+        return ("number", value)
+    if isinstance(value, list):
+        return ("array", tuple(_canonical(v) for v in value))
+    if isinstance(value, dict):
+        return ("object", tuple(sorted((k, _canonical(v)) for k, v in value.items())))
+    return ("other", repr(value))
+
+
+def _unique_items(validator: Any, unique: Any, instance: Any, schema: Any) -> Iterator[ValidationError]:
+    """uniqueItems in linear time (jsonschema's own compares every pair)."""
+    if unique and validator.is_type(instance, "array"):
+        seen: set[Any] = set()
+        for item in instance:
+            key = _canonical(item)
+            if key in seen:
+                yield ValidationError(f"{item!r} appears more than once; items must be unique")
+                return
+            seen.add(key)
+
+
 Validator = jsonschema.validators.extend(  # type: ignore[no-untyped-call]
-    jsonschema.Draft202012Validator, {"pattern": _pattern, "patternProperties": _pattern_properties}
+    jsonschema.Draft202012Validator,
+    {"pattern": _pattern, "patternProperties": _pattern_properties, "uniqueItems": _unique_items},
 )
 _META_VALIDATOR = jsonschema.Draft202012Validator(jsonschema.Draft202012Validator.META_SCHEMA)
 
@@ -265,9 +291,13 @@ def parse_endpoint(raw: Any, loc: tuple[str | int, ...]) -> Endpoint:
             raise ManifestError(f"an {kind} endpoint needs an absolute http(s) url", (*loc, "url"))
         headers = raw.get("headers") or {}
         if not isinstance(headers, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
+            isinstance(k, str) and _HEADER_NAME.fullmatch(k) and isinstance(v, str) and _HEADER_VALUE.fullmatch(v)
+            for k, v in headers.items()
         ):
-            raise ManifestError("headers must map strings to strings", (*loc, "headers"))
+            raise ManifestError(
+                "headers must map header names (RFC 9110 tokens) to values without control characters",
+                (*loc, "headers"),
+            )
         timeout = raw.get("timeout_s")
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600
@@ -342,6 +372,9 @@ def _output_schema(outer: Mapping[str, Any], inner: Mapping[str, Any], loc: tupl
         raise ManifestError(f"the output schema is not a valid JSON Schema: {error.message}", (*loc, "outputSchema"))
     return schema
 
+
+_HEADER_NAME = regex.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_HEADER_VALUE = regex.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")
 
 CODE_CALLERS = ("code", "code_execution", "programmatic")
 

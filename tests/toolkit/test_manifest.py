@@ -183,3 +183,12 @@ def test_array_enums_move_to_items_and_null_defaults_allow_null() -> None:
         "items": {"type": "string", "enum": ["temp", "humidity"]},
     }
     assert schema["properties"]["since"]["type"] == ["string", "null"]
+
+
+def test_unique_items_is_checked_in_linear_time() -> None:
+    entry = {"name": "f", "parameters": {"properties": {"x": {"type": "array", "uniqueItems": True}}}}
+    problem, elapsed = timed_check(entry, {"x": [{"a": i} for i in range(20_000)]})
+    assert problem is None and elapsed < 2
+    problem, _ = timed_check(entry, {"x": [1, 1.0]})
+    assert problem is not None and "more than once" in problem
+    assert timed_check(entry, {"x": [1, True]})[0] is None
