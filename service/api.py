@@ -284,6 +284,10 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     @app.post("/stubs", response_model=StubsView, responses={422: {}})
     async def stubs(body: ManifestRequest, request: Request) -> StubsView:
         """The exact ``tools`` module a sandbox would import for this manifest, and a usage text for the prompt."""
+        if body.mcp_servers:
+            raise InvalidField(
+                "register MCP servers with POST /toolsets, then pass its toolset", ("body", "mcp_servers")
+            )
         compiled = await jobs_of(request).manifest(body.tools, body.toolset)
         return StubsView(module=compiled.stub_source, usage=USAGE, toolset_id=compiled.toolset_id or "")
 
@@ -292,7 +296,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         """Register a manifest once; pass the answer's ``toolset_id`` as ``toolset`` instead of re-sending it."""
         if body.toolset is not None:
             raise InvalidField("POST /toolsets takes tools, not a toolset", ("body", "toolset"))
-        compiled = await jobs_of(request).register_toolset(body.tools)
+        compiled = await jobs_of(request).register_toolset(body.tools, body.mcp_servers)
         return ToolsetView(toolset_id=compiled.toolset_id or "", tools=list(compiled.tools))
 
     @app.get("/healthz")

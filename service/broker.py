@@ -238,6 +238,7 @@ class Broker:
             "tool": tool_name,
             "args": args,
             "status": "pending",
+            "caller": "code",
             "started_at": _now(),
             "duration_ms": None,
         }

@@ -30,6 +30,7 @@ import os
 import secrets
 import shutil
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -53,11 +54,11 @@ from service.errors import (
 )
 from service.output import CappedStream, OutputLog, decode_slice, read_range
 from service.sandbox.base import ExitStatus, SandboxBackend, SandboxHandle, SandboxSpec, Stream
-from service.schemas import TERMINAL_STATUSES, ExecuteRequest, JobSummary, JobView
+from service.schemas import TERMINAL_STATUSES, ExecuteRequest, JobSummary, JobView, McpServer
 from service.settings import Settings
 from service.store import JobQuery, JobStore, StoredJob
 from service.toolkit.cache import CompiledManifest, ManifestCache
-from service.toolkit.endpoints import EndpointClients
+from service.toolkit.endpoints import EndpointClients, ToolCallFailed, list_mcp_tools
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,8 @@ class Job:
             "stdout_invalid_utf8": out.invalid_utf8,
             "stderr_invalid_utf8": err.invalid_utf8,
             "calls": self.calls,
+            "calls_total": len(self.calls),
+            "calls_by_status": dict(Counter(c["status"] for c in self.calls)),
             "calls_over_limit": self.calls_over_limit,
             "error": self.error,
             "metadata": self.metadata,
@@ -716,8 +719,24 @@ class JobManager:
             tools = orjson.loads(raw)
         return await self._manifests.compile(tools)
 
-    async def register_toolset(self, tools: list[dict[str, Any]]) -> CompiledManifest:
-        """Check a manifest and keep it under its content id (registering it again is a no-op)."""
+    async def register_toolset(self, tools: list[dict[str, Any]], servers: list[McpServer]) -> CompiledManifest:
+        """Check a manifest and keep it under its content id (registering it again is a no-op).
+
+        Each of ``servers`` is asked for its ``tools/list``; its tools join the manifest with an ``mcp`` endpoint.
+
+        Raises:
+            ManifestError / InvalidField: as for any manifest; InvalidField when a server cannot list its tools.
+        """
+        tools = list(tools)
+        for i, server in enumerate(servers):
+            try:
+                listed = await list_mcp_tools(server.url, server.headers, server.timeout_s or 30.0)
+            except ToolCallFailed as exc:
+                raise InvalidField(f"{exc.type}: {exc.message}", ("body", "mcp_servers", i)) from exc
+            endpoint: dict[str, Any] = {"kind": "mcp", "url": server.url, "headers": server.headers}
+            if server.timeout_s:
+                endpoint["timeout_s"] = server.timeout_s
+            tools += [{**entry, "endpoint": endpoint} for entry in listed]
         compiled = await self._manifests.compile(tools)
         if compiled.toolset_id is None:
             raise InvalidField("this manifest cannot be stored as JSON (lone surrogates?)", ("body", "tools"))

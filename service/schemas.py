@@ -98,6 +98,23 @@ class ExecuteRequest(BaseModel):
         return env
 
 
+class McpServer(BaseModel):
+    """An MCP server whose tools a toolset takes over (discovered with ``tools/list`` at registration)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(max_length=2048, description="Streamable HTTP endpoint, e.g. http://127.0.0.1:8765/mcp")
+    headers: dict[str, str] = Field(default_factory=dict, description="Sent with every request; stay on the host.")
+    timeout_s: float | None = Field(None, gt=0, le=3600, description="Limit of one call (s).")
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        if not url.lower().startswith(("http://", "https://")):
+            raise ValueError("url must be an absolute http(s) URL")
+        return url
+
+
 class ManifestRequest(BaseModel):
     """Body of ``POST /stubs`` and ``POST /toolsets``: a manifest, or (for /stubs) a registered toolset."""
 
@@ -105,6 +122,11 @@ class ManifestRequest(BaseModel):
 
     tools: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_TOOLS)
     toolset: str | None = Field(None, max_length=64, description="Id from POST /toolsets (instead of tools).")
+    mcp_servers: list[McpServer] = Field(
+        default_factory=list,
+        max_length=32,
+        description="For POST /toolsets: MCP servers whose tools/list entries join the manifest.",
+    )
 
 
 class StubsView(BaseModel):
@@ -140,6 +162,7 @@ class CallRecord(BaseModel):
     result: Any = None
     error: ToolCallError | None = None
     repaired: bool = Field(False, description="An argument sent as JSON text was parsed into the object it encodes.")
+    caller: str = Field("code", description="Who made the call: the script's code.")
     attempts: int | None = Field(None, description="Attempts made, when an idempotent tool was retried.")
     started_at: datetime
     duration_ms: float | None = Field(description="Milliseconds from arrival to answer.")
@@ -204,6 +227,8 @@ class JobView(BaseModel):
     stdout_invalid_utf8: bool = Field(description="Bytes that were not UTF-8 were shown as U+FFFD.")
     stderr_invalid_utf8: bool
     calls: list[CallRecord]
+    calls_total: int = Field(0, description="Number of call records.")
+    calls_by_status: dict[str, int] = Field(default_factory=dict, description="Call records per status.")
     calls_over_limit: int = Field(description="Calls refused without a record because the job reached its call limit.")
     error: JobError | None
     metadata: dict[str, Any]

@@ -355,3 +355,40 @@ class EndpointClients:
         task = asyncio.create_task(session.aclose(drain_s), name="mcp-session-close")
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
+
+
+MCP_LIST_PAGES = 20
+
+
+async def list_mcp_tools(url: str, headers: Mapping[str, str], timeout_s: float) -> list[dict[str, Any]]:
+    """An MCP server's ``tools/list`` (all pages), as JSON entries (``name``, ``description``, ``inputSchema``, ...).
+
+    Raises:
+        ToolCallFailed: ``timeout``, ``endpoint_unreachable``, ``http_error`` or ``tool_error`` (with the reason).
+    """
+    timeout = httpx.Timeout(MCP_HTTP_TIMEOUT_S, read=timeout_s)
+    entries: list[dict[str, Any]] = []
+    try:
+        async with (
+            asyncio.timeout(timeout_s),
+            httpx.AsyncClient(headers=dict(headers), timeout=timeout, follow_redirects=False) as http,
+            streamable_http_client(url, http_client=http) as (read, write, _),
+            ClientSession(read, write) as session,
+        ):
+            await session.initialize()
+            cursor: str | None = None
+            for _ in range(MCP_LIST_PAGES):
+                page = await session.list_tools(cursor=cursor) if cursor else await session.list_tools()
+                entries += [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in page.tools]
+                cursor = page.nextCursor
+                if not cursor:
+                    break
+    except TimeoutError as exc:
+        raise ToolCallFailed("timeout", f"the MCP server did not list its tools within {timeout_s:g} s") from exc
+    except McpError as exc:
+        raise ToolCallFailed(
+            "tool_error", f"MCP error {exc.error.code}: {exc.error.message[:ERROR_TEXT_CHARS]}"
+        ) from exc
+    except Exception as exc:  # the SDK's task groups raise ExceptionGroups
+        raise _mcp_failure(exc, initializing=True) from exc
+    return entries

@@ -214,3 +214,18 @@ def test_bad_mcp_endpoint_is_refused_naming_the_field(raw: dict[str, Any], field
     with pytest.raises(ManifestError) as caught:
         parse_endpoint(raw, ("endpoint",))
     assert caught.value.loc[-1] == field
+
+
+def test_a_toolset_naming_an_mcp_server_discovers_its_tools(api: httpx.Client, file_system: BfclMcpServer) -> None:
+    registered = api.post("/toolsets", json={"mcp_servers": [{"url": file_system.url, "headers": {"x-k": "v"}}]})
+    assert registered.status_code == 200, registered.text
+    toolset = registered.json()
+    assert {"ls", "mkdir", "cd", "cat"} <= set(toolset["tools"])
+    view = execute(
+        api, "import tools\ntools.mkdir(dir_name='found')\nprint(tools.ls())\n", toolset=toolset["toolset_id"]
+    )
+    assert view["stdout"] == "{'current_directory_content': ['found']}\n"
+    assert view["calls_total"] == 2 and view["calls_by_status"] == {"ok": 2}
+    assert all(c["caller"] == "code" for c in view["calls"])
+    dead = api.post("/toolsets", json={"mcp_servers": [{"url": f"http://127.0.0.1:{free_port()}/mcp"}]})
+    assert dead.status_code == 422 and dead.json()["detail"].startswith("mcp_servers.0: endpoint_unreachable")
