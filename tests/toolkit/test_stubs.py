@@ -212,3 +212,23 @@ def test_every_bfcl_function_doc_renders_through_the_stubs_endpoint(api: httpx.C
             assert lookup(module, doc["name"])._binder.tool == doc["name"], (stem, entry_id)
             rendered += 1
     assert rendered > 8_000
+
+
+def test_recursive_refs_and_huge_schemas_degrade_to_any() -> None:
+    tree = {
+        "$defs": {
+            "node": {"type": "object", "properties": {"children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}
+        },
+        "type": "object",
+        "properties": {"root": {"$ref": "#/$defs/node"}},
+    }
+    wide = {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "object", "properties": {"v": {"type": "integer"}}} for i in range(600)},
+    }
+    tools = load(
+        [{"name": "walk", "parameters": tree, "endpoint": ECHO}, {"name": "wide", "parameters": wide, "endpoint": ECHO}]
+    )
+    assert str(inspect.signature(tools.walk)) == "(root: 'Any' = None) -> 'Any'"
+    assert len(inspect.signature(tools.wide).parameters) == 600  # past 500 shapes, plain dict[str, Any]
+    assert "dict[str, Any]" in str(inspect.signature(tools.wide).parameters["p599"])
