@@ -293,6 +293,8 @@ class Broker:
             async with self._endpoint_slots, self._tool_slots(tool):
                 result, attempts = await self._call_endpoint(tool, check.args)
         except ToolCallFailed as exc:
+            if exc.attempts > 1:
+                record["attempts"] = exc.attempts
             message = _scrub(exc.message, tool)
             return self._fail(record, "timeout" if exc.type == "timeout" else "error", exc.type, message)
         except Exception:
@@ -390,10 +392,14 @@ class Broker:
             retry=retry_if_exception(_transient),
             reraise=True,
         )
-        async for attempt in retrying:
-            with attempt:
-                attempts += 1
-                return await self._endpoints.call(tool, args), attempts
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    attempts += 1
+                    return await self._endpoints.call(tool, args), attempts
+        except ToolCallFailed as exc:
+            exc.attempts = attempts
+            raise
         raise AssertionError("unreachable: tenacity either returns or re-raises")
 
     @staticmethod

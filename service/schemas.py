@@ -28,11 +28,15 @@ class Limits(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    memory_mb: int | None = Field(None, ge=16, description="Memory in MiB (swap is not added).")
-    cpus: float | None = Field(None, ge=0.01, description="CPU quota in CPUs (at most the host's CPU count).")
-    pids: int | None = Field(None, ge=8, description="Maximum processes and threads.")
-    output_bytes: int | None = Field(None, ge=1024, description="Inline cap per stream in bytes (head and tail kept).")
-    tmp_mb: int | None = Field(None, ge=1, description="Size of the tmpfs /tmp in MiB.")
+    memory_mb: int | None = Field(None, strict=True, ge=16, description="Memory in MiB (swap is not added).")
+    cpus: float | None = Field(
+        None, strict=True, ge=0.01, description="CPU quota in CPUs (at most the host's CPU count)."
+    )
+    pids: int | None = Field(None, strict=True, ge=8, description="Maximum processes and threads.")
+    output_bytes: int | None = Field(
+        None, strict=True, ge=1024, description="Inline cap per stream in bytes (head and tail kept)."
+    )
+    tmp_mb: int | None = Field(None, strict=True, ge=1, description="Size of the tmpfs /tmp in MiB.")
 
 
 class ExecuteRequest(BaseModel):
@@ -45,9 +49,12 @@ class ExecuteRequest(BaseModel):
         default_factory=list, max_length=MAX_TOOLS, description="Tool manifest: one entry per tool."
     )
     toolset: str | None = Field(None, max_length=64, description="Id of a manifest registered with POST /toolsets.")
-    timeout_s: float | None = Field(None, gt=0, description="Wall-clock limit in seconds (default: server setting).")
+    timeout_s: float | None = Field(
+        None, strict=True, gt=0, description="Wall-clock limit in seconds (default: server setting)."
+    )
     wait_s: float | None = Field(
         None,
+        strict=True,
         ge=0,
         description="How long to wait for the end before answering 202 with the job so far (s); 0 = at once.",
     )

@@ -363,3 +363,19 @@ def test_a_parameter_may_be_named_self_and_wait_returns_for_the_client(api: http
         job = api.post(f"/jobs/{job['job_id']}/wait", params={"timeout_s": 20}).json()
         assert time.monotonic() - started < 5
     assert job["status"] == "succeeded" and job["stdout"] == "{'self': 'a'}\n"
+
+
+def test_a_retried_call_that_fails_counts_its_attempts(api: httpx.Client, tool_server: ToolServer) -> None:
+    tools = [
+        {"name": "down", "idempotent": True, "retries": 2, "endpoint": {"kind": "http", "url": tool_server.url("fail")}}
+    ]
+    view = execute(
+        api, "import tools\ntry:\n    tools.down()\nexcept tools.ToolError as e:\n    print(e.type)\n", tools
+    )
+    assert view["stdout"] == "http_error\n"
+    assert view["calls"][0]["attempts"] == 3
+
+
+@pytest.mark.parametrize("body", [{"timeout_s": True}, {"wait_s": "5"}, {"limits": {"memory_mb": 256.0}}])
+def test_numbers_must_be_numbers(api: httpx.Client, body: dict[str, Any]) -> None:
+    assert api.post("/execute", json={"script": "1", **body}).status_code == 422

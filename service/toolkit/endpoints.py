@@ -60,6 +60,7 @@ class ToolCallFailed(Exception):
         super().__init__(f"{type}: {message}")
         self.type = type
         self.message = message
+        self.attempts = 1  # set by the broker when an idempotent tool was retried
 
 
 class _SessionExpired(Exception):
