@@ -53,6 +53,7 @@ from service.errors import (
     WorkDirBusy,
 )
 from service.output import CappedStream, OutputLog, decode_slice, read_range
+from service.pool import WarmPool, release
 from service.sandbox.base import ExitStatus, SandboxBackend, SandboxHandle, SandboxSpec, Stream
 from service.schemas import TERMINAL_STATUSES, ExecuteRequest, JobSummary, JobView, McpServer
 from service.settings import Settings
@@ -142,6 +143,8 @@ class Job:
     stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
     waiting: asyncio.Event = field(default_factory=asyncio.Event)  # set while client calls wait for answers
     broker: Broker | None = None
+    sandbox_start: str | None = None  # "warm" (from the pool) or "cold"
+    sandbox_id: str | None = None  # the engine's container id, once the job has one
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def sink(self, stream: Stream, data: bytes) -> None:
@@ -191,6 +194,8 @@ class Job:
             "stderr_retained_bytes": self.stderr.retained_bytes,
             "callback": {"url": self.callback_url, "state": "pending", "attempts": []} if self.callback_url else None,
             "pending_calls": self.broker.pending_client_calls if self.broker is not None else [],
+            "sandbox_start": self.sandbox_start,
+            "sandbox_id": self.sandbox_id,
         }
 
 
@@ -254,6 +259,22 @@ class JobManager:
         self._instance_labels = {LABEL_MANAGED: "1", LABEL_INSTANCE: self._instance}
         self._http = httpx.AsyncClient(follow_redirects=False, limits=httpx.Limits(max_connections=CALLBACK_DELIVERIES))
         self._callback_slots = asyncio.Semaphore(CALLBACK_DELIVERIES)
+        defaults = ResolvedLimits(
+            timeout_s=settings.default_timeout_s,
+            wait_s=settings.default_wait_s,
+            memory_mb=settings.default_memory_mb,
+            cpus=settings.default_cpus,
+            pids=settings.default_pids,
+            output_bytes=settings.default_output_bytes,
+            tmp_mb=settings.default_tmp_mb,
+        )
+        self._pool = WarmPool(
+            backend,
+            self._spec(defaults, {}, self._jobs_dir, None),
+            settings.work_dir / "pool",
+            settings.warm_pool_size,
+            settings.warm_pool_max_age_s,
+        )
         self._manifests = ManifestCache(self._installation_salt())
 
     # -- start-up, shutdown, retention ---------------------------------------------------------
@@ -287,6 +308,7 @@ class JobManager:
         for stored in await self._store.callbacks_pending(self._instance):
             self._spawn(self._deliver_callback(stored.job_id), f"callback {stored.job_id}")
         self._spawn(self._purge_loop(), "retention purge")
+        await self._pool.start()
 
     async def _mark_lost(self, stored: StoredJob) -> None:
         """End a job a previous run left unfinished: status ``lost``, its output as far as it was kept."""
@@ -364,6 +386,7 @@ class JobManager:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._pool.close()
         await self._http.aclose()
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
@@ -435,8 +458,24 @@ class JobManager:
             loop=asyncio.get_running_loop(),
         )
 
-    def _prepare_dir(self, job: Job, script: str, manifest: CompiledManifest) -> Path:
-        job_dir = self._jobs_dir / job.id
+    def _spec(self, limits: ResolvedLimits, env: dict[str, str], job_dir: Path, job_id: str | None) -> SandboxSpec:
+        """The sandbox a job with these limits and env runs in (``job_id`` None: a pooled sandbox, no job yet)."""
+        settings = self._settings
+        return SandboxSpec(
+            image=settings.sandbox_image,
+            job_dir=job_dir,
+            memory_mb=limits.memory_mb,
+            cpus=limits.cpus,
+            pids=limits.pids,
+            tmp_mb=limits.tmp_mb,
+            file_size_mb=settings.file_size_mb,
+            open_files=settings.open_files,
+            env=env,
+            labels={**self._instance_labels, **({LABEL_JOB: job_id} if job_id else {})},
+            runtime=settings.runtime,
+        )
+
+    def _prepare_dir(self, job_dir: Path, script: str, manifest: CompiledManifest) -> None:
         package = job_dir / "tools"
         package.mkdir(parents=True, mode=0o755)
         os.chmod(job_dir, 0o755)
@@ -444,7 +483,6 @@ class JobManager:
         (job_dir / "script.py").write_text(script, encoding="utf-8", errors="surrogatepass")
         for path in (package / "__init__.py", job_dir / "script.py"):
             os.chmod(path, 0o644)
-        return job_dir
 
     async def _save(self, job: Job) -> None:
         view = job.view_dict()
@@ -502,30 +540,28 @@ class JobManager:
         job_dir: Path | None = None
         try:
             await self._save(job)
-            job_dir = await asyncio.to_thread(self._prepare_dir, job, request.script, manifest)
-            await broker.start(job_dir / "tools.sock")
             if not await self._acquire_slot(job):
                 job.status = "stopped"
                 job.error = {"type": "stopped", "message": "stopped before it started"}
                 return
             try:
-                spec = SandboxSpec(
-                    image=settings.sandbox_image,
-                    job_dir=job_dir,
-                    memory_mb=job.limits.memory_mb,
-                    cpus=job.limits.cpus,
-                    pids=job.limits.pids,
-                    tmp_mb=job.limits.tmp_mb,
-                    file_size_mb=settings.file_size_mb,
-                    open_files=settings.open_files,
-                    env=request.env,
-                    labels={**self._instance_labels, LABEL_JOB: job.id},
-                    runtime=settings.runtime,
-                )
+                spec = self._spec(job.limits, request.env, self._jobs_dir / job.id, job.id)
+                pooled = self._pool.take() if self._pool.matches(spec) else None
+                job_dir = pooled.folder if pooled is not None else self._jobs_dir / job.id
+                if pooled is not None:
+                    handle = pooled.handle
+                await asyncio.to_thread(self._prepare_dir, job_dir, request.script, manifest)
+                await broker.start(job_dir / "tools.sock")
                 job.started_at = _now()
+                job.sandbox_start = "warm" if pooled is not None else "cold"
                 await self._set_status(job, "running")
                 started = time.monotonic()
-                handle = await self._backend.start(spec, job.sink)
+                if pooled is not None:
+                    release(pooled, job.sink)
+                else:
+                    handle = await self._backend.start(spec, job.sink)
+                assert handle is not None
+                job.sandbox_id = handle.id[:12]
                 exit_status, ended_by = await self._supervise(job, handle, started)
                 self._finish(job, exit_status, ended_by, broker)
             finally:

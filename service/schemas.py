@@ -253,6 +253,10 @@ class JobView(BaseModel):
     stdout_retained_bytes: int = Field(0, description="Bytes of stdout kept on disk (readable by offset).")
     stderr_retained_bytes: int = 0
     callback: CallbackState | None = None
+    sandbox_start: Literal["warm", "cold"] | None = Field(
+        None, description="warm: the job ran in a sandbox from the warm pool; cold: in one started for it."
+    )
+    sandbox_id: str | None = Field(None, description="The engine's id of the job's container (12 hex digits).")
     pending_calls: list[PendingCall] = Field(
         default_factory=list, description="Client-executed calls waiting for an answer (status is then waiting)."
     )

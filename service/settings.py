@@ -95,6 +95,10 @@ class Settings(BaseSettings):
     client_call_timeout_s: float = Field(
         270, gt=0, description="How long a client-executed tool call waits for the client's answer (s)."
     )
+    warm_pool_size: int = Field(
+        4, ge=0, le=64, description="Sandboxes of the default profile kept started and waiting for a job; 0 = off."
+    )
+    warm_pool_max_age_s: float = Field(600, gt=0, description="A pooled sandbox idle longer than this is replaced (s).")
     stop_grace_s: float = Field(2.0, ge=0, description="Time between SIGTERM and SIGKILL when a job is stopped (s).")
     callback_secret: SecretStr | None = Field(
         None, description="HMAC-SHA256 key that signs completion callbacks; callback_url is refused without it."

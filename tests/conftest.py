@@ -27,6 +27,7 @@ from tests.toolserver import ToolServer
 
 IMAGE = os.environ.get("PTC_SANDBOX_IMAGE", "ptc-sandbox-runtime:latest")
 LABEL_INSTANCE = "io.ptc-sandbox.instance"
+LABEL_JOB = "io.ptc-sandbox.job"
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -113,8 +114,10 @@ def start_service(instance_id: str, work_dir: Path, probe: str = "/readyz", **en
     raise RuntimeError(f"service not ready in 30 s:\n{service.log()}")
 
 
-def labelled_containers(engine: docker.DockerClient, instance_id: str) -> list[Any]:
-    return list(engine.containers.list(all=True, filters={"label": f"{LABEL_INSTANCE}={instance_id}"}))
+def labelled_containers(engine: docker.DockerClient, instance_id: str, include_pool: bool = False) -> list[Any]:
+    """Sandboxes of a service instance that hold (or held) a job; with ``include_pool``, its warm pool's too."""
+    found = engine.containers.list(all=True, filters={"label": f"{LABEL_INSTANCE}={instance_id}"})
+    return [c for c in found if include_pool or LABEL_JOB in c.labels]
 
 
 @pytest.fixture(scope="session")
@@ -131,7 +134,7 @@ def service(engine: docker.DockerClient, scratch: Path) -> Iterator[Service]:
     svc = start_service(f"pytest-{secrets.token_hex(4)}", scratch / "svc")
     yield svc
     svc.stop()
-    left = labelled_containers(engine, svc.instance_id)
+    left = labelled_containers(engine, svc.instance_id, include_pool=True)
     assert not left, f"containers left behind: {[c.name for c in left]}"
 
 

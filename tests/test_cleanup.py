@@ -17,7 +17,7 @@ from tests.conftest import IMAGE, LABEL_INSTANCE, labelled_containers, start_ser
 
 def test_sweep_at_start_removes_what_a_killed_instance_left(engine: docker.DockerClient, scratch: Path) -> None:
     instance = f"pytest-crash-{secrets.token_hex(4)}"
-    first = start_service(instance, scratch / "crash")
+    first = start_service(instance, scratch / "crash", PTC_WARM_POOL_SIZE="0")
     errors: list[BaseException] = []
 
     def long_job() -> None:
@@ -38,7 +38,7 @@ def test_sweep_at_start_removes_what_a_killed_instance_left(engine: docker.Docke
     assert errors, "the request should have failed with the service"
     assert labelled_containers(engine, instance), "kill -9 leaves the sandbox behind"
 
-    second = start_service(instance, scratch / "crash")
+    second = start_service(instance, scratch / "crash", PTC_WARM_POOL_SIZE="0")
     try:
         assert labelled_containers(engine, instance) == []
         assert "left behind by an earlier run" in second.log()
@@ -59,7 +59,7 @@ def test_sweep_leaves_other_instances_alone(engine: docker.DockerClient, scratch
 
 def test_graceful_stop_removes_running_sandboxes(engine: docker.DockerClient, scratch: Path) -> None:
     instance = f"pytest-stop-{secrets.token_hex(4)}"
-    svc = start_service(instance, scratch / "stop")
+    svc = start_service(instance, scratch / "stop", PTC_WARM_POOL_SIZE="0")
     worker = threading.Thread(
         target=lambda: httpx.post(f"{svc.url}/execute", json={"script": "import time\ntime.sleep(60)"}, timeout=90)
     )

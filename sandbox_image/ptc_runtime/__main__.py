@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from typing import Any, Dict, List, Optional
 
@@ -69,7 +70,21 @@ def main(argv: List[str]) -> int:
     return 0
 
 
+def wait_for_job() -> None:
+    """Warm-pool mode (``PTC_WAIT_FOR_JOB=1``): import what scripts and stubs need, then wait for ``go``."""
+    import asyncio  # noqa: F401 - imported now so that a script's own import is free
+    import json  # noqa: F401
+
+    import ptc_runtime.stubs  # noqa: F401
+
+    go = os.path.join(RUN_DIR, "go")
+    while not os.path.exists(go):
+        time.sleep(0.002)
+
+
 if __name__ == "__main__":
+    if os.environ.get("PTC_WAIT_FOR_JOB") == "1":
+        wait_for_job()
     try:
         code = main(sys.argv)
     finally:
