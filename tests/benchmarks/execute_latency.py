@@ -4,7 +4,9 @@
 
 Without ``--url`` it starts its own service (instance ``bench-*``, scratch work
 dir). Prints median, p90 and min in milliseconds for, in one run on the same
-machine: the HTTP round trip of ``/execute`` (a fresh sandbox per request),
+machine: the HTTP round trip of ``/execute`` from the warm pool (each request
+after an untimed 0.4 s pause that lets the pool refill) and cold (non-default
+limits, so no pooled sandbox fits),
 ``docker run --rm --network none`` of the sandbox image running
 ``python3 -c 'print(1)'``, and bare ``/usr/bin/python3 -c 'print(1)'`` as the floor.
 """
@@ -53,10 +55,22 @@ def main() -> None:
     url = args.url or (service.url if service else "")
     try:
         with httpx.Client(base_url=url, timeout=60) as api:
+            starts: dict[str, list[str]] = {"warm": [], "cold": []}
 
-            def execute() -> None:
-                view = api.post("/execute", json={"script": "print(1)"}).json()
-                assert view["stdout"] == "1\n", view
+            def execute(kind: str, body: dict[str, object], n: int) -> list[float]:
+                """``n`` timed requests after 2 untimed; a warm one first lets the pool refill (untimed)."""
+                samples = []
+                for i in range(n + 2):
+                    if kind == "warm":
+                        time.sleep(0.4)
+                    started = time.perf_counter()
+                    view = api.post("/execute", json={"script": "print(1)", **body}).json()
+                    elapsed = (time.perf_counter() - started) * 1000
+                    assert view["stdout"] == "1\n", view
+                    if i >= 2:
+                        samples.append(elapsed)
+                        starts[kind].append(view["sandbox_start"])
+                return samples
 
             def docker_run() -> None:
                 out = subprocess.run(
@@ -70,9 +84,13 @@ def main() -> None:
                 subprocess.run(["/usr/bin/python3", "-c", "print(1)"], check=True, capture_output=True)
 
             print(f"{'print(1), n=' + str(args.n):<58} {'median':>8} {'p90':>8} {'min':>8}  (ms)")
-            print(row("POST /execute (cold sandbox, HTTP round trip)", timed(execute, args.n)))
+            print(row("POST /execute, warm pool (HTTP round trip)", execute("warm", {}, args.n)))
+            cold = execute("cold", {"limits": {"memory_mb": 255}}, args.n)
+            print(row("POST /execute, cold sandbox (non-default limits)", cold))
             print(row(f"docker run --rm --network none {IMAGE}", timed(docker_run, args.n)))
             print(row("/usr/bin/python3 -c 'print(1)'", timed(bare, args.n)))
+            for kind, seen in starts.items():
+                print(f"{kind} requests ran in: {', '.join(f'{s} x{seen.count(s)}' for s in sorted(set(seen)))}")
     finally:
         if service is not None:
             service.stop()
