@@ -259,15 +259,7 @@ class JobManager:
         self._instance_labels = {LABEL_MANAGED: "1", LABEL_INSTANCE: self._instance}
         self._http = httpx.AsyncClient(follow_redirects=False, limits=httpx.Limits(max_connections=CALLBACK_DELIVERIES))
         self._callback_slots = asyncio.Semaphore(CALLBACK_DELIVERIES)
-        defaults = ResolvedLimits(
-            timeout_s=settings.default_timeout_s,
-            wait_s=settings.default_wait_s,
-            memory_mb=settings.default_memory_mb,
-            cpus=settings.default_cpus,
-            pids=settings.default_pids,
-            output_bytes=settings.default_output_bytes,
-            tmp_mb=settings.default_tmp_mb,
-        )
+        defaults = resolve_limits(ExecuteRequest(script=""), settings)  # the default profile
         self._pool = WarmPool(
             backend,
             self._spec(defaults, {}, self._jobs_dir, None),
