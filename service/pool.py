@@ -35,6 +35,8 @@ from service.sandbox.base import OutputSink, SandboxBackend, SandboxHandle, Sand
 log = logging.getLogger(__name__)
 
 GO_FILE = "go"
+RUNTIME_LABEL = "io.ptc-sandbox.runtime"
+WAIT_FEATURE = "wait-for-job"
 REFILL_BACKOFF_S = 5.0
 EARLY_OUTPUT_BYTES = 64 * 1024
 
@@ -118,11 +120,27 @@ class WarmPool:
         ) == (p.image, p.runtime, p.memory_mb, p.cpus, p.pids, p.tmp_mb, p.file_size_mb, p.open_files, dict(p.env))
 
     async def start(self) -> None:
-        """Empty the pool's folder and start refilling in the background."""
+        """Empty the pool's folder and start refilling in the background.
+
+        The pool stays off when the image's runtime cannot wait for a job (an image built before the warm
+        pool: its label ``io.ptc-sandbox.runtime`` lacks ``wait-for-job``); jobs then start cold.
+        """
         shutil.rmtree(self._folder, ignore_errors=True)
         self._folder.mkdir(parents=True, mode=0o700)
-        if self._size > 0:
-            self._task = asyncio.create_task(self._refill(), name="warm pool")
+        if self._size <= 0:
+            return
+        try:
+            features = (await self._backend.image_labels(self._spec.image)).get(RUNTIME_LABEL, "")
+        except SandboxError:
+            features = WAIT_FEATURE  # the engine is down now; the refill loop retries starts
+        if WAIT_FEATURE not in features.split(","):
+            log.warning(
+                "warm pool off: image %s cannot wait for a job (rebuild it with sandbox_image/build.sh)",
+                self._spec.image,
+            )
+            self._size = 0
+            return
+        self._task = asyncio.create_task(self._refill(), name="warm pool")
 
     def take(self) -> PooledSandbox | None:
         """A waiting sandbox of the pool's profile, handed out once; None when the pool is empty."""

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import docker
 import httpx
 import pytest
 
-from tests.conftest import Service, execute, labelled_containers, start_service, wait_until
+from tests.conftest import IMAGE, Service, execute, labelled_containers, start_service, wait_until
 
 
 def pooled(engine: docker.DockerClient, instance: str) -> list[object]:
@@ -53,3 +55,30 @@ def test_pool_sandboxes_left_by_a_crash_are_swept(engine: docker.DockerClient, s
         assert labelled_containers(engine, "pytest-pool-crash", include_pool=True) == []
     finally:
         second.stop()
+
+
+def test_fifty_concurrent_jobs_get_fifty_distinct_sandboxes(api: httpx.Client, engine: docker.DockerClient) -> None:
+    with ThreadPoolExecutor(10) as pool:
+        views = list(pool.map(lambda i: execute(api, f"print({i})"), range(50)))
+    assert [v["stdout"] for v in views] == [f"{i}\n" for i in range(50)]
+    ids = [v["sandbox_id"] for v in views]
+    assert len(set(ids)) == 50
+    assert {v["sandbox_start"] for v in views} <= {"warm", "cold"}
+    for sandbox_id in ids:
+        with pytest.raises(docker.errors.NotFound):
+            engine.containers.get(sandbox_id)
+
+
+def test_pool_stays_off_for_an_image_that_cannot_wait(engine: docker.DockerClient, scratch: Path) -> None:
+    dockerfile = f'FROM {IMAGE}\nLABEL io.ptc-sandbox.runtime=""\n'.encode()
+    engine.images.build(fileobj=io.BytesIO(dockerfile), tag="ptc-sandbox-runtime:pytest-old", network_mode="none")
+    svc = start_service("pytest-old-image", scratch / "old-image", PTC_SANDBOX_IMAGE="ptc-sandbox-runtime:pytest-old")
+    try:
+        with svc.client() as api:
+            view = execute(api, "print('cold')")
+        assert (view["stdout"], view["sandbox_start"]) == ("cold\n", "cold")
+        assert "warm pool off" in svc.log()
+        assert labelled_containers(engine, "pytest-old-image", include_pool=True) == []
+    finally:
+        svc.stop()
+        engine.images.remove("ptc-sandbox-runtime:pytest-old")

@@ -103,6 +103,10 @@ class SandboxBackend(abc.ABC):
         """Remove every sandbox carrying all of ``labels``; returns how many."""
 
     @abc.abstractmethod
+    async def image_labels(self, image: str) -> dict[str, str]:
+        """The image's labels ({} when it is missing or has none); raises SandboxError when the engine fails."""
+
+    @abc.abstractmethod
     async def ready(self, image: str) -> tuple[bool, str]:
         """(ok, reason): the engine answers and ``image`` is present."""
 

@@ -196,6 +196,13 @@ class DockerBackend(SandboxBackend):
     async def remove_labelled(self, labels: Mapping[str, str]) -> int:
         return await self._run(self._remove_labelled_blocking, labels)
 
+    async def image_labels(self, image: str) -> dict[str, str]:
+        try:
+            attrs = await self._run(self._api.inspect_image, image)
+        except SandboxError:
+            return {}
+        return dict((attrs.get("Config") or {}).get("Labels") or {})
+
     async def ready(self, image: str) -> tuple[bool, str]:
         try:
             await self._run(self._api.ping)
