@@ -9,7 +9,6 @@ made in Python on a fresh instance end in, and give the same results.
 from __future__ import annotations
 
 import json
-import keyword
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +18,7 @@ import pytest
 
 from service.errors import ManifestError
 from service.toolkit.manifest import Endpoint, parse_endpoint, parse_tool
-from tests.bfcl_data import bfcl_data_dir
+from tests.bfcl_data import bfcl_data_dir, call_source
 from tests.bfcl_servers import (
     BfclMcpServer,
     function_docs,
@@ -93,16 +92,6 @@ def run_in_python(replay: Replay) -> tuple[dict[str, Any], list[tuple[str, Any]]
         except Exception:
             outcomes.append(("error", None))
     return instances, outcomes
-
-
-def call_source(name: str, args: dict[str, Any]) -> str:
-    """``tools.<name>(k=v, ...)``, with ``**{...}`` for argument names that are not Python identifiers."""
-    plain = {k: v for k, v in args.items() if k.isidentifier() and not keyword.iskeyword(k)}
-    parts = [f"{k}={v!r}" for k, v in plain.items()]
-    rest = {k: v for k, v in args.items() if k not in plain}
-    if rest:
-        parts.append(f"**{rest!r}")
-    return f"tools.{name}({', '.join(parts)})"
 
 
 def script_for(calls: list[tuple[str, dict[str, Any]]]) -> str:
