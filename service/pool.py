@@ -198,8 +198,14 @@ class WarmPool:
             runtime=self._spec.runtime,
         )
         self._starting += 1
+        starting = asyncio.ensure_future(self._backend.start(spec, sink))
         try:
-            handle = await self._backend.start(spec, sink)
+            handle = await asyncio.shield(starting)
+        except asyncio.CancelledError:  # the pool is closing: the start goes on in its thread, so undo it
+            with contextlib.suppress(Exception):
+                await self._backend.remove(await starting)
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise

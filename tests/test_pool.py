@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -71,7 +72,9 @@ def test_fifty_concurrent_jobs_get_fifty_distinct_sandboxes(api: httpx.Client, e
 
 def test_pool_stays_off_for_an_image_that_cannot_wait(engine: docker.DockerClient, scratch: Path) -> None:
     dockerfile = f'FROM {IMAGE}\nLABEL io.ptc-sandbox.runtime=""\n'.encode()
-    engine.images.build(fileobj=io.BytesIO(dockerfile), tag="ptc-sandbox-runtime:pytest-old", network_mode="none")
+    engine.images.build(
+        fileobj=io.BytesIO(dockerfile), tag="ptc-sandbox-runtime:pytest-old", network_mode="none", rm=True, forcerm=True
+    )
     svc = start_service("pytest-old-image", scratch / "old-image", PTC_SANDBOX_IMAGE="ptc-sandbox-runtime:pytest-old")
     try:
         with svc.client() as api:
@@ -82,3 +85,13 @@ def test_pool_stays_off_for_an_image_that_cannot_wait(engine: docker.DockerClien
     finally:
         svc.stop()
         engine.images.remove("ptc-sandbox-runtime:pytest-old")
+
+
+def test_stopping_while_the_pool_refills_leaves_no_sandbox(engine: docker.DockerClient, scratch: Path) -> None:
+    for attempt in range(3):  # stop at different points of the refill
+        instance = f"pytest-pool-stop-{attempt}"
+        svc = start_service(instance, scratch / f"pool-stop-{attempt}", PTC_WARM_POOL_SIZE="4")
+        time.sleep(0.1 + 0.15 * attempt)
+        svc.stop()
+        time.sleep(1)
+        assert labelled_containers(engine, instance, include_pool=True) == []
