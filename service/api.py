@@ -176,10 +176,9 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         await wait_for_end_or_client(job, job.limits.wait_s)  # a client-executed call needs the caller now
         if not job.done.is_set():
             return json_view(job.view_dict(), 202)
-        view = await manager.view(job.id)
-        if view["error"] is not None and view["error"].get("type") == "engine_unavailable":
-            return problem(503, "Container engine unavailable", str(view["error"]["message"]), job_id=job.id)
-        return json_view(view)
+        if job.error is not None and job.error.get("type") == "engine_unavailable":
+            return problem(503, "Container engine unavailable", str(job.error["message"]), job_id=job.id)
+        return Response(await manager.stored_view(job.id), media_type="application/json")  # saved as served
 
     @app.get("/jobs", response_model=JobList, responses={422: {}})
     async def list_jobs(
