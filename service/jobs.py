@@ -32,7 +32,7 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -53,10 +53,10 @@ from service.errors import (
     WorkDirBusy,
 )
 from service.output import CappedStream, OutputLog, decode_slice, read_range
-from service.pool import RUNTIME_LABEL, WarmPool, release
-from service.sandbox.base import ExitStatus, SandboxBackend, SandboxHandle, SandboxSpec, Stream
+from service.pool import RUNTIME_LABEL, WarmPools
+from service.sandbox.base import ExitStatus, SandboxBackend, SandboxHandle, SandboxSpec, Stream, write_run_files
 from service.schemas import TERMINAL_STATUSES, ExecuteRequest, JobSummary, JobView, McpServer, SessionRequest
-from service.sessions import KILL_CONFIRM_S, SESSION_FEATURE, Session, SessionManager
+from service.sessions import KILL_CONFIRM_S, SESSION_FEATURE, Session, SessionManager, SessionSandbox
 from service.settings import Settings
 from service.store import JobQuery, JobStore, StoredJob
 from service.toolkit.cache import CompiledManifest, ManifestCache
@@ -67,6 +67,8 @@ log = logging.getLogger(__name__)
 LABEL_INSTANCE = "io.ptc-sandbox.instance"
 LABEL_JOB = "io.ptc-sandbox.job"
 LABEL_MANAGED = "io.ptc-sandbox.managed"
+LABEL_POOL = "io.ptc-sandbox.pool"
+LABEL_SESSION = "io.ptc-sandbox.session"
 KILL_WAIT_S = 30.0
 STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
 SLICE_BYTES = 1024 * 1024
@@ -287,6 +289,7 @@ class JobManager:
         self._live: dict[str, Job] = {}
         self._admitted = 0
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._removals: set[asyncio.Future[None]] = set()  # sandboxes of ended jobs being removed
         self._jobs_dir = settings.work_dir / "jobs"
         self._output_dir = settings.work_dir / "output"
         self._instance = settings.instance()
@@ -294,12 +297,13 @@ class JobManager:
         self._http = httpx.AsyncClient(follow_redirects=False, limits=httpx.Limits(max_connections=CALLBACK_DELIVERIES))
         self._callback_slots = asyncio.Semaphore(CALLBACK_DELIVERIES)
         defaults = resolve_limits(ExecuteRequest(script=""), settings)  # the default profile
-        self._pool = WarmPool(
+        self._pool = WarmPools(
             backend,
-            self._spec(defaults, {}, self._jobs_dir, None),
+            self._spec(defaults, {}, self._jobs_dir, None, {LABEL_POOL: "1"}),
             settings.work_dir / "pool",
             settings.warm_pool_size,
             settings.warm_pool_max_age_s,
+            settings.warm_pool_max_profiles,
         )
         self._manifests = ManifestCache(self._installation_salt())
         self._sessions = SessionManager(
@@ -416,6 +420,8 @@ class JobManager:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._removals:
+            await asyncio.gather(*self._removals, return_exceptions=True)
         await self._sessions.close()
         await self._pool.close()
         await self._http.aclose()
@@ -526,8 +532,10 @@ class JobManager:
             loop=asyncio.get_running_loop(),
         )
 
-    def _spec(self, limits: ResolvedLimits, env: dict[str, str], job_dir: Path, job_id: str | None) -> SandboxSpec:
-        """The sandbox a job with these limits and env runs in (``job_id`` None: a pooled sandbox, no job yet)."""
+    def _spec(
+        self, limits: ResolvedLimits, env: dict[str, str], job_dir: Path, job_id: str | None, labels: dict[str, str]
+    ) -> SandboxSpec:
+        """The sandbox a job with these limits and env runs in (``job_id`` None: a pooled or session sandbox)."""
         settings = self._settings
         return SandboxSpec(
             image=settings.sandbox_image,
@@ -539,18 +547,9 @@ class JobManager:
             file_size_mb=settings.file_size_mb,
             open_files=settings.open_files,
             env=env,
-            labels={**self._instance_labels, **({LABEL_JOB: job_id} if job_id else {})},
+            labels={**self._instance_labels, **({LABEL_JOB: job_id} if job_id else {}), **labels},
             runtime=settings.runtime,
         )
-
-    def _prepare_dir(self, job_dir: Path, script: str, manifest: CompiledManifest) -> None:
-        package = job_dir / "tools"
-        package.mkdir(parents=True, mode=0o755)
-        os.chmod(job_dir, 0o755)
-        (package / "__init__.py").write_text(manifest.stub_source, encoding="utf-8")
-        (job_dir / "script.py").write_text(script, encoding="utf-8", errors="surrogatepass")
-        for path in (package / "__init__.py", job_dir / "script.py"):
-            os.chmod(path, 0o644)
 
     async def _save(self, job: Job) -> None:
         view = job.view_dict()
@@ -611,6 +610,7 @@ class JobManager:
         broker = self._new_broker(job, manifest)
         handle: SandboxHandle | None = None
         job_dir: Path | None = None
+        pooled: SessionSandbox | None = None
         try:
             await self._save(job)
             if not await self._acquire(job, self._slots):
@@ -618,24 +618,25 @@ class JobManager:
                 job.error = {"type": "stopped", "message": "stopped before it started"}
                 return
             try:
-                spec = self._spec(job.limits, request.env, self._jobs_dir / job.id, job.id)
-                pooled = self._pool.take() if self._pool.matches(spec) else None
-                job_dir = pooled.folder if pooled is not None else self._jobs_dir / job.id
-                if pooled is not None:
-                    handle = pooled.handle
-                await asyncio.to_thread(self._prepare_dir, job_dir, request.script, manifest)
-                await broker.start(job_dir / "tools.sock")
+                spec = self._spec(job.limits, request.env, self._jobs_dir / job.id, job.id, {})
+                pooled = self._pool.take(spec)
+                folder = pooled.folder if pooled is not None else self._jobs_dir / job.id
+                job_dir = None if pooled is not None else folder
+                await asyncio.to_thread(write_run_files, folder, request.script, manifest.stub_source)
+                await broker.start(folder / "tools.sock")
                 job.started_at = _now()
                 job.sandbox_start = "warm" if pooled is not None else "cold"
                 await self._set_status(job, "running")
                 started = time.monotonic()
+                run: Run
                 if pooled is not None:
-                    release(pooled, job.sink)
+                    job.sandbox_id = pooled.handle.id[:12] if pooled.handle is not None else None
+                    run = await pooled.run(job.id, request.env, job.sink)
                 else:
                     handle = await self._backend.start(spec, job.sink)
-                assert handle is not None
-                job.sandbox_id = handle.id[:12]
-                exit_status, ended_by = await self._supervise(job, ContainerRun(self._backend, handle), started)
+                    job.sandbox_id = handle.id[:12]
+                    run = ContainerRun(self._backend, handle)
+                exit_status, ended_by = await self._supervise(job, run, started)
                 self._finish(job, exit_status, ended_by, broker)
             finally:
                 self._slots.release()
@@ -644,7 +645,7 @@ class JobManager:
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
-            await asyncio.shield(self._cleanup(job, handle, broker, job_dir))
+            await asyncio.shield(self._cleanup(job, handle, broker, job_dir, pooled))
 
     @staticmethod
     def _failed(job: Job, exc: BaseException) -> None:
@@ -685,7 +686,9 @@ class JobManager:
                     return
                 session.current_job_id = job.id
                 sandbox = session.sandbox
-                await asyncio.to_thread(self._prepare_session_dir, session, request.script, manifest)
+                stubs = None if session.stub_source == manifest.stub_source else manifest.stub_source
+                await asyncio.to_thread(write_run_files, sandbox.folder, request.script, stubs)
+                session.stub_source = manifest.stub_source
                 await broker.start(sandbox.folder / "tools.sock")
                 job.started_at = _now()
                 job.sandbox_start = "session"
@@ -711,22 +714,6 @@ class JobManager:
                 raise
         finally:
             await asyncio.shield(self._cleanup(job, None, broker, None))
-
-    @staticmethod
-    def _prepare_session_dir(session: Session, script: str, manifest: CompiledManifest) -> None:
-        """Write the run's ``script.py`` and (when it changed) ``tools`` package into the session's folder."""
-        folder = session.sandbox.folder
-        package = folder / "tools"
-        module = package / "__init__.py"
-        if session.stub_source != manifest.stub_source:
-            package.mkdir(mode=0o755, exist_ok=True)
-            os.chmod(package, 0o755)
-            module.write_text(manifest.stub_source, encoding="utf-8")
-            os.chmod(module, 0o644)
-            session.stub_source = manifest.stub_source
-        path = folder / "script.py"
-        path.write_text(script, encoding="utf-8", errors="surrogatepass")
-        os.chmod(path, 0o644)
 
     async def _supervise(self, job: Job, run: Run, started: float) -> tuple[ExitStatus, str | None]:
         """Wait for the script to exit, its time limit, or a stop request; returns (exit, what ended it)."""
@@ -807,21 +794,25 @@ class JobManager:
             job.status = "succeeded" if exit_status.exit_code == 0 else "failed"
             job.error = broker.reported_error if exit_status.exit_code != 0 else None
 
-    async def _cleanup(self, job: Job, handle: SandboxHandle | None, broker: Broker, job_dir: Path | None) -> None:
-        """Remove the sandbox and folder, save the final view, then tell waiters. Never raises."""
+    async def _cleanup(
+        self,
+        job: Job,
+        handle: SandboxHandle | None,
+        broker: Broker,
+        job_dir: Path | None,
+        pooled: SessionSandbox | None = None,
+    ) -> None:
+        """Save the final view, tell waiters, then remove the sandbox (``handle``) and folder. Never raises.
+
+        The sandbox is removed after the answer (it has exited, or was killed, and its output is all in),
+        so a caller does not wait ~40 ms for the engine; ``close`` waits for removals still under way.
+        """
         try:
-            if handle is not None:
-                try:
-                    await self._backend.remove(handle)
-                except Exception:
-                    log.exception("job %s: could not remove sandbox %s", job.id, handle.id[:12])
             with contextlib.suppress(Exception):
                 await broker.close()
             job.calls_over_limit = broker.calls_over_limit
             for log_ in (job.stdout, job.stderr):
                 log_.close()
-            if job_dir is not None:
-                await asyncio.to_thread(shutil.rmtree, job_dir, True)
             job.ended_at = _now()
             if job.status not in TERMINAL_STATUSES:
                 job.status = "lost"
@@ -837,6 +828,24 @@ class JobManager:
             self._live.pop(job.id, None)
             if job.callback_url:
                 self._spawn(self._deliver_callback(job.id), f"callback {job.id}")
+            if handle is not None or job_dir is not None or pooled is not None:
+                removal = asyncio.ensure_future(self._remove_sandbox(job.id, handle, job_dir, pooled))
+                self._removals.add(removal)
+                removal.add_done_callback(self._removals.discard)
+
+    async def _remove_sandbox(
+        self, job_id: str, handle: SandboxHandle | None, job_dir: Path | None, pooled: SessionSandbox | None
+    ) -> None:
+        """Remove an ended job's sandbox and folder (the start-up sweep catches any this misses)."""
+        if pooled is not None:
+            await pooled.destroy()
+        if handle is not None:
+            try:
+                await self._backend.remove(handle)
+            except Exception:
+                log.exception("job %s: could not remove sandbox %s", job_id, handle.id[:12])
+        if job_dir is not None:
+            await asyncio.to_thread(shutil.rmtree, job_dir, True)
 
     # -- callbacks -----------------------------------------------------------------------------
 
@@ -962,8 +971,8 @@ class JobManager:
                 f"the sandbox image {settings.sandbox_image} cannot run sessions "
                 "(rebuild it with sandbox_image/build.sh)"
             )
-        spec = self._spec(limits, request.env, self._jobs_dir, None)
-        spec = SandboxSpec(**{**spec.__dict__, "runtime": None if runtime == "runc" else runtime})
+        spec = self._spec(limits, request.env, self._jobs_dir, None, {LABEL_SESSION: "1"})
+        spec = replace(spec, runtime=None if runtime == "runc" else runtime)
         session = await self._sessions.create(
             spec,
             limits={

@@ -1,156 +1,131 @@
 """The warm pool: sandboxes started ahead of time, each waiting for one job.
 
-A pooled sandbox is a container already running the runtime with the stub
-library imported, its (still empty) folder mounted at ``/run/ptc``, waiting
-for the file ``/run/ptc/go`` (``PTC_WAIT_FOR_JOB=1``). Binding a job writes the
-job's script and ``tools`` package into that folder, starts its broker on the
-folder's socket, points the sandbox's output at the job, and creates ``go``.
-The container start is thus paid before the request arrives.
+A pooled sandbox is a session sandbox (``service.sessions.SessionSandbox``)
+used once: a container already running the runtime's resident interpreter,
+with the stub library imported, connected to its control socket and waiting.
+Binding a job writes the job's script and ``tools`` package into its folder,
+starts the job's broker on the folder's socket and asks the interpreter to
+run the script; the job ends when the interpreter reports the script's exit,
+and the sandbox is then destroyed, never reused. The container start (about
+200-300 ms here) is thus paid before the request arrives, and so is the
+container's removal (done after the answer).
 
-Rules: one pool, for the default profile (server image, runtime and default
-limits, no ``env``); a job of any other profile, or one that finds the pool
-empty, gets a cold start and is never refused for that. A pooled sandbox is
-handed out at most once (popped under the event loop, never shared) and is
-destroyed with its job. The pool refills in the background, one sandbox at a
-time, to ``size``; sandboxes idle longer than ``max_age_s`` are replaced.
+There is one pool per sandbox profile (image, runtime and the sandbox
+limits; ``env`` is the run's, so it does not split profiles). The default
+profile's pool always exists; a job of another profile that finds no pool
+starts cold and creates that profile's pool, up to ``max_profiles`` pools; a
+pool (other than the default one) that hands out nothing for ``max_age_s`` is
+closed. A job that finds its pool empty gets a cold start and is never
+refused for that. A pooled sandbox is handed out at most once (popped under
+the event loop, never shared) and is never handed out while being destroyed.
+Each pool refills in the background, one sandbox at a time, to ``size``;
+sandboxes idle longer than ``max_age_s`` are replaced.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
-import os
 import secrets
 import shutil
-import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from service.errors import SandboxError
-from service.sandbox.base import OutputSink, SandboxBackend, SandboxHandle, SandboxSpec, Stream
+from service.sandbox.base import SandboxBackend, SandboxSpec
+from service.sessions import SESSION_FEATURE, SessionSandbox
 
 log = logging.getLogger(__name__)
 
-GO_FILE = "go"
 RUNTIME_LABEL = "io.ptc-sandbox.runtime"
-WAIT_FEATURE = "wait-for-job"
 REFILL_BACKOFF_S = 5.0
-EARLY_OUTPUT_BYTES = 64 * 1024
+DEFAULT_PROFILE = "default"
 
 
-class SwitchableSink:
-    """An OutputSink that keeps (a little of) what arrives before a job is bound, then forwards to the job."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._target: OutputSink | None = None
-        self._early: list[tuple[Stream, bytes]] = []
-        self._early_bytes = 0
-
-    def __call__(self, stream: Stream, data: bytes) -> None:
-        with self._lock:
-            if self._target is None:
-                if self._early_bytes < EARLY_OUTPUT_BYTES:
-                    self._early.append((stream, data))
-                    self._early_bytes += len(data)
-                return
-            target = self._target
-        target(stream, data)
-
-    def bind(self, target: OutputSink) -> None:
-        """From now on, output goes to ``target`` (what came before is dropped: it is not the job's)."""
-        with self._lock:
-            self._target = target
-            self._early.clear()
+def profile_key(spec: SandboxSpec) -> tuple[object, ...]:
+    """What makes two sandboxes interchangeable for a job (everything but the folder, env and labels)."""
+    return (
+        spec.image,
+        spec.runtime,
+        spec.memory_mb,
+        spec.cpus,
+        spec.pids,
+        spec.tmp_mb,
+        spec.file_size_mb,
+        spec.open_files,
+    )
 
 
 @dataclass
 class PooledSandbox:
-    """A started sandbox waiting for its job: its handle, host folder, output switch and start time."""
+    """A started sandbox waiting for its job, and when it started (for ``max_age_s``)."""
 
-    handle: SandboxHandle
-    folder: Path
-    sink: SwitchableSink
+    sandbox: SessionSandbox
     started: float = field(default_factory=time.monotonic)
 
 
 class WarmPool:
-    """Keeps up to ``size`` sandboxes of ``spec``'s profile started and waiting.
+    """Keeps up to ``size`` sandboxes of one profile started and waiting.
 
     Args:
         backend: the sandbox backend.
         spec: the profile (``job_dir`` is replaced per sandbox).
-        folder: host folder for the sandboxes' folders (emptied at start).
-        size: sandboxes to keep waiting; 0 disables the pool.
+        folder: host folder for the sandboxes' folders.
+        size: sandboxes to keep waiting.
         max_age_s: a sandbox idle longer than this is replaced.
+        name: the profile's name (``default``, or a short hash) for logs and metrics.
+        on_size: called with the number of waiting sandboxes whenever it changes.
     """
 
-    def __init__(self, backend: SandboxBackend, spec: SandboxSpec, folder: Path, size: int, max_age_s: float) -> None:
+    def __init__(
+        self,
+        backend: SandboxBackend,
+        spec: SandboxSpec,
+        folder: Path,
+        size: int,
+        max_age_s: float,
+        name: str,
+        on_size: Callable[[str, int], None],
+    ) -> None:
         self._backend = backend
         self._spec = spec
         self._folder = folder
         self._size = size
         self._max_age_s = max_age_s
+        self.name = name
+        self._on_size = on_size
         self._ready: deque[PooledSandbox] = deque()
         self._starting = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.last_taken = time.monotonic()
 
     @property
     def ready(self) -> int:
         """Sandboxes waiting now."""
         return len(self._ready)
 
-    def matches(self, spec: SandboxSpec) -> bool:
-        """Whether a job with ``spec`` may use a pooled sandbox (same profile)."""
-        p = self._spec
-        return self._size > 0 and (
-            spec.image,
-            spec.runtime,
-            spec.memory_mb,
-            spec.cpus,
-            spec.pids,
-            spec.tmp_mb,
-            spec.file_size_mb,
-            spec.open_files,
-            dict(spec.env),
-        ) == (p.image, p.runtime, p.memory_mb, p.cpus, p.pids, p.tmp_mb, p.file_size_mb, p.open_files, dict(p.env))
+    def start(self) -> None:
+        """Start refilling in the background."""
+        self._folder.mkdir(parents=True, mode=0o700, exist_ok=True)
+        self._task = asyncio.create_task(self._refill(), name=f"warm pool {self.name}")
 
-    async def start(self) -> None:
-        """Empty the pool's folder and start refilling in the background.
-
-        The pool stays off when the image's runtime cannot wait for a job (an image built before the warm
-        pool: its label ``io.ptc-sandbox.runtime`` lacks ``wait-for-job``); jobs then start cold.
-        """
-        shutil.rmtree(self._folder, ignore_errors=True)
-        self._folder.mkdir(parents=True, mode=0o700)
-        if self._size <= 0:
-            return
-        try:
-            features = (await self._backend.image_labels(self._spec.image)).get(RUNTIME_LABEL, "")
-        except SandboxError:
-            features = WAIT_FEATURE  # the engine is down now; the refill loop retries starts
-        if WAIT_FEATURE not in features.split(","):
-            log.warning(
-                "warm pool off: image %s cannot wait for a job (rebuild it with sandbox_image/build.sh)",
-                self._spec.image,
-            )
-            self._size = 0
-            return
-        self._task = asyncio.create_task(self._refill(), name="warm pool")
-
-    def take(self) -> PooledSandbox | None:
-        """A waiting sandbox of the pool's profile, handed out once; None when the pool is empty."""
+    def take(self) -> SessionSandbox | None:
+        """A waiting sandbox, handed out once; None when the pool is empty."""
+        self.last_taken = time.monotonic()
         sandbox = None
         while self._ready and sandbox is None:
             candidate = self._ready.popleft()
-            if time.monotonic() - candidate.started <= self._max_age_s:
-                sandbox = candidate
+            if time.monotonic() - candidate.started <= self._max_age_s and candidate.sandbox.broken is None:
+                sandbox = candidate.sandbox
             else:
-                asyncio.get_running_loop().create_task(self._destroy(candidate))
+                asyncio.get_running_loop().create_task(candidate.sandbox.destroy())
+        self._on_size(self.name, len(self._ready))
         self._wake.set()
         return sandbox
 
@@ -161,69 +136,147 @@ class WarmPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         while self._ready:
-            await self._destroy(self._ready.popleft())
+            await self._ready.popleft().sandbox.destroy()
+        self._on_size(self.name, 0)
 
     async def _refill(self) -> None:
         while True:
             self._wake.clear()
             now = time.monotonic()
-            for sandbox in [s for s in self._ready if now - s.started > self._max_age_s]:
-                self._ready.remove(sandbox)
-                await self._destroy(sandbox)
+            for pooled in [p for p in self._ready if now - p.started > self._max_age_s or p.sandbox.broken]:
+                self._ready.remove(pooled)
+                await pooled.sandbox.destroy()
             if len(self._ready) + self._starting < self._size:
                 try:
                     self._ready.append(await self._start_one())
                 except SandboxError as exc:
-                    log.warning("warm pool: could not start a sandbox: %s", exc)
+                    log.warning("warm pool %s: could not start a sandbox: %s", self.name, exc)
                     await asyncio.sleep(REFILL_BACKOFF_S)
+                self._on_size(self.name, len(self._ready))
                 continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=max(self._max_age_s / 4, 1.0))
 
     async def _start_one(self) -> PooledSandbox:
-        folder = self._folder / secrets.token_hex(8)
-        folder.mkdir(mode=0o755)
-        sink = SwitchableSink()
-        spec = SandboxSpec(
-            image=self._spec.image,
-            job_dir=folder,
-            memory_mb=self._spec.memory_mb,
-            cpus=self._spec.cpus,
-            pids=self._spec.pids,
-            tmp_mb=self._spec.tmp_mb,
-            file_size_mb=self._spec.file_size_mb,
-            open_files=self._spec.open_files,
-            env={**self._spec.env, "PTC_WAIT_FOR_JOB": "1"},
-            labels=self._spec.labels,
-            runtime=self._spec.runtime,
-        )
+        sandbox = SessionSandbox(self._backend, replace(self._spec, job_dir=self._folder / secrets.token_hex(8)))
         self._starting += 1
-        starting = asyncio.ensure_future(self._backend.start(spec, sink))
+        starting = asyncio.ensure_future(sandbox.start())
         try:
-            handle = await asyncio.shield(starting)
-        except asyncio.CancelledError:  # the pool is closing: the start goes on in its thread, so undo it
+            await asyncio.shield(starting)
+        except asyncio.CancelledError:  # the pool is closing: let the start finish, then undo it
             with contextlib.suppress(Exception):
-                await self._backend.remove(await starting)
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
-        except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)
+                await starting
+            await sandbox.destroy()
             raise
         finally:
             self._starting -= 1
-        return PooledSandbox(handle, folder, sink)
+        return PooledSandbox(sandbox)
 
-    async def _destroy(self, sandbox: PooledSandbox) -> None:
+
+class WarmPools:
+    """One ``WarmPool`` per sandbox profile (see the module docstring).
+
+    Args:
+        backend: the sandbox backend.
+        default: the default profile (server image, runtime and default limits).
+        folder: host folder for the pools' sandboxes (emptied at start).
+        size: sandboxes each pool keeps waiting; 0 disables pooling.
+        max_age_s: a sandbox idle longer than this is replaced; a pool unused this long is closed.
+        max_profiles: pools at most (the default one included).
+        on_size: called with (profile name, waiting sandboxes) whenever a pool's size changes.
+    """
+
+    def __init__(
+        self,
+        backend: SandboxBackend,
+        default: SandboxSpec,
+        folder: Path,
+        size: int,
+        max_age_s: float,
+        max_profiles: int,
+        on_size: Callable[[str, int], None] = lambda _name, _n: None,
+    ) -> None:
+        self._backend = backend
+        self._default = default
+        self._folder = folder
+        self._size = size
+        self._max_age_s = max_age_s
+        self._max_profiles = max_profiles
+        self._on_size = on_size
+        self._pools: dict[tuple[object, ...], WarmPool] = {}
+        self._retire: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Empty the pools' folder and start the default profile's pool.
+
+        Pooling stays off when the image's runtime cannot serve a job from a pool (an image built before:
+        its label ``io.ptc-sandbox.runtime`` lacks ``session``); jobs then start cold.
+        """
+        await asyncio.to_thread(shutil.rmtree, self._folder, True)
+        self._folder.mkdir(parents=True, mode=0o700)
+        if self._size <= 0:
+            return
         try:
-            await self._backend.remove(sandbox.handle)
-        except SandboxError as exc:
-            log.warning("warm pool: could not remove sandbox %s: %s", sandbox.handle.id[:12], exc)
-        await asyncio.to_thread(shutil.rmtree, sandbox.folder, True)
+            features = (await self._backend.image_labels(self._default.image)).get(RUNTIME_LABEL, "")
+        except SandboxError:
+            features = SESSION_FEATURE  # the engine is down now; the refill loop retries starts
+        if SESSION_FEATURE not in features.split(","):
+            log.warning(
+                "warm pool off: image %s cannot serve pooled jobs (rebuild it with sandbox_image/build.sh)",
+                self._default.image,
+            )
+            self._size = 0
+            return
+        self._pool_for(self._default, DEFAULT_PROFILE)
+        self._retire = asyncio.create_task(self._retire_loop(), name="warm pool retirement")
 
+    def take(self, spec: SandboxSpec) -> SessionSandbox | None:
+        """A waiting sandbox of ``spec``'s profile, or None (the profile's pool is then created if there is room)."""
+        if self._size <= 0:
+            return None
+        key = profile_key(spec)
+        pool = self._pools.get(key)
+        if pool is None:
+            if len(self._pools) < self._max_profiles:
+                name = hashlib.sha256(repr(key).encode()).hexdigest()[:8]
+                self._pool_for(spec, name)
+            return None
+        return pool.take()
 
-def release(sandbox: PooledSandbox, sink: OutputSink) -> None:
-    """Bind a taken sandbox to its job: output to ``sink``, then ``go`` (the job's files must be in place)."""
-    sandbox.sink.bind(sink)
-    go = sandbox.folder / GO_FILE
-    go.touch(mode=0o644)
-    os.chmod(go, 0o644)
+    def sizes(self) -> dict[str, int]:
+        """Waiting sandboxes per profile name."""
+        return {pool.name: pool.ready for pool in self._pools.values()}
+
+    async def close(self) -> None:
+        """Close every pool (their waiting sandboxes are destroyed)."""
+        if self._retire is not None:
+            self._retire.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._retire
+        await asyncio.gather(*(pool.close() for pool in self._pools.values()), return_exceptions=True)
+        self._pools.clear()
+
+    def _pool_for(self, spec: SandboxSpec, name: str) -> WarmPool:
+        pool = WarmPool(
+            self._backend,
+            replace(spec, env={}, labels=self._default.labels),
+            self._folder / name,
+            self._size,
+            self._max_age_s,
+            name,
+            self._on_size,
+        )
+        self._pools[profile_key(spec)] = pool
+        pool.start()
+        log.info("warm pool %s started (size %d)", name, self._size)
+        return pool
+
+    async def _retire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(max(self._max_age_s / 4, 1.0))
+            now = time.monotonic()
+            for key, pool in list(self._pools.items()):
+                if pool.name != DEFAULT_PROFILE and now - pool.last_taken > self._max_age_s:
+                    del self._pools[key]
+                    await pool.close()
+                    log.info("warm pool %s closed: unused for %g s", pool.name, self._max_age_s)

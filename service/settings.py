@@ -96,7 +96,13 @@ class Settings(BaseSettings):
         270, gt=0, description="How long a client-executed tool call waits for the client's answer (s)."
     )
     warm_pool_size: int = Field(
-        4, ge=0, le=64, description="Sandboxes of the default profile kept started and waiting for a job; 0 = off."
+        4, ge=0, le=64, description="Sandboxes kept started and waiting for a job, per profile; 0 = off."
+    )
+    warm_pool_max_profiles: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="Warm pools at most, one per sandbox profile (limits, runtime); the default profile's included.",
     )
     warm_pool_max_age_s: float = Field(600, gt=0, description="A pooled sandbox idle longer than this is replaced (s).")
     max_sessions: int = Field(32, ge=0, description="Sessions open at once; past that POST /sessions answers 429.")

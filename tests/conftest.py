@@ -116,8 +116,17 @@ def start_service(instance_id: str, work_dir: Path, probe: str = "/readyz", **en
 
 def labelled_containers(engine: docker.DockerClient, instance_id: str, include_pool: bool = False) -> list[Any]:
     """Sandboxes of a service instance that hold (or held) a job; with ``include_pool``, its warm pool's too."""
-    found = engine.containers.list(all=True, filters={"label": f"{LABEL_INSTANCE}={instance_id}"})
+    found = engine.containers.list(all=True, filters={"label": f"{LABEL_INSTANCE}={instance_id}"}, ignore_removed=True)
     return [c for c in found if include_pool or LABEL_JOB in c.labels]
+
+
+def container_gone(engine: docker.DockerClient, container_id: str) -> bool:
+    """Whether the engine no longer has the container."""
+    try:
+        engine.containers.get(container_id)
+    except docker.errors.NotFound:
+        return True
+    return False
 
 
 @pytest.fixture(scope="session")

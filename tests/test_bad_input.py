@@ -10,7 +10,7 @@ import docker
 import httpx
 import pytest
 
-from tests.conftest import Service, execute, labelled_containers
+from tests.conftest import Service, execute, labelled_containers, wait_until
 from tests.toolserver import ToolServer
 
 ECHO = {"kind": "echo"}
@@ -31,7 +31,7 @@ def healthy_afterwards(api: httpx.Client, engine: docker.DockerClient, service: 
     yield
     view = execute(api, "print('still here')")
     assert (view["status"], view["stdout"]) == ("succeeded", "still here\n")
-    assert labelled_containers(engine, service.instance_id) == []
+    wait_until(lambda: labelled_containers(engine, service.instance_id) == [], 10)  # removed after the answer
 
 
 def test_syntax_error_is_a_failed_job_with_its_line(api: httpx.Client) -> None:

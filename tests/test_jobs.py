@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from service.callbacks import SIGNATURE_HEADER, verify
-from tests.conftest import Service, execute, labelled_containers, start_service, wait_until
+from tests.conftest import Service, container_gone, execute, labelled_containers, start_service, wait_until
 
 TICKER = "import time\nfor i in range(15):\n    print(f'tick {i}', flush=True)\n    time.sleep(0.2)\n"
 
@@ -78,8 +78,7 @@ def test_stop_ends_a_script_that_ignores_sigterm_and_has_a_child(
     assert time.monotonic() - started < 3
     assert stopped["status"] == "stopped"
     assert stopped["error"]["type"] == "stopped"
-    with pytest.raises(docker.errors.NotFound):
-        engine.containers.get(stopped["sandbox_id"])
+    wait_until(lambda: container_gone(engine, stopped["sandbox_id"]), 10)
     again = api.post(f"/jobs/{job['job_id']}/stop")
     assert again.status_code == 200
     assert again.json() == stopped

@@ -7,35 +7,58 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import docker
 import httpx
-import pytest
 
-from tests.conftest import IMAGE, Service, execute, labelled_containers, start_service, wait_until
-
-
-def pooled(engine: docker.DockerClient, instance: str) -> list[object]:
-    return [c for c in labelled_containers(engine, instance, include_pool=True) if "io.ptc-sandbox.job" not in c.labels]
+from tests.conftest import IMAGE, Service, container_gone, execute, labelled_containers, start_service, wait_until
 
 
-def test_default_jobs_run_warm_and_others_cold(
+def pooled(engine: docker.DockerClient, instance: str, memory_mb: int = 256) -> list[Any]:
+    """The instance's pooled sandboxes (waiting for a job) of the profile with ``memory_mb``."""
+    return [
+        c
+        for c in labelled_containers(engine, instance, include_pool=True)
+        if "io.ptc-sandbox.pool" in c.labels and c.attrs["HostConfig"]["Memory"] == memory_mb * 1024 * 1024
+    ]
+
+
+def test_jobs_run_warm_from_their_profiles_pool(
     api: httpx.Client, engine: docker.DockerClient, service: Service
 ) -> None:
     wait_until(lambda: len(pooled(engine, service.instance_id)) == 4, 30)
     first = execute(api, "import tools\nprint(tools.t()['tool'])", [{"name": "t", "endpoint": {"kind": "echo"}}])
-    second = execute(api, "print(2)")
+    second = execute(api, "import os\nprint(os.environ['X'])", env={"X": "y"})  # env is the run's, not the profile's
     assert (first["sandbox_start"], first["stdout"]) == ("warm", "t\n")
-    assert (second["sandbox_start"], second["stdout"]) == ("warm", "2\n")
+    assert (second["sandbox_start"], second["stdout"]) == ("warm", "y\n")
     assert first["sandbox_id"] != second["sandbox_id"]  # never handed out twice
-    for view in (first, second):
-        with pytest.raises(docker.errors.NotFound):
-            engine.containers.get(view["sandbox_id"])  # destroyed with its job
-    cold = execute(api, "print(3)", limits={"memory_mb": 128})
+    ids = [first["sandbox_id"], second["sandbox_id"]]
+    wait_until(lambda: all(container_gone(engine, i) for i in ids), 10)  # destroyed with its job, after the answer
+    cold = execute(api, "print(3)", limits={"memory_mb": 128})  # a new profile: cold, and its pool starts
     assert (cold["sandbox_start"], cold["stdout"]) == ("cold", "3\n")
-    env = execute(api, "import os\nprint(os.environ['X'])", env={"X": "y"})
-    assert (env["sandbox_start"], env["stdout"]) == ("cold", "y\n")
+    wait_until(lambda: len(pooled(engine, service.instance_id, 128)) == 4, 30)
+    again = execute(api, "print(4)", limits={"memory_mb": 128})
+    assert (again["sandbox_start"], again["stdout"]) == ("warm", "4\n")
     wait_until(lambda: len(pooled(engine, service.instance_id)) == 4, 30)  # refilled to its size
+
+
+def test_profiles_past_the_maximum_start_cold(engine: docker.DockerClient, scratch: Path) -> None:
+    svc = start_service(
+        "pytest-pool-profiles", scratch / "pool-profiles", PTC_WARM_POOL_SIZE="1", PTC_WARM_POOL_MAX_PROFILES="2"
+    )
+    try:
+        with svc.client() as api:
+            for memory in (100, 110):
+                execute(api, "print(1)", limits={"memory_mb": memory})
+            wait_until(lambda: len(pooled(engine, "pytest-pool-profiles", 100)) == 1, 30)
+            time.sleep(1)
+            assert pooled(engine, "pytest-pool-profiles", 110) == []  # default + 100 MiB: the maximum of 2
+            assert execute(api, "print(1)", limits={"memory_mb": 100})["sandbox_start"] == "warm"
+            assert execute(api, "print(1)", limits={"memory_mb": 110})["sandbox_start"] == "cold"
+    finally:
+        svc.stop()
+    assert labelled_containers(engine, "pytest-pool-profiles", include_pool=True) == []
 
 
 def test_timeout_counts_from_the_job_not_the_pooled_start(
@@ -65,9 +88,7 @@ def test_fifty_concurrent_jobs_get_fifty_distinct_sandboxes(api: httpx.Client, e
     ids = [v["sandbox_id"] for v in views]
     assert len(set(ids)) == 50
     assert {v["sandbox_start"] for v in views} <= {"warm", "cold"}
-    for sandbox_id in ids:
-        with pytest.raises(docker.errors.NotFound):
-            engine.containers.get(sandbox_id)
+    wait_until(lambda: all(container_gone(engine, i) for i in ids), 20)
 
 
 def test_pool_stays_off_for_an_image_that_cannot_wait(engine: docker.DockerClient, scratch: Path) -> None:
@@ -81,7 +102,7 @@ def test_pool_stays_off_for_an_image_that_cannot_wait(engine: docker.DockerClien
             view = execute(api, "print('cold')")
         assert (view["stdout"], view["sandbox_start"]) == ("cold\n", "cold")
         assert "warm pool off" in svc.log()
-        assert labelled_containers(engine, "pytest-old-image", include_pool=True) == []
+        wait_until(lambda: labelled_containers(engine, "pytest-old-image", include_pool=True) == [], 10)
     finally:
         svc.stop()
         engine.images.remove("ptc-sandbox-runtime:pytest-old")

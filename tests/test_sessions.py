@@ -13,7 +13,7 @@ import docker
 import httpx
 import pytest
 
-from tests.conftest import Service, execute, labelled_containers, start_service, wait_until
+from tests.conftest import container_gone, execute, labelled_containers, start_service, wait_until
 
 ECHO = [
     {
@@ -36,14 +36,6 @@ def session(api: httpx.Client) -> Iterator[dict[str, Any]]:
     view = open_session(api, tools=ECHO)
     yield view
     api.delete(f"/sessions/{view['session_id']}")
-
-
-def container_exists(engine: docker.DockerClient, sandbox_id: str) -> bool:
-    try:
-        engine.containers.get(sandbox_id)
-    except docker.errors.NotFound:
-        return False
-    return True
 
 
 def test_files_persist_within_a_session_and_stay_private_to_it(api: httpx.Client, session: dict[str, Any]) -> None:
@@ -97,7 +89,7 @@ def test_scripts_of_a_session_run_one_at_a_time_in_order(api: httpx.Client, sess
     assert api.get(f"/sessions/{sid}").json()["executions"] == 4
 
 
-HOSTILE = [
+HOSTILE: list[tuple[str, str, dict[str, Any]]] = [
     ("tool call", "import tools\nprint(tools.echo(x=2)['args'])", {}),
     (
         "rejected call",
@@ -133,27 +125,36 @@ def comparable(view: dict[str, Any]) -> dict[str, Any]:
     return {**{k: view[k] for k in keep}, "calls": calls}
 
 
-def test_same_input_gives_the_same_view_in_a_session_warm_and_cold(
-    api: httpx.Client, engine: docker.DockerClient, service: Service
-) -> None:
-    sid = open_session(api, tools=ECHO)["session_id"]
+def test_same_input_gives_the_same_view_in_a_session_warm_and_cold(engine: docker.DockerClient, scratch: Path) -> None:
+    instance = "pytest-same-view"
+    # One pool (the default profile's): a job with other limits is always cold.
+    svc = start_service(instance, scratch / "same-view", PTC_WARM_POOL_SIZE="2", PTC_WARM_POOL_MAX_PROFILES="1")
+
+    def pool_stock() -> int:
+        found = labelled_containers(engine, instance, include_pool=True)
+        return sum("io.ptc-sandbox.pool" in c.labels for c in found)
+
     try:
-        for name, script, extra in HOSTILE:
-            in_session = execute(api, script, session_id=sid, **extra)
-            warm = execute(api, script, ECHO, **extra)
-            cold = execute(api, script, ECHO, env={"COLD": "1"}, **extra)
-            assert (in_session["sandbox_start"], cold["sandbox_start"]) == ("session", "cold"), name
-            assert warm["sandbox_start"] in ("warm", "cold"), name
-            if name == "fork bomb":  # how far the bomb got before the limit differs; the outcome does not
-                assert in_session["status"] == warm["status"] == cold["status"] == "timed_out", name
-                continue
-            expected = comparable(cold)
-            assert comparable(in_session) == expected, name
-            assert comparable(warm) == expected, name
-            state = api.get(f"/sessions/{sid}").json()
-            assert state["status"] == "ready", (name, state)  # the session survived and is usable
+        with svc.client() as api:
+            sid = open_session(api, tools=ECHO)["session_id"]
+            for name, script, extra in HOSTILE:
+                in_session = execute(api, script, session_id=sid, **extra)
+                wait_until(lambda: pool_stock() >= 1, 30)
+                warm = execute(api, script, ECHO, **extra)
+                cold = execute(api, script, ECHO, limits={"cpus": 0.99}, **extra)
+                starts = (in_session["sandbox_start"], warm["sandbox_start"], cold["sandbox_start"])
+                assert starts == ("session", "warm", "cold"), name
+                if name == "fork bomb":  # how far the bomb got before the limit differs; the outcome does not
+                    assert in_session["status"] == warm["status"] == cold["status"] == "timed_out", name
+                    continue
+                expected = comparable(cold)
+                assert comparable(in_session) == expected, name
+                assert comparable(warm) == expected, name
+                state = api.get(f"/sessions/{sid}").json()
+                assert state["status"] == "ready", (name, state)  # the session survived and is usable
     finally:
-        api.delete(f"/sessions/{sid}")
+        svc.stop()
+    assert labelled_containers(engine, instance, include_pool=True) == []
 
 
 def test_memory_hog_in_a_session_is_oom_killed_and_the_session_goes_on(api: httpx.Client) -> None:
@@ -182,7 +183,7 @@ def test_a_session_whose_sandbox_dies_is_marked_broken_with_a_reason(
     assert "stopped answering" in state["error"]["message"]
     refused = api.post("/execute", json={"script": "print(1)", "session_id": sid})
     assert refused.status_code == 409 and refused.json()["session_status"] == "broken"
-    wait_until(lambda: not container_exists(engine, view["sandbox_id"]), 10)
+    wait_until(lambda: container_gone(engine, view["sandbox_id"]), 10)
 
 
 def test_delete_stops_the_running_script_and_the_queued_ones(api: httpx.Client, engine: docker.DockerClient) -> None:
@@ -197,7 +198,7 @@ def test_delete_stops_the_running_script_and_the_queued_ones(api: httpx.Client, 
     second = api.post(f"/jobs/{queued.json()['job_id']}/wait", params={"timeout_s": 30}).json()
     assert first["status"] == "stopped" and "session ended" in first["error"]["message"]
     assert second["status"] == "stopped" and second["error"]["type"] == "session_closed"
-    assert not container_exists(engine, view["sandbox_id"])
+    assert container_gone(engine, view["sandbox_id"])
     assert api.delete(f"/sessions/{sid}").json() == deleted.json()  # idempotent
 
 
@@ -224,14 +225,14 @@ def test_idle_session_expires_and_its_sandbox_is_removed(api: httpx.Client, engi
     wait_until(lambda: api.get(f"/sessions/{view['session_id']}").json()["status"] == "expired", 10)
     state = api.get(f"/sessions/{view['session_id']}").json()
     assert state["error"]["type"] == "session_expired" and "idle" in state["error"]["message"]
-    assert not container_exists(engine, view["sandbox_id"])
+    wait_until(lambda: container_gone(engine, view["sandbox_id"]), 10)
     lifetime = open_session(api, max_lifetime_s=2)
     job = api.post(
         "/execute", json={"script": "import time\ntime.sleep(30)", "session_id": lifetime["session_id"], "wait_s": 0}
     )
     ended = api.post(f"/jobs/{job.json()['job_id']}/wait", params={"timeout_s": 30}).json()
     assert ended["status"] == "stopped" and "max_lifetime_s" in ended["error"]["message"]
-    wait_until(lambda: not container_exists(engine, lifetime["sandbox_id"]), 10)
+    wait_until(lambda: container_gone(engine, lifetime["sandbox_id"]), 10)
 
 
 def test_max_sessions_is_enforced(engine: docker.DockerClient, scratch: Path) -> None:

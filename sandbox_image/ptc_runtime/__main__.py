@@ -1,8 +1,8 @@
 """Run one script: ``python3 -m ptc_runtime [SCRIPT]`` (default ``/run/ptc/script.py``).
 
-Modes: a one-shot job runs the script at once; ``PTC_WAIT_FOR_JOB=1`` (warm
-pool) first waits for ``/run/ptc/go``; ``PTC_SESSION=1`` serves a session
-(``ptc_runtime.session``), forking one process per script.
+Modes: a cold one-shot job runs the script at once; ``PTC_SESSION=1`` serves
+a session or a warm-pool sandbox (``ptc_runtime.session``): a resident
+interpreter that forks one process per script.
 
 The script runs as ``__main__`` in this process, with ``/run/ptc`` first on
 ``sys.path`` so that ``import tools`` finds the generated package. Its exit
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import traceback
 from typing import Any, Dict, List, Optional
 
@@ -83,26 +82,14 @@ def main(argv: List[str], compiled: Any = None) -> int:
     return 0
 
 
-def wait_for_job() -> None:
-    """Warm-pool mode (``PTC_WAIT_FOR_JOB=1``): import what scripts and stubs need, then wait for ``go``."""
-    import asyncio  # noqa: F401 - imported now so that a script's own import is free
-    import json  # noqa: F401
-
-    import ptc_runtime.stubs  # noqa: F401
-
-    go = os.path.join(RUN_DIR, "go")
-    while not os.path.exists(go):
-        time.sleep(0.002)
-
-
-def exit_forked(code: Any) -> None:
-    """End a session's forked child as the interpreter would end (threads joined, atexit run, streams
-    flushed, ``SystemExit``'s code applied) but without tearing the interpreter down, which costs a
-    session ~10 ms per script for nothing: the process is gone right after."""
+def exit_fast(code: Any) -> None:
+    """End the process as the interpreter would (non-daemon threads joined, atexit handlers run, ``SystemExit``'s
+    code applied, streams flushed) but without tearing the interpreter down: with the stub library and asyncio
+    imported that costs ~10 ms per script for nothing, as the process (or the container) is gone right after."""
     import atexit
     import threading
 
-    shutdown = getattr(threading, "_shutdown", None)  # joins non-daemon threads, as at interpreter exit
+    shutdown = getattr(threading, "_shutdown", None)  # what the interpreter calls at exit to join threads
     if shutdown is not None:
         shutdown()
     atexit._run_exitfuncs()
@@ -134,18 +121,7 @@ if __name__ == "__main__":
             sys.exit(0)
         compiled, env = run  # in the forked child of one script: run it like a one-shot job
         os.environ.update(env)
-        try:
-            exit_forked(main(sys.argv, compiled))
-        except SystemExit as exc:
-            exit_forked(exc.code)
-    elif os.environ.get("PTC_WAIT_FOR_JOB") == "1":
-        wait_for_job()
     try:
-        code = main(sys.argv, compiled)
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-    sys.exit(code)
+        exit_fast(main(sys.argv, compiled))
+    except SystemExit as exc:
+        exit_fast(exc.code)

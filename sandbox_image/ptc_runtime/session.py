@@ -206,6 +206,7 @@ class Server:
 
     def become_child(self, out_r: int, out_w: int, err_r: int, err_w: int) -> None:
         os.setpgid(0, 0)
+        os.environ.pop("PTC_SESSION", None)  # the script sees the environment a one-shot job sees
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         self.selector.close()
@@ -302,4 +303,3 @@ def serve(compile_script: Callable[[str], Any]) -> Optional[Tuple[Any, Dict[str,
                 raise
             time.sleep(0.01)
     return Server(control, compile_script).serve()
-

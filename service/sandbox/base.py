@@ -10,6 +10,7 @@ calls run off the event loop.
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,24 @@ OutputSink = Callable[[Stream, bytes], None]
 
 RUN_DIR = "/run/ptc"
 """Where the job's folder appears inside the sandbox (DESIGN.md, data flow step 2)."""
+
+
+def write_run_files(folder: Path, script: str, stub_source: str | None) -> None:
+    """Lay out a run in ``folder``: ``script.py`` and (unless ``stub_source`` is None: unchanged) ``tools/__init__.py``.
+
+    The folder and files are world-readable (the sandbox user reads them through the read-only mount).
+    The broker's ``tools.sock`` is added by the broker itself.
+    """
+    folder.mkdir(parents=True, mode=0o755, exist_ok=True)
+    os.chmod(folder, 0o755)
+    if stub_source is not None:
+        package = folder / "tools"
+        package.mkdir(mode=0o755, exist_ok=True)
+        os.chmod(package, 0o755)
+        (package / "__init__.py").write_text(stub_source, encoding="utf-8")
+        os.chmod(package / "__init__.py", 0o644)
+    (folder / "script.py").write_text(script, encoding="utf-8", errors="surrogatepass")
+    os.chmod(folder / "script.py", 0o644)
 
 
 @dataclass(frozen=True)

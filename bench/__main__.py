@@ -1,0 +1,368 @@
+"""Benchmark (not a test): how fast scripts start and tools answer, beside the alternatives, on this machine.
+
+    deploy/local.sh bench [--quick] [--sustain-s 30] [--out bench/results]
+    (= .venv/bin/python -m bench ...)
+
+Starts its own service (scratch work dir, warm pool of 4, no API keys) and
+measures, in one run on the same machine (times in ms unless said otherwise):
+
+- ``POST /execute`` of ``print(1)`` with no tools, HTTP round trip: in a
+  session; from the warm pool (after an untimed pause that lets the pool
+  refill, so the pool has stock); cold (non-default limits, so no pooled
+  sandbox fits); ``docker run --rm --network none`` of the same image; and
+  bare ``/usr/bin/python3 -c 'print(1)'`` as the floor;
+- one echo tool call round trip inside a script: each of 1,000 sequential
+  calls timed in the sandbox with ``time.perf_counter``;
+- a fan-out of 1,000 concurrent echo calls (``tools.aio`` + ``asyncio.gather``),
+  wall time in the sandbox, repeated;
+- sustained throughput for ``--sustain-s`` seconds with 8 concurrent clients,
+  one-shot and in sessions (one per client), with error counts, beside the
+  engine's own container-start rate (Docker SDK create+start+wait+remove of
+  ``python3 -c pass`` from 8 threads for the same time);
+- memory of an idle pooled sandbox and an idle session (engine stats:
+  usage minus page cache).
+
+Writes ``<out>/bench.json`` (every figure) and ``<out>/bench.md`` (the
+table the README quotes) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import secrets
+import shutil
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import docker
+import httpx
+
+from tests.conftest import IMAGE, labelled_containers, start_service, wait_until
+
+ECHO = [
+    {
+        "name": "echo",
+        "parameters": {"type": "object", "properties": {"i": {"type": "integer"}}},
+        "endpoint": {"kind": "echo"},
+    }
+]
+SEQUENTIAL_SCRIPT = """
+import json, time, tools
+samples = []
+for i in range({n}):
+    t = time.perf_counter()
+    tools.echo(i=i)
+    samples.append((time.perf_counter() - t) * 1000)
+print(json.dumps(samples))
+"""
+FANOUT_SCRIPT = """
+import asyncio, json, time, tools
+async def main():
+    walls = []
+    for _ in range({rounds}):
+        t = time.perf_counter()
+        await asyncio.gather(*(tools.aio.echo(i=i) for i in range({n})))
+        walls.append((time.perf_counter() - t) * 1000)
+    return walls
+print(json.dumps(asyncio.run(main())))
+"""
+
+
+def stats(samples: list[float]) -> dict[str, float]:
+    """Median, p90, p99, min and max of ``samples`` (nearest-rank percentiles), with their count."""
+    ordered = sorted(samples)
+
+    def pct(p: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, round(p * len(ordered) + 0.5) - 1))]
+
+    return {
+        "n": len(ordered),
+        "median": statistics.median(ordered),
+        "p90": pct(0.90),
+        "p99": pct(0.99),
+        "min": ordered[0],
+        "max": ordered[-1],
+    }
+
+
+def timed(fn: Callable[[], object], n: int, warmup: int = 2, pause_s: float = 0.0) -> list[float]:
+    """``n`` timings of ``fn`` in ms after ``warmup`` untimed calls, each after an untimed ``pause_s``."""
+    samples = []
+    for i in range(warmup + n):
+        if pause_s:
+            time.sleep(pause_s)
+        started = time.perf_counter()
+        fn()
+        if i >= warmup:
+            samples.append((time.perf_counter() - started) * 1000)
+    return samples
+
+
+class Bench:
+    def __init__(self, api: httpx.Client, engine: docker.DockerClient, instance: str) -> None:
+        self.api = api
+        self.engine = engine
+        self.instance = instance
+        self.starts: dict[str, list[str]] = {}
+
+    def execute(self, body: dict[str, Any], label: str | None = None) -> dict[str, Any]:
+        response = self.api.post("/execute", json={"tools": [], **body})
+        response.raise_for_status()
+        view: dict[str, Any] = response.json()
+        if view["status"] != "succeeded":
+            raise RuntimeError(f"{label or 'execute'}: {view['status']}: {view['error']} {view['stderr'][-500:]}")
+        if label:
+            self.starts.setdefault(label, []).append(view["sandbox_start"])
+        return view
+
+    def session(self, **body: Any) -> str:
+        response = self.api.post("/sessions", json=body)
+        response.raise_for_status()
+        return str(response.json()["session_id"])
+
+    def print1(self, n_session: int, n_warm: int, n_cold: int, n_docker: int) -> dict[str, Any]:
+        sid = self.session()
+        try:
+            in_session = timed(lambda: self.execute({"script": "print(1)", "session_id": sid}, "session"), n_session, 5)
+        finally:
+            self.api.delete(f"/sessions/{sid}")
+        warm = timed(lambda: self.execute({"script": "print(1)"}, "warm"), n_warm, 2, pause_s=0.5)
+        cold = timed(lambda: self.execute({"script": "print(1)", "limits": {"memory_mb": 255}}, "cold"), n_cold)
+
+        def docker_run() -> None:
+            out = subprocess.run(
+                ["docker", "run", "--rm", "--network", "none", "--entrypoint", "python3", IMAGE, "-c", "print(1)"],
+                check=True,
+                capture_output=True,
+            )
+            assert out.stdout == b"1\n"
+
+        def bare() -> None:
+            subprocess.run(["/usr/bin/python3", "-c", "print(1)"], check=True, capture_output=True)
+
+        return {
+            "session": stats(in_session),
+            "warm_pool": stats(warm),
+            "cold": stats(cold),
+            "docker_run_rm": stats(timed(docker_run, n_docker)),
+            "bare_python": stats(timed(bare, 30)),
+            "sandbox_start_seen": {k: {s: v.count(s) for s in set(v)} for k, v in self.starts.items()},
+        }
+
+    def tool_calls(self, n_calls: int, fanout: int, rounds: int) -> dict[str, Any]:
+        sid = self.session(tools=ECHO)
+        try:
+            view = self.execute({"script": SEQUENTIAL_SCRIPT.format(n=n_calls), "session_id": sid, "timeout_s": 600})
+            sequential = json.loads(view["stdout"])
+            assert view["calls_total"] == n_calls, view["calls_total"]
+            view = self.execute({"script": FANOUT_SCRIPT.format(n=fanout, rounds=rounds), "session_id": sid})
+            walls = json.loads(view["stdout"])
+            assert view["calls_total"] == fanout * rounds and view["calls_by_status"] == {"ok": fanout * rounds}
+        finally:
+            self.api.delete(f"/sessions/{sid}")
+        return {"round_trip_ms": stats(sequential), "fanout_wall_ms": stats(walls), "fanout_calls": fanout}
+
+    def sustained(self, seconds: float, clients: int) -> dict[str, Any]:
+        result: dict[str, Any] = {"seconds": seconds, "clients": clients}
+        for mode in ("session", "one_shot"):
+            sessions = [self.session() for _ in range(clients)] if mode == "session" else []
+            counts = {"ok": 0, "errors": 0}
+            latencies: list[float] = []
+            lock = threading.Lock()
+            deadline = time.monotonic() + seconds
+
+            def client(
+                i: int,
+                deadline: float = deadline,
+                sessions: list[str] = sessions,
+                counts: dict[str, int] = counts,
+                latencies: list[float] = latencies,
+                lock: threading.Lock = lock,
+            ) -> None:
+                with httpx.Client(base_url=str(self.api.base_url), timeout=120) as api:
+                    while time.monotonic() < deadline:
+                        body: dict[str, Any] = {"script": "print(1)"}
+                        if sessions:
+                            body["session_id"] = sessions[i]
+                        started = time.perf_counter()
+                        try:
+                            response = api.post("/execute", json=body)
+                            ok = response.status_code == 200 and response.json()["stdout"] == "1\n"
+                        except httpx.HTTPError:
+                            ok = False
+                        with lock:
+                            counts["ok" if ok else "errors"] += 1
+                            latencies.append((time.perf_counter() - started) * 1000)
+
+            started = time.monotonic()
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            elapsed = time.monotonic() - started
+            for sid in sessions:
+                self.api.delete(f"/sessions/{sid}")
+            result[mode] = {
+                **counts,
+                "per_second": counts["ok"] / elapsed,
+                "latency_ms": stats(latencies),
+            }
+            if mode == "session":
+                time.sleep(2)  # let the warm pool settle before one-shot load
+        result["engine_starts_per_second"] = self.engine_rate(seconds, clients)
+        return result
+
+    def engine_rate(self, seconds: float, threads: int) -> float:
+        """Containers the engine creates, starts, runs (``python3 -c pass``) and removes per second."""
+        done = 0
+        lock = threading.Lock()
+        deadline = time.monotonic() + seconds
+
+        def worker() -> None:
+            nonlocal done
+            client = docker.from_env()
+            while time.monotonic() < deadline:
+                client.containers.run(
+                    IMAGE, ["-c", "pass"], entrypoint="python3", network_mode="none", remove=True, labels={"bench": "1"}
+                )
+                with lock:
+                    done += 1
+
+        started = time.monotonic()
+        workers = [threading.Thread(target=worker) for _ in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        return done / (time.monotonic() - started)
+
+    def memory(self) -> dict[str, Any]:
+        def usage_mib(container: Any) -> float:
+            stats = container.stats(stream=False)["memory_stats"]
+            extra = stats.get("stats", {})
+            cache = extra.get("inactive_file", extra.get("total_inactive_file", extra.get("cache", 0)))
+            return float(stats["usage"] - cache) / (1024 * 1024)
+
+        wait_until(lambda: len(self.pooled()) >= 1, 60)
+        time.sleep(2)
+        pooled = [usage_mib(c) for c in self.pooled()]
+        sid = self.session()
+        try:
+            self.execute({"script": "print(1)", "session_id": sid})
+            time.sleep(2)
+            sandbox = self.api.get(f"/sessions/{sid}").json()["sandbox_id"]
+            session = usage_mib(self.engine.containers.get(sandbox))
+        finally:
+            self.api.delete(f"/sessions/{sid}")
+        return {"idle_pooled_sandbox_mib": statistics.median(pooled), "idle_session_mib": session}
+
+    def pooled(self) -> list[Any]:
+        return [
+            c
+            for c in labelled_containers(self.engine, self.instance, include_pool=True)
+            if "io.ptc-sandbox.job" not in c.labels and c.status == "running" and "io.ptc-sandbox.pool" in c.labels
+        ]
+
+
+def markdown(results: dict[str, Any]) -> str:
+    p = results["print1"]
+    t = results["tool_calls"]
+    s = results["sustained"]
+    m = results["memory"]
+
+    def line(name: str, st: dict[str, float]) -> str:
+        return f"| {name} | {st['median']:.1f} | {st['p90']:.1f} | {st['p99']:.1f} | {st['n']} |"
+
+    rows = [
+        f"Measured {results['date']} on {results['machine']} (`deploy/local.sh bench`).",
+        "",
+        "| `print(1)`, ms per run | median | p90 | p99 | n |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        line("`POST /execute` in a session", p["session"]),
+        line("`POST /execute` from the warm pool", p["warm_pool"]),
+        line("`POST /execute` cold", p["cold"]),
+        line("`docker run --rm --network none` (same image)", p["docker_run_rm"]),
+        line("bare `/usr/bin/python3 -c 'print(1)'`", p["bare_python"]),
+        "",
+        "| tools | median | p90 | p99 | n |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        line("echo call round trip in a script (ms, 1,000 sequential)", t["round_trip_ms"]),
+        line(f"fan-out of {t['fanout_calls']:,} concurrent echo calls (ms wall)", t["fanout_wall_ms"]),
+        "",
+        f"| sustained, {s['clients']} clients, {s['seconds']:g} s | runs/s | errors | median ms | p99 ms |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for key, name in (("session", "in sessions"), ("one_shot", "one-shot (pool, then cold)")):
+        r = s[key]
+        rows.append(
+            f"| {name} | {r['per_second']:.1f} | {r['errors']} | {r['latency_ms']['median']:.1f} "
+            f"| {r['latency_ms']['p99']:.1f} |"
+        )
+    rows += [
+        f"| engine's own container starts (`python3 -c pass`) | {s['engine_starts_per_second']:.1f} | | | |",
+        "",
+        f"Memory: idle pooled sandbox {m['idle_pooled_sandbox_mib']:.1f} MiB, "
+        f"idle session {m['idle_session_mib']:.1f} MiB (engine stats, usage minus page cache).",
+    ]
+    return "\n".join(rows) + "\n"
+
+
+def machine() -> str:
+    cpus = os.cpu_count()
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{platform.machine()} Linux {platform.release()}, {cpus} CPUs, {mem:.0f} GiB"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="few samples and a 5 s sustained run (a smoke check)")
+    parser.add_argument("--sustain-s", type=float, default=30.0, help="seconds of each sustained run (default 30)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="folder for bench.json and bench.md")
+    args = parser.parse_args()
+    quick = args.quick
+    scratch = Path(tempfile.mkdtemp(prefix="ptcb", dir="/tmp"))
+    instance = f"bench-{secrets.token_hex(4)}"
+    service = start_service(instance, scratch / "svc", PTC_LOG_LEVEL="warning", PTC_MAX_QUEUE="1000")
+    engine = docker.from_env()
+    try:
+        with httpx.Client(base_url=service.url, timeout=600) as api:
+            bench = Bench(api, engine, instance)
+            results: dict[str, Any] = {
+                "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+                "machine": machine(),
+                "image": IMAGE,
+            }
+            results["print1"] = bench.print1(
+                n_session=30 if quick else 300,
+                n_warm=10 if quick else 60,
+                n_cold=5 if quick else 30,
+                n_docker=5 if quick else 20,
+            )
+            results["tool_calls"] = bench.tool_calls(1000, 1000, 3 if quick else 10)
+            results["memory"] = bench.memory()
+            results["sustained"] = bench.sustained(5 if quick else args.sustain_s, 8)
+    finally:
+        service.stop()
+        for c in engine.containers.list(all=True, filters={"label": "bench=1"}):
+            c.remove(force=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
+    table = markdown(results)
+    (args.out / "bench.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
