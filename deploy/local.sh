@@ -4,6 +4,7 @@
 #   deploy/local.sh serve   set everything up, then run the service in the foreground
 #   deploy/local.sh test    set everything up, then run ruff, mypy --strict and the whole test suite
 #   deploy/local.sh setup   only set up: Python venv, Docker engine, sandbox image
+#   deploy/local.sh bench   set everything up, then run the benchmark (bench/; args passed on)
 #
 # Set-up is idempotent and skips what is already there:
 #   - a venv in .venv (Python >= 3.11) with the project installed (editable);
@@ -83,5 +84,8 @@ case "${1:-}" in
     .venv/bin/ruff format --check .
     .venv/bin/mypy
     .venv/bin/pytest -q -p no:cacheprovider "${@:2}" ;;
-  *) sed -n '2,16p' "$0"; exit 2 ;;
+  bench)
+    setup "[test]"
+    .venv/bin/python -m bench "${@:2}" ;;
+  *) sed -n '2,17p' "$0"; exit 2 ;;
 esac

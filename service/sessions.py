@@ -126,7 +126,7 @@ class SessionSandbox:
 
     def _stray_output(self, stream: Stream, data: bytes) -> None:
         """Output of the sandbox outside any script (the server's own); logged, never a job's."""
-        log.debug("session sandbox %s wrote to %s: %r", self.folder.name, stream, data[:200])
+        log.warning("sandbox %s wrote outside any script to %s: %r", self.folder.name, stream, data[:500])
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._writer is not None or self._destroyed:  # only the server's first connection is the control one
