@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 import orjson
@@ -54,9 +54,9 @@ from service.errors import (
 )
 from service.output import CappedStream, OutputLog, decode_slice, read_range
 from service.pool import RUNTIME_LABEL, WarmPools
-from service.sandbox.base import ExitStatus, SandboxBackend, SandboxHandle, SandboxSpec, Stream, write_run_files
+from service.sandbox.base import ExitStatus, SandboxBackend, SandboxSpec, Stream, write_run_files
 from service.schemas import TERMINAL_STATUSES, ExecuteRequest, JobSummary, JobView, McpServer, SessionRequest
-from service.sessions import KILL_CONFIRM_S, SESSION_FEATURE, Session, SessionManager, SessionSandbox
+from service.sessions import KILL_CONFIRM_S, SESSION_FEATURE, Session, SessionManager, SessionRun, SessionSandbox
 from service.settings import Settings
 from service.store import JobQuery, JobStore, StoredJob
 from service.toolkit.cache import CompiledManifest, ManifestCache
@@ -214,36 +214,6 @@ async def wait_for_end_or_client(job: Job, timeout_s: float) -> None:
     finally:
         ended.cancel()
         waiting.cancel()
-
-
-class Run(Protocol):
-    """A running script as supervision sees it: a one-shot sandbox (``ContainerRun``) or a session's script."""
-
-    async def wait(self) -> ExitStatus: ...
-
-    async def signal(self, signal: str) -> None: ...
-
-    async def kill(self) -> None: ...
-
-
-class ContainerRun:
-    """A one-shot (cold or pooled) sandbox as a ``Run``: its script is the container's main process."""
-
-    def __init__(self, backend: SandboxBackend, handle: SandboxHandle) -> None:
-        self._backend = backend
-        self._handle = handle
-
-    async def wait(self) -> ExitStatus:
-        """The container's exit, once its output has all reached the sink."""
-        return await self._backend.wait(self._handle)
-
-    async def signal(self, signal: str) -> None:
-        """Send ``signal`` to the script's process group (through the container's init)."""
-        await self._backend.signal(self._handle, signal)
-
-    async def kill(self) -> None:
-        """SIGKILL everything in the container."""
-        await self._backend.kill(self._handle)
 
 
 def view_bytes(view: dict[str, Any]) -> bytes:
@@ -608,9 +578,7 @@ class JobManager:
 
     async def _run(self, job: Job, request: ExecuteRequest, manifest: CompiledManifest) -> None:
         broker = self._new_broker(job, manifest)
-        handle: SandboxHandle | None = None
-        job_dir: Path | None = None
-        pooled: SessionSandbox | None = None
+        sandbox: SessionSandbox | None = None
         try:
             await self._save(job)
             if not await self._acquire(job, self._slots):
@@ -618,24 +586,19 @@ class JobManager:
                 job.error = {"type": "stopped", "message": "stopped before it started"}
                 return
             try:
-                spec = self._spec(job.limits, request.env, self._jobs_dir / job.id, job.id, {})
-                pooled = self._pool.take(spec)
-                folder = pooled.folder if pooled is not None else self._jobs_dir / job.id
-                job_dir = None if pooled is not None else folder
-                await asyncio.to_thread(write_run_files, folder, request.script, manifest.stub_source)
-                await broker.start(folder / "tools.sock")
+                spec = self._spec(job.limits, {}, self._jobs_dir / job.id, job.id, {})
+                sandbox = self._pool.take(spec)
+                job.sandbox_start = "warm" if sandbox is not None else "cold"
                 job.started_at = _now()
-                job.sandbox_start = "warm" if pooled is not None else "cold"
                 await self._set_status(job, "running")
-                started = time.monotonic()
-                run: Run
-                if pooled is not None:
-                    job.sandbox_id = pooled.handle.id[:12] if pooled.handle is not None else None
-                    run = await pooled.run(job.id, request.env, job.sink)
-                else:
-                    handle = await self._backend.start(spec, job.sink)
-                    job.sandbox_id = handle.id[:12]
-                    run = ContainerRun(self._backend, handle)
+                started = time.monotonic()  # a cold job's time limit includes its sandbox's start
+                if sandbox is None:
+                    sandbox = SessionSandbox(self._backend, spec)
+                    await sandbox.start()
+                job.sandbox_id = sandbox.handle.id[:12] if sandbox.handle is not None else None
+                await asyncio.to_thread(write_run_files, sandbox.folder, request.script, manifest.stub_source)
+                await broker.start(sandbox.folder / "tools.sock")
+                run = await sandbox.run(job.id, request.env, job.sink)
                 exit_status, ended_by = await self._supervise(job, run, started)
                 self._finish(job, exit_status, ended_by, broker)
             finally:
@@ -645,7 +608,7 @@ class JobManager:
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
-            await asyncio.shield(self._cleanup(job, handle, broker, job_dir, pooled))
+            await asyncio.shield(self._cleanup(job, broker, sandbox))
 
     @staticmethod
     def _failed(job: Job, exc: BaseException) -> None:
@@ -713,9 +676,9 @@ class JobManager:
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
-            await asyncio.shield(self._cleanup(job, None, broker, None))
+            await asyncio.shield(self._cleanup(job, broker, None))
 
-    async def _supervise(self, job: Job, run: Run, started: float) -> tuple[ExitStatus, str | None]:
+    async def _supervise(self, job: Job, run: SessionRun, started: float) -> tuple[ExitStatus, str | None]:
         """Wait for the script to exit, its time limit, or a stop request; returns (exit, what ended it)."""
         waiting = asyncio.ensure_future(run.wait())
         stop = asyncio.ensure_future(job.stop_requested.wait())
@@ -794,15 +757,8 @@ class JobManager:
             job.status = "succeeded" if exit_status.exit_code == 0 else "failed"
             job.error = broker.reported_error if exit_status.exit_code != 0 else None
 
-    async def _cleanup(
-        self,
-        job: Job,
-        handle: SandboxHandle | None,
-        broker: Broker,
-        job_dir: Path | None,
-        pooled: SessionSandbox | None = None,
-    ) -> None:
-        """Save the final view, tell waiters, then remove the sandbox (``handle``) and folder. Never raises.
+    async def _cleanup(self, job: Job, broker: Broker, sandbox: SessionSandbox | None) -> None:
+        """Save the final view, tell waiters, then remove the job's own ``sandbox`` (and folder). Never raises.
 
         The sandbox is removed after the answer (it has exited, or was killed, and its output is all in),
         so a caller does not wait ~40 ms for the engine; ``close`` waits for removals still under way.
@@ -828,24 +784,10 @@ class JobManager:
             self._live.pop(job.id, None)
             if job.callback_url:
                 self._spawn(self._deliver_callback(job.id), f"callback {job.id}")
-            if handle is not None or job_dir is not None or pooled is not None:
-                removal = asyncio.ensure_future(self._remove_sandbox(job.id, handle, job_dir, pooled))
+            if sandbox is not None:  # its removal never fails loudly; the start-up sweep catches what it misses
+                removal = asyncio.ensure_future(sandbox.destroy())
                 self._removals.add(removal)
                 removal.add_done_callback(self._removals.discard)
-
-    async def _remove_sandbox(
-        self, job_id: str, handle: SandboxHandle | None, job_dir: Path | None, pooled: SessionSandbox | None
-    ) -> None:
-        """Remove an ended job's sandbox and folder (the start-up sweep catches any this misses)."""
-        if pooled is not None:
-            await pooled.destroy()
-        if handle is not None:
-            try:
-                await self._backend.remove(handle)
-            except Exception:
-                log.exception("job %s: could not remove sandbox %s", job_id, handle.id[:12])
-        if job_dir is not None:
-            await asyncio.to_thread(shutil.rmtree, job_dir, True)
 
     # -- callbacks -----------------------------------------------------------------------------
 

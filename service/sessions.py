@@ -119,7 +119,10 @@ class SessionSandbox:
             try:
                 await asyncio.wait_for(asyncio.shield(self._hello), HELLO_TIMEOUT_S)
             except TimeoutError:
-                raise SandboxError(f"the session's sandbox did not connect within {HELLO_TIMEOUT_S:g} s") from None
+                raise SandboxError(
+                    f"the sandbox did not connect within {HELLO_TIMEOUT_S:g} s (an image older than the service? "
+                    "rebuild it with sandbox_image/build.sh)"
+                ) from None
         except BaseException:
             await self.destroy("the session could not start")
             raise
