@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 import orjson
 
-from service import callbacks
+from service import callbacks, logs
 from service.broker import Broker
 from service.errors import (
     CallNotPending,
@@ -52,6 +52,7 @@ from service.errors import (
     SandboxError,
     WorkDirBusy,
 )
+from service.metrics import Metrics
 from service.output import CappedStream, OutputLog, decode_slice, read_range
 from service.pool import WarmPool, release
 from service.sandbox.base import ExitStatus, SandboxBackend, SandboxHandle, SandboxSpec, Stream
@@ -240,10 +241,16 @@ class JobManager:
         backend: the sandbox backend.
         endpoints: shared endpoint clients used by every job's broker.
         store: the job store (opened and closed by the caller).
+        metrics: where jobs, sandbox starts, tool calls and callbacks are counted; default: a registry of its own.
     """
 
     def __init__(
-        self, settings: Settings, backend: SandboxBackend, endpoints: EndpointClients, store: JobStore
+        self,
+        settings: Settings,
+        backend: SandboxBackend,
+        endpoints: EndpointClients,
+        store: JobStore,
+        metrics: Metrics | None = None,
     ) -> None:
         self._settings = settings
         self._backend = backend
@@ -268,6 +275,9 @@ class JobManager:
             settings.warm_pool_max_age_s,
         )
         self._manifests = ManifestCache(self._installation_salt())
+        self._metrics = metrics or Metrics(settings)
+        self._metrics.track_jobs(self._live)
+        self._metrics.track_pool("default", lambda: self._pool.ready)
 
     # -- start-up, shutdown, retention ---------------------------------------------------------
 
@@ -342,6 +352,7 @@ class JobManager:
             ],
         )
         await self._store.put(stored_job(view, stored.instance_id))
+        self._metrics.job_lost()
         log.warning("job %s was %s when the service last stopped: marked lost", stored.job_id, stored.status)
 
     def _installation_salt(self) -> bytes:
@@ -477,6 +488,7 @@ class JobManager:
             os.chmod(path, 0o644)
 
     async def _save(self, job: Job) -> None:
+        logs.job(job)  # every save is a status change
         view = job.view_dict()
         try:
             row = stored_job(view, self._instance)
@@ -522,7 +534,7 @@ class JobManager:
             settings.max_tool_calls,
             settings.max_request_line_bytes,
             settings.max_record_bytes,
-            on_call_end=lambda _record: job.notify(),
+            on_call_end=lambda record: self._call_ended(job, record),
             client_call_timeout_s=settings.client_call_timeout_s,
             on_client_calls=lambda waiting: self._client_calls_changed(job, waiting),
         )
@@ -537,6 +549,7 @@ class JobManager:
                 job.error = {"type": "stopped", "message": "stopped before it started"}
                 return
             try:
+                begin = time.monotonic()
                 spec = self._spec(job.limits, request.env, self._jobs_dir / job.id, job.id)
                 pooled = self._pool.take() if self._pool.matches(spec) else None
                 job_dir = pooled.folder if pooled is not None else self._jobs_dir / job.id
@@ -554,6 +567,8 @@ class JobManager:
                     handle = await self._backend.start(spec, job.sink)
                 assert handle is not None
                 job.sandbox_id = handle.id[:12]
+                self._metrics.sandbox_started(job.sandbox_start, time.monotonic() - begin)
+                logs.sandbox("sandbox_start", job.id, handle.id, time.monotonic() - begin, mode=job.sandbox_start)
                 exit_status, ended_by = await self._supervise(job, handle, started)
                 self._finish(job, exit_status, ended_by, broker)
             finally:
@@ -597,6 +612,12 @@ class JobManager:
             stop.cancel()
             if not waiting.done():
                 waiting.cancel()
+
+    def _call_ended(self, job: Job, record: dict[str, Any]) -> None:
+        """A tool call of ``job`` has its outcome: wake followers, count it, log it (debug level)."""
+        job.notify()
+        self._metrics.tool_call(record)
+        logs.tool_call(job.id, record)
 
     def _client_calls_changed(self, job: Job, waiting: int) -> None:
         """``waiting`` while client-executed calls wait for answers, ``running`` again when none does."""
@@ -657,10 +678,12 @@ class JobManager:
         """Remove the sandbox and folder, save the final view, then tell waiters. Never raises."""
         try:
             if handle is not None:
+                removing = time.monotonic()
                 try:
                     await self._backend.remove(handle)
                 except Exception:
                     log.exception("job %s: could not remove sandbox %s", job.id, handle.id[:12])
+                logs.sandbox("sandbox_stop", job.id, handle.id, time.monotonic() - removing, reason=job.status)
             with contextlib.suppress(Exception):
                 await broker.close()
             job.calls_over_limit = broker.calls_over_limit
@@ -671,6 +694,7 @@ class JobManager:
             job.ended_at = _now()
             if job.status not in TERMINAL_STATUSES:
                 job.status = "lost"
+            self._metrics.job_ended(job)
             try:
                 await self._save(job)
             except Exception:
@@ -703,6 +727,7 @@ class JobManager:
         pending: list[asyncio.Task[None]] = []
 
         def on_attempt(attempt: dict[str, Any]) -> None:
+            self._metrics.callback_attempt(attempt)
             callback["attempts"].append(attempt)
             pending.append(asyncio.ensure_future(self._put_view(stored, view)))
 
@@ -717,6 +742,7 @@ class JobManager:
             on_attempt=on_attempt,
         )
         callback["state"] = "delivered" if delivered else "failed"
+        self._metrics.callback_done(delivered)
         await asyncio.gather(*pending, return_exceptions=True)
         await self._put_view(stored, view)
         if not delivered:

@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from service import logs
 from service.errors import SandboxError
 from service.sandbox.base import OutputSink, SandboxBackend, SandboxHandle, SandboxSpec, Stream
 
@@ -198,6 +199,7 @@ class WarmPool:
             runtime=self._spec.runtime,
         )
         self._starting += 1
+        begin = time.monotonic()
         starting = asyncio.ensure_future(self._backend.start(spec, sink))
         try:
             handle = await asyncio.shield(starting)
@@ -211,13 +213,16 @@ class WarmPool:
             raise
         finally:
             self._starting -= 1
+        logs.sandbox("sandbox_start", None, handle.id, time.monotonic() - begin, mode="pool")
         return PooledSandbox(handle, folder, sink)
 
     async def _destroy(self, sandbox: PooledSandbox) -> None:
+        begin = time.monotonic()
         try:
             await self._backend.remove(sandbox.handle)
         except SandboxError as exc:
             log.warning("warm pool: could not remove sandbox %s: %s", sandbox.handle.id[:12], exc)
+        logs.sandbox("sandbox_stop", None, sandbox.handle.id, time.monotonic() - begin, reason="pool")
         await asyncio.to_thread(shutil.rmtree, sandbox.folder, True)
 
 
