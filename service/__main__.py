@@ -6,6 +6,7 @@ import argparse
 import resource
 import sys
 
+import prometheus_client
 import uvicorn
 
 from service import logs
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(**overrides)
     _raise_open_files_limit()
     logs.configure(settings.log_level, settings.log_format)
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series
     uvicorn.run(
         create_app(settings),
         host=settings.host,
