@@ -176,6 +176,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         """
         manager = jobs_of(request)
         job = await manager.submit(body)
+        request.state.job_id = job.id  # for the request's log event
         await wait_for_end_or_client(job, job.limits.wait_s)  # a client-executed call needs the caller now
         if not job.done.is_set():
             return json_view(job.view_dict(), 202)

@@ -7,7 +7,8 @@ traceback, when there is one). The events (logger ``service.events``):
 ==================  ===========================================================================================
 event               fields
 ==================  ===========================================================================================
-``request``         ``method``, ``route`` (template), ``path``, ``status``, ``duration_ms``, ``job_id``, ``key``
+``request``         ``method``, ``route`` (template), ``path``, ``status``, ``duration_ms``, ``job_id`` (of the path,
+                    or the job a ``POST /execute`` created), ``key``
 ``job``             ``job_id``, ``status``, ``key``; when it ends also ``exit_code``, ``error_type``,
                     ``duration_ms``, ``queue_ms``, ``sandbox_start``, ``sandbox_id``, ``calls``,
                     ``stdout_bytes``, ``stderr_bytes``
@@ -121,7 +122,8 @@ def bind_key(request: Request, name: str | None) -> None:
 
 def request(scope: Scope, route: str, status: int, seconds: float) -> None:
     """The ``request`` event of an answered HTTP request (probes and scrapes at debug level)."""
-    state = scope.get("state") or {}
+    state = scope.get("state")
+    state = state if isinstance(state, dict) else {}
     event(
         "request",
         logging.DEBUG if route in QUIET_ROUTES else logging.INFO,
@@ -130,8 +132,8 @@ def request(scope: Scope, route: str, status: int, seconds: float) -> None:
         path=str(scope.get("path", ""))[:PATH_CHARS],
         status=status,
         duration_ms=round(seconds * 1000, 3),
-        job_id=(scope.get("path_params") or {}).get("job_id"),
-        key=state.get("key_name") if isinstance(state, dict) else None,
+        job_id=(scope.get("path_params") or {}).get("job_id") or state.get("job_id"),
+        key=state.get("key_name"),
     )
 
 

@@ -107,7 +107,12 @@ def test_a_job_logs_its_events_and_never_its_source_arguments_results_or_output(
     job_id = view["job_id"]
     assert view["status"] == "failed" and view["calls"][0]["result"]["args"] == {"q": argument}
     assert api.get(f"/jobs/{job_id}").status_code == 200
-    wait_until(lambda: any(e["event"] == "request" and e.get("job_id") == job_id for e in events(service)), 10)
+    wait_until(
+        lambda: any(
+            e["event"] == "request" and e["path"] != "/execute" and e.get("job_id") == job_id for e in events(service)
+        ),
+        10,
+    )
 
     mine = [e for e in events(service) if e.get("job_id") == job_id]
     assert [(e["event"], e.get("status")) for e in mine] == [
@@ -118,8 +123,9 @@ def test_a_job_logs_its_events_and_never_its_source_arguments_results_or_output(
         ("job", "failed"),
         ("tool_calls", None),
         ("request", 200),
+        ("request", 200),
     ]
-    queued, running, start, stop, ended, summary, request = mine
+    queued, running, start, stop, ended, summary, post, get = mine
     assert queued["key"] is None and running["queue_ms"] >= 0
     assert (
         start["mode"] == view["sandbox_start"] and start["sandbox_id"] == view["sandbox_id"] and start["start_ms"] > 0
@@ -128,7 +134,8 @@ def test_a_job_logs_its_events_and_never_its_source_arguments_results_or_output(
     assert ended["exit_code"] == 1 and ended["error_type"] == "ValueError"
     assert ended["duration_ms"] == view["duration_ms"] and ended["calls"] == 1
     assert summary["by_tool"] == {"lookup": {"ok": 1}}
-    assert request["route"] == "/jobs/{job_id}" and request["method"] == "GET" and request["duration_ms"] > 0
+    assert (post["method"], post["route"], get["method"], get["route"]) == ("POST", "/execute", "GET", "/jobs/{job_id}")
+    assert post["duration_ms"] >= view["duration_ms"] and post["key"] is None
     log = service.log()
     for hidden in (source, argument, printed, raised):
         assert hidden not in log
