@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 EVENTS = logging.getLogger("service.events")
 KEY_NAME: ContextVar[str | None] = ContextVar("ptc_key_name", default=None)
 QUIET_ROUTES = frozenset({"/healthz", "/readyz", "/metrics"})
+QUIET_LIBRARIES = ("httpx", "httpcore")
 TERMINAL = frozenset({"succeeded", "failed", "timed_out", "stopped", "oom_killed", "lost"})
 SUMMARY_TOOLS = 20
 PATH_CHARS = 200
@@ -95,6 +96,8 @@ def configure(level: str, fmt: str) -> None:
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):  # no handlers of their own: through ours
         logging.getLogger(name).handlers.clear()
         logging.getLogger(name).propagate = True
+    for name in QUIET_LIBRARIES:  # a line per HTTP request with its full URL (a tool's query may hold a key)
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 class _Text:

@@ -188,4 +188,5 @@ def test_debug_logs_add_arguments_and_results_but_never_secrets(
     )
     log = debug_service.log()
     assert token not in log
+    assert "HTTP Request:" not in log  # httpx's own line per request, with the endpoint's full URL
     assert "cbsecret-" not in log

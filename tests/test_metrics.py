@@ -140,6 +140,8 @@ def test_a_fixed_mix_of_jobs_gives_exactly_the_expected_increments(metered: Serv
         ]
         assert api.post("/execute", json={"script": 5}).status_code == 422
         assert api.get("/jobs/job_nope").status_code == 404
+        too_big = b"x" * (9 * 1024 * 1024)  # refused before any route runs: still counted under its route
+        assert api.post("/execute", content=too_big, headers={"content-type": "application/json"}).status_code == 413
         after = scrape(api)
 
     assert [v["status"] for v in views] == ["succeeded", "succeeded", "failed", "timed_out", "succeeded"]
@@ -165,6 +167,7 @@ def test_a_fixed_mix_of_jobs_gives_exactly_the_expected_increments(metered: Serv
         ("ptc_http_requests_total", (("method", "POST"), ("route", "/execute"), ("status", "200"))): 5,
         ("ptc_http_requests_total", (("method", "POST"), ("route", "/execute"), ("status", "422"))): 1,
         ("ptc_http_requests_total", (("method", "GET"), ("route", "/jobs/{job_id}"), ("status", "404"))): 1,
+        ("ptc_http_requests_total", (("method", "POST"), ("route", "/execute"), ("status", "413"))): 1,
         ("ptc_http_requests_total", (("method", "GET"), ("route", "/metrics"), ("status", "200"))): 1,  # `before`
     }
     assert {(name, tuple(sorted(labels))): delta for (name, labels), delta in counters.items()} == expected
