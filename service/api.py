@@ -27,6 +27,9 @@ from service.errors import (
     QueueFull,
     RequestLimitError,
     SandboxError,
+    SessionClosed,
+    SessionNotFound,
+    TooManySessions,
 )
 from service.jobs import JobManager, view_bytes, wait_for_end_or_client
 from service.metrics import CONTENT_TYPE, HttpObserver, Metrics
@@ -39,6 +42,9 @@ from service.schemas import (
     JobStatus,
     JobView,
     ManifestRequest,
+    SessionList,
+    SessionRequest,
+    SessionView,
     StubsView,
     ToolsetView,
 )
@@ -168,7 +174,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
 
     @app.post("/execute", response_model=JobView, responses={202: {"model": JobView}, 422: {}, 429: {}, 503: {}})
     async def execute(body: ExecuteRequest, request: Request) -> Response:
-        """Run ``body.script`` in a new sandbox.
+        """Run ``body.script`` in a new sandbox (or, with ``session_id``, in that session's sandbox).
 
         Answers 200 with the final view if the job ends within ``wait_s``, else 202
         with the view so far (the job runs on until it ends or hits ``timeout_s``).
@@ -284,6 +290,38 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
 
         return EventSourceResponse(stream(), ping=15)
 
+    def json_session(view: dict[str, Any], status_code: int = 200) -> Response:
+        body = SessionView.model_validate(view).model_dump_json().encode()
+        return Response(body, status_code=status_code, media_type="application/json")
+
+    @app.post("/sessions", status_code=201, response_model=SessionView, responses={422: {}, 429: {}, 503: {}})
+    async def create_session(body: SessionRequest, request: Request) -> Response:
+        """Start a session: a sandbox kept for a conversation's scripts (``/execute`` with ``session_id``).
+
+        Answers 201 once the sandbox is ready. Its files under ``/tmp`` persist between scripts; it ends
+        after ``idle_timeout_s`` without a script, at ``max_lifetime_s``, or on DELETE.
+        """
+        return json_session(await jobs_of(request).create_session(body), 201)
+
+    @app.get("/sessions", response_model=SessionList)
+    async def list_sessions(request: Request) -> Response:
+        """The open sessions, oldest first."""
+        body = SessionList.model_validate({"sessions": jobs_of(request).sessions()}).model_dump_json().encode()
+        return Response(body, media_type="application/json")
+
+    @app.get("/sessions/{session_id}", response_model=SessionView, responses={404: {}})
+    async def get_session(session_id: str, request: Request) -> Response:
+        """A session's view (ended sessions stay visible for a while, up to the last 1,000)."""
+        return json_session(jobs_of(request).session_view(session_id))
+
+    @app.delete("/sessions/{session_id}", response_model=SessionView, responses={404: {}})
+    async def delete_session(session_id: str, request: Request) -> Response:
+        """End a session: its running script is stopped, queued ones end ``stopped``, its sandbox is removed.
+
+        Idempotent: deleting an ended session returns its view unchanged.
+        """
+        return json_session(await jobs_of(request).delete_session(session_id))
+
     @app.post("/stubs", response_model=StubsView, responses={422: {}})
     async def stubs(body: ManifestRequest, request: Request) -> StubsView:
         """The exact ``tools`` module a sandbox would import for this manifest, and a usage text for the prompt."""
@@ -387,6 +425,20 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(JobNotFound)
     async def not_found(_: Request, exc: JobNotFound) -> Response:
         return problem(404, "Job not found", f"no job with id {exc}")
+
+    @app.exception_handler(SessionNotFound)
+    async def no_session(_: Request, exc: SessionNotFound) -> Response:
+        return problem(404, "Session not found", f"no session with id {exc}")
+
+    @app.exception_handler(SessionClosed)
+    async def session_closed(_: Request, exc: SessionClosed) -> Response:
+        return problem(409, "Session ended", str(exc), session_id=exc.session_id, session_status=exc.status)
+
+    @app.exception_handler(TooManySessions)
+    async def too_many_sessions(_: Request, exc: TooManySessions) -> Response:
+        response = problem(429, "Too many sessions", str(exc))
+        response.headers["Retry-After"] = "30"
+        return response
 
     @app.exception_handler(EngineUnavailable)
     async def engine_gone(_: Request, exc: EngineUnavailable) -> Response:

@@ -8,6 +8,9 @@
     │   └── RequestLimitError  a request asks past a server maximum     -> 422
     ├── WorkDirBusy          another instance holds the work dir        (start-up)
     ├── JobNotFound          no job with that id                         -> 404
+    ├── SessionNotFound      no session with that id                     -> 404
+    ├── SessionClosed        the session has ended                       -> 409
+    ├── TooManySessions      max_sessions are live                       -> 429
     ├── QueueFull            all sandbox slots busy and the queue full   -> 429
     ├── CallNotPending       answer to a client call not waiting for one -> 409
     └── SandboxError         the engine failed us (not the script)      -> 503
@@ -51,6 +54,34 @@ class WorkDirBusy(PtcError):
 
 class JobNotFound(PtcError):
     """No job with the given id is known."""
+
+
+class SessionNotFound(PtcError):
+    """No session with the given id is known (never created, or ended long ago, or before a restart)."""
+
+
+class SessionClosed(PtcError):
+    """The session has ended (closed, expired or broken) and runs no more scripts.
+
+    Attributes:
+        session_id: the session.
+        status: ``closed``, ``expired`` or ``broken``.
+        reason: why it ended ("" when it was deleted).
+    """
+
+    def __init__(self, session_id: str, status: str, reason: str) -> None:
+        super().__init__(f"session {session_id} is {status}" + (f": {reason}" if reason else ""))
+        self.session_id = session_id
+        self.status = status
+        self.reason = reason
+
+
+class TooManySessions(PtcError):
+    """``max_sessions`` sessions are live already."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"{limit} sessions are open already (PTC_MAX_SESSIONS); delete one or retry later")
+        self.limit = limit
 
 
 class CallNotPending(PtcError):

@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import orjson
@@ -54,9 +54,10 @@ from service.errors import (
 )
 from service.metrics import Metrics
 from service.output import CappedStream, OutputLog, decode_slice, read_range
-from service.pool import WarmPool, release
+from service.pool import RUNTIME_LABEL, WarmPool, release
 from service.sandbox.base import ExitStatus, SandboxBackend, SandboxHandle, SandboxSpec, Stream
-from service.schemas import TERMINAL_STATUSES, ExecuteRequest, JobSummary, JobView, McpServer
+from service.schemas import TERMINAL_STATUSES, ExecuteRequest, JobSummary, JobView, McpServer, SessionRequest
+from service.sessions import KILL_CONFIRM_S, SESSION_FEATURE, Session, SessionManager
 from service.settings import Settings
 from service.store import JobQuery, JobStore, StoredJob
 from service.toolkit.cache import CompiledManifest, ManifestCache
@@ -144,8 +145,10 @@ class Job:
     stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
     waiting: asyncio.Event = field(default_factory=asyncio.Event)  # set while client calls wait for answers
     broker: Broker | None = None
-    sandbox_start: str | None = None  # "warm" (from the pool) or "cold"
+    sandbox_start: str | None = None  # "warm" (from the pool), "cold" or "session"
     sandbox_id: str | None = None  # the engine's container id, once the job has one
+    session_id: str | None = None  # the session it runs in (not counted in the admission of one-shot jobs)
+    stop_reason: str | None = None  # why a stop was asked, when not by POST /jobs/{id}/stop
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def sink(self, stream: Stream, data: bytes) -> None:
@@ -197,6 +200,7 @@ class Job:
             "pending_calls": self.broker.pending_client_calls if self.broker is not None else [],
             "sandbox_start": self.sandbox_start,
             "sandbox_id": self.sandbox_id,
+            "session_id": self.session_id,
         }
 
 
@@ -209,6 +213,36 @@ async def wait_for_end_or_client(job: Job, timeout_s: float) -> None:
     finally:
         ended.cancel()
         waiting.cancel()
+
+
+class Run(Protocol):
+    """A running script as supervision sees it: a one-shot sandbox (``ContainerRun``) or a session's script."""
+
+    async def wait(self) -> ExitStatus: ...
+
+    async def signal(self, signal: str) -> None: ...
+
+    async def kill(self) -> None: ...
+
+
+class ContainerRun:
+    """A one-shot (cold or pooled) sandbox as a ``Run``: its script is the container's main process."""
+
+    def __init__(self, backend: SandboxBackend, handle: SandboxHandle) -> None:
+        self._backend = backend
+        self._handle = handle
+
+    async def wait(self) -> ExitStatus:
+        """The container's exit, once its output has all reached the sink."""
+        return await self._backend.wait(self._handle)
+
+    async def signal(self, signal: str) -> None:
+        """Send ``signal`` to the script's process group (through the container's init)."""
+        await self._backend.signal(self._handle, signal)
+
+    async def kill(self) -> None:
+        """SIGKILL everything in the container."""
+        await self._backend.kill(self._handle)
 
 
 def view_bytes(view: dict[str, Any]) -> bytes:
@@ -278,6 +312,13 @@ class JobManager:
         self._metrics = metrics or Metrics(settings)
         self._metrics.track_jobs(self._live)
         self._metrics.track_pool("default", lambda: self._pool.ready)
+        self._sessions = SessionManager(
+            backend,
+            settings.work_dir / "sessions",
+            settings.max_sessions,
+            before_end=self._end_session_jobs,
+            on_count=self._metrics.set_sessions,
+        )
 
     # -- start-up, shutdown, retention ---------------------------------------------------------
 
@@ -310,6 +351,7 @@ class JobManager:
         for stored in await self._store.callbacks_pending(self._instance):
             self._spawn(self._deliver_callback(stored.job_id), f"callback {stored.job_id}")
         self._spawn(self._purge_loop(), "retention purge")
+        await self._sessions.start()
         await self._pool.start()
 
     async def _mark_lost(self, stored: StoredJob) -> None:
@@ -389,6 +431,7 @@ class JobManager:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._sessions.close()
         await self._pool.close()
         await self._http.aclose()
 
@@ -432,6 +475,8 @@ class JobManager:
                 "callback_url needs the server setting PTC_CALLBACK_SECRET (callbacks are always signed)",
                 ("body", "callback_url"),
             )
+        if request.session_id is not None:
+            return await self._submit_to_session(request, limits)
         if self._admitted >= self._settings.concurrency() + self._settings.max_queue:
             raise QueueFull(self._settings.retry_after_s)
         self._admitted += 1  # counted before the first await, so admission is exact under concurrency
@@ -443,6 +488,41 @@ class JobManager:
             raise
         self._live[job.id] = job
         self._spawn(self._run(job, request, manifest), f"job {job.id}")
+        return job
+
+    async def _submit_to_session(self, request: ExecuteRequest, limits: ResolvedLimits) -> Job:
+        """Queue ``request`` for its session's turn (one script at a time per session, in order of arrival)."""
+        assert request.session_id is not None
+        session = self._sessions.usable(request.session_id)
+        for name in ("memory_mb", "cpus", "pids", "tmp_mb"):
+            asked = getattr(request.limits, name)
+            if asked is not None and asked != session.limits[name]:
+                raise InvalidField(
+                    f"a session's scripts share its sandbox: {name} is {session.limits[name]} for this session",
+                    ("body", "limits", name),
+                )
+        if request.limits.output_bytes is None:
+            limits = ResolvedLimits(**{**limits.__dict__, "output_bytes": session.limits["output_bytes"]})
+        if session.queued >= self._settings.max_queue:
+            raise QueueFull(self._settings.retry_after_s)
+        session.queued += 1  # counted before the first await, so the session's queue bound is exact
+        try:
+            tools, toolset = (
+                (request.tools, request.toolset)
+                if request.tools or request.toolset
+                else (
+                    session.tools,
+                    session.toolset,
+                )
+            )
+            manifest = await self.manifest(tools, toolset)
+            job = self._new_job(limits, request)
+        except BaseException:
+            session.queued -= 1
+            raise
+        job.session_id = session.id
+        self._live[job.id] = job
+        self._spawn(self._run_in_session(job, request, manifest, session), f"job {job.id}")
         return job
 
     def _new_job(self, limits: ResolvedLimits, request: ExecuteRequest) -> Job:
@@ -508,9 +588,9 @@ class JobManager:
         job.notify()
         await self._save(job)
 
-    async def _acquire_slot(self, job: Job) -> bool:
-        """Wait for a sandbox slot; False (and no slot held) if the job was stopped while queued."""
-        acquire = asyncio.ensure_future(self._slots.acquire())
+    async def _acquire(self, job: Job, slots: asyncio.Semaphore | asyncio.Lock) -> bool:
+        """Wait for a sandbox slot (or the session's turn); False (and nothing held) if the job was stopped first."""
+        acquire = asyncio.ensure_future(slots.acquire())
         stopped = asyncio.ensure_future(job.stop_requested.wait())
         try:
             await asyncio.wait({acquire, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -522,11 +602,12 @@ class JobManager:
                     await acquire
         got_slot = acquire.done() and not acquire.cancelled()
         if got_slot and job.stop_requested.is_set():
-            self._slots.release()
+            slots.release()
             return False
         return got_slot
 
-    async def _run(self, job: Job, request: ExecuteRequest, manifest: CompiledManifest) -> None:
+    def _new_broker(self, job: Job, manifest: CompiledManifest) -> Broker:
+        """The job's broker (not listening yet); its records are the job's call records."""
         settings = self._settings
         broker = Broker(
             manifest.tools,
@@ -540,11 +621,15 @@ class JobManager:
         )
         job.calls = broker.records
         job.broker = broker
+        return broker
+
+    async def _run(self, job: Job, request: ExecuteRequest, manifest: CompiledManifest) -> None:
+        broker = self._new_broker(job, manifest)
         handle: SandboxHandle | None = None
         job_dir: Path | None = None
         try:
             await self._save(job)
-            if not await self._acquire_slot(job):
+            if not await self._acquire(job, self._slots):
                 job.status = "stopped"
                 job.error = {"type": "stopped", "message": "stopped before it started"}
                 return
@@ -569,29 +654,105 @@ class JobManager:
                 job.sandbox_id = handle.id[:12]
                 self._metrics.sandbox_started(job.sandbox_start, time.monotonic() - begin)
                 logs.sandbox("sandbox_start", job.id, handle.id, time.monotonic() - begin, mode=job.sandbox_start)
-                exit_status, ended_by = await self._supervise(job, handle, started)
+                exit_status, ended_by = await self._supervise(job, ContainerRun(self._backend, handle), started)
                 self._finish(job, exit_status, ended_by, broker)
             finally:
                 self._slots.release()
-        except asyncio.CancelledError:
+        except BaseException as exc:
+            self._failed(job, exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            await asyncio.shield(self._cleanup(job, handle, broker, job_dir))
+
+    @staticmethod
+    def _failed(job: Job, exc: BaseException) -> None:
+        """Set the status and error of a job whose run raised ``exc`` (the service stopping included)."""
+        if isinstance(exc, asyncio.CancelledError):
             job.status = "lost"
             job.error = {"type": "service_stopped", "message": "the service stopped while the job ran"}
-            raise
-        except SandboxError as exc:
+        elif isinstance(exc, SandboxError):
             log.error("job %s: sandbox failure: %s", job.id, exc)
             job.status = "failed"
             kind = "engine_unavailable" if isinstance(exc, EngineUnavailable) else "sandbox_error"
             job.error = {"type": kind, "message": str(exc)}
-        except Exception:
-            log.exception("job %s: unexpected failure", job.id)
+        elif isinstance(exc, Exception):
+            log.exception("job %s: unexpected failure", job.id, exc_info=exc)
             job.status = "failed"
             job.error = {"type": "internal_error", "message": "the service failed to run the job; see its log"}
-        finally:
-            await asyncio.shield(self._cleanup(job, handle, broker, job_dir))
 
-    async def _supervise(self, job: Job, handle: SandboxHandle, started: float) -> tuple[ExitStatus, str | None]:
-        """Wait for the sandbox to exit, its time limit, or a stop request; returns (exit, what ended it)."""
-        waiting = asyncio.ensure_future(self._backend.wait(handle))
+    async def _run_in_session(
+        self, job: Job, request: ExecuteRequest, manifest: CompiledManifest, session: Session
+    ) -> None:
+        """Run a job in its session's sandbox once it is the session's turn; the sandbox stays for the next."""
+        broker = self._new_broker(job, manifest)
+        try:
+            await self._save(job)
+            got_turn = await self._acquire(job, session.turn)
+            session.queued -= 1
+            if not got_turn:
+                job.status = "stopped"
+                job.error = {"type": "stopped", "message": "stopped before it started"}
+                return
+            try:
+                if session.ended:
+                    job.status = "stopped"
+                    job.error = {
+                        "type": "session_closed",
+                        "message": f"the session ended ({session.status}) before this script's turn",
+                    }
+                    return
+                begin = time.monotonic()
+                session.current_job_id = job.id
+                sandbox = session.sandbox
+                await asyncio.to_thread(self._prepare_session_dir, session, request.script, manifest)
+                await broker.start(sandbox.folder / "tools.sock")
+                job.started_at = _now()
+                job.sandbox_start = "session"
+                job.sandbox_id = sandbox.handle.id[:12] if sandbox.handle is not None else None
+                await self._set_status(job, "running")
+                started = time.monotonic()
+                run = await sandbox.run(job.id, request.env, job.sink)
+                self._metrics.sandbox_started("session", time.monotonic() - begin)
+                logs.sandbox("sandbox_start", job.id, job.sandbox_id, time.monotonic() - begin, mode="session")
+                exit_status, ended_by = await self._supervise(job, run, started)
+                self._finish(job, exit_status, ended_by, broker)
+            finally:
+                with contextlib.suppress(Exception):
+                    await broker.close()  # before the next script's broker listens on the same path
+                if session.current_job_id == job.id:
+                    session.current_job_id = None
+                    session.executions += 1
+                session.last_used_at = _now()
+                session.turn.release()
+                if session.sandbox.broken is not None and not session.ended:
+                    self._spawn(self._sessions.end(session, "broken", session.sandbox.broken), f"end {session.id}")
+        except BaseException as exc:
+            self._failed(job, exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            await asyncio.shield(self._cleanup(job, None, broker, None))
+
+    @staticmethod
+    def _prepare_session_dir(session: Session, script: str, manifest: CompiledManifest) -> None:
+        """Write the run's ``script.py`` and (when it changed) ``tools`` package into the session's folder."""
+        folder = session.sandbox.folder
+        package = folder / "tools"
+        module = package / "__init__.py"
+        if session.stub_source != manifest.stub_source:
+            package.mkdir(mode=0o755, exist_ok=True)
+            os.chmod(package, 0o755)
+            module.write_text(manifest.stub_source, encoding="utf-8")
+            os.chmod(module, 0o644)
+            session.stub_source = manifest.stub_source
+        path = folder / "script.py"
+        path.write_text(script, encoding="utf-8", errors="surrogatepass")
+        os.chmod(path, 0o644)
+
+    async def _supervise(self, job: Job, run: Run, started: float) -> tuple[ExitStatus, str | None]:
+        """Wait for the script to exit, its time limit, or a stop request; returns (exit, what ended it)."""
+        waiting = asyncio.ensure_future(run.wait())
         stop = asyncio.ensure_future(job.stop_requested.wait())
         try:
             remaining = max(job.limits.timeout_s - (time.monotonic() - started), 0)
@@ -600,13 +761,13 @@ class JobManager:
             if waiting not in done:
                 if stop in done:
                     ended_by = "stopped"
-                    await self._backend.signal(handle, "SIGTERM")
+                    await run.signal("SIGTERM")
                     grace_done, _ = await asyncio.wait({waiting}, timeout=self._settings.stop_grace_s)
                     if not grace_done:
-                        await self._backend.kill(handle)
+                        await run.kill()
                 else:
                     ended_by = "timed_out"
-                    await self._backend.kill(handle)
+                    await run.kill()
             return await asyncio.wait_for(waiting, KILL_WAIT_S), ended_by
         finally:
             stop.cancel()
@@ -662,7 +823,7 @@ class JobManager:
             }
         elif ended_by == "stopped":
             job.status = "stopped"
-            job.error = {"type": "stopped", "message": "stopped on request"}
+            job.error = {"type": "stopped", "message": job.stop_reason or "stopped on request"}
         elif exit_status.oom_killed:
             job.status = "oom_killed"
             job.error = {
@@ -700,7 +861,8 @@ class JobManager:
             except Exception:
                 log.exception("job %s: could not save its final view", job.id)
         finally:
-            self._admitted -= 1
+            if job.session_id is None:
+                self._admitted -= 1
             job.notify()
             job.done.set()
             self._live.pop(job.id, None)
@@ -796,6 +958,90 @@ class JobManager:
             raise InvalidField("this manifest cannot be stored as JSON (lone surrogates?)", ("body", "tools"))
         await self._store.put_toolset(compiled.toolset_id, orjson.dumps(tools))
         return compiled
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    async def create_session(self, request: SessionRequest) -> dict[str, Any]:
+        """Start a session's sandbox and return its view.
+
+        Raises:
+            RequestLimitError / InvalidField: a limit past its maximum, an unknown runtime or toolset, a bad
+                manifest (checked now, not at the first script).
+            TooManySessions: ``max_sessions`` are open.
+            SandboxError: the image cannot run sessions, or the sandbox could not start.
+        """
+        settings = self._settings
+        limits = resolve_limits(ExecuteRequest(script="", limits=request.limits), settings)
+        lifetimes = {}
+        for name, value, default in (
+            ("idle_timeout_s", request.idle_timeout_s, settings.session_idle_timeout_s),
+            ("max_lifetime_s", request.max_lifetime_s, settings.session_max_lifetime_s),
+        ):
+            if value is not None and value > settings.max_session_lifetime_s:
+                raise RequestLimitError(
+                    f"{value} exceeds the server maximum of {settings.max_session_lifetime_s}", ("body", name)
+                )
+            lifetimes[name] = value if value is not None else default
+        runtime = request.runtime or settings.runtime
+        if runtime is not None and runtime != settings.runtime and runtime not in settings.session_runtimes:
+            raise InvalidField(
+                f"runtime {runtime!r} is not offered; ask for one of {sorted(settings.session_runtimes)}",
+                ("body", "runtime"),
+            )
+        await self.manifest(request.tools, request.toolset)  # a bad manifest fails now
+        features = (await self._backend.image_labels(settings.sandbox_image)).get(RUNTIME_LABEL, "")
+        if SESSION_FEATURE not in features.split(","):
+            raise SandboxError(
+                f"the sandbox image {settings.sandbox_image} cannot run sessions "
+                "(rebuild it with sandbox_image/build.sh)"
+            )
+        spec = self._spec(limits, request.env, self._jobs_dir, None)
+        spec = SandboxSpec(**{**spec.__dict__, "runtime": None if runtime == "runc" else runtime})
+        session = await self._sessions.create(
+            spec,
+            limits={
+                "memory_mb": limits.memory_mb,
+                "cpus": limits.cpus,
+                "pids": limits.pids,
+                "tmp_mb": limits.tmp_mb,
+                "output_bytes": limits.output_bytes,
+            },
+            env=request.env,
+            tools=request.tools,
+            toolset=request.toolset,
+            metadata=request.metadata,
+            **lifetimes,
+        )
+        log.info("session %s started in sandbox %s", session.id, session.view()["sandbox_id"])
+        return session.view()
+
+    def session_view(self, session_id: str) -> dict[str, Any]:
+        """A session's view; raises SessionNotFound."""
+        return self._sessions.get(session_id).view()
+
+    def sessions(self) -> list[dict[str, Any]]:
+        """Views of the open sessions, oldest first."""
+        return [session.view() for session in self._sessions.live_sessions()]
+
+    async def delete_session(self, session_id: str) -> dict[str, Any]:
+        """End a session: its running script is stopped, its queued ones end ``stopped``, its sandbox is removed.
+
+        Idempotent: an ended session's view is returned as it is. Raises SessionNotFound.
+        """
+        session = self._sessions.get(session_id)
+        await self._sessions.end(session, "closed", None)
+        return session.view()
+
+    async def _end_session_jobs(self, session: Session) -> None:
+        """Before a session's sandbox goes: stop the script running in it (queued ones see the session ended)."""
+        job = self._live.get(session.current_job_id or "")
+        if job is None:
+            return
+        reason = (session.error or {}).get("message") or "deleted"
+        job.stop_reason = f"the session ended ({session.status}: {reason})"
+        job.stop_requested.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(job.done.wait(), self._settings.stop_grace_s + KILL_CONFIRM_S + 1)
 
     # -- reading, waiting, stopping ------------------------------------------------------------
 

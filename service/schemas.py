@@ -23,6 +23,31 @@ TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "timed_out
 CallStatus = Literal["pending", "ok", "error", "rejected", "timeout"]
 
 
+def check_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
+    """``metadata`` if it is small JSON (depth and size caps); raises ValueError otherwise."""
+    if json_depth(metadata, MAX_METADATA_DEPTH) > MAX_METADATA_DEPTH:
+        raise ValueError(f"metadata is nested deeper than {MAX_METADATA_DEPTH} levels")
+    try:
+        size = len(orjson.dumps(metadata))
+    except orjson.JSONEncodeError as exc:
+        raise ValueError(f"metadata cannot be stored as JSON: {exc}") from None
+    if size > MAX_METADATA_BYTES:
+        raise ValueError(f"metadata is larger than {MAX_METADATA_BYTES} bytes of JSON")
+    return metadata
+
+
+def check_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` if every name is valid and not reserved by the runtime; raises ValueError otherwise."""
+    for name, value in env.items():
+        if not _ENV_NAME.match(name):
+            raise ValueError(f"environment variable name {name!r} is not a valid name")
+        if name.startswith(_RESERVED_ENV):
+            raise ValueError(f"environment variable {name!r} is reserved by the sandbox runtime")
+        if "\x00" in value:
+            raise ValueError(f"environment variable {name!r} contains a NUL character")
+    return env
+
+
 class Limits(BaseModel):
     """Per-request sandbox limits; each may be lowered freely or raised up to the server's ``max_*`` setting."""
 
@@ -64,6 +89,13 @@ class ExecuteRequest(BaseModel):
     limits: Limits = Field(default_factory=Limits)
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for the script.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Opaque; returned in the job view.")
+    session_id: str | None = Field(
+        None,
+        max_length=64,
+        description="Run in this session's sandbox (POST /sessions): after the session's earlier scripts, with "
+        "its files; limits other than timeout_s and output_bytes are the session's. tools/toolset default to the "
+        "session's; env adds to the session's.",
+    )
 
     @field_validator("script")
     @classmethod
@@ -75,15 +107,7 @@ class ExecuteRequest(BaseModel):
     @field_validator("metadata")
     @classmethod
     def _small_json(cls, metadata: dict[str, Any]) -> dict[str, Any]:
-        if json_depth(metadata, MAX_METADATA_DEPTH) > MAX_METADATA_DEPTH:
-            raise ValueError(f"metadata is nested deeper than {MAX_METADATA_DEPTH} levels")
-        try:
-            size = len(orjson.dumps(metadata))
-        except orjson.JSONEncodeError as exc:
-            raise ValueError(f"metadata cannot be stored as JSON: {exc}") from None
-        if size > MAX_METADATA_BYTES:
-            raise ValueError(f"metadata is larger than {MAX_METADATA_BYTES} bytes of JSON")
-        return metadata
+        return check_metadata(metadata)
 
     @field_validator("callback_url")
     @classmethod
@@ -95,14 +119,84 @@ class ExecuteRequest(BaseModel):
     @field_validator("env")
     @classmethod
     def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
-        for name, value in env.items():
-            if not _ENV_NAME.match(name):
-                raise ValueError(f"environment variable name {name!r} is not a valid name")
-            if name.startswith(_RESERVED_ENV):
-                raise ValueError(f"environment variable {name!r} is reserved by the sandbox runtime")
-            if "\x00" in value:
-                raise ValueError(f"environment variable {name!r} contains a NUL character")
-        return env
+        return check_env(env)
+
+
+class SessionRequest(BaseModel):
+    """Body of ``POST /sessions``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    limits: Limits = Field(
+        default_factory=Limits, description="The session sandbox's limits (output_bytes: per script)."
+    )
+    runtime: str | None = Field(
+        None, max_length=64, description="OCI runtime (e.g. runsc); one of PTC_SESSION_RUNTIMES; default: the server's."
+    )
+    tools: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=MAX_TOOLS, description="Manifest for the session's scripts (default)."
+    )
+    toolset: str | None = Field(None, max_length=64, description="Id of a manifest registered with POST /toolsets.")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment variables of every script.")
+    idle_timeout_s: float | None = Field(
+        None, strict=True, gt=0, description="End the session after this long without a script (s; default 300)."
+    )
+    max_lifetime_s: float | None = Field(
+        None,
+        strict=True,
+        gt=0,
+        description="End the session this long after its creation, busy or not (s; default 3600).",
+    )
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Opaque; returned in the session view.")
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        return check_env(env)
+
+    @field_validator("metadata")
+    @classmethod
+    def _small_json(cls, metadata: dict[str, Any]) -> dict[str, Any]:
+        return check_metadata(metadata)
+
+
+class SessionLimits(BaseModel):
+    """A session sandbox's limits, after defaults."""
+
+    memory_mb: int
+    cpus: float
+    pids: int
+    tmp_mb: int
+    output_bytes: int
+
+
+class SessionView(BaseModel):
+    """A session as the API shows it."""
+
+    session_id: str
+    status: Literal["ready", "busy", "closed", "expired", "broken"] = Field(
+        description="busy while a script runs or waits; closed (deleted), expired, broken: ended, sandbox removed."
+    )
+    error: JobError | None = Field(description="Why the session ended, when it did not end by DELETE.")
+    created_at: datetime
+    last_used_at: datetime = Field(description="When its last script ended (or its creation).")
+    ended_at: datetime | None
+    expires_at: datetime | None = Field(description="When it will expire if unused; None once ended.")
+    idle_timeout_s: float
+    max_lifetime_s: float
+    limits: SessionLimits
+    runtime: str | None
+    executions: int = Field(description="Scripts that ran in it.")
+    queued: int = Field(description="Scripts waiting for their turn.")
+    current_job_id: str | None = Field(description="The job running now.")
+    sandbox_id: str | None = Field(description="The engine's id of the session's container (12 hex digits).")
+    metadata: dict[str, Any]
+
+
+class SessionList(BaseModel):
+    """Answer of ``GET /sessions``: the live sessions, oldest first."""
+
+    sessions: list[SessionView]
 
 
 class McpServer(BaseModel):
@@ -253,9 +347,12 @@ class JobView(BaseModel):
     stdout_retained_bytes: int = Field(0, description="Bytes of stdout kept on disk (readable by offset).")
     stderr_retained_bytes: int = 0
     callback: CallbackState | None = None
-    sandbox_start: Literal["warm", "cold"] | None = Field(
-        None, description="warm: the job ran in a sandbox from the warm pool; cold: in one started for it."
+    sandbox_start: Literal["warm", "cold", "session"] | None = Field(
+        None,
+        description="warm: the job ran in a sandbox from the warm pool; cold: in one started for it; "
+        "session: in its session's sandbox.",
     )
+    session_id: str | None = Field(None, description="The session the job ran in, if any.")
     sandbox_id: str | None = Field(None, description="The engine's id of the job's container (12 hex digits).")
     pending_calls: list[PendingCall] = Field(
         default_factory=list, description="Client-executed calls waiting for an answer (status is then waiting)."

@@ -107,6 +107,20 @@ class Settings(BaseSettings):
         4, ge=0, le=64, description="Sandboxes of the default profile kept started and waiting for a job; 0 = off."
     )
     warm_pool_max_age_s: float = Field(600, gt=0, description="A pooled sandbox idle longer than this is replaced (s).")
+    max_sessions: int = Field(32, ge=0, description="Sessions open at once; past that POST /sessions answers 429.")
+    session_idle_timeout_s: float = Field(
+        300, gt=0, description="A session without a script this long ends, when it sets no idle_timeout_s (s)."
+    )
+    session_max_lifetime_s: float = Field(
+        3600, gt=0, description="A session ends this long after its creation, when it sets no max_lifetime_s (s)."
+    )
+    max_session_lifetime_s: float = Field(
+        24 * 3600, gt=0, description="Largest idle_timeout_s and max_lifetime_s a session may ask for (s)."
+    )
+    session_runtimes: list[str] = Field(
+        default_factory=lambda: ["runc", "runsc"],
+        description="OCI runtimes a session may ask for by name (JSON list); the server's runtime is always allowed.",
+    )
     stop_grace_s: float = Field(2.0, ge=0, description="Time between SIGTERM and SIGKILL when a job is stopped (s).")
     callback_secret: SecretStr | None = Field(
         None, description="HMAC-SHA256 key that signs completion callbacks; callback_url is refused without it."

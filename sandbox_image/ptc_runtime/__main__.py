@@ -1,5 +1,9 @@
 """Run one script: ``python3 -m ptc_runtime [SCRIPT]`` (default ``/run/ptc/script.py``).
 
+Modes: a one-shot job runs the script at once; ``PTC_WAIT_FOR_JOB=1`` (warm
+pool) first waits for ``/run/ptc/go``; ``PTC_SESSION=1`` serves a session
+(``ptc_runtime.session``), forking one process per script.
+
 The script runs as ``__main__`` in this process, with ``/run/ptc`` first on
 ``sys.path`` so that ``import tools`` finds the generated package. Its exit
 code is the process's. When it ends with an uncaught exception (a
@@ -37,15 +41,24 @@ def _script_line(tb: Any, filename: str) -> Optional[int]:
     return line
 
 
-def main(argv: List[str]) -> int:
-    path = argv[1] if len(argv) > 1 else os.path.join(RUN_DIR, "script.py")
-    sys.path.insert(0, os.path.dirname(path) or RUN_DIR)
-    sys.argv = [path]
+def compile_script(path: str) -> Any:
+    """The script at ``path`` compiled, or the SyntaxError/ValueError that compiling it raised."""
     with open(path, "rb") as f:
         source = f.read()
     try:
-        code = compile(source, path, "exec", dont_inherit=True)
+        return compile(source, path, "exec", dont_inherit=True)
     except (SyntaxError, ValueError) as exc:
+        return exc
+
+
+def main(argv: List[str], compiled: Any = None) -> int:
+    """Run the script (``argv[1]``, default ``/run/ptc/script.py``), compiled here unless ``compiled`` is given."""
+    path = argv[1] if len(argv) > 1 else os.path.join(RUN_DIR, "script.py")
+    sys.path.insert(0, os.path.dirname(path) or RUN_DIR)
+    sys.argv = [path]
+    code = compile_script(path) if compiled is None else compiled
+    if isinstance(code, BaseException):
+        exc = code
         sys.stderr.write("".join(traceback.format_exception_only(type(exc), exc)))
         error: Dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)[:MESSAGE_CAP]}
         if isinstance(exc, SyntaxError):
@@ -82,11 +95,53 @@ def wait_for_job() -> None:
         time.sleep(0.002)
 
 
+def exit_forked(code: Any) -> None:
+    """End a session's forked child as the interpreter would end (threads joined, atexit run, streams
+    flushed, ``SystemExit``'s code applied) but without tearing the interpreter down, which costs a
+    session ~10 ms per script for nothing: the process is gone right after."""
+    import atexit
+    import threading
+
+    shutdown = getattr(threading, "_shutdown", None)  # joins non-daemon threads, as at interpreter exit
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code & 0xFF
+    else:
+        try:
+            sys.stderr.write(str(code) + "\n")
+        except (OSError, ValueError):
+            pass
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    if os.environ.get("PTC_WAIT_FOR_JOB") == "1":
+    compiled = None
+    if os.environ.get("PTC_SESSION") == "1":
+        from ptc_runtime.session import serve
+
+        run = serve(compile_script)
+        if run is None:  # the service closed the session
+            sys.exit(0)
+        compiled, env = run  # in the forked child of one script: run it like a one-shot job
+        os.environ.update(env)
+        try:
+            exit_forked(main(sys.argv, compiled))
+        except SystemExit as exc:
+            exit_forked(exc.code)
+    elif os.environ.get("PTC_WAIT_FOR_JOB") == "1":
         wait_for_job()
     try:
-        code = main(sys.argv)
+        code = main(sys.argv, compiled)
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:

@@ -1,0 +1,444 @@
+"""Sessions: one sandbox kept for a conversation, running its scripts one at a time.
+
+A session's sandbox runs the runtime in session mode (``PTC_SESSION=1``, see
+``sandbox_image/ptc_runtime/session.py`` for the control protocol): a
+resident interpreter, with the stub library imported, that forks one process
+per script. Files under the working directory (``/tmp``) persist from one
+script to the next; processes do not. Each script is a job of its own (own
+output, call records, time limit and view), run in the order it arrived.
+
+The session's folder (``work_dir/sessions/<session_id>``) is mounted
+read-only at ``/run/ptc``; the service listens on its ``control.sock``
+before the sandbox starts, and writes each run's ``script.py`` and ``tools``
+package there, with the run's broker on ``tools.sock`` (the one-shot layout).
+
+A session ends when it is deleted, idle past ``idle_timeout_s``, older than
+``max_lifetime_s`` (``expired``), or when its sandbox cannot go on
+(``broken``, with the reason); its sandbox is then removed. Sessions live in
+this process's memory: a restart of the service ends them (the start-up
+sweep removes their sandboxes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from service import logs
+from service.errors import SandboxError, SessionClosed, SessionNotFound, TooManySessions
+from service.sandbox.base import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec, Stream
+
+log = logging.getLogger(__name__)
+
+CONTROL_SOCKET = "control.sock"
+SESSION_FEATURE = "session"
+HELLO_TIMEOUT_S = 30.0
+KILL_CONFIRM_S = 5.0
+ENDED_KEPT = 1000
+EXPIRY_TICK_S = 1.0
+_STREAMS: dict[str, Stream] = {"stdout": "stdout", "stderr": "stderr"}
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class SessionRun:
+    """One script running in a session's sandbox: ``wait``/``signal``/``kill`` like a one-shot sandbox."""
+
+    def __init__(self, sandbox: SessionSandbox, job_id: str, sink: OutputSink) -> None:
+        self.job_id = job_id
+        self.sink = sink
+        self.exit: asyncio.Future[ExitStatus] = asyncio.get_running_loop().create_future()
+        self._sandbox = sandbox
+
+    async def wait(self) -> ExitStatus:
+        """The script's exit, once its output has all reached the sink."""
+        return await asyncio.shield(self.exit)
+
+    async def signal(self, signal: str) -> None:
+        """Send ``SIGTERM`` or ``SIGKILL`` to the script's process group."""
+        await self._sandbox.send({"op": "signal", "id": self.job_id, "signal": signal})
+
+    async def kill(self) -> None:
+        """SIGKILL the script and everything it started; if the sandbox does not confirm in time, kill it all."""
+        await self.signal("SIGKILL")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.exit), KILL_CONFIRM_S)
+            return
+        await self._sandbox.destroy(f"the sandbox did not end a script within {KILL_CONFIRM_S:g} s of SIGKILL")
+
+
+class SessionSandbox:
+    """The service's side of one session's sandbox: container, folder and control connection.
+
+    Args:
+        backend: the sandbox backend.
+        spec: the sandbox (``job_dir`` is the session's folder; ``PTC_SESSION=1`` is added).
+    """
+
+    def __init__(self, backend: SandboxBackend, spec: SandboxSpec) -> None:
+        self._backend = backend
+        self.spec = spec
+        self.folder = spec.job_dir
+        self.handle: SandboxHandle | None = None
+        self.broken: str | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._hello: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._run: SessionRun | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._destroyed = False
+
+    async def start(self) -> None:
+        """Start the sandbox and wait until its server has connected.
+
+        Raises:
+            SandboxError: the engine failed, or the server did not connect within ``HELLO_TIMEOUT_S``
+                (nothing is left behind).
+        """
+        self.folder.mkdir(mode=0o755)
+        os.chmod(self.folder, 0o755)
+        path = self.folder / CONTROL_SOCKET
+        try:
+            self._server = await asyncio.start_unix_server(self._accept, path=str(path))
+            os.chmod(path, 0o666)
+            spec = SandboxSpec(**{**self.spec.__dict__, "env": {**self.spec.env, "PTC_SESSION": "1"}})
+            begin = time.monotonic()
+            self.handle = await self._backend.start(spec, self._stray_output)
+            try:
+                await asyncio.wait_for(asyncio.shield(self._hello), HELLO_TIMEOUT_S)
+            except TimeoutError:
+                raise SandboxError(f"the session's sandbox did not connect within {HELLO_TIMEOUT_S:g} s") from None
+            started_s = time.monotonic() - begin
+            logs.sandbox("sandbox_start", None, self.handle.id, started_s, mode="session", session_id=self.folder.name)
+        except BaseException:
+            await self.destroy("the session could not start")
+            raise
+
+    def _stray_output(self, stream: Stream, data: bytes) -> None:
+        """Output of the sandbox outside any script (the server's own); logged, never a job's."""
+        log.debug("session sandbox %s wrote to %s: %r", self.folder.name, stream, data[:200])
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._writer is not None or self._destroyed:  # only the server's first connection is the control one
+            writer.close()
+            return
+        self._writer = writer
+        self._reader = asyncio.current_task()
+        try:
+            await self._read(reader)
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
+            log.debug("session %s: control connection ended: %r", self.folder.name, exc)
+        finally:
+            writer.close()
+            await self._lost()
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        while True:
+            line = await reader.readline()
+            if not line:
+                return
+            message = orjson.loads(line)
+            op = message["op"]
+            if op == "hello":
+                if not self._hello.done():
+                    self._hello.set_result(None)
+            elif op == "out":
+                data = await reader.readexactly(int(message["n"]))
+                run = self._run
+                if run is not None and message["id"] == run.job_id and message["stream"] in _STREAMS:
+                    run.sink(_STREAMS[message["stream"]], data)
+            elif op == "exit":
+                run = self._run
+                if run is not None and message["id"] == run.job_id and not run.exit.done():
+                    self._run = None
+                    run.exit.set_result(
+                        ExitStatus(exit_code=int(message["exit_code"]), oom_killed=bool(message["oom_killed"]))
+                    )
+            elif op == "error":
+                log.warning("session %s: the sandbox refused a request: %s", self.folder.name, message.get("message"))
+
+    async def _lost(self) -> None:
+        """The control connection ended: the sandbox cannot go on. End the running script from the engine's view."""
+        run, self._run = self._run, None
+        if self.broken is None:
+            self.broken = "the session's sandbox stopped answering (its server exited or was killed)"
+        status = ExitStatus(exit_code=137, oom_killed=False)
+        if self.handle is not None:
+            with contextlib.suppress(Exception):
+                await self._backend.kill(self.handle)
+                status = await asyncio.wait_for(self._backend.wait(self.handle), 10)
+        if status.oom_killed:
+            self.broken = "the session's sandbox ran out of memory and its server was killed"
+        if not self._hello.done():
+            self._hello.set_exception(SandboxError(f"the session's sandbox ended before it connected: {self.broken}"))
+        if run is not None and not run.exit.done():
+            run.exit.set_result(status)
+
+    async def send(self, message: dict[str, Any]) -> None:
+        """Write one control message; raises SandboxError when the sandbox is gone."""
+        writer = self._writer
+        if writer is None or writer.is_closing() or self.broken is not None:
+            raise SandboxError(self.broken or "the session's sandbox is not connected")
+        writer.write(orjson.dumps(message) + b"\n")
+        try:
+            await writer.drain()
+        except ConnectionError as exc:
+            raise SandboxError(f"the session's sandbox went away: {exc}") from exc
+
+    async def run(self, job_id: str, env: dict[str, str], sink: OutputSink) -> SessionRun:
+        """Start the script already written to the folder; the caller holds the session's turn."""
+        run = SessionRun(self, job_id, sink)
+        self._run = run
+        try:
+            await self.send({"op": "run", "id": job_id, "env": env})
+        except BaseException:
+            self._run = None
+            raise
+        return run
+
+    async def destroy(self, reason: str | None = None) -> None:
+        """Remove the sandbox and its folder (idempotent); ``reason`` marks the sandbox broken."""
+        if reason is not None and self.broken is None:
+            self.broken = reason
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if self._server is not None:
+            self._server.close()
+        if self._writer is not None:
+            self._writer.close()
+        if self.handle is not None:
+            begin = time.monotonic()
+            try:
+                await self._backend.remove(self.handle)
+            except SandboxError as exc:
+                log.warning("session %s: could not remove its sandbox: %s", self.folder.name, exc)
+            stop_s = time.monotonic() - begin
+            why = "broken" if self.broken else "session"
+            logs.sandbox("sandbox_stop", None, self.handle.id, stop_s, session_id=self.folder.name, reason=why)
+        if self._reader is not None and self._reader is not asyncio.current_task():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._reader), 5)
+        await asyncio.to_thread(shutil.rmtree, self.folder, True)
+
+
+@dataclass
+class Session:
+    """One session: its settings, sandbox, turn lock and counters."""
+
+    id: str
+    sandbox: SessionSandbox
+    limits: dict[str, Any]
+    runtime: str | None
+    env: dict[str, str]
+    tools: list[dict[str, Any]]
+    toolset: str | None
+    idle_timeout_s: float
+    max_lifetime_s: float
+    metadata: dict[str, Any]
+    created_at: datetime = field(default_factory=_now)
+    last_used_at: datetime = field(default_factory=_now)
+    ended_at: datetime | None = None
+    status: str = "ready"  # ready | busy | closed | expired | broken
+    error: dict[str, Any] | None = None
+    executions: int = 0
+    queued: int = 0
+    current_job_id: str | None = None
+    stub_source: str | None = None  # the tools package now in the folder
+    turn: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def ended(self) -> bool:
+        """Whether the session can run no more scripts."""
+        return self.status in ("closed", "expired", "broken")
+
+    def expires_at(self) -> datetime:
+        """When the session ends if nothing else happens (idle deadline or end of life, whichever is first)."""
+        end_of_life = self.created_at + timedelta(seconds=self.max_lifetime_s)
+        idle = self.last_used_at + timedelta(seconds=self.idle_timeout_s)
+        return end_of_life if self.busy() else min(end_of_life, idle)
+
+    def busy(self) -> bool:
+        """A script runs or waits for its turn."""
+        return self.current_job_id is not None or self.queued > 0
+
+    def view(self) -> dict[str, Any]:
+        """The session view (see ``schemas.SessionView``)."""
+        handle = self.sandbox.handle
+        return {
+            "session_id": self.id,
+            "status": self.status if self.ended else ("busy" if self.busy() else "ready"),
+            "error": self.error,
+            "created_at": self.created_at,
+            "last_used_at": self.last_used_at,
+            "ended_at": self.ended_at,
+            "expires_at": None if self.ended else self.expires_at(),
+            "idle_timeout_s": self.idle_timeout_s,
+            "max_lifetime_s": self.max_lifetime_s,
+            "limits": self.limits,
+            "runtime": self.runtime,
+            "executions": self.executions,
+            "queued": self.queued,
+            "current_job_id": self.current_job_id,
+            "sandbox_id": handle.id[:12] if handle is not None else None,
+            "metadata": self.metadata,
+        }
+
+
+class SessionManager:
+    """Creates, finds, expires and deletes sessions.
+
+    Args:
+        backend: the sandbox backend.
+        folder: host folder for the sessions' folders (emptied at start).
+        max_sessions: live sessions allowed at once.
+        before_end: awaited when a session ends, after it is marked ended and before its sandbox is removed
+            (the job manager stops its running script there).
+        on_count: called with the number of live sessions whenever it changes (for the ``ptc_sessions`` gauge).
+    """
+
+    def __init__(
+        self,
+        backend: SandboxBackend,
+        folder: Path,
+        max_sessions: int,
+        before_end: Callable[[Session], Awaitable[None]],
+        on_count: Callable[[int], None] = lambda _n: None,
+    ) -> None:
+        self._backend = backend
+        self._before_end = before_end
+        self._folder = folder
+        self._max = max_sessions
+        self._on_count = on_count
+        self._live: dict[str, Session] = {}
+        self._ended: OrderedDict[str, Session] = OrderedDict()
+        self._starting = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Empty the sessions' folder (their sandboxes were swept with the instance's) and start expiring."""
+        await asyncio.to_thread(shutil.rmtree, self._folder, True)
+        self._folder.mkdir(parents=True, mode=0o700)
+        self._task = asyncio.create_task(self._expire_loop(), name="session expiry")
+
+    async def close(self) -> None:
+        """End every session (its running script is stopped by its job's own shutdown) and stop expiring."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await asyncio.gather(*(self.end(s, "closed", None) for s in list(self._live.values())), return_exceptions=True)
+
+    async def create(
+        self,
+        spec: SandboxSpec,
+        *,
+        limits: dict[str, Any],
+        env: dict[str, str],
+        tools: list[dict[str, Any]],
+        toolset: str | None,
+        idle_timeout_s: float,
+        max_lifetime_s: float,
+        metadata: dict[str, Any],
+    ) -> Session:
+        """Start a session's sandbox (``spec.job_dir`` is replaced by the session's folder).
+
+        Raises:
+            TooManySessions: ``max_sessions`` are live (or starting) already.
+            SandboxError: the sandbox could not start.
+        """
+        if len(self._live) + self._starting >= self._max:
+            raise TooManySessions(self._max)
+        self._starting += 1
+        try:
+            session_id = "ses_" + secrets.token_hex(12)
+            sandbox = SessionSandbox(
+                self._backend, SandboxSpec(**{**spec.__dict__, "job_dir": self._folder / session_id})
+            )
+            await sandbox.start()
+        finally:
+            self._starting -= 1
+        session = Session(
+            id=session_id,
+            sandbox=sandbox,
+            limits=limits,
+            runtime=spec.runtime,
+            env=env,
+            tools=tools,
+            toolset=toolset,
+            idle_timeout_s=idle_timeout_s,
+            max_lifetime_s=max_lifetime_s,
+            metadata=metadata,
+        )
+        self._live[session_id] = session
+        self._on_count(len(self._live))
+        return session
+
+    def get(self, session_id: str) -> Session:
+        """A live or recently ended session; raises SessionNotFound."""
+        session = self._live.get(session_id) or self._ended.get(session_id)
+        if session is None:
+            raise SessionNotFound(session_id)
+        return session
+
+    def usable(self, session_id: str) -> Session:
+        """A live session that can take a script; raises SessionNotFound or SessionClosed."""
+        session = self.get(session_id)
+        if session.ended:
+            raise SessionClosed(session_id, session.status, (session.error or {}).get("message", ""))
+        return session
+
+    async def end(self, session: Session, status: str, reason: str | None) -> None:
+        """End ``session`` (``closed``, ``expired`` or ``broken``) and remove its sandbox; idempotent."""
+        if session.ended:
+            return
+        session.status = status
+        session.ended_at = _now()
+        if reason is not None:
+            session.error = {"type": f"session_{status}", "message": reason}
+        self._live.pop(session.id, None)
+        self._ended[session.id] = session
+        while len(self._ended) > ENDED_KEPT:
+            self._ended.popitem(last=False)
+        self._on_count(len(self._live))
+        try:
+            await self._before_end(session)
+        finally:
+            await session.sandbox.destroy()
+
+    @property
+    def count(self) -> int:
+        """Live sessions."""
+        return len(self._live)
+
+    def live_sessions(self) -> list[Session]:
+        """Live sessions, oldest first."""
+        return sorted(self._live.values(), key=lambda s: s.created_at)
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRY_TICK_S)
+            now = _now()
+            for session in list(self._live.values()):
+                try:
+                    if now >= session.created_at + timedelta(seconds=session.max_lifetime_s):
+                        await self.end(session, "expired", f"reached its max_lifetime_s of {session.max_lifetime_s:g}")
+                    elif not session.busy() and now >= session.last_used_at + timedelta(seconds=session.idle_timeout_s):
+                        await self.end(session, "expired", f"idle for its idle_timeout_s of {session.idle_timeout_s:g}")
+                except Exception:
+                    log.exception("session %s: could not expire it", session.id)

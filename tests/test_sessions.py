@@ -1,0 +1,264 @@
+"""Sessions: one sandbox per conversation, a forked process per script, files kept, scripts one at a time."""
+
+from __future__ import annotations
+
+import itertools
+import signal
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import docker
+import httpx
+import pytest
+
+from tests.conftest import Service, execute, labelled_containers, start_service, wait_until
+
+ECHO = [
+    {
+        "name": "echo",
+        "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "endpoint": {"kind": "echo"},
+    }
+]
+
+
+def open_session(api: httpx.Client, **body: Any) -> dict[str, Any]:
+    response = api.post("/sessions", json=body)
+    assert response.status_code == 201, response.text
+    view: dict[str, Any] = response.json()
+    return view
+
+
+@pytest.fixture
+def session(api: httpx.Client) -> Iterator[dict[str, Any]]:
+    view = open_session(api, tools=ECHO)
+    yield view
+    api.delete(f"/sessions/{view['session_id']}")
+
+
+def container_exists(engine: docker.DockerClient, sandbox_id: str) -> bool:
+    try:
+        engine.containers.get(sandbox_id)
+    except docker.errors.NotFound:
+        return False
+    return True
+
+
+def test_files_persist_within_a_session_and_stay_private_to_it(api: httpx.Client, session: dict[str, Any]) -> None:
+    sid = session["session_id"]
+    first = execute(api, "open('/tmp/notes.txt', 'w').write('kept')\nprint('written')", session_id=sid)
+    second = execute(api, "print(open('/tmp/notes.txt').read())", session_id=sid)
+    assert (first["stdout"], second["stdout"]) == ("written\n", "kept\n")
+    assert first["job_id"] != second["job_id"]
+    assert first["session_id"] == second["session_id"] == sid
+    assert first["sandbox_start"] == second["sandbox_start"] == "session"
+    assert first["sandbox_id"] == second["sandbox_id"] == session["sandbox_id"]
+    other = open_session(api)
+    try:
+        view = execute(api, "print(open('/tmp/notes.txt').read())", session_id=other["session_id"])
+        assert view["status"] == "failed" and view["error"]["type"] == "FileNotFoundError"
+        assert other["sandbox_id"] != session["sandbox_id"]
+    finally:
+        api.delete(f"/sessions/{other['session_id']}")
+
+
+def test_each_script_gets_its_own_process_records_and_env(api: httpx.Client, session: dict[str, Any]) -> None:
+    sid = session["session_id"]
+    script = "import os, tools\nprint(os.getpid(), os.environ.get('WHO'))\nprint(tools.echo(x=1)['args'])"
+    a = execute(api, script, session_id=sid, env={"WHO": "a"})
+    b = execute(api, script, session_id=sid)
+    pid_a, who_a = a["stdout"].split("\n")[0].split()
+    pid_b, who_b = b["stdout"].split("\n")[0].split()
+    assert pid_a != pid_b and (who_a, who_b) == ("a", "None")
+    assert [c["args"] for c in a["calls"]] == [c["args"] for c in b["calls"]] == [{"x": 1}]
+    assert a["calls"][0]["call_id"] != b["calls"][0]["call_id"]
+    leftover = execute(api, "import subprocess\nsubprocess.Popen(['sleep', '300'])\nprint('started')", session_id=sid)
+    after = execute(
+        api, "import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit())[:1])", session_id=sid
+    )
+    assert leftover["stdout"] == "started\n"
+    assert after["stdout"] == "[1]\n"  # only init (and this script): nothing of a script outlives it
+
+
+def test_scripts_of_a_session_run_one_at_a_time_in_order(api: httpx.Client, session: dict[str, Any]) -> None:
+    sid = session["session_id"]
+    jobs = []
+    for i in range(4):
+        script = f"import time\nopen('/tmp/order', 'a').write('{i}')\ntime.sleep(0.2)\nprint(open('/tmp/order').read())"
+        response = api.post("/execute", json={"script": script, "session_id": sid, "wait_s": 0})
+        assert response.status_code == 202, response.text
+        jobs.append(response.json()["job_id"])
+    views = [api.post(f"/jobs/{job}/wait", params={"timeout_s": 30}).json() for job in jobs]
+    assert [v["stdout"] for v in views] == ["0\n", "01\n", "012\n", "0123\n"]
+    for earlier, later in itertools.pairwise(views):
+        assert earlier["ended_at"] <= later["started_at"]
+    assert api.get(f"/sessions/{sid}").json()["executions"] == 4
+
+
+HOSTILE = [
+    ("tool call", "import tools\nprint(tools.echo(x=2)['args'])", {}),
+    (
+        "rejected call",
+        "import tools\ntry:\n    tools.echo(x='no')\nexcept tools.ToolError as e:\n    print(e.type)",
+        {},
+    ),
+    ("exception", "print('before')\nraise KeyError('k')", {}),
+    ("syntax error", "print('x'\n", {}),
+    ("exit code", "import sys\nprint('bye')\nsys.exit(3)", {}),
+    ("exit message", "import sys\nsys.exit('fatal')", {}),
+    ("stderr and partial line", "import sys\nsys.stderr.write('e\\n')\nprint('no newline', end='')", {}),
+    ("invalid utf-8", "import sys\nsys.stdout.buffer.write(b'\\xff\\xfeok')", {}),
+    (
+        "atexit and threads",
+        "import atexit, threading, time\natexit.register(print, 'atexit')\n"
+        "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()",
+        {},
+    ),
+    ("timeout", "import time\nprint('start', flush=True)\ntime.sleep(30)", {"timeout_s": 1}),
+    ("memory hog", "x = bytearray(b'1') * (600 * 1024 * 1024)\nprint('survived')", {}),
+    (
+        "fork bomb",
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+        {"timeout_s": 3},
+    ),
+    ("after the hostile ones", "import tools\nprint(tools.echo(x=3)['args'])", {}),
+]
+
+
+def comparable(view: dict[str, Any]) -> dict[str, Any]:
+    calls = [{k: c[k] for k in ("seq", "tool", "args", "status", "result", "error")} for c in view["calls"]]
+    keep = ("status", "exit_code", "stdout", "stderr", "error", "stdout_invalid_utf8", "calls_total")
+    return {**{k: view[k] for k in keep}, "calls": calls}
+
+
+def test_same_input_gives_the_same_view_in_a_session_warm_and_cold(
+    api: httpx.Client, engine: docker.DockerClient, service: Service
+) -> None:
+    sid = open_session(api, tools=ECHO)["session_id"]
+    try:
+        for name, script, extra in HOSTILE:
+            in_session = execute(api, script, session_id=sid, **extra)
+            warm = execute(api, script, ECHO, **extra)
+            cold = execute(api, script, ECHO, env={"COLD": "1"}, **extra)
+            assert (in_session["sandbox_start"], cold["sandbox_start"]) == ("session", "cold"), name
+            assert warm["sandbox_start"] in ("warm", "cold"), name
+            if name == "fork bomb":  # how far the bomb got before the limit differs; the outcome does not
+                assert in_session["status"] == warm["status"] == cold["status"] == "timed_out", name
+                continue
+            expected = comparable(cold)
+            assert comparable(in_session) == expected, name
+            assert comparable(warm) == expected, name
+            state = api.get(f"/sessions/{sid}").json()
+            assert state["status"] == "ready", (name, state)  # the session survived and is usable
+    finally:
+        api.delete(f"/sessions/{sid}")
+
+
+def test_memory_hog_in_a_session_is_oom_killed_and_the_session_goes_on(api: httpx.Client) -> None:
+    sid = open_session(api, limits={"memory_mb": 128})["session_id"]
+    try:
+        hog = execute(api, "x = bytearray(b'1') * (300 * 1024 * 1024)\nprint('survived')", session_id=sid)
+        assert hog["status"] == "oom_killed" and "survived" not in hog["stdout"], hog
+        after = execute(api, "print('still here')", session_id=sid)
+        assert after["stdout"] == "still here\n"
+    finally:
+        api.delete(f"/sessions/{sid}")
+
+
+def test_a_session_whose_sandbox_dies_is_marked_broken_with_a_reason(
+    api: httpx.Client, engine: docker.DockerClient
+) -> None:
+    view = open_session(api)
+    sid = view["session_id"]
+    job = api.post("/execute", json={"script": "import time\ntime.sleep(60)", "session_id": sid, "wait_s": 0}).json()
+    wait_until(lambda: api.get(f"/jobs/{job['job_id']}").json()["status"] == "running", 10)
+    engine.containers.get(view["sandbox_id"]).kill()
+    ended = api.post(f"/jobs/{job['job_id']}/wait", params={"timeout_s": 30}).json()
+    assert ended["status"] == "failed" and ended["exit_code"] == 137
+    wait_until(lambda: api.get(f"/sessions/{sid}").json()["status"] == "broken", 10)
+    state = api.get(f"/sessions/{sid}").json()
+    assert "stopped answering" in state["error"]["message"]
+    refused = api.post("/execute", json={"script": "print(1)", "session_id": sid})
+    assert refused.status_code == 409 and refused.json()["session_status"] == "broken"
+    wait_until(lambda: not container_exists(engine, view["sandbox_id"]), 10)
+
+
+def test_delete_stops_the_running_script_and_the_queued_ones(api: httpx.Client, engine: docker.DockerClient) -> None:
+    view = open_session(api)
+    sid = view["session_id"]
+    running = api.post("/execute", json={"script": "import time\ntime.sleep(60)", "session_id": sid, "wait_s": 0})
+    queued = api.post("/execute", json={"script": "print('never')", "session_id": sid, "wait_s": 0})
+    wait_until(lambda: api.get(f"/jobs/{running.json()['job_id']}").json()["status"] == "running", 10)
+    deleted = api.delete(f"/sessions/{sid}")
+    assert deleted.status_code == 200 and deleted.json()["status"] == "closed"
+    first = api.post(f"/jobs/{running.json()['job_id']}/wait", params={"timeout_s": 30}).json()
+    second = api.post(f"/jobs/{queued.json()['job_id']}/wait", params={"timeout_s": 30}).json()
+    assert first["status"] == "stopped" and "session ended" in first["error"]["message"]
+    assert second["status"] == "stopped" and second["error"]["type"] == "session_closed"
+    assert not container_exists(engine, view["sandbox_id"])
+    assert api.delete(f"/sessions/{sid}").json() == deleted.json()  # idempotent
+
+
+def test_session_errors_are_problems(api: httpx.Client, session: dict[str, Any]) -> None:
+    unknown = api.post("/execute", json={"script": "print(1)", "session_id": "ses_nope"})
+    assert unknown.status_code == 404 and unknown.headers["content-type"] == "application/problem+json"
+    assert api.get("/sessions/ses_nope").status_code == 404
+    assert api.delete("/sessions/ses_nope").status_code == 404
+    other_memory = api.post(
+        "/execute", json={"script": "print(1)", "session_id": session["session_id"], "limits": {"memory_mb": 64}}
+    )
+    assert other_memory.status_code == 422 and "memory_mb" in other_memory.json()["detail"]
+    too_long = api.post("/sessions", json={"max_lifetime_s": 10**9})
+    assert too_long.status_code == 422
+    bad_runtime = api.post("/sessions", json={"runtime": "nonesuch"})
+    assert bad_runtime.status_code == 422 and "runtime" in bad_runtime.json()["detail"]
+    bad_tools = api.post("/sessions", json={"tools": [{"name": "x y"}]})
+    assert bad_tools.status_code == 422
+
+
+def test_idle_session_expires_and_its_sandbox_is_removed(api: httpx.Client, engine: docker.DockerClient) -> None:
+    view = open_session(api, idle_timeout_s=1.5)
+    execute(api, "print(1)", session_id=view["session_id"])
+    wait_until(lambda: api.get(f"/sessions/{view['session_id']}").json()["status"] == "expired", 10)
+    state = api.get(f"/sessions/{view['session_id']}").json()
+    assert state["error"]["type"] == "session_expired" and "idle" in state["error"]["message"]
+    assert not container_exists(engine, view["sandbox_id"])
+    lifetime = open_session(api, max_lifetime_s=2)
+    job = api.post(
+        "/execute", json={"script": "import time\ntime.sleep(30)", "session_id": lifetime["session_id"], "wait_s": 0}
+    )
+    ended = api.post(f"/jobs/{job.json()['job_id']}/wait", params={"timeout_s": 30}).json()
+    assert ended["status"] == "stopped" and "max_lifetime_s" in ended["error"]["message"]
+    wait_until(lambda: not container_exists(engine, lifetime["sandbox_id"]), 10)
+
+
+def test_max_sessions_is_enforced(engine: docker.DockerClient, scratch: Path) -> None:
+    svc = start_service("pytest-max-sessions", scratch / "max-sessions", PTC_MAX_SESSIONS="2", PTC_WARM_POOL_SIZE="0")
+    try:
+        with svc.client() as api, ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: api.post("/sessions", json={}), range(4)))
+            assert sorted(a.status_code for a in answers) == [201, 201, 429, 429]
+            assert len(api.get("/sessions").json()["sessions"]) == 2
+    finally:
+        svc.stop()
+    assert labelled_containers(engine, "pytest-max-sessions", include_pool=True) == []
+
+
+def test_killed_service_leaves_nothing_after_the_next_start(engine: docker.DockerClient, scratch: Path) -> None:
+    first = start_service("pytest-session-crash", scratch / "session-crash", PTC_WARM_POOL_SIZE="2")
+    with first.client() as api:
+        sessions = [open_session(api) for _ in range(2)]
+        execute(api, "open('/tmp/x', 'w').write('x')", session_id=sessions[0]["session_id"])
+        wait_until(lambda: len(labelled_containers(engine, "pytest-session-crash", include_pool=True)) == 4, 30)
+    first.process.send_signal(signal.SIGKILL)
+    first.process.wait()
+    second = start_service("pytest-session-crash", scratch / "session-crash", PTC_WARM_POOL_SIZE="0")
+    try:
+        assert labelled_containers(engine, "pytest-session-crash", include_pool=True) == []
+        with second.client() as api:
+            gone = api.post("/execute", json={"script": "print(1)", "session_id": sessions[0]["session_id"]})
+            assert gone.status_code == 404
+    finally:
+        second.stop()
