@@ -138,14 +138,21 @@ def test_a_fixed_mix_of_jobs_gives_exactly_the_expected_increments(metered: Serv
             execute(api, "import time\ntime.sleep(60)", limits=COLD, timeout_s=1),
             execute(api, "print('x' * 5000)", limits={**COLD, "output_bytes": 1024}),
         ]
+        session = api.post("/sessions", json={})
+        assert session.status_code == 201, session.text
+        sid = session.json()["session_id"]
+        views.append(execute(api, "print('in a session')", session_id=sid))
+        sessions_open = value(scrape(api), "ptc_sessions")
+        assert api.delete(f"/sessions/{sid}").status_code == 200
         assert api.post("/execute", json={"script": 5}).status_code == 422
         assert api.get("/jobs/job_nope").status_code == 404
         too_big = b"x" * (9 * 1024 * 1024)  # refused before any route runs: still counted under its route
         assert api.post("/execute", content=too_big, headers={"content-type": "application/json"}).status_code == 413
         after = scrape(api)
 
-    assert [v["status"] for v in views] == ["succeeded", "succeeded", "failed", "timed_out", "succeeded"]
-    assert [v["sandbox_start"] for v in views] == ["warm", "cold", "cold", "cold", "cold"]
+    assert [v["status"] for v in views] == ["succeeded", "succeeded", "failed", "timed_out", "succeeded", "succeeded"]
+    assert [v["sandbox_start"] for v in views] == ["warm", "cold", "cold", "cold", "cold", "session"]
+    assert sessions_open == 1 and value(after, "ptc_sessions") == 0
     assert views[1]["stdout"] == "invalid_arguments\nhttp_error\nunknown_tool\n", views[1]
     assert views[4]["stdout_truncated"]
 
@@ -155,7 +162,7 @@ def test_a_fixed_mix_of_jobs_gives_exactly_the_expected_increments(metered: Serv
         if name.endswith("_total") and after[name, labels] != before.get((name, labels), 0.0)
     }
     expected = {
-        ("ptc_executions_total", (("status", "succeeded"),)): 3,
+        ("ptc_executions_total", (("status", "succeeded"),)): 4,
         ("ptc_executions_total", (("status", "failed"),)): 1,
         ("ptc_executions_total", (("status", "timed_out"),)): 1,
         ("ptc_timeouts_total", ()): 1,
@@ -164,23 +171,25 @@ def test_a_fixed_mix_of_jobs_gives_exactly_the_expected_increments(metered: Serv
         ("ptc_tool_calls_total", (("status", "rejected"), ("tool", "lookup"))): 1,
         ("ptc_tool_calls_total", (("status", "error"), ("tool", "broken"))): 1,
         ("ptc_tool_calls_total", (("status", "rejected"), ("tool", "other"))): 1,
-        ("ptc_http_requests_total", (("method", "POST"), ("route", "/execute"), ("status", "200"))): 5,
+        ("ptc_http_requests_total", (("method", "POST"), ("route", "/execute"), ("status", "200"))): 6,
+        ("ptc_http_requests_total", (("method", "POST"), ("route", "/sessions"), ("status", "201"))): 1,
+        ("ptc_http_requests_total", (("method", "DELETE"), ("route", "/sessions/{session_id}"), ("status", "200"))): 1,
         ("ptc_http_requests_total", (("method", "POST"), ("route", "/execute"), ("status", "422"))): 1,
         ("ptc_http_requests_total", (("method", "GET"), ("route", "/jobs/{job_id}"), ("status", "404"))): 1,
         ("ptc_http_requests_total", (("method", "POST"), ("route", "/execute"), ("status", "413"))): 1,
-        ("ptc_http_requests_total", (("method", "GET"), ("route", "/metrics"), ("status", "200"))): 1,  # `before`
+        ("ptc_http_requests_total", (("method", "GET"), ("route", "/metrics"), ("status", "200"))): 2,  # `before`, mid
     }
     assert {(name, tuple(sorted(labels))): delta for (name, labels), delta in counters.items()} == expected
 
     def grew(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
 
-    assert grew("ptc_execution_duration_seconds_count") == 5  # every job, in both histograms
-    assert grew("ptc_queue_wait_seconds_count") == 5
+    assert grew("ptc_execution_duration_seconds_count") == 6  # every job, in both histograms
+    assert grew("ptc_queue_wait_seconds_count") == 6
     assert grew("ptc_execution_duration_seconds_sum") >= 1.0  # the timed-out job alone ran 1 s
     assert grew("ptc_sandbox_start_seconds_count", mode="warm") == 1
     assert grew("ptc_sandbox_start_seconds_count", mode="cold") == 4
-    assert grew("ptc_sandbox_start_seconds_count", mode="session") == 0
+    assert grew("ptc_sandbox_start_seconds_count", mode="session") == 1
     assert grew("ptc_tool_call_duration_seconds_count", tool="lookup") == 4
     assert grew("ptc_tool_call_duration_seconds_count", tool="broken") == 1
     assert grew("ptc_tool_call_duration_seconds_count", tool="other") == 1
@@ -191,5 +200,5 @@ def test_a_fixed_mix_of_jobs_gives_exactly_the_expected_increments(metered: Serv
     job_ids = {v["job_id"] for v in views}
     call_ids = {c["call_id"] for v in views for c in v["calls"]}
     label_values = {v for _, labels in after for _, v in labels}
-    assert not label_values & (job_ids | call_ids)
-    assert not [v for v in label_values if v.startswith(("job_", "call_"))]
+    assert not label_values & (job_ids | call_ids | {sid})
+    assert not [v for v in label_values if v.startswith(("job_", "call_", "ses_"))]
