@@ -12,9 +12,9 @@ event               fields
 ``job``             ``job_id``, ``status``, ``key``; when it ends also ``exit_code``, ``error_type``,
                     ``duration_ms``, ``queue_ms``, ``sandbox_start``, ``sandbox_id``, ``calls``,
                     ``stdout_bytes``, ``stderr_bytes``
-``sandbox_start``   ``job_id`` (null for the warm pool), ``mode`` (warm, cold, session, pool), ``sandbox_id``,
-                    ``start_ms``
-``sandbox_stop``    ``job_id``, ``sandbox_id``, ``reason``, ``stop_ms``
+``sandbox_start``   ``job_id``, ``sandbox_id``, ``mode`` (warm, cold, session), ``start_ms``; with ``job_id`` null,
+                    a container started ahead of jobs: ``mode`` pool, or session (with ``session_id``)
+``sandbox_stop``    ``job_id`` (null for pool and session sandboxes), ``sandbox_id``, ``reason``, ``stop_ms``
 ``tool_calls``      ``job_id``, ``key``, ``calls``, ``by_status``, ``by_tool`` (``{tool: {status: n}}``, at most
                     ``SUMMARY_TOOLS`` tools, the rest under ``other``), ``call_ms_total``, ``call_ms_max``
 ``tool_call``       (debug level only) ``job_id``, ``seq``, ``tool``, ``status``, ``duration_ms``, ``args``,

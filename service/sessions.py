@@ -223,13 +223,12 @@ class SessionSandbox:
         if self._writer is not None:
             self._writer.close()
         if self.handle is not None:
-            begin = time.monotonic()
+            begin, why = time.monotonic(), "broken" if self.broken else "session"  # before an await can break it
             try:
                 await self._backend.remove(self.handle)
             except SandboxError as exc:
                 log.warning("session %s: could not remove its sandbox: %s", self.folder.name, exc)
             stop_s = time.monotonic() - begin
-            why = "broken" if self.broken else "session"
             logs.sandbox("sandbox_stop", None, self.handle.id, stop_s, session_id=self.folder.name, reason=why)
         if self._reader is not None and self._reader is not asyncio.current_task():
             with contextlib.suppress(Exception):
