@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ import httpx
 import pytest
 
 from service import logs
-from tests.conftest import Service, execute, start_service, wait_until
+from tests.conftest import ROOT, Service, execute, start_service, wait_until
 from tests.toolserver import ToolServer
 
 
@@ -79,6 +81,30 @@ def test_events_carry_their_fields_and_render_as_text(captured: Capture) -> None
         )
     )
     assert text == 'job job_id="j" status="queued"'
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_configure_writes_events_and_uvicorn_lines_to_stderr_in_the_chosen_format(fmt: str) -> None:
+    code = (
+        "import logging\nfrom service import logs\n"
+        f"logs.configure('info', {fmt!r})\n"
+        "logs.event('job', job_id='job_1', status='queued')\n"
+        "logging.getLogger('uvicorn.error').info('started')\n"
+        "logging.getLogger('httpx').info('HTTP Request: POST http://h/?key=k')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    lines = done.stderr.splitlines()
+    assert done.stdout == "" and len(lines) == 2, done.stderr
+    if fmt == "json":
+        assert {k: json.loads(lines[0])[k] for k in ("event", "job_id", "status")} == {
+            "event": "job",
+            "job_id": "job_1",
+            "status": "queued",
+        }
+        assert json.loads(lines[1])["msg"] == "started"
+    else:
+        assert lines[0].endswith('INFO service.events: job job_id="job_1" status="queued"')
+        assert lines[1].endswith("INFO uvicorn.error: started")
 
 
 def test_tool_call_summary_names_at_most_twenty_tools(captured: Capture) -> None:

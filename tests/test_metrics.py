@@ -5,7 +5,9 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import docker
@@ -89,6 +91,44 @@ def test_callback_outcomes() -> None:
     assert callback_outcome({"status_code": 500, "error": "HTTP 500"}) == "http_error"
     assert callback_outcome({"status_code": None, "error": "no answer within 10 s"}) == "timeout"
     assert callback_outcome({"status_code": None, "error": "ConnectError"}) == "unreachable"
+
+
+def test_ended_jobs_count_oom_kills_timeouts_truncations_and_callbacks() -> None:
+    metrics = Metrics(settings())
+    created = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def ended(status: str, stdout_bytes: int, started: bool = True) -> Any:
+        streams = {
+            name: SimpleNamespace(inline=SimpleNamespace(total_bytes=n))
+            for name, n in (("stdout", stdout_bytes), ("stderr", 0))
+        }
+        return SimpleNamespace(
+            status=status,
+            created_at=created,
+            started_at=created + timedelta(seconds=1) if started else None,
+            ended_at=created + timedelta(seconds=3),
+            limits=SimpleNamespace(output_bytes=1024),
+            **streams,
+        )
+
+    metrics.job_ended(ended("oom_killed", 10))
+    metrics.job_ended(ended("timed_out", 5000))
+    metrics.job_ended(ended("stopped", 0, started=False))  # stopped while queued: waited 3 s, ran 0 s
+    metrics.job_lost()
+    metrics.callback_attempt({"status_code": 503, "error": "HTTP 503"})
+    metrics.callback_attempt({"status_code": 200, "error": None})
+    metrics.callback_done(True)
+    samples = parse(metrics.exposition().decode())
+    assert value(samples, "ptc_oom_kills_total") == 1 and value(samples, "ptc_timeouts_total") == 1
+    assert value(samples, "ptc_output_truncated_total", stream="stdout") == 1
+    assert value(samples, "ptc_output_truncated_total", stream="stderr") == 0
+    assert value(samples, "ptc_executions_total", status="lost") == 1
+    assert value(samples, "ptc_execution_duration_seconds_count") == 3
+    assert value(samples, "ptc_execution_duration_seconds_sum") == 4  # 2 + 2 + 0
+    assert value(samples, "ptc_queue_wait_seconds_sum") == 5  # 1 + 1 + 3
+    assert value(samples, "ptc_callback_deliveries_total", outcome="http_error") == 1
+    assert value(samples, "ptc_callback_deliveries_total", outcome="delivered") == 1
+    assert value(samples, "ptc_callbacks_total", state="delivered") == 1
 
 
 def test_job_gauge_counts_live_jobs_by_status_and_sessions_are_set() -> None:
