@@ -11,7 +11,8 @@
 #   - a Docker engine: when none answers, Debian's docker.io is installed (root)
 #     and dockerd started without any bridge network (--bridge=none
 #     --iptables=false --ip-forward=false); sandboxes never need one;
-#   - the sandbox image (sandbox_image/build.sh; offline base when no registry).
+#   - the sandbox image (sandbox_image/build.sh; offline base when no registry);
+#   - for the tests only: Debian's prometheus (a real Prometheus scrapes the service in a test).
 # Env: PTC_SANDBOX_IMAGE (image tag), PYTHON (interpreter for the venv),
 #      PTC_DOCKERD_LOG (default /var/log/ptc-dockerd.log).
 set -euo pipefail
@@ -67,10 +68,25 @@ setup_engine() {
   exit 1
 }
 
+setup_prometheus() {
+  if command -v prometheus >/dev/null; then return; fi
+  # The package's postinst starts a daemon on :9090 unless policy-rc.d forbids it: the tests start their own.
+  local policy=/usr/sbin/policy-rc.d added=""
+  if [ ! -e "$policy" ]; then
+    as_root sh -c "printf '#!/bin/sh\nexit 101\n' >'$policy' && chmod 755 '$policy'"
+    added=1
+  fi
+  local status=0
+  apt_install --no-install-recommends prometheus || status=$?
+  if [ -n "$added" ]; then as_root rm -f "$policy"; fi
+  return "$status"
+}
+
 setup() {
   setup_venv "${1:-}"
   setup_engine
   sandbox_image/build.sh >/dev/null
+  if [ "${1:-}" = "[test]" ]; then setup_prometheus; fi
 }
 
 case "${1:-}" in

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import resource
 import sys
 
+import prometheus_client
 import uvicorn
 
+from service import logs
 from service.api import create_app
 from service.settings import Settings
 
@@ -24,14 +25,15 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = Settings(**overrides)
     _raise_open_files_limit()
-    logging.basicConfig(
-        level=settings.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.configure(settings.log_level, settings.log_format)
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series
     uvicorn.run(
         create_app(settings),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        log_config=None,  # uvicorn's records go through the handler of logs.configure
+        access_log=False,  # the service logs each request itself (the "request" event)
         timeout_graceful_shutdown=10,
     )
     return 0

@@ -32,6 +32,7 @@ from service.errors import (
     TooManySessions,
 )
 from service.jobs import JobManager, view_bytes, wait_for_end_or_client
+from service.metrics import CONTENT_TYPE, HttpObserver, Metrics
 from service.sandbox.base import SandboxBackend, Stream
 from service.schemas import (
     CallRecord,
@@ -137,7 +138,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         endpoints = EndpointClients(settings.tool_timeout_s, settings.max_tool_result_bytes)
         store = SQLiteJobStore(settings.job_store_path())
         await store.open()
-        jobs = JobManager(settings, backend, endpoints, store)
+        jobs = JobManager(settings, backend, endpoints, store, metrics)
         await jobs.start()
         app.state.jobs, app.state.backend = jobs, backend
         ok, reason = await backend.ready(settings.sandbox_image)
@@ -159,7 +160,9 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             await backend.close()
 
     app = FastAPI(title="ptc-sandbox", version=__version__, lifespan=lifespan)
+    metrics = app.state.metrics = Metrics(settings)
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+    app.add_middleware(HttpObserver, metrics=metrics, routes=app.router.routes)  # outermost: sees every answer
     _install_error_handlers(app)
 
     def jobs_of(request: Request) -> JobManager:
@@ -179,6 +182,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         """
         manager = jobs_of(request)
         job = await manager.submit(body)
+        request.state.job_id = job.id  # for the request's log event
         await wait_for_end_or_client(job, job.limits.wait_s)  # a client-executed call needs the caller now
         if not job.done.is_set():
             return json_view(job.view_dict(), 202)
@@ -340,6 +344,11 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     async def healthz() -> dict[str, str]:
         """Liveness: the process answers."""
         return {"status": "ok"}
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
+    async def metrics_route() -> Response:
+        """Prometheus metrics (text format 0.0.4); the names and labels are listed in the README."""
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
     @app.get("/readyz", responses={503: {}})
     async def readyz(request: Request) -> Response:

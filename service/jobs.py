@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 import orjson
 
-from service import callbacks
+from service import callbacks, logs
 from service.broker import Broker
 from service.errors import (
     CallNotPending,
@@ -52,6 +52,7 @@ from service.errors import (
     SandboxError,
     WorkDirBusy,
 )
+from service.metrics import Metrics
 from service.output import CappedStream, OutputLog, decode_slice, read_range
 from service.pool import RUNTIME_LABEL, WarmPools
 from service.sandbox.base import ExitStatus, SandboxBackend, SandboxSpec, Stream, write_run_files
@@ -246,10 +247,16 @@ class JobManager:
         backend: the sandbox backend.
         endpoints: shared endpoint clients used by every job's broker.
         store: the job store (opened and closed by the caller).
+        metrics: where jobs, sandbox starts, tool calls and callbacks are counted; default: a registry of its own.
     """
 
     def __init__(
-        self, settings: Settings, backend: SandboxBackend, endpoints: EndpointClients, store: JobStore
+        self,
+        settings: Settings,
+        backend: SandboxBackend,
+        endpoints: EndpointClients,
+        store: JobStore,
+        metrics: Metrics | None = None,
     ) -> None:
         self._settings = settings
         self._backend = backend
@@ -276,8 +283,15 @@ class JobManager:
             settings.warm_pool_max_profiles,
         )
         self._manifests = ManifestCache(self._installation_salt())
+        self._metrics = metrics or Metrics(settings)
+        self._metrics.track_jobs(self._live)
+        self._metrics.track_pools(self._pool.sizes)
         self._sessions = SessionManager(
-            backend, settings.work_dir / "sessions", settings.max_sessions, before_end=self._end_session_jobs
+            backend,
+            settings.work_dir / "sessions",
+            settings.max_sessions,
+            before_end=self._end_session_jobs,
+            on_count=self._metrics.set_sessions,
         )
 
     # -- start-up, shutdown, retention ---------------------------------------------------------
@@ -354,6 +368,7 @@ class JobManager:
             ],
         )
         await self._store.put(stored_job(view, stored.instance_id))
+        self._metrics.job_lost()
         log.warning("job %s was %s when the service last stopped: marked lost", stored.job_id, stored.status)
 
     def _installation_salt(self) -> bytes:
@@ -522,6 +537,7 @@ class JobManager:
         )
 
     async def _save(self, job: Job) -> None:
+        logs.job(job)  # every save is a status change
         view = job.view_dict()
         try:
             row = stored_job(view, self._instance)
@@ -568,7 +584,7 @@ class JobManager:
             settings.max_tool_calls,
             settings.max_request_line_bytes,
             settings.max_record_bytes,
-            on_call_end=lambda _record: job.notify(),
+            on_call_end=lambda record: self._call_ended(job, record),
             client_call_timeout_s=settings.client_call_timeout_s,
             on_client_calls=lambda waiting: self._client_calls_changed(job, waiting),
         )
@@ -586,6 +602,7 @@ class JobManager:
                 job.error = {"type": "stopped", "message": "stopped before it started"}
                 return
             try:
+                begin = time.monotonic()
                 spec = self._spec(job.limits, {}, self._jobs_dir / job.id, job.id, {})
                 sandbox = self._pool.take(spec)
                 job.sandbox_start = "warm" if sandbox is not None else "cold"
@@ -599,6 +616,8 @@ class JobManager:
                 await asyncio.to_thread(write_run_files, sandbox.folder, request.script, manifest.stub_source)
                 await broker.start(sandbox.folder / "tools.sock")
                 run = await sandbox.run(job.id, request.env, job.sink)
+                self._metrics.sandbox_started(job.sandbox_start, time.monotonic() - begin)
+                logs.sandbox("sandbox_start", job.id, job.sandbox_id, time.monotonic() - begin, mode=job.sandbox_start)
                 exit_status, ended_by = await self._supervise(job, run, started)
                 self._finish(job, exit_status, ended_by, broker)
             finally:
@@ -647,6 +666,7 @@ class JobManager:
                         "message": f"the session ended ({session.status}) before this script's turn",
                     }
                     return
+                begin = time.monotonic()
                 session.current_job_id = job.id
                 sandbox = session.sandbox
                 stubs = None if session.stub_source == manifest.stub_source else manifest.stub_source
@@ -659,6 +679,8 @@ class JobManager:
                 await self._set_status(job, "running")
                 started = time.monotonic()
                 run = await sandbox.run(job.id, request.env, job.sink)
+                self._metrics.sandbox_started("session", time.monotonic() - begin)
+                logs.sandbox("sandbox_start", job.id, job.sandbox_id, time.monotonic() - begin, mode="session")
                 exit_status, ended_by = await self._supervise(job, run, started)
                 self._finish(job, exit_status, ended_by, broker)
             finally:
@@ -701,6 +723,12 @@ class JobManager:
             stop.cancel()
             if not waiting.done():
                 waiting.cancel()
+
+    def _call_ended(self, job: Job, record: dict[str, Any]) -> None:
+        """A tool call of ``job`` has its outcome: wake followers, count it, log it (debug level)."""
+        job.notify()
+        self._metrics.tool_call(record)
+        logs.tool_call(job.id, record)
 
     def _client_calls_changed(self, job: Job, waiting: int) -> None:
         """``waiting`` while client-executed calls wait for answers, ``running`` again when none does."""
@@ -772,6 +800,7 @@ class JobManager:
             job.ended_at = _now()
             if job.status not in TERMINAL_STATUSES:
                 job.status = "lost"
+            self._metrics.job_ended(job)
             try:
                 await self._save(job)
             except Exception:
@@ -785,6 +814,7 @@ class JobManager:
             if job.callback_url:
                 self._spawn(self._deliver_callback(job.id), f"callback {job.id}")
             if sandbox is not None:  # its removal never fails loudly; the start-up sweep catches what it misses
+                sandbox.stop_reason = job.status
                 removal = asyncio.ensure_future(sandbox.destroy())
                 self._removals.add(removal)
                 removal.add_done_callback(self._removals.discard)
@@ -809,6 +839,7 @@ class JobManager:
         pending: list[asyncio.Task[None]] = []
 
         def on_attempt(attempt: dict[str, Any]) -> None:
+            self._metrics.callback_attempt(attempt)
             callback["attempts"].append(attempt)
             pending.append(asyncio.ensure_future(self._put_view(stored, view)))
 
@@ -823,6 +854,7 @@ class JobManager:
             on_attempt=on_attempt,
         )
         callback["state"] = "delivered" if delivered else "failed"
+        self._metrics.callback_done(delivered)
         await asyncio.gather(*pending, return_exceptions=True)
         await self._put_view(stored, view)
         if not delivered:

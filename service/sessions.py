@@ -27,6 +27,7 @@ import logging
 import os
 import secrets
 import shutil
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from typing import Any
 
 import orjson
 
+from service import logs
 from service.errors import SandboxError, SessionClosed, SessionNotFound, TooManySessions
 from service.sandbox.base import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec, Stream
 
@@ -94,6 +96,8 @@ class SessionSandbox:
         self.folder = spec.job_dir
         self.handle: SandboxHandle | None = None
         self.broken: str | None = None
+        self.job_id: str | None = None  # the job it ran last (one-shot sandboxes: its only one), for logs
+        self.stop_reason = "session"  # what the sandbox_stop log event says when it is removed
         self._server: asyncio.AbstractServer | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._hello: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -202,6 +206,7 @@ class SessionSandbox:
         """Start the script already written to the folder; the caller holds the session's turn."""
         run = SessionRun(self, job_id, sink)
         self._run = run
+        self.job_id = job_id
         try:
             await self.send({"op": "run", "id": job_id, "env": env})
         except BaseException:
@@ -221,10 +226,13 @@ class SessionSandbox:
         if self._writer is not None:
             self._writer.close()
         if self.handle is not None:
+            begin, why = time.monotonic(), "broken" if self.broken else self.stop_reason  # before an await can break it
             try:
                 await self._backend.remove(self.handle)
             except SandboxError as exc:
                 log.warning("session %s: could not remove its sandbox: %s", self.folder.name, exc)
+            stop_s = time.monotonic() - begin
+            logs.sandbox("sandbox_stop", self.job_id, self.handle.id, stop_s, folder=self.folder.name, reason=why)
         if self._reader is not None and self._reader is not asyncio.current_task():
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._reader), 5)

@@ -74,7 +74,15 @@ class Settings(BaseSettings):
         ge=1024,
         description="Bytes of arguments and results a job's call records may hold; later calls are refused (bytes).",
     )
-    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level; debug adds tool arguments and results to the logs."
+    )
+    log_format: Literal["json", "text"] = Field(
+        "json", description="Log lines as JSON objects (one per event) or as plain text."
+    )
+    metrics_max_tools: int = Field(
+        100, ge=0, description="Distinct tool names that get their own metrics label; later ones count as other."
+    )
 
     store_path: Path | None = Field(None, description="SQLite job store file; default: jobs.sqlite3 in the work dir.")
     output_retention_bytes: int = Field(

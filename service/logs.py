@@ -1,0 +1,211 @@
+"""Structured logs: one JSON object per line on stderr, one line per event.
+
+Every line has ``ts`` (ISO 8601, UTC), ``level``, ``logger`` and ``event``;
+ordinary log messages have ``event: "log"`` and ``msg`` (and ``exc``, the
+traceback, when there is one). The events (logger ``service.events``):
+
+==================  ===========================================================================================
+event               fields
+==================  ===========================================================================================
+``request``         ``method``, ``route`` (template), ``path``, ``status``, ``duration_ms``, ``job_id`` (of the path,
+                    or the job a ``POST /execute`` created), ``key``
+``job``             ``job_id``, ``status``, ``key``; when it ends also ``exit_code``, ``error_type``,
+                    ``duration_ms``, ``queue_ms``, ``sandbox_start``, ``sandbox_id``, ``calls``,
+                    ``stdout_bytes``, ``stderr_bytes``
+``sandbox_start``   ``job_id``, ``sandbox_id``, ``mode`` (warm, cold, session), ``start_ms``; with ``job_id`` null,
+                    a container started ahead of jobs: ``mode`` pool, or session (with ``session_id``)
+``sandbox_stop``    ``job_id`` (null for pool and session sandboxes), ``sandbox_id``, ``reason``, ``stop_ms``
+``tool_calls``      ``job_id``, ``key``, ``calls``, ``by_status``, ``by_tool`` (``{tool: {status: n}}``, at most
+                    ``SUMMARY_TOOLS`` tools, the rest under ``other``), ``call_ms_total``, ``call_ms_max``
+``tool_call``       (debug level only) ``job_id``, ``seq``, ``tool``, ``status``, ``duration_ms``, ``args``,
+                    ``result``, ``error``
+==================  ===========================================================================================
+
+What never appears at ``info``: script source, output, tool arguments and
+results, error messages (which may quote the script's data; their ``type``
+does appear), header values and secrets. With ``PTC_LOG_LEVEL=debug`` the
+``tool_call`` events carry arguments, results and error messages; secrets
+(endpoint headers, the callback secret) never appear at any level. Requests
+of ``/healthz``, ``/readyz`` and ``/metrics`` are logged at debug level only.
+
+``key`` is the name of the API key that made the request: whoever checks keys
+calls ``bind_key(request, name)``; jobs carry the key of the request that
+submitted them. Without authentication it is null. ``PTC_LOG_FORMAT=text``
+gives the same events as ``event key=value ...`` text lines instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections import Counter
+from collections.abc import Mapping
+from contextvars import ContextVar
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.requests import Request
+from starlette.types import Scope
+
+if TYPE_CHECKING:
+    from service.jobs import Job
+
+EVENTS = logging.getLogger("service.events")
+KEY_NAME: ContextVar[str | None] = ContextVar("ptc_key_name", default=None)
+QUIET_ROUTES = frozenset({"/healthz", "/readyz", "/metrics"})
+QUIET_LIBRARIES = ("httpx", "httpcore")
+TERMINAL = frozenset({"succeeded", "failed", "timed_out", "stopped", "oom_killed", "lost"})
+SUMMARY_TOOLS = 20
+PATH_CHARS = 200
+_job_keys: dict[str, str | None] = {}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: ``ts``, ``level``, ``logger``, ``event``, then the event's fields or ``msg``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "event": getattr(record, "event", "log"),
+        }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            line.update(fields)
+        else:
+            line["msg"] = record.getMessage()
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(line, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
+
+
+def configure(level: str, fmt: str) -> None:
+    """Send every log record (uvicorn's included) to stderr as JSON lines (``fmt="json"``) or text lines."""
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):  # no handlers of their own: through ours
+        logging.getLogger(name).handlers.clear()
+        logging.getLogger(name).propagate = True
+    for name in QUIET_LIBRARIES:  # a line per HTTP request with its full URL (a tool's query may hold a key)
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+class _Text:
+    """The text form of an event (``name k=v ...``), rendered only when a text handler asks for it."""
+
+    def __init__(self, name: str, fields: Mapping[str, Any]) -> None:
+        self.name, self.fields = name, fields
+
+    def __str__(self) -> str:
+        pairs = " ".join(f"{k}={orjson.dumps(v, default=str).decode()}" for k, v in self.fields.items())
+        return f"{self.name} {pairs}"
+
+
+def event(name: str, level: int = logging.INFO, **fields: Any) -> None:
+    """Log one event with its fields (JSON-able values)."""
+    if EVENTS.isEnabledFor(level):
+        EVENTS.log(level, "%s", _Text(name, fields), extra={"event": name, "fields": fields})
+
+
+def bind_key(request: Request, name: str | None) -> None:
+    """Record the API key name of ``request``: in its ``request`` event and in the jobs it submits."""
+    request.state.key_name = name
+    KEY_NAME.set(name)
+
+
+def request(scope: Scope, route: str, status: int, seconds: float) -> None:
+    """The ``request`` event of an answered HTTP request (probes and scrapes at debug level)."""
+    state = scope.get("state")
+    state = state if isinstance(state, dict) else {}
+    event(
+        "request",
+        logging.DEBUG if route in QUIET_ROUTES else logging.INFO,
+        method=scope.get("method"),
+        route=route,
+        path=str(scope.get("path", ""))[:PATH_CHARS],
+        status=status,
+        duration_ms=round(seconds * 1000, 3),
+        job_id=(scope.get("path_params") or {}).get("job_id") or state.get("job_id"),
+        key=state.get("key_name"),
+    )
+
+
+def job(job: Job) -> None:
+    """The ``job`` event of a status change; when the job has ended, also its ``tool_calls`` summary."""
+    if job.id not in _job_keys:
+        _job_keys[job.id] = KEY_NAME.get()
+    key = _job_keys[job.id]
+    fields: dict[str, Any] = {"job_id": job.id, "status": job.status, "key": key}
+    if job.started_at is not None and job.status == "running":
+        fields["queue_ms"] = _ms(job.created_at, job.started_at)
+    if job.status in TERMINAL:
+        _job_keys.pop(job.id, None)
+        fields.update(
+            exit_code=job.exit_code,
+            error_type=(job.error or {}).get("type"),
+            duration_ms=_ms(job.started_at, job.ended_at),
+            queue_ms=_ms(job.created_at, job.started_at or job.ended_at),
+            sandbox_start=job.sandbox_start,
+            sandbox_id=job.sandbox_id,
+            calls=len(job.calls),
+            stdout_bytes=job.stdout.inline.total_bytes,
+            stderr_bytes=job.stderr.inline.total_bytes,
+        )
+    event("job", **fields)
+    if job.status in TERMINAL and job.calls:
+        tool_calls(job.id, key, job.calls)
+
+
+def tool_calls(job_id: str, key: str | None, records: list[dict[str, Any]]) -> None:
+    """The ``tool_calls`` summary of a job: counts by status and by tool, call time; never arguments or results."""
+    by_tool: dict[str, Counter[str]] = {}
+    for record in records:
+        name = str(record.get("tool"))
+        if name not in by_tool and len(by_tool) >= SUMMARY_TOOLS:
+            name = "other"
+        by_tool.setdefault(name, Counter())[str(record.get("status"))] += 1
+    durations = [float(r.get("duration_ms") or 0) for r in records]
+    event(
+        "tool_calls",
+        job_id=job_id,
+        key=key,
+        calls=len(records),
+        by_status=dict(Counter(str(r.get("status")) for r in records)),
+        by_tool={name: dict(counts) for name, counts in by_tool.items()},
+        call_ms_total=round(sum(durations), 3),
+        call_ms_max=max(durations, default=0.0),
+    )
+
+
+def tool_call(job_id: str, record: Mapping[str, Any]) -> None:
+    """A ``tool_call`` event with the call's arguments and result: debug level only."""
+    if EVENTS.isEnabledFor(logging.DEBUG):
+        event(
+            "tool_call",
+            logging.DEBUG,
+            job_id=job_id,
+            **{k: record.get(k) for k in ("seq", "tool", "status", "duration_ms", "args", "result", "error")},
+        )
+
+
+def sandbox(name: str, job_id: str | None, sandbox_id: str | None, seconds: float, **fields: Any) -> None:
+    """A ``sandbox_start`` or ``sandbox_stop`` event (``start_ms`` / ``stop_ms`` from ``seconds``)."""
+    timing = "start_ms" if name == "sandbox_start" else "stop_ms"
+    ident = sandbox_id[:12] if sandbox_id else None
+    event(name, **{"job_id": job_id, "sandbox_id": ident, **fields, timing: round(seconds * 1000, 3)})
+
+
+def _ms(start: datetime | None, end: datetime | None) -> float | None:
+    if start is None or end is None:
+        return None
+    return round((end - start).total_seconds() * 1000, 3)
