@@ -18,17 +18,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import __version__
+from service.auth import BearerAuth, configure, open_paths
+from service.egress import EgressPolicy
 from service.errors import (
     CallNotPending,
     EngineUnavailable,
     InvalidField,
     JobNotFound,
     ManifestError,
+    PayloadTooLarge,
     QueueFull,
     RequestLimitError,
     SandboxError,
 )
 from service.jobs import JobManager, view_bytes, wait_for_end_or_client
+from service.limits import check_execute, check_manifest_request
+from service.openapi import document
 from service.sandbox.base import SandboxBackend, Stream
 from service.schemas import (
     CallRecord,
@@ -48,7 +53,6 @@ from service.toolkit.stubs import USAGE
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 8 * 1024 * 1024
 DRAIN_BYTES = 64 * 1024 * 1024
 PROBLEM = "application/problem+json"
 
@@ -118,8 +122,12 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     Args:
         settings: configuration; default: read from ``PTC_*`` environment variables.
         backend: sandbox backend; default: ``DockerBackend`` on ``settings.docker_host``.
+
+    Raises:
+        InsecureConfig: the authentication settings are unusable or unsafe (``auth.configure``).
     """
     settings = settings or Settings()
+    keys = configure(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -128,7 +136,9 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             from service.sandbox.docker import DockerBackend
 
             backend = DockerBackend(settings.docker_host, max_workers=4 * settings.concurrency() + 8)
-        endpoints = EndpointClients(settings.tool_timeout_s, settings.max_tool_result_bytes)
+        endpoints = EndpointClients(
+            settings.tool_timeout_s, settings.max_tool_result_bytes, EgressPolicy(settings.egress_allow)
+        )
         store = SQLiteJobStore(settings.job_store_path())
         await store.open()
         jobs = JobManager(settings, backend, endpoints, store)
@@ -153,7 +163,11 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             await backend.close()
 
     app = FastAPI(title="ptc-sandbox", version=__version__, lifespan=lifespan)
-    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(  # outermost: no key, no reading of the body
+        BearerAuth, keys=keys, open_paths=open_paths(settings), deny=lambda why: problem(401, "Unauthorized", why)
+    )
+    document(app, open_paths(settings))
     _install_error_handlers(app)
 
     def jobs_of(request: Request) -> JobManager:
@@ -171,6 +185,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         with the view so far (the job runs on until it ends or hits ``timeout_s``).
         A job that could not start because the engine is unreachable answers 503.
         """
+        check_execute(body, settings, request.state.key_name)
         manager = jobs_of(request)
         job = await manager.submit(body)
         await wait_for_end_or_client(job, job.limits.wait_s)  # a client-executed call needs the caller now
@@ -283,6 +298,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     @app.post("/stubs", response_model=StubsView, responses={422: {}})
     async def stubs(body: ManifestRequest, request: Request) -> StubsView:
         """The exact ``tools`` module a sandbox would import for this manifest, and a usage text for the prompt."""
+        check_manifest_request(body, settings, request.state.key_name)
         if body.mcp_servers:
             raise InvalidField(
                 "register MCP servers with POST /toolsets, then pass its toolset", ("body", "mcp_servers")
@@ -293,6 +309,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     @app.post("/toolsets", response_model=ToolsetView, responses={422: {}})
     async def toolsets(body: ManifestRequest, request: Request) -> ToolsetView:
         """Register a manifest once; pass the answer's ``toolset_id`` as ``toolset`` instead of re-sending it."""
+        check_manifest_request(body, settings, request.state.key_name)
         if body.toolset is not None:
             raise InvalidField("POST /toolsets takes tools, not a toolset", ("body", "toolset"))
         compiled = await jobs_of(request).register_toolset(body.tools, body.mcp_servers)
@@ -359,6 +376,16 @@ def _install_error_handlers(app: FastAPI) -> None:
             "Limit exceeds the server maximum" if limit else "Invalid request",
             f"{field}: {exc}",
             errors=[{"loc": list(exc.loc), "msg": str(exc), "type": "limit" if limit else "invalid"}],
+        )
+
+    @app.exception_handler(PayloadTooLarge)
+    async def too_large(_: Request, exc: PayloadTooLarge) -> Response:
+        field = ".".join(str(p) for p in exc.loc if p != "body")
+        return problem(
+            413,
+            "Request body too large",
+            f"{field}: {exc}",
+            errors=[{"loc": list(exc.loc), "msg": str(exc), "type": "too_large"}],
         )
 
     @app.exception_handler(QueueFull)

@@ -3,11 +3,11 @@
     .venv/bin/python -m tests.benchmarks.execute_latency [--n 20] [--url http://127.0.0.1:8080]
 
 Without ``--url`` it starts its own service (instance ``bench-*``, scratch work
-dir). Prints median, p90 and min in milliseconds for, in one run on the same
-machine: the HTTP round trip of ``/execute`` from the warm pool (each request
-after an untimed 0.4 s pause that lets the pool refill) and cold (non-default
-limits, so no pooled sandbox fits),
-``docker run --rm --network none`` of the sandbox image running
+dir); with it, the API key is the token in ``PTC_TOKEN``. Prints median, p90
+and min in milliseconds for, in one run on the same machine: the HTTP round
+trip of ``/execute`` from the warm pool (each request after an untimed 0.4 s
+pause that lets the pool refill) and cold (non-default limits, so no pooled
+sandbox fits), ``docker run --rm --network none`` of the sandbox image running
 ``python3 -c 'print(1)'``, and bare ``/usr/bin/python3 -c 'print(1)'`` as the floor.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import IMAGE, start_service
+from tests.conftest import IMAGE, auth_headers, start_service
 
 
 def timed(fn: Callable[[], None], n: int, warmup: int = 2) -> list[float]:
@@ -54,7 +54,7 @@ def main() -> None:
     service = None if args.url else start_service(f"bench-{secrets.token_hex(4)}", scratch / "svc")
     url = args.url or (service.url if service else "")
     try:
-        with httpx.Client(base_url=url, timeout=60) as api:
+        with httpx.Client(base_url=url, timeout=60, headers=auth_headers(service)) as api:
             starts: dict[str, list[str]] = {"warm": [], "cold": []}
 
             def execute(kind: str, body: dict[str, object], n: int) -> list[float]:
