@@ -167,7 +167,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     app.add_middleware(  # outermost: no key, no reading of the body
         BearerAuth, keys=keys, open_paths=open_paths(settings), deny=lambda why: problem(401, "Unauthorized", why)
     )
-    document(app, open_paths(settings))
+    document(app, open_paths(settings), authenticated=keys is not None)
     _install_error_handlers(app)
 
     def jobs_of(request: Request) -> JobManager:
@@ -231,7 +231,17 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             return Response(await manager.stored_view(job_id), media_type="application/json")
         return json_view(await manager.view(job_id, {"stdout": stdout_offset, "stderr": stderr_offset}))
 
-    @app.get("/jobs/{job_id}/output/{stream}", responses={404: {}})
+    @app.get(
+        "/jobs/{job_id}/output/{stream}",
+        response_class=Response,
+        responses={
+            200: {
+                "description": "The bytes; header X-Offset: where they start.",
+                "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+            },
+            404: {},
+        },
+    )
     async def get_output(
         job_id: str,
         stream: Stream,
@@ -276,7 +286,14 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         """End the job: SIGTERM to the script's processes, SIGKILL after the grace. Idempotent."""
         return json_view(await jobs_of(request).stop(job_id))
 
-    @app.get("/jobs/{job_id}/events", responses={404: {}})
+    @app.get(
+        "/jobs/{job_id}/events",
+        response_class=EventSourceResponse,
+        responses={
+            200: {"description": "An event stream.", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+            404: {},
+        },
+    )
     async def job_events(job_id: str, request: Request) -> EventSourceResponse:
         """Server-Sent Events: ``status``, ``stdout``/``stderr``, ``call`` and a final ``end``."""
         manager = jobs_of(request)

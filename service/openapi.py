@@ -62,8 +62,11 @@ _EXTRA_DESCRIPTIONS = {
 }
 
 
-def document(app: FastAPI, open_paths: frozenset[str]) -> None:
-    """Replace ``app.openapi`` with one that completes FastAPI's document as the module docstring says."""
+def document(app: FastAPI, open_paths: frozenset[str], authenticated: bool = True) -> None:
+    """Replace ``app.openapi`` with one that completes FastAPI's document as the module docstring says.
+
+    ``authenticated=False`` (``PTC_AUTH=disabled``) leaves out the security scheme and the 401s.
+    """
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
@@ -76,27 +79,29 @@ def document(app: FastAPI, open_paths: frozenset[str]) -> None:
         schemas["Problem"] = problem
         for unused in ("HTTPValidationError", "ValidationError"):
             schemas.pop(unused, None)
-        components["securitySchemes"] = {
-            "bearerAuth": {
-                "type": "http",
-                "scheme": "bearer",
-                "description": "An API key (PTC_API_KEYS holds its SHA-256; see README, Authentication).",
+        if authenticated:
+            components["securitySchemes"] = {
+                "bearerAuth": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "An API key (PTC_API_KEYS holds its SHA-256; see README, Authentication).",
+                }
             }
-        }
-        schema["security"] = [{"bearerAuth": []}]
+            schema["security"] = [{"bearerAuth": []}]
         for path, item in schema.get("paths", {}).items():
             for operation in item.values():
-                _complete(operation, path in open_paths)
+                _complete(operation, open_path=not authenticated or path in open_paths, authenticated=authenticated)
         app.openapi_schema = schema
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _complete(operation: dict[str, Any], open_path: bool) -> None:
+def _complete(operation: dict[str, Any], open_path: bool, authenticated: bool) -> None:
     responses: dict[str, Any] = operation.setdefault("responses", {})
     if open_path:
-        operation["security"] = []
+        if authenticated:
+            operation["security"] = []
     else:
         responses["401"] = {
             "headers": {"WWW-Authenticate": {"schema": {"type": "string"}, "description": "Bearer"}},
