@@ -112,8 +112,8 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _BodyTooLarge(BaseException):
+    """Not an Exception: FastAPI turns any Exception raised while it reads a body into a 400."""
 
 
 def create_app(settings: Settings | None = None, backend: SandboxBackend | None = None) -> FastAPI:

@@ -159,6 +159,37 @@ def service(engine: docker.DockerClient, scratch: Path) -> Iterator[Service]:
     assert not left, f"containers left behind: {[c.name for c in left]}"
 
 
+SMALL_TOKEN = secrets.token_urlsafe(32)
+SMALL_KEY_LIMITS = '{"small": {"timeout_s": 1, "tools": 2}}'
+
+
+@pytest.fixture(scope="session")
+def restricted_service(engine: docker.DockerClient, scratch: Path, tool_server: ToolServer) -> Iterator[Service]:
+    """A second service with narrow operator settings: egress only to the tool server's port, timeouts and
+    waits of at most 10 s, no warm pool, and besides its ``pytest`` key a key ``small`` (token ``SMALL_TOKEN``,
+    from ``PTC_API_KEYS_FILE``) limited to ``timeout_s`` 1 and 2 tools."""
+    port = tool_server.url("").rsplit(":", 1)[1].split("/")[0]
+    keys_file = scratch / "restricted.keys"
+    keys_file.write_text(f"# the small agent\nsmall:{hash_token(SMALL_TOKEN)}\n")
+    svc = start_service(
+        f"pytest-{secrets.token_hex(4)}",
+        scratch / "restricted",
+        PTC_WARM_POOL_SIZE="0",
+        PTC_EGRESS_ALLOW=f"http://127.0.0.1:{port}",
+        PTC_API_KEYS_FILE=str(keys_file),
+        PTC_KEY_LIMITS=SMALL_KEY_LIMITS,
+        PTC_MAX_TIMEOUT_S="10",
+        PTC_DEFAULT_TIMEOUT_S="10",
+        PTC_MAX_WAIT_S="10",
+        PTC_DEFAULT_WAIT_S="10",
+        PTC_CALLBACK_SECRET=secrets.token_hex(16),
+    )
+    yield svc
+    svc.stop()
+    left = labelled_containers(engine, svc.instance_id, include_pool=True)
+    assert not left, f"containers left behind: {[c.name for c in left]}"
+
+
 @pytest.fixture(scope="session")
 def api(service: Service) -> Iterator[httpx.Client]:
     with service.client() as client:
