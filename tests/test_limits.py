@@ -14,7 +14,7 @@ from service.api import create_app
 from service.auth import hash_token
 from service.errors import RequestLimitError
 from service.limits import check_execute
-from service.schemas import ExecuteRequest
+from service.schemas import ExecuteRequest, Limits
 from service.settings import KeyLimits, Settings
 from tests.conftest import SMALL_TOKEN, Service, execute
 
@@ -124,7 +124,7 @@ def test_unset_limits_get_the_server_default_lowered_to_the_key_maximum(tmp_path
     check_execute(body, config, "big")
     assert body.timeout_s is None and body.limits.memory_mb is None
     with pytest.raises(RequestLimitError):
-        check_execute(ExecuteRequest(script="", limits={"memory_mb": 65}), config, "small")  # type: ignore[arg-type]
+        check_execute(ExecuteRequest(script="", limits=Limits(memory_mb=65)), config, "small")
 
 
 def test_the_small_key_times_out_at_its_own_maximum(restricted_service: Service) -> None:
