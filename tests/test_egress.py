@@ -23,6 +23,7 @@ from service import callbacks
 from service.egress import LOOPBACK_RULES, EgressDenied, EgressPolicy, EgressRule, is_public
 from service.toolkit.endpoints import EndpointClients, ToolCallFailed
 from service.toolkit.manifest import parse_tool
+from tests.conftest import Service, execute
 from tests.toolserver import ToolServer
 
 METADATA_AND_PRIVATE = [
@@ -319,3 +320,57 @@ async def test_callbacks_off_the_list_make_one_attempt_and_send_nothing(off_list
     assert time.monotonic() - started < 1  # not retried
     assert len(attempts) == 1 and attempts[0]["error"].startswith("egress_denied: ")
     assert off_list[0].accepted == 0
+
+
+# -- the real service: a script's calls -----------------------------------------------------------------
+
+
+def test_a_script_gets_egress_denied_at_the_first_call_and_nothing_is_sent(
+    restricted_service: Service, tool_server: ToolServer, off_list: list[Listener]
+) -> None:
+    """The service allows only the tool server's port: metadata, a private address, 127.0.0.2 and another
+    port of 127.0.0.1 are each refused at the first call with a ToolError; the listeners see nothing."""
+    targets = {
+        "metadata": "http://169.254.169.254/latest/meta-data/iam",
+        "private": "http://10.0.0.1:8080/tool",
+        "other_host": off_list[0].url,
+        "other_port": off_list[1].url,
+        "allowed": tool_server.url("triangle_area"),
+    }
+    tools = [
+        {
+            "name": name,
+            "parameters": {"type": "object", "additionalProperties": True},
+            "endpoint": {"kind": "http", "url": url},
+        }
+        for name, url in targets.items()
+    ] + [{"name": "mcp_metadata", "endpoint": {"kind": "mcp", "url": "http://169.254.169.254/mcp"}}]
+    script = (
+        "import tools\n"
+        "for name in ['metadata', 'private', 'other_host', 'other_port', 'mcp_metadata']:\n"
+        "    try:\n"
+        "        getattr(tools, name)()\n"
+        "    except tools.ToolError as e:\n"
+        "        print(name, e.type)\n"
+        "print(tools.allowed(base=3, height=4))\n"
+    )
+    with restricted_service.client() as api:
+        view = execute(api, script, tools)
+        assert view["status"] == "succeeded", view
+        assert view["stdout"].splitlines() == [
+            "metadata egress_denied",
+            "private egress_denied",
+            "other_host egress_denied",
+            "other_port egress_denied",
+            "mcp_metadata egress_denied",
+            "6.0",
+        ]
+        denied = [c for c in view["calls"] if c["status"] == "error"]
+        assert [c["error"]["type"] for c in denied] == ["egress_denied"] * 5
+        assert "169.254.169.254" in denied[0]["error"]["message"]
+        assert all(c["duration_ms"] < 1000 for c in denied)
+        callback = api.post("/execute", json={"script": "", "callback_url": off_list[0].url})
+        assert callback.status_code == 422
+        assert callback.json()["detail"].startswith("callback_url: ")
+    time.sleep(0.3)
+    assert [listener.accepted for listener in off_list] == [0, 0]
