@@ -13,6 +13,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BeforeValidator
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -55,6 +56,16 @@ log = logging.getLogger(__name__)
 
 DRAIN_BYTES = 64 * 1024 * 1024
 PROBLEM = "application/problem+json"
+
+
+_SSE_EVENT = {  # one event of GET /jobs/{id}/events; data is JSON text
+    "type": "object",
+    "properties": {
+        "event": {"type": "string", "enum": ["status", "stdout", "stderr", "call", "end"]},
+        "data": {"type": "string"},
+    },
+    "required": ["data"],
+}
 
 
 def problem(status: int, title: str, detail: str, type_: str = "about:blank", **extra: Any) -> JSONResponse:
@@ -199,8 +210,8 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     async def list_jobs(
         request: Request,
         status: Annotated[list[JobStatus] | None, Query(description="Keep only these statuses.")] = None,
-        created_after: Annotated[datetime | None, Query(description="ISO 8601; exclusive.")] = None,
-        created_before: Annotated[datetime | None, Query(description="ISO 8601; exclusive.")] = None,
+        created_after: Annotated[IsoDateTime | None, Query(description="ISO 8601; exclusive.")] = None,
+        created_before: Annotated[IsoDateTime | None, Query(description="ISO 8601; exclusive.")] = None,
         cursor: Annotated[str | None, Query(description="next_cursor of the previous page.")] = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
     ) -> JobList:
@@ -290,7 +301,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         "/jobs/{job_id}/events",
         response_class=EventSourceResponse,
         responses={
-            200: {"description": "An event stream.", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+            200: {"description": "An event stream.", "content": {"text/event-stream": {"schema": _SSE_EVENT}}},
             404: {},
         },
     )
@@ -346,6 +357,19 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         return JSONResponse({"status": "ready", "image": settings.sandbox_image})
 
     return app
+
+
+def _iso8601(value: object) -> object:
+    """Only ISO 8601 text is a date-time here (pydantic alone would also take numbers as unix seconds)."""
+    if isinstance(value, str):
+        try:
+            datetime.fromisoformat(value)
+        except ValueError:
+            raise ValueError("not an ISO 8601 date-time") from None
+    return value
+
+
+IsoDateTime = Annotated[datetime, BeforeValidator(_iso8601)]
 
 
 def _utc(value: datetime | None) -> datetime | None:
@@ -433,7 +457,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return problem(exc.status_code, str(exc.detail), str(exc.detail))
+        response = problem(exc.status_code, str(exc.detail), str(exc.detail))
+        response.headers.update(exc.headers or {})  # e.g. Allow of a 405
+        return response
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:

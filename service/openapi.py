@@ -9,7 +9,7 @@ see is added here, for every operation (so new routes are covered too):
 - ``401`` on every operation that needs an API key, with its
   ``WWW-Authenticate`` header; the ``bearerAuth`` security scheme, required
   everywhere but on the open paths (``security: []`` there);
-- ``413`` on operations with a body, ``422`` on operations with parameters or a
+- ``400`` (an unreadable body) and ``413`` on operations with a body, ``422`` on operations with parameters or a
   body, and ``500`` on all.
 """
 
@@ -55,6 +55,7 @@ def _describe(code: str) -> str:
 
 
 _EXTRA_DESCRIPTIONS = {
+    "400": "The body cannot be read as JSON text (e.g. not UTF-8).",
     "401": "No API key, or not a valid one (WWW-Authenticate: Bearer).",
     "413": "The body, its script or its manifest is larger than the server allows.",
     "422": "The request is not valid: detail starts with the field at fault.",
@@ -107,6 +108,7 @@ def _complete(operation: dict[str, Any], open_path: bool, authenticated: bool) -
             "headers": {"WWW-Authenticate": {"schema": {"type": "string"}, "description": "Bearer"}},
         }
     if "requestBody" in operation:
+        responses.setdefault("400", {})
         responses.setdefault("413", {})
     if operation.get("parameters") or "requestBody" in operation:
         responses["422"] = {}
