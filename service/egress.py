@@ -64,6 +64,7 @@ METADATA_ADDRESSES: frozenset[IPAddress] = frozenset(
     for a in ("169.254.169.254", "fd00:ec2::254", "168.63.129.16", "100.100.100.200", "192.0.0.192")
 )
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
+MAX_TLS_POOLS = 256  # https connection pools (one per name) an EgressTransport keeps
 
 
 class EgressDenied(PtcError):
@@ -281,6 +282,11 @@ class EgressTransport(httpx.AsyncBaseTransport):
     original ``Host`` header and, for https, the original name as TLS server name (so the certificate
     is verified against the name).
 
+    Connection pools are keyed by address, so https gets one pool per name (up to ``MAX_TLS_POOLS``;
+    names past that share a pool that keeps no connection open): a TLS connection verified for one
+    name is never reused for another name on the same address. Plain http shares one pool (its
+    ``Host`` header routes each request).
+
     Raises (from ``handle_async_request``):
         EgressDenied: before anything is sent.
         httpx.ConnectError: the name does not resolve, or no allowed address accepts a connection.
@@ -288,13 +294,29 @@ class EgressTransport(httpx.AsyncBaseTransport):
 
     def __init__(self, policy: EgressPolicy, **kwargs: Any) -> None:
         self._policy = policy
-        self._inner = httpx.AsyncHTTPTransport(**kwargs)
+        self._kwargs = kwargs
+        self._plain = httpx.AsyncHTTPTransport(**kwargs)
+        self._tls: dict[str, httpx.AsyncHTTPTransport] = {}
+        limits: httpx.Limits = kwargs.get("limits", httpx.Limits())
+        unpooled = httpx.Limits(max_connections=limits.max_connections, max_keepalive_connections=0)
+        self._tls_overflow = httpx.AsyncHTTPTransport(**{**kwargs, "limits": unpooled})
+
+    def _transport(self, target: Target) -> httpx.AsyncHTTPTransport:
+        if target.scheme != "https":
+            return self._plain
+        transport = self._tls.get(target.host)
+        if transport is None:
+            if len(self._tls) >= MAX_TLS_POOLS:
+                return self._tls_overflow
+            transport = self._tls[target.host] = httpx.AsyncHTTPTransport(**self._kwargs)
+        return transport
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         target, addresses = await self._policy.resolve(request.url)
         extensions = dict(request.extensions)
         if target.scheme == "https":
             extensions["sni_hostname"] = target.host
+        inner = self._transport(target)
         failure: httpx.ConnectError | None = None
         for address in addresses:
             pinned = httpx.Request(
@@ -305,11 +327,12 @@ class EgressTransport(httpx.AsyncBaseTransport):
                 extensions=extensions,
             )
             try:
-                return await self._inner.handle_async_request(pinned)
+                return await inner.handle_async_request(pinned)
             except httpx.ConnectError as exc:
                 failure = exc
         assert failure is not None
         raise failure
 
     async def aclose(self) -> None:
-        await self._inner.aclose()
+        for transport in (self._plain, self._tls_overflow, *self._tls.values()):
+            await transport.aclose()

@@ -10,10 +10,16 @@ no connection at all.
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import socket
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -251,6 +257,58 @@ async def test_names_are_resolved_once_per_call_and_the_checked_address_is_used(
             await strict.aclose()
     finally:
         await clients.aclose()
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path) -> Iterator[tuple[int, Path]]:
+    """An https server on 127.0.0.1 whose self-signed certificate names only ``tools.test``; (port, cert)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=tools.test",
+         "-addext", "subjectAltName=DNS:tools.test", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+
+    class Hello(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: a pooled connection could be reused
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            body = json.dumps({"host": self.headers["Host"]}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Hello)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield int(httpd.server_address[1]), cert
+    httpd.shutdown()
+    httpd.server_close()
+
+
+async def test_https_to_the_checked_address_verifies_the_certificate_against_the_name(
+    fake_dns: dict[str, list[str]], tls_server: tuple[int, Path]
+) -> None:
+    port, cert = tls_server
+    fake_dns["tools.test"] = ["127.0.0.1"]
+    fake_dns["other.test"] = ["127.0.0.1"]  # same address, a name the certificate does not carry
+    policy = EgressPolicy([f"https://tools.test:{port}", f"https://other.test:{port}", f"https://127.0.0.1:{port}"])
+    async with httpx.AsyncClient(transport=policy.transport(verify=ssl.create_default_context(cafile=cert))) as c:
+        response = await c.post(f"https://tools.test:{port}/x", json={})
+        assert response.json() == {"host": f"tools.test:{port}"}
+        with pytest.raises(httpx.ConnectError, match="certificate"):  # not the pooled tools.test connection
+            await c.post(f"https://other.test:{port}/x", json={})
 
 
 # -- endpoint clients: refused at the first call, nothing sent --------------------------------------
