@@ -3,7 +3,7 @@
     deploy/local.sh bench [--quick] [--sustain-s 30] [--out bench/results]
     (= .venv/bin/python -m bench ...)
 
-Starts its own service (scratch work dir, warm pool of 4, no API keys) and
+Starts its own service (scratch work dir, warm pool of 4, one API key) and
 measures, in one run on the same machine (times in ms unless said otherwise):
 
 - ``POST /execute`` of ``print(1)`` with no tools, HTTP round trip: in a
@@ -189,7 +189,7 @@ class Bench:
                 latencies: list[float] = latencies,
                 lock: threading.Lock = lock,
             ) -> None:
-                with httpx.Client(base_url=str(self.api.base_url), timeout=120) as api:
+                with httpx.Client(base_url=str(self.api.base_url), headers=self.api.headers, timeout=120) as api:
                     while time.monotonic() < deadline:
                         body: dict[str, Any] = {"script": "print(1)"}
                         if sessions:
@@ -336,7 +336,7 @@ def main() -> None:
     service = start_service(instance, scratch / "svc", PTC_LOG_LEVEL="warning", PTC_MAX_QUEUE="1000")
     engine = docker.from_env()
     try:
-        with httpx.Client(base_url=service.url, timeout=600) as api:
+        with service.client(timeout=600) as api:
             bench = Bench(api, engine, instance)
             results: dict[str, Any] = {
                 "date": datetime.now(UTC).strftime("%Y-%m-%d"),

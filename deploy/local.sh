@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up, run and test ptc-sandbox on one Linux machine.
 #
-#   deploy/local.sh serve   set everything up, then run the service in the foreground
+#   deploy/local.sh serve   set everything up, then run the service in the foreground (without
+#                           PTC_API_KEYS: with PTC_AUTH=disabled, on loopback only)
 #   deploy/local.sh test    set everything up, then run ruff, mypy --strict and the whole test suite
 #   deploy/local.sh setup   only set up: Python venv, Docker engine, sandbox image
 #   deploy/local.sh bench   set everything up, then run the benchmark (bench/; args passed on)
@@ -93,6 +94,11 @@ case "${1:-}" in
   setup) setup "[test]" ;;
   serve)
     setup ""
+    if [ -z "${PTC_AUTH:-}${PTC_API_KEYS:-}${PTC_API_KEYS_FILE:-}" ]; then
+      # Development default: no keys configured, so say so explicitly (the service refuses it off loopback).
+      log "no PTC_API_KEYS: serving with PTC_AUTH=disabled (development only; see README, Authentication)"
+      export PTC_AUTH=disabled
+    fi
     exec .venv/bin/ptc-sandbox serve ;;
   test)
     setup "[test]"

@@ -1,9 +1,16 @@
-"""Command line: ``ptc-sandbox serve [--host H] [--port P]`` (settings come from ``PTC_*`` variables)."""
+"""Command line.
+
+``ptc-sandbox serve [--host H] [--port P]`` runs the service (settings come from ``PTC_*`` variables);
+``ptc-sandbox hash-key NAME [--generate]`` prints the ``PTC_API_KEYS`` entry of a token (read from stdin,
+or a new one printed first).
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import resource
+import secrets
 import sys
 
 import prometheus_client
@@ -11,7 +18,11 @@ import uvicorn
 
 from service import logs
 from service.api import create_app
+from service.auth import KEY_NAME, hash_token
+from service.errors import InsecureConfig
 from service.settings import Settings
+
+TOKEN_PREFIX = "ptc_"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,14 +32,28 @@ def main(argv: list[str] | None = None) -> int:
     serve = commands.add_parser("serve", help="run the HTTP service")
     serve.add_argument("--host", help="bind address (default: PTC_HOST or 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default: PTC_PORT or 8080)")
+    hash_key = commands.add_parser(
+        "hash-key", help="print the PTC_API_KEYS entry (NAME:sha256hex) of a token read from stdin"
+    )
+    hash_key.add_argument("name", help="the key's name (letters, digits, _ . -), shown in logs and metrics")
+    hash_key.add_argument(
+        "--generate", action="store_true", help="make a new random token and print it on the line before the entry"
+    )
     args = parser.parse_args(argv)
+    if args.command == "hash-key":
+        return _hash_key(args.name, args.generate)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = Settings(**overrides)
     _raise_open_files_limit()
     logs.configure(settings.log_level, settings.log_format)
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series
+    try:
+        app = create_app(settings)
+    except InsecureConfig as exc:
+        logging.getLogger("service").critical("refusing to start: %s", exc)
+        return 2
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
@@ -36,6 +61,23 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,  # the service logs each request itself (the "request" event)
         timeout_graceful_shutdown=10,
     )
+    return 0
+
+
+def _hash_key(name: str, generate: bool) -> int:
+    """``hash-key``: the entry for a new token (printed first) or for the token on stdin."""
+    if not KEY_NAME.match(name):
+        print("hash-key: NAME must be 1-64 letters, digits, _ . or -", file=sys.stderr)
+        return 2
+    if generate:
+        token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+        print(token)
+    else:
+        token = sys.stdin.readline().rstrip("\r\n")
+        if not token:
+            print("hash-key: no token on stdin", file=sys.stderr)
+            return 2
+    print(f"{name}:{hash_token(token)}")
     return 0
 
 

@@ -13,17 +13,21 @@ from fastapi import FastAPI, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BeforeValidator
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import __version__
+from service.auth import BearerAuth, configure, open_paths
+from service.egress import EgressPolicy
 from service.errors import (
     CallNotPending,
     EngineUnavailable,
     InvalidField,
     JobNotFound,
     ManifestError,
+    PayloadTooLarge,
     QueueFull,
     RequestLimitError,
     SandboxError,
@@ -32,7 +36,9 @@ from service.errors import (
     TooManySessions,
 )
 from service.jobs import JobManager, view_bytes, wait_for_end_or_client
+from service.limits import check_execute, check_manifest_request
 from service.metrics import CONTENT_TYPE, HttpObserver, Metrics
+from service.openapi import document
 from service.sandbox.base import SandboxBackend, Stream
 from service.schemas import (
     CallRecord,
@@ -55,9 +61,18 @@ from service.toolkit.stubs import USAGE
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 8 * 1024 * 1024
 DRAIN_BYTES = 64 * 1024 * 1024
 PROBLEM = "application/problem+json"
+
+
+_SSE_EVENT = {  # one event of GET /jobs/{id}/events; data is JSON text
+    "type": "object",
+    "properties": {
+        "event": {"type": "string", "enum": ["status", "stdout", "stderr", "call", "end"]},
+        "data": {"type": "string"},
+    },
+    "required": ["data"],
+}
 
 
 def problem(status: int, title: str, detail: str, type_: str = "about:blank", **extra: Any) -> JSONResponse:
@@ -115,8 +130,8 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _BodyTooLarge(BaseException):
+    """Not an Exception: FastAPI turns any Exception raised while it reads a body into a 400."""
 
 
 def create_app(settings: Settings | None = None, backend: SandboxBackend | None = None) -> FastAPI:
@@ -125,8 +140,12 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     Args:
         settings: configuration; default: read from ``PTC_*`` environment variables.
         backend: sandbox backend; default: ``DockerBackend`` on ``settings.docker_host``.
+
+    Raises:
+        InsecureConfig: the authentication settings are unusable or unsafe (``auth.configure``).
     """
     settings = settings or Settings()
+    keys = configure(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -135,7 +154,9 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             from service.sandbox.docker import DockerBackend
 
             backend = DockerBackend(settings.docker_host, max_workers=4 * settings.concurrency() + 8)
-        endpoints = EndpointClients(settings.tool_timeout_s, settings.max_tool_result_bytes)
+        endpoints = EndpointClients(
+            settings.tool_timeout_s, settings.max_tool_result_bytes, EgressPolicy(settings.egress_allow)
+        )
         store = SQLiteJobStore(settings.job_store_path())
         await store.open()
         jobs = JobManager(settings, backend, endpoints, store, metrics)
@@ -161,8 +182,12 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
 
     app = FastAPI(title="ptc-sandbox", version=__version__, lifespan=lifespan)
     metrics = app.state.metrics = Metrics(settings)
-    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(  # no key, no reading of the body
+        BearerAuth, keys=keys, open_paths=open_paths(settings), deny=lambda why: problem(401, "Unauthorized", why)
+    )
     app.add_middleware(HttpObserver, metrics=metrics, routes=app.router.routes)  # outermost: sees every answer
+    document(app, open_paths(settings), authenticated=keys is not None)
     _install_error_handlers(app)
 
     def jobs_of(request: Request) -> JobManager:
@@ -180,6 +205,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         with the view so far (the job runs on until it ends or hits ``timeout_s``).
         A job that could not start because the engine is unreachable answers 503.
         """
+        check_execute(body, settings, request.state.key_name)
         manager = jobs_of(request)
         job = await manager.submit(body)
         request.state.job_id = job.id  # for the request's log event
@@ -194,8 +220,8 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     async def list_jobs(
         request: Request,
         status: Annotated[list[JobStatus] | None, Query(description="Keep only these statuses.")] = None,
-        created_after: Annotated[datetime | None, Query(description="ISO 8601; exclusive.")] = None,
-        created_before: Annotated[datetime | None, Query(description="ISO 8601; exclusive.")] = None,
+        created_after: Annotated[IsoDateTime | None, Query(description="ISO 8601; exclusive.")] = None,
+        created_before: Annotated[IsoDateTime | None, Query(description="ISO 8601; exclusive.")] = None,
         cursor: Annotated[str | None, Query(description="next_cursor of the previous page.")] = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
     ) -> JobList:
@@ -226,7 +252,17 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             return Response(await manager.stored_view(job_id), media_type="application/json")
         return json_view(await manager.view(job_id, {"stdout": stdout_offset, "stderr": stderr_offset}))
 
-    @app.get("/jobs/{job_id}/output/{stream}", responses={404: {}})
+    @app.get(
+        "/jobs/{job_id}/output/{stream}",
+        response_class=Response,
+        responses={
+            200: {
+                "description": "The bytes; header X-Offset: where they start.",
+                "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+            },
+            404: {},
+        },
+    )
     async def get_output(
         job_id: str,
         stream: Stream,
@@ -271,7 +307,14 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         """End the job: SIGTERM to the script's processes, SIGKILL after the grace. Idempotent."""
         return json_view(await jobs_of(request).stop(job_id))
 
-    @app.get("/jobs/{job_id}/events", responses={404: {}})
+    @app.get(
+        "/jobs/{job_id}/events",
+        response_class=EventSourceResponse,
+        responses={
+            200: {"description": "An event stream.", "content": {"text/event-stream": {"schema": _SSE_EVENT}}},
+            404: {},
+        },
+    )
     async def job_events(job_id: str, request: Request) -> EventSourceResponse:
         """Server-Sent Events: ``status``, ``stdout``/``stderr``, ``call`` and a final ``end``."""
         manager = jobs_of(request)
@@ -325,6 +368,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     @app.post("/stubs", response_model=StubsView, responses={422: {}})
     async def stubs(body: ManifestRequest, request: Request) -> StubsView:
         """The exact ``tools`` module a sandbox would import for this manifest, and a usage text for the prompt."""
+        check_manifest_request(body, settings, request.state.key_name)
         if body.mcp_servers:
             raise InvalidField(
                 "register MCP servers with POST /toolsets, then pass its toolset", ("body", "mcp_servers")
@@ -335,6 +379,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     @app.post("/toolsets", response_model=ToolsetView, responses={422: {}})
     async def toolsets(body: ManifestRequest, request: Request) -> ToolsetView:
         """Register a manifest once; pass the answer's ``toolset_id`` as ``toolset`` instead of re-sending it."""
+        check_manifest_request(body, settings, request.state.key_name)
         if body.toolset is not None:
             raise InvalidField("POST /toolsets takes tools, not a toolset", ("body", "toolset"))
         compiled = await jobs_of(request).register_toolset(body.tools, body.mcp_servers)
@@ -359,6 +404,19 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         return JSONResponse({"status": "ready", "image": settings.sandbox_image})
 
     return app
+
+
+def _iso8601(value: object) -> object:
+    """Only ISO 8601 text is a date-time here (pydantic alone would also take numbers as unix seconds)."""
+    if isinstance(value, str):
+        try:
+            datetime.fromisoformat(value)
+        except ValueError:
+            raise ValueError("not an ISO 8601 date-time") from None
+    return value
+
+
+IsoDateTime = Annotated[datetime, BeforeValidator(_iso8601)]
 
 
 def _utc(value: datetime | None) -> datetime | None:
@@ -408,6 +466,16 @@ def _install_error_handlers(app: FastAPI) -> None:
             errors=[{"loc": list(exc.loc), "msg": str(exc), "type": "limit" if limit else "invalid"}],
         )
 
+    @app.exception_handler(PayloadTooLarge)
+    async def too_large(_: Request, exc: PayloadTooLarge) -> Response:
+        field = ".".join(str(p) for p in exc.loc if p != "body")
+        return problem(
+            413,
+            "Request body too large",
+            f"{field}: {exc}",
+            errors=[{"loc": list(exc.loc), "msg": str(exc), "type": "too_large"}],
+        )
+
     @app.exception_handler(QueueFull)
     async def queue_full(_: Request, exc: QueueFull) -> Response:
         response = problem(429, "Too many jobs", str(exc))
@@ -450,7 +518,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return problem(exc.status_code, str(exc.detail), str(exc.detail))
+        response = problem(exc.status_code, str(exc.detail), str(exc.detail))
+        response.headers.update(exc.headers or {})  # e.g. Allow of a 405
+        return response
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:

@@ -10,7 +10,9 @@ Delivery: an attempt succeeds on any 2xx answer; otherwise (another status,
 a timeout, a refused connection) it is retried with exponential backoff
 (tenacity), at most ``max_attempts`` times in all. ``timeout_s`` bounds each
 whole attempt; the receiver's response body is never read. Each attempt is
-reported to ``on_attempt`` so that the job view can show it.
+reported to ``on_attempt`` so that the job view can show it. A ``callback_url`` the
+egress rules refuse (``service.egress``) is not retried: its one attempt records
+``egress_denied: ...`` and nothing is sent.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any
 
 import httpx
 from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from service.egress import EgressDenied
 
 SIGNATURE_HEADER = "X-PTC-Signature"
 TIMESTAMP_HEADER = "X-PTC-Timestamp"
@@ -84,6 +88,8 @@ async def deliver(
                 await _attempt(client, url, body, secret, timeout_s, on_attempt)
     except RetryError:
         return False
+    except EgressDenied:
+        return False
     return True
 
 
@@ -109,6 +115,11 @@ async def _attempt(
             record["status_code"] = response.status_code
         if not 200 <= response.status_code < 300:
             record["error"] = f"HTTP {response.status_code}"
+    except EgressDenied as exc:
+        record["error"] = f"egress_denied: {exc}"
+        record["duration_ms"] = round((time.perf_counter() - started) * 1000, 3)
+        on_attempt(record)
+        raise
     except TimeoutError:
         record["error"] = f"no answer within {timeout_s:g} s"
     except httpx.HTTPError as exc:

@@ -6,7 +6,10 @@
     ├── ManifestError        a tool manifest entry is unusable          -> 422
     ├── InvalidField         a field the service cannot use             -> 422
     │   └── RequestLimitError  a request asks past a server maximum     -> 422
+    ├── PayloadTooLarge      a script or manifest over its size limit    -> 413
     ├── WorkDirBusy          another instance holds the work dir        (start-up)
+    ├── InsecureConfig       settings that would expose the service     (start-up)
+    ├── EgressDenied         (service.egress) a destination off the egress rules: a tool error, never HTTP
     ├── JobNotFound          no job with that id                         -> 404
     ├── SessionNotFound      no session with that id                     -> 404
     ├── SessionClosed        the session has ended                       -> 409
@@ -46,6 +49,19 @@ class InvalidField(PtcError):
 
 class RequestLimitError(InvalidField):
     """A request field exceeds what the server allows."""
+
+
+class PayloadTooLarge(PtcError):
+    """A part of the request body is larger than its server limit; ``loc`` names it, ``limit`` is in bytes."""
+
+    def __init__(self, message: str, loc: tuple[str | int, ...], limit: int) -> None:
+        super().__init__(message)
+        self.loc = loc
+        self.limit = limit
+
+
+class InsecureConfig(PtcError):
+    """The settings would let anyone reach the service without a key (see ``service.auth.configure``)."""
 
 
 class WorkDirBusy(PtcError):

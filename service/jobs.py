@@ -42,6 +42,7 @@ import orjson
 
 from service import callbacks, logs
 from service.broker import Broker
+from service.egress import EgressDenied
 from service.errors import (
     CallNotPending,
     EngineUnavailable,
@@ -61,7 +62,7 @@ from service.sessions import KILL_CONFIRM_S, SESSION_FEATURE, Session, SessionMa
 from service.settings import Settings
 from service.store import JobQuery, JobStore, StoredJob
 from service.toolkit.cache import CompiledManifest, ManifestCache
-from service.toolkit.endpoints import EndpointClients, ToolCallFailed, list_mcp_tools
+from service.toolkit.endpoints import EndpointClients, ToolCallFailed
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +272,10 @@ class JobManager:
         self._output_dir = settings.work_dir / "output"
         self._instance = settings.instance()
         self._instance_labels = {LABEL_MANAGED: "1", LABEL_INSTANCE: self._instance}
-        self._http = httpx.AsyncClient(follow_redirects=False, limits=httpx.Limits(max_connections=CALLBACK_DELIVERIES))
+        self._http = httpx.AsyncClient(  # callbacks pass the egress rules of tool endpoints
+            follow_redirects=False,
+            transport=endpoints.egress.transport(limits=httpx.Limits(max_connections=CALLBACK_DELIVERIES)),
+        )
         self._callback_slots = asyncio.Semaphore(CALLBACK_DELIVERIES)
         defaults = resolve_limits(ExecuteRequest(script=""), settings)  # the default profile
         self._pool = WarmPools(
@@ -451,6 +455,11 @@ class JobManager:
                 "callback_url needs the server setting PTC_CALLBACK_SECRET (callbacks are always signed)",
                 ("body", "callback_url"),
             )
+        if request.callback_url:
+            try:
+                self._endpoints.egress.target(request.callback_url)
+            except EgressDenied as exc:
+                raise InvalidField(str(exc), ("body", "callback_url")) from exc
         if request.session_id is not None:
             return await self._submit_to_session(request, limits)
         if self._admitted >= self._settings.concurrency() + self._settings.max_queue:
@@ -896,13 +905,18 @@ class JobManager:
         tools = list(tools)
         for i, server in enumerate(servers):
             try:
-                listed = await list_mcp_tools(server.url, server.headers, server.timeout_s or 30.0)
+                listed = await self._endpoints.list_mcp_tools(server.url, server.headers, server.timeout_s or 30.0)
             except ToolCallFailed as exc:
                 raise InvalidField(f"{exc.type}: {exc.message}", ("body", "mcp_servers", i)) from exc
             endpoint: dict[str, Any] = {"kind": "mcp", "url": server.url, "headers": server.headers}
             if server.timeout_s:
                 endpoint["timeout_s"] = server.timeout_s
             tools += [{**entry, "endpoint": endpoint} for entry in listed]
+        if len(tools) > self._settings.max_tools:
+            raise RequestLimitError(
+                f"{len(tools)} tools (MCP listings included) exceed the server maximum of {self._settings.max_tools}",
+                ("body", "mcp_servers"),
+            )
         compiled = await self._manifests.compile(tools)
         if compiled.toolset_id is None:
             raise InvalidField("this manifest cannot be stored as JSON (lone surrogates?)", ("body", "tools"))

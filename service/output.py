@@ -149,7 +149,7 @@ def read_range(path: Path, offset: int, length: int) -> bytes:
         with open(path, "rb") as f:
             f.seek(offset)
             return f.read(length)
-    except (FileNotFoundError, OSError, OverflowError):  # no file, or an offset no file can have
+    except (OSError, OverflowError, ValueError):  # no file, or an offset no file can have (past 2**63: ValueError)
         return b""
 
 

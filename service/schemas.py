@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from service.toolkit.schema import json_depth
 
-MAX_SCRIPT_CHARS = 1024 * 1024
+MAX_SCRIPT_CHARS = 8 * 1024 * 1024  # outer bound of the schema; PTC_MAX_SCRIPT_BYTES is the limit (413)
 MAX_TOOLS = 1000
 MAX_METADATA_DEPTH = 32
 MAX_METADATA_BYTES = 64 * 1024

@@ -6,10 +6,31 @@ import hashlib
 import os
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from service.egress import LOOPBACK_RULES, EgressRule
+from service.schemas import MAX_SCRIPT_CHARS, MAX_TOOLS
+
+
+class KeyLimits(BaseModel):
+    """Maxima for the requests of one API key (``PTC_KEY_LIMITS``); each lowers the server's own maximum.
+
+    A request that asks for more than its key's maximum is refused (422); one that asks nothing gets the
+    server default, lowered to the key's maximum.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    timeout_s: float | None = Field(None, gt=0, description="Largest timeout_s (s).")
+    memory_mb: int | None = Field(None, ge=16, description="Largest limits.memory_mb (MiB).")
+    cpus: float | None = Field(None, gt=0, description="Largest limits.cpus.")
+    pids: int | None = Field(None, ge=8, description="Largest limits.pids.")
+    output_bytes: int | None = Field(None, ge=1024, description="Largest limits.output_bytes.")
+    tmp_mb: int | None = Field(None, ge=1, description="Largest limits.tmp_mb (MiB).")
+    tools: int | None = Field(None, ge=0, description="Most tools in one request's manifest.")
 
 
 class Settings(BaseSettings):
@@ -136,6 +157,70 @@ class Settings(BaseSettings):
         0.5, gt=0, description="First retry delay of a callback; doubles per attempt, at most 60 s (s)."
     )
     callback_timeout_s: float = Field(10, gt=0, description="Time limit of one callback delivery (s).")
+
+    # -- authentication (service/auth.py) --
+    auth: Literal["required", "disabled"] = Field(
+        "required",
+        description="required: every route but /healthz, /readyz (and /metrics when PTC_METRICS_AUTH=open) needs "
+        "a bearer token from PTC_API_KEYS; disabled: no authentication (development only; refused on a "
+        "non-loopback PTC_HOST unless PTC_AUTH_FORCE_INSECURE).",
+    )
+    auth_force_insecure: bool = Field(
+        False, description="Allow PTC_AUTH=disabled on a non-loopback address (never in production)."
+    )
+    api_keys: str | None = Field(
+        None,
+        description="API keys as comma-separated name:sha256hex pairs (the SHA-256 of the token, from "
+        "`ptc-sandbox hash-key NAME`); the name shows in logs and metrics.",
+    )
+    api_keys_file: Path | None = Field(
+        None, description="File with more name:sha256hex pairs, one per line (# comments), e.g. a mounted Secret."
+    )
+    metrics_auth: Literal["required", "open"] = Field(
+        "required", description="open: GET /metrics answers without a key (for a scraper on a trusted network)."
+    )
+
+    # -- egress rules (service/egress.py) --
+    egress_allow: Annotated[list[str], NoDecode] = Field(
+        list(LOOPBACK_RULES),
+        description="Comma-separated [scheme://]host[:port] rules of what http/mcp endpoints and callbacks may "
+        "reach (README, Egress rules); non-public addresses need an address rule. Empty: nothing.",
+    )
+
+    # -- request limits (service/limits.py) --
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="Largest request body; larger ones get 413 before they are read (bytes)."
+    )
+    max_script_bytes: int = Field(
+        1024 * 1024, ge=1, le=MAX_SCRIPT_CHARS, description="Largest script, UTF-8 encoded; larger: 413 (bytes)."
+    )
+    max_manifest_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        description="Largest manifest (tools and mcp_servers as JSON) in one request; larger: 413 (bytes).",
+    )
+    max_tools: int = Field(
+        MAX_TOOLS, ge=1, le=MAX_TOOLS, description="Most tools in one manifest (MCP listings included); more: 422."
+    )
+    key_limits: dict[str, KeyLimits] = Field(
+        default_factory=dict,
+        description='Per-key maxima as JSON, e.g. {"agent-a": {"timeout_s": 60, "memory_mb": 512, "tools": 50}}; '
+        "fields: timeout_s, memory_mb, cpus, pids, output_bytes, tmp_mb, tools.",
+    )
+
+    @field_validator("egress_allow", mode="before")
+    @classmethod
+    def _split_rules(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("egress_allow")
+    @classmethod
+    def _parse_rules(cls, rules: list[str]) -> list[str]:
+        for rule in rules:
+            EgressRule.parse(rule)  # ValueError names the rule
+        return rules
 
     def instance(self) -> str:
         """``instance_id``, or ``<host name>-<8 hex of the work dir's path>``."""

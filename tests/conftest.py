@@ -23,6 +23,7 @@ import docker
 import httpx
 import pytest
 
+from service.auth import hash_token
 from tests.toolserver import ToolServer
 
 IMAGE = os.environ.get("PTC_SANDBOX_IMAGE", "ptc-sandbox-runtime:latest")
@@ -60,16 +61,22 @@ def free_port() -> int:
 
 @dataclass
 class Service:
-    """A running ``ptc-sandbox serve`` process."""
+    """A running ``ptc-sandbox serve`` process; ``token`` is the API key its ``client()`` sends."""
 
     url: str
     instance_id: str
     work_dir: Path
     process: subprocess.Popen[bytes]
     log_path: Path
+    token: str = ""
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The Authorization header of ``token``."""
+        return {"Authorization": f"Bearer {self.token}"}
 
     def client(self, timeout: float = 120.0) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=timeout)
+        return httpx.Client(base_url=self.url, timeout=timeout, headers=self.headers)
 
     def stop(self) -> None:
         self.process.terminate()
@@ -84,22 +91,28 @@ class Service:
 
 
 def start_service(instance_id: str, work_dir: Path, probe: str = "/readyz", **env: str) -> Service:
-    """Start the service as a subprocess and wait until ``probe`` answers 200."""
+    """Start the service as a subprocess and wait until ``probe`` answers 200.
+
+    Authentication is on: a new API key (name ``pytest``) is configured, and ``Service.client()`` sends it.
+    """
     port = free_port()
     log_path = work_dir.with_suffix(".log")
+    token = secrets.token_urlsafe(32)
     environ = {
         **os.environ,
         "PTC_PORT": str(port),
         "PTC_INSTANCE_ID": instance_id,
         "PTC_WORK_DIR": str(work_dir),
         "PTC_SANDBOX_IMAGE": IMAGE,
+        "PTC_AUTH": "required",
+        "PTC_API_KEYS": f"pytest:{hash_token(token)}",
         **env,
     }
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(
             [sys.executable, "-m", "service", "serve"], cwd=ROOT, env=environ, stdout=log_file, stderr=subprocess.STDOUT
         )
-    service = Service(f"http://127.0.0.1:{port}", instance_id, work_dir, process, log_path)
+    service = Service(f"http://127.0.0.1:{port}", instance_id, work_dir, process, log_path, token)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -112,6 +125,14 @@ def start_service(instance_id: str, work_dir: Path, probe: str = "/readyz", **en
         time.sleep(0.1)
     service.stop()
     raise RuntimeError(f"service not ready in 30 s:\n{service.log()}")
+
+
+def auth_headers(service: Service | None) -> dict[str, str]:
+    """The headers for a benchmark's service: its own key, or for ``--url`` the token in ``PTC_TOKEN`` (if set)."""
+    if service is not None:
+        return service.headers
+    token = os.environ.get("PTC_TOKEN")
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def labelled_containers(engine: docker.DockerClient, instance_id: str, include_pool: bool = False) -> list[Any]:
@@ -141,6 +162,37 @@ def scratch() -> Iterator[Path]:
 def service(engine: docker.DockerClient, scratch: Path) -> Iterator[Service]:
     """The shared service; at the end, no container it labelled may remain."""
     svc = start_service(f"pytest-{secrets.token_hex(4)}", scratch / "svc")
+    yield svc
+    svc.stop()
+    left = labelled_containers(engine, svc.instance_id, include_pool=True)
+    assert not left, f"containers left behind: {[c.name for c in left]}"
+
+
+SMALL_TOKEN = secrets.token_urlsafe(32)
+SMALL_KEY_LIMITS = '{"small": {"timeout_s": 1, "tools": 2}}'
+
+
+@pytest.fixture(scope="session")
+def restricted_service(engine: docker.DockerClient, scratch: Path, tool_server: ToolServer) -> Iterator[Service]:
+    """A second service with narrow operator settings: egress only to the tool server's port, timeouts and
+    waits of at most 10 s, no warm pool, and besides its ``pytest`` key a key ``small`` (token ``SMALL_TOKEN``,
+    from ``PTC_API_KEYS_FILE``) limited to ``timeout_s`` 1 and 2 tools."""
+    port = tool_server.url("").rsplit(":", 1)[1].split("/")[0]
+    keys_file = scratch / "restricted.keys"
+    keys_file.write_text(f"# the small agent\nsmall:{hash_token(SMALL_TOKEN)}\n")
+    svc = start_service(
+        f"pytest-{secrets.token_hex(4)}",
+        scratch / "restricted",
+        PTC_WARM_POOL_SIZE="0",
+        PTC_EGRESS_ALLOW=f"http://127.0.0.1:{port}",
+        PTC_API_KEYS_FILE=str(keys_file),
+        PTC_KEY_LIMITS=SMALL_KEY_LIMITS,
+        PTC_MAX_TIMEOUT_S="10",
+        PTC_DEFAULT_TIMEOUT_S="10",
+        PTC_MAX_WAIT_S="10",
+        PTC_DEFAULT_WAIT_S="10",
+        PTC_CALLBACK_SECRET=secrets.token_hex(16),
+    )
     yield svc
     svc.stop()
     left = labelled_containers(engine, svc.instance_id, include_pool=True)

@@ -61,7 +61,9 @@ def test_graceful_stop_removes_running_sandboxes(engine: docker.DockerClient, sc
     instance = f"pytest-stop-{secrets.token_hex(4)}"
     svc = start_service(instance, scratch / "stop", PTC_WARM_POOL_SIZE="0")
     worker = threading.Thread(
-        target=lambda: httpx.post(f"{svc.url}/execute", json={"script": "import time\ntime.sleep(60)"}, timeout=90)
+        target=lambda: httpx.post(
+            f"{svc.url}/execute", json={"script": "import time\ntime.sleep(60)"}, headers=svc.headers, timeout=90
+        )
     )
     worker.start()
     wait_until(lambda: labelled_containers(engine, instance), 20)
@@ -87,7 +89,10 @@ def test_default_instance_ids_differ_by_work_dir(engine: docker.DockerClient, sc
     try:
         worker = threading.Thread(
             target=lambda: httpx.post(
-                f"{first.url}/execute", json={"script": "import time\ntime.sleep(4)\nprint('ok')"}, timeout=30
+                f"{first.url}/execute",
+                json={"script": "import time\ntime.sleep(4)\nprint('ok')"},
+                headers=first.headers,
+                timeout=30,
             )
         )
         worker.start()

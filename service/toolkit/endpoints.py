@@ -14,6 +14,9 @@ Dispatch is by ``Endpoint.kind`` through the table in ``EndpointClients``:
   else its text (parsed when it is JSON; several text blocks give a list);
   ``isError`` becomes ``ToolCallFailed("tool_error", text)``. One MCP session
   per (url, headers) is kept open and shared by all calls (see ``_McpSession``).
+
+Every HTTP request of ``http`` and ``mcp`` endpoints passes the egress rules (``service.egress``):
+a destination they refuse fails with ``ToolCallFailed("egress_denied", ...)`` before anything is sent.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from mcp import ClientSession, McpError
 from mcp import types as mcp_types
 from mcp.client.streamable_http import streamable_http_client
 
+from service.egress import EgressDenied, EgressPolicy
 from service.toolkit.manifest import Endpoint, ToolSpec
 
 log = logging.getLogger(__name__)
@@ -51,7 +55,7 @@ class ToolCallFailed(Exception):
 
     Attributes:
         type: ``timeout`` | ``http_error`` | ``endpoint_unreachable`` | ``bad_response``
-            | ``result_too_large`` | ``tool_error`` (an MCP tool's ``isError`` or a JSON-RPC error);
+            | ``result_too_large`` | ``egress_denied`` | ``tool_error`` (an MCP tool's ``isError`` or a JSON-RPC error);
             becomes ``ToolError.type`` in the script.
         message: what happened, safe to show to the script (no credentials).
     """
@@ -80,6 +84,7 @@ class _McpSession:
     Args:
         url: the MCP endpoint (``http(s)://host:port/mcp``).
         headers: sent with every HTTP request of the session (credentials stay on the host).
+        egress: the egress rules every request of the session passes.
 
     Attributes:
         ready: resolves to the initialized session, or fails with the ``ToolCallFailed`` that ended it.
@@ -87,9 +92,10 @@ class _McpSession:
         in_flight: calls using it now (an idle session may be closed to keep ``MCP_MAX_SESSIONS``).
     """
 
-    def __init__(self, url: str, headers: Mapping[str, str]) -> None:
+    def __init__(self, url: str, headers: Mapping[str, str], egress: EgressPolicy) -> None:
         self.url = url
         self._headers = dict(headers)
+        self._egress = egress
         self.ready: asyncio.Future[ClientSession] = asyncio.get_running_loop().create_future()
         self.failure: ToolCallFailed | None = None
         self.in_flight = 0
@@ -109,7 +115,9 @@ class _McpSession:
         timeout = httpx.Timeout(MCP_HTTP_TIMEOUT_S, read=MCP_HTTP_READ_S)
         try:
             async with (
-                httpx.AsyncClient(headers=self._headers, timeout=timeout, follow_redirects=False) as http,
+                httpx.AsyncClient(
+                    headers=self._headers, timeout=timeout, follow_redirects=False, transport=self._egress.transport()
+                ) as http,
                 streamable_http_client(self.url, http_client=http) as (read, write, _),
                 ClientSession(read, write) as session,
             ):
@@ -208,6 +216,8 @@ def _mcp_failure(exc: BaseException, initializing: bool) -> ToolCallFailed:
     for leaf in leaves:
         if isinstance(leaf, ToolCallFailed):
             return leaf
+        if isinstance(leaf, EgressDenied):
+            return ToolCallFailed("egress_denied", str(leaf))
         if isinstance(leaf, httpx.TimeoutException):
             return ToolCallFailed("timeout", "the MCP server did not answer in time")
         if isinstance(leaf, httpx.HTTPStatusError):
@@ -249,12 +259,17 @@ class EndpointClients:
     Args:
         default_timeout_s: limit of one http call when the endpoint sets none (s).
         max_result_bytes: larger response bodies fail with ``result_too_large``.
+        egress: the egress rules of every http and mcp request; default: loopback only.
     """
 
-    def __init__(self, default_timeout_s: float, max_result_bytes: int) -> None:
+    def __init__(self, default_timeout_s: float, max_result_bytes: int, egress: EgressPolicy | None = None) -> None:
         self._default_timeout_s = default_timeout_s
         self._max_result_bytes = max_result_bytes
-        self._http = httpx.AsyncClient(follow_redirects=False, limits=httpx.Limits(max_connections=512))
+        self.egress = egress or EgressPolicy()
+        self._http = httpx.AsyncClient(
+            follow_redirects=False,
+            transport=self.egress.transport(limits=httpx.Limits(max_connections=512)),
+        )
         self._mcp_sessions: dict[tuple[str, tuple[tuple[str, str], ...]], _McpSession] = {}  # oldest use first
         self._retiring: set[asyncio.Task[None]] = set()
         self._dispatch: dict[str, Callable[[ToolSpec, dict[str, Any]], Awaitable[Any]]] = {
@@ -283,6 +298,7 @@ class EndpointClients:
         timeout = tool.timeout_s or endpoint.timeout_s or self._default_timeout_s
         headers = {"content-type": "application/json", **endpoint.headers}
         try:
+            self.egress.target(endpoint.url)  # refused at once, without resolving the name
             async with (
                 asyncio.timeout(timeout),
                 self._http.stream(
@@ -296,6 +312,8 @@ class EndpointClients:
                         raise ToolCallFailed(
                             "result_too_large", f"the endpoint answered more than {self._max_result_bytes} bytes"
                         )
+        except EgressDenied as exc:
+            raise ToolCallFailed("egress_denied", str(exc)) from exc
         except (TimeoutError, httpx.TimeoutException) as exc:
             raise ToolCallFailed("timeout", f"the endpoint did not answer within {timeout:g} s") from exc
         except httpx.HTTPError as exc:
@@ -315,6 +333,10 @@ class EndpointClients:
         timeout = tool.timeout_s or endpoint.timeout_s or self._default_timeout_s
         params = mcp_types.CallToolRequestParams(name=endpoint.tool or tool.name, arguments=args)
         request = mcp_types.ClientRequest(mcp_types.CallToolRequest(params=params))
+        try:
+            self.egress.target(endpoint.url)  # refused at once, before a session is opened
+        except EgressDenied as exc:
+            raise ToolCallFailed("egress_denied", str(exc)) from exc
         try:
             async with asyncio.timeout(timeout):
                 try:
@@ -343,13 +365,17 @@ class EndpointClients:
             self._retire(session, drain_s=MCP_CLOSE_S)  # an expired session's calls in flight are answered 404
             session = None
         if session is None:
-            session = _McpSession(url, headers)
+            session = _McpSession(url, headers, self.egress)
         self._mcp_sessions[key] = session
         if len(self._mcp_sessions) > MCP_MAX_SESSIONS:
             idle = [k for k, s in list(self._mcp_sessions.items())[:-1] if s.in_flight == 0]
             for old in idle[: len(self._mcp_sessions) - MCP_MAX_SESSIONS]:
                 self._retire(self._mcp_sessions.pop(old))
         return session
+
+    async def list_mcp_tools(self, url: str, headers: Mapping[str, str], timeout_s: float) -> list[dict[str, Any]]:
+        """``list_mcp_tools`` under these clients' egress rules."""
+        return await list_mcp_tools(url, headers, timeout_s, egress=self.egress)
 
     def _retire(self, session: _McpSession, drain_s: float = 0.0) -> None:
         """Close ``session`` in the background (``aclose`` waits for it)."""
@@ -361,18 +387,29 @@ class EndpointClients:
 MCP_LIST_PAGES = 20
 
 
-async def list_mcp_tools(url: str, headers: Mapping[str, str], timeout_s: float) -> list[dict[str, Any]]:
+async def list_mcp_tools(
+    url: str, headers: Mapping[str, str], timeout_s: float, *, egress: EgressPolicy
+) -> list[dict[str, Any]]:
     """An MCP server's ``tools/list`` (all pages), as JSON entries (``name``, ``description``, ``inputSchema``, ...).
 
+    Every request passes ``egress``.
+
     Raises:
-        ToolCallFailed: ``timeout``, ``endpoint_unreachable``, ``http_error`` or ``tool_error`` (with the reason).
+        ToolCallFailed: ``timeout``, ``endpoint_unreachable``, ``http_error``, ``egress_denied`` or ``tool_error``
+            (with the reason).
     """
     timeout = httpx.Timeout(MCP_HTTP_TIMEOUT_S, read=timeout_s)
     entries: list[dict[str, Any]] = []
     try:
+        egress.target(url)
+    except EgressDenied as exc:
+        raise ToolCallFailed("egress_denied", str(exc)) from exc
+    try:
         async with (
             asyncio.timeout(timeout_s),
-            httpx.AsyncClient(headers=dict(headers), timeout=timeout, follow_redirects=False) as http,
+            httpx.AsyncClient(
+                headers=dict(headers), timeout=timeout, follow_redirects=False, transport=egress.transport()
+            ) as http,
             streamable_http_client(url, http_client=http) as (read, write, _),
             ClientSession(read, write) as session,
         ):

@@ -45,7 +45,7 @@ from tests.bfcl_data import (
     replay_script,
     split_records,
 )
-from tests.conftest import start_service
+from tests.conftest import auth_headers, start_service
 
 JOB_TIMEOUT_S = 300
 
@@ -75,15 +75,16 @@ def replay(api: httpx.Client, batch: list[GroundTruthCase], marker: bool) -> dic
 
 
 @contextmanager
-def service_url(url: str | None) -> Iterator[str]:
-    """``url``, or the URL of a service started for the run (stopped and its scratch dir removed afterwards)."""
+def service_url(url: str | None) -> Iterator[tuple[str, dict[str, str]]]:
+    """``url`` (API key from ``PTC_TOKEN``), or the URL of a service started for the run (stopped and its scratch
+    dir removed afterwards); with the headers that authenticate to it."""
     if url:
-        yield url
+        yield url, auth_headers(None)
         return
     scratch = Path(tempfile.mkdtemp(prefix="ptcb", dir="/tmp"))
     service = start_service(f"bench-{secrets.token_hex(4)}", scratch / "svc")
     try:
-        yield service.url
+        yield service.url, service.headers
     finally:
         service.stop()
         shutil.rmtree(scratch, ignore_errors=True)
@@ -120,7 +121,10 @@ def main() -> None:
     cases = [case for category in GROUND_TRUTH_CATEGORIES for case in load_ground_truth(category)]
     batches = [[case] for case in cases] if args.per_entry else pack_batches(cases, args.batch)
     outcomes: dict[str, ReplayOutcome] = {}
-    with service_url(args.url) as url, httpx.Client(base_url=url, timeout=JOB_TIMEOUT_S + 30) as api:
+    with (
+        service_url(args.url) as (url, headers),
+        httpx.Client(base_url=url, timeout=JOB_TIMEOUT_S + 30, headers=headers) as api,
+    ):
         started = time.perf_counter()
         with ThreadPoolExecutor(args.jobs) as pool:
             for found in pool.map(partial(replay, api, marker=not args.per_entry), batches):

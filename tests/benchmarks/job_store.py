@@ -71,7 +71,7 @@ def main() -> None:
         ids = asyncio.run(fill(svc.work_dir / "jobs.sqlite3", asyncio.run(template()), args.jobs))
         svc = start_service(instance, scratch / "svc")
         try:
-            with httpx.Client(base_url=svc.url, timeout=10) as api:
+            with httpx.Client(base_url=svc.url, timeout=10, headers=svc.headers) as api:
                 for job_id in ids[:50]:
                     api.get(f"/jobs/{job_id}")
                 samples = []

@@ -1,0 +1,227 @@
+"""Authentication: API keys as bearer tokens, checked in constant time by an ASGI middleware.
+
+Keys are configured by their SHA-256 (``PTC_API_KEYS`` = ``name:hex,name:hex``,
+and/or ``PTC_API_KEYS_FILE`` with one ``name:hex`` per line), never by the token
+itself: the service's environment and config hold nothing that would let a
+reader call it. ``ptc-sandbox hash-key NAME`` makes the entry for a token.
+
+A request carries ``Authorization: Bearer <token>``. Its SHA-256 is compared
+with every configured hash by ``hmac.compare_digest`` — all of them, whether or
+not one matched already — so the time taken does not depend on which key, or
+which byte of it, matched. The key's name is put on ``request.state.key_name``
+(None on open paths and when authentication is disabled) for logs and metrics.
+
+Every path needs a key except ``/healthz``, ``/readyz`` and, with
+``PTC_METRICS_AUTH=open``, ``/metrics``; that includes ``/openapi.json``,
+``/docs`` and unknown paths (a caller without a key learns nothing of the API).
+A missing or wrong key gets ``401`` problem+json with ``WWW-Authenticate: Bearer``
+before the body is read.
+
+``PTC_AUTH=disabled`` turns all of this off, for development: it is logged as a
+warning at start-up, and refused (``InsecureConfig``) when ``PTC_HOST`` is not a
+loopback address unless ``PTC_AUTH_FORCE_INSECURE=true``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from service import logs
+from service.errors import InsecureConfig
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+METRICS_PATH = "/metrics"
+KEY_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # bounded, safe as a log field and a metrics label
+_HEX_DIGEST = re.compile(r"^[0-9a-fA-F]{64}$")
+_BEARER = b"bearer "
+
+
+def hash_token(token: str | bytes) -> str:
+    """The SHA-256 (hex) of a token, as ``PTC_API_KEYS`` holds it; a str token is UTF-8 encoded."""
+    data = token.encode() if isinstance(token, str) else token
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """One configured key: its name and the SHA-256 digest (32 bytes) of its token."""
+
+    name: str
+    digest: bytes
+
+
+def parse_keys(text: str, source: str = "PTC_API_KEYS") -> list[ApiKey]:
+    """Parse ``name:sha256hex`` entries separated by commas or newlines (``#`` starts a comment line).
+
+    Raises:
+        ValueError: an entry is malformed (names ``source`` and the entry's name, never the hash).
+    """
+    keys = []
+    for line in text.splitlines():
+        if line.strip().startswith("#"):
+            continue
+        for entry in line.split(","):
+            entry = entry.strip()
+            if not entry:
+                continue
+            name, sep, digest = entry.partition(":")
+            name, digest = name.strip(), digest.strip()
+            if not sep or not KEY_NAME.match(name):
+                raise ValueError(f"{source}: an entry is not name:sha256hex (name: letters, digits, _ . -)")
+            if not _HEX_DIGEST.match(digest):
+                raise ValueError(f"{source}: the hash of key {name!r} is not 64 hex digits (see ptc-sandbox hash-key)")
+            keys.append(ApiKey(name, bytes.fromhex(digest)))
+    return keys
+
+
+class KeyRing:
+    """The configured keys; ``identify`` tells which one a token is.
+
+    Args:
+        keys: at least one key.
+    """
+
+    def __init__(self, keys: Iterable[ApiKey]) -> None:
+        self._keys = tuple(keys)
+        if not self._keys:
+            raise ValueError("a key ring needs at least one key")
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def identify(self, token: bytes) -> str | None:
+        """The name of the key whose token is ``token``, or None.
+
+        Constant time in the token: its digest is compared with every key's digest by
+        ``hmac.compare_digest``, with no early exit, whichever key matches.
+        """
+        digest = hashlib.sha256(token).digest()
+        found: str | None = None
+        for key in self._keys:
+            if hmac.compare_digest(digest, key.digest) and found is None:
+                found = key.name
+        return found
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` exposes the service to this machine only (``localhost`` or a loopback address)."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def configure(settings: Settings) -> KeyRing | None:
+    """The key ring the service authenticates with, or None when authentication is disabled.
+
+    Raises:
+        InsecureConfig: ``PTC_AUTH=required`` without any key, or ``PTC_AUTH=disabled`` on a
+            non-loopback ``PTC_HOST`` without ``PTC_AUTH_FORCE_INSECURE``; or a key entry is malformed.
+    """
+    try:
+        keys = parse_keys(settings.api_keys or "")
+        if settings.api_keys_file is not None:
+            keys += parse_keys(settings.api_keys_file.read_text(), f"PTC_API_KEYS_FILE ({settings.api_keys_file})")
+    except (OSError, ValueError) as exc:
+        raise InsecureConfig(str(exc)) from exc
+    if settings.auth == "required":
+        if not keys:
+            raise InsecureConfig(
+                "PTC_AUTH=required but no API keys are configured: set PTC_API_KEYS (entries from "
+                "`ptc-sandbox hash-key NAME`), or PTC_AUTH=disabled for development on a loopback address"
+            )
+        log.info("authentication: %d API key(s): %s", len(keys), ", ".join(sorted({k.name for k in keys})))
+        return KeyRing(keys)
+    if not is_loopback(settings.host):
+        if not settings.auth_force_insecure:
+            raise InsecureConfig(
+                f"PTC_AUTH=disabled while bound to {settings.host}, which is not a loopback address: anyone who "
+                "reaches it could run code; configure PTC_API_KEYS, or set PTC_AUTH_FORCE_INSECURE=true"
+            )
+        log.critical("!!! AUTHENTICATION DISABLED on non-loopback %s (PTC_AUTH_FORCE_INSECURE) !!!", settings.host)
+    log.warning(
+        "!!! AUTHENTICATION DISABLED (PTC_AUTH=disabled): any caller on %s can run code; development only !!!",
+        settings.host,
+    )
+    return None
+
+
+def open_paths(settings: Settings) -> frozenset[str]:
+    """The paths that answer without a key."""
+    return OPEN_PATHS | ({METRICS_PATH} if settings.metrics_auth == "open" else frozenset())
+
+
+def bearer_token(scope: Scope) -> bytes | None:
+    """The token of the request's first ``Authorization: Bearer`` header (scheme case-insensitive), or None."""
+    for name, value in scope.get("headers") or ():
+        if name == b"authorization":
+            if value[: len(_BEARER)].lower() == _BEARER:
+                token = value[len(_BEARER) :].strip()
+                return token or None
+            return None
+    return None
+
+
+class BearerAuth:
+    """ASGI middleware: refuse requests without a known key, before their body is read.
+
+    Args:
+        app: the application behind it.
+        keys: the key ring; None disables authentication (``key_name`` is then None).
+        open_paths: paths that answer without a key.
+        deny: makes the 401 response from a reason (``api`` owns the problem+json mapping);
+            the middleware adds ``WWW-Authenticate``.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: KeyRing | None,
+        open_paths: frozenset[str],
+        deny: Callable[[str], Response],
+    ) -> None:
+        self.app = app
+        self.keys = keys
+        self.open_paths = open_paths
+        self.deny = deny
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):  # lifespan
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        state["key_name"] = None
+        if self.keys is None or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        token = bearer_token(scope)
+        name = self.keys.identify(token) if token is not None else None
+        if name is None:
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008, "reason": "API key missing or not valid"})
+                return
+            if token is None:
+                response = self.deny("this route needs an API key: send Authorization: Bearer <token>")
+                response.headers["WWW-Authenticate"] = 'Bearer realm="ptc-sandbox"'
+            else:
+                response = self.deny("the API key is not valid")
+                response.headers["WWW-Authenticate"] = 'Bearer realm="ptc-sandbox", error="invalid_token"'
+            await response(scope, receive, send)
+            return
+        state["key_name"] = name
+        logs.KEY_NAME.set(name)  # the request's log event, and the events of the jobs it submits, name the key
+        await self.app(scope, receive, send)

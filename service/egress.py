@@ -1,0 +1,338 @@
+"""Egress rules: which hosts the service itself may contact for tool endpoints, MCP servers and callbacks.
+
+A manifest names the URLs the broker calls, so without rules a manifest could
+turn the service into a proxy into the operator's network (cloud metadata at
+169.254.169.254, an admin panel on 10.0.0.1). Every outgoing HTTP request of
+``http`` and ``mcp`` endpoints, of MCP ``tools/list`` at toolset registration and
+of completion callbacks goes through ``EgressTransport``, which:
+
+1. checks the URL's (scheme, host, port) against the allowlist (``PTC_EGRESS_ALLOW``);
+2. resolves the host name once, for this request;
+3. refuses every resolved address that is not public (private, loopback,
+   link-local, shared, reserved, multicast, cloud metadata; IPv4-mapped and
+   NAT64 IPv6 forms are judged by the IPv4 address inside) unless a rule names
+   that address or its network;
+4. connects to an address that passed (never resolving the name again, so a
+   second DNS answer cannot swap in another address: no DNS rebinding), with
+   the original ``Host`` header and TLS server name, so certificates are still
+   checked against the name.
+
+Redirects are never followed by the service's clients (``follow_redirects=False``);
+the MCP SDK follows redirects within the endpoint's origin only, and each such
+request passes through the same checks.
+
+Rule syntax (one per comma-separated entry): ``[scheme://]host[:port]``
+
+- scheme: ``http``, ``https`` or ``*`` (both; also when omitted);
+- host: a DNS name (``api.example.com``), a suffix wildcard (``*.example.com``:
+  names below it), ``*`` (any name or address), an IPv4 address or network
+  (``10.1.2.0/24``), or an IPv6 address or network in brackets (``[fd00::/8]``);
+- port: a number, or ``*`` for any; omitted = the scheme's default (80, 443).
+
+A name rule admits the public addresses the name resolves to; to reach a
+non-public address, an address or network rule must cover it too.
+
+Errors: ``EgressDenied`` (a ``PtcError``); the endpoint clients turn it into the
+tool error type ``egress_denied``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from service.errors import PtcError
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+SCHEMES = frozenset({"http", "https"})
+DEFAULT_PORTS = {"http": 80, "https": 443}
+SCHEME_DEFAULT_PORT = -1  # EgressRule.port of a rule without a port: each scheme's default port
+LOOPBACK_RULES = ("*://localhost:*", "*://127.0.0.0/8:*", "*://[::1]:*")
+# Cloud metadata services; the link-local and unique-local ones are refused as non-public anyway, the public
+# ones (Azure's wireserver) only by this list. Sources: AWS IMDS (169.254.169.254, fd00:ec2::254), GCP, Azure
+# (168.63.129.16), Alibaba Cloud (100.100.100.200), Oracle (192.0.0.192).
+METADATA_ADDRESSES: frozenset[IPAddress] = frozenset(
+    ipaddress.ip_address(a)
+    for a in ("169.254.169.254", "fd00:ec2::254", "168.63.129.16", "100.100.100.200", "192.0.0.192")
+)
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+MAX_TLS_POOLS = 256  # https connection pools (one per name) an EgressTransport keeps
+
+
+class EgressDenied(PtcError):
+    """A request to a destination the egress rules do not allow; nothing was sent to it."""
+
+
+def _normalized(address: IPAddress) -> IPAddress:
+    """The IPv4 address inside an IPv4-mapped (``::ffff:a.b.c.d``) or NAT64 (``64:ff9b::/96``) IPv6 address."""
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return address.ipv4_mapped
+        if address in _NAT64:
+            return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+        if address.scope_id:
+            return ipaddress.IPv6Address(str(address).split("%", 1)[0])
+    return address
+
+
+def is_public(address: IPAddress) -> bool:
+    """Whether ``address`` is a globally routed unicast address that is no cloud metadata service."""
+    address = _normalized(address)
+    return address.is_global and not address.is_multicast and address not in METADATA_ADDRESSES
+
+
+def _ip(host: str) -> IPAddress | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class EgressRule:
+    """One allowlist entry (see the module docstring for its syntax).
+
+    Attributes:
+        schemes: the URL schemes it admits.
+        name: a lower-case DNS name, ``*.suffix``, or ``*``; None for an address rule.
+        network: the addresses it admits; None for a name rule.
+        port: the port it admits; None for any; ``SCHEME_DEFAULT_PORT`` for the URL scheme's default (80, 443).
+    """
+
+    schemes: frozenset[str]
+    name: str | None
+    network: IPNetwork | None
+    port: int | None
+
+    @classmethod
+    def parse(cls, text: str) -> EgressRule:
+        """Parse one rule; raises ValueError saying what is wrong."""
+        entry = text.strip()
+        scheme, sep, rest = entry.partition("://")
+        if not sep:
+            scheme, rest = "*", entry
+        scheme = scheme.lower()
+        if scheme not in ({"*"} | SCHEMES):
+            raise ValueError(f"egress rule {text!r}: scheme must be http, https or *")
+        if rest.startswith("["):
+            host, bracket, port_text = rest[1:].partition("]")
+            if not bracket or (port_text and not port_text.startswith(":")):
+                raise ValueError(f"egress rule {text!r}: unbalanced [ ] around an IPv6 address")
+            port_text = port_text[1:]
+        elif ":" in rest:
+            host, _, port_text = rest.rpartition(":")
+        else:
+            host, port_text = rest, ""
+        host = host.lower().rstrip(".")
+        if not host:
+            raise ValueError(f"egress rule {text!r}: no host")
+        schemes = SCHEMES if scheme == "*" else frozenset({scheme})
+        port: int | None
+        if not port_text:
+            port = SCHEME_DEFAULT_PORT
+        elif port_text == "*":
+            port = None
+        elif port_text.isdigit() and 0 < int(port_text) < 65536:
+            port = int(port_text)
+        else:
+            raise ValueError(f"egress rule {text!r}: port must be 1-65535 or *")
+        network: IPNetwork | None
+        try:
+            network = ipaddress.ip_network(host, strict=False)
+        except ValueError:
+            network = None
+        if network is None and ("/" in host or not _valid_name_pattern(host)):
+            raise ValueError(f"egress rule {text!r}: {host!r} is neither a host name nor an address or network")
+        return cls(schemes, None if network else host, network, port)
+
+    def _port_ok(self, scheme: str, port: int) -> bool:
+        if self.port is None:
+            return True
+        if self.port == SCHEME_DEFAULT_PORT:
+            return port == DEFAULT_PORTS[scheme]
+        return port == self.port
+
+    def admits_target(self, scheme: str, host: str, port: int) -> bool:
+        """Whether the URL's (scheme, host, port) matches this rule (host lower-case, no trailing dot)."""
+        if scheme not in self.schemes or not self._port_ok(scheme, port):
+            return False
+        if self.network is not None:
+            address = _ip(host)
+            return address is not None and _normalized(address) in self.network
+        assert self.name is not None
+        if self.name == "*":
+            return True
+        if self.name.startswith("*."):
+            return host.endswith(self.name[1:]) and _ip(host) is None
+        return host == self.name
+
+    def admits_address(self, scheme: str, address: IPAddress, port: int) -> bool:
+        """Whether this is an address rule that names ``address`` (so a non-public address is allowed)."""
+        return (
+            self.network is not None
+            and scheme in self.schemes
+            and self._port_ok(scheme, port)
+            and _normalized(address) in self.network
+        )
+
+
+def _valid_name_pattern(host: str) -> bool:
+    if host == "*":
+        return True
+    labels = host[2:].split(".") if host.startswith("*.") else host.split(".")
+    return all(label and len(label) <= 63 and all(c.isalnum() or c in "-_" for c in label) for label in labels)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a URL points: lower-case scheme and host (no trailing dot) and the effective port."""
+
+    scheme: str
+    host: str
+    port: int
+
+
+class EgressPolicy:
+    """The allowlist, and the checks every outgoing request of the service passes.
+
+    Args:
+        rules: rule texts (``PTC_EGRESS_ALLOW``); default: loopback only.
+
+    Raises:
+        ValueError: a rule cannot be parsed.
+    """
+
+    def __init__(self, rules: Iterable[str] = LOOPBACK_RULES) -> None:
+        self.rules = tuple(EgressRule.parse(rule) for rule in rules if rule.strip())
+
+    def target(self, url: str | httpx.URL) -> Target:
+        """Check ``url`` against the rules without resolving it; returns where it points.
+
+        Raises:
+            EgressDenied: not http(s), no rule admits (scheme, host, port), or the host is an
+                address that is not public and that no address rule names.
+        """
+        try:
+            parsed = httpx.URL(url) if isinstance(url, str) else url
+        except httpx.InvalidURL as exc:
+            raise EgressDenied(f"not a valid URL: {exc}") from None
+        scheme, host = parsed.scheme.lower(), parsed.host.lower().rstrip(".")
+        if scheme not in SCHEMES:
+            raise EgressDenied(f"scheme {scheme!r} is not allowed (http and https only)")
+        if not host:
+            raise EgressDenied("the URL has no host")
+        port = parsed.port or DEFAULT_PORTS[scheme]
+        where = f"{scheme}://{parsed.netloc.decode('ascii', 'replace').rpartition('@')[2]}"
+        if not any(rule.admits_target(scheme, host, port) for rule in self.rules):
+            raise EgressDenied(f"{where} is not on the egress allowlist (PTC_EGRESS_ALLOW)")
+        address = _ip(host)
+        if address is not None and not self.address_allowed(scheme, address, port):
+            raise EgressDenied(f"{where} is a non-public address that no egress rule names")
+        return Target(scheme, host, port)
+
+    def address_allowed(self, scheme: str, address: IPAddress, port: int) -> bool:
+        """Whether a resolved ``address`` may be contacted: public, or named by an address rule."""
+        return is_public(address) or any(rule.admits_address(scheme, address, port) for rule in self.rules)
+
+    async def resolve(self, url: str | httpx.URL) -> tuple[Target, list[IPAddress]]:
+        """Check ``url`` and resolve its host once; returns the addresses that may be contacted, in DNS order.
+
+        Raises:
+            EgressDenied: as ``target``, or every address the name resolves to is refused.
+            httpx.ConnectError: the name does not resolve.
+        """
+        target = self.target(url)
+        literal = _ip(target.host)
+        if literal is not None:
+            return target, [literal]
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                target.host, target.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
+            )
+        except OSError as exc:
+            raise httpx.ConnectError(f"cannot resolve {target.host}: {exc}") from exc
+        addresses: list[IPAddress] = []
+        for *_, sockaddr in infos:
+            address = ipaddress.ip_address(sockaddr[0])
+            if address not in addresses:
+                addresses.append(address)
+        allowed = [a for a in addresses if self.address_allowed(target.scheme, a, target.port)]
+        if not allowed:
+            shown = ", ".join(map(str, addresses)) or "nothing"
+            raise EgressDenied(f"{target.host} resolves to {shown}: non-public addresses that no egress rule names")
+        return target, allowed
+
+    def transport(self, **kwargs: Any) -> EgressTransport:
+        """An httpx transport that enforces these rules; ``kwargs`` go to ``httpx.AsyncHTTPTransport``."""
+        return EgressTransport(self, **kwargs)
+
+
+class EgressTransport(httpx.AsyncBaseTransport):
+    """httpx transport: checks each request with an ``EgressPolicy`` and connects to the checked address.
+
+    The request is sent to the resolved address (tried in DNS order while connecting fails) with its
+    original ``Host`` header and, for https, the original name as TLS server name (so the certificate
+    is verified against the name).
+
+    Connection pools are keyed by address, so https gets one pool per name (up to ``MAX_TLS_POOLS``;
+    names past that share a pool that keeps no connection open): a TLS connection verified for one
+    name is never reused for another name on the same address. Plain http shares one pool (its
+    ``Host`` header routes each request).
+
+    Raises (from ``handle_async_request``):
+        EgressDenied: before anything is sent.
+        httpx.ConnectError: the name does not resolve, or no allowed address accepts a connection.
+    """
+
+    def __init__(self, policy: EgressPolicy, **kwargs: Any) -> None:
+        self._policy = policy
+        self._kwargs = kwargs
+        self._plain = httpx.AsyncHTTPTransport(**kwargs)
+        self._tls: dict[str, httpx.AsyncHTTPTransport] = {}
+        limits: httpx.Limits = kwargs.get("limits", httpx.Limits())
+        unpooled = httpx.Limits(max_connections=limits.max_connections, max_keepalive_connections=0)
+        self._tls_overflow = httpx.AsyncHTTPTransport(**{**kwargs, "limits": unpooled})
+
+    def _transport(self, target: Target) -> httpx.AsyncHTTPTransport:
+        if target.scheme != "https":
+            return self._plain
+        transport = self._tls.get(target.host)
+        if transport is None:
+            if len(self._tls) >= MAX_TLS_POOLS:
+                return self._tls_overflow
+            transport = self._tls[target.host] = httpx.AsyncHTTPTransport(**self._kwargs)
+        return transport
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        target, addresses = await self._policy.resolve(request.url)
+        extensions = dict(request.extensions)
+        if target.scheme == "https":
+            extensions["sni_hostname"] = target.host
+        inner = self._transport(target)
+        failure: httpx.ConnectError | None = None
+        for address in addresses:
+            pinned = httpx.Request(
+                request.method,
+                request.url.copy_with(host=str(address)),
+                headers=request.headers,  # keeps Host: the original name
+                stream=request.stream,
+                extensions=extensions,
+            )
+            try:
+                return await inner.handle_async_request(pinned)
+            except httpx.ConnectError as exc:
+                failure = exc
+        assert failure is not None
+        raise failure
+
+    async def aclose(self) -> None:
+        for transport in (self._plain, self._tls_overflow, *self._tls.values()):
+            await transport.aclose()
