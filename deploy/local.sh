@@ -4,7 +4,9 @@
 #   deploy/local.sh serve   set everything up, then run the service in the foreground (without
 #                           PTC_API_KEYS: with PTC_AUTH=disabled, on loopback only)
 #   deploy/local.sh test    set everything up, then run ruff, mypy --strict and the whole test suite
-#   deploy/local.sh setup   only set up: Python venv, Docker engine, sandbox image
+#   deploy/local.sh setup   only set up: Python venv, Docker engine, gVisor, sandbox image
+#   deploy/local.sh engine  only the Docker engine and gVisor steps
+#   deploy/local.sh register-runsc CONFIG   only write runsc into the daemon.json CONFIG (engine untouched)
 #   deploy/local.sh bench   set everything up, then run the benchmark (bench/; args passed on)
 #
 # Set-up is idempotent and skips what is already there:
@@ -12,10 +14,17 @@
 #   - a Docker engine: when none answers, Debian's docker.io is installed (root)
 #     and dockerd started without any bridge network (--bridge=none
 #     --iptables=false --ip-forward=false); sandboxes never need one;
+#   - gVisor: Debian's runsc, registered with the engine as runtime "runsc" in
+#     daemon.json (flags below) before dockerd starts; an engine already running
+#     without it gets SIGHUP (a reload: no restart, its containers keep running);
+#     an engine that already has runsc is left alone. Missing runsc fails under CI=true;
 #   - the sandbox image (sandbox_image/build.sh; offline base when no registry);
-#   - for the tests only: Debian's prometheus (a real Prometheus scrapes the service in a test).
+#   - for the tests only: Debian's docker-compose when no `docker compose` works, and Debian's
+#     prometheus (a real Prometheus scrapes the service in a test).
 # Env: PTC_SANDBOX_IMAGE (image tag), PYTHON (interpreter for the venv),
-#      PTC_DOCKERD_LOG (default /var/log/ptc-dockerd.log).
+#      PTC_DOCKERD_LOG (default /var/log/ptc-dockerd.log),
+#      PTC_DOCKER_DAEMON_JSON (default /etc/docker/daemon.json),
+#      PTC_DOCKERD_PIDFILE (default /var/run/docker.pid: the dockerd that gets SIGHUP).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -54,15 +63,55 @@ setup_venv() {
   fi
 }
 
+# gVisor's flags on these machines (shared/ENVIRONMENT.md): without --network=none runsc refuses to start in the
+# root network namespace; without --host-uds=open a script cannot connect to the broker's bind-mounted socket.
+RUNSC_ARGS=(--network=none --host-uds=open)
+daemon_json=${PTC_DOCKER_DAEMON_JSON:-/etc/docker/daemon.json}
+dockerd_pidfile=${PTC_DOCKERD_PIDFILE:-/var/run/docker.pid}
+
+runsc_registered() { docker info --format '{{json .Runtimes}}' 2>/dev/null | grep -q '"runsc"'; }
+
+install_runsc() {
+  if command -v runsc >/dev/null; then return; fi
+  apt_install runsc || { log "could not install runsc (gVisor)"; return 1; }
+}
+
+# register_runsc CONFIG: write runsc into the daemon.json CONFIG; prints changed or unchanged.
+register_runsc() {
+  as_root python3 "$root/deploy/register_runtime.py" "$1" runsc "$(command -v runsc)" "${RUNSC_ARGS[@]}"
+}
+
+# For a running engine that lacks runsc: register it and reload dockerd with SIGHUP (never a restart).
+setup_runsc() {
+  if runsc_registered; then return; fi
+  if install_runsc; then
+    register_runsc "$daemon_json" >/dev/null  # changed or not, the running engine has not read it yet
+    local pid; pid=$(cat "$dockerd_pidfile" 2>/dev/null || true)
+    if [ -z "$pid" ] && [ "$(pidof dockerd | wc -w)" = 1 ]; then pid=$(pidof dockerd); fi
+    if [ -n "$pid" ]; then
+      log "reloading dockerd ($pid) with SIGHUP so that it reads runsc from $daemon_json"
+      as_root kill -HUP "$pid"
+      for _ in $(seq 20); do if runsc_registered; then return; fi; sleep 0.5; done
+    fi
+  fi
+  if runsc_registered; then return; fi
+  if [ "${CI:-}" = true ]; then log "the engine has no runsc runtime (gVisor); CI needs it"; exit 1; fi
+  log "warning: the engine has no runsc runtime (see $daemon_json): the gVisor tests will skip"
+}
+
 setup_engine() {
-  if docker info >/dev/null 2>&1; then return; fi
+  if docker info >/dev/null 2>&1; then setup_runsc; return; fi
   if ! command -v dockerd >/dev/null; then apt_install docker.io; fi
-  if docker info >/dev/null 2>&1; then return; fi
+  if docker info >/dev/null 2>&1; then setup_runsc; return; fi
+  # Not running yet: register runsc first, so that dockerd starts with it.
+  if install_runsc; then register_runsc "$daemon_json" >/dev/null; fi
   local dlog=${PTC_DOCKERD_LOG:-/var/log/ptc-dockerd.log}
   log "starting dockerd (no bridge network); log in $dlog"
-  as_root sh -c "nohup dockerd --bridge=none --iptables=false --ip-forward=false >>'$dlog' 2>&1 &"
+  local config=""
+  if [ -f "$daemon_json" ]; then config="--config-file '$daemon_json'"; fi
+  as_root sh -c "nohup dockerd --bridge=none --iptables=false --ip-forward=false $config >>'$dlog' 2>&1 &"
   for _ in $(seq 60); do
-    if docker info >/dev/null 2>&1; then return; fi
+    if docker info >/dev/null 2>&1; then setup_runsc; return; fi
     sleep 1
   done
   log "dockerd did not come up in 60 s; last lines of $dlog:"; tail -n 20 "$dlog" >&2 || true
@@ -83,15 +132,26 @@ setup_prometheus() {
   return "$status"
 }
 
+# Compose for the deployment tests: the plugin (`docker compose`) when it works, else Debian's docker-compose.
+setup_compose() {
+  if docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null; then return; fi
+  apt_install --no-install-recommends docker-compose
+}
+
 setup() {
   setup_venv "${1:-}"
   setup_engine
   sandbox_image/build.sh >/dev/null
-  if [ "${1:-}" = "[test]" ]; then setup_prometheus; fi
+  if [ "${1:-}" = "[test]" ]; then setup_prometheus; setup_compose; fi
 }
 
 case "${1:-}" in
   setup) setup "[test]" ;;
+  engine) setup_engine ;;
+  register-runsc)
+    [ -n "${2:-}" ] || { log "usage: deploy/local.sh register-runsc CONFIG"; exit 2; }
+    install_runsc
+    register_runsc "$2" ;;
   serve)
     setup ""
     if [ -z "${PTC_AUTH:-}${PTC_API_KEYS:-}${PTC_API_KEYS_FILE:-}" ]; then
@@ -109,5 +169,5 @@ case "${1:-}" in
   bench)
     setup "[test]"
     .venv/bin/python -m bench "${@:2}" ;;
-  *) sed -n '2,17p' "$0"; exit 2 ;;
+  *) sed -n "2,27p" "$0"; exit 2 ;;
 esac

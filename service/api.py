@@ -153,7 +153,9 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         if backend is None:
             from service.sandbox.docker import DockerBackend
 
-            backend = DockerBackend(settings.docker_host, max_workers=4 * settings.concurrency() + 8)
+            backend = DockerBackend(
+                settings.docker_host, max_workers=4 * settings.concurrency() + 8, runtime=settings.runtime
+            )
         endpoints = EndpointClients(
             settings.tool_timeout_s, settings.max_tool_result_bytes, EgressPolicy(settings.egress_allow)
         )

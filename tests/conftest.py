@@ -1,7 +1,10 @@
 """Fixtures: a real ptc-sandbox service process on the real Docker engine, and a real HTTP tool server.
 
 Integration tests skip when no engine or sandbox image is present, except
-under ``CI=true``, where that is a failure.
+under ``CI=true``, where that is a failure. Isolation tests take ``runtime_api``
+(or ``runtime``) and run once per OCI runtime in ``RUNTIMES``: ``runc`` on the
+shared service, ``runsc`` (gVisor) on a second service started with
+``PTC_RUNTIME=runsc``; an engine without ``runsc`` skips those (fails under CI).
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ IMAGE = os.environ.get("PTC_SANDBOX_IMAGE", "ptc-sandbox-runtime:latest")
 LABEL_INSTANCE = "io.ptc-sandbox.instance"
 LABEL_JOB = "io.ptc-sandbox.job"
 ROOT = Path(__file__).resolve().parent.parent
+RUNTIMES = ("runc", "runsc")
+"""The OCI runtimes the isolation tests run under: the engine's default and gVisor."""
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI") == "true"
 
 
 def _engine_problem() -> str | None:
@@ -47,10 +56,19 @@ def engine() -> docker.DockerClient:
     """The real engine; skips (fails under CI=true) without one."""
     problem = _engine_problem()
     if problem:
-        if os.environ.get("CI") == "true":
+        if in_ci():
             pytest.fail(problem)
         pytest.skip(problem)
     return docker.from_env()
+
+
+def require_runtime(engine: docker.DockerClient, runtime: str) -> None:
+    """Skip (fail under CI=true) unless the engine has ``runtime`` registered (``deploy/local.sh setup`` does it)."""
+    if runtime not in (engine.info().get("Runtimes") or {}):
+        problem = f"the Docker engine has no {runtime!r} runtime (deploy/local.sh setup registers runsc)"
+        if in_ci():
+            pytest.fail(problem)
+        pytest.skip(problem)
 
 
 def free_port() -> int:
@@ -203,6 +221,45 @@ def restricted_service(engine: docker.DockerClient, scratch: Path, tool_server: 
 def api(service: Service) -> Iterator[httpx.Client]:
     with service.client() as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def runsc_service(engine: docker.DockerClient, scratch: Path) -> Iterator[Service]:
+    """A second service whose sandboxes run under gVisor; at the end, no container it labelled may remain."""
+    require_runtime(engine, "runsc")
+    svc = start_service(f"pytest-runsc-{secrets.token_hex(4)}", scratch / "svc-runsc", PTC_RUNTIME="runsc")
+    yield svc
+    svc.stop()
+    left = labelled_containers(engine, svc.instance_id, include_pool=True)
+    assert not left, f"containers left behind: {[c.name for c in left]}"
+
+
+@pytest.fixture(params=RUNTIMES)
+def runtime(request: pytest.FixtureRequest, engine: docker.DockerClient) -> str:
+    """Each OCI runtime of ``RUNTIMES`` in turn (a test taking it runs once per runtime)."""
+    name: str = request.param
+    require_runtime(engine, name)
+    return name
+
+
+@pytest.fixture
+def runtime_service(request: pytest.FixtureRequest, runtime: str) -> Service:
+    """The service whose sandboxes run under ``runtime``."""
+    svc: Service = request.getfixturevalue("runsc_service" if runtime == "runsc" else "service")
+    return svc
+
+
+@pytest.fixture(scope="session")
+def runsc_api(runsc_service: Service) -> Iterator[httpx.Client]:
+    with runsc_service.client() as client:
+        yield client
+
+
+@pytest.fixture
+def runtime_api(request: pytest.FixtureRequest, runtime: str) -> httpx.Client:
+    """A client of ``runtime_service`` (a test taking it runs once per runtime)."""
+    client: httpx.Client = request.getfixturevalue("runsc_api" if runtime == "runsc" else "api")
+    return client
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,8 @@
-"""Bad input of every kind: a clear result, no leaked sandbox, and a healthy service afterwards."""
+"""Bad input of every kind: a clear result, no leaked sandbox, and a healthy service afterwards.
+
+Hostile scripts (the isolation tests) take ``runtime_api`` and run under each
+runtime of ``tests.conftest.RUNTIMES``: runc and gVisor (runsc).
+"""
 
 from __future__ import annotations
 
@@ -26,8 +30,11 @@ AREA_TOOL = {
 
 
 @pytest.fixture(autouse=True)
-def healthy_afterwards(api: httpx.Client, engine: docker.DockerClient, service: Service) -> Iterator[None]:
-    """After each test: the service still runs scripts, and none of its sandboxes is left."""
+def healthy_afterwards(request: pytest.FixtureRequest, engine: docker.DockerClient) -> Iterator[None]:
+    """After each test: the service it used still runs scripts, and none of its sandboxes is left."""
+    on_runtime = "runtime_api" in request.fixturenames
+    api: httpx.Client = request.getfixturevalue("runtime_api" if on_runtime else "api")
+    service: Service = request.getfixturevalue("runtime_service" if on_runtime else "service")
     yield
     view = execute(api, "print('still here')")
     assert (view["status"], view["stdout"]) == ("succeeded", "still here\n")
@@ -85,20 +92,20 @@ def test_missing_argument_passed_positionally_is_rejected_not_a_type_error(api: 
     assert view["calls"][0]["args"] == {"base": 3}
 
 
-def test_endless_loop_times_out_near_the_limit(api: httpx.Client) -> None:
+def test_endless_loop_times_out_near_the_limit(runtime_api: httpx.Client) -> None:
     started = time.monotonic()
-    view = execute(api, "while True:\n    pass\n", timeout_s=2)
+    view = execute(runtime_api, "while True:\n    pass\n", timeout_s=2)
     elapsed = time.monotonic() - started
     assert view["status"] == "timed_out"
     assert view["error"]["type"] == "timeout"
     assert elapsed < 2 + 2, elapsed
 
 
-def test_ten_megabytes_of_output_are_capped_and_counted(api: httpx.Client) -> None:
+def test_ten_megabytes_of_output_are_capped_and_counted(runtime_api: httpx.Client) -> None:
     script = (
         "import sys\nfor i in range(100_000):\n    sys.stdout.write('%099d\\n' % i)\nsys.stderr.write('e' * 1000)\n"
     )
-    view = execute(api, script)
+    view = execute(runtime_api, script)
     assert view["status"] == "succeeded"
     assert view["stdout_bytes"] == 10_000_000
     assert view["stdout_truncated"] is True
@@ -129,27 +136,29 @@ def test_bytes_that_are_not_utf8_are_replaced_and_flagged(api: httpx.Client) -> 
     assert (view["stderr"], view["stderr_invalid_utf8"]) == ("é\n", False)
 
 
-def test_input_gets_end_of_file(api: httpx.Client) -> None:
+def test_input_gets_end_of_file(runtime_api: httpx.Client) -> None:
     started = time.monotonic()
-    view = execute(api, "input()", timeout_s=20)
+    view = execute(runtime_api, "input()", timeout_s=20)
     assert time.monotonic() - started < 10
     assert view["status"] == "failed"
     assert view["error"]["type"] == "EOFError"
 
 
-def test_memory_past_the_limit_is_oom_killed(api: httpx.Client) -> None:
-    view = execute(api, "x = bytearray(b'1') * (300 * 1024 * 1024)\nprint('survived')", limits={"memory_mb": 128})
+def test_memory_past_the_limit_is_oom_killed(runtime_api: httpx.Client) -> None:
+    view = execute(
+        runtime_api, "x = bytearray(b'1') * (300 * 1024 * 1024)\nprint('survived')", limits={"memory_mb": 128}
+    )
     assert view["status"] == "oom_killed", view
     assert "survived" not in view["stdout"]
 
 
-def test_fork_bomb_is_contained(api: httpx.Client) -> None:
+def test_fork_bomb_is_contained(runtime_api: httpx.Client) -> None:
     script = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
-    view = execute(api, script, timeout_s=3)
+    view = execute(runtime_api, script, timeout_s=3)
     assert view["status"] in ("timed_out", "failed")
 
 
-def test_sandbox_has_no_network_root_or_writable_root_fs(api: httpx.Client) -> None:
+def test_sandbox_has_no_network_root_or_writable_root_fs(runtime_api: httpx.Client) -> None:
     script = """
 import os, socket
 print("uid", os.getuid())
@@ -167,7 +176,7 @@ open("/tmp/ok", "w").write("x")
 print("tmp: writable")
 print("caps", open("/proc/self/status").read().split("CapEff:")[1].split()[0])
 """
-    view = execute(api, script)
+    view = execute(runtime_api, script)
     assert view["stdout"].split("\n")[:-1] == [
         "uid 10001",
         "network: no",
@@ -177,10 +186,10 @@ print("caps", open("/proc/self/status").read().split("CapEff:")[1].split()[0])
     ]
 
 
-def test_tmp_is_size_capped(api: httpx.Client) -> None:
+def test_tmp_is_size_capped(runtime_api: httpx.Client) -> None:
     script = "try:\n    open('/tmp/big', 'wb').write(b'x' * (20 * 1024 * 1024))\n    print('wrote')\n"
     script += "except OSError as e:\n    print('refused', e.errno)\n"
-    view = execute(api, script, limits={"tmp_mb": 8})
+    view = execute(runtime_api, script, limits={"tmp_mb": 8})
     assert view["stdout"].startswith("refused")
 
 
@@ -247,7 +256,7 @@ def test_unknown_job_is_404(api: httpx.Client) -> None:
     assert response.headers["content-type"] == "application/problem+json"
 
 
-def test_broker_flood_blocks_only_the_flooding_script(api: httpx.Client) -> None:
+def test_broker_flood_blocks_only_the_flooding_script(runtime_api: httpx.Client) -> None:
     script = (
         "import socket\n"
         "s = socket.socket(socket.AF_UNIX)\n"
@@ -263,14 +272,14 @@ def test_broker_flood_blocks_only_the_flooding_script(api: httpx.Client) -> None
     )
     tools = [{"name": "t", "endpoint": ECHO}]
     started = time.monotonic()
-    view = execute(api, script, tools, timeout_s=20)
+    view = execute(runtime_api, script, tools, timeout_s=20)
     assert time.monotonic() - started < 20
     assert view["stdout"] == "blocked\n"
     assert 0 < len(view["calls"]) <= 10_000
     assert all(c["tool"] == "t" for c in view["calls"])
 
 
-def test_oversized_request_line_closes_the_connection(api: httpx.Client) -> None:
+def test_oversized_request_line_closes_the_connection(runtime_api: httpx.Client) -> None:
     script = (
         "import socket\n"
         "s = socket.socket(socket.AF_UNIX)\n"
@@ -283,5 +292,5 @@ def test_oversized_request_line_closes_the_connection(api: httpx.Client) -> None
         "import tools\n"
         "print(tools.t()['tool'])\n"
     )
-    view = execute(api, script, [{"name": "t", "endpoint": ECHO}], timeout_s=30)
+    view = execute(runtime_api, script, [{"name": "t", "endpoint": ECHO}], timeout_s=30)
     assert view["stdout"] == "closed\nt\n", view

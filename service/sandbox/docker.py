@@ -41,9 +41,11 @@ class DockerBackend(SandboxBackend):
     Args:
         base_url: engine URL; None = ``DOCKER_HOST`` or the local socket.
         max_workers: threads for blocking SDK calls.
+        runtime: the OCI runtime the service's sandboxes use (``runsc`` for gVisor); ``ready`` checks that the
+            engine has it registered. None = the engine's default, always there.
     """
 
-    def __init__(self, base_url: str | None = None, max_workers: int = 16) -> None:
+    def __init__(self, base_url: str | None = None, max_workers: int = 16, runtime: str | None = None) -> None:
         try:
             self._client = self._connect(base_url, max_workers, None)
         except docker.errors.DockerException as exc:
@@ -51,6 +53,7 @@ class DockerBackend(SandboxBackend):
             log.warning("Docker engine not reachable at start (%s); will retry on each request", exc)
             self._client = self._connect(base_url, max_workers, FALLBACK_API_VERSION)
         self._api = self._client.api
+        self._runtime = runtime
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ptc-docker")
         self._readers: dict[str, threading.Thread] = {}
 
@@ -208,6 +211,16 @@ class DockerBackend(SandboxBackend):
             await self._run(self._api.ping)
         except SandboxError as exc:
             return False, str(exc)
+        if self._runtime:
+            try:
+                runtimes = (await self._run(self._api.info)).get("Runtimes") or {}
+            except SandboxError as exc:
+                return False, str(exc)
+            if self._runtime not in runtimes:
+                return False, (
+                    f"the Docker engine has no runtime {self._runtime!r} (PTC_RUNTIME); registered: "
+                    f"{', '.join(sorted(runtimes)) or 'none'} (deploy/local.sh setup registers runsc)"
+                )
         try:
             await self._run(self._api.inspect_image, image)
         except SandboxError:
