@@ -52,6 +52,7 @@ from service.errors import (
     SandboxError,
     WorkDirBusy,
 )
+from service.normalize import Normalized, prepare, view_fields, with_hint
 from service.output import CappedStream, OutputLog, decode_slice, read_range
 from service.pool import WarmPool, release
 from service.sandbox.base import ExitStatus, SandboxBackend, SandboxHandle, SandboxSpec, Stream
@@ -145,6 +146,7 @@ class Job:
     broker: Broker | None = None
     sandbox_start: str | None = None  # "warm" (from the pool) or "cold"
     sandbox_id: str | None = None  # the engine's container id, once the job has one
+    normalized: Normalized | None = None  # the script's normalization (None: switched off by the request)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def sink(self, stream: Stream, data: bytes) -> None:
@@ -196,6 +198,7 @@ class Job:
             "pending_calls": self.broker.pending_client_calls if self.broker is not None else [],
             "sandbox_start": self.sandbox_start,
             "sandbox_id": self.sandbox_id,
+            **view_fields(self.normalized),
         }
 
 
@@ -426,10 +429,12 @@ class JobManager:
         self._admitted += 1  # counted before the first await, so admission is exact under concurrency
         try:
             manifest = await self.manifest(request.tools, request.toolset)
+            normalized = await prepare(request.script, request.normalize)
             job = self._new_job(limits, request)
         except BaseException:
             self._admitted -= 1
             raise
+        job.normalized = normalized
         self._live[job.id] = job
         self._spawn(self._run(job, request, manifest), f"job {job.id}")
         return job
@@ -542,7 +547,8 @@ class JobManager:
                 job_dir = pooled.folder if pooled is not None else self._jobs_dir / job.id
                 if pooled is not None:
                     handle = pooled.handle
-                await asyncio.to_thread(self._prepare_dir, job_dir, request.script, manifest)
+                script = job.normalized.script if job.normalized is not None else request.script
+                await asyncio.to_thread(self._prepare_dir, job_dir, script, manifest)
                 await broker.start(job_dir / "tools.sock")
                 job.started_at = _now()
                 job.sandbox_start = "warm" if pooled is not None else "cold"
@@ -651,7 +657,7 @@ class JobManager:
             }
         else:
             job.status = "succeeded" if exit_status.exit_code == 0 else "failed"
-            job.error = broker.reported_error if exit_status.exit_code != 0 else None
+            job.error = with_hint(broker.reported_error, job.normalized) if exit_status.exit_code != 0 else None
 
     async def _cleanup(self, job: Job, handle: SandboxHandle | None, broker: Broker, job_dir: Path | None) -> None:
         """Remove the sandbox and folder, save the final view, then tell waiters. Never raises."""
