@@ -121,18 +121,17 @@ class Normalized:
 # -- compiling ----------------------------------------------------------------------------------------------------
 
 
-_warnings_silenced = False
+_FILTER_MODULE = re.escape(COMPILE_FILENAME)
 
 
 def _silence_compile_warnings() -> None:
-    """Ignore warnings raised while compiling under ``COMPILE_FILENAME`` (SyntaxWarning for ``"\\d"`` etc.) only.
+    """Ignore the warnings of compiling under ``COMPILE_FILENAME`` (SyntaxWarning for ``"\\d"`` etc.), and only those.
 
-    Installed once, on first use (not at import); ``warnings.catch_warnings`` is not thread-safe, a filter is.
+    A filter is installed on first use (not at import) and again if someone reset the filters;
+    ``warnings.catch_warnings`` would not do: it is not thread-safe.
     """
-    global _warnings_silenced
-    if not _warnings_silenced:
-        warnings.filterwarnings("ignore", module=re.escape(COMPILE_FILENAME))
-        _warnings_silenced = True
+    if not any(getattr(f[3], "pattern", None) == _FILTER_MODULE for f in warnings.filters):
+        warnings.filterwarnings("ignore", module=_FILTER_MODULE)
 
 
 def _compile_error(source: str) -> BaseException | None:
@@ -218,7 +217,8 @@ def _is_code_line(line: str) -> bool:
     if not stripped or stripped.startswith("#"):
         return False
     try:
-        tree = ast.parse(stripped)
+        _silence_compile_warnings()
+        tree = ast.parse(stripped, COMPILE_FILENAME)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return False
     lone = len(tree.body) == 1 and isinstance(tree.body[0], ast.Expr)
@@ -625,7 +625,8 @@ def _expand_tabs(text: str, width: int, keep: set[int]) -> str:
 
 def _program(source: str) -> str | None:
     try:
-        return ast.dump(ast.parse(source))
+        _silence_compile_warnings()
+        return ast.dump(ast.parse(source, COMPILE_FILENAME))
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
 
