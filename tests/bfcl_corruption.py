@@ -12,7 +12,9 @@ import re
 from types import CodeType
 from typing import Any, Final
 
-from tests.bfcl_data import CASE_MARKER, GroundTruthCase, call_source
+import httpx
+
+from tests.bfcl_data import CASE_MARKER, GroundTruthCase, call_source, replay_manifest, split_records
 
 #: The categories whose every entry the corruption test replays.
 CORRUPTION_CATEGORIES: Final = ("simple_python", "parallel", "multiple")
@@ -56,3 +58,50 @@ def bytecode(source: str) -> tuple[Any, ...]:
         return (code.co_name, code.co_code, consts, code.co_names, code.co_varnames, code.co_freevars, code.co_flags)
 
     return walk(compile(source, "<script>", "exec", dont_inherit=True))
+
+
+JOB_TIMEOUT_S: Final = 120
+
+
+def run_job(api: httpx.Client, script: str, tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """POST /execute and wait for the job's final view (``202`` answers are waited for)."""
+    body = {"script": script, "tools": tools, "timeout_s": JOB_TIMEOUT_S, "wait_s": JOB_TIMEOUT_S}
+    view: dict[str, Any] = api.post("/execute", json=body).raise_for_status().json()
+    while view["status"] in ("queued", "running"):
+        view = api.post(f"/jobs/{view['job_id']}/wait", params={"timeout_s": JOB_TIMEOUT_S}).raise_for_status().json()
+    return view
+
+
+def clean_run(api: httpx.Client, batch: list[GroundTruthCase]) -> dict[str, tuple[list[dict[str, Any]], str]]:
+    """Run the clean scripts of ``batch`` as one job; each entry's (records, printed line) by id.
+
+    Raises:
+        AssertionError: the job did not succeed or its output was truncated.
+    """
+    view = run_job(api, batch_script(batch), replay_manifest(batch))
+    assert view["status"] == "succeeded" and not view["stdout_truncated"], view["error"]
+    printed = {line.split(" ", 1)[0]: line + "\n" for line in view["stdout"].splitlines()}
+    return {case_id: (records, printed[case_id]) for case_id, records in split_records(view["calls"], batch).items()}
+
+
+def corrupted_run(api: httpx.Client, case: GroundTruthCase) -> dict[str, Any]:
+    """The final view of the entry's corrupted script, run as its own job with the entry's own manifest."""
+    return run_job(api, corrupt(ground_truth_script(case)), replay_manifest([case], marker=False))
+
+
+def recovery_problem(
+    case: GroundTruthCase, view: dict[str, Any], clean: tuple[list[dict[str, Any]], str]
+) -> str | None:
+    """None when the corrupted script's job did what the clean script did (and said it repaired it), else why not."""
+    records, printed = clean
+    if view["status"] != "succeeded":
+        return f"{view['status']}: {view['error']}"
+    if [r["kind"] for r in view["normalization"]] != ["literal_escapes"]:
+        return f"normalization {view['normalization']}"
+    if [record_key(r) for r in view["calls"]] != [record_key(r) for r in records]:
+        return f"records differ: {view['calls']} != {records}"
+    if view["stdout"] != printed:
+        return f"stdout {view['stdout']!r} != {printed!r}"
+    if len(records) != len(case.calls) or any(r["status"] != "ok" for r in records):
+        return f"the clean script's own records are off: {records}"
+    return None
