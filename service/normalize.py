@@ -1,7 +1,7 @@
 """Script normalization: undo the mechanical damage models do to scripts before they run (README, "Normalization").
 
 Only a script that does not compile as it is gets touched: a script that
-compiles is returned byte for byte, always. For one that does not, a small
+compiles is returned byte for byte, always (and so is one longer than ``MAX_CHARS``). For one that does not, a small
 depth-first search applies the repairs below (each at most once, in this
 order) and keeps the first sequence whose result compiles; when none does, the
 script is returned unchanged, with a one-line ``hint`` when a known mechanical
@@ -67,7 +67,9 @@ __all__ = [
 
 KINDS = ("bom", "crlf", "fence", "shell_wrapper", "literal_escapes", "tabs")
 COMPILE_FILENAME = "<ptc-normalize>"
-MAX_COMPILES = 24  # compile attempts per script (each repair sequence costs one); bounds the search
+MAX_COMPILES = 16  # compile attempts per script (each repair sequence costs one); bounds the search
+MAX_CHARS = 64 * 1024  # longer scripts run as sent: compiling holds the GIL (about 1 ms per KiB here)
+MAX_PROSE_LINES = 100  # non-blank lines of text around a fenced block; more is not "prose around a script"
 MAX_HINT_TEXT = 60
 SYNTAX_ERRORS = frozenset({"SyntaxError", "IndentationError", "TabError"})
 
@@ -232,7 +234,7 @@ def _fence(text: str) -> list[Candidate]:
             continue
         start, end, opener = found.blocks[0]
         outside = lines[: start - 1] + lines[end + 1 :]
-        if any(_is_code_line(line) for line in outside):
+        if sum(1 for line in outside if line.strip()) > MAX_PROSE_LINES or any(map(_is_code_line, outside)):
             continue
         content = sep.join(lines[start:end])
         if not content.strip():
@@ -691,8 +693,11 @@ def _search(text: str, used: frozenset[str], budget: _Budget) -> tuple[str, list
 def normalize(script: str) -> Normalized:
     """The script to run for ``script``: itself when it compiles, else the first repair that compiles (module doc).
 
-    CPU-bound (it compiles the script, up to ``MAX_COMPILES`` times): call it off the event loop.
+    CPU-bound (it compiles the script, up to ``MAX_COMPILES`` times): call it off the event loop. A script longer
+    than ``MAX_CHARS`` is returned as it is, unexamined.
     """
+    if len(script) > MAX_CHARS:
+        return Normalized(script, script)
     error = _compile_error(script)
     if error is None:
         return Normalized(script, script)
@@ -721,7 +726,8 @@ def _hint(script: str, error: BaseException) -> str | None:
             )
         if len(blocks) == 1:
             start, end, _ = blocks[0]
-            outside = [line for line in lines[: start - 1] + lines[end + 1 :] if _is_code_line(line)]
+            around = (lines[: start - 1] + lines[end + 1 :])[:MAX_PROSE_LINES]
+            outside = [line for line in around if _is_code_line(line)]
             if outside:
                 return (
                     f"the script is a Markdown fenced block with code outside it too ({_short(outside[0])!r}); "

@@ -6,10 +6,9 @@ For every entry of ``tests.bfcl_data.GROUND_TRUTH_CATEGORIES`` (``bfcl-eval`` mu
 ground-truth script of ``tests.bfcl_corruption.ground_truth_script`` is written in damaged forms, and each is passed
 through ``service.normalize.normalize`` (in this process): ``escaped`` (the research's corruption: on one line, each
 line break as the two characters ``\\n``, each indent as ``\\t``), ``fenced`` (in a Markdown block with prose around
-it), ``fenced+escaped``, ``python -c`` (``python3 -c '<script>'``, quoted with ``shlex.quote``), ``heredoc``
-(``python3 - <<'EOF'``). Recovered =
-normalized to a script with the clean script's bytecode. Also counted: clean (valid) scripts normalization changed,
-which must be 0.
+it), ``fenced+escaped``, ``python -c`` (``python3 -c '<script>'``, quoted with ``shlex.quote``) and ``heredoc``
+(``python3 - <<'EOF'``). Recovered = normalized to a script with the clean script's bytecode. Also counted: clean
+(valid) scripts normalization changed, which must be 0.
 
 Then, unless ``--offline``, the ``escaped`` form of every entry of ``tests.bfcl_corruption.CORRUPTION_CATEGORIES``
 runs through ``POST /execute`` (one job per entry, ``--jobs`` at a time; the clean scripts batched, 100 entries per
@@ -71,7 +70,7 @@ def offline(cases: list[GroundTruthCase]) -> list[str]:
             counts = recovered.setdefault((case.category, form), [0, 0])
             counts[0] += result.changed and bytecode(result.script) == program
             counts[1] += 1
-    header = f"{'category':<24}" + "".join(f"{form:>16}" for form in FORMS)
+    header = f"{'category':<24}" + "".join(f"{form:>18}" for form in FORMS)
     lines = ["Recovered by normalize() (same bytecode as the clean script), per form:", header, "-" * len(header)]
     for category in (*GROUND_TRUTH_CATEGORIES, "total"):
         cells = []
@@ -79,7 +78,7 @@ def offline(cases: list[GroundTruthCase]) -> list[str]:
             got = [recovered.get((c, form), [0, 0]) for c in GROUND_TRUTH_CATEGORIES if category in (c, "total")]
             done, total = sum(g[0] for g in got), sum(g[1] for g in got)
             cells.append(f"{done}/{total} {100 * done / max(1, total):5.1f}%" if total else "-")
-        lines.append(f"{category:<24}" + "".join(f"{cell:>16}" for cell in cells))
+        lines.append(f"{category:<24}" + "".join(f"{cell:>18}" for cell in cells))
     lines.append(f"\nvalid (clean) scripts normalization changed: {len(changed)} of {len(cases)} {changed[:10]}")
     return lines
 
