@@ -743,7 +743,9 @@ def _hint(script: str, error: BaseException) -> str | None:
     if any(_HEREDOC_PY.match(line) or _HEREDOC_CAT.match(line) for line in stripped.split("\n")[:1]):
         return "the script is a shell heredoc (python3 - <<EOF ...) that could not be unwrapped: send the Python code"
     message = str(getattr(error, "msg", error))
-    if "\\n" in script and ("line continuation" in message or stripped.count("\n") <= 2):
+    structural = _decode_structural(script) if "\\n" in script else None
+    twice_escaped = structural is None and "\\n" in script and "line continuation" in message
+    if twice_escaped or (structural is not None and structural[1] > 0):
         return (
             "the script has the two characters \\n where line breaks belong (outside string literals): "
             "send real line breaks"
