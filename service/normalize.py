@@ -45,6 +45,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import re
+import textwrap
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -243,7 +244,12 @@ def _fence(text: str) -> list[Candidate]:
         closed = " (no closing fence)" if found.unclosed else ""
         detail = f"ran the content of the one fenced block {opener!r}{closed}{how}"
         detail += f"; {dropped} line(s) of text around it dropped" if dropped else ""
-        return [(content + ("\n" if sep == "\n" and not content.endswith("\n") else ""), detail)]
+        content += "\n" if sep == "\n" and not content.endswith("\n") else ""
+        dedented = textwrap.dedent(content) if sep == "\n" else content
+        candidates = [(content, detail)]
+        if dedented != content:
+            candidates.append((dedented, detail + "; its common indentation removed"))
+        return candidates
     return []
 
 

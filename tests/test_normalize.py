@@ -176,6 +176,7 @@ def test_a_twice_escaped_script_is_decoded_as_one_string() -> None:
         ("\ufeffprint(1)\n", ["bom"], "print(1)\n"),
         ("```python\r\nprint(1)\r\n```\r\n", ["crlf", "fence"], "print(1)\n"),
         ("~~~\nprint(1)\n~~~\n", ["fence"], "print(1)\n"),
+        ("1. Run:\n   ```python\n   if 1:\n       print(1)\n   ```\n", ["fence"], "if 1:\n    print(1)\n"),
         ("```python\nprint(1)\n", ["fence"], "print(1)\n"),  # no closing fence
         ("```python\\nimport sys\\nprint(1)\\n```", ["fence", "literal_escapes"], "import sys\nprint(1)"),
         ("$ python3 -c 'print(1)'", ["shell_wrapper"], "print(1)"),
