@@ -184,7 +184,7 @@ def _line_forms(text: str) -> Iterator[tuple[list[str], str, str]]:
         yield text.split("\\n"), "\\n", " (its line breaks written as literal \\n)"
 
 
-_FENCE_OPEN = re.compile(r"^[ \t]*(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\s`]*)[^`]*$")
+_FENCE_OPEN = re.compile(r"^[ \t]*+(?P<fence>`{3,}+|~{3,}+)[ \t]*+(?P<info>[^\s`]*+)[^`]*+$")  # possessive: linear
 
 
 @dataclass
@@ -718,7 +718,7 @@ def _short(line: str) -> str:
     return line if len(line) <= MAX_HINT_TEXT else line[: MAX_HINT_TEXT - 3] + "..."
 
 
-_PROSE = re.compile(r"^[A-Z][a-z']*(?:[ ,]+[\w'’,()/-]+){2,}[.:!?]?$")
+_PROSE = re.compile(r"^[A-Z][a-z']*+(?:[ ,]++[\w'’()/-]++){2,}+[.:!?]?$")  # possessive: linear
 
 
 def _hint(script: str, error: BaseException) -> str | None:
