@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import shlex
+import time
 import typing
 from typing import Any
 
@@ -293,3 +294,18 @@ def test_a_wrong_argument_names_parameter_type_value_and_signature(api: httpx.Cl
     assert (
         view["calls"][0]["error"]["message"] == "geo.area: argument 'base': '3' is not of type 'integer' (got string)"
     )
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["```" + "a" * 20000 + " b" * 5000 + "`", "A" + ", ," * 10000 + "#", "x = 1\\n" * 9000, "```\\n" * 10000],
+)
+def test_long_hostile_input_is_handled_in_linear_time(text: str) -> None:
+    started = time.perf_counter()
+    normalize(text)
+    assert time.perf_counter() - started < 2.0  # the first two took 23 s and more with backtracking regexes
+
+
+def test_a_script_over_the_size_limit_is_not_examined() -> None:
+    script = "```python\nprint(1)\n```\n" + "#" * (64 * 1024)
+    assert normalize(script).script is script and normalize(script).hint is None
