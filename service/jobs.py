@@ -54,6 +54,7 @@ from service.errors import (
     WorkDirBusy,
 )
 from service.metrics import Metrics
+from service.normalize import Normalized, prepare, view_fields, with_hint
 from service.output import CappedStream, OutputLog, decode_slice, read_range
 from service.pool import RUNTIME_LABEL, WarmPools
 from service.sandbox.base import ExitStatus, SandboxBackend, SandboxSpec, Stream, write_run_files
@@ -152,7 +153,12 @@ class Job:
     sandbox_id: str | None = None  # the engine's container id, once the job has one
     session_id: str | None = None  # the session it runs in (not counted in the admission of one-shot jobs)
     stop_reason: str | None = None  # why a stop was asked, when not by POST /jobs/{id}/stop
+    normalized: Normalized | None = None  # the script's normalization (None: switched off by the request)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def script(self, request: ExecuteRequest) -> str:
+        """The script to run: the request's, as normalization left it."""
+        return self.normalized.script if self.normalized is not None else request.script
 
     def sink(self, stream: Stream, data: bytes) -> None:
         """OutputSink for this job's sandbox (called on the backend's reader thread)."""
@@ -204,6 +210,7 @@ class Job:
             "sandbox_start": self.sandbox_start,
             "sandbox_id": self.sandbox_id,
             "session_id": self.session_id,
+            **view_fields(self.normalized),
         }
 
 
@@ -467,10 +474,12 @@ class JobManager:
         self._admitted += 1  # counted before the first await, so admission is exact under concurrency
         try:
             manifest = await self.manifest(request.tools, request.toolset)
+            normalized = await prepare(request.script, request.normalize)
             job = self._new_job(limits, request)
         except BaseException:
             self._admitted -= 1
             raise
+        job.normalized = normalized
         self._live[job.id] = job
         self._spawn(self._run(job, request, manifest), f"job {job.id}")
         return job
@@ -501,10 +510,12 @@ class JobManager:
                 )
             )
             manifest = await self.manifest(tools, toolset)
+            normalized = await prepare(request.script, request.normalize)
             job = self._new_job(limits, request)
         except BaseException:
             session.queued -= 1
             raise
+        job.normalized = normalized
         job.session_id = session.id
         self._live[job.id] = job
         self._spawn(self._run_in_session(job, request, manifest, session), f"job {job.id}")
@@ -622,7 +633,7 @@ class JobManager:
                     sandbox = SessionSandbox(self._backend, spec)
                     await sandbox.start()
                 job.sandbox_id = sandbox.handle.id[:12] if sandbox.handle is not None else None
-                await asyncio.to_thread(write_run_files, sandbox.folder, request.script, manifest.stub_source)
+                await asyncio.to_thread(write_run_files, sandbox.folder, job.script(request), manifest.stub_source)
                 await broker.start(sandbox.folder / "tools.sock")
                 run = await sandbox.run(job.id, request.env, job.sink)
                 self._metrics.sandbox_started(job.sandbox_start, time.monotonic() - begin)
@@ -679,7 +690,7 @@ class JobManager:
                 session.current_job_id = job.id
                 sandbox = session.sandbox
                 stubs = None if session.stub_source == manifest.stub_source else manifest.stub_source
-                await asyncio.to_thread(write_run_files, sandbox.folder, request.script, stubs)
+                await asyncio.to_thread(write_run_files, sandbox.folder, job.script(request), stubs)
                 session.stub_source = manifest.stub_source
                 await broker.start(sandbox.folder / "tools.sock")
                 job.started_at = _now()
@@ -792,7 +803,7 @@ class JobManager:
             }
         else:
             job.status = "succeeded" if exit_status.exit_code == 0 else "failed"
-            job.error = broker.reported_error if exit_status.exit_code != 0 else None
+            job.error = with_hint(broker.reported_error, job.normalized) if exit_status.exit_code != 0 else None
 
     async def _cleanup(self, job: Job, broker: Broker, sandbox: SessionSandbox | None) -> None:
         """Save the final view, tell waiters, then remove the job's own ``sandbox`` (and folder). Never raises.

@@ -96,6 +96,11 @@ class ExecuteRequest(BaseModel):
         "its files; limits other than timeout_s and output_bytes are the session's. tools/toolset default to the "
         "session's; env adds to the session's.",
     )
+    normalize: bool = Field(
+        True,
+        strict=True,
+        description="Repair a script that does not compile (fences, shell wrappers, literal \\n, ...; README).",
+    )
 
     @field_validator("script")
     @classmethod
@@ -269,6 +274,13 @@ class CallRecord(BaseModel):
     duration_ms: float | None = Field(description="Milliseconds from arrival to answer.")
 
 
+class ScriptRepair(BaseModel):
+    """A repair made to the script before it ran (``service.normalize``)."""
+
+    kind: Literal["bom", "crlf", "fence", "shell_wrapper", "literal_escapes", "tabs"]
+    detail: str
+
+
 class JobError(BaseModel):
     """Why a job did not succeed: the script's uncaught exception, or the service's reason."""
 
@@ -277,6 +289,7 @@ class JobError(BaseModel):
     line: int | None = None
     column: int | None = None
     text: str | None = Field(None, description="The offending source line (SyntaxError).")
+    hint: str | None = Field(None, description="SyntaxError: what mechanical cause was recognized, in one line.")
 
 
 class PendingCall(BaseModel):
@@ -357,6 +370,11 @@ class JobView(BaseModel):
     pending_calls: list[PendingCall] = Field(
         default_factory=list, description="Client-executed calls waiting for an answer (status is then waiting)."
     )
+    normalization: list[ScriptRepair] = Field(
+        default_factory=list, description="Repairs made to the script before it ran (empty: it ran as sent)."
+    )
+    original_script: str | None = Field(None, description="With repairs: the script as sent.")
+    normalized_script: str | None = Field(None, description="With repairs: the script that ran.")
 
 
 class JobSummary(BaseModel):

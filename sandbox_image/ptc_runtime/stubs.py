@@ -23,6 +23,8 @@ from ptc_runtime.client import ToolError, client
 
 __all__ = ["CallableNamespace", "Namespace", "ToolError", "Toolbox"]
 
+SIGNATURE_CAP = 600  # characters of the signature appended to an invalid_arguments ToolError
+
 
 class Namespace:
     """An attribute container: ``tools.aio`` and its dotted sub-namespaces.
@@ -50,6 +52,7 @@ class _Binder:
 
     def __init__(self, tool: str, fn: Callable[..., Any], renames: Dict[str, str]) -> None:
         self.tool = tool
+        self.path = fn.__qualname__
         self.signature = inspect.signature(fn)
         self.renames = renames
         self.safe_for_original = {original: safe for safe, original in renames.items()}
@@ -74,6 +77,26 @@ class _Binder:
         result.update(unknown)  # forwarded so that the broker refuses them, with a record
         return result
 
+    def explain(self, error: ToolError) -> ToolError:
+        """``error`` with the stub's signature appended when the broker refused the arguments."""
+        if error.type != "invalid_arguments":
+            return error
+        return ToolError(error.type, f"{error.message}; the stub is {self.signature_text()}", error.tool)
+
+    def signature_text(self) -> str:
+        """``tools.<path>(name: type = default, ...)``, as the generated module declares it (capped)."""
+        parts = []
+        for param in self.signature.parameters.values():
+            text = param.name
+            if param.annotation is not inspect.Parameter.empty:
+                annotation = param.annotation
+                text += ": " + (annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "Any"))
+            if param.default is not inspect.Parameter.empty:
+                text += " = " + repr(param.default)
+            parts.append(text)
+        text = "tools.%s(%s)" % (self.path, ", ".join(parts))
+        return text if len(text) <= SIGNATURE_CAP else text[: SIGNATURE_CAP - 4] + "...)"
+
 
 class _Stub:
     def __init__(self, binder: _Binder, fn: Callable[..., Any]) -> None:
@@ -93,7 +116,10 @@ class SyncStub(_Stub):
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:  # self positional-only: a parameter may be named self
         binder = self._binder
-        return client().request({"tool": binder.tool, "args": binder.bind(args, kwargs)})
+        try:
+            return client().request({"tool": binder.tool, "args": binder.bind(args, kwargs)})
+        except ToolError as exc:
+            raise binder.explain(exc) from None
 
 
 class AsyncStub(_Stub):
@@ -101,7 +127,10 @@ class AsyncStub(_Stub):
 
     async def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         binder = self._binder
-        return await client().arequest({"tool": binder.tool, "args": binder.bind(args, kwargs)})
+        try:
+            return await client().arequest({"tool": binder.tool, "args": binder.bind(args, kwargs)})
+        except ToolError as exc:
+            raise binder.explain(exc) from None
 
 
 class CallableNamespace(type):

@@ -250,7 +250,19 @@ def _describe(error: ValidationError, tool: ToolSpec) -> str:
         more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
         listed = ", ".join(map(repr, known[:50])) or "none"
         return f"unexpected argument {', '.join(hints)}{more}; parameters are {listed}"
+    if error.validator == "type":  # what was given, by its JSON type: '3' (a string) for an integer
+        return f"{where}: {error.message} (got {_json_kind(error.instance)})"
     return f"{where}: {error.message}"
+
+
+def _json_kind(value: Any) -> str:
+    """The JSON type of a value, as a schema names it."""
+    if value is None:
+        return "null"
+    for kind, types in (("boolean", bool), ("integer", int), ("number", float), ("string", str)):
+        if isinstance(value, types):
+            return kind
+    return "array" if isinstance(value, list) else "object" if isinstance(value, dict) else type(value).__name__
 
 
 def _with_hint(name: str, known: list[str]) -> str:
