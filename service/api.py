@@ -36,7 +36,7 @@ from service.errors import (
     TooManySessions,
 )
 from service.jobs import JobManager, view_bytes, wait_for_end_or_client
-from service.limits import check_execute, check_manifest_request
+from service.limits import check_execute, check_manifest_request, check_session
 from service.metrics import CONTENT_TYPE, HttpObserver, Metrics
 from service.openapi import document
 from service.sandbox.base import SandboxBackend, Stream
@@ -346,6 +346,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         Answers 201 once the sandbox is ready. Its files under ``/tmp`` persist between scripts; it ends
         after ``idle_timeout_s`` without a script, at ``max_lifetime_s``, or on DELETE.
         """
+        check_session(body, settings, request.state.key_name)
         return json_session(await jobs_of(request).create_session(body), 201)
 
     @app.get("/sessions", response_model=SessionList)

@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 
 from service.errors import PayloadTooLarge, RequestLimitError
-from service.schemas import ExecuteRequest, ManifestRequest
+from service.schemas import ExecuteRequest, ManifestRequest, SessionRequest
 from service.settings import KeyLimits, Settings
 
 
@@ -94,6 +94,23 @@ def check_execute(body: ExecuteRequest, settings: Settings, key_name: str | None
             settings.max_script_bytes,
         )
     _check_manifest(body.tools, None, settings, key_name)
+    _cap(body, settings, key_name)
+
+
+def check_session(body: SessionRequest, settings: Settings, key_name: str | None) -> None:
+    """Check the body of ``POST /sessions`` as ``check_execute`` checks ``/execute`` (manifest size and tools,
+    the key's maxima of the sandbox limits; unset limits lowered to the key's maximum in ``body``).
+
+    Raises:
+        PayloadTooLarge: the manifest is over ``max_manifest_bytes``.
+        RequestLimitError: a value, or the number of tools, over the key's or the server's maximum.
+    """
+    _check_manifest(body.tools, None, settings, key_name)
+    _cap(body, settings, key_name)
+
+
+def _cap(body: ExecuteRequest | SessionRequest, settings: Settings, key_name: str | None) -> None:
+    """Apply the key's maxima to ``body``'s limits (and ``timeout_s``); raises RequestLimitError past one."""
     key = _key_limits(settings, key_name)
     if key is None:
         return
@@ -108,7 +125,8 @@ def check_execute(body: ExecuteRequest, settings: Settings, key_name: str | None
         return value
 
     limits = body.limits
-    body.timeout_s = capped(body.timeout_s, settings.default_timeout_s, key.timeout_s, ("timeout_s",))
+    if isinstance(body, ExecuteRequest):
+        body.timeout_s = capped(body.timeout_s, settings.default_timeout_s, key.timeout_s, ("timeout_s",))
     limits.memory_mb = capped(limits.memory_mb, settings.default_memory_mb, key.memory_mb, ("limits", "memory_mb"))
     limits.cpus = capped(limits.cpus, settings.default_cpus, key.cpus, ("limits", "cpus"))
     limits.pids = capped(limits.pids, settings.default_pids, key.pids, ("limits", "pids"))

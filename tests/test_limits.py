@@ -13,8 +13,8 @@ import pytest
 from service.api import create_app
 from service.auth import hash_token
 from service.errors import RequestLimitError
-from service.limits import check_execute
-from service.schemas import ExecuteRequest, Limits
+from service.limits import check_execute, check_session
+from service.schemas import ExecuteRequest, Limits, SessionRequest
 from service.settings import KeyLimits, Settings
 from tests.conftest import SMALL_TOKEN, Service, execute
 
@@ -125,6 +125,17 @@ def test_unset_limits_get_the_server_default_lowered_to_the_key_maximum(tmp_path
     assert body.timeout_s is None and body.limits.memory_mb is None
     with pytest.raises(RequestLimitError):
         check_execute(ExecuteRequest(script="", limits=Limits(memory_mb=65)), config, "small")
+
+
+async def test_a_key_cannot_open_a_session_past_its_maxima(client: httpx.AsyncClient, tmp_path: Path) -> None:
+    small = bearer(SMALL)
+    response = await client.post("/sessions", json={"limits": {"memory_mb": 128}}, headers=small)
+    assert "key 'small'" in assert_problem(response, 422, "limits.memory_mb")["detail"]
+    response = await client.post("/sessions", json={"tools": echo_tools(2)}, headers=small)
+    assert "key 'small'" in assert_problem(response, 422, "tools")["detail"]
+    body = SessionRequest()
+    check_session(body, settings(tmp_path), "small")
+    assert body.limits.memory_mb == 64  # lowered to the key's maximum, as its scripts' will be
 
 
 def test_the_small_key_times_out_at_its_own_maximum(restricted_service: Service) -> None:
