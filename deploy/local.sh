@@ -63,7 +63,7 @@ setup_venv() {
   fi
 }
 
-# gVisor's flags on these machines (shared/ENVIRONMENT.md): without --network=none runsc refuses to start in the
+# gVisor's flags on these machines (measured on these machines): without --network=none runsc refuses to start in the
 # root network namespace; without --host-uds=open a script cannot connect to the broker's bind-mounted socket.
 RUNSC_ARGS=(--network=none --host-uds=open)
 daemon_json=${PTC_DOCKER_DAEMON_JSON:-/etc/docker/daemon.json}

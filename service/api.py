@@ -199,7 +199,11 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     def json_view(view: dict[str, Any], status_code: int = 200) -> Response:
         return Response(view_bytes(view), status_code=status_code, media_type="application/json")
 
-    @app.post("/execute", response_model=JobView, responses={202: {"model": JobView}, 422: {}, 429: {}, 503: {}})
+    @app.post(
+        "/execute",
+        response_model=JobView,
+        responses={202: {"model": JobView}, 404: {}, 409: {}, 422: {}, 429: {}, 503: {}},
+    )
     async def execute(body: ExecuteRequest, request: Request) -> Response:
         """Run ``body.script`` in a new sandbox (or, with ``session_id``, in that session's sandbox).
 

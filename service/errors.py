@@ -65,7 +65,10 @@ class InsecureConfig(PtcError):
 
 
 class WorkDirBusy(PtcError):
-    """Another running instance holds the work dir."""
+    """Another running instance holds the work dir (``work_dir``)."""
+
+    def __init__(self, work_dir: object) -> None:
+        super().__init__(f"another ptc-sandbox instance is using {work_dir}; give this one its own PTC_WORK_DIR")
 
 
 class JobNotFound(PtcError):

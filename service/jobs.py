@@ -70,7 +70,6 @@ log = logging.getLogger(__name__)
 LABEL_INSTANCE = "io.ptc-sandbox.instance"
 LABEL_JOB = "io.ptc-sandbox.job"
 LABEL_MANAGED = "io.ptc-sandbox.managed"
-LABEL_POOL = "io.ptc-sandbox.pool"
 LABEL_SESSION = "io.ptc-sandbox.session"
 KILL_WAIT_S = 30.0
 STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
@@ -287,7 +286,7 @@ class JobManager:
         defaults = resolve_limits(ExecuteRequest(script=""), settings)  # the default profile
         self._pool = WarmPools(
             backend,
-            self._spec(defaults, {}, self._jobs_dir, None, {LABEL_POOL: "1"}),
+            self._spec(defaults, {}, self._jobs_dir, None, {}),
             settings.work_dir / "pool",
             settings.warm_pool_size,
             settings.warm_pool_max_age_s,
@@ -401,9 +400,7 @@ class JobManager:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.close()
-            raise WorkDirBusy(
-                f"another ptc-sandbox instance is using {work_dir}; give this one its own PTC_WORK_DIR"
-            ) from None
+            raise WorkDirBusy(work_dir) from None
         lock.seek(0)
         lock.truncate()
         lock.write(f"{os.getpid()}\n")

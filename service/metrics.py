@@ -22,6 +22,7 @@ metric                                          labels (values)
 ``ptc_callback_deliveries_total``               ``outcome``: delivered | http_error | timeout | unreachable
 ``ptc_callbacks_total``                         ``state``: delivered | failed (after the last attempt)
 ``ptc_http_requests_total``                     ``method``, ``route`` (the route's template), ``status``
+``ptc_script_normalizations_total``             ``kind``: a repair of ``service.normalize`` (process-wide)
 ==============================================  ===============================================================
 
 Tool names come from manifests, which are unbounded: the first
@@ -50,6 +51,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import logs
+from service.normalize import NORMALIZATIONS
 from service.settings import Settings
 
 if TYPE_CHECKING:
@@ -141,6 +143,7 @@ class Metrics:
         )
         self._state = _StateCollector()
         reg.register(self._state)
+        reg.register(NORMALIZATIONS)  # process-wide, counted where scripts are normalized
         for mode in START_MODES:  # the series exist from the start, at zero
             self.sandbox_start.labels(mode=mode)
         for stream in STREAMS:

@@ -36,8 +36,8 @@ warnings off. The sandbox compiles the script again with its own interpreter,
 which stays the authority on what runs.
 
 Every repair made is counted in the Prometheus counter ``NORMALIZATIONS``
-(``ptc_script_normalizations_total{kind}``), which belongs to no registry until
-the metrics module registers it.
+(``ptc_script_normalizations_total{kind}``); ``service.metrics`` registers it
+with each app's registry.
 """
 
 from __future__ import annotations

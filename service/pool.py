@@ -43,6 +43,7 @@ from service.sessions import SESSION_FEATURE, SessionSandbox
 log = logging.getLogger(__name__)
 
 RUNTIME_LABEL = "io.ptc-sandbox.runtime"
+POOL_LABEL = "io.ptc-sandbox.pool"  # on a pooled sandbox: its pool's profile name
 REFILL_BACKOFF_S = 5.0
 DEFAULT_PROFILE = "default"
 
@@ -259,7 +260,7 @@ class WarmPools:
     def _pool_for(self, spec: SandboxSpec, name: str) -> WarmPool:
         pool = WarmPool(
             self._backend,
-            replace(spec, env={}, labels=self._default.labels),
+            replace(spec, env={}, labels={**self._default.labels, POOL_LABEL: name}),
             self._folder / name,
             self._size,
             self._max_age_s,

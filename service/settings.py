@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 from pathlib import Path
@@ -243,9 +244,14 @@ def settings_table() -> str:
     """The README's settings table (Markdown), rendered from the fields above so the two cannot drift."""
     rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
     for name, info in Settings.model_fields.items():
-        if info.default_factory is not None:
-            default = "(computed)"
+        value = info.default_factory() if info.default_factory is not None else info.default  # type: ignore[call-arg]
+        if value is None:
+            default = "—"
+        elif name == "egress_allow":  # read as a comma-separated list
+            default = f"`{','.join(value)}`"
+        elif isinstance(value, list | dict):  # read as JSON
+            default = f"`{json.dumps(value, default=lambda v: v.model_dump(exclude_none=True))}`"
         else:
-            default = "—" if info.default is None else f"`{info.default}`"
+            default = f"`{value}`"
         rows.append(f"| `PTC_{name.upper()}` | {default} | {info.description} |")
     return "\n".join(rows)

@@ -153,7 +153,7 @@ def test_a_job_logs_its_events_and_never_its_source_arguments_results_or_output(
         ("request", 200),
     ]  # the sandbox is removed after the answer: its sandbox_stop comes once that is done
     queued, running, start, ended, summary, post, get = mine
-    assert queued["key"] is None and running["queue_ms"] >= 0
+    assert queued["key"] == "pytest" and running["queue_ms"] >= 0  # the name of the test service's key
     assert (
         start["mode"] == view["sandbox_start"] and start["sandbox_id"] == view["sandbox_id"] and start["start_ms"] > 0
     )
@@ -162,7 +162,7 @@ def test_a_job_logs_its_events_and_never_its_source_arguments_results_or_output(
     assert ended["duration_ms"] == view["duration_ms"] and ended["calls"] == 1
     assert summary["by_tool"] == {"lookup": {"ok": 1}}
     assert (post["method"], post["route"], get["method"], get["route"]) == ("POST", "/execute", "GET", "/jobs/{job_id}")
-    assert post["duration_ms"] >= view["duration_ms"] and post["key"] is None
+    assert post["duration_ms"] >= view["duration_ms"] and post["key"] == "pytest"
     log = service.log()
     for hidden in (source, argument, printed, raised):
         assert hidden not in log

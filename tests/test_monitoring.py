@@ -38,6 +38,9 @@ except tools.ToolError:
 """
 
 
+AUTH_BLOCK = "    # authorization:\n    #   type: Bearer\n    #   credentials_file: /etc/prometheus/ptc-sandbox.token"
+
+
 def promql_metric_names(expr: str) -> set[str]:
     """The metric names a PromQL expression selects (not its functions, aggregations, labels or keywords)."""
     expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals
@@ -120,8 +123,14 @@ def prometheus(prometheus_binary: str, service: Service, tmp_path: Path) -> Iter
     for text in (DEPLOY_TARGET, "scrape_interval: 15s", "scrape_timeout: 5s"):
         assert text in config, f"{SCRAPE_CONFIG} no longer has {text}: update this test"
     target = service.url.removeprefix("http://")
+    token_file = tmp_path / "token"
+    token_file.write_text(service.token)
+    assert AUTH_BLOCK in config, f"{SCRAPE_CONFIG} no longer has {AUTH_BLOCK!r}: update this test"
     config = (
-        config.replace(DEPLOY_TARGET, f'"{target}"')
+        config.replace(
+            AUTH_BLOCK, AUTH_BLOCK.replace("# ", "").replace("/etc/prometheus/ptc-sandbox.token", str(token_file))
+        )
+        .replace(DEPLOY_TARGET, f'"{target}"')
         .replace("scrape_interval: 15s", "scrape_interval: 1s")
         .replace("scrape_timeout: 5s", "scrape_timeout: 1s")
     )

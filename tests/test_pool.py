@@ -15,13 +15,12 @@ import httpx
 from tests.conftest import IMAGE, Service, container_gone, execute, labelled_containers, start_service, wait_until
 
 
-def pooled(engine: docker.DockerClient, instance: str, memory_mb: int = 256) -> list[Any]:
-    """The instance's pooled sandboxes (waiting for a job) of the profile with ``memory_mb``."""
-    return [
-        c
-        for c in labelled_containers(engine, instance, include_pool=True)
-        if "io.ptc-sandbox.pool" in c.labels and c.attrs["HostConfig"]["Memory"] == memory_mb * 1024 * 1024
-    ]
+def pooled(engine: docker.DockerClient, instance: str, memory_mb: int | None = None) -> list[Any]:
+    """Pooled sandboxes (waiting for a job) of the default profile, or of any profile with ``memory_mb``."""
+    found = [c for c in labelled_containers(engine, instance, include_pool=True) if "io.ptc-sandbox.pool" in c.labels]
+    if memory_mb is None:
+        return [c for c in found if c.labels["io.ptc-sandbox.pool"] == "default"]
+    return [c for c in found if c.attrs["HostConfig"]["Memory"] == memory_mb * 1024 * 1024]
 
 
 def test_jobs_run_warm_from_their_profiles_pool(
