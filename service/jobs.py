@@ -492,8 +492,10 @@ class JobManager:
                     f"a session's scripts share its sandbox: {name} is {session.limits[name]} for this session",
                     ("body", "limits", name),
                 )
+        sandbox_limits = {k: session.limits[k] for k in ("memory_mb", "cpus", "pids", "tmp_mb")}
         if request.limits.output_bytes is None:
-            limits = ResolvedLimits(**{**limits.__dict__, "output_bytes": session.limits["output_bytes"]})
+            sandbox_limits["output_bytes"] = session.limits["output_bytes"]
+        limits = replace(limits, **sandbox_limits)  # the job's view and messages give its session's limits
         if session.queued >= self._settings.max_queue:
             raise QueueFull(self._settings.retry_after_s)
         session.queued += 1  # counted before the first await, so the session's queue bound is exact
@@ -798,6 +800,9 @@ class JobManager:
                 "message": f"the sandbox ran out of memory (limit {job.limits.memory_mb} MiB) "
                 "and the kernel killed the script",
             }
+        elif exit_status.lost is not None:
+            job.status = "failed"
+            job.error = {"type": "sandbox_error", "message": exit_status.lost}
         else:
             job.status = "succeeded" if exit_status.exit_code == 0 else "failed"
             job.error = with_hint(broker.reported_error, job.normalized) if exit_status.exit_code != 0 else None

@@ -16,7 +16,9 @@ MAX_TOOLS = 1000
 MAX_METADATA_DEPTH = 32
 MAX_METADATA_BYTES = 64 * 1024
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
-_RESERVED_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PTC_")
+# PYTHON*: read by the interpreter as it starts, which a sandbox's resident interpreter did before the job came
+# (and some, e.g. PYTHONMALLOC, could stop it); LD_*: read by the dynamic loader, likewise; PTC_*: the runtime's.
+_RESERVED_ENV = ("PYTHON", "LD_", "PTC_")
 
 JobStatus = Literal["queued", "running", "waiting", "succeeded", "failed", "timed_out", "stopped", "oom_killed", "lost"]
 TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "timed_out", "stopped", "oom_killed", "lost"})
@@ -42,7 +44,10 @@ def check_env(env: dict[str, str]) -> dict[str, str]:
         if not _ENV_NAME.match(name):
             raise ValueError(f"environment variable name {name!r} is not a valid name")
         if name.startswith(_RESERVED_ENV):
-            raise ValueError(f"environment variable {name!r} is reserved by the sandbox runtime")
+            raise ValueError(
+                f"environment variable {name!r} is reserved: PYTHON*, LD_* and PTC_* variables act when the "
+                "interpreter starts, before a script's env applies"
+            )
         if "\x00" in value:
             raise ValueError(f"environment variable {name!r} contains a NUL character")
     return env

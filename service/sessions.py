@@ -46,7 +46,11 @@ log = logging.getLogger(__name__)
 CONTROL_SOCKET = "control.sock"
 SESSION_FEATURE = "session"
 HELLO_TIMEOUT_S = 30.0
+HELLO_POLL_S = 0.5  # first look at the engine for a sandbox that has not said hello (then 1 s, 1 s, ...)
 KILL_CONFIRM_S = 5.0
+MAX_FRAME_BYTES = 64 * 1024  # the runtime sends output in chunks of at most this (its READ_BYTES)
+STRAY_LOG_LINES = 10  # log lines of a sandbox's output outside any script; the rest is counted, not logged
+STRAY_KEPT_BYTES = 2048  # of that output, kept for the error of a sandbox that never connected
 ENDED_KEPT = 1000
 EXPIRY_TICK_S = 1.0
 _STREAMS: dict[str, Stream] = {"stdout": "stdout", "stderr": "stderr"}
@@ -104,6 +108,8 @@ class SessionSandbox:
         self._run: SessionRun | None = None
         self._reader: asyncio.Task[None] | None = None
         self._destroyed = False
+        self._stray_lines = 0
+        self._stray = bytearray()
 
     async def start(self) -> None:
         """Start the sandbox and wait until its server has connected.
@@ -120,20 +126,42 @@ class SessionSandbox:
             os.chmod(path, 0o666)
             spec = SandboxSpec(**{**self.spec.__dict__, "env": {**self.spec.env, "PTC_SESSION": "1"}})
             self.handle = await self._backend.start(spec, self._stray_output)
-            try:
-                await asyncio.wait_for(asyncio.shield(self._hello), HELLO_TIMEOUT_S)
-            except TimeoutError:
-                raise SandboxError(
-                    f"the sandbox did not connect within {HELLO_TIMEOUT_S:g} s (an image older than the service? "
-                    "rebuild it with sandbox_image/build.sh)"
-                ) from None
+            await self._wait_for_hello(self.handle)
         except BaseException:
             await self.destroy("the session could not start")
             raise
 
+    async def _wait_for_hello(self, handle: SandboxHandle) -> None:
+        """Until the server says hello; raises SandboxError if the container exits first or after the time limit."""
+        deadline = time.monotonic() + HELLO_TIMEOUT_S
+        look_after = HELLO_POLL_S
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._hello), look_after)
+                return
+            look_after = min(look_after * 2, 1.0)
+            ended = await self._backend.exited(handle)
+            if ended is not None:
+                said = bytes(self._stray).decode("utf-8", "replace").strip()[-500:]
+                raise SandboxError(
+                    f"the sandbox exited (code {ended.exit_code}) before it was ready" + (f": {said}" if said else "")
+                )
+            if time.monotonic() > deadline:
+                raise SandboxError(
+                    f"the sandbox did not connect within {HELLO_TIMEOUT_S:g} s (an image older than the service? "
+                    "rebuild it with sandbox_image/build.sh)"
+                )
+
     def _stray_output(self, stream: Stream, data: bytes) -> None:
-        """Output of the sandbox outside any script (the server's own); logged, never a job's."""
-        log.warning("sandbox %s wrote outside any script to %s: %r", self.folder.name, stream, data[:500])
+        """Output of the sandbox outside any script (the server's own, e.g. why it could not start): never a
+        job's; its first ``STRAY_LOG_LINES`` chunks are logged, and its first bytes kept for ``start``'s error."""
+        if len(self._stray) < STRAY_KEPT_BYTES:
+            self._stray += data[: STRAY_KEPT_BYTES - len(self._stray)]
+        self._stray_lines += 1
+        if self._stray_lines <= STRAY_LOG_LINES:
+            log.warning("sandbox %s wrote outside any script to %s: %r", self.folder.name, stream, data[:500])
+        elif self._stray_lines == STRAY_LOG_LINES + 1:
+            log.warning("sandbox %s: more output outside any script; not logged", self.folder.name)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._writer is not None or self._destroyed:  # only the server's first connection is the control one
@@ -143,8 +171,11 @@ class SessionSandbox:
         self._reader = asyncio.current_task()
         try:
             await self._read(reader)
-        except (asyncio.IncompleteReadError, ConnectionError, ValueError, KeyError, TypeError) as exc:
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
             log.debug("session %s: control connection ended: %r", self.folder.name, exc)
+        except (ValueError, KeyError, TypeError) as exc:  # never trusted: a script may have taken the server over
+            self.broken = self.broken or f"the sandbox broke the control protocol ({type(exc).__name__})"
+            log.warning("sandbox %s: %s: %s", self.folder.name, self.broken, str(exc)[:200])
         finally:
             writer.close()
             await self._lost()
@@ -160,19 +191,23 @@ class SessionSandbox:
                 if not self._hello.done():
                     self._hello.set_result(None)
             elif op == "out":
-                data = await reader.readexactly(int(message["n"]))
+                size = message["n"]
+                if type(size) is not int or not 0 <= size <= MAX_FRAME_BYTES or message["stream"] not in _STREAMS:
+                    raise ValueError(f"an output frame of {str(size)[:20]} bytes to {str(message['stream'])[:20]}")
+                data = await reader.readexactly(size)
                 run = self._run
-                if run is not None and message["id"] == run.job_id and message["stream"] in _STREAMS:
+                if run is not None and message["id"] == run.job_id:
                     run.sink(_STREAMS[message["stream"]], data)
             elif op == "exit":
+                code = message["exit_code"]
+                if type(code) is not int or not 0 <= code <= 255:
+                    raise ValueError(f"an exit code of {str(code)[:20]}")
                 run = self._run
                 if run is not None and message["id"] == run.job_id and not run.exit.done():
                     self._run = None
-                    run.exit.set_result(
-                        ExitStatus(exit_code=int(message["exit_code"]), oom_killed=bool(message["oom_killed"]))
-                    )
+                    run.exit.set_result(ExitStatus(exit_code=code, oom_killed=message["oom_killed"] is True))
             elif op == "error":
-                log.warning("session %s: the sandbox refused a request: %s", self.folder.name, message.get("message"))
+                self._stray_output("stderr", str(message.get("message"))[:500].encode())
 
     async def _lost(self) -> None:
         """The control connection ended: the sandbox cannot go on. End the running script from the engine's view."""
@@ -189,7 +224,7 @@ class SessionSandbox:
         if not self._hello.done():
             self._hello.set_exception(SandboxError(f"the session's sandbox ended before it connected: {self.broken}"))
         if run is not None and not run.exit.done():
-            run.exit.set_result(status)
+            run.exit.set_result(ExitStatus(status.exit_code, status.oom_killed, lost=self.broken))
 
     async def send(self, message: dict[str, Any]) -> None:
         """Write one control message; raises SandboxError when the sandbox is gone."""
@@ -414,6 +449,7 @@ class SessionManager:
         if reason is not None:
             session.error = {"type": f"session_{status}", "message": reason}
         self._live.pop(session.id, None)
+        session.tools, session.env, session.stub_source = [], {}, None  # an ended session keeps only its view
         self._ended[session.id] = session
         while len(self._ended) > ENDED_KEPT:
             self._ended.popitem(last=False)
@@ -438,7 +474,9 @@ class SessionManager:
             now = _now()
             for session in list(self._live.values()):
                 try:
-                    if now >= session.created_at + timedelta(seconds=session.max_lifetime_s):
+                    if session.sandbox.broken is not None and not session.busy():  # died while idle
+                        await self.end(session, "broken", session.sandbox.broken)
+                    elif now >= session.created_at + timedelta(seconds=session.max_lifetime_s):
                         await self.end(session, "expired", f"reached its max_lifetime_s of {session.max_lifetime_s:g}")
                     elif not session.busy() and now >= session.last_used_at + timedelta(seconds=session.idle_timeout_s):
                         await self.end(session, "expired", f"idle for its idle_timeout_s of {session.idle_timeout_s:g}")

@@ -162,10 +162,60 @@ def test_memory_hog_in_a_session_is_oom_killed_and_the_session_goes_on(api: http
     try:
         hog = execute(api, "x = bytearray(b'1') * (300 * 1024 * 1024)\nprint('survived')", session_id=sid)
         assert hog["status"] == "oom_killed" and "survived" not in hog["stdout"], hog
+        assert "128 MiB" in hog["error"]["message"]  # the session's limit
         after = execute(api, "print('still here')", session_id=sid)
         assert after["stdout"] == "still here\n"
     finally:
         api.delete(f"/sessions/{sid}")
+
+
+def test_scripts_cannot_take_over_the_resident_interpreter(api: httpx.Client, session: dict[str, Any]) -> None:
+    script = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.ptrace(16, os.getppid(), 0, 0), ctypes.get_errno())  # PTRACE_ATTACH\n"
+        "for name in ('mem', 'fd/1'):\n"
+        "    try:\n"
+        "        open(f'/proc/{os.getppid()}/{name}', 'rb').close()\n"
+        "        print('opened', name)\n"
+        "    except OSError as exc:\n"
+        "        print(type(exc).__name__)\n"
+    )
+    for view in (execute(api, script, session_id=session["session_id"]), execute(api, script)):
+        assert view["stdout"] == "-1 1\nPermissionError\nPermissionError\n", view  # EPERM: not dumpable
+    assert api.get(f"/sessions/{session['session_id']}").json()["status"] == "ready"
+
+
+def test_pathological_scripts_fail_alone_and_the_session_goes_on(api: httpx.Client, session: dict[str, Any]) -> None:
+    sid = session["session_id"]
+    deep = "s = ''" + "".join(f" + 'w{i}'" for i in range(5000)) + "\nprint(len(s))"
+    view = execute(api, deep, session_id=sid)
+    assert view["status"] == "failed" and view["error"]["type"] == "RecursionError", view
+    huge = "x = [" + ",".join(str(i) for i in range(30000)) + "]\nprint(len(x))"  # compiled by the child
+    assert execute(api, huge, session_id=sid)["stdout"] == "30000\n"
+    assert execute(api, "print('fine')", session_id=sid)["stdout"] == "fine\n"
+    assert api.get(f"/sessions/{sid}").json()["status"] == "ready"
+
+
+def test_env_the_interpreter_reads_at_start_is_refused(api: httpx.Client, session: dict[str, Any]) -> None:
+    for body in (
+        {"script": "print(1)", "env": {"PYTHONMALLOC": "bogus"}},
+        {"script": "print(1)", "env": {"LD_PRELOAD": "/x.so"}, "session_id": session["session_id"]},
+    ):
+        response = api.post("/execute", json=body)
+        assert response.status_code == 422 and "reserved" in response.json()["detail"], response.text
+    assert api.post("/sessions", json={"env": {"PYTHONHASHSEED": "0"}}).status_code == 422
+    view = execute(
+        api, "import time\nprint(time.strftime('%Z'))", session_id=session["session_id"], env={"TZ": "JST-9"}
+    )
+    assert view["stdout"] == "JST\n"
+
+
+def test_a_session_whose_sandbox_dies_while_idle_ends_broken(api: httpx.Client, engine: docker.DockerClient) -> None:
+    view = open_session(api)
+    engine.containers.get(view["sandbox_id"]).kill()
+    wait_until(lambda: api.get(f"/sessions/{view['session_id']}").json()["status"] == "broken", 10)
+    wait_until(lambda: container_gone(engine, view["sandbox_id"]), 10)
 
 
 def test_a_session_whose_sandbox_dies_is_marked_broken_with_a_reason(
@@ -178,6 +228,7 @@ def test_a_session_whose_sandbox_dies_is_marked_broken_with_a_reason(
     engine.containers.get(view["sandbox_id"]).kill()
     ended = api.post(f"/jobs/{job['job_id']}/wait", params={"timeout_s": 30}).json()
     assert ended["status"] == "failed" and ended["exit_code"] == 137
+    assert ended["error"]["type"] == "sandbox_error" and "stopped answering" in ended["error"]["message"]
     wait_until(lambda: api.get(f"/sessions/{sid}").json()["status"] == "broken", 10)
     state = api.get(f"/sessions/{sid}").json()
     assert "stopped answering" in state["error"]["message"]

@@ -41,12 +41,14 @@ def _script_line(tb: Any, filename: str) -> Optional[int]:
 
 
 def compile_script(path: str) -> Any:
-    """The script at ``path`` compiled, or the SyntaxError/ValueError that compiling it raised."""
-    with open(path, "rb") as f:
-        source = f.read()
+    """The script at ``path`` compiled, or the exception compiling it raised (SyntaxError, ValueError for a
+    NUL byte, RecursionError or MemoryError for a pathological expression: never raised, so that a session's
+    resident interpreter survives any script)."""
     try:
+        with open(path, "rb") as f:
+            source = f.read()
         return compile(source, path, "exec", dont_inherit=True)
-    except (SyntaxError, ValueError) as exc:
+    except Exception as exc:
         return exc
 
 
@@ -121,6 +123,10 @@ if __name__ == "__main__":
             sys.exit(0)
         compiled, env = run  # in the forked child of one script: run it like a one-shot job
         os.environ.update(env)
+        if "TZ" in env:
+            import time
+
+            time.tzset()
     try:
         exit_fast(main(sys.argv, compiled))
     except SystemExit as exc:

@@ -19,11 +19,16 @@ Control protocol: one JSON object per line in both directions.
   has been killed and all output has been sent; ``{"op": "error", "message":
   ...}`` for a request it cannot follow.
 
-The script is compiled here, before the fork; the forked child makes itself a
-process group, takes pipes as stdout and stderr, applies the run's ``env``,
-and returns from ``serve`` so that ``__main__`` runs it exactly as a one-shot
-job runs its script. ``exit_code`` follows the shell convention the one-shot
-path gets from tini: the exit status, or 128 + N for a death by signal N.
+The script is compiled here, before the fork (up to ``PRECOMPILE_BYTES``; a
+larger one is compiled by the child, so that compiling it cannot exhaust the
+server). The forked child makes itself a process group, the OOM killer's
+first choice and ordinary (dumpable) again; it takes pipes as stdout and
+stderr, applies the run's ``env``, and returns from ``serve`` so that
+``__main__`` runs it exactly as a one-shot job runs its script. The server
+itself is not dumpable: a script (same user, no capabilities) cannot ptrace
+it or open its memory or descriptors. ``exit_code`` follows the shell
+convention the one-shot path gets from tini: the exit status, or 128 + N for
+a death by signal N.
 ``oom_killed`` says the kernel's OOM killer acted during the run (read from
 the memory cgroup's ``oom_kill`` counter: ``memory.events`` on cgroup v2,
 ``memory/memory.oom_control`` on v1); where no counter is readable, a
@@ -47,9 +52,24 @@ CONTROL_SOCKET = os.path.join(RUN_DIR, "control.sock")
 SCRIPT = os.path.join(RUN_DIR, "script.py")
 READ_BYTES = 64 * 1024
 KILL_ROUNDS = 200
+PRECOMPILE_BYTES = 64 * 1024  # larger scripts are compiled by the child: compiling them could exhaust the server
+PR_SET_DUMPABLE = 4
 DRAIN_S = 2.0
 OOM_COUNTERS = ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control")
 SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL}
+
+
+def set_dumpable(dumpable: bool) -> None:
+    """prctl(PR_SET_DUMPABLE): a process that is not dumpable cannot be ptraced, nor its /proc/<pid>/mem or
+    fd entries opened, by another process of the same user without CAP_SYS_PTRACE (which no sandbox has).
+    The server makes itself so, so that a script cannot take it over; each script's process is made dumpable
+    again (ordinary). Best effort: without ctypes or prctl the server runs as it is."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 1 if dumpable else 0, 0, 0, 0)
+    except (ImportError, OSError, AttributeError):
+        pass
 
 
 def oom_kills() -> Optional[int]:
@@ -184,7 +204,11 @@ class Server:
         return None
 
     def start(self, job_id: str, env: Dict[str, str]) -> Optional[Tuple[Any, Dict[str, str]]]:
-        compiled = self.compile_script(SCRIPT)
+        try:
+            small = os.path.getsize(SCRIPT) <= PRECOMPILE_BYTES
+        except OSError:
+            small = False
+        compiled = self.compile_script(SCRIPT) if small else None  # None: the child compiles it
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         oom_before = oom_kills()
@@ -206,6 +230,12 @@ class Server:
 
     def become_child(self, out_r: int, out_w: int, err_r: int, err_w: int) -> None:
         os.setpgid(0, 0)
+        set_dumpable(True)
+        try:  # the script, not the server, is the one the OOM killer takes when the sandbox runs out of memory
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")
+        except OSError:
+            pass
         os.environ.pop("PTC_SESSION", None)  # the script sees the environment a one-shot job sees
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -292,6 +322,7 @@ def serve(compile_script: Callable[[str], Any]) -> Optional[Tuple[Any, Dict[str,
 
     import ptc_runtime.stubs  # noqa: F401
 
+    set_dumpable(False)
     control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     deadline = time.monotonic() + 10
     while True:

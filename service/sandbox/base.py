@@ -75,10 +75,12 @@ class SandboxSpec:
 
 @dataclass(frozen=True)
 class ExitStatus:
-    """How a sandbox's main process ended: ``exit_code`` (128+N for signal N) and whether it was OOM-killed."""
+    """How a script ended: ``exit_code`` (128+N for signal N), whether the OOM killer acted, and ``lost``: why
+    the sandbox could not say (its resident interpreter died or misbehaved), None when it did."""
 
     exit_code: int
     oom_killed: bool
+    lost: str | None = None
 
 
 @dataclass
@@ -104,6 +106,10 @@ class SandboxBackend(abc.ABC):
     @abc.abstractmethod
     async def wait(self, handle: SandboxHandle) -> ExitStatus:
         """Wait (without limit) until the main process exits and all output has reached the sink."""
+
+    @abc.abstractmethod
+    async def exited(self, handle: SandboxHandle) -> ExitStatus | None:
+        """How the sandbox ended, or None while it runs (never blocks: one look at the engine)."""
 
     @abc.abstractmethod
     async def signal(self, handle: SandboxHandle, signal: str) -> None:

@@ -164,6 +164,15 @@ class DockerBackend(SandboxBackend):
     async def wait(self, handle: SandboxHandle) -> ExitStatus:
         return await self._run(self._wait_blocking, handle.id)
 
+    def _exited_blocking(self, container_id: str) -> ExitStatus | None:
+        state = self._api.inspect_container(container_id)["State"]
+        if state.get("Running") or state.get("Status") in ("created", "restarting"):
+            return None
+        return ExitStatus(exit_code=int(state.get("ExitCode", -1)), oom_killed=bool(state.get("OOMKilled")))
+
+    async def exited(self, handle: SandboxHandle) -> ExitStatus | None:
+        return await self._run(self._exited_blocking, handle.id)
+
     @staticmethod
     def _unless_gone(action: Callable[[str], object], container_id: str) -> None:
         """Run ``action(container_id)``; a container that is gone (404) or already ending (409) is not an error."""
