@@ -3,14 +3,15 @@
     deploy/local.sh bench [--quick] [--sustain-s 30] [--out bench/results]
     (= .venv/bin/python -m bench ...)
 
-Starts its own service (scratch work dir, warm pool of 4, one API key) and
+Starts its own service (scratch work dir, warm pool of 4 for the default profile, one API key) and
 measures, in one run on the same machine (times in ms unless said otherwise):
 
 - ``POST /execute`` of ``print(1)`` with no tools, HTTP round trip: in a
   session; from the warm pool (after an untimed pause that lets the pool
-  refill, so the pool has stock); cold (non-default limits, so no pooled
-  sandbox fits); ``docker run --rm --network none`` of the same image; and
-  bare ``/usr/bin/python3 -c 'print(1)'`` as the floor;
+  refill, so the pool has stock); cold (non-default limits, and the service
+  keeps a pool for the default profile only, so no pooled sandbox fits);
+  ``docker run --rm --network none`` of the same image; and bare
+  ``/usr/bin/python3 -c 'print(1)'`` as the floor;
 - one echo tool call round trip inside a script: each of 1,000 sequential
   calls timed in the sandbox with ``time.perf_counter``;
 - a fan-out of 1,000 concurrent echo calls (``tools.aio`` + ``asyncio.gather``),
@@ -333,7 +334,9 @@ def main() -> None:
     quick = args.quick
     scratch = Path(tempfile.mkdtemp(prefix="ptcb", dir="/tmp"))
     instance = f"bench-{secrets.token_hex(4)}"
-    service = start_service(instance, scratch / "svc", PTC_LOG_LEVEL="warning", PTC_MAX_QUEUE="1000")
+    service = start_service(  # one warm pool (the default profile's): the "cold" requests' profile stays cold
+        instance, scratch / "svc", PTC_LOG_LEVEL="warning", PTC_MAX_QUEUE="1000", PTC_WARM_POOL_MAX_PROFILES="1"
+    )
     engine = docker.from_env()
     try:
         with service.client(timeout=600) as api:
