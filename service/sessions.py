@@ -74,8 +74,10 @@ class SessionRun:
         return await asyncio.shield(self.exit)
 
     async def signal(self, signal: str) -> None:
-        """Send ``SIGTERM`` or ``SIGKILL`` to the script's process group."""
-        await self._sandbox.send({"op": "signal", "id": self.job_id, "signal": signal})
+        """Send ``SIGTERM`` or ``SIGKILL`` to the script's process group (a sandbox already gone has ended the
+        run: nothing to signal)."""
+        with contextlib.suppress(SandboxError):
+            await self._sandbox.send({"op": "signal", "id": self.job_id, "signal": signal})
 
     async def kill(self) -> None:
         """SIGKILL the script and everything it started; if the sandbox does not confirm in time, kill it all."""
