@@ -30,7 +30,7 @@ import shutil
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from service.sandbox.base import ExitStatus, OutputSink, SandboxBackend, Sandbox
 log = logging.getLogger(__name__)
 
 CONTROL_SOCKET = "control.sock"
+SANDBOX_LABEL = "io.ptc-sandbox.sandbox"  # unique per sandbox (its folder's name): a failed start removes only it
 SESSION_FEATURE = "session"
 HELLO_TIMEOUT_S = 30.0
 HELLO_POLL_S = 0.5  # first look at the engine for a sandbox that has not said hello (then 1 s, 1 s, ...)
@@ -126,7 +127,11 @@ class SessionSandbox:
         try:
             self._server = await asyncio.start_unix_server(self._accept, path=str(path))
             os.chmod(path, 0o666)
-            spec = SandboxSpec(**{**self.spec.__dict__, "env": {**self.spec.env, "PTC_SESSION": "1"}})
+            spec = replace(
+                self.spec,
+                env={**self.spec.env, "PTC_SESSION": "1"},
+                labels={**self.spec.labels, SANDBOX_LABEL: self.folder.name},  # this sandbox's alone (see start)
+            )
             self.handle = await self._backend.start(spec, self._stray_output)
             await self._wait_for_hello(self.handle)
         except BaseException:

@@ -56,7 +56,8 @@ class SandboxSpec:
         file_size_mb: RLIMIT_FSIZE in MiB.
         open_files: RLIMIT_NOFILE.
         env: extra environment variables for the script.
-        labels: engine labels (instance and job ids) used by ``sweep``.
+        labels: engine labels: the instance (for the start-up sweep) and one unique to the sandbox (a start that
+            fails removes whatever carries all of them).
         runtime: OCI runtime name (``runsc`` for gVisor), None for the engine default.
     """
 

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -31,6 +32,7 @@ T = TypeVar("T")
 MIB = 1024 * 1024
 SANDBOX_USER = "10001:10001"
 OUTPUT_DRAIN_S = 5.0
+SWEEP_SETTLE_ROUNDS = 40  # x 0.25 s
 _STREAMS = {1: "stdout", 2: "stderr"}
 FALLBACK_API_VERSION = "1.41"  # Docker 20.10's API; every later engine still serves it
 
@@ -203,6 +205,10 @@ class DockerBackend(SandboxBackend):
         containers = self._api.containers(all=True, quiet=True, filters=filters)
         for container in containers:
             self._remove_blocking(container["Id"])
+        for _ in range(SWEEP_SETTLE_ROUNDS):  # a removal already under way (409) finishes in the engine: wait for it
+            if not self._api.containers(all=True, quiet=True, filters=filters):
+                break
+            time.sleep(0.25)
         return len(containers)
 
     async def remove_labelled(self, labels: Mapping[str, str]) -> int:
