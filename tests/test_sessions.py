@@ -314,3 +314,18 @@ def test_killed_service_leaves_nothing_after_the_next_start(engine: docker.Docke
             assert gone.status_code == 404
     finally:
         second.stop()
+
+
+def test_a_session_that_fails_to_start_leaves_the_others_alone(engine: docker.DockerClient, scratch: Path) -> None:
+    instance = "pytest-failed-start"
+    svc = start_service(instance, scratch / "failed-start", PTC_SESSION_RUNTIMES='["runc", "nonesuch"]')
+    try:
+        with svc.client() as api:
+            alive = open_session(api)
+            refused = api.post("/sessions", json={"runtime": "nonesuch"})  # the engine knows no such runtime
+            assert refused.status_code == 503, refused.text
+            assert execute(api, "print('still')", session_id=alive["session_id"])["stdout"] == "still\n"
+            assert execute(api, "print('warm')")["sandbox_start"] in ("warm", "cold")
+    finally:
+        svc.stop()
+    assert labelled_containers(engine, instance, include_pool=True) == []
