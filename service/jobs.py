@@ -496,8 +496,8 @@ class JobManager:
         if request.limits.output_bytes is None:
             sandbox_limits["output_bytes"] = session.limits["output_bytes"]
         limits = replace(limits, **sandbox_limits)  # the job's view and messages give its session's limits
-        if session.queued >= self._settings.max_queue:
-            raise QueueFull(self._settings.retry_after_s)
+        if session.queued >= self._settings.max_queue or self._sessions.queued >= self._settings.max_queue:
+            raise QueueFull(self._settings.retry_after_s)  # PTC_MAX_QUEUE per session, and for all sessions
         session.queued += 1  # counted before the first await, so the session's queue bound is exact
         try:
             tools, toolset = (

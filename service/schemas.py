@@ -41,7 +41,7 @@ def check_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
 def check_env(env: dict[str, str]) -> dict[str, str]:
     """``env`` if every name is valid and not reserved by the runtime; raises ValueError otherwise."""
     for name, value in env.items():
-        if not _ENV_NAME.match(name):
+        if not _ENV_NAME.fullmatch(name):
             raise ValueError(f"environment variable name {name!r} is not a valid name")
         if name.startswith(_RESERVED_ENV):
             raise ValueError(
@@ -50,6 +50,10 @@ def check_env(env: dict[str, str]) -> dict[str, str]:
             )
         if "\x00" in value:
             raise ValueError(f"environment variable {name!r} contains a NUL character")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"environment variable {name!r} is not valid UTF-8 (a lone surrogate)") from None
     return env
 
 

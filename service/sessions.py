@@ -457,6 +457,9 @@ class SessionManager:
             session.error = {"type": f"session_{status}", "message": reason}
         self._live.pop(session.id, None)
         session.tools, session.env, session.stub_source = [], {}, None  # an ended session keeps only its view
+        session.sandbox.spec = replace(session.sandbox.spec, env={})
+        if session.sandbox.handle is not None:
+            session.sandbox.handle.spec = session.sandbox.spec
         self._ended[session.id] = session
         while len(self._ended) > ENDED_KEPT:
             self._ended.popitem(last=False)
@@ -470,6 +473,11 @@ class SessionManager:
     def count(self) -> int:
         """Live sessions."""
         return len(self._live)
+
+    @property
+    def queued(self) -> int:
+        """Scripts waiting for their turn, in all sessions."""
+        return sum(session.queued for session in self._live.values())
 
     def live_sessions(self) -> list[Session]:
         """Live sessions, oldest first."""

@@ -169,6 +169,7 @@ def test_restart_keeps_ended_jobs_and_marks_running_ones_lost(engine: docker.Doc
         ended.append(execute(api, "raise ValueError('x')"))
         running = api.post("/execute", json={"script": "import time\ntime.sleep(60)", "wait_s": 0}).json()
         wait_until(lambda: api.get(f"/jobs/{running['job_id']}").json()["status"] == "running", 20)
+        time.sleep(0.5)  # the view in memory says running as the store's save of it starts: let that save land
     first.process.send_signal(signal.SIGKILL)
     first.process.wait()
     second = start_service(instance, scratch / "durable", PTC_WARM_POOL_SIZE="0")

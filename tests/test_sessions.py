@@ -183,6 +183,10 @@ def test_scripts_cannot_take_over_the_resident_interpreter(api: httpx.Client, se
     )
     for view in (execute(api, script, session_id=session["session_id"]), execute(api, script)):
         assert view["stdout"] == "-1 1\nPermissionError\nPermissionError\n", view  # EPERM: not dumpable
+    signals = "import os, signal\nfor s in (signal.SIGSTOP, signal.SIGTERM, signal.SIGKILL):\n    os.kill(1, s)\n"
+    for view in (execute(api, signals + "print('alive')", session_id=session["session_id"]), execute(api, signals)):
+        assert view["status"] == "succeeded", view  # the interpreter is the sandbox's init: signals are dropped
+    assert execute(api, "print('next')", session_id=session["session_id"])["stdout"] == "next\n"
     assert api.get(f"/sessions/{session['session_id']}").json()["status"] == "ready"
 
 
@@ -197,6 +201,13 @@ def test_pathological_scripts_fail_alone_and_the_session_goes_on(api: httpx.Clie
     assert api.get(f"/sessions/{sid}").json()["status"] == "ready"
 
 
+def test_files_in_tmp_never_shadow_the_standard_library(api: httpx.Client, session: dict[str, Any]) -> None:
+    sid = session["session_id"]
+    execute(api, "open('/tmp/csv.py', 'w').write('raise SystemExit(9)')", session_id=sid)
+    view = execute(api, "import csv\nprint(csv.QUOTE_ALL)", session_id=sid)
+    assert (view["status"], view["stdout"]) == ("succeeded", "1\n")
+
+
 def test_env_the_interpreter_reads_at_start_is_refused(api: httpx.Client, session: dict[str, Any]) -> None:
     for body in (
         {"script": "print(1)", "env": {"PYTHONMALLOC": "bogus"}},
@@ -205,6 +216,9 @@ def test_env_the_interpreter_reads_at_start_is_refused(api: httpx.Client, sessio
         response = api.post("/execute", json=body)
         assert response.status_code == 422 and "reserved" in response.json()["detail"], response.text
     assert api.post("/sessions", json={"env": {"PYTHONHASHSEED": "0"}}).status_code == 422
+    for env in (b'{"A\\n": "x"}', b'{"A": "\\ud800"}'):  # a name with a newline; a lone surrogate
+        raw = b'{"script": "print(1)", "env": ' + env + b"}"
+        assert api.post("/execute", content=raw, headers={"content-type": "application/json"}).status_code == 422
     view = execute(
         api, "import time\nprint(time.strftime('%Z'))", session_id=session["session_id"], env={"TZ": "JST-9"}
     )

@@ -114,6 +114,10 @@ def exit_fast(code: Any) -> None:
 
 
 if __name__ == "__main__":
+    # ``-m`` put the working directory (/tmp) first on sys.path; a script run as ``python3 script.py`` has its
+    # own folder there instead (main adds it). Without this, a file a session's script left in /tmp (csv.py,
+    # random.py) would shadow the standard library for the scripts after it.
+    sys.path[:] = [p for p in sys.path if p not in ("", os.getcwd())]
     compiled = None
     if os.environ.get("PTC_SESSION") == "1":
         from ptc_runtime.session import serve

@@ -27,8 +27,10 @@ stderr, applies the run's ``env``, and returns from ``serve`` so that
 ``__main__`` runs it exactly as a one-shot job runs its script. The server
 itself is not dumpable: a script (same user, no capabilities) cannot ptrace
 it or open its memory or descriptors. ``exit_code`` follows the shell
-convention the one-shot path gets from tini: the exit status, or 128 + N for
-a death by signal N.
+convention: the exit status, or 128 + N for a death by signal N. The server
+runs as the container's init (pid 1): it collects every orphan, and a script
+can neither kill nor stop it (the kernel drops signals sent to a namespace's
+init from inside it unless the init handles them).
 ``oom_killed`` says the kernel's OOM killer acted during the run (read from
 the memory cgroup's ``oom_kill`` counter: ``memory.events`` on cgroup v2,
 ``memory/memory.oom_control`` on v1); where no counter is readable, a
@@ -147,6 +149,9 @@ class Server:
         """Follow the service until it hangs up (returns None); in a forked child, return (compiled, env)."""
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
+        # The server is the container's init (pid 1): the kernel delivers it, from inside the sandbox, only the
+        # signals it has a handler for, so a script can neither kill nor stop it. SIGINT's handler is dropped.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.selector.register(self.control, selectors.EVENT_READ, "control")
         self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
         self.send({"op": "hello", "pid": os.getpid()})
@@ -230,6 +235,7 @@ class Server:
 
     def become_child(self, out_r: int, out_w: int, err_r: int, err_w: int) -> None:
         os.setpgid(0, 0)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any Python process
         set_dumpable(True)
         try:  # the script, not the server, is the one the OOM killer takes when the sandbox runs out of memory
             with open("/proc/self/oom_score_adj", "w") as f:
@@ -264,17 +270,30 @@ class Server:
         del run.pipes[fd]
 
     def reap(self) -> None:
+        """Collect every ended child (the server is the sandbox's init: orphans are its children too); end the run
+        when its script's process is among them."""
         run = self.run
-        if run is None or run.status is not None:
-            return
-        try:
-            pid, status = os.waitpid(run.pid, os.WNOHANG)
-        except ChildProcessError:
-            pid, status = run.pid, 0
-        if pid == 0:
-            return
-        run.status = status
-        self.end_run(hung_up=False)
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            if run is not None and pid == run.pid and run.status is None:
+                run.status = status
+        if run is not None and run.status is not None and self.run is run:
+            self.end_run(hung_up=False)
+
+    def reap_orphans(self) -> None:
+        """Collect the zombies of killed processes (they hold pids until their parent, init, collects them)."""
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
 
     def end_run(self, hung_up: bool) -> None:
         """The script's process has ended (or the service left): kill the rest, send the output, then exit."""
@@ -287,6 +306,7 @@ class Server:
             except OSError:
                 pass
         kill_others()
+        self.reap_orphans()
         if hung_up:
             return
         deadline = time.monotonic() + DRAIN_S

@@ -91,7 +91,7 @@ class DockerBackend(SandboxBackend):
                 Ulimit(name="fsize", soft=spec.file_size_mb * MIB, hard=spec.file_size_mb * MIB),
             ],
             mounts=[Mount(target=RUN_DIR, source=str(spec.job_dir), type="bind", read_only=True)],
-            init=True,
+            init=False,  # the runtime's server is pid 1 itself (ptc_runtime/session.py): no other process to trust
             ipc_mode="private",
             shm_size=f"{min(spec.tmp_mb, 64)}m",  # /dev/shm is tmpfs too: no larger than /tmp
             log_config=LogConfig(type="none"),
@@ -101,7 +101,7 @@ class DockerBackend(SandboxBackend):
             spec.image,
             user=SANDBOX_USER,
             working_dir="/tmp",
-            environment={**spec.env, "TINI_KILL_PROCESS_GROUP": "1"},
+            environment=dict(spec.env),
             labels=dict(spec.labels),
             host_config=host_config,
             network_disabled=True,
@@ -187,7 +187,7 @@ class DockerBackend(SandboxBackend):
                 raise
 
     async def signal(self, handle: SandboxHandle, signal: str) -> None:
-        # The init process (tini, started with TINI_KILL_PROCESS_GROUP=1) passes it to the script's process group.
+        # Goes to the container's pid 1 (scripts are stopped through the runtime's control socket instead).
         await self._run(self._unless_gone, lambda cid: self._api.kill(cid, signal=signal), handle.id)
 
     async def kill(self, handle: SandboxHandle) -> None:
