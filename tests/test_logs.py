@@ -210,8 +210,12 @@ def test_debug_logs_add_arguments_and_results_but_never_secrets(
     ]
     assert calls[0]["args"] == {"q": argument} and calls[0]["result"] == {"tool": "lookup", "args": {"q": argument}}
     assert "[redacted]" in calls[1]["error"]["message"]
-    assert any(
-        e["event"] == "request" and e["route"] == "/healthz" and e["level"] == "debug" for e in events(debug_service)
+    wait_until(  # the request event is written once the answer has gone out
+        lambda: any(
+            e["event"] == "request" and e["route"] == "/healthz" and e["level"] == "debug"
+            for e in events(debug_service)
+        ),
+        10,
     )
     log = debug_service.log()
     assert token not in log
