@@ -75,6 +75,7 @@ KILL_WAIT_S = 30.0
 STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
 SLICE_BYTES = 1024 * 1024
 CALLBACK_DELIVERIES = 32
+SANDBOX_LIMITS = ("memory_mb", "cpus", "pids", "tmp_mb")  # a sandbox's own limits (a session's are fixed)
 
 
 @dataclass(frozen=True)
@@ -470,14 +471,10 @@ class JobManager:
             raise QueueFull(self._settings.retry_after_s)
         self._admitted += 1  # counted before the first await, so admission is exact under concurrency
         try:
-            manifest = await self.manifest(request.tools, request.toolset)
-            normalized = await prepare(request.script, request.normalize)
-            job = self._new_job(limits, request)
+            job, manifest = await self._new_job(limits, request, request.tools, request.toolset)
         except BaseException:
             self._admitted -= 1
             raise
-        job.normalized = normalized
-        self._live[job.id] = job
         self._spawn(self._run(job, request, manifest), f"job {job.id}")
         return job
 
@@ -485,47 +482,50 @@ class JobManager:
         """Queue ``request`` for its session's turn (one script at a time per session, in order of arrival)."""
         assert request.session_id is not None
         session = self._sessions.usable(request.session_id)
-        for name in ("memory_mb", "cpus", "pids", "tmp_mb"):
+        for name in SANDBOX_LIMITS:
             asked = getattr(request.limits, name)
             if asked is not None and asked != session.limits[name]:
                 raise InvalidField(
                     f"a session's scripts share its sandbox: {name} is {session.limits[name]} for this session",
                     ("body", "limits", name),
                 )
-        sandbox_limits = {k: session.limits[k] for k in ("memory_mb", "cpus", "pids", "tmp_mb")}
+        sandbox_limits = {name: session.limits[name] for name in SANDBOX_LIMITS}
         if request.limits.output_bytes is None:
             sandbox_limits["output_bytes"] = session.limits["output_bytes"]
         limits = replace(limits, **sandbox_limits)  # the job's view and messages give its session's limits
         if session.queued >= self._settings.max_queue or self._sessions.queued >= self._settings.max_queue:
             raise QueueFull(self._settings.retry_after_s)  # PTC_MAX_QUEUE per session, and for all sessions
         session.queued += 1  # counted before the first await, so the session's queue bound is exact
+        own_tools = bool(request.tools or request.toolset)
         try:
-            tools, toolset = (
-                (request.tools, request.toolset)
-                if request.tools or request.toolset
-                else (
-                    session.tools,
-                    session.toolset,
-                )
+            job, manifest = await self._new_job(
+                limits,
+                request,
+                request.tools if own_tools else session.tools,
+                request.toolset if own_tools else session.toolset,
             )
-            manifest = await self.manifest(tools, toolset)
-            normalized = await prepare(request.script, request.normalize)
-            job = self._new_job(limits, request)
         except BaseException:
             session.queued -= 1
             raise
-        job.normalized = normalized
         job.session_id = session.id
-        self._live[job.id] = job
         self._spawn(self._run_in_session(job, request, manifest, session), f"job {job.id}")
         return job
 
-    def _new_job(self, limits: ResolvedLimits, request: ExecuteRequest) -> Job:
+    async def _new_job(
+        self, limits: ResolvedLimits, request: ExecuteRequest, tools: list[dict[str, Any]], toolset: str | None
+    ) -> tuple[Job, CompiledManifest]:
+        """A job for an admitted ``request`` (live from now on) and its compiled manifest (``tools`` or ``toolset``).
+
+        Raises:
+            ManifestError / InvalidField: the manifest is unusable.
+        """
+        manifest = await self.manifest(tools, toolset)
+        normalized = await prepare(request.script, request.normalize)
         job_id = "job_" + secrets.token_hex(12)
         output_dir = self._output_dir / job_id
         output_dir.mkdir(mode=0o700)
         retain, inline = self._settings.output_retention_bytes, limits.output_bytes
-        return Job(
+        job = Job(
             id=job_id,
             limits=limits,
             metadata=request.metadata,
@@ -534,7 +534,10 @@ class JobManager:
             stdout=OutputLog(output_dir / "stdout", inline, retain),
             stderr=OutputLog(output_dir / "stderr", inline, retain),
             loop=asyncio.get_running_loop(),
+            normalized=normalized,
         )
+        self._live[job.id] = job
+        return job, manifest
 
     def _spec(
         self, limits: ResolvedLimits, env: dict[str, str], job_dir: Path, job_id: str | None, labels: dict[str, str]
@@ -976,13 +979,7 @@ class JobManager:
         spec = replace(spec, runtime=None if runtime == "runc" else runtime)
         session = await self._sessions.create(
             spec,
-            limits={
-                "memory_mb": limits.memory_mb,
-                "cpus": limits.cpus,
-                "pids": limits.pids,
-                "tmp_mb": limits.tmp_mb,
-                "output_bytes": limits.output_bytes,
-            },
+            limits={name: getattr(limits, name) for name in (*SANDBOX_LIMITS, "output_bytes")},
             env=request.env,
             tools=request.tools,
             toolset=request.toolset,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from service.toolkit.schema import json_depth
 
@@ -57,6 +57,10 @@ def check_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+Env = Annotated[dict[str, str], AfterValidator(check_env)]
+Metadata = Annotated[dict[str, Any], AfterValidator(check_metadata)]
+
+
 class Limits(BaseModel):
     """Per-request sandbox limits; each may be lowered freely or raised up to the server's ``max_*`` setting."""
 
@@ -96,8 +100,8 @@ class ExecuteRequest(BaseModel):
         None, max_length=2048, description="Where to POST the final job view, signed (see README, Callbacks)."
     )
     limits: Limits = Field(default_factory=Limits)
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for the script.")
-    metadata: dict[str, Any] = Field(default_factory=dict, description="Opaque; returned in the job view.")
+    env: Env = Field(default_factory=dict, description="Extra environment variables for the script.")
+    metadata: Metadata = Field(default_factory=dict, description="Opaque; returned in the job view.")
     session_id: str | None = Field(
         None,
         max_length=64,
@@ -118,22 +122,12 @@ class ExecuteRequest(BaseModel):
             raise ValueError("script contains a NUL character")
         return script
 
-    @field_validator("metadata")
-    @classmethod
-    def _small_json(cls, metadata: dict[str, Any]) -> dict[str, Any]:
-        return check_metadata(metadata)
-
     @field_validator("callback_url")
     @classmethod
     def _http_url(cls, url: str | None) -> str | None:
         if url is not None and not url.lower().startswith(("http://", "https://")):
             raise ValueError("callback_url must be an absolute http(s) URL")
         return url
-
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
-        return check_env(env)
 
 
 class SessionRequest(BaseModel):
@@ -151,7 +145,7 @@ class SessionRequest(BaseModel):
         default_factory=list, max_length=MAX_TOOLS, description="Manifest for the session's scripts (default)."
     )
     toolset: str | None = Field(None, max_length=64, description="Id of a manifest registered with POST /toolsets.")
-    env: dict[str, str] = Field(default_factory=dict, description="Environment variables of every script.")
+    env: Env = Field(default_factory=dict, description="Environment variables of every script.")
     idle_timeout_s: float | None = Field(
         None, strict=True, gt=0, description="End the session after this long without a script (s; default 300)."
     )
@@ -161,17 +155,7 @@ class SessionRequest(BaseModel):
         gt=0,
         description="End the session this long after its creation, busy or not (s; default 3600).",
     )
-    metadata: dict[str, Any] = Field(default_factory=dict, description="Opaque; returned in the session view.")
-
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
-        return check_env(env)
-
-    @field_validator("metadata")
-    @classmethod
-    def _small_json(cls, metadata: dict[str, Any]) -> dict[str, Any]:
-        return check_metadata(metadata)
+    metadata: Metadata = Field(default_factory=dict, description="Opaque; returned in the session view.")
 
 
 class SessionLimits(BaseModel):

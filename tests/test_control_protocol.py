@@ -42,9 +42,6 @@ class StandIn(SandboxBackend):
     async def exited(self, handle: SandboxHandle) -> ExitStatus | None:
         return None
 
-    async def signal(self, handle: SandboxHandle, signal: str) -> None:
-        pass
-
     async def kill(self, handle: SandboxHandle) -> None:
         pass
 

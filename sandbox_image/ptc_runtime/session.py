@@ -47,7 +47,7 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 RUN_DIR = "/run/ptc"
 CONTROL_SOCKET = os.path.join(RUN_DIR, "control.sock")
@@ -115,6 +115,18 @@ def kill_others() -> bool:
                 pass
         time.sleep(0.001)
     return False
+
+
+def ended_children() -> Iterator[Tuple[int, int]]:
+    """(pid, wait status) of every child that has ended, collected now (never blocks)."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        yield pid, status
 
 
 class _Run:
@@ -273,27 +285,11 @@ class Server:
         """Collect every ended child (the server is the sandbox's init: orphans are its children too); end the run
         when its script's process is among them."""
         run = self.run
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
+        for pid, status in ended_children():
             if run is not None and pid == run.pid and run.status is None:
                 run.status = status
         if run is not None and run.status is not None and self.run is run:
             self.end_run(hung_up=False)
-
-    def reap_orphans(self) -> None:
-        """Collect the zombies of killed processes (they hold pids until their parent, init, collects them)."""
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
 
     def end_run(self, hung_up: bool) -> None:
         """The script's process has ended (or the service left): kill the rest, send the output, then exit."""
@@ -306,7 +302,8 @@ class Server:
             except OSError:
                 pass
         kill_others()
-        self.reap_orphans()
+        for _ in ended_children():  # the zombies of the killed: they hold pids until init collects them
+            pass
         if hung_up:
             return
         deadline = time.monotonic() + DRAIN_S

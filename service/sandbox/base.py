@@ -113,10 +113,6 @@ class SandboxBackend(abc.ABC):
         """How the sandbox ended, or None while it runs (never blocks: one look at the engine)."""
 
     @abc.abstractmethod
-    async def signal(self, handle: SandboxHandle, signal: str) -> None:
-        """Send ``signal`` (e.g. ``SIGTERM``) to the script's whole process group; no error if it has exited."""
-
-    @abc.abstractmethod
     async def kill(self, handle: SandboxHandle) -> None:
         """SIGKILL everything in the sandbox; no error if it has already exited."""
 

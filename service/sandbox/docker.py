@@ -186,10 +186,6 @@ class DockerBackend(SandboxBackend):
             if exc.status_code != 409:  # 409: not running any more, or removal already in progress
                 raise
 
-    async def signal(self, handle: SandboxHandle, signal: str) -> None:
-        # Goes to the container's pid 1 (scripts are stopped through the runtime's control socket instead).
-        await self._run(self._unless_gone, lambda cid: self._api.kill(cid, signal=signal), handle.id)
-
     async def kill(self, handle: SandboxHandle) -> None:
         await self._run(self._unless_gone, self._api.kill, handle.id)
 
