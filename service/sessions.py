@@ -49,6 +49,7 @@ SESSION_FEATURE = "session"
 HELLO_TIMEOUT_S = 30.0
 HELLO_POLL_S = 0.5  # first look at the engine for a sandbox that has not said hello (then 1 s, 1 s, ...)
 KILL_CONFIRM_S = 5.0
+OOM_SETTLE_ROUNDS = 5  # x 0.2 s: how long a sandbox that died by SIGKILL is watched for the engine's OOM flag
 MAX_FRAME_BYTES = 64 * 1024  # the runtime sends output in chunks of at most this (its READ_BYTES)
 STRAY_LOG_LINES = 10  # log lines of a sandbox's output outside any script; the rest is counted, not logged
 STRAY_KEPT_BYTES = 2048  # of that output, kept for the error of a sandbox that never connected
@@ -226,6 +227,12 @@ class SessionSandbox:
             with contextlib.suppress(Exception):
                 await self._backend.kill(self.handle)
                 status = await asyncio.wait_for(self._backend.wait(self.handle), 10)
+                # The engine may record an OOM kill (of the whole sandbox: gVisor's case) after reporting the exit.
+                for _ in range(OOM_SETTLE_ROUNDS if status.exit_code == 137 and not self._destroyed else 0):
+                    if status.oom_killed:
+                        break
+                    await asyncio.sleep(0.2)
+                    status = await self._backend.exited(self.handle) or status
         if status.oom_killed:
             self.broken = "the session's sandbox ran out of memory and its server was killed"
         if not self._hello.done():

@@ -262,7 +262,9 @@ def test_service_no_key_wrong_key_right_key(service: Service) -> None:
         assert anonymous.get("/readyz").status_code == 200
         missing = anonymous.get("/jobs")
         assert missing.status_code == 401 and missing.headers["www-authenticate"].startswith("Bearer")
-        wrong = anonymous.get("/jobs", headers=bearer(service.token[:-1] + "A"))
+        wrong = anonymous.get(
+            "/jobs", headers=bearer(service.token[:-1] + ("B" if service.token.endswith("A") else "A"))
+        )
         assert wrong.status_code == 401 and "invalid_token" in wrong.headers["www-authenticate"]
         assert anonymous.post("/execute", json={"script": "print(1)"}).status_code == 401
         assert anonymous.get("/jobs", headers=service.headers).status_code == 200
