@@ -160,6 +160,7 @@ class WarmPool:
 
     async def _start_one(self) -> PooledSandbox:
         sandbox = SessionSandbox(self._backend, replace(self._spec, job_dir=self._folder / secrets.token_hex(8)))
+        sandbox.stop_reason = "pool"  # until a job takes it (then the job's status)
         self._starting += 1
         starting = asyncio.ensure_future(sandbox.start())
         try:
