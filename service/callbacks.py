@@ -56,7 +56,8 @@ def sign(secret: bytes, timestamp: int, body: bytes) -> str:
 def verify(secret: bytes | str, header: str, body: bytes, tolerance_s: float = 300) -> bool:
     """Check an ``X-PTC-Signature`` header (constant-time); False when wrong or older than ``tolerance_s``.
 
-    ``secret`` is ``PTC_CALLBACK_SECRET`` (str, UTF-8) or its bytes; ``body`` the raw request body.
+    ``secret`` is the job's key's ``PTC_CALLBACK_SECRETS`` entry, else ``PTC_CALLBACK_SECRET`` (str, UTF-8,
+    or its bytes); ``body`` the raw request body (check its ``owner`` too).
     """
     if isinstance(secret, str):
         secret = secret.encode()

@@ -228,7 +228,6 @@ def test_another_keys_session_cannot_be_seen_deleted_or_run_in(
     assert created.status_code == 201, created.text
     session = created.json()
     session_id = session["session_id"]
-    assert session["owner"] == "alice"
     try:
         first = execute(alice, "open('/tmp/alice.txt', 'w').write('alice file')\nprint('ok')", session_id=session_id)
         assert first["stdout"] == "ok\n" and first["owner"] == "alice"
@@ -249,6 +248,7 @@ def test_another_keys_session_cannot_be_seen_deleted_or_run_in(
         view = alice.get(f"/sessions/{session_id}").json()
         assert view["status"] == "ready" and view["executions"] == 1  # nothing of bob's ran, nothing ended it
         assert session_id in [s["session_id"] for s in alice.get("/sessions").json()["sessions"]]
+        assert session["owner"] == "alice"
         admin_view = [s for s in root.get("/sessions").json()["sessions"] if s["session_id"] == session_id]
         assert [s["owner"] for s in admin_view] == ["alice"]
         assert root.get(f"/sessions/{session_id}").status_code == 200
