@@ -530,3 +530,30 @@ def test_malformed_callback_secrets_refuse_to_start_without_echoing_them(tmp_pat
     with pytest.raises(InsecureConfig, match="PTC_CALLBACK_SECRETS") as caught:
         load_secrets(Settings(work_dir=tmp_path, callback_secrets=entry))
     assert "TOPSECRET" not in str(caught.value)
+
+
+def test_callback_secrets_per_key_from_the_variable_and_a_file(tmp_path: Path) -> None:
+    from service.callbacks import load_secrets
+    from service.errors import InsecureConfig
+    from service.settings import Settings
+
+    secrets_file = tmp_path / "callback-secrets"
+    secrets_file.write_text("# tenants' receivers\ncarol:carol-secret\n")
+    loaded = load_secrets(
+        Settings(
+            work_dir=tmp_path,
+            callback_secret="server-secret",
+            callback_secrets="alice:alice-secret, bob:bob-secret",
+            callback_secrets_file=secrets_file,
+        )
+    )
+    assert [loaded.for_owner(o) for o in ("alice", "bob", "carol", "dave", None)] == [
+        b"alice-secret",
+        b"bob-secret",
+        b"carol-secret",
+        b"server-secret",
+        b"server-secret",
+    ]
+    assert load_secrets(Settings(work_dir=tmp_path, callback_secrets="alice:a")).for_owner("bob") is None
+    with pytest.raises(InsecureConfig, match="carol"):
+        load_secrets(Settings(work_dir=tmp_path, callback_secrets="carol:x", callback_secrets_file=secrets_file))
