@@ -40,8 +40,8 @@ from typing import Any
 import httpx
 import orjson
 
-from service import callbacks, logs
-from service.broker import Broker
+from service import callbacks, logs, views
+from service.broker import Broker, CallMemory
 from service.egress import EgressDenied
 from service.errors import (
     CallNotPending,
@@ -64,6 +64,7 @@ from service.settings import Settings
 from service.store import JobQuery, JobStore, StoredJob
 from service.toolkit.cache import CompiledManifest, ManifestCache
 from service.toolkit.endpoints import EndpointClients, ToolCallFailed
+from service.views import Body, EncodedView, render_head, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -225,15 +226,11 @@ async def wait_for_end_or_client(job: Job, timeout_s: float) -> None:
         waiting.cancel()
 
 
-def view_bytes(view: dict[str, Any]) -> bytes:
-    """The view as JSON bytes, validated against ``JobView`` (the stored and served form)."""
-    return JobView.model_validate(view).model_dump_json().encode()
-
-
-def stored_job(view: dict[str, Any], instance_id: str) -> StoredJob:
-    """The store's row for a job view (its columns, summary and callback flag all derived from the view)."""
-    model = JobView.model_validate(view)
-    summary = JobSummary.model_validate({**model.model_dump(), "calls": len(model.calls)})
+def stored_job(head: dict[str, Any], calls: int, body: bytes, instance_id: str) -> StoredJob:
+    """The store's row for a job view: ``body`` (its JSON), its columns, summary and callback flag from ``head``
+    (the view's fields but its calls) and ``calls`` (how many records it holds)."""
+    model = JobView.model_validate({**head, "calls": [], "pending_calls": []})
+    summary = JobSummary.model_validate({**model.model_dump(), "calls": calls})
     pending = model.callback is not None and model.callback.state == "pending" and model.ended_at is not None
     return StoredJob(
         job_id=model.job_id,
@@ -241,7 +238,7 @@ def stored_job(view: dict[str, Any], instance_id: str) -> StoredJob:
         instance_id=instance_id,
         created_at=model.created_at,
         ended_at=model.ended_at,
-        view=model.model_dump_json().encode(),
+        view=body,
         summary=summary.model_dump_json().encode(),
         callback_pending=pending,
     )
@@ -271,6 +268,11 @@ class JobManager:
         self._endpoints = endpoints
         self._store = store
         self._slots = asyncio.Semaphore(settings.concurrency())
+        self._call_memory = CallMemory(settings.max_record_bytes_total, settings.max_call_bytes_in_flight_total)
+        self._views = views.ViewCache(settings.view_cache_bytes)
+        self._loading: dict[str, asyncio.Future[EncodedView]] = {}  # ended views being read back from the store
+        self._scanning = asyncio.Lock()  # one stored view indexed at a time
+        self._end_events = views.ByteBudget(settings.view_cache_bytes)
         self._live: dict[str, Job] = {}
         self._admitted = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -378,7 +380,8 @@ class JobManager:
                 if c["status"] == "pending"
             ],
         )
-        await self._store.put(stored_job(view, stored.instance_id))
+        body = b"".join([part async for part in views.stream(render_head(view), [], view["calls"])])
+        await self._store.put(stored_job(view, len(view["calls"]), body, stored.instance_id))
         self._metrics.job_lost()
         log.warning("job %s was %s when the service last stopped: marked lost", stored.job_id, stored.status)
 
@@ -439,6 +442,7 @@ class JobManager:
         cutoff = _now() - timedelta(seconds=self._settings.job_retention_s)
         ids = await self._store.purge(cutoff)
         for job_id in ids:
+            self._views.drop(job_id)
             await asyncio.to_thread(shutil.rmtree, self._output_dir / job_id, True)
         if ids:
             log.info("purged %d job(s) ended before %s", len(ids), cutoff.isoformat())
@@ -558,12 +562,14 @@ class JobManager:
             runtime=settings.runtime,
         )
 
-    async def _save(self, job: Job) -> None:
+    async def _save(self, job: Job, final: bool = False) -> None:
+        """Save the job's view (encoded a batch of records at a time); ``final``: also keep it for reading."""
         logs.job(job)  # every save is a status change
         view = job.view_dict()
+        records = snapshot(view["calls"])
         try:
-            row = stored_job(view, self._instance)
-        except ValueError:  # a view that cannot be encoded must still be saved: keep what can be
+            encoded = await views.encode(render_head(view), records)
+        except (ValueError, TypeError):  # a view that cannot be encoded must still be saved: keep what can be
             log.exception("job %s: its view cannot be encoded; saving it without output and calls", job.id)
             view.update(
                 stdout="",
@@ -571,8 +577,11 @@ class JobManager:
                 calls=[],
                 error={"type": "internal_error", "message": "the job's output or calls could not be encoded"},
             )
-            row = stored_job(view, self._instance)
-        await self._store.put(row)
+            records = []
+            encoded = await views.encode(render_head(view), records)
+        await self._store.put(stored_job(encoded.head, len(records), encoded.body, self._instance))
+        if final:
+            self._views.put(job.id, encoded)
 
     async def _set_status(self, job: Job, status: str) -> None:
         job.status = status
@@ -609,6 +618,8 @@ class JobManager:
             on_call_end=lambda record: self._call_ended(job, record),
             client_call_timeout_s=settings.client_call_timeout_s,
             on_client_calls=lambda waiting: self._client_calls_changed(job, waiting),
+            max_in_flight_bytes=settings.max_call_bytes_in_flight,
+            memory=self._call_memory,
         )
         job.calls = broker.records
         job.broker = broker
@@ -766,7 +777,7 @@ class JobManager:
         job.notify()
         self._spawn(self._save(job), f"save {job.id}")
 
-    async def answer_call(self, job_id: str, call_id: str, ok: bool, value: Any) -> dict[str, Any]:
+    async def answer_call(self, job_id: str, call_id: str, ok: bool, value: Any) -> Body:
         """Answer a client-executed call of a running job; returns the job's view after it.
 
         Raises:
@@ -827,10 +838,11 @@ class JobManager:
                 job.status = "lost"
             self._metrics.job_ended(job)
             try:
-                await self._save(job)
+                await self._save(job, final=True)
             except Exception:
                 log.exception("job %s: could not save its final view", job.id)
         finally:
+            broker.release()
             if job.session_id is None:
                 self._admitted -= 1
             job.notify()
@@ -858,15 +870,16 @@ class JobManager:
             if stored is not None:
                 log.warning("job %s: its callback cannot be sent: PTC_CALLBACK_SECRET is not set", job_id)
             return
-        view = orjson.loads(stored.view)
-        callback = view["callback"]
-        body = stored.view
+        final = await self.final(job_id)
+        view = dict(final.head)
+        callback = view["callback"] = dict(view["callback"], attempts=list(view["callback"]["attempts"]))
+        body = final.body
         pending: list[asyncio.Task[None]] = []
 
         def on_attempt(attempt: dict[str, Any]) -> None:
             self._metrics.callback_attempt(attempt)
             callback["attempts"].append(attempt)
-            pending.append(asyncio.ensure_future(self._put_view(stored, view)))
+            pending.append(asyncio.ensure_future(self._put_view(stored, view, final)))
 
         delivered = await callbacks.deliver(
             self._http,
@@ -881,14 +894,17 @@ class JobManager:
         callback["state"] = "delivered" if delivered else "failed"
         self._metrics.callback_done(delivered)
         await asyncio.gather(*pending, return_exceptions=True)
-        await self._put_view(stored, view)
+        await self._put_view(stored, view, final)
         if not delivered:
             log.warning(
                 "job %s: callback to its callback_url failed after %d attempts", job_id, len(callback["attempts"])
             )
 
-    async def _put_view(self, stored: StoredJob, view: dict[str, Any]) -> None:
-        await self._store.put(stored_job(view, stored.instance_id))
+    async def _put_view(self, stored: StoredJob, head: dict[str, Any], final: EncodedView) -> None:
+        """Save an ended job's view with a new ``head`` (its call records as they were); keep it for reading."""
+        encoded = await views.encode(render_head(head), list(final.records()))
+        await self._store.put(stored_job(encoded.head, len(encoded.spans), encoded.body, stored.instance_id))
+        self._views.put(stored.job_id, encoded)
 
     # -- manifests -----------------------------------------------------------------------------
 
@@ -1025,24 +1041,61 @@ class JobManager:
 
     async def stored_view(self, job_id: str) -> bytes:
         """The saved view (JSON bytes) of a job that is not live; raises JobNotFound."""
+        return (await self.final(job_id)).body
+
+    async def final(self, job_id: str) -> EncodedView:
+        """The encoded view of a job that is not live: kept since it ended, or read back from the store (once
+        for concurrent readers, one view indexed at a time, off the event loop). Raises JobNotFound."""
+        cached = self._views.get(job_id)
+        if cached is not None:
+            return cached
+        loading = self._loading.get(job_id)
+        if loading is None:
+            loading = self._loading[job_id] = asyncio.ensure_future(self._load(job_id))
+            loading.add_done_callback(lambda _: self._loading.pop(job_id, None))
+        return await asyncio.shield(loading)
+
+    async def _load(self, job_id: str) -> EncodedView:
         stored = await self._store.get(job_id)
         if stored is None:
             raise JobNotFound(job_id)
-        return stored.view
+        async with self._scanning:
+            head, spans = await asyncio.to_thread(views.scan, stored.view)
+        encoded = EncodedView(head, stored.view, spans)
+        if job_id not in self._live:  # a job saved as running may have ended meanwhile: its own save wins
+            self._views.put(job_id, encoded)
+        return encoded
 
-    async def view(self, job_id: str, offsets: dict[Stream, int | None] | None = None) -> dict[str, Any]:
-        """The job's view; with ``offsets``, a stream's text holds its bytes from that offset.
+    def live_view(self, job: Job) -> Body:
+        """A live job's view, rendered a batch of records at a time as it is sent."""
+        return self._render(job.view_dict())
+
+    @staticmethod
+    def _render(view: dict[str, Any]) -> Body:
+        records = snapshot(view["calls"])
+        return views.stream(render_head(view), view.get("pending_calls", []), records)
+
+    async def view(self, job_id: str, offsets: dict[Stream, int | None] | None = None) -> Body:
+        """The job's view (JSON bytes, or pieces of them); with ``offsets``, a stream's text holds its bytes from
+        that offset.
 
         Raises:
             JobNotFound: no such job.
         """
         job = self._live.get(job_id)
-        view = job.view_dict() if job is not None else orjson.loads(await self.stored_view(job_id))
-        for stream in STREAMS:
-            offset = (offsets or {}).get(stream)
-            if offset is not None:
+        wanted = {stream: offset for stream, offset in (offsets or {}).items() if offset is not None}
+        if job is not None:
+            view = job.view_dict()
+            for stream, offset in wanted.items():
                 await self._slice(view, stream, offset)
-        return view
+            return self._render(view)
+        final = await self.final(job_id)
+        if not wanted:
+            return final.body
+        head = dict(final.head)
+        for stream, offset in wanted.items():
+            await self._slice(head, stream, offset)
+        return views.stream(render_head(head), [], final.records())
 
     async def _slice(self, view: dict[str, Any], stream: Stream, offset: int) -> None:
         """Put the stream's retained bytes from ``offset`` (at most ``SLICE_BYTES``) into ``view``.
@@ -1065,7 +1118,7 @@ class JobManager:
             await self.stored_view(job_id)
         return await asyncio.to_thread(read_range, self._output_dir / job_id / stream, offset, length)
 
-    async def wait(self, job_id: str, timeout_s: float) -> dict[str, Any]:
+    async def wait(self, job_id: str, timeout_s: float) -> Body:
         """Block until the job ends, waits for the client (a client-executed call), or ``timeout_s`` passes.
 
         Returns its view then. Raises JobNotFound.
@@ -1075,7 +1128,7 @@ class JobManager:
             await wait_for_end_or_client(job, timeout_s)
         return await self.view(job_id)
 
-    async def stop(self, job_id: str) -> dict[str, Any]:
+    async def stop(self, job_id: str) -> Body:
         """Stop the job (SIGTERM to its processes, SIGKILL after the grace); returns its view.
 
         Idempotent: on an ended job it only returns the final view. Raises JobNotFound.
@@ -1099,9 +1152,8 @@ class JobManager:
             elif row.summary:
                 summaries.append(JobSummary.model_validate_json(row.summary))
             else:  # saved before summaries were kept
-                full = await self._store.get(row.job_id)
-                view = orjson.loads(full.view) if full is not None else {}
-                summaries.append(JobSummary.model_validate({**view, "calls": len(view.get("calls", []))}))
+                final = await self.final(row.job_id)
+                summaries.append(JobSummary.model_validate({**final.head, "calls": len(final.spans)}))
         return summaries, cursor
 
     async def count(self) -> int:
@@ -1113,29 +1165,41 @@ class JobManager:
 
         Events: ``status`` ``{"status"}`` on each change; ``stdout``/``stderr``
         ``{"offset", "text"}`` for each new piece of output (retained bytes);
-        ``call`` with each call record once it has its outcome; finally ``end``
-        with the final view. A follower that joins late first gets everything
+        ``call`` with each call record (JSON bytes) once it has its outcome; finally ``end``
+        with the final view (JSON bytes). A follower that joins late first gets everything
         so far. Raises JobNotFound.
         """
         job = self._live.get(job_id)
-        if job is None:
-            await self.stored_view(job_id)
+        final = await self.final(job_id) if job is None else None
         offsets = {"stdout": 0, "stderr": 0}
-        sent_calls: set[int] = set()
+        sent = 0  # records before this index have all been sent
+        sent_after: set[int] = set()  # indexes at or past ``sent`` already sent (they ended out of order)
         last_status = None
         while True:
             changed = job.changed() if job is not None else None
-            view = job.view_dict() if job is not None else await self.view(job_id)
-            if view["status"] != last_status:
-                last_status = view["status"]
+            if job is not None:
+                head = job.view_dict()
+                records: list[Any] = head["calls"]
+                encoded: list[Any] = records
+            else:
+                assert final is not None
+                head = final.head
+                records = encoded = list(final.records())
+            if head["status"] != last_status:
+                last_status = head["status"]
                 yield "status", {"status": last_status}
-            for record in view["calls"]:
-                if record["status"] != "pending" and record["seq"] not in sent_calls:
-                    sent_calls.add(record["seq"])
-                    yield "call", record
-            ended = view["status"] in TERMINAL_STATUSES and (job is None or job.done.is_set())
+            for index in range(sent, len(records)):
+                if index in sent_after or (job is not None and records[index]["status"] == "pending"):
+                    continue
+                sent_after.add(index)
+                record = encoded[index]
+                yield "call", views.encode_record(record) if isinstance(record, dict) else bytes(record)
+            while sent in sent_after:
+                sent_after.discard(sent)
+                sent += 1
+            ended = head["status"] in TERMINAL_STATUSES and (job is None or job.done.is_set())
             for stream in STREAMS:
-                retained = view[f"{stream}_retained_bytes"]
+                retained = head[f"{stream}_retained_bytes"]
                 while offsets[stream] < retained:
                     data = await self.read_output(job_id, stream, offsets[stream], 64 * 1024)
                     text, consumed, _ = decode_slice(data, final=ended and offsets[stream] + len(data) >= retained)
@@ -1144,10 +1208,13 @@ class JobManager:
                     yield stream, {"offset": offsets[stream], "text": text}
                     offsets[stream] += consumed
             if ended:
-                yield "end", (view if job is None else await self.view(job_id))
+                end = final if final is not None else await self.final(job_id)
+                async with self._end_events.hold(len(end.body)):  # the end event is sent as one piece
+                    yield "end", end.body
                 return
             assert changed is not None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), 15)
             if job is not None and job.done.is_set() and job_id not in self._live:
                 job = None  # saved as ended: read the final view from the store
+                final = await self.final(job_id)
