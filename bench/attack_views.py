@@ -13,6 +13,9 @@ with a scratch work dir and one API key, and then:
 3. ended phase: the job is stopped; ``--readers`` parallel ``GET /jobs/{id}`` and as many
    ``POST /jobs/{id}/wait`` of the ended job, with the same probe.
 
+The probe runs in this process: nothing here parses a view while it runs (a 58 MB ``json.loads`` would hold
+this process's GIL for seconds and show up as the service's latency).
+
 Prints (and with ``--out FILE`` writes as JSON): the service's RSS before the job, after the calls,
 after each phase and its peak (``VmHWM`` of ``/proc/<pid>/status``), the ``/healthz`` latencies during
 each phase (max and median, ms), how long the reads took, and the size of one view.
@@ -184,12 +187,9 @@ def main() -> None:
         probe.start()
         seconds, sizes = parallel(args.readers, get)
         wait_seconds, _ = parallel(args.readers, wait)
-        final = api.get(f"/jobs/{job_id}").json()
-        figures["ended"] = {
-            "gets_s": seconds,
-            "waits_s": wait_seconds,
-            "view_bytes": sizes[0],
-            **probe.summary(),
+        figures["ended"] = {"gets_s": seconds, "waits_s": wait_seconds, "view_bytes": sizes[0], **probe.summary()}
+        final = api.get(f"/jobs/{job_id}").json()  # parsed after the probe stopped: it holds this process's GIL
+        figures["ended"] |= {
             "status": final["status"],
             "calls_kept": len(final["calls"]),
             "calls_with_args_dropped": sum(1 for c in final["calls"] if c.get("args_dropped_bytes")),

@@ -156,6 +156,7 @@ class Job:
     stop_reason: str | None = None  # why a stop was asked, when not by POST /jobs/{id}/stop
     normalized: Normalized | None = None  # the script's normalization (None: switched off by the request)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    saving: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves reach the store in the order they began
 
     def script(self, request: ExecuteRequest) -> str:
         """The script to run: the request's, as normalization left it."""
@@ -567,19 +568,20 @@ class JobManager:
         logs.job(job)  # every save is a status change
         view = job.view_dict()
         records = snapshot(view["calls"])
-        try:
-            encoded = await views.encode(render_head(view), records)
-        except (ValueError, TypeError):  # a view that cannot be encoded must still be saved: keep what can be
-            log.exception("job %s: its view cannot be encoded; saving it without output and calls", job.id)
-            view.update(
-                stdout="",
-                stderr="",
-                calls=[],
-                error={"type": "internal_error", "message": "the job's output or calls could not be encoded"},
-            )
-            records = []
-            encoded = await views.encode(render_head(view), records)
-        await self._store.put(stored_job(encoded.head, len(records), encoded.body, self._instance))
+        async with job.saving:  # encoding gives the loop back: a later save must not overtake an earlier one
+            try:
+                encoded = await views.encode(render_head(view), records)
+            except (ValueError, TypeError):  # a view that cannot be encoded must still be saved: keep what can be
+                log.exception("job %s: its view cannot be encoded; saving it without output and calls", job.id)
+                view.update(
+                    stdout="",
+                    stderr="",
+                    calls=[],
+                    error={"type": "internal_error", "message": "the job's output or calls could not be encoded"},
+                )
+                records = []
+                encoded = await views.encode(render_head(view), records)
+            await self._store.put(stored_job(encoded.head, len(records), encoded.body, self._instance))
         if final:
             self._views.put(job.id, encoded)
 

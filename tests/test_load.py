@@ -329,10 +329,10 @@ def test_service_memory_stays_bounded_after_a_job_with_large_arguments(scratch: 
             execute(api, "print(1)")  # warm the service's own code paths before the baseline
             baseline = rss_mb(svc)
             view = execute(api, big_calls_script(62, 40_000), BIG_TOOLS, timeout_s=600, wait_s=300)
-            assert view["status"] == "succeeded", view["stderr"]
-            kept = [c for c in view["calls"] if c["args"] is not None]
-            assert 0 < len(kept) < 62 and all(c["status"] == "ok" for c in view["calls"])
             grown = rss_mb(svc) - baseline
-        assert grown < RSS_GROWTH_BOUND_MB, f"the service grew by {grown:.0f} MiB"
+            assert view["status"] == "succeeded", view["stderr"]
+            assert grown < RSS_GROWTH_BOUND_MB, f"the service grew by {grown:.0f} MiB"
+            kept = [c for c in view["calls"] if c["args"] is not None]
+            assert 0 < len(kept) < 62 and all(c["status"] == "ok" for c in view["calls"])  # the cap thinned records
     finally:
         svc.stop()
