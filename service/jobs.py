@@ -40,9 +40,9 @@ from typing import Any
 import httpx
 import orjson
 
-from service import callbacks, logs
+from service import callbacks, logs, views
 from service.auth import Caller
-from service.broker import Broker
+from service.broker import Broker, CallMemory
 from service.egress import EgressDenied
 from service.errors import (
     CallNotPending,
@@ -66,6 +66,7 @@ from service.settings import Settings
 from service.store import JobQuery, JobStore, StoredJob
 from service.toolkit.cache import CompiledManifest, ManifestCache
 from service.toolkit.endpoints import EndpointClients, ToolCallFailed
+from service.views import Body, EncodedView, render_head, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,7 @@ class Job:
     stop_reason: str | None = None  # why a stop was asked, when not by POST /jobs/{id}/stop
     normalized: Normalized | None = None  # the script's normalization (None: switched off by the request)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    saving: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves reach the store in the order they began
 
     def script(self, request: ExecuteRequest) -> str:
         """The script to run: the request's, as normalization left it."""
@@ -229,15 +231,11 @@ async def wait_for_end_or_client(job: Job, timeout_s: float) -> None:
         waiting.cancel()
 
 
-def view_bytes(view: dict[str, Any]) -> bytes:
-    """The view as JSON bytes, validated against ``JobView`` (the stored and served form)."""
-    return JobView.model_validate(view).model_dump_json().encode()
-
-
-def stored_job(view: dict[str, Any], instance_id: str) -> StoredJob:
-    """The store's row for a job view (its columns, summary and callback flag all derived from the view)."""
-    model = JobView.model_validate(view)
-    summary = JobSummary.model_validate({**model.model_dump(), "calls": len(model.calls)})
+def stored_job(head: dict[str, Any], calls: int, body: bytes, instance_id: str) -> StoredJob:
+    """The store's row for a job view: ``body`` (its JSON), its columns, summary and callback flag from ``head``
+    (the view's fields but its calls) and ``calls`` (how many records it holds)."""
+    model = JobView.model_validate({**head, "calls": [], "pending_calls": []})
+    summary = JobSummary.model_validate({**model.model_dump(), "calls": calls})
     pending = model.callback is not None and model.callback.state == "pending" and model.ended_at is not None
     return StoredJob(
         job_id=model.job_id,
@@ -245,7 +243,7 @@ def stored_job(view: dict[str, Any], instance_id: str) -> StoredJob:
         instance_id=instance_id,
         created_at=model.created_at,
         ended_at=model.ended_at,
-        view=model.model_dump_json().encode(),
+        view=body,
         summary=summary.model_dump_json().encode(),
         callback_pending=pending,
         owner=model.owner,
@@ -276,6 +274,11 @@ class JobManager:
         self._endpoints = endpoints
         self._store = store
         self._slots = asyncio.Semaphore(settings.concurrency())
+        self._call_memory = CallMemory(settings.max_record_bytes_total, settings.max_call_bytes_in_flight_total)
+        self._views = views.ViewCache(settings.view_cache_bytes)
+        self._loading: dict[str, asyncio.Future[EncodedView]] = {}  # ended views being read back from the store
+        self._scanning = asyncio.Lock()  # one stored view indexed at a time
+        self._end_events = views.ByteBudget(settings.view_cache_bytes)
         self._live: dict[str, Job] = {}
         self._admitted = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -384,7 +387,8 @@ class JobManager:
                 if c["status"] == "pending"
             ],
         )
-        await self._store.put(stored_job(view, stored.instance_id))
+        body = b"".join([part async for part in views.stream(render_head(view), [], view["calls"])])
+        await self._store.put(stored_job(view, len(view["calls"]), body, stored.instance_id))
         self._metrics.job_lost()
         log.warning("job %s was %s when the service last stopped: marked lost", stored.job_id, stored.status)
 
@@ -445,6 +449,7 @@ class JobManager:
         cutoff = _now() - timedelta(seconds=self._settings.job_retention_s)
         ids = await self._store.purge(cutoff)
         for job_id in ids:
+            self._views.drop(job_id)
             await asyncio.to_thread(shutil.rmtree, self._output_dir / job_id, True)
         if ids:
             log.info("purged %d job(s) ended before %s", len(ids), cutoff.isoformat())
@@ -580,21 +585,27 @@ class JobManager:
             runtime=settings.runtime,
         )
 
-    async def _save(self, job: Job) -> None:
+    async def _save(self, job: Job, final: bool = False) -> None:
+        """Save the job's view (encoded a batch of records at a time); ``final``: also keep it for reading."""
         logs.job(job)  # every save is a status change
         view = job.view_dict()
-        try:
-            row = stored_job(view, self._instance)
-        except ValueError:  # a view that cannot be encoded must still be saved: keep what can be
-            log.exception("job %s: its view cannot be encoded; saving it without output and calls", job.id)
-            view.update(
-                stdout="",
-                stderr="",
-                calls=[],
-                error={"type": "internal_error", "message": "the job's output or calls could not be encoded"},
-            )
-            row = stored_job(view, self._instance)
-        await self._store.put(row)
+        records = snapshot(view["calls"])
+        async with job.saving:  # encoding gives the loop back: a later save must not overtake an earlier one
+            try:
+                encoded = await views.encode(render_head(view), records)
+            except (ValueError, TypeError):  # a view that cannot be encoded must still be saved: keep what can be
+                log.exception("job %s: its view cannot be encoded; saving it without output and calls", job.id)
+                view.update(
+                    stdout="",
+                    stderr="",
+                    calls=[],
+                    error={"type": "internal_error", "message": "the job's output or calls could not be encoded"},
+                )
+                records = []
+                encoded = await views.encode(render_head(view), records)
+            await self._store.put(stored_job(encoded.head, len(records), encoded.body, self._instance))
+        if final:
+            self._views.put(job.id, encoded)
 
     async def _set_status(self, job: Job, status: str) -> None:
         job.status = status
@@ -631,6 +642,8 @@ class JobManager:
             on_call_end=lambda record: self._call_ended(job, record),
             client_call_timeout_s=settings.client_call_timeout_s,
             on_client_calls=lambda waiting: self._client_calls_changed(job, waiting),
+            max_in_flight_bytes=settings.max_call_bytes_in_flight,
+            memory=self._call_memory,
         )
         job.calls = broker.records
         job.broker = broker
@@ -788,7 +801,7 @@ class JobManager:
         job.notify()
         self._spawn(self._save(job), f"save {job.id}")
 
-    async def answer_call(self, job_id: str, caller: Caller, call_id: str, ok: bool, value: Any) -> dict[str, Any]:
+    async def answer_call(self, job_id: str, caller: Caller, call_id: str, ok: bool, value: Any) -> Body:
         """Answer a client-executed call of a running job; returns the job's view after it.
 
         Raises:
@@ -849,10 +862,11 @@ class JobManager:
                 job.status = "lost"
             self._metrics.job_ended(job)
             try:
-                await self._save(job)
+                await self._save(job, final=True)
             except Exception:
                 log.exception("job %s: could not save its final view", job.id)
         finally:
+            broker.release()
             if job.session_id is None:
                 self._admitted -= 1
             job.notify()
@@ -881,15 +895,16 @@ class JobManager:
         if secret is None:
             log.warning("job %s: its callback cannot be sent: no callback secret for its owner is set", job_id)
             return
-        view = orjson.loads(stored.view)
-        callback = view["callback"]
-        body = stored.view
+        final = await self._encoded(job_id)
+        view = dict(final.head)
+        callback = view["callback"] = dict(view["callback"], attempts=list(view["callback"]["attempts"]))
+        body = final.body
         pending: list[asyncio.Task[None]] = []
 
         def on_attempt(attempt: dict[str, Any]) -> None:
             self._metrics.callback_attempt(attempt)
             callback["attempts"].append(attempt)
-            pending.append(asyncio.ensure_future(self._put_view(stored, view)))
+            pending.append(asyncio.ensure_future(self._put_view(stored, view, final)))
 
         delivered = await callbacks.deliver(
             self._http,
@@ -905,14 +920,17 @@ class JobManager:
         callback["state"] = "delivered" if delivered else "failed"
         self._metrics.callback_done(delivered)
         await asyncio.gather(*pending, return_exceptions=True)
-        await self._put_view(stored, view)
+        await self._put_view(stored, view, final)
         if not delivered:
             log.warning(
                 "job %s: callback to its callback_url failed after %d attempts", job_id, len(callback["attempts"])
             )
 
-    async def _put_view(self, stored: StoredJob, view: dict[str, Any]) -> None:
-        await self._store.put(stored_job(view, stored.instance_id))
+    async def _put_view(self, stored: StoredJob, head: dict[str, Any], final: EncodedView) -> None:
+        """Save an ended job's view with a new ``head`` (its call records as they were); keep it for reading."""
+        encoded = await views.encode(render_head(head), list(final.records()))
+        await self._store.put(stored_job(encoded.head, len(encoded.spans), encoded.body, stored.instance_id))
+        self._views.put(stored.job_id, encoded)
 
     # -- manifests -----------------------------------------------------------------------------
 
@@ -1061,7 +1079,7 @@ class JobManager:
     def live(self, job_id: str, caller: Caller) -> Job | None:
         """The job if it has not been saved as ended yet; raises JobNotFound when it is another owner's.
 
-        Every job a caller names goes through here or ``stored_view``: another owner's job answers
+        Every job a caller names goes through here or ``final``: another owner's job answers
         exactly like one that does not exist (its existence is not revealed).
         """
         job = self._live.get(job_id)
@@ -1070,27 +1088,73 @@ class JobManager:
         return job
 
     async def stored_view(self, job_id: str, caller: Caller) -> bytes:
-        """The saved view (JSON bytes) of a job; raises JobNotFound (for another owner's job too)."""
-        stored = await self._store.get(job_id)
-        if stored is None or not caller.may_access(stored.owner):
-            raise JobNotFound(job_id)
-        return stored.view
+        """The saved view (JSON bytes) of a job that is not live; raises JobNotFound (another owner's too)."""
+        return (await self.final(job_id, caller)).body
 
-    async def view(
-        self, job_id: str, caller: Caller, offsets: dict[Stream, int | None] | None = None
-    ) -> dict[str, Any]:
-        """The job's view; with ``offsets``, a stream's text holds its bytes from that offset.
+    async def final(self, job_id: str, caller: Caller) -> EncodedView:
+        """The encoded view of a job that is not live: kept since it ended, or read back from the store (once
+        for concurrent readers, one view indexed at a time, off the event loop).
+
+        Raises:
+            JobNotFound: no such job, or another owner's (the same answer: existence is not revealed).
+        """
+        encoded = await self._encoded(job_id)
+        if not caller.may_access(encoded.head.get("owner")):  # None: saved before owners were (admin only)
+            raise JobNotFound(job_id)
+        return encoded
+
+    async def _encoded(self, job_id: str) -> EncodedView:
+        """``final`` without the owner check, for the service's own reads; raises JobNotFound."""
+        cached = self._views.get(job_id)
+        if cached is not None:
+            return cached
+        loading = self._loading.get(job_id)
+        if loading is None:
+            loading = self._loading[job_id] = asyncio.ensure_future(self._load(job_id))
+            loading.add_done_callback(lambda _: self._loading.pop(job_id, None))
+        return await asyncio.shield(loading)
+
+    async def _load(self, job_id: str) -> EncodedView:
+        stored = await self._store.get(job_id)
+        if stored is None:
+            raise JobNotFound(job_id)
+        async with self._scanning:
+            head, spans = await asyncio.to_thread(views.scan, stored.view)
+        encoded = EncodedView(head, stored.view, spans)
+        if job_id not in self._live:  # a job saved as running may have ended meanwhile: its own save wins
+            self._views.put(job_id, encoded)
+        return encoded
+
+    def live_view(self, job: Job) -> Body:
+        """A live job's view, rendered a batch of records at a time as it is sent."""
+        return self._render(job.view_dict())
+
+    @staticmethod
+    def _render(view: dict[str, Any]) -> Body:
+        records = snapshot(view["calls"])
+        return views.stream(render_head(view), view.get("pending_calls", []), records)
+
+    async def view(self, job_id: str, caller: Caller, offsets: dict[Stream, int | None] | None = None) -> Body:
+        """The job's view (JSON bytes, or pieces of them); with ``offsets``, a stream's text holds its bytes from
+        that offset.
 
         Raises:
             JobNotFound: no such job, or another owner's.
         """
         job = self.live(job_id, caller)
-        view = job.view_dict() if job is not None else orjson.loads(await self.stored_view(job_id, caller))
-        for stream in STREAMS:
-            offset = (offsets or {}).get(stream)
-            if offset is not None:
+        wanted = {stream: offset for stream, offset in (offsets or {}).items() if offset is not None}
+        if job is not None:
+            view = job.view_dict()
+            for stream, offset in wanted.items():
                 await self._slice(view, stream, offset)
-        return view
+            return self._render(view)
+        final = await self.final(job_id, caller)
+        if not wanted:
+            return final.body
+        head = dict(final.head)
+        for stream, offset in wanted.items():
+            await self._slice(head, stream, offset)
+        return views.stream(render_head(head), [], final.records())
 
     async def _slice(self, view: dict[str, Any], stream: Stream, offset: int) -> None:
         """Put the stream's retained bytes from ``offset`` (at most ``SLICE_BYTES``) into ``view``.
@@ -1113,7 +1177,7 @@ class JobManager:
             await self.stored_view(job_id, caller)
         return await asyncio.to_thread(read_range, self._output_dir / job_id / stream, offset, length)
 
-    async def wait(self, job_id: str, caller: Caller, timeout_s: float) -> dict[str, Any]:
+    async def wait(self, job_id: str, caller: Caller, timeout_s: float) -> Body:
         """Block until the job ends, waits for the client (a client-executed call), or ``timeout_s`` passes.
 
         Returns its view then. Raises JobNotFound (for another owner's job too, at once).
@@ -1123,7 +1187,7 @@ class JobManager:
             await wait_for_end_or_client(job, timeout_s)
         return await self.view(job_id, caller)
 
-    async def stop(self, job_id: str, caller: Caller) -> dict[str, Any]:
+    async def stop(self, job_id: str, caller: Caller) -> Body:
         """Stop the job (SIGTERM to its processes, SIGKILL after the grace); returns its view.
 
         Idempotent: on an ended job it only returns the final view. Raises JobNotFound (another owner's too).
@@ -1150,9 +1214,8 @@ class JobManager:
             elif row.summary:
                 summaries.append(JobSummary.model_validate_json(row.summary))
             else:  # saved before summaries were kept
-                full = await self._store.get(row.job_id)
-                view = orjson.loads(full.view) if full is not None else {}
-                summaries.append(JobSummary.model_validate({**view, "calls": len(view.get("calls", []))}))
+                final = await self._encoded(row.job_id)
+                summaries.append(JobSummary.model_validate({**final.head, "calls": len(final.spans)}))
         return summaries, cursor
 
     async def count(self) -> int:
@@ -1164,29 +1227,41 @@ class JobManager:
 
         Events: ``status`` ``{"status"}`` on each change; ``stdout``/``stderr``
         ``{"offset", "text"}`` for each new piece of output (retained bytes);
-        ``call`` with each call record once it has its outcome; finally ``end``
-        with the final view. A follower that joins late first gets everything
+        ``call`` with each call record (JSON bytes) once it has its outcome; finally ``end``
+        with the final view (JSON bytes). A follower that joins late first gets everything
         so far. Raises JobNotFound (for another owner's job too).
         """
         job = self.live(job_id, caller)
-        if job is None:
-            await self.stored_view(job_id, caller)
+        final = await self.final(job_id, caller) if job is None else None
         offsets = {"stdout": 0, "stderr": 0}
-        sent_calls: set[int] = set()
+        sent = 0  # records before this index have all been sent
+        sent_after: set[int] = set()  # indexes at or past ``sent`` already sent (they ended out of order)
         last_status = None
         while True:
             changed = job.changed() if job is not None else None
-            view = job.view_dict() if job is not None else await self.view(job_id, caller)
-            if view["status"] != last_status:
-                last_status = view["status"]
+            if job is not None:
+                head = job.view_dict()
+                records: list[Any] = head["calls"]
+                encoded: list[Any] = records
+            else:
+                assert final is not None
+                head = final.head
+                records = encoded = list(final.records())
+            if head["status"] != last_status:
+                last_status = head["status"]
                 yield "status", {"status": last_status}
-            for record in view["calls"]:
-                if record["status"] != "pending" and record["seq"] not in sent_calls:
-                    sent_calls.add(record["seq"])
-                    yield "call", record
-            ended = view["status"] in TERMINAL_STATUSES and (job is None or job.done.is_set())
+            for index in range(sent, len(records)):
+                if index in sent_after or (job is not None and records[index]["status"] == "pending"):
+                    continue
+                sent_after.add(index)
+                record = encoded[index]
+                yield "call", views.encode_record(record) if isinstance(record, dict) else bytes(record)
+            while sent in sent_after:
+                sent_after.discard(sent)
+                sent += 1
+            ended = head["status"] in TERMINAL_STATUSES and (job is None or job.done.is_set())
             for stream in STREAMS:
-                retained = view[f"{stream}_retained_bytes"]
+                retained = head[f"{stream}_retained_bytes"]
                 while offsets[stream] < retained:
                     data = await self.read_output(job_id, caller, stream, offsets[stream], 64 * 1024)
                     text, consumed, _ = decode_slice(data, final=ended and offsets[stream] + len(data) >= retained)
@@ -1195,10 +1270,13 @@ class JobManager:
                     yield stream, {"offset": offsets[stream], "text": text}
                     offsets[stream] += consumed
             if ended:
-                yield "end", (view if job is None else await self.view(job_id, caller))
+                end = final if final is not None else await self.final(job_id, caller)
+                async with self._end_events.hold(len(end.body)):  # the end event is sent as one piece
+                    yield "end", end.body
                 return
             assert changed is not None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), 15)
             if job is not None and job.done.is_set() and job_id not in self._live:
                 job = None  # saved as ended: read the final view from the store
+                final = await self._encoded(job_id)

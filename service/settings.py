@@ -92,9 +92,33 @@ class Settings(BaseSettings):
         1024 * 1024, ge=1024, description="Largest single stub request on the broker socket (bytes)."
     )
     max_record_bytes: int = Field(
+        16 * 1024 * 1024,
+        ge=0,
+        description="Bytes of arguments and results (JSON) a job's call records keep; past it a record keeps its "
+        "call but not its args/result (args_dropped_bytes, result_dropped_bytes) (bytes).",
+    )
+    max_record_bytes_total: int = Field(
+        512 * 1024 * 1024,
+        ge=0,
+        description="The same for the call records of all running jobs together (bytes).",
+    )
+    max_call_bytes_in_flight: int = Field(
+        8 * 1024 * 1024,
+        ge=1024,
+        description="Bytes of tool-call requests of one job handled at once; past it the broker reads no more "
+        "from the job until calls end (bytes).",
+    )
+    max_call_bytes_in_flight_total: int = Field(
         64 * 1024 * 1024,
         ge=1024,
-        description="Bytes of arguments and results a job's call records may hold; later calls are refused (bytes).",
+        description="Bytes of tool-call requests handled at once for all jobs; a call past it is refused "
+        "(ToolError limit_exceeded, record rejected) (bytes).",
+    )
+    view_cache_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        description="Encoded views of ended jobs kept in memory for reading, and of events' end views being sent "
+        "at once (bytes).",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level; debug adds tool arguments and results to the logs."
