@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import __version__
-from service.auth import BearerAuth, configure, open_paths
+from service.auth import IMPLICIT_OWNER, BearerAuth, configure, open_paths
 from service.egress import EgressPolicy
 from service.errors import (
     CallNotPending,
@@ -29,6 +29,7 @@ from service.errors import (
     ManifestError,
     PayloadTooLarge,
     QueueFull,
+    QuotaExceeded,
     RequestLimitError,
     SandboxError,
     SessionClosed,
@@ -190,11 +191,16 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     )
     app.add_middleware(HttpObserver, metrics=metrics, routes=app.router.routes)  # outermost: sees every answer
     document(app, open_paths(settings), authenticated=keys is not None)
-    _install_error_handlers(app)
+    _install_error_handlers(app, metrics)
 
     def jobs_of(request: Request) -> JobManager:
         manager: JobManager = request.app.state.jobs
         return manager
+
+    def owner_of(request: Request) -> str:
+        """The owner of what the request creates: its API key's name, or ``IMPLICIT_OWNER`` without auth."""
+        name: str | None = request.state.key_name
+        return name or IMPLICIT_OWNER
 
     def json_view(view: dict[str, Any], status_code: int = 200) -> Response:
         return Response(view_bytes(view), status_code=status_code, media_type="application/json")
@@ -213,7 +219,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         """
         check_execute(body, settings, request.state.key_name)
         manager = jobs_of(request)
-        job = await manager.submit(body)
+        job = await manager.submit(body, owner_of(request))
         request.state.job_id = job.id  # for the request's log event
         await wait_for_end_or_client(job, job.limits.wait_s)  # a client-executed call needs the caller now
         if not job.done.is_set():
@@ -351,7 +357,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         after ``idle_timeout_s`` without a script, at ``max_lifetime_s``, or on DELETE.
         """
         check_session(body, settings, request.state.key_name)
-        return json_session(await jobs_of(request).create_session(body), 201)
+        return json_session(await jobs_of(request).create_session(body, owner_of(request)), 201)
 
     @app.get("/sessions", response_model=SessionList)
     async def list_sessions(request: Request) -> Response:
@@ -436,7 +442,7 @@ def _utc(value: datetime | None) -> datetime | None:
         raise InvalidField(f"{value.isoformat()} is outside the range of UTC datetimes", ("query", "created")) from None
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> Response:
@@ -485,7 +491,17 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(QueueFull)
     async def queue_full(_: Request, exc: QueueFull) -> Response:
-        response = problem(429, "Too many jobs", str(exc))
+        metrics.rejection(exc.reason)
+        response = problem(429, "Too many jobs", str(exc), reason=exc.reason)
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+        return response
+
+    @app.exception_handler(QuotaExceeded)
+    async def over_quota(_: Request, exc: QuotaExceeded) -> Response:
+        metrics.rejection(exc.reason)
+        host = exc.reason.startswith("host_")
+        title = "Host capacity exceeded" if host else "Quota exceeded"
+        response = problem(429, title, str(exc), reason=exc.reason, limit=exc.limit)
         response.headers["Retry-After"] = str(exc.retry_after_s)
         return response
 
@@ -511,7 +527,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(TooManySessions)
     async def too_many_sessions(_: Request, exc: TooManySessions) -> Response:
-        response = problem(429, "Too many sessions", str(exc))
+        metrics.rejection(exc.reason)
+        response = problem(429, "Too many sessions", str(exc), reason=exc.reason)
         response.headers["Retry-After"] = "30"
         return response
 

@@ -41,6 +41,7 @@ from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
+IMPLICIT_OWNER = "anonymous"  # the owner of everything when authentication is disabled
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 METRICS_PATH = "/metrics"
 KEY_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # bounded, safe as a log field and a metrics label

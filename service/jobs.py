@@ -35,12 +35,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import orjson
 
 from service import callbacks, logs
+from service.auth import IMPLICIT_OWNER
 from service.broker import Broker
 from service.egress import EgressDenied
 from service.errors import (
@@ -57,6 +58,7 @@ from service.metrics import Metrics
 from service.normalize import Normalized, prepare, view_fields, with_hint
 from service.output import CappedStream, OutputLog, decode_slice, read_range
 from service.pool import RUNTIME_LABEL, WarmPools
+from service.quotas import Commitment, HostCapacity, OwnerSlot, Quotas, Slots
 from service.sandbox.base import ExitStatus, SandboxBackend, SandboxSpec, Stream, write_run_files
 from service.schemas import TERMINAL_STATUSES, ExecuteRequest, JobSummary, JobView, McpServer, SessionRequest
 from service.sessions import KILL_CONFIRM_S, SESSION_FEATURE, Session, SessionManager, SessionRun, SessionSandbox
@@ -75,6 +77,7 @@ KILL_WAIT_S = 30.0
 STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
 SLICE_BYTES = 1024 * 1024
 CALLBACK_DELIVERIES = 32
+OWNER_FILE = "owner"  # in a job's output folder: whose output budget its retained bytes count against
 SANDBOX_LIMITS = ("memory_mb", "cpus", "pids", "tmp_mb")  # a sandbox's own limits (a session's are fixed)
 
 
@@ -119,6 +122,44 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+class _Acquirable(Protocol):
+    """A sandbox slot or a session's turn: ``asyncio.Lock`` or ``quotas.OwnerSlot``."""
+
+    async def acquire(self) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+def _retained(folder: Path) -> tuple[str | None, int]:
+    """The owner of a job's output folder and the bytes it retains (blocking: run it in a thread)."""
+    try:
+        owner: str | None = (folder / OWNER_FILE).read_text()
+    except OSError:
+        owner = None  # written before owners were recorded: counted against nobody
+    size = 0
+    for stream in STREAMS:
+        with contextlib.suppress(OSError):
+            size += (folder / stream).stat().st_size
+    return owner, size
+
+
+def _retained_by_owner(output_dir: Path) -> dict[str, int]:
+    """Retained output bytes per owner in ``output_dir`` (blocking; at start-up)."""
+    totals: Counter[str] = Counter()
+    for folder in output_dir.iterdir():
+        owner, size = _retained(folder)
+        if owner is not None:
+            totals[owner] += size
+    return dict(totals)
+
+
+def _remove_output(folder: Path) -> tuple[str | None, int]:
+    """Delete a job's output folder; returns its owner and the bytes it retained (blocking)."""
+    found = _retained(folder)
+    shutil.rmtree(folder, True)
+    return found
+
+
 def _ms(start: datetime | None, end: datetime | None) -> float | None:
     if start is None or end is None:
         return None
@@ -154,6 +195,7 @@ class Job:
     session_id: str | None = None  # the session it runs in (not counted in the admission of one-shot jobs)
     stop_reason: str | None = None  # why a stop was asked, when not by POST /jobs/{id}/stop
     normalized: Normalized | None = None  # the script's normalization (None: switched off by the request)
+    owner: str = IMPLICIT_OWNER  # the API key's name that submitted it
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def script(self, request: ExecuteRequest) -> str:
@@ -270,7 +312,9 @@ class JobManager:
         self._backend = backend
         self._endpoints = endpoints
         self._store = store
-        self._slots = asyncio.Semaphore(settings.concurrency())
+        self._slots = Slots(settings.concurrency())  # one-shot jobs and session scripts alike
+        self._capacity = HostCapacity.from_settings(settings)
+        self._quotas = Quotas(settings, self._capacity)
         self._live: dict[str, Job] = {}
         self._admitted = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -292,6 +336,7 @@ class JobManager:
             settings.warm_pool_size,
             settings.warm_pool_max_age_s,
             settings.warm_pool_max_profiles,
+            capacity=self._capacity,
         )
         self._manifests = ManifestCache(self._installation_salt())
         self._metrics = metrics or Metrics(settings)
@@ -333,6 +378,8 @@ class JobManager:
         os.chmod(self._settings.work_dir, 0o700)
         for stored in await self._store.unfinished(self._instance):
             await self._mark_lost(stored)
+        for owner, retained in (await asyncio.to_thread(_retained_by_owner, self._output_dir)).items():
+            self._quotas.output(owner).take(retained)
         for stored in await self._store.callbacks_pending(self._instance):
             self._spawn(self._deliver_callback(stored.job_id), f"callback {stored.job_id}")
         self._spawn(self._purge_loop(), "retention purge")
@@ -439,20 +486,23 @@ class JobManager:
         cutoff = _now() - timedelta(seconds=self._settings.job_retention_s)
         ids = await self._store.purge(cutoff)
         for job_id in ids:
-            await asyncio.to_thread(shutil.rmtree, self._output_dir / job_id, True)
+            owner, retained = await asyncio.to_thread(_remove_output, self._output_dir / job_id)
+            if owner is not None:
+                self._quotas.output(owner).give_back(retained)
         if ids:
             log.info("purged %d job(s) ended before %s", len(ids), cutoff.isoformat())
         return len(ids)
 
     # -- submission and the run ----------------------------------------------------------------
 
-    async def submit(self, request: ExecuteRequest) -> Job:
-        """Check and admit ``request``, and start its job.
+    async def submit(self, request: ExecuteRequest, owner: str) -> Job:
+        """Check and admit ``request`` of ``owner`` (an API key's name, or ``IMPLICIT_OWNER``), and start its job.
 
         Raises:
             ManifestError: a tool entry is unusable (names the entry and field).
             RequestLimitError: a limit exceeds its server maximum.
             QueueFull: ``concurrency`` jobs run and ``max_queue`` wait already.
+            QuotaExceeded: the owner is at one of its job quotas (``Quotas.admit_job``).
         """
         limits = resolve_limits(request, self._settings)
         if request.callback_url and self._settings.callback_secret is None:
@@ -466,19 +516,21 @@ class JobManager:
             except EgressDenied as exc:
                 raise InvalidField(str(exc), ("body", "callback_url")) from exc
         if request.session_id is not None:
-            return await self._submit_to_session(request, limits)
+            return await self._submit_to_session(request, limits, owner)
         if self._admitted >= self._settings.concurrency() + self._settings.max_queue:
             raise QueueFull(self._settings.retry_after_s)
+        self._quotas.admit_job(owner)
         self._admitted += 1  # counted before the first await, so admission is exact under concurrency
         try:
-            job, manifest = await self._new_job(limits, request, request.tools, request.toolset)
+            job, manifest = await self._new_job(limits, request, request.tools, request.toolset, owner)
         except BaseException:
             self._admitted -= 1
+            self._quotas.job_ended(owner)
             raise
         self._spawn(self._run(job, request, manifest), f"job {job.id}")
         return job
 
-    async def _submit_to_session(self, request: ExecuteRequest, limits: ResolvedLimits) -> Job:
+    async def _submit_to_session(self, request: ExecuteRequest, limits: ResolvedLimits, owner: str) -> Job:
         """Queue ``request`` for its session's turn (one script at a time per session, in order of arrival)."""
         assert request.session_id is not None
         session = self._sessions.usable(request.session_id)
@@ -495,6 +547,7 @@ class JobManager:
         limits = replace(limits, **sandbox_limits)  # the job's view and messages give its session's limits
         if session.queued >= self._settings.max_queue or self._sessions.queued >= self._settings.max_queue:
             raise QueueFull(self._settings.retry_after_s)  # PTC_MAX_QUEUE per session, and for all sessions
+        self._quotas.admit_job(owner)
         session.queued += 1  # counted before the first await, so the session's queue bound is exact
         own_tools = bool(request.tools or request.toolset)
         try:
@@ -503,16 +556,23 @@ class JobManager:
                 request,
                 request.tools if own_tools else session.tools,
                 request.toolset if own_tools else session.toolset,
+                owner,
             )
         except BaseException:
             session.queued -= 1
+            self._quotas.job_ended(owner)
             raise
         job.session_id = session.id
         self._spawn(self._run_in_session(job, request, manifest, session), f"job {job.id}")
         return job
 
     async def _new_job(
-        self, limits: ResolvedLimits, request: ExecuteRequest, tools: list[dict[str, Any]], toolset: str | None
+        self,
+        limits: ResolvedLimits,
+        request: ExecuteRequest,
+        tools: list[dict[str, Any]],
+        toolset: str | None,
+        owner: str,
     ) -> tuple[Job, CompiledManifest]:
         """A job for an admitted ``request`` (live from now on) and its compiled manifest (``tools`` or ``toolset``).
 
@@ -524,17 +584,19 @@ class JobManager:
         job_id = "job_" + secrets.token_hex(12)
         output_dir = self._output_dir / job_id
         output_dir.mkdir(mode=0o700)
-        retain, inline = self._settings.output_retention_bytes, limits.output_bytes
+        (output_dir / OWNER_FILE).write_text(owner)
+        retain, inline, budget = self._settings.output_retention_bytes, limits.output_bytes, self._quotas.output(owner)
         job = Job(
             id=job_id,
             limits=limits,
             metadata=request.metadata,
             callback_url=request.callback_url,
             output_dir=output_dir,
-            stdout=OutputLog(output_dir / "stdout", inline, retain),
-            stderr=OutputLog(output_dir / "stderr", inline, retain),
+            stdout=OutputLog(output_dir / "stdout", inline, retain, budget),
+            stderr=OutputLog(output_dir / "stderr", inline, retain, budget),
             loop=asyncio.get_running_loop(),
             normalized=normalized,
+            owner=owner,
         )
         self._live[job.id] = job
         return job, manifest
@@ -579,7 +641,7 @@ class JobManager:
         job.notify()
         await self._save(job)
 
-    async def _acquire(self, job: Job, slots: asyncio.Semaphore | asyncio.Lock) -> bool:
+    async def _acquire(self, job: Job, slots: _Acquirable) -> bool:
         """Wait for a sandbox slot (or the session's turn); False (and nothing held) if the job was stopped first."""
         acquire = asyncio.ensure_future(slots.acquire())
         stopped = asyncio.ensure_future(job.stop_requested.wait())
@@ -614,12 +676,39 @@ class JobManager:
         job.broker = broker
         return broker
 
+    def _slot(self, job: Job) -> OwnerSlot:
+        """The script slot ``job`` takes while it runs (its owner's ``running_jobs`` quota applies)."""
+        return self._slots.of(job.owner, self._quotas.of(job.owner).running_jobs)
+
+    async def _commit(self, job: Job, spec: SandboxSpec) -> Commitment | None:
+        """Room on the host for ``job``'s own sandbox: taken from idle pooled sandboxes when needed, else waited
+        for (the job stays queued). None (nothing held) if the job was stopped first."""
+        capacity = self._capacity
+
+        def fits() -> bool:
+            return capacity.shortfall(spec.memory_mb, spec.cpus) is None
+
+        while not job.stop_requested.is_set():
+            if self._pool.evict(fits):
+                return capacity.commit(spec.memory_mb, spec.cpus)
+            changed = asyncio.ensure_future(capacity.changed().wait())
+            stopped = asyncio.ensure_future(job.stop_requested.wait())
+            capacity.waiting += 1
+            try:
+                await asyncio.wait({changed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                capacity.waiting -= 1
+                changed.cancel()
+                stopped.cancel()
+        return None
+
     async def _run(self, job: Job, request: ExecuteRequest, manifest: CompiledManifest) -> None:
         broker = self._new_broker(job, manifest)
         sandbox: SessionSandbox | None = None
         try:
             await self._save(job)
-            if not await self._acquire(job, self._slots):
+            slot = self._slot(job)
+            if not await self._acquire(job, slot):
                 job.status = "stopped"
                 job.error = {"type": "stopped", "message": "stopped before it started"}
                 return
@@ -628,11 +717,18 @@ class JobManager:
                 spec = self._spec(job.limits, {}, self._jobs_dir / job.id, job.id, {})
                 sandbox = self._pool.take(spec)
                 job.sandbox_start = "warm" if sandbox is not None else "cold"
+                if sandbox is None:
+                    commitment = await self._commit(job, spec)
+                    if commitment is None:
+                        job.status = "stopped"
+                        job.error = {"type": "stopped", "message": "stopped before it started"}
+                        return
+                    sandbox = SessionSandbox(self._backend, spec)
+                    sandbox.commitment = commitment  # given back when the sandbox is removed
                 job.started_at = _now()
                 await self._set_status(job, "running")
                 started = time.monotonic()  # a cold job's time limit includes its sandbox's start
-                if sandbox is None:
-                    sandbox = SessionSandbox(self._backend, spec)
+                if sandbox.handle is None:
                     await sandbox.start()
                 job.sandbox_id = sandbox.handle.id[:12] if sandbox.handle is not None else None
                 await asyncio.to_thread(write_run_files, sandbox.folder, job.script(request), manifest.stub_source)
@@ -643,7 +739,7 @@ class JobManager:
                 exit_status, ended_by = await self._supervise(job, run, started)
                 self._finish(job, exit_status, ended_by, broker)
             finally:
-                self._slots.release()
+                slot.release()
         except BaseException as exc:
             self._failed(job, exc)
             if isinstance(exc, asyncio.CancelledError):
@@ -676,6 +772,7 @@ class JobManager:
             await self._save(job)
             got_turn = await self._acquire(job, session.turn)
             session.queued -= 1
+            holds_slot = False
             if not got_turn:
                 job.status = "stopped"
                 job.error = {"type": "stopped", "message": "stopped before it started"}
@@ -688,8 +785,18 @@ class JobManager:
                         "message": f"the session ended ({session.status}) before this script's turn",
                     }
                     return
+                session.current_job_id = job.id  # busy from now on; a session that ends stops it
+                slot = self._slot(job)
+                if not await self._acquire(job, slot):
+                    job.status = "stopped"
+                    job.error = {"type": "stopped", "message": job.stop_reason or "stopped before it started"}
+                    return
+                holds_slot = True
+                if session.ended:
+                    job.status = "stopped"
+                    job.error = {"type": "session_closed", "message": f"the session ended ({session.status})"}
+                    return
                 begin = time.monotonic()
-                session.current_job_id = job.id
                 sandbox = session.sandbox
                 stubs = None if session.stub_source == manifest.stub_source else manifest.stub_source
                 await asyncio.to_thread(write_run_files, sandbox.folder, job.script(request), stubs)
@@ -706,6 +813,8 @@ class JobManager:
                 exit_status, ended_by = await self._supervise(job, run, started)
                 self._finish(job, exit_status, ended_by, broker)
             finally:
+                if holds_slot:
+                    slot.release()
                 with contextlib.suppress(Exception):
                     await broker.close()  # before the next script's broker listens on the same path
                 if session.current_job_id == job.id:
@@ -833,6 +942,7 @@ class JobManager:
         finally:
             if job.session_id is None:
                 self._admitted -= 1
+            self._quotas.job_ended(job.owner)
             job.notify()
             job.done.set()
             self._live.pop(job.id, None)
@@ -941,13 +1051,18 @@ class JobManager:
 
     # -- sessions ------------------------------------------------------------------------------
 
-    async def create_session(self, request: SessionRequest) -> dict[str, Any]:
-        """Start a session's sandbox and return its view.
+    async def create_session(self, request: SessionRequest, owner: str) -> dict[str, Any]:
+        """Start a session's sandbox for ``owner`` and return its view.
+
+        The session counts against its owner's session quotas and commits its memory and CPUs on the host
+        (idle pooled sandboxes give up their room for it) until it ends.
 
         Raises:
             RequestLimitError / InvalidField: a limit past its maximum, an unknown runtime or toolset, a bad
                 manifest (checked now, not at the first script).
             TooManySessions: ``max_sessions`` are open.
+            QuotaExceeded: the owner is at a session quota, or the host has no room (``host_memory_mb``,
+                ``host_cpus``).
             SandboxError: the image cannot run sessions, or the sandbox could not start.
         """
         settings = self._settings
@@ -977,15 +1092,35 @@ class JobManager:
             )
         spec = self._spec(limits, request.env, self._jobs_dir, None, {LABEL_SESSION: "1"})
         spec = replace(spec, runtime=None if runtime == "runc" else runtime)
-        session = await self._sessions.create(
-            spec,
-            limits={name: getattr(limits, name) for name in (*SANDBOX_LIMITS, "output_bytes")},
-            env=request.env,
-            tools=request.tools,
-            toolset=request.toolset,
-            metadata=request.metadata,
-            **lifetimes,
-        )
+        memory_mb, cpus = limits.memory_mb, limits.cpus
+        self._quotas.admit_session(owner, memory_mb, cpus)  # from here to the commitment: no await
+        try:
+
+            def fits() -> bool:
+                return self._capacity.shortfall(memory_mb, cpus) is None
+
+            if not self._pool.evict(fits):
+                raise self._capacity.refusal(memory_mb, cpus, self._capacity.shortfall(memory_mb, cpus) or "")
+            commitment = self._capacity.commit(memory_mb, cpus)
+            try:
+                session = await self._sessions.create(
+                    spec,
+                    limits={name: getattr(limits, name) for name in (*SANDBOX_LIMITS, "output_bytes")},
+                    env=request.env,
+                    tools=request.tools,
+                    toolset=request.toolset,
+                    metadata=request.metadata,
+                    **lifetimes,
+                )
+            except BaseException:
+                if commitment is not None:
+                    commitment.release()
+                raise
+        except BaseException:
+            self._quotas.session_ended(owner, memory_mb, cpus)
+            raise
+        session.owner = owner
+        session.sandbox.commitment = commitment  # given back when its sandbox is removed
         log.info("session %s started in sandbox %s", session.id, session.view()["sandbox_id"])
         return session.view()
 
@@ -1007,7 +1142,11 @@ class JobManager:
         return session.view()
 
     async def _end_session_jobs(self, session: Session) -> None:
-        """Before a session's sandbox goes: stop the script running in it (queued ones see the session ended)."""
+        """Before a session's sandbox goes: stop the script running in it (queued ones see the session ended).
+
+        Its owner's session quotas are given back here (its host capacity when its sandbox is removed).
+        """
+        self._quotas.session_ended(session.owner, session.limits["memory_mb"], session.limits["cpus"])
         job = self._live.get(session.current_job_id or "")
         if job is None:
             return

@@ -38,7 +38,9 @@ from typing import Any
 import orjson
 
 from service import logs
+from service.auth import IMPLICIT_OWNER
 from service.errors import SandboxError, SessionClosed, SessionNotFound, TooManySessions
+from service.quotas import Commitment
 from service.sandbox.base import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec, Stream
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,7 @@ class SessionSandbox:
         self.broken: str | None = None
         self.job_id: str | None = None  # the job it ran last (one-shot sandboxes: its only one), for logs
         self.stop_reason = "session"  # what the sandbox_stop log event says when it is removed
+        self.commitment: Commitment | None = None  # host capacity it holds; given back once it is removed
         self._server: asyncio.AbstractServer | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._hello: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -282,6 +285,8 @@ class SessionSandbox:
                 log.warning("session %s: could not remove its sandbox: %s", self.folder.name, exc)
             stop_s = time.monotonic() - begin
             logs.sandbox("sandbox_stop", self.job_id, self.handle.id, stop_s, folder=self.folder.name, reason=why)
+        if self.commitment is not None:
+            self.commitment.release()
         if self._reader is not None and self._reader is not asyncio.current_task():
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._reader), 5)
@@ -302,6 +307,7 @@ class Session:
     idle_timeout_s: float
     max_lifetime_s: float
     metadata: dict[str, Any]
+    owner: str = IMPLICIT_OWNER
     created_at: datetime = field(default_factory=_now)
     last_used_at: datetime = field(default_factory=_now)
     ended_at: datetime | None = None
