@@ -58,7 +58,7 @@ from service.metrics import Metrics
 from service.normalize import Normalized, prepare, view_fields, with_hint
 from service.output import CappedStream, OutputLog, decode_slice, read_range
 from service.pool import RUNTIME_LABEL, WarmPools
-from service.quotas import Commitment, HostCapacity, OwnerSlot, Quotas, Slots
+from service.quotas import HostCapacity, OwnerSlot, Quotas, Slots
 from service.sandbox.base import ExitStatus, SandboxBackend, SandboxSpec, Stream, write_run_files
 from service.schemas import TERMINAL_STATUSES, ExecuteRequest, JobSummary, JobView, McpServer, SessionRequest
 from service.sessions import KILL_CONFIRM_S, SESSION_FEATURE, Session, SessionManager, SessionRun, SessionSandbox
@@ -680,17 +680,28 @@ class JobManager:
         """The script slot ``job`` takes while it runs (its owner's ``running_jobs`` quota applies)."""
         return self._slots.of(job.owner, self._quotas.of(job.owner).running_jobs)
 
-    async def _commit(self, job: Job, spec: SandboxSpec) -> Commitment | None:
-        """Room on the host for ``job``'s own sandbox: taken from idle pooled sandboxes when needed, else waited
-        for (the job stays queued). None (nothing held) if the job was stopped first."""
-        capacity = self._capacity
+    async def _slot_and_sandbox(self, job: Job, spec: SandboxSpec) -> tuple[OwnerSlot, SessionSandbox] | None:
+        """A script slot for ``job`` and its sandbox: a pooled one, or a new one (not started) with room
+        committed on the host; None (nothing held) if the job was stopped first.
+
+        Room is taken from idle pooled sandboxes when needed; when there is none, the job gives its slot
+        back and waits (still ``queued``) for room to be released, so that a job waiting for room never
+        holds a slot a session's script would need to end.
+        """
+        capacity, slot = self._capacity, self._slot(job)
 
         def fits() -> bool:
             return capacity.shortfall(spec.memory_mb, spec.cpus) is None
 
-        while not job.stop_requested.is_set():
+        while await self._acquire(job, slot):
+            sandbox = self._pool.take(spec)
+            if sandbox is not None:
+                return slot, sandbox
             if self._pool.evict(fits):
-                return capacity.commit(spec.memory_mb, spec.cpus)
+                sandbox = SessionSandbox(self._backend, spec)
+                sandbox.commitment = capacity.commit(spec.memory_mb, spec.cpus)  # given back at its removal
+                return slot, sandbox
+            slot.release()
             changed = asyncio.ensure_future(capacity.changed().wait())
             stopped = asyncio.ensure_future(job.stop_requested.wait())
             capacity.waiting += 1
@@ -707,24 +718,16 @@ class JobManager:
         sandbox: SessionSandbox | None = None
         try:
             await self._save(job)
-            slot = self._slot(job)
-            if not await self._acquire(job, slot):
+            spec = self._spec(job.limits, {}, self._jobs_dir / job.id, job.id, {})
+            got = await self._slot_and_sandbox(job, spec)
+            if got is None:
                 job.status = "stopped"
                 job.error = {"type": "stopped", "message": "stopped before it started"}
                 return
+            slot, sandbox = got
             try:
                 begin = time.monotonic()
-                spec = self._spec(job.limits, {}, self._jobs_dir / job.id, job.id, {})
-                sandbox = self._pool.take(spec)
-                job.sandbox_start = "warm" if sandbox is not None else "cold"
-                if sandbox is None:
-                    commitment = await self._commit(job, spec)
-                    if commitment is None:
-                        job.status = "stopped"
-                        job.error = {"type": "stopped", "message": "stopped before it started"}
-                        return
-                    sandbox = SessionSandbox(self._backend, spec)
-                    sandbox.commitment = commitment  # given back when the sandbox is removed
+                job.sandbox_start = "warm" if sandbox.handle is not None else "cold"
                 job.started_at = _now()
                 await self._set_status(job, "running")
                 started = time.monotonic()  # a cold job's time limit includes its sandbox's start
