@@ -8,8 +8,10 @@ Lifecycle::
     (any state not ended when the service stops or dies) --> lost
 
 ``JobManager.submit`` checks a request, admits it (at most ``concurrency``
-running plus ``max_queue`` queued, else ``QueueFull``) and runs it as a task:
-wait for a sandbox slot, start the sandbox with the job's folder (script,
+running plus ``max_queue`` queued, else ``QueueFull``; then its owner's
+quotas, else ``QuotaExceeded``, see ``service.quotas``) and runs it as a task:
+wait for a script slot (shared with session scripts) and room on the host,
+start the sandbox with the job's folder (script,
 generated ``tools`` package, broker socket), enforce ``timeout_s`` and stop
 requests, then remove the sandbox and the folder whatever happened.
 
