@@ -38,7 +38,6 @@ from typing import Any
 import orjson
 
 from service import logs
-from service.auth import IMPLICIT_OWNER
 from service.errors import SandboxError, SessionClosed, SessionNotFound, TooManySessions
 from service.quotas import Commitment
 from service.sandbox.base import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec, Stream
@@ -307,7 +306,7 @@ class Session:
     idle_timeout_s: float
     max_lifetime_s: float
     metadata: dict[str, Any]
-    owner: str = IMPLICIT_OWNER
+    owner: str  # the API key name that created it (auth.IMPLICIT_OWNER with authentication disabled)
     created_at: datetime = field(default_factory=_now)
     last_used_at: datetime = field(default_factory=_now)
     ended_at: datetime | None = None
@@ -354,6 +353,7 @@ class Session:
             "current_job_id": self.current_job_id,
             "sandbox_id": handle.id[:12] if handle is not None else None,
             "metadata": self.metadata,
+            "owner": self.owner,
         }
 
 
@@ -412,8 +412,9 @@ class SessionManager:
         idle_timeout_s: float,
         max_lifetime_s: float,
         metadata: dict[str, Any],
+        owner: str,
     ) -> Session:
-        """Start a session's sandbox (``spec.job_dir`` is replaced by the session's folder).
+        """Start a session's sandbox (``spec.job_dir`` is replaced by the session's folder); ``owner`` owns it.
 
         Raises:
             TooManySessions: ``max_sessions`` are live (or starting) already.
@@ -441,6 +442,7 @@ class SessionManager:
             idle_timeout_s=idle_timeout_s,
             max_lifetime_s=max_lifetime_s,
             metadata=metadata,
+            owner=owner,
         )
         self._live[session_id] = session
         self._on_count(len(self._live))

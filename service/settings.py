@@ -172,6 +172,14 @@ class Settings(BaseSettings):
     callback_secret: SecretStr | None = Field(
         None, description="HMAC-SHA256 key that signs completion callbacks; callback_url is refused without it."
     )
+    callback_secrets: SecretStr | None = Field(
+        None,
+        description="Per-key callback secrets, comma-separated name:secret pairs: the callbacks of a key's jobs "
+        "are signed with its own secret (PTC_CALLBACK_SECRET signs the others).",
+    )
+    callback_secrets_file: Path | None = Field(
+        None, description="File with more name:secret pairs for callbacks, one per line (# comments)."
+    )
     callback_max_attempts: int = Field(5, ge=1, description="Deliveries tried per completion callback.")
     callback_backoff_s: float = Field(
         0.5, gt=0, description="First retry delay of a callback; doubles per attempt, at most 60 s (s)."
@@ -195,6 +203,11 @@ class Settings(BaseSettings):
     )
     api_keys_file: Path | None = Field(
         None, description="File with more name:sha256hex pairs, one per line (# comments), e.g. a mounted Secret."
+    )
+    admin_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated names of API keys with the admin role: they see and act on every owner's "
+        "jobs, sessions and toolsets (the others only on their own).",
     )
     metrics_auth: Literal["required", "open"] = Field(
         "required", description="open: GET /metrics answers without a key (for a scraper on a trusted network)."
@@ -282,7 +295,7 @@ class Settings(BaseSettings):
         "bounded by the concurrency).",
     )
 
-    @field_validator("egress_allow", mode="before")
+    @field_validator("egress_allow", "admin_keys", mode="before")
     @classmethod
     def _split_rules(cls, value: object) -> object:
         if isinstance(value, str):
@@ -320,8 +333,8 @@ def settings_table() -> str:
         value = info.default_factory() if info.default_factory is not None else info.default  # type: ignore[call-arg]
         if value is None:
             default = "—"
-        elif name == "egress_allow":  # read as a comma-separated list
-            default = f"`{','.join(value)}`"
+        elif name in ("egress_allow", "admin_keys"):  # read as a comma-separated list
+            default = f"`{','.join(value)}`" if value else "—"
         elif isinstance(value, list | dict):  # read as JSON
             default = f"`{json.dumps(value, default=lambda v: v.model_dump(exclude_none=True))}`"
         else:
