@@ -29,6 +29,7 @@ from service.errors import (
     ManifestError,
     PayloadTooLarge,
     QueueFull,
+    QuotaExceeded,
     RequestLimitError,
     SandboxError,
     SessionClosed,
@@ -210,7 +211,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     )
     app.add_middleware(HttpObserver, metrics=metrics, routes=app.router.routes)  # outermost: sees every answer
     document(app, open_paths(settings), authenticated=keys is not None)
-    _install_error_handlers(app)
+    _install_error_handlers(app, metrics)
 
     def jobs_of(request: Request) -> JobManager:
         manager: JobManager = request.app.state.jobs
@@ -455,7 +456,7 @@ def _utc(value: datetime | None) -> datetime | None:
         raise InvalidField(f"{value.isoformat()} is outside the range of UTC datetimes", ("query", "created")) from None
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> Response:
@@ -504,7 +505,17 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(QueueFull)
     async def queue_full(_: Request, exc: QueueFull) -> Response:
-        response = problem(429, "Too many jobs", str(exc))
+        metrics.rejection(exc.reason)
+        response = problem(429, "Too many jobs", str(exc), reason=exc.reason)
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+        return response
+
+    @app.exception_handler(QuotaExceeded)
+    async def over_quota(_: Request, exc: QuotaExceeded) -> Response:
+        metrics.rejection(exc.reason)
+        host = exc.reason.startswith("host_")
+        title = "Host capacity exceeded" if host else "Quota exceeded"
+        response = problem(429, title, str(exc), reason=exc.reason, limit=exc.limit)
         response.headers["Retry-After"] = str(exc.retry_after_s)
         return response
 
@@ -530,7 +541,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(TooManySessions)
     async def too_many_sessions(_: Request, exc: TooManySessions) -> Response:
-        response = problem(429, "Too many sessions", str(exc))
+        metrics.rejection(exc.reason)
+        response = problem(429, "Too many sessions", str(exc), reason=exc.reason)
         response.headers["Retry-After"] = "30"
         return response
 

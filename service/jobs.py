@@ -8,8 +8,10 @@ Lifecycle::
     (any state not ended when the service stops or dies) --> lost
 
 ``JobManager.submit`` checks a request, admits it (at most ``concurrency``
-running plus ``max_queue`` queued, else ``QueueFull``) and runs it as a task:
-wait for a sandbox slot, start the sandbox with the job's folder (script,
+running plus ``max_queue`` queued, else ``QueueFull``; then its owner's
+quotas, else ``QuotaExceeded``, see ``service.quotas``) and runs it as a task:
+wait for a script slot (shared with session scripts) and room on the host,
+start the sandbox with the job's folder (script,
 generated ``tools`` package, broker socket), enforce ``timeout_s`` and stop
 requests, then remove the sandbox and the folder whatever happened.
 
@@ -35,7 +37,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import orjson
@@ -59,6 +61,7 @@ from service.metrics import Metrics
 from service.normalize import Normalized, prepare, view_fields, with_hint
 from service.output import CappedStream, OutputLog, decode_slice, read_range
 from service.pool import RUNTIME_LABEL, WarmPools
+from service.quotas import HostCapacity, OwnerSlot, Quotas, Slots
 from service.sandbox.base import ExitStatus, SandboxBackend, SandboxSpec, Stream, write_run_files
 from service.schemas import TERMINAL_STATUSES, ExecuteRequest, JobSummary, JobView, McpServer, SessionRequest
 from service.sessions import KILL_CONFIRM_S, SESSION_FEATURE, Session, SessionManager, SessionRun, SessionSandbox
@@ -78,6 +81,7 @@ KILL_WAIT_S = 30.0
 STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
 SLICE_BYTES = 1024 * 1024
 CALLBACK_DELIVERIES = 32
+OWNER_FILE = "owner"  # in a job's output folder: whose output budget its retained bytes count against
 SANDBOX_LIMITS = ("memory_mb", "cpus", "pids", "tmp_mb")  # a sandbox's own limits (a session's are fixed)
 
 
@@ -120,6 +124,44 @@ def resolve_limits(request: ExecuteRequest, settings: Settings) -> ResolvedLimit
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+class _Acquirable(Protocol):
+    """A sandbox slot or a session's turn: ``asyncio.Lock`` or ``quotas.OwnerSlot``."""
+
+    async def acquire(self) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+def _retained(folder: Path) -> tuple[str | None, int]:
+    """The owner of a job's output folder and the bytes it retains (blocking: run it in a thread)."""
+    try:
+        owner: str | None = (folder / OWNER_FILE).read_text()
+    except OSError:
+        owner = None  # written before owners were recorded: counted against nobody
+    size = 0
+    for stream in STREAMS:
+        with contextlib.suppress(OSError):
+            size += (folder / stream).stat().st_size
+    return owner, size
+
+
+def _retained_by_owner(output_dir: Path) -> dict[str, int]:
+    """Retained output bytes per owner in ``output_dir`` (blocking; at start-up)."""
+    totals: Counter[str] = Counter()
+    for folder in output_dir.iterdir():
+        owner, size = _retained(folder)
+        if owner is not None:
+            totals[owner] += size
+    return dict(totals)
+
+
+def _remove_output(folder: Path) -> tuple[str | None, int]:
+    """Delete a job's output folder; returns its owner and the bytes it retained (blocking)."""
+    found = _retained(folder)
+    shutil.rmtree(folder, True)
+    return found
 
 
 def _ms(start: datetime | None, end: datetime | None) -> float | None:
@@ -273,7 +315,9 @@ class JobManager:
         self._backend = backend
         self._endpoints = endpoints
         self._store = store
-        self._slots = asyncio.Semaphore(settings.concurrency())
+        self._slots = Slots(settings.concurrency())  # one-shot jobs and session scripts alike
+        self._capacity = HostCapacity.from_settings(settings)
+        self._quotas = Quotas(settings, self._capacity)
         self._call_memory = CallMemory(settings.max_record_bytes_total, settings.max_call_bytes_in_flight_total)
         self._views = views.ViewCache(settings.view_cache_bytes)
         self._loading: dict[str, asyncio.Future[EncodedView]] = {}  # ended views being read back from the store
@@ -301,6 +345,7 @@ class JobManager:
             settings.warm_pool_size,
             settings.warm_pool_max_age_s,
             settings.warm_pool_max_profiles,
+            capacity=self._capacity,
         )
         self._manifests = ManifestCache(self._installation_salt())
         self._metrics = metrics or Metrics(settings)
@@ -342,6 +387,8 @@ class JobManager:
         os.chmod(self._settings.work_dir, 0o700)
         for stored in await self._store.unfinished(self._instance):
             await self._mark_lost(stored)
+        for owner, retained in (await asyncio.to_thread(_retained_by_owner, self._output_dir)).items():
+            self._quotas.output(owner).take(retained)
         for stored in await self._store.callbacks_pending(self._instance):
             self._spawn(self._deliver_callback(stored.job_id), f"callback {stored.job_id}")
         self._spawn(self._purge_loop(), "retention purge")
@@ -450,7 +497,9 @@ class JobManager:
         ids = await self._store.purge(cutoff)
         for job_id in ids:
             self._views.drop(job_id)
-            await asyncio.to_thread(shutil.rmtree, self._output_dir / job_id, True)
+            owner, retained = await asyncio.to_thread(_remove_output, self._output_dir / job_id)
+            if owner is not None:
+                self._quotas.output(owner).give_back(retained)
         if ids:
             log.info("purged %d job(s) ended before %s", len(ids), cutoff.isoformat())
         return len(ids)
@@ -468,6 +517,7 @@ class JobManager:
             InvalidField: an unknown toolset (another owner's included).
             SessionNotFound: an unknown session (another owner's included).
             QueueFull: ``concurrency`` jobs run and ``max_queue`` wait already.
+            QuotaExceeded: the owner is at one of its job quotas (``Quotas.admit_job``).
         """
         limits = resolve_limits(request, self._settings)
         if request.callback_url and self._callback_secrets.for_owner(owner) is None:
@@ -486,11 +536,13 @@ class JobManager:
             return await self._submit_to_session(request, limits, caller)
         if self._admitted >= self._settings.concurrency() + self._settings.max_queue:
             raise QueueFull(self._settings.retry_after_s)
+        self._quotas.admit_job(owner)
         self._admitted += 1  # counted before the first await, so admission is exact under concurrency
         try:
             job, manifest = await self._new_job(limits, request, request.tools, request.toolset, caller)
         except BaseException:
             self._admitted -= 1
+            self._quotas.job_ended(owner)
             raise
         self._spawn(self._run(job, request, manifest), f"job {job.id}")
         return job
@@ -513,18 +565,21 @@ class JobManager:
         limits = replace(limits, **sandbox_limits)  # the job's view and messages give its session's limits
         if session.queued >= self._settings.max_queue or self._sessions.queued >= self._settings.max_queue:
             raise QueueFull(self._settings.retry_after_s)  # PTC_MAX_QUEUE per session, and for all sessions
-        session.queued += 1  # counted before the first await, so the session's queue bound is exact
         own_tools = bool(request.tools or request.toolset)
+        job_caller = caller if own_tools else Caller(session.owner)  # the session's toolset is its owner's
+        self._quotas.admit_job(job_caller.owner)  # the job's owner, whose quotas it counts against until it ends
+        session.queued += 1  # counted before the first await, so the session's queue bound is exact
         try:
             job, manifest = await self._new_job(
                 limits,
                 request,
                 request.tools if own_tools else session.tools,
                 request.toolset if own_tools else session.toolset,
-                caller if own_tools else Caller(session.owner),  # the session's toolset is its owner's
+                job_caller,
             )
         except BaseException:
             session.queued -= 1
+            self._quotas.job_ended(job_caller.owner)
             raise
         job.session_id = session.id
         self._spawn(self._run_in_session(job, request, manifest, session), f"job {job.id}")
@@ -550,15 +605,17 @@ class JobManager:
         job_id = "job_" + secrets.token_hex(12)
         output_dir = self._output_dir / job_id
         output_dir.mkdir(mode=0o700)
+        (output_dir / OWNER_FILE).write_text(caller.owner)
         retain, inline = self._settings.output_retention_bytes, limits.output_bytes
+        budget = self._quotas.output(caller.owner)
         job = Job(
             id=job_id,
             limits=limits,
             metadata=request.metadata,
             callback_url=request.callback_url,
             output_dir=output_dir,
-            stdout=OutputLog(output_dir / "stdout", inline, retain),
-            stderr=OutputLog(output_dir / "stderr", inline, retain),
+            stdout=OutputLog(output_dir / "stdout", inline, retain, budget),
+            stderr=OutputLog(output_dir / "stderr", inline, retain, budget),
             loop=asyncio.get_running_loop(),
             owner=caller.owner,
             normalized=normalized,
@@ -612,7 +669,7 @@ class JobManager:
         job.notify()
         await self._save(job)
 
-    async def _acquire(self, job: Job, slots: asyncio.Semaphore | asyncio.Lock) -> bool:
+    async def _acquire(self, job: Job, slots: _Acquirable) -> bool:
         """Wait for a sandbox slot (or the session's turn); False (and nothing held) if the job was stopped first."""
         acquire = asyncio.ensure_future(slots.acquire())
         stopped = asyncio.ensure_future(job.stop_requested.wait())
@@ -649,25 +706,62 @@ class JobManager:
         job.broker = broker
         return broker
 
+    def _slot(self, job: Job) -> OwnerSlot:
+        """The script slot ``job`` takes while it runs (its owner's ``running_jobs`` quota applies)."""
+        return self._slots.of(job.owner, self._quotas.of(job.owner).running_jobs)
+
+    async def _slot_and_sandbox(self, job: Job, spec: SandboxSpec) -> tuple[OwnerSlot, SessionSandbox] | None:
+        """A script slot for ``job`` and its sandbox: a pooled one, or a new one (not started) with room
+        committed on the host; None (nothing held) if the job was stopped first.
+
+        Room is taken from idle pooled sandboxes when needed; when there is none, the job gives its slot
+        back and waits (still ``queued``) for room to be released, so that a job waiting for room never
+        holds a slot a session's script would need to end.
+        """
+        capacity, slot = self._capacity, self._slot(job)
+
+        def fits() -> bool:
+            return capacity.shortfall(spec.memory_mb, spec.cpus) is None
+
+        while await self._acquire(job, slot):
+            sandbox = self._pool.take(spec)
+            if sandbox is not None:
+                return slot, sandbox
+            if self._pool.evict(fits):
+                sandbox = SessionSandbox(self._backend, spec)
+                sandbox.commitment = capacity.commit(spec.memory_mb, spec.cpus)  # given back at its removal
+                return slot, sandbox
+            slot.release()
+            changed = asyncio.ensure_future(capacity.changed().wait())
+            stopped = asyncio.ensure_future(job.stop_requested.wait())
+            capacity.waiting += 1
+            try:
+                await asyncio.wait({changed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                capacity.waiting -= 1
+                changed.cancel()
+                stopped.cancel()
+        return None
+
     async def _run(self, job: Job, request: ExecuteRequest, manifest: CompiledManifest) -> None:
         broker = self._new_broker(job, manifest)
         sandbox: SessionSandbox | None = None
         try:
             await self._save(job)
-            if not await self._acquire(job, self._slots):
+            spec = self._spec(job.limits, {}, self._jobs_dir / job.id, job.id, {})
+            got = await self._slot_and_sandbox(job, spec)
+            if got is None:
                 job.status = "stopped"
                 job.error = {"type": "stopped", "message": "stopped before it started"}
                 return
+            slot, sandbox = got
             try:
                 begin = time.monotonic()
-                spec = self._spec(job.limits, {}, self._jobs_dir / job.id, job.id, {})
-                sandbox = self._pool.take(spec)
-                job.sandbox_start = "warm" if sandbox is not None else "cold"
+                job.sandbox_start = "warm" if sandbox.handle is not None else "cold"
                 job.started_at = _now()
                 await self._set_status(job, "running")
                 started = time.monotonic()  # a cold job's time limit includes its sandbox's start
-                if sandbox is None:
-                    sandbox = SessionSandbox(self._backend, spec)
+                if sandbox.handle is None:
                     await sandbox.start()
                 job.sandbox_id = sandbox.handle.id[:12] if sandbox.handle is not None else None
                 await asyncio.to_thread(write_run_files, sandbox.folder, job.script(request), manifest.stub_source)
@@ -678,7 +772,7 @@ class JobManager:
                 exit_status, ended_by = await self._supervise(job, run, started)
                 self._finish(job, exit_status, ended_by, broker)
             finally:
-                self._slots.release()
+                slot.release()
         except BaseException as exc:
             self._failed(job, exc)
             if isinstance(exc, asyncio.CancelledError):
@@ -711,6 +805,7 @@ class JobManager:
             await self._save(job)
             got_turn = await self._acquire(job, session.turn)
             session.queued -= 1
+            holds_slot = False
             if not got_turn:
                 job.status = "stopped"
                 job.error = {"type": "stopped", "message": "stopped before it started"}
@@ -723,8 +818,18 @@ class JobManager:
                         "message": f"the session ended ({session.status}) before this script's turn",
                     }
                     return
+                session.current_job_id = job.id  # busy from now on; a session that ends stops it
+                slot = self._slot(job)
+                if not await self._acquire(job, slot):
+                    job.status = "stopped"
+                    job.error = {"type": "stopped", "message": job.stop_reason or "stopped before it started"}
+                    return
+                holds_slot = True
+                if session.ended:
+                    job.status = "stopped"
+                    job.error = {"type": "session_closed", "message": f"the session ended ({session.status})"}
+                    return
                 begin = time.monotonic()
-                session.current_job_id = job.id
                 sandbox = session.sandbox
                 stubs = None if session.stub_source == manifest.stub_source else manifest.stub_source
                 await asyncio.to_thread(write_run_files, sandbox.folder, job.script(request), stubs)
@@ -741,6 +846,8 @@ class JobManager:
                 exit_status, ended_by = await self._supervise(job, run, started)
                 self._finish(job, exit_status, ended_by, broker)
             finally:
+                if holds_slot:
+                    slot.release()
                 with contextlib.suppress(Exception):
                     await broker.close()  # before the next script's broker listens on the same path
                 if session.current_job_id == job.id:
@@ -869,6 +976,7 @@ class JobManager:
             broker.release()
             if job.session_id is None:
                 self._admitted -= 1
+            self._quotas.job_ended(job.owner)
             job.notify()
             job.done.set()
             self._live.pop(job.id, None)
@@ -993,10 +1101,15 @@ class JobManager:
 
         Its ``toolset`` must be ``owner``'s own, unless ``admin``.
 
+        The session counts against its owner's session quotas and commits its memory and CPUs on the host
+        (idle pooled sandboxes give up their room for it) until it ends.
+
         Raises:
             RequestLimitError / InvalidField: a limit past its maximum, an unknown runtime or toolset, a bad
                 manifest (checked now, not at the first script).
             TooManySessions: ``max_sessions`` are open.
+            QuotaExceeded: the owner is at a session quota, or the host has no room (``host_memory_mb``,
+                ``host_cpus``).
             SandboxError: the image cannot run sessions, or the sandbox could not start.
         """
         settings = self._settings
@@ -1026,16 +1139,35 @@ class JobManager:
             )
         spec = self._spec(limits, request.env, self._jobs_dir, None, {LABEL_SESSION: "1"})
         spec = replace(spec, runtime=None if runtime == "runc" else runtime)
-        session = await self._sessions.create(
-            spec,
-            limits={name: getattr(limits, name) for name in (*SANDBOX_LIMITS, "output_bytes")},
-            env=request.env,
-            tools=request.tools,
-            toolset=request.toolset,
-            metadata=request.metadata,
-            owner=owner,
-            **lifetimes,
-        )
+        memory_mb, cpus = limits.memory_mb, limits.cpus
+        self._quotas.admit_session(owner, memory_mb, cpus)  # from here to the commitment: no await
+        try:
+
+            def fits() -> bool:
+                return self._capacity.shortfall(memory_mb, cpus) is None
+
+            if not self._pool.evict(fits):
+                raise self._capacity.refusal(memory_mb, cpus, self._capacity.shortfall(memory_mb, cpus) or "")
+            commitment = self._capacity.commit(memory_mb, cpus)
+            try:
+                session = await self._sessions.create(
+                    spec,
+                    limits={name: getattr(limits, name) for name in (*SANDBOX_LIMITS, "output_bytes")},
+                    env=request.env,
+                    tools=request.tools,
+                    toolset=request.toolset,
+                    metadata=request.metadata,
+                    owner=owner,
+                    **lifetimes,
+                )
+            except BaseException:
+                if commitment is not None:
+                    commitment.release()
+                raise
+        except BaseException:
+            self._quotas.session_ended(owner, memory_mb, cpus)
+            raise
+        session.sandbox.commitment = commitment  # given back when its sandbox is removed
         log.info("session %s started in sandbox %s", session.id, session.view()["sandbox_id"])
         return session.view()
 
@@ -1064,7 +1196,11 @@ class JobManager:
         return session.view()
 
     async def _end_session_jobs(self, session: Session) -> None:
-        """Before a session's sandbox goes: stop the script running in it (queued ones see the session ended)."""
+        """Before a session's sandbox goes: stop the script running in it (queued ones see the session ended).
+
+        Its owner's session quotas are given back here (its host capacity when its sandbox is removed).
+        """
+        self._quotas.session_ended(session.owner, session.limits["memory_mb"], session.limits["cpus"])
         job = self._live.get(session.current_job_id or "")
         if job is None:
             return
