@@ -70,7 +70,7 @@ async def test_output_is_captured_and_limits_are_applied(
         # gVisor's own threads count in the host's pids cgroup: it gets room for them (see DockerBackend._create).
         assert host["PidsLimit"] == (64 * 8 + 64 if runtime == "runsc" else 64)
         # The runtime's interpreter stays root with three capabilities; each script drops to 10001 (confine.py).
-        assert attrs["Config"]["User"] == "0:0" and sorted(host["CapAdd"]) == ["CAP_KILL", "CAP_SETGID", "CAP_SETUID"]
+        assert attrs["Config"]["User"] == "0:0" and sorted(host["CapAdd"]) == ["KILL", "SETGID", "SETUID"]
         assert host["Runtime"] == runtime
     finally:
         await backend.remove(handle)
