@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import platform
 import struct
-from typing import Optional
+from typing import Any, Dict, Optional
 
 SCRIPT_UID = 10001
 SCRIPT_GID = 10001
@@ -87,22 +87,46 @@ def no_user_namespaces_filter() -> Optional[bytes]:
     return b"".join(program)
 
 
+_prepared: Dict[str, Any] = {}  # ctypes objects made once, in the interpreter, and inherited by each fork
+
+
+def _libc() -> Any:
+    if "libc" not in _prepared:
+        import ctypes
+
+        _prepared["libc"] = ctypes.CDLL(None, use_errno=True)
+    return _prepared["libc"]
+
+
+def prepare(program: Optional[bytes]) -> None:
+    """Make the C library handle and ``program``'s ``struct sock_fprog`` now, so that a forked child only calls
+    prctl (the resident interpreter calls this once; ``install_filter`` prepares on first use otherwise)."""
+    if program is None or _prepared.get("program") == program:
+        return
+    try:
+        import ctypes
+
+        class _Prog(ctypes.Structure):
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+        buffer = ctypes.create_string_buffer(program, len(program))
+        fprog = _Prog(len(program) // 8, ctypes.cast(buffer, ctypes.c_void_p))
+        _prepared.update(program=program, buffer=buffer, fprog=fprog, ref=ctypes.byref(fprog))
+        _libc()
+    except (ImportError, OSError, AttributeError):
+        pass
+
+
 def install_filter(program: Optional[bytes]) -> bool:
     """prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, program) in this process (and all it starts); False when the
     kernel (or ctypes) refused. Needs ``no_new_privs``, which the sandbox has."""
     if program is None:
         return False
+    prepare(program)
+    if _prepared.get("program") != program:
+        return False
     try:
-        import ctypes
-
-        buffer = ctypes.create_string_buffer(program, len(program))
-
-        class _Prog(ctypes.Structure):
-            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-        prog = _Prog(len(program) // 8, ctypes.cast(buffer, ctypes.c_void_p))
-        libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0)) == 0
+        return int(_libc().prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, _prepared["ref"], 0, 0)) == 0
     except (ImportError, OSError, AttributeError):
         return False
 
@@ -110,9 +134,7 @@ def install_filter(program: Optional[bytes]) -> bool:
 def set_dumpable(dumpable: bool) -> None:
     """prctl(PR_SET_DUMPABLE). Best effort: without ctypes or prctl the process stays as it is."""
     try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 1 if dumpable else 0, 0, 0, 0)
+        _libc().prctl(PR_SET_DUMPABLE, 1 if dumpable else 0, 0, 0, 0)
     except (ImportError, OSError, AttributeError):
         pass
 

@@ -64,7 +64,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from ptc_runtime.confine import drop, no_user_namespaces_filter, set_dumpable
+from ptc_runtime.confine import drop, no_user_namespaces_filter, prepare, set_dumpable
 
 RUN_DIR = "/run/ptc"
 CONTROL_SOCKET = os.path.join(RUN_DIR, "control.sock")
@@ -141,6 +141,7 @@ class Server:
         self.run: Optional[_Run] = None
         self.wake_r, self.wake_w = os.pipe()
         self.filter = no_user_namespaces_filter()
+        prepare(self.filter)
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
 
