@@ -6,8 +6,8 @@ grants no other, and ``no-new-privileges`` is set), when the image says it can (
 ``io.ptc-sandbox.runtime`` lists ``privsep``). The resident interpreter stays root: a script, running as
 the sandbox user 10001 with no capability at all, can then neither signal nor ptrace it nor open its
 ``/proc`` files, under runc and under gVisor alike (gVisor does not shield a namespace's init from signals
-and ignores ``PR_SET_DUMPABLE``; it does check the user). An image run as 10001 (an older service) runs the
-script as that user, unchanged.
+and ignores ``PR_SET_DUMPABLE`` for ``/proc/<pid>/fd``; it does check the user). An image run as 10001 (an
+older service) runs the script as that user, unchanged.
 
 ``drop(...)``, in the script's process (the forked child of the interpreter, or the one-shot runtime
 itself, before the script runs):
@@ -18,7 +18,8 @@ itself, before the script runs):
 - dumpable again (a change of user clears it), and the OOM killer's first choice (``oom_score_adj`` 1000);
 - a seccomp filter that refuses new user namespaces (``clone``/``unshare`` with ``CLONE_NEWUSER``: EPERM;
   ``clone3``, whose flags a filter cannot read: ENOSYS, on which the C library falls back to ``clone``; the
-  x32 ABI: ENOSYS). The engine's profile refuses them under runc already; gVisor applies no profile.
+  x32 and any other ABI, e.g. i386 through ``int 0x80``: ENOSYS). The engine's profile refuses them under
+  runc already; gVisor applies no profile.
 - ``PYTHONSAFEPATH=1`` and ``PYTHONNOUSERSITE=1`` in its environment: a ``python3`` it starts puts neither
   the working directory (``-c``, ``-m``) nor the script's folder nor ``~/.local`` (HOME is ``/tmp``) on
   ``sys.path``, so no ``tools`` package, module or ``.pth`` file a session's earlier script left in ``/tmp``
@@ -72,7 +73,7 @@ def no_user_namespaces_filter() -> Optional[bytes]:
     clone, unshare, clone3 = SYSCALLS[arch]
     program = [
         _insn(_LD_W_ABS, 0, 0, 4),  # 0: A = arch
-        _insn(_JEQ_K, 0, 7, arch),  # 1: ours -> 2, another ABI -> 9 (the engine's filter decides)
+        _insn(_JEQ_K, 0, 9, arch),  # 1: ours -> 2, another ABI (i386 through int 0x80) -> 11
         _insn(_LD_W_ABS, 0, 0, 0),  # 2: A = nr
         _insn(_JGE_K, 7, 0, X32_SYSCALL_BIT),  # 3: x32 ABI -> 11
         _insn(_JEQ_K, 6, 0, clone3),  # 4: -> 11
