@@ -204,7 +204,8 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             await store.close()
             await backend.close()
 
-    app = FastAPI(title="ptc-sandbox", version=__version__, lifespan=lifespan)
+    # No trailing-slash redirects: Starlette would build their Location from the request's Host header.
+    app = FastAPI(title="ptc-sandbox", version=__version__, lifespan=lifespan, redirect_slashes=False)
     metrics = app.state.metrics = Metrics(settings)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(  # no key, no reading of the body
