@@ -7,7 +7,7 @@ per script. Files under the working directory (``/tmp``) persist from one
 script to the next; processes do not. Each script is a job of its own (own
 output, call records, time limit and view), run in the order it arrived.
 
-The session's folder (``work_dir/sessions/<session_id>``) is mounted
+The session's folder (``work_dir/run/sessions/<session_id>``) is mounted
 read-only at ``/run/ptc``; the service listens on its ``control.sock``
 before the sandbox starts, and writes each run's ``script.py`` and ``tools``
 package there, with the run's broker on ``tools.sock`` (the one-shot layout).

@@ -25,6 +25,7 @@ from docker.utils.socket import frames_iter
 
 from service.errors import EngineUnavailable, SandboxError
 from service.sandbox.base import RUN_DIR, ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec
+from service.sandbox.seccomp import profile_json
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -45,6 +46,31 @@ OUTPUT_DRAIN_S = 5.0
 SWEEP_SETTLE_ROUNDS = 40  # x 0.25 s
 _STREAMS = {1: "stdout", 2: "stderr"}
 FALLBACK_API_VERSION = "1.41"  # Docker 20.10's API; every later engine still serves it
+GVISOR_SECCOMP_FLAGS = frozenset({"--oci-seccomp", "--oci-seccomp=true", "-oci-seccomp", "-oci-seccomp=true"})
+"""runsc flags that make gVisor apply the container's seccomp profile to the sandboxed processes."""
+
+
+def runtime_problem(name: str, runtimes: Mapping[str, Any]) -> str | None:
+    """Why the engine's runtime ``name`` cannot run sandboxes, or None when it can.
+
+    ``runtimes`` is ``docker info``'s ``Runtimes`` ({name: {"path": ..., "runtimeArgs": [...]}}). A gVisor
+    runtime (its path ends in ``runsc``) must carry ``--oci-seccomp``: without it runsc ignores the seccomp
+    profile (``service/sandbox/seccomp.py``), and a script could use io_uring and create user namespaces.
+    """
+    entry = runtimes.get(name)
+    if entry is None:
+        return (
+            f"the Docker engine has no runtime {name!r}; registered: {', '.join(sorted(runtimes)) or 'none'} "
+            "(deploy/local.sh setup registers runsc)"
+        )
+    path = str((entry or {}).get("path") or "")
+    args = set((entry or {}).get("runtimeArgs") or ())
+    if path.rsplit("/", 1)[-1] == "runsc" and not args & GVISOR_SECCOMP_FLAGS:
+        return (
+            f"the Docker engine's runtime {name!r} is gVisor without --oci-seccomp, so the sandboxes' seccomp "
+            "profile would not apply (deploy/local.sh setup registers runsc with it)"
+        )
+    return None
 
 
 class DockerBackend(SandboxBackend):
@@ -69,6 +95,7 @@ class DockerBackend(SandboxBackend):
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ptc-docker")
         self._readers: dict[str, threading.Thread] = {}
         self._privsep: dict[str, bool] = {}  # image -> whether its runtime drops privileges itself (see _create)
+        self._runtimes_ok: set[str | None] = {None}  # runtimes checked by runtime_problem; None: the engine's default
 
     @staticmethod
     def _connect(base_url: str | None, max_workers: int, version: str | None) -> docker.DockerClient:
@@ -123,7 +150,7 @@ class DockerBackend(SandboxBackend):
             tmpfs={"/tmp": f"size={spec.tmp_mb}m,mode=1777,nosuid,nodev"},
             cap_drop=["ALL"],
             cap_add=PRIVSEP_CAPS if privsep else None,
-            security_opt=["no-new-privileges"],
+            security_opt=["no-new-privileges", f"seccomp={profile_json()}"],
             mem_limit=spec.memory_mb * MIB,
             memswap_limit=spec.memory_mb * MIB,
             nano_cpus=int(spec.cpus * 1e9),
@@ -169,7 +196,21 @@ class DockerBackend(SandboxBackend):
 
         return threading.Thread(target=read, name=f"ptc-output-{container_id[:12]}", daemon=True)
 
+    def _check_runtime(self, name: str | None) -> None:
+        """Raise SandboxError when the engine's runtime ``name`` cannot run hardened sandboxes (``runtime_problem``)."""
+        if name in self._runtimes_ok:
+            return
+        assert name is not None
+        runtimes = self._api.info().get("Runtimes") or {}
+        if name not in runtimes:
+            return  # the engine refuses it itself ("Unknown runtime")
+        problem = runtime_problem(name, runtimes)
+        if problem:
+            raise SandboxError(problem)
+        self._runtimes_ok.add(name)  # a refusal is not remembered: the operator may register the runtime meanwhile
+
     def _start_blocking(self, spec: SandboxSpec, sink: OutputSink) -> str:
+        self._check_runtime(spec.runtime)
         container_id = self._create(spec)
         try:
             reader = self._attach(container_id, sink)
@@ -266,11 +307,9 @@ class DockerBackend(SandboxBackend):
                 runtimes = (await self._run(self._api.info)).get("Runtimes") or {}
             except SandboxError as exc:
                 return False, str(exc)
-            if self._runtime not in runtimes:
-                return False, (
-                    f"the Docker engine has no runtime {self._runtime!r} (PTC_RUNTIME); registered: "
-                    f"{', '.join(sorted(runtimes)) or 'none'} (deploy/local.sh setup registers runsc)"
-                )
+            problem = runtime_problem(self._runtime, runtimes)
+            if problem:
+                return False, f"{problem} (PTC_RUNTIME)"
         try:
             await self._run(self._api.inspect_image, image)
         except SandboxError:
