@@ -6,7 +6,9 @@ order, by ``{"id": n, "ok": true, "result": ...}`` or ``{"id": n, "ok": false,
 "error": {"type", "message"}}``. Each request is handled in its own task, so
 many calls are in flight at once on one connection. One control request
 exists: ``{"id": n, "op": "report", "error": {...}}``, by which the runtime
-describes the script's uncaught exception; it is kept as the job's ``error``.
+describes the script's uncaught exception; it is kept as ``script_report``,
+the script's own claim: the job's ``error`` is built from what the service
+observed (``service.verdict``), with this report only labelled inside it.
 
 Every request naming a tool gets a call record, appended when it arrives
 (``seq`` in arrival order, status ``pending``) and completed when it ends:
@@ -119,7 +121,7 @@ class Broker:
         self._per_tool: dict[str, asyncio.Semaphore] = {}
         self.records: list[dict[str, Any]] = []
         self.calls_over_limit = 0
-        self.reported_error: dict[str, Any] | None = None
+        self.script_report: dict[str, Any] | None = None
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._connections: set[asyncio.StreamWriter] = set()
@@ -409,7 +411,7 @@ class Broker:
         return {"ok": False, "error": error}
 
     def _keep_report(self, error: Any) -> None:
-        """Keep the last report (the runtime's comes after the script's code); it is informational only."""
+        """Keep the last report (the runtime's comes after the script's code): the script's unverified claim."""
         if not isinstance(error, dict):
             return
         kept: dict[str, Any] = {}
@@ -420,7 +422,7 @@ class Broker:
             if isinstance(error.get(key), int) and not isinstance(error.get(key), bool):
                 kept[key] = error[key]
         if "type" in kept:
-            self.reported_error = kept
+            self.script_report = kept
 
 
 def _scrub(message: str, tool: ToolSpec) -> str:

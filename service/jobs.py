@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 import orjson
 
-from service import callbacks, logs
+from service import callbacks, logs, verdict
 from service.broker import Broker
 from service.egress import EgressDenied
 from service.errors import (
@@ -54,7 +54,7 @@ from service.errors import (
     WorkDirBusy,
 )
 from service.metrics import Metrics
-from service.normalize import Normalized, prepare, view_fields, with_hint
+from service.normalize import Normalized, prepare, view_fields
 from service.output import CappedStream, OutputLog, decode_slice, read_range
 from service.pool import RUNTIME_LABEL, WarmPools
 from service.sandbox.base import ExitStatus, SandboxBackend, SandboxSpec, Stream, write_run_files
@@ -153,7 +153,7 @@ class Job:
     sandbox_id: str | None = None  # the engine's container id, once the job has one
     session_id: str | None = None  # the session it runs in (not counted in the admission of one-shot jobs)
     stop_reason: str | None = None  # why a stop was asked, when not by POST /jobs/{id}/stop
-    normalized: Normalized | None = None  # the script's normalization (None: switched off by the request)
+    normalized: Normalized | None = None  # the script's normalization (no repairs when switched off)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def script(self, request: ExecuteRequest) -> str:
@@ -808,7 +808,8 @@ class JobManager:
             job.error = {"type": "sandbox_error", "message": exit_status.lost}
         else:
             job.status = "succeeded" if exit_status.exit_code == 0 else "failed"
-            job.error = with_hint(broker.reported_error, job.normalized) if exit_status.exit_code != 0 else None
+            code = exit_status.exit_code
+            job.error = verdict.failure(code, job.normalized, broker.script_report) if code != 0 else None
 
     async def _cleanup(self, job: Job, broker: Broker, sandbox: SessionSandbox | None) -> None:
         """Save the final view, tell waiters, then remove the job's own ``sandbox`` (and folder). Never raises.
