@@ -64,6 +64,7 @@ from service.settings import Settings
 from service.store import JobQuery, JobStore, StoredJob
 from service.toolkit.cache import CompiledManifest, ManifestCache
 from service.toolkit.endpoints import EndpointClients, ToolCallFailed
+from service.toolkit.validation import CheckScheduler
 
 log = logging.getLogger(__name__)
 
@@ -294,6 +295,7 @@ class JobManager:
             settings.warm_pool_max_profiles,
         )
         self._manifests = ManifestCache(self._installation_salt())
+        self._checks = CheckScheduler(settings.validation_threads, settings.validation_budget_s)
         self._metrics = metrics or Metrics(settings)
         self._metrics.track_jobs(self._live)
         self._metrics.track_pools(self._pool.sizes)
@@ -419,6 +421,7 @@ class JobManager:
         await self._sessions.close()
         await self._pool.close()
         await self._http.aclose()
+        self._checks.close()
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
@@ -609,6 +612,7 @@ class JobManager:
             on_call_end=lambda record: self._call_ended(job, record),
             client_call_timeout_s=settings.client_call_timeout_s,
             on_client_calls=lambda waiting: self._client_calls_changed(job, waiting),
+            checks=self._checks,
         )
         job.calls = broker.records
         job.broker = broker

@@ -96,6 +96,19 @@ class Settings(BaseSettings):
         ge=1024,
         description="Bytes of arguments and results a job's call records may hold; later calls are refused (bytes).",
     )
+    validation_threads: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="Threads that check tool-call arguments and results against their schemas, shared by all jobs "
+        "(one check per job at a time, taken round-robin between keys and jobs).",
+    )
+    validation_budget_s: float = Field(
+        1.0,
+        gt=0,
+        description="CPU time one check of a tool call's arguments (or result) may take; past it the call is "
+        "refused with limit_exceeded (s).",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level; debug adds tool arguments and results to the logs."
     )
