@@ -18,8 +18,8 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import __version__
-from service.auth import BearerAuth, configure, open_paths
+from service import __version__, callbacks
+from service.auth import BearerAuth, Caller, caller, configure, open_paths
 from service.egress import EgressPolicy
 from service.errors import (
     CallNotPending,
@@ -146,6 +146,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     """
     settings = settings or Settings()
     keys = configure(settings)
+    callbacks.load_secrets(settings)  # a malformed PTC_CALLBACK_SECRETS refuses the start now, not at the lifespan
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -196,6 +197,10 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         manager: JobManager = request.app.state.jobs
         return manager
 
+    def caller_of(request: Request) -> Caller:
+        """Who asks: the owner of what the request creates, and whether it may act on every owner's."""
+        return caller(keys, request.state.key_name)
+
     def json_view(view: dict[str, Any], status_code: int = 200) -> Response:
         return Response(view_bytes(view), status_code=status_code, media_type="application/json")
 
@@ -213,14 +218,15 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         """
         check_execute(body, settings, request.state.key_name)
         manager = jobs_of(request)
-        job = await manager.submit(body)
+        who = caller_of(request)
+        job = await manager.submit(body, who.owner, admin=who.admin)
         request.state.job_id = job.id  # for the request's log event
         await wait_for_end_or_client(job, job.limits.wait_s)  # a client-executed call needs the caller now
         if not job.done.is_set():
             return json_view(job.view_dict(), 202)
         if job.error is not None and job.error.get("type") == "engine_unavailable":
             return problem(503, "Container engine unavailable", str(job.error["message"]), job_id=job.id)
-        return Response(await manager.stored_view(job.id), media_type="application/json")  # saved as served
+        return Response(await manager.stored_view(job.id, who), media_type="application/json")  # saved as served
 
     @app.get("/jobs", response_model=JobList, responses={422: {}})
     async def list_jobs(
@@ -231,8 +237,9 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         cursor: Annotated[str | None, Query(description="next_cursor of the previous page.")] = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
     ) -> JobList:
-        """Jobs, newest first, a page at a time."""
+        """The caller's jobs (the admin role: every owner's), newest first, a page at a time."""
         query = JobQuery(
+            owner=caller_of(request).only_owner,
             statuses=tuple(status or ()),
             created_after=_utc(created_after),
             created_before=_utc(created_before),
@@ -253,10 +260,10 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         stderr_offset: Annotated[int | None, Query(ge=0, description="Return stderr from this byte offset.")] = None,
     ) -> Response:
         """The job's view: live while it runs, final after."""
-        manager = jobs_of(request)
-        if stdout_offset is None and stderr_offset is None and manager.live(job_id) is None:
-            return Response(await manager.stored_view(job_id), media_type="application/json")
-        return json_view(await manager.view(job_id, {"stdout": stdout_offset, "stderr": stderr_offset}))
+        manager, who = jobs_of(request), caller_of(request)
+        if stdout_offset is None and stderr_offset is None and manager.live(job_id, who) is None:
+            return Response(await manager.stored_view(job_id, who), media_type="application/json")
+        return json_view(await manager.view(job_id, who, {"stdout": stdout_offset, "stderr": stderr_offset}))
 
     @app.get(
         "/jobs/{job_id}/output/{stream}",
@@ -277,7 +284,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         length: Annotated[int, Query(ge=1, le=16 * 1024 * 1024)] = 1024 * 1024,
     ) -> Response:
         """Raw retained bytes of ``stdout`` or ``stderr`` from ``offset`` (``application/octet-stream``)."""
-        data = await jobs_of(request).read_output(job_id, stream, offset, length)
+        data = await jobs_of(request).read_output(job_id, caller_of(request), stream, offset, length)
         return Response(data, media_type="application/octet-stream", headers={"X-Offset": str(offset)})
 
     @app.post("/jobs/{job_id}/wait", response_model=JobView, responses={404: {}})
@@ -293,7 +300,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             raise RequestLimitError(
                 f"{timeout_s} exceeds the server maximum of {settings.max_wait_s}", ("query", "timeout_s")
             )
-        return json_view(await jobs_of(request).wait(job_id, timeout_s))
+        return json_view(await jobs_of(request).wait(job_id, caller_of(request), timeout_s))
 
     @app.post("/jobs/{job_id}/calls/{call_id}", response_model=JobView, responses={404: {}, 409: {}, 422: {}})
     async def answer_call(job_id: str, call_id: str, body: ClientAnswer, request: Request) -> Response:
@@ -306,12 +313,12 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             ok, value = False, body.error.model_dump()
         else:
             ok, value = True, body.result
-        return json_view(await jobs_of(request).answer_call(job_id, call_id, ok, value))
+        return json_view(await jobs_of(request).answer_call(job_id, caller_of(request), call_id, ok, value))
 
     @app.post("/jobs/{job_id}/stop", response_model=JobView, responses={404: {}})
     async def stop_job(job_id: str, request: Request) -> Response:
         """End the job: SIGTERM to the script's processes, SIGKILL after the grace. Idempotent."""
-        return json_view(await jobs_of(request).stop(job_id))
+        return json_view(await jobs_of(request).stop(job_id, caller_of(request)))
 
     @app.get(
         "/jobs/{job_id}/events",
@@ -323,12 +330,12 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     )
     async def job_events(job_id: str, request: Request) -> EventSourceResponse:
         """Server-Sent Events: ``status``, ``stdout``/``stderr``, ``call`` and a final ``end``."""
-        manager = jobs_of(request)
-        if manager.live(job_id) is None:
-            await manager.stored_view(job_id)  # 404 before the stream starts
+        manager, who = jobs_of(request), caller_of(request)
+        if manager.live(job_id, who) is None:
+            await manager.stored_view(job_id, who)  # 404 before the stream starts
 
         async def stream() -> AsyncIterator[dict[str, str]]:
-            async for event, data in manager.events(job_id):
+            async for event, data in manager.events(job_id, who):
                 if event == "end":
                     payload = view_bytes(data)
                 elif event == "call":
@@ -351,18 +358,20 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         after ``idle_timeout_s`` without a script, at ``max_lifetime_s``, or on DELETE.
         """
         check_session(body, settings, request.state.key_name)
-        return json_session(await jobs_of(request).create_session(body), 201)
+        who = caller_of(request)
+        return json_session(await jobs_of(request).create_session(body, who.owner, admin=who.admin), 201)
 
     @app.get("/sessions", response_model=SessionList)
     async def list_sessions(request: Request) -> Response:
-        """The open sessions, oldest first."""
-        body = SessionList.model_validate({"sessions": jobs_of(request).sessions()}).model_dump_json().encode()
+        """The caller's open sessions (the admin role: every owner's), oldest first."""
+        sessions = jobs_of(request).sessions(caller_of(request))
+        body = SessionList.model_validate({"sessions": sessions}).model_dump_json().encode()
         return Response(body, media_type="application/json")
 
     @app.get("/sessions/{session_id}", response_model=SessionView, responses={404: {}})
     async def get_session(session_id: str, request: Request) -> Response:
         """A session's view (ended sessions stay visible for a while, up to the last 1,000)."""
-        return json_session(jobs_of(request).session_view(session_id))
+        return json_session(jobs_of(request).session_view(session_id, caller_of(request)))
 
     @app.delete("/sessions/{session_id}", response_model=SessionView, responses={404: {}})
     async def delete_session(session_id: str, request: Request) -> Response:
@@ -370,7 +379,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
 
         Idempotent: deleting an ended session returns its view unchanged.
         """
-        return json_session(await jobs_of(request).delete_session(session_id))
+        return json_session(await jobs_of(request).delete_session(session_id, caller_of(request)))
 
     @app.post("/stubs", response_model=StubsView, responses={422: {}})
     async def stubs(body: ManifestRequest, request: Request) -> StubsView:
@@ -380,7 +389,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             raise InvalidField(
                 "register MCP servers with POST /toolsets, then pass its toolset", ("body", "mcp_servers")
             )
-        compiled = await jobs_of(request).manifest(body.tools, body.toolset)
+        compiled = await jobs_of(request).manifest(body.tools, body.toolset, caller_of(request))
         return StubsView(module=compiled.stub_source, usage=USAGE, toolset_id=compiled.toolset_id or "")
 
     @app.post("/toolsets", response_model=ToolsetView, responses={422: {}})
@@ -389,7 +398,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         check_manifest_request(body, settings, request.state.key_name)
         if body.toolset is not None:
             raise InvalidField("POST /toolsets takes tools, not a toolset", ("body", "toolset"))
-        compiled = await jobs_of(request).register_toolset(body.tools, body.mcp_servers)
+        compiled = await jobs_of(request).register_toolset(body.tools, body.mcp_servers, caller_of(request).owner)
         return ToolsetView(toolset_id=compiled.toolset_id or "", tools=list(compiled.tools))
 
     @app.get("/healthz")

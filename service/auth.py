@@ -20,6 +20,12 @@ before the body is read.
 ``PTC_AUTH=disabled`` turns all of this off, for development: it is logged as a
 warning at start-up, and refused (``InsecureConfig``) when ``PTC_HOST`` is not a
 loopback address unless ``PTC_AUTH_FORCE_INSECURE=true``.
+
+Owners: every job, session and toolset belongs to the key name that created it
+(``IMPLICIT_OWNER`` when authentication is disabled); a request acts only on what
+its ``Caller`` owns, except for the keys named in ``PTC_ADMIN_KEYS`` (the admin
+role), which act on everything. With authentication disabled there is one
+implicit owner, and it has the admin role (it sees what keys created before too).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
+IMPLICIT_OWNER = "anonymous"  # the owner of everything created while authentication is disabled
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 METRICS_PATH = "/metrics"
 KEY_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # bounded, safe as a log field and a metrics label
@@ -86,17 +93,41 @@ def parse_keys(text: str, source: str = "PTC_API_KEYS") -> list[ApiKey]:
     return keys
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Who makes a request: the owner of what it creates, and whether it has the admin role.
+
+    Attributes:
+        owner: the key's name (``IMPLICIT_OWNER`` with authentication disabled).
+        admin: sees and acts on what every owner created (legacy rows with no owner included).
+    """
+
+    owner: str
+    admin: bool = False
+
+    def may_access(self, owner: str | None) -> bool:
+        """Whether this caller may see and act on something owned by ``owner`` (None: saved before owners were)."""
+        return self.admin or (owner is not None and owner == self.owner)
+
+    @property
+    def only_owner(self) -> str | None:
+        """The owner a listing is restricted to; None for an admin (everything)."""
+        return None if self.admin else self.owner
+
+
 class KeyRing:
-    """The configured keys; ``identify`` tells which one a token is.
+    """The configured keys; ``identify`` tells which one a token is, ``caller`` what it may do.
 
     Args:
         keys: at least one key.
+        admins: names of the keys with the admin role.
     """
 
-    def __init__(self, keys: Iterable[ApiKey]) -> None:
+    def __init__(self, keys: Iterable[ApiKey], admins: Iterable[str] = ()) -> None:
         self._keys = tuple(keys)
         if not self._keys:
             raise ValueError("a key ring needs at least one key")
+        self.admins = frozenset(admins)
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -113,6 +144,19 @@ class KeyRing:
             if hmac.compare_digest(digest, key.digest) and found is None:
                 found = key.name
         return found
+
+
+def caller(keys: KeyRing | None, key_name: str | None) -> Caller:
+    """The ``Caller`` of a request whose key is ``key_name`` (None: authentication disabled, the implicit owner).
+
+    Raises:
+        ValueError: ``key_name`` is None while authentication is on (an open path has no caller).
+    """
+    if keys is None:
+        return Caller(IMPLICIT_OWNER, admin=True)
+    if key_name is None:
+        raise ValueError("no API key on this request")
+    return Caller(key_name, admin=key_name in keys.admins)
 
 
 def is_loopback(host: str) -> bool:
@@ -144,8 +188,14 @@ def configure(settings: Settings) -> KeyRing | None:
                 "PTC_AUTH=required but no API keys are configured: set PTC_API_KEYS (entries from "
                 "`ptc-sandbox hash-key NAME`), or PTC_AUTH=disabled for development on a loopback address"
             )
-        log.info("authentication: %d API key(s): %s", len(keys), ", ".join(sorted({k.name for k in keys})))
-        return KeyRing(keys)
+        names = {k.name for k in keys}
+        unknown = sorted(set(settings.admin_keys) - names)
+        if unknown:
+            raise InsecureConfig(f"PTC_ADMIN_KEYS names {', '.join(unknown)}, which is no configured API key")
+        log.info("authentication: %d API key(s): %s", len(keys), ", ".join(sorted(names)))
+        if settings.admin_keys:
+            log.info("admin role (sees every owner's jobs and sessions): %s", ", ".join(sorted(settings.admin_keys)))
+        return KeyRing(keys, settings.admin_keys)
     if not is_loopback(settings.host):
         if not settings.auth_force_insecure:
             raise InsecureConfig(

@@ -41,6 +41,7 @@ import httpx
 import orjson
 
 from service import callbacks, logs, verdict
+from service.auth import Caller
 from service.broker import Broker
 from service.egress import EgressDenied
 from service.errors import (
@@ -51,6 +52,7 @@ from service.errors import (
     QueueFull,
     RequestLimitError,
     SandboxError,
+    SessionNotFound,
     WorkDirBusy,
 )
 from service.metrics import Metrics
@@ -138,6 +140,7 @@ class Job:
     stdout: OutputLog
     stderr: OutputLog
     loop: asyncio.AbstractEventLoop
+    owner: str  # the API key name that submitted it (auth.IMPLICIT_OWNER with authentication disabled)
     status: str = "queued"
     exit_code: int | None = None
     error: dict[str, Any] | None = None
@@ -211,6 +214,7 @@ class Job:
             "sandbox_start": self.sandbox_start,
             "sandbox_id": self.sandbox_id,
             "session_id": self.session_id,
+            "owner": self.owner,
             **view_fields(self.normalized),
         }
 
@@ -245,6 +249,7 @@ def stored_job(view: dict[str, Any], instance_id: str) -> StoredJob:
         view=model.model_dump_json().encode(),
         summary=summary.model_dump_json().encode(),
         callback_pending=pending,
+        owner=model.owner,
     )
 
 
@@ -285,6 +290,7 @@ class JobManager:
             transport=endpoints.egress.transport(limits=httpx.Limits(max_connections=CALLBACK_DELIVERIES)),
         )
         self._callback_slots = asyncio.Semaphore(CALLBACK_DELIVERIES)
+        self._callback_secrets = callbacks.load_secrets(settings)
         defaults = resolve_limits(ExecuteRequest(script=""), settings)  # the default profile
         self._pool = WarmPools(
             backend,
@@ -449,18 +455,23 @@ class JobManager:
 
     # -- submission and the run ----------------------------------------------------------------
 
-    async def submit(self, request: ExecuteRequest) -> Job:
-        """Check and admit ``request``, and start its job.
+    async def submit(self, request: ExecuteRequest, owner: str, *, admin: bool = False) -> Job:
+        """Check and admit ``request``, and start its job, owned by ``owner`` (the API key's name).
+
+        Its ``session_id`` and ``toolset`` must be ``owner``'s own, unless ``admin`` (the admin role).
 
         Raises:
             ManifestError: a tool entry is unusable (names the entry and field).
             RequestLimitError: a limit exceeds its server maximum.
+            InvalidField: an unknown toolset (another owner's included).
+            SessionNotFound: an unknown session (another owner's included).
             QueueFull: ``concurrency`` jobs run and ``max_queue`` wait already.
         """
         limits = resolve_limits(request, self._settings)
-        if request.callback_url and self._settings.callback_secret is None:
+        if request.callback_url and self._callback_secrets.for_owner(owner) is None:
             raise InvalidField(
-                "callback_url needs the server setting PTC_CALLBACK_SECRET (callbacks are always signed)",
+                "callback_url needs the server setting PTC_CALLBACK_SECRET, or a PTC_CALLBACK_SECRETS entry for "
+                "this key (callbacks are always signed)",
                 ("body", "callback_url"),
             )
         if request.callback_url:
@@ -468,22 +479,24 @@ class JobManager:
                 self._endpoints.egress.target(request.callback_url)
             except EgressDenied as exc:
                 raise InvalidField(str(exc), ("body", "callback_url")) from exc
+        caller = Caller(owner, admin)
         if request.session_id is not None:
-            return await self._submit_to_session(request, limits)
+            return await self._submit_to_session(request, limits, caller)
         if self._admitted >= self._settings.concurrency() + self._settings.max_queue:
             raise QueueFull(self._settings.retry_after_s)
         self._admitted += 1  # counted before the first await, so admission is exact under concurrency
         try:
-            job, manifest = await self._new_job(limits, request, request.tools, request.toolset)
+            job, manifest = await self._new_job(limits, request, request.tools, request.toolset, caller)
         except BaseException:
             self._admitted -= 1
             raise
         self._spawn(self._run(job, request, manifest), f"job {job.id}")
         return job
 
-    async def _submit_to_session(self, request: ExecuteRequest, limits: ResolvedLimits) -> Job:
+    async def _submit_to_session(self, request: ExecuteRequest, limits: ResolvedLimits, caller: Caller) -> Job:
         """Queue ``request`` for its session's turn (one script at a time per session, in order of arrival)."""
         assert request.session_id is not None
+        self._session(request.session_id, caller)  # another owner's session is not found
         session = self._sessions.usable(request.session_id)
         for name in SANDBOX_LIMITS:
             asked = getattr(request.limits, name)
@@ -506,6 +519,7 @@ class JobManager:
                 request,
                 request.tools if own_tools else session.tools,
                 request.toolset if own_tools else session.toolset,
+                caller if own_tools else Caller(session.owner),  # the session's toolset is its owner's
             )
         except BaseException:
             session.queued -= 1
@@ -515,14 +529,21 @@ class JobManager:
         return job
 
     async def _new_job(
-        self, limits: ResolvedLimits, request: ExecuteRequest, tools: list[dict[str, Any]], toolset: str | None
+        self,
+        limits: ResolvedLimits,
+        request: ExecuteRequest,
+        tools: list[dict[str, Any]],
+        toolset: str | None,
+        caller: Caller,
     ) -> tuple[Job, CompiledManifest]:
         """A job for an admitted ``request`` (live from now on) and its compiled manifest (``tools`` or ``toolset``).
+
+        The job is ``caller.owner``'s; ``toolset`` must be one ``caller`` may use.
 
         Raises:
             ManifestError / InvalidField: the manifest is unusable.
         """
-        manifest = await self.manifest(tools, toolset)
+        manifest = await self.manifest(tools, toolset, caller)
         normalized = await prepare(request.script, request.normalize)
         job_id = "job_" + secrets.token_hex(12)
         output_dir = self._output_dir / job_id
@@ -537,6 +558,7 @@ class JobManager:
             stdout=OutputLog(output_dir / "stdout", inline, retain),
             stderr=OutputLog(output_dir / "stderr", inline, retain),
             loop=asyncio.get_running_loop(),
+            owner=caller.owner,
             normalized=normalized,
         )
         self._live[job.id] = job
@@ -613,6 +635,7 @@ class JobManager:
             client_call_timeout_s=settings.client_call_timeout_s,
             on_client_calls=lambda waiting: self._client_calls_changed(job, waiting),
             checks=self._checks,
+            check_group=job.owner,
         )
         job.calls = broker.records
         job.broker = broker
@@ -770,16 +793,16 @@ class JobManager:
         job.notify()
         self._spawn(self._save(job), f"save {job.id}")
 
-    async def answer_call(self, job_id: str, call_id: str, ok: bool, value: Any) -> dict[str, Any]:
+    async def answer_call(self, job_id: str, caller: Caller, call_id: str, ok: bool, value: Any) -> dict[str, Any]:
         """Answer a client-executed call of a running job; returns the job's view after it.
 
         Raises:
-            JobNotFound: no such job.
+            JobNotFound: no such job, or another owner's (only the job's owner answers its calls).
             CallNotPending: the job has ended, or that call is not waiting for an answer.
         """
-        job = self._live.get(job_id)
+        job = self.live(job_id, caller)
         if job is None:
-            await self.stored_view(job_id)
+            await self.stored_view(job_id, caller)
             raise CallNotPending(call_id)
         if job.broker is None:
             raise CallNotPending(call_id)
@@ -787,7 +810,7 @@ class JobManager:
         job.broker.answer_client_call(call_id, ok, value)
         with contextlib.suppress(TimeoutError):  # let the call's task record the answer before the view is taken
             await asyncio.wait_for(changed.wait(), 1.0)
-        return await self.view(job_id)
+        return await self.view(job_id, caller)
 
     def _finish(self, job: Job, exit_status: ExitStatus, ended_by: str | None, broker: Broker) -> None:
         job.exit_code = exit_status.exit_code
@@ -858,10 +881,11 @@ class JobManager:
 
     async def _deliver_callback_now(self, job_id: str) -> None:
         stored = await self._store.get(job_id)
-        secret = self._settings.callback_secret
-        if stored is None or secret is None:
-            if stored is not None:
-                log.warning("job %s: its callback cannot be sent: PTC_CALLBACK_SECRET is not set", job_id)
+        if stored is None:
+            return
+        secret = self._callback_secrets.for_owner(stored.owner)
+        if secret is None:
+            log.warning("job %s: its callback cannot be sent: no callback secret for its owner is set", job_id)
             return
         view = orjson.loads(stored.view)
         callback = view["callback"]
@@ -877,11 +901,12 @@ class JobManager:
             self._http,
             callback["url"],
             body,
-            secret.get_secret_value().encode(),
+            secret,
             max_attempts=self._settings.callback_max_attempts,
             backoff_s=self._settings.callback_backoff_s,
             timeout_s=self._settings.callback_timeout_s,
             on_attempt=on_attempt,
+            owner=stored.owner,
         )
         callback["state"] = "delivered" if delivered else "failed"
         self._metrics.callback_done(delivered)
@@ -897,17 +922,20 @@ class JobManager:
 
     # -- manifests -----------------------------------------------------------------------------
 
-    async def manifest(self, tools: list[dict[str, Any]], toolset: str | None) -> CompiledManifest:
+    async def manifest(self, tools: list[dict[str, Any]], toolset: str | None, caller: Caller) -> CompiledManifest:
         """The compiled manifest of a request: its ``tools``, or the registered ``toolset``.
+
+        A toolset is usable only by the owners that registered it (and the admin role): for anyone
+        else it is unknown, so its endpoint credentials never serve another key.
 
         Raises:
             ManifestError: a tool entry is unusable.
-            InvalidField: both or an unknown toolset.
+            InvalidField: both, or an unknown toolset (another owner's included, with the same message).
         """
         if toolset is not None:
             if tools:
                 raise InvalidField("give tools or toolset, not both", ("body", "toolset"))
-            raw = await self._store.get_toolset(toolset)
+            raw = await self._store.get_toolset(toolset, caller.only_owner)
             if raw is None:
                 raise InvalidField(
                     f"no toolset {toolset!r}; register the manifest with POST /toolsets", ("body", "toolset")
@@ -915,8 +943,10 @@ class JobManager:
             tools = orjson.loads(raw)
         return await self._manifests.compile(tools)
 
-    async def register_toolset(self, tools: list[dict[str, Any]], servers: list[McpServer]) -> CompiledManifest:
-        """Check a manifest and keep it under its content id (registering it again is a no-op).
+    async def register_toolset(
+        self, tools: list[dict[str, Any]], servers: list[McpServer], owner: str
+    ) -> CompiledManifest:
+        """Check a manifest and keep it under its content id for ``owner`` (registering it again is a no-op).
 
         Each of ``servers`` is asked for its ``tools/list``; its tools join the manifest with an ``mcp`` endpoint.
 
@@ -941,13 +971,15 @@ class JobManager:
         compiled = await self._manifests.compile(tools)
         if compiled.toolset_id is None:
             raise InvalidField("this manifest cannot be stored as JSON (lone surrogates?)", ("body", "tools"))
-        await self._store.put_toolset(compiled.toolset_id, orjson.dumps(tools))
+        await self._store.put_toolset(compiled.toolset_id, orjson.dumps(tools), owner)
         return compiled
 
     # -- sessions ------------------------------------------------------------------------------
 
-    async def create_session(self, request: SessionRequest) -> dict[str, Any]:
-        """Start a session's sandbox and return its view.
+    async def create_session(self, request: SessionRequest, owner: str, *, admin: bool = False) -> dict[str, Any]:
+        """Start a session's sandbox, owned by ``owner``, and return its view.
+
+        Its ``toolset`` must be ``owner``'s own, unless ``admin``.
 
         Raises:
             RequestLimitError / InvalidField: a limit past its maximum, an unknown runtime or toolset, a bad
@@ -973,7 +1005,7 @@ class JobManager:
                 f"runtime {runtime!r} is not offered; ask for one of {sorted(settings.session_runtimes)}",
                 ("body", "runtime"),
             )
-        await self.manifest(request.tools, request.toolset)  # a bad manifest fails now
+        await self.manifest(request.tools, request.toolset, Caller(owner, admin))  # a bad manifest fails now
         features = (await self._backend.image_labels(settings.sandbox_image)).get(RUNTIME_LABEL, "")
         if SESSION_FEATURE not in features.split(","):
             raise SandboxError(
@@ -989,25 +1021,33 @@ class JobManager:
             tools=request.tools,
             toolset=request.toolset,
             metadata=request.metadata,
+            owner=owner,
             **lifetimes,
         )
         log.info("session %s started in sandbox %s", session.id, session.view()["sandbox_id"])
         return session.view()
 
-    def session_view(self, session_id: str) -> dict[str, Any]:
-        """A session's view; raises SessionNotFound."""
-        return self._sessions.get(session_id).view()
+    def _session(self, session_id: str, caller: Caller) -> Session:
+        """A live or recently ended session ``caller`` may access; raises SessionNotFound (another owner's too)."""
+        session = self._sessions.get(session_id)
+        if not caller.may_access(session.owner):
+            raise SessionNotFound(session_id)
+        return session
 
-    def sessions(self) -> list[dict[str, Any]]:
-        """Views of the open sessions, oldest first."""
-        return [session.view() for session in self._sessions.live_sessions()]
+    def session_view(self, session_id: str, caller: Caller) -> dict[str, Any]:
+        """A session's view; raises SessionNotFound (for another owner's session too)."""
+        return self._session(session_id, caller).view()
 
-    async def delete_session(self, session_id: str) -> dict[str, Any]:
+    def sessions(self, caller: Caller) -> list[dict[str, Any]]:
+        """Views of the open sessions ``caller`` may access (the admin role: all), oldest first."""
+        return [s.view() for s in self._sessions.live_sessions() if caller.may_access(s.owner)]
+
+    async def delete_session(self, session_id: str, caller: Caller) -> dict[str, Any]:
         """End a session: its running script is stopped, its queued ones end ``stopped``, its sandbox is removed.
 
-        Idempotent: an ended session's view is returned as it is. Raises SessionNotFound.
+        Idempotent: an ended session's view is returned as it is. Raises SessionNotFound (another owner's too).
         """
-        session = self._sessions.get(session_id)
+        session = self._session(session_id, caller)
         await self._sessions.end(session, "closed", None)
         return session.view()
 
@@ -1024,25 +1064,34 @@ class JobManager:
 
     # -- reading, waiting, stopping ------------------------------------------------------------
 
-    def live(self, job_id: str) -> Job | None:
-        """The job if it has not been saved as ended yet."""
-        return self._live.get(job_id)
+    def live(self, job_id: str, caller: Caller) -> Job | None:
+        """The job if it has not been saved as ended yet; raises JobNotFound when it is another owner's.
 
-    async def stored_view(self, job_id: str) -> bytes:
-        """The saved view (JSON bytes) of a job that is not live; raises JobNotFound."""
+        Every job a caller names goes through here or ``stored_view``: another owner's job answers
+        exactly like one that does not exist (its existence is not revealed).
+        """
+        job = self._live.get(job_id)
+        if job is not None and not caller.may_access(job.owner):
+            raise JobNotFound(job_id)
+        return job
+
+    async def stored_view(self, job_id: str, caller: Caller) -> bytes:
+        """The saved view (JSON bytes) of a job; raises JobNotFound (for another owner's job too)."""
         stored = await self._store.get(job_id)
-        if stored is None:
+        if stored is None or not caller.may_access(stored.owner):
             raise JobNotFound(job_id)
         return stored.view
 
-    async def view(self, job_id: str, offsets: dict[Stream, int | None] | None = None) -> dict[str, Any]:
+    async def view(
+        self, job_id: str, caller: Caller, offsets: dict[Stream, int | None] | None = None
+    ) -> dict[str, Any]:
         """The job's view; with ``offsets``, a stream's text holds its bytes from that offset.
 
         Raises:
-            JobNotFound: no such job.
+            JobNotFound: no such job, or another owner's.
         """
-        job = self._live.get(job_id)
-        view = job.view_dict() if job is not None else orjson.loads(await self.stored_view(job_id))
+        job = self.live(job_id, caller)
+        view = job.view_dict() if job is not None else orjson.loads(await self.stored_view(job_id, caller))
         for stream in STREAMS:
             offset = (offsets or {}).get(stream)
             if offset is not None:
@@ -1064,36 +1113,39 @@ class JobManager:
         view[f"{stream}_invalid_utf8"] = invalid
         view[f"{stream}_truncated"] = offset + consumed < view[f"{stream}_retained_bytes"]
 
-    async def read_output(self, job_id: str, stream: Stream, offset: int, length: int) -> bytes:
-        """Raw retained bytes of a stream; raises JobNotFound."""
-        if job_id not in self._live:
-            await self.stored_view(job_id)
+    async def read_output(self, job_id: str, caller: Caller, stream: Stream, offset: int, length: int) -> bytes:
+        """Raw retained bytes of a stream; raises JobNotFound (for another owner's job too)."""
+        if self.live(job_id, caller) is None:
+            await self.stored_view(job_id, caller)
         return await asyncio.to_thread(read_range, self._output_dir / job_id / stream, offset, length)
 
-    async def wait(self, job_id: str, timeout_s: float) -> dict[str, Any]:
+    async def wait(self, job_id: str, caller: Caller, timeout_s: float) -> dict[str, Any]:
         """Block until the job ends, waits for the client (a client-executed call), or ``timeout_s`` passes.
 
-        Returns its view then. Raises JobNotFound.
+        Returns its view then. Raises JobNotFound (for another owner's job too, at once).
         """
-        job = self._live.get(job_id)
+        job = self.live(job_id, caller)
         if job is not None:
             await wait_for_end_or_client(job, timeout_s)
-        return await self.view(job_id)
+        return await self.view(job_id, caller)
 
-    async def stop(self, job_id: str) -> dict[str, Any]:
+    async def stop(self, job_id: str, caller: Caller) -> dict[str, Any]:
         """Stop the job (SIGTERM to its processes, SIGKILL after the grace); returns its view.
 
-        Idempotent: on an ended job it only returns the final view. Raises JobNotFound.
+        Idempotent: on an ended job it only returns the final view. Raises JobNotFound (another owner's too).
         """
-        job = self._live.get(job_id)
+        job = self.live(job_id, caller)
         if job is not None:
             job.stop_requested.set()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(job.done.wait(), self._settings.stop_grace_s + 1)
-        return await self.view(job_id)
+        return await self.view(job_id, caller)
 
     async def page(self, query: JobQuery) -> tuple[list[JobSummary], str | None]:
-        """A page of jobs (newest first) and the next cursor; raises InvalidCursor."""
+        """A page of jobs (newest first; only ``query.owner``'s unless it is None) and the next cursor.
+
+        Raises InvalidCursor.
+        """
         stored, cursor = await self._store.page(query)
         summaries = []
         for row in stored:
@@ -1113,24 +1165,24 @@ class JobManager:
         """Jobs in the store."""
         return await self._store.count()
 
-    async def events(self, job_id: str) -> AsyncIterator[tuple[str, Any]]:
+    async def events(self, job_id: str, caller: Caller) -> AsyncIterator[tuple[str, Any]]:
         """Follow a job: yields ``(event, data)`` pairs, in order, until the job has ended.
 
         Events: ``status`` ``{"status"}`` on each change; ``stdout``/``stderr``
         ``{"offset", "text"}`` for each new piece of output (retained bytes);
         ``call`` with each call record once it has its outcome; finally ``end``
         with the final view. A follower that joins late first gets everything
-        so far. Raises JobNotFound.
+        so far. Raises JobNotFound (for another owner's job too).
         """
-        job = self._live.get(job_id)
+        job = self.live(job_id, caller)
         if job is None:
-            await self.stored_view(job_id)
+            await self.stored_view(job_id, caller)
         offsets = {"stdout": 0, "stderr": 0}
         sent_calls: set[int] = set()
         last_status = None
         while True:
             changed = job.changed() if job is not None else None
-            view = job.view_dict() if job is not None else await self.view(job_id)
+            view = job.view_dict() if job is not None else await self.view(job_id, caller)
             if view["status"] != last_status:
                 last_status = view["status"]
                 yield "status", {"status": last_status}
@@ -1142,14 +1194,14 @@ class JobManager:
             for stream in STREAMS:
                 retained = view[f"{stream}_retained_bytes"]
                 while offsets[stream] < retained:
-                    data = await self.read_output(job_id, stream, offsets[stream], 64 * 1024)
+                    data = await self.read_output(job_id, caller, stream, offsets[stream], 64 * 1024)
                     text, consumed, _ = decode_slice(data, final=ended and offsets[stream] + len(data) >= retained)
                     if not consumed:
                         break
                     yield stream, {"offset": offsets[stream], "text": text}
                     offsets[stream] += consumed
             if ended:
-                yield "end", (view if job is None else await self.view(job_id))
+                yield "end", (view if job is None else await self.view(job_id, caller))
                 return
             assert changed is not None
             with contextlib.suppress(TimeoutError):

@@ -189,6 +189,7 @@ class SessionView(BaseModel):
     current_job_id: str | None = Field(description="The job running now.")
     sandbox_id: str | None = Field(description="The engine's id of the session's container (12 hex digits).")
     metadata: dict[str, Any]
+    owner: str | None = Field(None, description="The API key name that created it (anonymous without auth).")
 
 
 class SessionList(BaseModel):
@@ -376,6 +377,11 @@ class JobView(BaseModel):
     )
     session_id: str | None = Field(None, description="The session the job ran in, if any.")
     sandbox_id: str | None = Field(None, description="The engine's id of the job's container (12 hex digits).")
+    owner: str | None = Field(
+        None,
+        description="The API key name that created the job (anonymous without auth; null: saved before owners "
+        "were recorded). A completion callback's body names it too.",
+    )
     pending_calls: list[PendingCall] = Field(
         default_factory=list, description="Client-executed calls waiting for an answer (status is then waiting)."
     )
@@ -399,6 +405,7 @@ class JobSummary(BaseModel):
     ended_at: datetime | None
     duration_ms: float | None
     calls: int = Field(description="Number of call records.")
+    owner: str | None = Field(None, description="The API key name that created the job (null: legacy).")
 
 
 class JobList(BaseModel):

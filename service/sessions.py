@@ -302,6 +302,7 @@ class Session:
     idle_timeout_s: float
     max_lifetime_s: float
     metadata: dict[str, Any]
+    owner: str  # the API key name that created it (auth.IMPLICIT_OWNER with authentication disabled)
     created_at: datetime = field(default_factory=_now)
     last_used_at: datetime = field(default_factory=_now)
     ended_at: datetime | None = None
@@ -348,6 +349,7 @@ class Session:
             "current_job_id": self.current_job_id,
             "sandbox_id": handle.id[:12] if handle is not None else None,
             "metadata": self.metadata,
+            "owner": self.owner,
         }
 
 
@@ -406,8 +408,9 @@ class SessionManager:
         idle_timeout_s: float,
         max_lifetime_s: float,
         metadata: dict[str, Any],
+        owner: str,
     ) -> Session:
-        """Start a session's sandbox (``spec.job_dir`` is replaced by the session's folder).
+        """Start a session's sandbox (``spec.job_dir`` is replaced by the session's folder); ``owner`` owns it.
 
         Raises:
             TooManySessions: ``max_sessions`` are live (or starting) already.
@@ -435,6 +438,7 @@ class SessionManager:
             idle_timeout_s=idle_timeout_s,
             max_lifetime_s=max_lifetime_s,
             metadata=metadata,
+            owner=owner,
         )
         self._live[session_id] = session
         self._on_count(len(self._live))

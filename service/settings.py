@@ -167,6 +167,14 @@ class Settings(BaseSettings):
     callback_secret: SecretStr | None = Field(
         None, description="HMAC-SHA256 key that signs completion callbacks; callback_url is refused without it."
     )
+    callback_secrets: SecretStr | None = Field(
+        None,
+        description="Per-key callback secrets, comma-separated name:secret pairs: the callbacks of a key's jobs "
+        "are signed with its own secret (PTC_CALLBACK_SECRET signs the others).",
+    )
+    callback_secrets_file: Path | None = Field(
+        None, description="File with more name:secret pairs for callbacks, one per line (# comments)."
+    )
     callback_max_attempts: int = Field(5, ge=1, description="Deliveries tried per completion callback.")
     callback_backoff_s: float = Field(
         0.5, gt=0, description="First retry delay of a callback; doubles per attempt, at most 60 s (s)."
@@ -190,6 +198,11 @@ class Settings(BaseSettings):
     )
     api_keys_file: Path | None = Field(
         None, description="File with more name:sha256hex pairs, one per line (# comments), e.g. a mounted Secret."
+    )
+    admin_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated names of API keys with the admin role: they see and act on every owner's "
+        "jobs, sessions and toolsets (the others only on their own).",
     )
     metrics_auth: Literal["required", "open"] = Field(
         "required", description="open: GET /metrics answers without a key (for a scraper on a trusted network)."
@@ -249,20 +262,13 @@ class Settings(BaseSettings):
         "fields: timeout_s, memory_mb, cpus, pids, output_bytes, tmp_mb, tools.",
     )
 
-    @field_validator("trusted_proxies", mode="before")
-    @classmethod
-    def _split_proxies(cls, value: object) -> object:
-        if isinstance(value, str):
-            value = [part.strip() for part in value.split(",") if part.strip()]
-        return value
-
     @field_validator("trusted_proxies")
     @classmethod
     def _parse_proxies(cls, entries: list[str]) -> list[str]:
         parse_networks(entries)  # ValueError names the entry
         return entries
 
-    @field_validator("egress_allow", mode="before")
+    @field_validator("egress_allow", "admin_keys", "trusted_proxies", mode="before")
     @classmethod
     def _split_rules(cls, value: object) -> object:
         if isinstance(value, str):
@@ -300,7 +306,7 @@ def settings_table() -> str:
         value = info.default_factory() if info.default_factory is not None else info.default  # type: ignore[call-arg]
         if value is None:
             default = "—"
-        elif name in ("egress_allow", "trusted_proxies"):  # read as a comma-separated list
+        elif name in ("egress_allow", "admin_keys", "trusted_proxies"):  # read as a comma-separated list
             default = f"`{','.join(value)}`" if value else "—"
         elif isinstance(value, list | dict):  # read as JSON
             default = f"`{json.dumps(value, default=lambda v: v.model_dump(exclude_none=True))}`"

@@ -10,6 +10,13 @@ SQLite settings: WAL journal, ``synchronous=NORMAL`` (a committed job
 survives a crash of the process, including ``kill -9``; the last commits may
 be lost only on power failure: https://www.sqlite.org/pragma.html#pragma_synchronous).
 Every statement runs on one dedicated thread, never on the event loop.
+
+Owners: each job row has the ``owner`` (API key name) that created it, and each
+registered toolset one ``toolset_owners`` row per key that registered it. A
+store made before owners were recorded is migrated when opened: the column is
+added and its existing rows get owner NULL ("legacy"), which only the admin
+role sees (``auth.Caller.may_access``); its toolsets get no owner row, so only
+the admin role can use them.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class StoredJob:
         view: the job view as JSON bytes (the final view once ended); empty in listings.
         summary: the job's listing entry as JSON bytes (small: no output, no calls).
         callback_pending: the job has ended and its completion callback is not yet delivered or given up.
+        owner: the API key name that created it; None for a job saved before owners were recorded.
     """
 
     job_id: str
@@ -52,6 +60,7 @@ class StoredJob:
     view: bytes
     summary: bytes
     callback_pending: bool = False
+    owner: str | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,7 @@ class JobQuery:
         created_after / created_before: bounds on ``created_at`` (exclusive).
         cursor: from a previous page's ``next_cursor``.
         limit: page size.
+        owner: keep only this owner's jobs; None keeps every owner's (the admin role).
     """
 
     statuses: Sequence[str] = ()
@@ -70,6 +80,7 @@ class JobQuery:
     created_before: datetime | None = None
     cursor: str | None = None
     limit: int = 50
+    owner: str | None = None
 
 
 class InvalidCursor(ValueError):
@@ -135,12 +146,15 @@ class JobStore(abc.ABC):
         """How many jobs the store holds."""
 
     @abc.abstractmethod
-    async def put_toolset(self, toolset_id: str, manifest: bytes) -> None:
-        """Keep a registered manifest (JSON bytes) under its id; the same id always holds the same manifest."""
+    async def put_toolset(self, toolset_id: str, manifest: bytes, owner: str) -> None:
+        """Keep a registered manifest (JSON bytes) under its id, owned (also) by ``owner``.
+
+        The same id always holds the same manifest; each owner that registers it may use it.
+        """
 
     @abc.abstractmethod
-    async def get_toolset(self, toolset_id: str) -> bytes | None:
-        """The manifest registered under ``toolset_id``, or None."""
+    async def get_toolset(self, toolset_id: str, owner: str | None) -> bytes | None:
+        """The manifest registered under ``toolset_id`` by ``owner`` (None: by anyone, or before owners), or None."""
 
 
 _SCHEMA = """
@@ -159,24 +173,35 @@ CREATE TABLE IF NOT EXISTS toolsets (
     manifest    BLOB NOT NULL,
     created_at  TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
 );
+CREATE TABLE IF NOT EXISTS toolset_owners (
+    toolset_id  TEXT NOT NULL,
+    owner       TEXT NOT NULL,
+    PRIMARY KEY (toolset_id, owner)
+) WITHOUT ROWID;
 """
 
 # Columns added after the first release of the table: (name, declaration), for stores made before them.
-_ADDED_COLUMNS = (("summary", "BLOB NOT NULL DEFAULT x''"), ("callback_pending", "INTEGER NOT NULL DEFAULT 0"))
+# owner: NULL on rows saved before owners were recorded (legacy: only the admin role sees them).
+_ADDED_COLUMNS = (
+    ("summary", "BLOB NOT NULL DEFAULT x''"),
+    ("callback_pending", "INTEGER NOT NULL DEFAULT 0"),
+    ("owner", "TEXT"),
+)
 
 _INDEXES = """
 CREATE INDEX IF NOT EXISTS jobs_by_created ON jobs (created_at DESC, job_id DESC);
 CREATE INDEX IF NOT EXISTS jobs_by_ended ON jobs (ended_at) WHERE ended_at IS NOT NULL;
 CREATE INDEX IF NOT EXISTS jobs_unfinished ON jobs (instance_id) WHERE ended_at IS NULL;
 CREATE INDEX IF NOT EXISTS jobs_callback_pending ON jobs (instance_id) WHERE callback_pending = 1;
+CREATE INDEX IF NOT EXISTS jobs_by_owner ON jobs (owner, created_at DESC, job_id DESC);
 """
 
-_COLUMNS = "job_id, status, instance_id, created_at, ended_at, view, summary, callback_pending"
-_SUMMARY_COLUMNS = "job_id, status, instance_id, created_at, ended_at, x'', summary, callback_pending"
+_COLUMNS = "job_id, status, instance_id, created_at, ended_at, view, summary, callback_pending, owner"
+_SUMMARY_COLUMNS = "job_id, status, instance_id, created_at, ended_at, x'', summary, callback_pending, owner"
 
 
-def _row(row: tuple[str, str, str, str, str | None, bytes, bytes, int]) -> StoredJob:
-    job_id, status, instance_id, created, ended, view, summary, pending = row
+def _row(row: tuple[str, str, str, str, str | None, bytes, bytes, int, str | None]) -> StoredJob:
+    job_id, status, instance_id, created, ended, view, summary, pending, owner = row
     return StoredJob(
         job_id,
         status,
@@ -186,6 +211,7 @@ def _row(row: tuple[str, str, str, str, str | None, bytes, bytes, int]) -> Store
         bytes(view),
         bytes(summary),
         bool(pending),
+        owner,
     )
 
 
@@ -238,7 +264,7 @@ class SQLiteJobStore(JobStore):
     async def put(self, job: StoredJob) -> None:
         await self._run(
             lambda db: db.execute(
-                f"INSERT OR REPLACE INTO jobs ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT OR REPLACE INTO jobs ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     job.job_id,
                     job.status,
@@ -248,6 +274,7 @@ class SQLiteJobStore(JobStore):
                     job.view,
                     job.summary,
                     int(job.callback_pending),
+                    job.owner,
                 ),
             )
         )
@@ -261,6 +288,9 @@ class SQLiteJobStore(JobStore):
     async def page(self, query: JobQuery) -> tuple[list[StoredJob], str | None]:
         where: list[str] = []
         params: list[object] = []
+        if query.owner is not None:
+            where.append("owner = ?")
+            params.append(query.owner)
         if query.statuses:
             where.append(f"status IN ({', '.join('?' * len(query.statuses))})")
             params += list(query.statuses)
@@ -313,15 +343,32 @@ class SQLiteJobStore(JobStore):
         row = await self._run(lambda db: db.execute("SELECT COUNT(*) FROM jobs").fetchone())
         return int(row[0])
 
-    async def put_toolset(self, toolset_id: str, manifest: bytes) -> None:
-        await self._run(
-            lambda db: db.execute(
-                "INSERT OR IGNORE INTO toolsets (toolset_id, manifest) VALUES (?, ?)", (toolset_id, manifest)
-            )
-        )
+    async def put_toolset(self, toolset_id: str, manifest: bytes, owner: str) -> None:
+        def insert(db: sqlite3.Connection) -> None:
+            db.execute("BEGIN")  # one transaction: never a toolset without its owner
+            try:
+                db.execute(
+                    "INSERT OR IGNORE INTO toolsets (toolset_id, manifest) VALUES (?, ?)", (toolset_id, manifest)
+                )
+                db.execute(
+                    "INSERT OR IGNORE INTO toolset_owners (toolset_id, owner) VALUES (?, ?)", (toolset_id, owner)
+                )
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
 
-    async def get_toolset(self, toolset_id: str) -> bytes | None:
-        row = await self._run(
-            lambda db: db.execute("SELECT manifest FROM toolsets WHERE toolset_id = ?", (toolset_id,)).fetchone()
-        )
+        await self._run(insert)
+
+    async def get_toolset(self, toolset_id: str, owner: str | None) -> bytes | None:
+        params: tuple[str, ...]
+        if owner is None:
+            sql, params = "SELECT manifest FROM toolsets WHERE toolset_id = ?", (toolset_id,)
+        else:
+            sql = (
+                "SELECT manifest FROM toolsets JOIN toolset_owners USING (toolset_id) "
+                "WHERE toolset_id = ? AND owner = ?"
+            )
+            params = (toolset_id, owner)
+        row = await self._run(lambda db: db.execute(sql, params).fetchone())
         return bytes(row[0]) if row else None
