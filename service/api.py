@@ -12,7 +12,7 @@ import orjson
 from fastapi import FastAPI, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BeforeValidator
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,19 +29,19 @@ from service.errors import (
     ManifestError,
     PayloadTooLarge,
     QueueFull,
+    QuotaExceeded,
     RequestLimitError,
     SandboxError,
     SessionClosed,
     SessionNotFound,
     TooManySessions,
 )
-from service.jobs import JobManager, view_bytes, wait_for_end_or_client
+from service.jobs import JobManager, wait_for_end_or_client
 from service.limits import check_execute, check_manifest_request, check_session
 from service.metrics import CONTENT_TYPE, HttpObserver, Metrics
 from service.openapi import document
 from service.sandbox.base import SandboxBackend, Stream
 from service.schemas import (
-    CallRecord,
     ClientAnswer,
     ExecuteRequest,
     JobList,
@@ -58,6 +58,7 @@ from service.settings import Settings
 from service.store import InvalidCursor, JobQuery, SQLiteJobStore
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.stubs import USAGE
+from service.views import BATCH_BYTES, Body
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,25 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
+def view_response(body: Body, status_code: int = 200) -> Response:
+    """A job view as ``application/json``, sent in slices of ``BATCH_BYTES`` (with flow control, so a slow
+    client holds no copy of the view): whole bytes with their length, or pieces as they are rendered."""
+    if isinstance(body, bytes):
+        return StreamingResponse(
+            _slices(body),
+            status_code=status_code,
+            media_type="application/json",
+            headers={"content-length": str(len(body))},
+        )
+    return StreamingResponse(body, status_code=status_code, media_type="application/json")
+
+
+async def _slices(body: bytes) -> AsyncIterator[bytes]:
+    view = memoryview(body)
+    for start in range(0, len(body), BATCH_BYTES):
+        yield bytes(view[start : start + BATCH_BYTES])
+
+
 class _BodyTooLarge(BaseException):
     """Not an Exception: FastAPI turns any Exception raised while it reads a body into a 400."""
 
@@ -191,7 +211,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     )
     app.add_middleware(HttpObserver, metrics=metrics, routes=app.router.routes)  # outermost: sees every answer
     document(app, open_paths(settings), authenticated=keys is not None)
-    _install_error_handlers(app)
+    _install_error_handlers(app, metrics)
 
     def jobs_of(request: Request) -> JobManager:
         manager: JobManager = request.app.state.jobs
@@ -200,9 +220,6 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     def caller_of(request: Request) -> Caller:
         """Who asks: the owner of what the request creates, and whether it may act on every owner's."""
         return caller(keys, request.state.key_name)
-
-    def json_view(view: dict[str, Any], status_code: int = 200) -> Response:
-        return Response(view_bytes(view), status_code=status_code, media_type="application/json")
 
     @app.post(
         "/execute",
@@ -223,10 +240,10 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         request.state.job_id = job.id  # for the request's log event
         await wait_for_end_or_client(job, job.limits.wait_s)  # a client-executed call needs the caller now
         if not job.done.is_set():
-            return json_view(job.view_dict(), 202)
+            return view_response(manager.live_view(job), 202)
         if job.error is not None and job.error.get("type") == "engine_unavailable":
             return problem(503, "Container engine unavailable", str(job.error["message"]), job_id=job.id)
-        return Response(await manager.stored_view(job.id, who), media_type="application/json")  # saved as served
+        return view_response(await manager.stored_view(job.id, who))  # saved as served
 
     @app.get("/jobs", response_model=JobList, responses={422: {}})
     async def list_jobs(
@@ -260,10 +277,9 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         stderr_offset: Annotated[int | None, Query(ge=0, description="Return stderr from this byte offset.")] = None,
     ) -> Response:
         """The job's view: live while it runs, final after."""
-        manager, who = jobs_of(request), caller_of(request)
-        if stdout_offset is None and stderr_offset is None and manager.live(job_id, who) is None:
-            return Response(await manager.stored_view(job_id, who), media_type="application/json")
-        return json_view(await manager.view(job_id, who, {"stdout": stdout_offset, "stderr": stderr_offset}))
+        manager = jobs_of(request)
+        offsets: dict[Stream, int | None] = {"stdout": stdout_offset, "stderr": stderr_offset}
+        return view_response(await manager.view(job_id, caller_of(request), offsets))
 
     @app.get(
         "/jobs/{job_id}/output/{stream}",
@@ -300,7 +316,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             raise RequestLimitError(
                 f"{timeout_s} exceeds the server maximum of {settings.max_wait_s}", ("query", "timeout_s")
             )
-        return json_view(await jobs_of(request).wait(job_id, caller_of(request), timeout_s))
+        return view_response(await jobs_of(request).wait(job_id, caller_of(request), timeout_s))
 
     @app.post("/jobs/{job_id}/calls/{call_id}", response_model=JobView, responses={404: {}, 409: {}, 422: {}})
     async def answer_call(job_id: str, call_id: str, body: ClientAnswer, request: Request) -> Response:
@@ -313,12 +329,12 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             ok, value = False, body.error.model_dump()
         else:
             ok, value = True, body.result
-        return json_view(await jobs_of(request).answer_call(job_id, caller_of(request), call_id, ok, value))
+        return view_response(await jobs_of(request).answer_call(job_id, caller_of(request), call_id, ok, value))
 
     @app.post("/jobs/{job_id}/stop", response_model=JobView, responses={404: {}})
     async def stop_job(job_id: str, request: Request) -> Response:
         """End the job: SIGTERM to the script's processes, SIGKILL after the grace. Idempotent."""
-        return json_view(await jobs_of(request).stop(job_id, caller_of(request)))
+        return view_response(await jobs_of(request).stop(job_id, caller_of(request)))
 
     @app.get(
         "/jobs/{job_id}/events",
@@ -334,15 +350,10 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         if manager.live(job_id, who) is None:
             await manager.stored_view(job_id, who)  # 404 before the stream starts
 
-        async def stream() -> AsyncIterator[dict[str, str]]:
-            async for event, data in manager.events(job_id, who):
-                if event == "end":
-                    payload = view_bytes(data)
-                elif event == "call":
-                    payload = CallRecord.model_validate(data).model_dump_json().encode()
-                else:
-                    payload = orjson.dumps(data)
-                yield {"event": event, "data": payload.decode()}
+        async def stream() -> AsyncIterator[bytes]:
+            async for event, data in manager.events(job_id, who):  # "call" and "end" come as JSON bytes
+                payload = data if isinstance(data, bytes) else orjson.dumps(data)
+                yield b"event: " + event.encode() + b"\r\ndata: " + payload + b"\r\n\r\n"
 
         return EventSourceResponse(stream(), ping=15)
 
@@ -445,7 +456,7 @@ def _utc(value: datetime | None) -> datetime | None:
         raise InvalidField(f"{value.isoformat()} is outside the range of UTC datetimes", ("query", "created")) from None
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def _install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> Response:
@@ -494,7 +505,17 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(QueueFull)
     async def queue_full(_: Request, exc: QueueFull) -> Response:
-        response = problem(429, "Too many jobs", str(exc))
+        metrics.rejection(exc.reason)
+        response = problem(429, "Too many jobs", str(exc), reason=exc.reason)
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+        return response
+
+    @app.exception_handler(QuotaExceeded)
+    async def over_quota(_: Request, exc: QuotaExceeded) -> Response:
+        metrics.rejection(exc.reason)
+        host = exc.reason.startswith("host_")
+        title = "Host capacity exceeded" if host else "Quota exceeded"
+        response = problem(429, title, str(exc), reason=exc.reason, limit=exc.limit)
         response.headers["Retry-After"] = str(exc.retry_after_s)
         return response
 
@@ -520,7 +541,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(TooManySessions)
     async def too_many_sessions(_: Request, exc: TooManySessions) -> Response:
-        response = problem(429, "Too many sessions", str(exc))
+        metrics.rejection(exc.reason)
+        response = problem(429, "Too many sessions", str(exc), reason=exc.reason)
         response.headers["Retry-After"] = "30"
         return response
 

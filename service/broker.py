@@ -19,14 +19,22 @@ Every request naming a tool gets a call record, appended when it arrives
 
 Nothing from the sandbox is trusted, and one job cannot starve the others:
 
-- past ``max_calls``, or once the job's records hold ``max_record_bytes``
-  (arguments and results), a call is refused without a record (counted in
+- past ``max_calls`` a call is refused without a record (counted in
   ``calls_over_limit``);
+- records hold arguments and results as raw JSON (``orjson.Fragment``), not
+  as Python objects, and at most ``max_record_bytes`` of them per job (and
+  ``CallMemory.max_record_bytes`` for all jobs together): past that, a record
+  keeps its call (tool, status, timing, error) but its ``args`` / ``result``
+  become null with ``args_dropped_bytes`` / ``result_dropped_bytes`` saying
+  how many bytes were not kept;
 - malformed lines get an error reply; a line over ``max_line_bytes`` closes
   its connection; at most ``MAX_CONNECTIONS`` connections per job;
-- at most ``MAX_IN_FLIGHT`` requests per job are handled at once (past that
-  the broker stops reading, so a flooding script blocks on its own socket),
-  and at most ``MAX_ENDPOINT_CALLS`` of them wait on endpoints at once;
+- at most ``MAX_IN_FLIGHT`` requests and ``max_in_flight_bytes`` of request
+  lines per job are handled at once (past that the broker stops reading, so
+  a flooding script blocks on its own socket); a call that would take the
+  request bytes in flight of all jobs past ``CallMemory.max_in_flight_bytes``
+  is refused (``limit_exceeded``, record ``rejected``); at most
+  ``MAX_ENDPOINT_CALLS`` calls per job wait on endpoints at once;
 - arguments and results nested deeper than ``MAX_JSON_DEPTH`` are refused;
 - argument and result checks run on the shared ``CheckScheduler``'s threads, never on the event loop:
   one check of a job at a time, taken fairly between keys and jobs, each within a CPU budget (past it the
@@ -40,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import difflib
+import functools
 import logging
 import os
 import secrets
@@ -78,6 +87,51 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+class CallMemory:
+    """Bytes of tool-call JSON the service holds for all its live jobs, and their two service-wide caps.
+
+    Args:
+        max_record_bytes: arguments and results kept in the call records of all live jobs (JSON bytes); a
+            record that would pass it keeps its call but not its arguments/result (``*_dropped_bytes``).
+        max_in_flight_bytes: request lines of the calls being handled, all jobs together (JSON bytes); a call
+            that would pass it is refused with ``limit_exceeded`` (record ``rejected``).
+
+    A job's broker returns its kept bytes with ``Broker.release`` once the job's final view is saved.
+    Event-loop thread only.
+    """
+
+    def __init__(self, max_record_bytes: int, max_in_flight_bytes: int) -> None:
+        self.max_record_bytes = max_record_bytes
+        self.max_in_flight_bytes = max_in_flight_bytes
+        self.record_bytes = 0
+        self.in_flight_bytes = 0
+
+    def keep(self, size: int) -> bool:
+        """Count ``size`` more record bytes if they fit; False (nothing counted) if not."""
+        if self.record_bytes + size > self.max_record_bytes:
+            return False
+        self.record_bytes += size
+        return True
+
+    def forget(self, size: int) -> None:
+        """Record bytes no longer held."""
+        self.record_bytes -= size
+
+    def enter(self, size: int) -> bool:
+        """Count a request of ``size`` bytes in flight if it fits (one always fits alone); False if not."""
+        if self.in_flight_bytes and self.in_flight_bytes + size > self.max_in_flight_bytes:
+            return False
+        self.in_flight_bytes += size
+        return True
+
+    def leave(self, size: int) -> None:
+        """A request counted by ``enter`` has ended."""
+        self.in_flight_bytes -= size
+
+
+UNBOUNDED = 1 << 62
+
+
 class Broker:
     """Serves one job's socket.
 
@@ -104,6 +158,8 @@ class Broker:
         on_call_end: Callable[[dict[str, Any]], None] | None = None,
         client_call_timeout_s: float = 270.0,
         on_client_calls: Callable[[int], None] | None = None,
+        max_in_flight_bytes: int = UNBOUNDED,
+        memory: CallMemory | None = None,
         *,
         checks: CheckScheduler,
         check_group: str = "",
@@ -117,7 +173,13 @@ class Broker:
         self._endpoints = endpoints
         self._max_calls = max_calls
         self._max_line = max_line_bytes
-        self._record_budget = max_record_bytes
+        self._record_cap = max_record_bytes
+        self._kept = 0  # bytes of args and results kept in this job's records (counted in memory too)
+        self._memory = memory or CallMemory(UNBOUNDED, UNBOUNDED)
+        self._flight_cap = max_in_flight_bytes
+        self._flight_bytes = 0
+        self._flight_freed = asyncio.Event()
+        self._client_args: dict[str, orjson.Fragment] = {}  # the args of client-executed calls while they wait
         self._on_call_end = on_call_end
         self._closing = False
         self._endpoint_slots = asyncio.Semaphore(MAX_ENDPOINT_CALLS)
@@ -173,19 +235,56 @@ class Broker:
                     return
                 if line.strip():
                     await self._in_flight.acquire()
+                    size = await self._flight_room(len(line))
                     if self._closing:
-                        self._in_flight.release()
+                        self._task_done(None, size)
                         return
                     task = asyncio.create_task(self._handle(line, writer, lock))
                     self._tasks.add(task)
-                    task.add_done_callback(self._task_done)
+                    task.add_done_callback(functools.partial(self._task_done, size=size))
         finally:
             self._connections.discard(writer)
             writer.close()
 
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
+    async def _flight_room(self, size: int) -> int:
+        """Wait until this job's requests in flight leave room for ``size`` bytes (one fits alone); returns the
+        bytes counted (``size``, at most the cap)."""
+        size = min(size, self._flight_cap)
+        while self._flight_bytes and self._flight_bytes + size > self._flight_cap:
+            self._flight_freed.clear()
+            await self._flight_freed.wait()
+        self._flight_bytes += size
+        return size
+
+    def _task_done(self, task: asyncio.Task[None] | None, size: int) -> None:
+        if task is not None:
+            self._tasks.discard(task)
         self._in_flight.release()
+        self._flight_bytes -= size
+        self._flight_freed.set()
+
+    def release(self) -> None:
+        """Return this job's kept record bytes to the service-wide account (its final view has been saved)."""
+        self._memory.forget(self._kept)
+        self._kept = 0
+
+    def _keep(self, record: dict[str, Any], field: str, value: Any) -> orjson.Fragment | None:
+        """Keep ``value`` as ``record[field]`` (raw JSON) if the job's and the service's record caps allow;
+        else null with ``<field>_dropped_bytes``. Returns the encoded value (None if it cannot be encoded)."""
+        try:
+            encoded = orjson.dumps(value)
+        except orjson.JSONEncodeError:
+            record[field] = None
+            return None
+        size = len(encoded)
+        fragment = orjson.Fragment(encoded)
+        if self._kept + size <= self._record_cap and self._memory.keep(size):
+            self._kept += size
+            record[field] = fragment
+        else:
+            record[field] = None
+            record[f"{field}_dropped_bytes"] = size
+        return fragment
 
     async def _reply(self, writer: asyncio.StreamWriter, lock: asyncio.Lock, reply: dict[str, Any]) -> None:
         try:
@@ -219,39 +318,66 @@ class Broker:
         if not isinstance(tool_name, str):
             await self._reply(writer, lock, _error(request_id, "bad_request", "the request names no tool"))
             return
-        over = self._over_limit(len(line))
-        if over is not None:
+        if len(self.records) >= self._max_calls:
             self.calls_over_limit += 1
-            await self._reply(writer, lock, _error(request_id, "limit_exceeded", over))
+            message = f"this job may make at most {self._max_calls} tool calls"
+            await self._reply(writer, lock, _error(request_id, "limit_exceeded", message))
             return
-        self._record_budget -= len(line)
-        reply = await self._call(tool_name[:MAX_TOOL_NAME_SHOWN], request.get("args"))
+        name = tool_name[:MAX_TOOL_NAME_SHOWN]
+        if not self._memory.enter(len(line)):
+            reply = self._refuse(name, len(line))
+        else:
+            try:
+                reply = await self._call(name, request.get("args"))
+            finally:
+                self._memory.leave(len(line))
         reply["id"] = request_id
         await self._reply(writer, lock, reply)
 
-    def _over_limit(self, request_bytes: int) -> str | None:
-        if len(self.records) >= self._max_calls:
-            return f"this job may make at most {self._max_calls} tool calls"
-        if request_bytes > self._record_budget:
-            return "this job's call records reached their size limit (arguments and results)"
-        return None
+    def _refuse(self, tool_name: str, size: int) -> dict[str, Any]:
+        """Record a call refused because the service's calls in flight hold their cap of bytes; the reply."""
+        record = self._new_record(tool_name)
+        record["args_dropped_bytes"] = size
+        self.records.append(record)
+        message = (
+            "the service is handling its maximum of tool-call bytes for all jobs (PTC_MAX_CALL_BYTES_IN_FLIGHT_TOTAL);"
+            " try again shortly"
+        )
+        reply = self._fail(record, "rejected", "limit_exceeded", message)
+        record["duration_ms"] = 0.0
+        if self._on_call_end is not None:
+            self._on_call_end(record)
+        return reply
 
-    async def _call(self, tool_name: str, args: Any) -> dict[str, Any]:
-        """Validate, dispatch and record one call; returns the reply without its id."""
-        record: dict[str, Any] = {
+    def _new_record(self, tool_name: str) -> dict[str, Any]:
+        """A new call record with every field of ``schemas.CallRecord`` (in its order), status pending."""
+        return {
             "seq": len(self.records) + 1,
             "call_id": "call_" + secrets.token_hex(8),
             "tool": tool_name,
-            "args": args,
+            "args": None,
             "status": "pending",
+            "result": None,
+            "error": None,
+            "repaired": False,
             "caller": "code",
+            "attempts": None,
             "started_at": _now(),
             "duration_ms": None,
+            "args_dropped_bytes": None,
+            "result_dropped_bytes": None,
         }
+
+    async def _call(self, tool_name: str, args: Any) -> dict[str, Any]:
+        """Validate, dispatch and record one call; returns the reply without its id."""
+        record = self._new_record(tool_name)
+        deep = json_depth(args, MAX_JSON_DEPTH) > MAX_JSON_DEPTH
+        if not deep:
+            self._keep(record, "args", args)
         self.records.append(record)
         started = time.perf_counter()
         try:
-            reply = await self._dispatch(tool_name, args, record)
+            reply = await self._dispatch(tool_name, args, record, deep)
         except asyncio.CancelledError:
             record.update(status="error", error=dict(_CANCELLED))
             raise
@@ -261,7 +387,7 @@ class Broker:
                 self._on_call_end(record)
         return reply
 
-    async def _dispatch(self, tool_name: str, args: Any, record: dict[str, Any]) -> dict[str, Any]:
+    async def _dispatch(self, tool_name: str, args: Any, record: dict[str, Any], deep: bool) -> dict[str, Any]:
         tool = self._tools.get(tool_name)
         if tool is None:
             hint = ""
@@ -271,8 +397,7 @@ class Broker:
                 close = await self._off_loop(difflib.get_close_matches, tool_name, visible, 3)
                 hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
             return self._fail(record, "rejected", "unknown_tool", f"no tool named {tool_name!r}{hint}")
-        if json_depth(args, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
-            record["args"] = None
+        if deep:
             return self._fail(
                 record, "rejected", "invalid_arguments", f"{tool_name}: arguments nested deeper than {MAX_JSON_DEPTH}"
             )
@@ -287,15 +412,16 @@ class Broker:
         if check.problem is not None:
             return self._fail(record, "rejected", "invalid_arguments", f"{tool_name}: {check.problem}")
         if check.repaired:
+            self._unkeep(record, "args")
             if json_depth(check.args, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
-                record["args"] = None
                 return self._fail(
                     record,
                     "rejected",
                     "invalid_arguments",
                     f"{tool_name}: arguments nested deeper than {MAX_JSON_DEPTH}",
                 )
-            record.update(args=check.args, repaired=True)
+            self._keep(record, "args", check.args)
+            record["repaired"] = True
         if tool.endpoint.kind == "client":
             return await self._call_client(tool, check.args, record)
         try:
@@ -323,15 +449,21 @@ class Broker:
             return self._fail(record, "error", "limit_exceeded", f"{tool.name}: result refused: {exc}")
         if wrong is not None:
             return self._fail(record, "error", "invalid_result", f"{tool.name}: {wrong}")
-        try:
-            size = len(orjson.dumps(result))
-        except orjson.JSONEncodeError:
+        encoded = self._keep(record, "result", result)
+        if encoded is None:
             return self._fail(record, "error", "bad_response", f"{tool.name}: the result cannot be encoded as JSON")
-        if size > self._record_budget:
-            return self._fail(record, "error", "limit_exceeded", "this job's call records reached their size limit")
-        self._record_budget -= size
-        record.update(status="ok", result=result)
-        return {"ok": True, "result": result}
+        record["status"] = "ok"
+        return {"ok": True, "result": encoded}
+
+    def _unkeep(self, record: dict[str, Any], field: str) -> None:
+        """Drop ``record[field]`` and give back the bytes it kept."""
+        kept = record[field]
+        record[field] = None
+        record[f"{field}_dropped_bytes"] = None
+        if isinstance(kept, orjson.Fragment):
+            size = len(orjson.dumps(kept))
+            self._kept -= size
+            self._memory.forget(size)
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run CPU-bound checking on the shared check threads (one at a time per job, fairly, within the budget)."""
@@ -341,9 +473,9 @@ class Broker:
     def pending_client_calls(self) -> list[dict[str, Any]]:
         """Client-executed calls waiting for their answer: ``{"call_id", "tool", "args"}`` each, in arrival order."""
         return [
-            {"call_id": r["call_id"], "tool": r["tool"], "args": r["args"]}
+            {"call_id": r["call_id"], "tool": r["tool"], "args": self._client_args[r["call_id"]]}
             for r in self.records
-            if r["call_id"] in self._client_calls and r["status"] == "pending"
+            if r["call_id"] in self._client_args and r["status"] == "pending"
         ]
 
     def answer_client_call(self, call_id: str, ok: bool, value: Any) -> None:
@@ -362,6 +494,7 @@ class Broker:
         future: asyncio.Future[tuple[bool, Any]] = asyncio.get_running_loop().create_future()
         call_id = record["call_id"]
         self._client_calls[call_id] = future
+        self._client_args[call_id] = orjson.Fragment(orjson.dumps(args))
         self._client_calls_changed()
         timeout = tool.timeout_s or self._client_timeout
         try:
@@ -372,6 +505,7 @@ class Broker:
             )
         finally:
             del self._client_calls[call_id]
+            del self._client_args[call_id]
             self._client_calls_changed()
         if not ok:
             kind = str(value.get("type", "client_error"))[:REPORT_FIELD_CAP]

@@ -16,6 +16,7 @@
     ├── SessionClosed        the session has ended                       -> 409
     ├── TooManySessions      max_sessions are live                       -> 429
     ├── QueueFull            all sandbox slots busy and the queue full   -> 429
+    ├── QuotaExceeded        a key's quota, or the host's capacity, used -> 429
     ├── CallNotPending       answer to a client call not waiting for one -> 409
     └── SandboxError         the engine failed us (not the script)      -> 503
         └── EngineUnavailable  the engine cannot be reached             -> 503
@@ -110,6 +111,7 @@ class TooManySessions(PtcError):
     def __init__(self, limit: int) -> None:
         super().__init__(f"{limit} sessions are open already (PTC_MAX_SESSIONS); delete one or retry later")
         self.limit = limit
+        self.reason = "max_sessions"
 
 
 class CallNotPending(PtcError):
@@ -130,3 +132,21 @@ class QueueFull(PtcError):
     def __init__(self, retry_after_s: int) -> None:
         super().__init__(f"the job queue is full; retry after {retry_after_s} s")
         self.retry_after_s = retry_after_s
+        self.reason = "queue_full"
+
+
+class QuotaExceeded(PtcError):
+    """A request would take a key past one of its quotas, or the sandboxes past the host's capacity.
+
+    Attributes:
+        reason: the quota's name (``service.quotas.QUOTA_NAMES``) or ``host_memory_mb`` / ``host_cpus``;
+            a bounded set, used as the ``reason`` label of ``ptc_rejections_total``.
+        limit: the quota (or capacity) in its own unit.
+        retry_after_s: when a retry may succeed (s, at least 1).
+    """
+
+    def __init__(self, message: str, reason: str, limit: float, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.limit = limit
+        self.retry_after_s = max(1, retry_after_s)

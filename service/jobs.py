@@ -8,8 +8,10 @@ Lifecycle::
     (any state not ended when the service stops or dies) --> lost
 
 ``JobManager.submit`` checks a request, admits it (at most ``concurrency``
-running plus ``max_queue`` queued, else ``QueueFull``) and runs it as a task:
-wait for a sandbox slot, start the sandbox with the job's folder (script,
+running plus ``max_queue`` queued, else ``QueueFull``; then its owner's
+quotas, else ``QuotaExceeded``, see ``service.quotas``) and runs it as a task:
+wait for a script slot (shared with session scripts) and room on the host,
+start the sandbox with the job's folder (script,
 generated ``tools`` package, broker socket), enforce ``timeout_s`` and stop
 requests, then remove the sandbox and the folder whatever happened.
 
@@ -35,14 +37,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import orjson
 
-from service import callbacks, logs, verdict
+from service import callbacks, logs, verdict, views
 from service.auth import Caller
-from service.broker import Broker
+from service.broker import Broker, CallMemory
 from service.egress import EgressDenied
 from service.errors import (
     CallNotPending,
@@ -59,6 +61,7 @@ from service.metrics import Metrics
 from service.normalize import Normalized, prepare, view_fields
 from service.output import CappedStream, OutputLog, decode_slice, read_range
 from service.pool import RUNTIME_LABEL, WarmPools
+from service.quotas import HostCapacity, OwnerSlot, Quotas, Slots
 from service.sandbox.base import ExitStatus, SandboxBackend, SandboxSpec, Stream, write_run_files
 from service.schemas import TERMINAL_STATUSES, ExecuteRequest, JobSummary, JobView, McpServer, SessionRequest
 from service.sessions import KILL_CONFIRM_S, SESSION_FEATURE, Session, SessionManager, SessionRun, SessionSandbox
@@ -67,6 +70,7 @@ from service.store import JobQuery, JobStore, StoredJob
 from service.toolkit.cache import CompiledManifest, ManifestCache
 from service.toolkit.endpoints import EndpointClients, ToolCallFailed
 from service.toolkit.validation import CheckScheduler
+from service.views import Body, EncodedView, render_head, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +82,7 @@ KILL_WAIT_S = 30.0
 STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
 SLICE_BYTES = 1024 * 1024
 CALLBACK_DELIVERIES = 32
+OWNER_FILE = "owner"  # in a job's output folder: whose output budget its retained bytes count against
 SANDBOX_LIMITS = ("memory_mb", "cpus", "pids", "tmp_mb")  # a sandbox's own limits (a session's are fixed)
 
 
@@ -122,6 +127,44 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+class _Acquirable(Protocol):
+    """A sandbox slot or a session's turn: ``asyncio.Lock`` or ``quotas.OwnerSlot``."""
+
+    async def acquire(self) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+def _retained(folder: Path) -> tuple[str | None, int]:
+    """The owner of a job's output folder and the bytes it retains (blocking: run it in a thread)."""
+    try:
+        owner: str | None = (folder / OWNER_FILE).read_text()
+    except OSError:
+        owner = None  # written before owners were recorded: counted against nobody
+    size = 0
+    for stream in STREAMS:
+        with contextlib.suppress(OSError):
+            size += (folder / stream).stat().st_size
+    return owner, size
+
+
+def _retained_by_owner(output_dir: Path) -> dict[str, int]:
+    """Retained output bytes per owner in ``output_dir`` (blocking; at start-up)."""
+    totals: Counter[str] = Counter()
+    for folder in output_dir.iterdir():
+        owner, size = _retained(folder)
+        if owner is not None:
+            totals[owner] += size
+    return dict(totals)
+
+
+def _remove_output(folder: Path) -> tuple[str | None, int]:
+    """Delete a job's output folder; returns its owner and the bytes it retained (blocking)."""
+    found = _retained(folder)
+    shutil.rmtree(folder, True)
+    return found
+
+
 def _ms(start: datetime | None, end: datetime | None) -> float | None:
     if start is None or end is None:
         return None
@@ -159,6 +202,7 @@ class Job:
     stop_reason: str | None = None  # why a stop was asked, when not by POST /jobs/{id}/stop
     normalized: Normalized | None = None  # the script's normalization (no repairs when switched off)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    saving: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves reach the store in the order they began
 
     def script(self, request: ExecuteRequest) -> str:
         """The script to run: the request's, as normalization left it."""
@@ -230,15 +274,11 @@ async def wait_for_end_or_client(job: Job, timeout_s: float) -> None:
         waiting.cancel()
 
 
-def view_bytes(view: dict[str, Any]) -> bytes:
-    """The view as JSON bytes, validated against ``JobView`` (the stored and served form)."""
-    return JobView.model_validate(view).model_dump_json().encode()
-
-
-def stored_job(view: dict[str, Any], instance_id: str) -> StoredJob:
-    """The store's row for a job view (its columns, summary and callback flag all derived from the view)."""
-    model = JobView.model_validate(view)
-    summary = JobSummary.model_validate({**model.model_dump(), "calls": len(model.calls)})
+def stored_job(head: dict[str, Any], calls: int, body: bytes, instance_id: str) -> StoredJob:
+    """The store's row for a job view: ``body`` (its JSON), its columns, summary and callback flag from ``head``
+    (the view's fields but its calls) and ``calls`` (how many records it holds)."""
+    model = JobView.model_validate({**head, "calls": [], "pending_calls": []})
+    summary = JobSummary.model_validate({**model.model_dump(), "calls": calls})
     pending = model.callback is not None and model.callback.state == "pending" and model.ended_at is not None
     return StoredJob(
         job_id=model.job_id,
@@ -246,7 +286,7 @@ def stored_job(view: dict[str, Any], instance_id: str) -> StoredJob:
         instance_id=instance_id,
         created_at=model.created_at,
         ended_at=model.ended_at,
-        view=model.model_dump_json().encode(),
+        view=body,
         summary=summary.model_dump_json().encode(),
         callback_pending=pending,
         owner=model.owner,
@@ -276,7 +316,14 @@ class JobManager:
         self._backend = backend
         self._endpoints = endpoints
         self._store = store
-        self._slots = asyncio.Semaphore(settings.concurrency())
+        self._slots = Slots(settings.concurrency())  # one-shot jobs and session scripts alike
+        self._capacity = HostCapacity.from_settings(settings)
+        self._quotas = Quotas(settings, self._capacity)
+        self._call_memory = CallMemory(settings.max_record_bytes_total, settings.max_call_bytes_in_flight_total)
+        self._views = views.ViewCache(settings.view_cache_bytes)
+        self._loading: dict[str, asyncio.Future[EncodedView]] = {}  # ended views being read back from the store
+        self._scanning = asyncio.Lock()  # one stored view indexed at a time
+        self._end_events = views.ByteBudget(settings.view_cache_bytes)
         self._live: dict[str, Job] = {}
         self._admitted = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -299,6 +346,7 @@ class JobManager:
             settings.warm_pool_size,
             settings.warm_pool_max_age_s,
             settings.warm_pool_max_profiles,
+            capacity=self._capacity,
         )
         self._manifests = ManifestCache(self._installation_salt())
         self._checks = CheckScheduler(settings.validation_threads, settings.validation_budget_s)
@@ -341,6 +389,8 @@ class JobManager:
         os.chmod(self._settings.work_dir, 0o700)
         for stored in await self._store.unfinished(self._instance):
             await self._mark_lost(stored)
+        for owner, retained in (await asyncio.to_thread(_retained_by_owner, self._output_dir)).items():
+            self._quotas.output(owner).take(retained)
         for stored in await self._store.callbacks_pending(self._instance):
             self._spawn(self._deliver_callback(stored.job_id), f"callback {stored.job_id}")
         self._spawn(self._purge_loop(), "retention purge")
@@ -386,7 +436,8 @@ class JobManager:
                 if c["status"] == "pending"
             ],
         )
-        await self._store.put(stored_job(view, stored.instance_id))
+        body = b"".join([part async for part in views.stream(render_head(view), [], view["calls"])])
+        await self._store.put(stored_job(view, len(view["calls"]), body, stored.instance_id))
         self._metrics.job_lost()
         log.warning("job %s was %s when the service last stopped: marked lost", stored.job_id, stored.status)
 
@@ -448,7 +499,10 @@ class JobManager:
         cutoff = _now() - timedelta(seconds=self._settings.job_retention_s)
         ids = await self._store.purge(cutoff)
         for job_id in ids:
-            await asyncio.to_thread(shutil.rmtree, self._output_dir / job_id, True)
+            self._views.drop(job_id)
+            owner, retained = await asyncio.to_thread(_remove_output, self._output_dir / job_id)
+            if owner is not None:
+                self._quotas.output(owner).give_back(retained)
         if ids:
             log.info("purged %d job(s) ended before %s", len(ids), cutoff.isoformat())
         return len(ids)
@@ -466,6 +520,7 @@ class JobManager:
             InvalidField: an unknown toolset (another owner's included).
             SessionNotFound: an unknown session (another owner's included).
             QueueFull: ``concurrency`` jobs run and ``max_queue`` wait already.
+            QuotaExceeded: the owner is at one of its job quotas (``Quotas.admit_job``).
         """
         limits = resolve_limits(request, self._settings)
         if request.callback_url and self._callback_secrets.for_owner(owner) is None:
@@ -484,11 +539,13 @@ class JobManager:
             return await self._submit_to_session(request, limits, caller)
         if self._admitted >= self._settings.concurrency() + self._settings.max_queue:
             raise QueueFull(self._settings.retry_after_s)
+        self._quotas.admit_job(owner)
         self._admitted += 1  # counted before the first await, so admission is exact under concurrency
         try:
             job, manifest = await self._new_job(limits, request, request.tools, request.toolset, caller)
         except BaseException:
             self._admitted -= 1
+            self._quotas.job_ended(owner)
             raise
         self._spawn(self._run(job, request, manifest), f"job {job.id}")
         return job
@@ -511,18 +568,21 @@ class JobManager:
         limits = replace(limits, **sandbox_limits)  # the job's view and messages give its session's limits
         if session.queued >= self._settings.max_queue or self._sessions.queued >= self._settings.max_queue:
             raise QueueFull(self._settings.retry_after_s)  # PTC_MAX_QUEUE per session, and for all sessions
-        session.queued += 1  # counted before the first await, so the session's queue bound is exact
         own_tools = bool(request.tools or request.toolset)
+        job_caller = caller if own_tools else Caller(session.owner)  # the session's toolset is its owner's
+        self._quotas.admit_job(job_caller.owner)  # the job's owner, whose quotas it counts against until it ends
+        session.queued += 1  # counted before the first await, so the session's queue bound is exact
         try:
             job, manifest = await self._new_job(
                 limits,
                 request,
                 request.tools if own_tools else session.tools,
                 request.toolset if own_tools else session.toolset,
-                caller if own_tools else Caller(session.owner),  # the session's toolset is its owner's
+                job_caller,
             )
         except BaseException:
             session.queued -= 1
+            self._quotas.job_ended(job_caller.owner)
             raise
         job.session_id = session.id
         self._spawn(self._run_in_session(job, request, manifest, session), f"job {job.id}")
@@ -548,15 +608,17 @@ class JobManager:
         job_id = "job_" + secrets.token_hex(12)
         output_dir = self._output_dir / job_id
         output_dir.mkdir(mode=0o700)
+        (output_dir / OWNER_FILE).write_text(caller.owner)
         retain, inline = self._settings.output_retention_bytes, limits.output_bytes
+        budget = self._quotas.output(caller.owner)
         job = Job(
             id=job_id,
             limits=limits,
             metadata=request.metadata,
             callback_url=request.callback_url,
             output_dir=output_dir,
-            stdout=OutputLog(output_dir / "stdout", inline, retain),
-            stderr=OutputLog(output_dir / "stderr", inline, retain),
+            stdout=OutputLog(output_dir / "stdout", inline, retain, budget),
+            stderr=OutputLog(output_dir / "stderr", inline, retain, budget),
             loop=asyncio.get_running_loop(),
             owner=caller.owner,
             normalized=normalized,
@@ -583,28 +645,34 @@ class JobManager:
             runtime=settings.runtime,
         )
 
-    async def _save(self, job: Job) -> None:
+    async def _save(self, job: Job, final: bool = False) -> None:
+        """Save the job's view (encoded a batch of records at a time); ``final``: also keep it for reading."""
         logs.job(job)  # every save is a status change
         view = job.view_dict()
-        try:
-            row = stored_job(view, self._instance)
-        except ValueError:  # a view that cannot be encoded must still be saved: keep what can be
-            log.exception("job %s: its view cannot be encoded; saving it without output and calls", job.id)
-            view.update(
-                stdout="",
-                stderr="",
-                calls=[],
-                error={"type": "internal_error", "message": "the job's output or calls could not be encoded"},
-            )
-            row = stored_job(view, self._instance)
-        await self._store.put(row)
+        records = snapshot(view["calls"])
+        async with job.saving:  # encoding gives the loop back: a later save must not overtake an earlier one
+            try:
+                encoded = await views.encode(render_head(view), records)
+            except (ValueError, TypeError):  # a view that cannot be encoded must still be saved: keep what can be
+                log.exception("job %s: its view cannot be encoded; saving it without output and calls", job.id)
+                view.update(
+                    stdout="",
+                    stderr="",
+                    calls=[],
+                    error={"type": "internal_error", "message": "the job's output or calls could not be encoded"},
+                )
+                records = []
+                encoded = await views.encode(render_head(view), records)
+            await self._store.put(stored_job(encoded.head, len(records), encoded.body, self._instance))
+        if final:
+            self._views.put(job.id, encoded)
 
     async def _set_status(self, job: Job, status: str) -> None:
         job.status = status
         job.notify()
         await self._save(job)
 
-    async def _acquire(self, job: Job, slots: asyncio.Semaphore | asyncio.Lock) -> bool:
+    async def _acquire(self, job: Job, slots: _Acquirable) -> bool:
         """Wait for a sandbox slot (or the session's turn); False (and nothing held) if the job was stopped first."""
         acquire = asyncio.ensure_future(slots.acquire())
         stopped = asyncio.ensure_future(job.stop_requested.wait())
@@ -634,6 +702,8 @@ class JobManager:
             on_call_end=lambda record: self._call_ended(job, record),
             client_call_timeout_s=settings.client_call_timeout_s,
             on_client_calls=lambda waiting: self._client_calls_changed(job, waiting),
+            max_in_flight_bytes=settings.max_call_bytes_in_flight,
+            memory=self._call_memory,
             checks=self._checks,
             check_group=job.owner,
         )
@@ -641,25 +711,62 @@ class JobManager:
         job.broker = broker
         return broker
 
+    def _slot(self, job: Job) -> OwnerSlot:
+        """The script slot ``job`` takes while it runs (its owner's ``running_jobs`` quota applies)."""
+        return self._slots.of(job.owner, self._quotas.of(job.owner).running_jobs)
+
+    async def _slot_and_sandbox(self, job: Job, spec: SandboxSpec) -> tuple[OwnerSlot, SessionSandbox] | None:
+        """A script slot for ``job`` and its sandbox: a pooled one, or a new one (not started) with room
+        committed on the host; None (nothing held) if the job was stopped first.
+
+        Room is taken from idle pooled sandboxes when needed; when there is none, the job gives its slot
+        back and waits (still ``queued``) for room to be released, so that a job waiting for room never
+        holds a slot a session's script would need to end.
+        """
+        capacity, slot = self._capacity, self._slot(job)
+
+        def fits() -> bool:
+            return capacity.shortfall(spec.memory_mb, spec.cpus) is None
+
+        while await self._acquire(job, slot):
+            sandbox = self._pool.take(spec)
+            if sandbox is not None:
+                return slot, sandbox
+            if self._pool.evict(fits):
+                sandbox = SessionSandbox(self._backend, spec)
+                sandbox.commitment = capacity.commit(spec.memory_mb, spec.cpus)  # given back at its removal
+                return slot, sandbox
+            slot.release()
+            changed = asyncio.ensure_future(capacity.changed().wait())
+            stopped = asyncio.ensure_future(job.stop_requested.wait())
+            capacity.waiting += 1
+            try:
+                await asyncio.wait({changed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                capacity.waiting -= 1
+                changed.cancel()
+                stopped.cancel()
+        return None
+
     async def _run(self, job: Job, request: ExecuteRequest, manifest: CompiledManifest) -> None:
         broker = self._new_broker(job, manifest)
         sandbox: SessionSandbox | None = None
         try:
             await self._save(job)
-            if not await self._acquire(job, self._slots):
+            spec = self._spec(job.limits, {}, self._jobs_dir / job.id, job.id, {})
+            got = await self._slot_and_sandbox(job, spec)
+            if got is None:
                 job.status = "stopped"
                 job.error = {"type": "stopped", "message": "stopped before it started"}
                 return
+            slot, sandbox = got
             try:
                 begin = time.monotonic()
-                spec = self._spec(job.limits, {}, self._jobs_dir / job.id, job.id, {})
-                sandbox = self._pool.take(spec)
-                job.sandbox_start = "warm" if sandbox is not None else "cold"
+                job.sandbox_start = "warm" if sandbox.handle is not None else "cold"
                 job.started_at = _now()
                 await self._set_status(job, "running")
                 started = time.monotonic()  # a cold job's time limit includes its sandbox's start
-                if sandbox is None:
-                    sandbox = SessionSandbox(self._backend, spec)
+                if sandbox.handle is None:
                     await sandbox.start()
                 job.sandbox_id = sandbox.handle.id[:12] if sandbox.handle is not None else None
                 await asyncio.to_thread(write_run_files, sandbox.folder, job.script(request), manifest.stub_source)
@@ -670,7 +777,7 @@ class JobManager:
                 exit_status, ended_by = await self._supervise(job, run, started)
                 self._finish(job, exit_status, ended_by, broker)
             finally:
-                self._slots.release()
+                slot.release()
         except BaseException as exc:
             self._failed(job, exc)
             if isinstance(exc, asyncio.CancelledError):
@@ -703,6 +810,7 @@ class JobManager:
             await self._save(job)
             got_turn = await self._acquire(job, session.turn)
             session.queued -= 1
+            holds_slot = False
             if not got_turn:
                 job.status = "stopped"
                 job.error = {"type": "stopped", "message": "stopped before it started"}
@@ -715,8 +823,18 @@ class JobManager:
                         "message": f"the session ended ({session.status}) before this script's turn",
                     }
                     return
+                session.current_job_id = job.id  # busy from now on; a session that ends stops it
+                slot = self._slot(job)
+                if not await self._acquire(job, slot):
+                    job.status = "stopped"
+                    job.error = {"type": "stopped", "message": job.stop_reason or "stopped before it started"}
+                    return
+                holds_slot = True
+                if session.ended:
+                    job.status = "stopped"
+                    job.error = {"type": "session_closed", "message": f"the session ended ({session.status})"}
+                    return
                 begin = time.monotonic()
-                session.current_job_id = job.id
                 sandbox = session.sandbox
                 stubs = None if session.stub_source == manifest.stub_source else manifest.stub_source
                 await asyncio.to_thread(write_run_files, sandbox.folder, job.script(request), stubs)
@@ -733,6 +851,8 @@ class JobManager:
                 exit_status, ended_by = await self._supervise(job, run, started)
                 self._finish(job, exit_status, ended_by, broker)
             finally:
+                if holds_slot:
+                    slot.release()
                 with contextlib.suppress(Exception):
                     await broker.close()  # before the next script's broker listens on the same path
                 if session.current_job_id == job.id:
@@ -793,7 +913,7 @@ class JobManager:
         job.notify()
         self._spawn(self._save(job), f"save {job.id}")
 
-    async def answer_call(self, job_id: str, caller: Caller, call_id: str, ok: bool, value: Any) -> dict[str, Any]:
+    async def answer_call(self, job_id: str, caller: Caller, call_id: str, ok: bool, value: Any) -> Body:
         """Answer a client-executed call of a running job; returns the job's view after it.
 
         Raises:
@@ -855,12 +975,14 @@ class JobManager:
                 job.status = "lost"
             self._metrics.job_ended(job)
             try:
-                await self._save(job)
+                await self._save(job, final=True)
             except Exception:
                 log.exception("job %s: could not save its final view", job.id)
         finally:
+            broker.release()
             if job.session_id is None:
                 self._admitted -= 1
+            self._quotas.job_ended(job.owner)
             job.notify()
             job.done.set()
             self._live.pop(job.id, None)
@@ -887,15 +1009,16 @@ class JobManager:
         if secret is None:
             log.warning("job %s: its callback cannot be sent: no callback secret for its owner is set", job_id)
             return
-        view = orjson.loads(stored.view)
-        callback = view["callback"]
-        body = stored.view
+        final = await self._encoded(job_id)
+        view = dict(final.head)
+        callback = view["callback"] = dict(view["callback"], attempts=list(view["callback"]["attempts"]))
+        body = final.body
         pending: list[asyncio.Task[None]] = []
 
         def on_attempt(attempt: dict[str, Any]) -> None:
             self._metrics.callback_attempt(attempt)
             callback["attempts"].append(attempt)
-            pending.append(asyncio.ensure_future(self._put_view(stored, view)))
+            pending.append(asyncio.ensure_future(self._put_view(stored, view, final)))
 
         delivered = await callbacks.deliver(
             self._http,
@@ -911,14 +1034,17 @@ class JobManager:
         callback["state"] = "delivered" if delivered else "failed"
         self._metrics.callback_done(delivered)
         await asyncio.gather(*pending, return_exceptions=True)
-        await self._put_view(stored, view)
+        await self._put_view(stored, view, final)
         if not delivered:
             log.warning(
                 "job %s: callback to its callback_url failed after %d attempts", job_id, len(callback["attempts"])
             )
 
-    async def _put_view(self, stored: StoredJob, view: dict[str, Any]) -> None:
-        await self._store.put(stored_job(view, stored.instance_id))
+    async def _put_view(self, stored: StoredJob, head: dict[str, Any], final: EncodedView) -> None:
+        """Save an ended job's view with a new ``head`` (its call records as they were); keep it for reading."""
+        encoded = await views.encode(render_head(head), list(final.records()))
+        await self._store.put(stored_job(encoded.head, len(encoded.spans), encoded.body, stored.instance_id))
+        self._views.put(stored.job_id, encoded)
 
     # -- manifests -----------------------------------------------------------------------------
 
@@ -981,10 +1107,15 @@ class JobManager:
 
         Its ``toolset`` must be ``owner``'s own, unless ``admin``.
 
+        The session counts against its owner's session quotas and commits its memory and CPUs on the host
+        (idle pooled sandboxes give up their room for it) until it ends.
+
         Raises:
             RequestLimitError / InvalidField: a limit past its maximum, an unknown runtime or toolset, a bad
                 manifest (checked now, not at the first script).
             TooManySessions: ``max_sessions`` are open.
+            QuotaExceeded: the owner is at a session quota, or the host has no room (``host_memory_mb``,
+                ``host_cpus``).
             SandboxError: the image cannot run sessions, or the sandbox could not start.
         """
         settings = self._settings
@@ -1014,16 +1145,35 @@ class JobManager:
             )
         spec = self._spec(limits, request.env, self._jobs_dir, None, {LABEL_SESSION: "1"})
         spec = replace(spec, runtime=None if runtime == "runc" else runtime)
-        session = await self._sessions.create(
-            spec,
-            limits={name: getattr(limits, name) for name in (*SANDBOX_LIMITS, "output_bytes")},
-            env=request.env,
-            tools=request.tools,
-            toolset=request.toolset,
-            metadata=request.metadata,
-            owner=owner,
-            **lifetimes,
-        )
+        memory_mb, cpus = limits.memory_mb, limits.cpus
+        self._quotas.admit_session(owner, memory_mb, cpus)  # from here to the commitment: no await
+        try:
+
+            def fits() -> bool:
+                return self._capacity.shortfall(memory_mb, cpus) is None
+
+            if not self._pool.evict(fits):
+                raise self._capacity.refusal(memory_mb, cpus, self._capacity.shortfall(memory_mb, cpus) or "")
+            commitment = self._capacity.commit(memory_mb, cpus)
+            try:
+                session = await self._sessions.create(
+                    spec,
+                    limits={name: getattr(limits, name) for name in (*SANDBOX_LIMITS, "output_bytes")},
+                    env=request.env,
+                    tools=request.tools,
+                    toolset=request.toolset,
+                    metadata=request.metadata,
+                    owner=owner,
+                    **lifetimes,
+                )
+            except BaseException:
+                if commitment is not None:
+                    commitment.release()
+                raise
+        except BaseException:
+            self._quotas.session_ended(owner, memory_mb, cpus)
+            raise
+        session.sandbox.commitment = commitment  # given back when its sandbox is removed
         log.info("session %s started in sandbox %s", session.id, session.view()["sandbox_id"])
         return session.view()
 
@@ -1052,7 +1202,11 @@ class JobManager:
         return session.view()
 
     async def _end_session_jobs(self, session: Session) -> None:
-        """Before a session's sandbox goes: stop the script running in it (queued ones see the session ended)."""
+        """Before a session's sandbox goes: stop the script running in it (queued ones see the session ended).
+
+        Its owner's session quotas are given back here (its host capacity when its sandbox is removed).
+        """
+        self._quotas.session_ended(session.owner, session.limits["memory_mb"], session.limits["cpus"])
         job = self._live.get(session.current_job_id or "")
         if job is None:
             return
@@ -1067,7 +1221,7 @@ class JobManager:
     def live(self, job_id: str, caller: Caller) -> Job | None:
         """The job if it has not been saved as ended yet; raises JobNotFound when it is another owner's.
 
-        Every job a caller names goes through here or ``stored_view``: another owner's job answers
+        Every job a caller names goes through here or ``final``: another owner's job answers
         exactly like one that does not exist (its existence is not revealed).
         """
         job = self._live.get(job_id)
@@ -1076,27 +1230,73 @@ class JobManager:
         return job
 
     async def stored_view(self, job_id: str, caller: Caller) -> bytes:
-        """The saved view (JSON bytes) of a job; raises JobNotFound (for another owner's job too)."""
-        stored = await self._store.get(job_id)
-        if stored is None or not caller.may_access(stored.owner):
-            raise JobNotFound(job_id)
-        return stored.view
+        """The saved view (JSON bytes) of a job that is not live; raises JobNotFound (another owner's too)."""
+        return (await self.final(job_id, caller)).body
 
-    async def view(
-        self, job_id: str, caller: Caller, offsets: dict[Stream, int | None] | None = None
-    ) -> dict[str, Any]:
-        """The job's view; with ``offsets``, a stream's text holds its bytes from that offset.
+    async def final(self, job_id: str, caller: Caller) -> EncodedView:
+        """The encoded view of a job that is not live: kept since it ended, or read back from the store (once
+        for concurrent readers, one view indexed at a time, off the event loop).
+
+        Raises:
+            JobNotFound: no such job, or another owner's (the same answer: existence is not revealed).
+        """
+        encoded = await self._encoded(job_id)
+        if not caller.may_access(encoded.head.get("owner")):  # None: saved before owners were (admin only)
+            raise JobNotFound(job_id)
+        return encoded
+
+    async def _encoded(self, job_id: str) -> EncodedView:
+        """``final`` without the owner check, for the service's own reads; raises JobNotFound."""
+        cached = self._views.get(job_id)
+        if cached is not None:
+            return cached
+        loading = self._loading.get(job_id)
+        if loading is None:
+            loading = self._loading[job_id] = asyncio.ensure_future(self._load(job_id))
+            loading.add_done_callback(lambda _: self._loading.pop(job_id, None))
+        return await asyncio.shield(loading)
+
+    async def _load(self, job_id: str) -> EncodedView:
+        stored = await self._store.get(job_id)
+        if stored is None:
+            raise JobNotFound(job_id)
+        async with self._scanning:
+            head, spans = await asyncio.to_thread(views.scan, stored.view)
+        encoded = EncodedView(head, stored.view, spans)
+        if job_id not in self._live:  # a job saved as running may have ended meanwhile: its own save wins
+            self._views.put(job_id, encoded)
+        return encoded
+
+    def live_view(self, job: Job) -> Body:
+        """A live job's view, rendered a batch of records at a time as it is sent."""
+        return self._render(job.view_dict())
+
+    @staticmethod
+    def _render(view: dict[str, Any]) -> Body:
+        records = snapshot(view["calls"])
+        return views.stream(render_head(view), view.get("pending_calls", []), records)
+
+    async def view(self, job_id: str, caller: Caller, offsets: dict[Stream, int | None] | None = None) -> Body:
+        """The job's view (JSON bytes, or pieces of them); with ``offsets``, a stream's text holds its bytes from
+        that offset.
 
         Raises:
             JobNotFound: no such job, or another owner's.
         """
         job = self.live(job_id, caller)
-        view = job.view_dict() if job is not None else orjson.loads(await self.stored_view(job_id, caller))
-        for stream in STREAMS:
-            offset = (offsets or {}).get(stream)
-            if offset is not None:
+        wanted = {stream: offset for stream, offset in (offsets or {}).items() if offset is not None}
+        if job is not None:
+            view = job.view_dict()
+            for stream, offset in wanted.items():
                 await self._slice(view, stream, offset)
-        return view
+            return self._render(view)
+        final = await self.final(job_id, caller)
+        if not wanted:
+            return final.body
+        head = dict(final.head)
+        for stream, offset in wanted.items():
+            await self._slice(head, stream, offset)
+        return views.stream(render_head(head), [], final.records())
 
     async def _slice(self, view: dict[str, Any], stream: Stream, offset: int) -> None:
         """Put the stream's retained bytes from ``offset`` (at most ``SLICE_BYTES``) into ``view``.
@@ -1119,7 +1319,7 @@ class JobManager:
             await self.stored_view(job_id, caller)
         return await asyncio.to_thread(read_range, self._output_dir / job_id / stream, offset, length)
 
-    async def wait(self, job_id: str, caller: Caller, timeout_s: float) -> dict[str, Any]:
+    async def wait(self, job_id: str, caller: Caller, timeout_s: float) -> Body:
         """Block until the job ends, waits for the client (a client-executed call), or ``timeout_s`` passes.
 
         Returns its view then. Raises JobNotFound (for another owner's job too, at once).
@@ -1129,7 +1329,7 @@ class JobManager:
             await wait_for_end_or_client(job, timeout_s)
         return await self.view(job_id, caller)
 
-    async def stop(self, job_id: str, caller: Caller) -> dict[str, Any]:
+    async def stop(self, job_id: str, caller: Caller) -> Body:
         """Stop the job (SIGTERM to its processes, SIGKILL after the grace); returns its view.
 
         Idempotent: on an ended job it only returns the final view. Raises JobNotFound (another owner's too).
@@ -1156,9 +1356,8 @@ class JobManager:
             elif row.summary:
                 summaries.append(JobSummary.model_validate_json(row.summary))
             else:  # saved before summaries were kept
-                full = await self._store.get(row.job_id)
-                view = orjson.loads(full.view) if full is not None else {}
-                summaries.append(JobSummary.model_validate({**view, "calls": len(view.get("calls", []))}))
+                final = await self._encoded(row.job_id)
+                summaries.append(JobSummary.model_validate({**final.head, "calls": len(final.spans)}))
         return summaries, cursor
 
     async def count(self) -> int:
@@ -1170,29 +1369,41 @@ class JobManager:
 
         Events: ``status`` ``{"status"}`` on each change; ``stdout``/``stderr``
         ``{"offset", "text"}`` for each new piece of output (retained bytes);
-        ``call`` with each call record once it has its outcome; finally ``end``
-        with the final view. A follower that joins late first gets everything
+        ``call`` with each call record (JSON bytes) once it has its outcome; finally ``end``
+        with the final view (JSON bytes). A follower that joins late first gets everything
         so far. Raises JobNotFound (for another owner's job too).
         """
         job = self.live(job_id, caller)
-        if job is None:
-            await self.stored_view(job_id, caller)
+        final = await self.final(job_id, caller) if job is None else None
         offsets = {"stdout": 0, "stderr": 0}
-        sent_calls: set[int] = set()
+        sent = 0  # records before this index have all been sent
+        sent_after: set[int] = set()  # indexes at or past ``sent`` already sent (they ended out of order)
         last_status = None
         while True:
             changed = job.changed() if job is not None else None
-            view = job.view_dict() if job is not None else await self.view(job_id, caller)
-            if view["status"] != last_status:
-                last_status = view["status"]
+            if job is not None:
+                head = job.view_dict()
+                records: list[Any] = head["calls"]
+                encoded: list[Any] = records
+            else:
+                assert final is not None
+                head = final.head
+                records = encoded = list(final.records())
+            if head["status"] != last_status:
+                last_status = head["status"]
                 yield "status", {"status": last_status}
-            for record in view["calls"]:
-                if record["status"] != "pending" and record["seq"] not in sent_calls:
-                    sent_calls.add(record["seq"])
-                    yield "call", record
-            ended = view["status"] in TERMINAL_STATUSES and (job is None or job.done.is_set())
+            for index in range(sent, len(records)):
+                if index in sent_after or (job is not None and records[index]["status"] == "pending"):
+                    continue
+                sent_after.add(index)
+                record = encoded[index]
+                yield "call", views.encode_record(record) if isinstance(record, dict) else bytes(record)
+            while sent in sent_after:
+                sent_after.discard(sent)
+                sent += 1
+            ended = head["status"] in TERMINAL_STATUSES and (job is None or job.done.is_set())
             for stream in STREAMS:
-                retained = view[f"{stream}_retained_bytes"]
+                retained = head[f"{stream}_retained_bytes"]
                 while offsets[stream] < retained:
                     data = await self.read_output(job_id, caller, stream, offsets[stream], 64 * 1024)
                     text, consumed, _ = decode_slice(data, final=ended and offsets[stream] + len(data) >= retained)
@@ -1201,10 +1412,13 @@ class JobManager:
                     yield stream, {"offset": offsets[stream], "text": text}
                     offsets[stream] += consumed
             if ended:
-                yield "end", (view if job is None else await self.view(job_id, caller))
+                end = final if final is not None else await self.final(job_id, caller)
+                async with self._end_events.hold(len(end.body)):  # the end event is sent as one piece
+                    yield "end", end.body
                 return
             assert changed is not None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), 15)
             if job is not None and job.done.is_set() and job_id not in self._live:
                 job = None  # saved as ended: read the final view from the store
+                final = await self._encoded(job_id)

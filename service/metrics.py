@@ -23,6 +23,7 @@ metric                                          labels (values)
 ``ptc_callbacks_total``                         ``state``: delivered | failed (after the last attempt)
 ``ptc_http_requests_total``                     ``method``, ``route`` (the route's template), ``status``
 ``ptc_script_normalizations_total``             ``kind``: a repair of ``service.normalize`` (process-wide)
+``ptc_rejections_total``                        ``reason``: a quota, host capacity or global limit (429s)
 ==============================================  ===============================================================
 
 Tool names come from manifests, which are unbounded: the first
@@ -52,6 +53,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import logs
 from service.normalize import NORMALIZATIONS
+from service.quotas import REJECTION_REASONS
 from service.settings import Settings
 
 if TYPE_CHECKING:
@@ -141,6 +143,16 @@ class Metrics:
             ["method", "route", "status"],
             registry=reg,
         )
+        self.rejections = Counter(
+            "ptc_rejections",
+            "Requests refused with 429, by reason: a key's quota (running_jobs, queued_jobs, sessions, "
+            "session_memory_mb, session_cpus, output_bytes, jobs_per_minute), the host's capacity (host_memory_mb, "
+            "host_cpus) or a global limit (queue_full, max_sessions).",
+            ["reason"],
+            registry=reg,
+        )
+        for reason in REJECTION_REASONS:
+            self.rejections.labels(reason=reason)
         self._state = _StateCollector()
         reg.register(self._state)
         reg.register(NORMALIZATIONS)  # process-wide, counted where scripts are normalized
@@ -212,6 +224,10 @@ class Metrics:
     def callback_done(self, delivered: bool) -> None:
         """Count a callback after its last attempt."""
         self.callbacks.labels(state="delivered" if delivered else "failed").inc()
+
+    def rejection(self, reason: str) -> None:
+        """Count a request refused with 429 (``reason`` one of ``quotas.REJECTION_REASONS``)."""
+        self.rejections.labels(reason=reason if reason in REJECTION_REASONS else OTHER).inc()
 
     def http_request(self, method: str, route: str, status: int) -> None:
         """Count an answered HTTP request."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 ELISION_MARK = "\n[... {n} bytes elided by ptc-sandbox ...]\n"
 
@@ -109,23 +110,35 @@ def _continuation_prefix(data: bytes) -> int:
     return n
 
 
+class Budget(Protocol):
+    """Bytes that may still be retained (``service.quotas.OutputBudget``)."""
+
+    def take(self, wanted: int) -> int:
+        """Of ``wanted`` bytes, how many may be retained."""
+        ...
+
+
 class OutputLog:
     """One stream of a job: the inline ``CappedStream`` plus the retained bytes on disk.
 
     The first ``retain_bytes`` bytes go to ``path`` (unbuffered, so readers see
-    them at once); later bytes are counted but not kept. Written by one thread
-    (the sandbox's output reader), read by any.
+    them at once), as far as ``budget`` (the owner's, shared by all its jobs)
+    grants them; later bytes are counted but not kept. The inline view gets
+    every byte either way. Written by one thread (the sandbox's output reader),
+    read by any.
 
     Args:
         path: the file of retained bytes (created empty).
         inline_bytes: cap of the inline view (head and tail).
         retain_bytes: how many bytes to keep on disk.
+        budget: what the job's owner may still retain (``take(n)`` grants at most ``n``); None: no owner cap.
     """
 
-    def __init__(self, path: Path, inline_bytes: int, retain_bytes: int) -> None:
+    def __init__(self, path: Path, inline_bytes: int, retain_bytes: int, budget: Budget | None = None) -> None:
         self.path = path
         self.inline = CappedStream(inline_bytes)
         self._retain = retain_bytes
+        self._budget = budget
         self.retained_bytes = 0
         self._file = open(path, "wb", buffering=0)
 
@@ -135,8 +148,11 @@ class OutputLog:
         room = self._retain - self.retained_bytes
         if room > 0 and not self._file.closed:
             kept = data[:room]
-            self._file.write(kept)
-            self.retained_bytes += len(kept)
+            if self._budget is not None:
+                kept = kept[: self._budget.take(len(kept))]
+            if kept:
+                self._file.write(kept)
+                self.retained_bytes += len(kept)
 
     def close(self) -> None:
         """No more writes."""

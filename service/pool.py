@@ -20,6 +20,11 @@ refused for that. A pooled sandbox is handed out at most once (popped under
 the event loop, never shared) and is never handed out while being destroyed.
 Each pool refills in the background, one sandbox at a time, to ``size``;
 sandboxes idle longer than ``max_age_s`` are replaced.
+
+With a ``HostCapacity``, each pooled sandbox commits its memory and CPUs
+before it starts (the job that takes it inherits the commitment); a pool
+refills only into room that no job is waiting for, and ``evict`` gives idle
+pooled sandboxes up when a job or session needs their room.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from service.errors import SandboxError
+from service.quotas import HostCapacity
 from service.sandbox.base import SandboxBackend, SandboxSpec
 from service.sessions import SESSION_FEATURE, SessionSandbox
 
@@ -81,6 +87,7 @@ class WarmPool:
         max_age_s: a sandbox idle longer than this is replaced.
         name: the profile's name (``default``, or a short hash) for logs and metrics.
         on_size: called with the number of waiting sandboxes whenever it changes.
+        capacity: the host capacity its sandboxes commit to; None: not counted.
     """
 
     def __init__(
@@ -92,8 +99,10 @@ class WarmPool:
         max_age_s: float,
         name: str,
         on_size: Callable[[str, int], None],
+        capacity: HostCapacity | None = None,
     ) -> None:
         self._backend = backend
+        self._capacity = capacity
         self._spec = spec
         self._folder = folder
         self._size = size
@@ -130,6 +139,21 @@ class WarmPool:
         self._wake.set()
         return sandbox
 
+    def evict_one(self) -> bool:
+        """Give up the oldest waiting sandbox: its room is released now, its container removed in the background.
+
+        Returns whether there was one.
+        """
+        if not self._ready:
+            return False
+        sandbox = self._ready.popleft().sandbox
+        if sandbox.commitment is not None:
+            sandbox.commitment.release()
+            sandbox.commitment = None
+        asyncio.get_running_loop().create_task(sandbox.destroy())
+        self._on_size(self.name, len(self._ready))
+        return True
+
     async def close(self) -> None:
         """Stop refilling and destroy every waiting sandbox."""
         if self._task is not None:
@@ -148,6 +172,11 @@ class WarmPool:
                 self._ready.remove(pooled)
                 await pooled.sandbox.destroy()
             if len(self._ready) + self._starting < self._size:
+                if self._capacity is not None and (
+                    self._capacity.waiting or self._capacity.shortfall(self._spec.memory_mb, self._spec.cpus)
+                ):
+                    await asyncio.sleep(REFILL_BACKOFF_S)  # the room is someone else's: look again later
+                    continue
                 try:
                     self._ready.append(await self._start_one())
                 except SandboxError as exc:
@@ -161,6 +190,8 @@ class WarmPool:
     async def _start_one(self) -> PooledSandbox:
         sandbox = SessionSandbox(self._backend, replace(self._spec, job_dir=self._folder / secrets.token_hex(8)))
         sandbox.stop_reason = "pool"  # until a job takes it (then the job's status)
+        if self._capacity is not None:  # checked by the caller, without an await since
+            sandbox.commitment = self._capacity.commit(self._spec.memory_mb, self._spec.cpus)
         self._starting += 1
         starting = asyncio.ensure_future(sandbox.start())
         try:
@@ -186,6 +217,7 @@ class WarmPools:
         max_age_s: a sandbox idle longer than this is replaced; a pool unused this long is closed.
         max_profiles: pools at most (the default one included).
         on_size: called with (profile name, waiting sandboxes) whenever a pool's size changes.
+        capacity: the host capacity pooled sandboxes commit to; None: not counted.
     """
 
     def __init__(
@@ -197,8 +229,10 @@ class WarmPools:
         max_age_s: float,
         max_profiles: int,
         on_size: Callable[[str, int], None] = lambda _name, _n: None,
+        capacity: HostCapacity | None = None,
     ) -> None:
         self._backend = backend
+        self._capacity = capacity
         self._default = default
         self._folder = folder
         self._size = size
@@ -245,6 +279,17 @@ class WarmPools:
             return None
         return pool.take()
 
+    def evict(self, fits: Callable[[], bool]) -> bool:
+        """Give up idle pooled sandboxes (other profiles' first, then the default's) until ``fits()``.
+
+        Synchronous: their room is free when it returns. Returns ``fits()``.
+        """
+        pools = sorted(self._pools.values(), key=lambda pool: pool.name == DEFAULT_PROFILE)
+        for pool in pools:
+            while not fits() and pool.evict_one():
+                pass
+        return fits()
+
     def sizes(self) -> dict[str, int]:
         """Waiting sandboxes per profile name."""
         return {pool.name: pool.ready for pool in self._pools.values()}
@@ -267,6 +312,7 @@ class WarmPools:
             self._max_age_s,
             name,
             self._on_size,
+            self._capacity,
         )
         self._pools[profile_key(spec)] = pool
         pool.start()

@@ -266,6 +266,12 @@ class CallRecord(BaseModel):
     attempts: int | None = Field(None, description="Attempts made, when an idempotent tool was retried.")
     started_at: datetime
     duration_ms: float | None = Field(description="Milliseconds from arrival to answer.")
+    args_dropped_bytes: int | None = Field(
+        None, description="Set when args were not kept (PTC_MAX_RECORD_BYTES reached): their size in bytes of JSON."
+    )
+    result_dropped_bytes: int | None = Field(
+        None, description="Set when the result was not kept (PTC_MAX_RECORD_BYTES reached): its size in bytes of JSON."
+    )
 
 
 class ScriptRepair(BaseModel):

@@ -39,6 +39,7 @@ import orjson
 
 from service import logs
 from service.errors import SandboxError, SessionClosed, SessionNotFound, TooManySessions
+from service.quotas import Commitment
 from service.sandbox.base import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec, Stream
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class SessionSandbox:
         self.broken: str | None = None
         self.job_id: str | None = None  # the job it ran last (one-shot sandboxes: its only one), for logs
         self.stop_reason = "session"  # what the sandbox_stop log event says when it is removed
+        self.commitment: Commitment | None = None  # host capacity it holds; given back once it is removed
         self._server: asyncio.AbstractServer | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._hello: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -282,6 +284,8 @@ class SessionSandbox:
                 log.warning("session %s: could not remove its sandbox: %s", self.folder.name, exc)
             stop_s = time.monotonic() - begin
             logs.sandbox("sandbox_stop", self.job_id, self.handle.id, stop_s, folder=self.folder.name, reason=why)
+        if self.commitment is not None:
+            self.commitment.release()
         if self._reader is not None and self._reader is not asyncio.current_task():
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._reader), 5)

@@ -35,6 +35,23 @@ class KeyLimits(BaseModel):
     tools: int | None = Field(None, ge=0, description="Most tools in one request's manifest.")
 
 
+class KeyQuotas(BaseModel):
+    """One API key's quotas (``PTC_KEY_QUOTAS``); each replaces the default ``PTC_QUOTA_<NAME>`` for that key.
+
+    A value is taken as it is: 0 allows nothing (e.g. ``{"batch": {"sessions": 0}}``). See ``service.quotas``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    running_jobs: int | None = Field(None, ge=0, description="Jobs (one-shot and session scripts) running at once.")
+    queued_jobs: int | None = Field(None, ge=0, description="Jobs not ended beyond running_jobs (waiting).")
+    sessions: int | None = Field(None, ge=0, description="Sessions open at once.")
+    session_memory_mb: int | None = Field(None, ge=0, description="memory_mb summed over its open sessions (MiB).")
+    session_cpus: float | None = Field(None, ge=0, description="cpus summed over its open sessions.")
+    output_bytes: int | None = Field(None, ge=0, description="Output bytes of its jobs retained on disk (bytes).")
+    jobs_per_minute: int | None = Field(None, ge=0, description="Jobs admitted in any 60 s.")
+
+
 class Settings(BaseSettings):
     """Every setting of the service; each field is the env var ``PTC_<NAME>``.
 
@@ -65,7 +82,9 @@ class Settings(BaseSettings):
         description="Host directory for per-job folders (socket, stubs, script), bind-mounted into sandboxes. "
         "Keep the path short: a unix socket path must fit in 107 bytes.",
     )
-    max_concurrent_sandboxes: int = Field(0, description="Sandboxes running at once; 0 means 2 x CPU count.")
+    max_concurrent_sandboxes: int = Field(
+        0, description="Scripts running at once, one-shot jobs and session scripts alike; 0 means 2 x CPU count."
+    )
 
     default_timeout_s: float = Field(300, gt=0, description="Wall-clock limit of a job when the request sets none (s).")
     max_timeout_s: float = Field(3600, gt=0, description="Largest timeout_s a request may ask for (s).")
@@ -93,9 +112,33 @@ class Settings(BaseSettings):
         1024 * 1024, ge=1024, description="Largest single stub request on the broker socket (bytes)."
     )
     max_record_bytes: int = Field(
+        16 * 1024 * 1024,
+        ge=0,
+        description="Bytes of arguments and results (JSON) a job's call records keep; past it a record keeps its "
+        "call but not its args/result (args_dropped_bytes, result_dropped_bytes) (bytes).",
+    )
+    max_record_bytes_total: int = Field(
+        512 * 1024 * 1024,
+        ge=0,
+        description="The same for the call records of all running jobs together (bytes).",
+    )
+    max_call_bytes_in_flight: int = Field(
+        8 * 1024 * 1024,
+        ge=1024,
+        description="Bytes of tool-call requests of one job handled at once; past it the broker reads no more "
+        "from the job until calls end (bytes).",
+    )
+    max_call_bytes_in_flight_total: int = Field(
         64 * 1024 * 1024,
         ge=1024,
-        description="Bytes of arguments and results a job's call records may hold; later calls are refused (bytes).",
+        description="Bytes of tool-call requests handled at once for all jobs; a call past it is refused "
+        "(ToolError limit_exceeded, record rejected) (bytes).",
+    )
+    view_cache_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        description="Encoded views of ended jobs kept in memory for reading, and of events' end views being sent "
+        "at once (bytes).",
     )
     validation_threads: int = Field(
         4,
@@ -260,6 +303,60 @@ class Settings(BaseSettings):
         default_factory=dict,
         description='Per-key maxima as JSON, e.g. {"agent-a": {"timeout_s": 60, "memory_mb": 512, "tools": 50}}; '
         "fields: timeout_s, memory_mb, cpus, pids, output_bytes, tmp_mb, tools.",
+    )
+
+    # -- quotas per key and host capacity (service/quotas.py) --
+    quota_running_jobs: int | None = Field(
+        None,
+        ge=0,
+        description="Jobs of one key (one-shot and session scripts) running at once; more wait. "
+        "Default: half the concurrency (at least 1).",
+    )
+    quota_queued_jobs: int | None = Field(
+        None,
+        ge=0,
+        description="Jobs of one key that may wait beyond its running ones; past that 429. "
+        "Default: a quarter of PTC_MAX_QUEUE (at least 1).",
+    )
+    quota_sessions: int | None = Field(
+        None, ge=0, description="Sessions one key may have open. Default: a quarter of PTC_MAX_SESSIONS (at least 1)."
+    )
+    quota_session_memory_mb: int | None = Field(
+        None,
+        ge=0,
+        description="memory_mb summed over one key's open sessions (MiB). Default: a quarter of the host memory "
+        "capacity.",
+    )
+    quota_session_cpus: float | None = Field(
+        None, ge=0, description="cpus summed over one key's open sessions. Default: a quarter of the host CPU capacity."
+    )
+    quota_output_bytes: int = Field(
+        1024**3,
+        ge=0,
+        description="Output bytes of one key's jobs retained in the work dir until purged; past it their output "
+        "is no longer retained and new jobs get 429 (bytes).",
+    )
+    quota_jobs_per_minute: int = Field(600, ge=0, description="Jobs one key may submit in any 60 s.")
+    key_quotas: dict[str, KeyQuotas] = Field(
+        default_factory=dict,
+        description='Per-key quotas as JSON, e.g. {"agent-a": {"running_jobs": 8, "sessions": 2}}; fields: '
+        "running_jobs, queued_jobs, sessions, session_memory_mb, session_cpus, output_bytes, jobs_per_minute "
+        "(without authentication the key is named anonymous).",
+    )
+    host_memory_mb: int | None = Field(
+        None, ge=1, description="Host memory sandboxes may commit before overcommit (MiB). Default: the machine's."
+    )
+    host_cpus: float | None = Field(
+        None, gt=0, description="Host CPUs sandboxes may commit before overcommit. Default: the machine's count."
+    )
+    memory_overcommit: float = Field(
+        1.0, gt=0, description="Sandbox memory limits may add up to this times PTC_HOST_MEMORY_MB."
+    )
+    cpu_overcommit: float = Field(
+        8.0,
+        gt=0,
+        description="Sandbox CPU limits may add up to this times PTC_HOST_CPUS (scripts running at once stay "
+        "bounded by the concurrency).",
     )
 
     @field_validator("trusted_proxies")

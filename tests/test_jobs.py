@@ -188,7 +188,14 @@ def test_restart_keeps_ended_jobs_and_marks_running_ones_lost(engine: docker.Doc
 
 
 def test_backpressure_admits_cap_plus_queue_and_refuses_the_rest(scratch: Path) -> None:
-    svc = start_service("pytest-queue", scratch / "queue", PTC_MAX_CONCURRENT_SANDBOXES="2", PTC_MAX_QUEUE="2")
+    svc = start_service(  # the one key may take every slot and the whole queue: the global limits are tested
+        "pytest-queue",
+        scratch / "queue",
+        PTC_MAX_CONCURRENT_SANDBOXES="2",
+        PTC_MAX_QUEUE="2",
+        PTC_QUOTA_RUNNING_JOBS="2",
+        PTC_QUOTA_QUEUED_JOBS="2",
+    )
     try:
         with svc.client() as api, ThreadPoolExecutor(10) as pool:
             body = {"script": "import time\ntime.sleep(3)\nprint('ok')", "wait_s": 0}
@@ -198,6 +205,7 @@ def test_backpressure_admits_cap_plus_queue_and_refuses_the_rest(scratch: Path) 
             assert len(accepted) == 4 and len(refused) == 6
             assert all(r.headers["Retry-After"] == "2" for r in refused)
             assert refused[0].headers["content-type"] == "application/problem+json"
+            assert refused[0].json()["reason"] == "queue_full"
             time.sleep(1)
             statuses = sorted(api.get(f"/jobs/{j['job_id']}").json()["status"] for j in accepted)
             assert statuses == ["queued", "queued", "running", "running"]

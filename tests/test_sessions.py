@@ -301,11 +301,18 @@ def test_idle_session_expires_and_its_sandbox_is_removed(api: httpx.Client, engi
 
 
 def test_max_sessions_is_enforced(engine: docker.DockerClient, scratch: Path) -> None:
-    svc = start_service("pytest-max-sessions", scratch / "max-sessions", PTC_MAX_SESSIONS="2", PTC_WARM_POOL_SIZE="0")
+    svc = start_service(  # the one key may open every session: the global limit is tested
+        "pytest-max-sessions",
+        scratch / "max-sessions",
+        PTC_MAX_SESSIONS="2",
+        PTC_QUOTA_SESSIONS="4",
+        PTC_WARM_POOL_SIZE="0",
+    )
     try:
         with svc.client() as api, ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(lambda _: api.post("/sessions", json={}), range(4)))
             assert sorted(a.status_code for a in answers) == [201, 201, 429, 429]
+            assert {a.json()["reason"] for a in answers if a.status_code == 429} == {"max_sessions"}
             assert len(api.get("/sessions").json()["sessions"]) == 2
     finally:
         svc.stop()

@@ -38,7 +38,11 @@ async def fill(path: Path, template: StoredJob, count: int) -> list[str]:
     for i in range(count):
         job_id = "job_" + secrets.token_hex(12)
         created = template.created_at - timedelta(milliseconds=count - i)
-        await store.put(stored_job({**view, "job_id": job_id, "created_at": created}, template.instance_id))
+        body = orjson.dumps({**view, "job_id": job_id, "created_at": created})
+        row = stored_job(
+            {**view, "job_id": job_id, "created_at": created}, len(view["calls"]), body, template.instance_id
+        )
+        await store.put(row)
         ids.append(job_id)
     total = await store.count()
     await store.close()
