@@ -71,6 +71,7 @@ log = logging.getLogger(__name__)
 
 REPORT_FIELD_CAP = 2000
 MAX_IN_FLIGHT = 1024
+DEFAULT_CHECK_BUDGET_S = 1.0  # CPU time of one check, for a broker without the service's scheduler (s)
 MAX_CONNECTIONS = 32
 MAX_ENDPOINT_CALLS = 64
 MAX_JSON_DEPTH = 64
@@ -144,7 +145,8 @@ class Broker:
         on_call_end: called with each completed record (metrics hook).
         client_call_timeout_s: how long a client-executed call waits for its answer (s).
         on_client_calls: called with the number of client-executed calls waiting, whenever it changes.
-        checks: the service's scheduler of argument and result checks (shared by every job).
+        checks: the service's scheduler of argument and result checks (shared by every job); None: one of the
+            broker's own, with one thread (for a broker used alone, as in tests).
         check_group: the fairness group of this job's checks (the API key that owns the job).
     """
 
@@ -161,10 +163,10 @@ class Broker:
         max_in_flight_bytes: int = UNBOUNDED,
         memory: CallMemory | None = None,
         *,
-        checks: CheckScheduler,
+        checks: CheckScheduler | None = None,
         check_group: str = "",
     ) -> None:
-        self._checks = checks
+        self._checks = checks or CheckScheduler(1, DEFAULT_CHECK_BUDGET_S)
         self._check_group = check_group
         self._client_timeout = client_call_timeout_s
         self._on_client_calls = on_client_calls
