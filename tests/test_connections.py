@@ -55,9 +55,9 @@ def _read_until_closed(sock: socket.socket) -> bytes:
 
 
 def test_partial_headers_are_closed_after_the_header_timeout_and_others_are_served(guarded: Service) -> None:
+    started = time.monotonic()  # before the first connection: each one's deadline starts after this
     slow = [_connect(guarded) for _ in range(SLOW_CLIENTS)]
     try:
-        started = time.monotonic()
         for sock in slow:
             sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # and never the rest
         with guarded.client(timeout=10) as client:
@@ -65,7 +65,7 @@ def test_partial_headers_are_closed_after_the_header_timeout_and_others_are_serv
         answers = [_read_until_closed(sock) for sock in slow]  # before: socket.timeout, they stayed open
         elapsed = time.monotonic() - started
         assert all(a.startswith(b"HTTP/1.1 408 ") for a in answers), answers[0]
-        assert HEADER_TIMEOUT_S - 0.5 < elapsed < HEADER_TIMEOUT_S + 10, elapsed
+        assert HEADER_TIMEOUT_S - 0.05 < elapsed < HEADER_TIMEOUT_S + 10, elapsed
     finally:
         for sock in slow:
             sock.close()

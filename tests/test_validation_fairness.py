@@ -41,14 +41,14 @@ MALLORY_TOKEN = secrets.token_urlsafe(32)
 
 @pytest.fixture(scope="module")
 def shared_by_two_keys(scratch: Path) -> Iterator[Service]:
-    """A service with two check threads (as before the fix) and a second key, ``mallory``, for the attacker."""
+    """A service with a second key, ``mallory``, for the attacker (and the default check threads: more than the
+    attacker's jobs, so the echo calls never wait for a thread; the round-robin when they must is unit-tested)."""
     keys = scratch / f"fairness-keys-{secrets.token_hex(4)}"
     keys.write_text(f"mallory:{hash_token(MALLORY_TOKEN)}\n")
     service = start_service(
         f"pytest-fair-{secrets.token_hex(4)}",
         scratch / f"fair-{secrets.token_hex(4)}",
         PTC_API_KEYS_FILE=str(keys),
-        PTC_VALIDATION_THREADS="2",
         PTC_WARM_POOL_SIZE="1",
     )
     yield service
