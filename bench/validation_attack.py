@@ -49,7 +49,9 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="ptc-attack-"))
     keys = scratch / "keys"
     keys.write_text(f"mallory:{hash_token(MALLORY)}\n")
-    service = start_service(f"bench-attack-{secrets.token_hex(4)}", scratch / "svc", PTC_API_KEYS_FILE=str(keys))
+    service = start_service(  # the per-key running quota raised so that the attacker's three jobs all run
+        f"bench-attack-{secrets.token_hex(4)}", scratch / "svc", PTC_API_KEYS_FILE=str(keys), PTC_QUOTA_RUNNING_JOBS="4"
+    )
     result: dict[str, Any] = {}
     hostile: list[str] = []
     try:

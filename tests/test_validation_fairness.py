@@ -49,6 +49,7 @@ def shared_by_two_keys(scratch: Path) -> Iterator[Service]:
         f"pytest-fair-{secrets.token_hex(4)}",
         scratch / f"fair-{secrets.token_hex(4)}",
         PTC_API_KEYS_FILE=str(keys),
+        PTC_QUOTA_RUNNING_JOBS="4",  # the attacker's three jobs all run (the default quota is half the concurrency)
         PTC_WARM_POOL_SIZE="1",
     )
     yield service
