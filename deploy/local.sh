@@ -16,8 +16,8 @@
 #     --iptables=false --ip-forward=false); sandboxes never need one;
 #   - gVisor: Debian's runsc, registered with the engine as runtime "runsc" in
 #     daemon.json (flags below) before dockerd starts; an engine already running
-#     without it gets SIGHUP (a reload: no restart, its containers keep running);
-#     an engine that already has runsc is left alone. Missing runsc fails under CI=true;
+#     without it (or with it but without --oci-seccomp) gets SIGHUP (a reload: no restart, its containers
+#     keep running); an engine that already has it so is left alone. Missing runsc fails under CI=true;
 #   - the sandbox image (sandbox_image/build.sh; offline base when no registry);
 #   - for the tests only: Debian's docker-compose when no `docker compose` works, and Debian's
 #     prometheus (a real Prometheus scrapes the service in a test).
@@ -64,12 +64,17 @@ setup_venv() {
 }
 
 # gVisor's flags on these machines (measured on these machines): without --network=none runsc refuses to start in the
-# root network namespace; without --host-uds=open a script cannot connect to the broker's bind-mounted socket.
-RUNSC_ARGS=(--network=none --host-uds=open)
+# root network namespace; without --host-uds=open a script cannot connect to the broker's bind-mounted socket;
+# without --oci-seccomp runsc ignores the sandboxes' seccomp profile (service/sandbox/seccomp.py) and the service
+# refuses to start gVisor sandboxes.
+RUNSC_ARGS=(--network=none --host-uds=open --oci-seccomp)
 daemon_json=${PTC_DOCKER_DAEMON_JSON:-/etc/docker/daemon.json}
 dockerd_pidfile=${PTC_DOCKERD_PIDFILE:-/var/run/docker.pid}
 
-runsc_registered() { docker info --format '{{json .Runtimes}}' 2>/dev/null | grep -q '"runsc"'; }
+# Registered with the flags above (an older registration without --oci-seccomp is replaced).
+runsc_registered() {
+  docker info --format '{{json .Runtimes.runsc}}' 2>/dev/null | grep -q -- '"--oci-seccomp"'
+}
 
 install_runsc() {
   if command -v runsc >/dev/null; then return; fi
@@ -81,7 +86,8 @@ register_runsc() {
   as_root python3 "$root/deploy/register_runtime.py" "$1" runsc "$(command -v runsc)" "${RUNSC_ARGS[@]}"
 }
 
-# For a running engine that lacks runsc: register it and reload dockerd with SIGHUP (never a restart).
+# For a running engine that lacks runsc (or has it without --oci-seccomp): register it and reload dockerd with
+# SIGHUP (never a restart).
 setup_runsc() {
   if runsc_registered; then return; fi
   if install_runsc; then
@@ -95,8 +101,8 @@ setup_runsc() {
     fi
   fi
   if runsc_registered; then return; fi
-  if [ "${CI:-}" = true ]; then log "the engine has no runsc runtime (gVisor); CI needs it"; exit 1; fi
-  log "warning: the engine has no runsc runtime (see $daemon_json): the gVisor tests will skip"
+  if [ "${CI:-}" = true ]; then log "the engine has no runsc runtime (gVisor) with --oci-seccomp; CI needs it"; exit 1; fi
+  log "warning: the engine has no runsc runtime with --oci-seccomp (see $daemon_json): the gVisor tests will fail or skip"
 }
 
 setup_engine() {

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import __version__, callbacks
 from service.auth import BearerAuth, Caller, caller, configure, open_paths
-from service.egress import EgressPolicy
+from service.egress import EgressPolicy, OwnAddress
 from service.errors import (
     CallNotPending,
     EngineUnavailable,
@@ -178,7 +178,9 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
                 settings.docker_host, max_workers=4 * settings.concurrency() + 8, runtime=settings.runtime
             )
         endpoints = EndpointClients(
-            settings.tool_timeout_s, settings.max_tool_result_bytes, EgressPolicy(settings.egress_allow)
+            settings.tool_timeout_s,
+            settings.max_tool_result_bytes,
+            EgressPolicy(settings.egress_allow, own=[OwnAddress.of(settings.host, settings.port)]),
         )
         store = SQLiteJobStore(settings.job_store_path())
         await store.open()
@@ -203,7 +205,8 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             await store.close()
             await backend.close()
 
-    app = FastAPI(title="ptc-sandbox", version=__version__, lifespan=lifespan)
+    # No trailing-slash redirects: Starlette would build their Location from the request's Host header.
+    app = FastAPI(title="ptc-sandbox", version=__version__, lifespan=lifespan, redirect_slashes=False)
     metrics = app.state.metrics = Metrics(settings)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(  # no key, no reading of the body

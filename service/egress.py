@@ -9,9 +9,15 @@ of completion callbacks goes through ``EgressTransport``, which:
 1. checks the URL's (scheme, host, port) against the allowlist (``PTC_EGRESS_ALLOW``);
 2. resolves the host name once, for this request;
 3. refuses every resolved address that is not public (private, loopback,
-   link-local, shared, reserved, multicast, cloud metadata; IPv4-mapped and
-   NAT64 IPv6 forms are judged by the IPv4 address inside) unless a rule names
-   that address or its network;
+   link-local, shared, reserved, multicast, cloud metadata; IPv6 forms that embed
+   an IPv4 address are judged by the IPv4 address inside: IPv4-mapped ``::ffff:0:0/96``,
+   IPv4-compatible ``::/96``, NAT64 ``64:ff9b::/96`` and ``64:ff9b:1::/48``, 6to4
+   ``2002::/16``) unless a rule names that address or its network;
+   and refuses the service's own listening address (``PTC_HOST:PTC_PORT``) whatever the
+   rules say: at that port, every loopback address, the unspecified addresses (0.0.0.0
+   and ``::`` reach the local host), the bound address itself and, when the service binds
+   every address (0.0.0.0, ``::``), any address of this host; so a tool call or callback
+   can never reach the service's own API;
 4. connects to an address that passed (never resolving the name again, so a
    second DNS answer cannot swap in another address: no DNS rebinding), with
    the original ``Host`` header and TLS server name, so certificates are still
@@ -63,7 +69,16 @@ METADATA_ADDRESSES: frozenset[IPAddress] = frozenset(
     ipaddress.ip_address(a)
     for a in ("169.254.169.254", "fd00:ec2::254", "168.63.129.16", "100.100.100.200", "192.0.0.192")
 )
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))  # RFC 6052, RFC 8215
+_IPV4_COMPATIBLE = ipaddress.ip_network("::/96")  # deprecated (RFC 4291 2.5.5.1), still ::a.b.c.d
+_SIXTOFOUR = ipaddress.ip_network("2002::/16")  # RFC 3056: 2002:AABB:CCDD::/48 embeds AA.BB.CC.DD
+_LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
+_UNSPECIFIED = (ipaddress.ip_address("0.0.0.0"), ipaddress.ip_address("::"))
+FORBIDDEN_HEADERS = frozenset(
+    {"host", "transfer-encoding", "content-length", "connection", "keep-alive", "te", "trailer", "upgrade"}
+)
+"""Header names (lower case) a manifest may not set (nor any ``proxy-*``): the client frames and routes the
+request itself; a manifest's own framing or hop-by-hop headers could smuggle a second request or reroute it."""
 MAX_TLS_POOLS = 256  # https connection pools (one per name) an EgressTransport keeps
 
 
@@ -72,15 +87,83 @@ class EgressDenied(PtcError):
 
 
 def _normalized(address: IPAddress) -> IPAddress:
-    """The IPv4 address inside an IPv4-mapped (``::ffff:a.b.c.d``) or NAT64 (``64:ff9b::/96``) IPv6 address."""
+    """The IPv4 address an IPv6 address embeds, else the address without its scope.
+
+    Embedding forms: IPv4-mapped (``::ffff:a.b.c.d``), IPv4-compatible (``::a.b.c.d``, not ``::`` nor ``::1``),
+    NAT64 (``64:ff9b::a.b.c.d``, ``64:ff9b:1::/48`` with the IPv4 address in its last 32 bits), 6to4
+    (``2002:AABB:CCDD::/48``).
+    """
     if isinstance(address, ipaddress.IPv6Address):
+        if address.scope_id:
+            address = ipaddress.IPv6Address(str(address).split("%", 1)[0])
         if address.ipv4_mapped is not None:
             return address.ipv4_mapped
-        if address in _NAT64:
+        if address.sixtofour is not None:
+            return address.sixtofour
+        if any(address in prefix for prefix in _NAT64) or (address in _IPV4_COMPATIBLE and int(address) > 1):
             return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
-        if address.scope_id:
-            return ipaddress.IPv6Address(str(address).split("%", 1)[0])
     return address
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` may not name an endpoint or callback (credentials in it), or None.
+
+    Credentials belong in the endpoint's ``headers`` (they stay on the host and out of logs and views);
+    ``user:pass@`` in a URL would be shown wherever the URL is.
+    """
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        return f"not a valid URL: {exc}"
+    if parsed.userinfo:
+        return "credentials in the URL (user:password@) are not allowed; send them in headers"
+    return None
+
+
+def header_problem(name: str) -> str | None:
+    """Why a manifest may not set header ``name`` (``FORBIDDEN_HEADERS``, ``Proxy-*``), or None."""
+    lowered = name.lower()
+    if lowered in FORBIDDEN_HEADERS or lowered.startswith("proxy-"):
+        return f"header {name!r} is set by the service itself (framing and hop-by-hop headers are not allowed)"
+    return None
+
+
+def _is_local(address: IPAddress) -> bool:
+    """Whether ``address`` is one of this host's own addresses (a socket can bind it)."""
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((str(address), 0))
+    except OSError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class OwnAddress:
+    """Where the service itself listens: ``host`` (None: every address, or a name) and ``port``."""
+
+    host: IPAddress | None
+    port: int
+
+    @classmethod
+    def of(cls, host: str, port: int) -> OwnAddress:
+        """From ``PTC_HOST`` and ``PTC_PORT``; a name or an unspecified address means every local address."""
+        address = _ip(host.strip("[]"))
+        if address is not None:
+            address = _normalized(address)
+            if address in _UNSPECIFIED:
+                address = None
+        return cls(address, port)
+
+    def covers(self, address: IPAddress, port: int) -> bool:
+        """Whether a connection to (``address``, ``port``) could reach the service itself."""
+        if port != self.port:
+            return False
+        address = _normalized(address)
+        if address in _UNSPECIFIED or any(address in net for net in _LOOPBACK) or address == self.host:
+            return True
+        return self.host is None and _is_local(address)
 
 
 def is_public(address: IPAddress) -> bool:
@@ -205,13 +288,16 @@ class EgressPolicy:
 
     Args:
         rules: rule texts (``PTC_EGRESS_ALLOW``); default: loopback only.
+        own: where the service itself listens (``OwnAddress.of(PTC_HOST, PTC_PORT)``); refused whatever the
+            rules say.
 
     Raises:
         ValueError: a rule cannot be parsed.
     """
 
-    def __init__(self, rules: Iterable[str] = LOOPBACK_RULES) -> None:
+    def __init__(self, rules: Iterable[str] = LOOPBACK_RULES, own: Iterable[OwnAddress] = ()) -> None:
         self.rules = tuple(EgressRule.parse(rule) for rule in rules if rule.strip())
+        self.own = tuple(own)
 
     def target(self, url: str | httpx.URL) -> Target:
         """Check ``url`` against the rules without resolving it; returns where it points.
@@ -234,12 +320,21 @@ class EgressPolicy:
         if not any(rule.admits_target(scheme, host, port) for rule in self.rules):
             raise EgressDenied(f"{where} is not on the egress allowlist (PTC_EGRESS_ALLOW)")
         address = _ip(host)
+        if address is not None and self.is_own(address, port):
+            raise EgressDenied(f"{where} is this service's own address")
         if address is not None and not self.address_allowed(scheme, address, port):
             raise EgressDenied(f"{where} is a non-public address that no egress rule names")
         return Target(scheme, host, port)
 
+    def is_own(self, address: IPAddress, port: int) -> bool:
+        """Whether (``address``, ``port``) could reach the service itself (``OwnAddress.covers``)."""
+        return any(own.covers(address, port) for own in self.own)
+
     def address_allowed(self, scheme: str, address: IPAddress, port: int) -> bool:
-        """Whether a resolved ``address`` may be contacted: public, or named by an address rule."""
+        """Whether a resolved ``address`` may be contacted: not the service's own, and public or named by an
+        address rule."""
+        if self.is_own(address, port):
+            return False
         return is_public(address) or any(rule.admits_address(scheme, address, port) for rule in self.rules)
 
     async def resolve(self, url: str | httpx.URL) -> tuple[Target, list[IPAddress]]:
@@ -267,6 +362,8 @@ class EgressPolicy:
         allowed = [a for a in addresses if self.address_allowed(target.scheme, a, target.port)]
         if not allowed:
             shown = ", ".join(map(str, addresses)) or "nothing"
+            if any(self.is_own(a, target.port) for a in addresses):
+                raise EgressDenied(f"{target.host} resolves to {shown}: this service's own address")
             raise EgressDenied(f"{target.host} resolves to {shown}: non-public addresses that no egress rule names")
         return target, allowed
 

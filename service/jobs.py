@@ -63,6 +63,7 @@ from service.output import CappedStream, OutputLog, decode_slice, read_range
 from service.pool import RUNTIME_LABEL, WarmPools
 from service.quotas import HostCapacity, OwnerSlot, Quotas, Slots
 from service.sandbox.base import ExitStatus, SandboxBackend, SandboxSpec, Stream, write_run_files
+from service.sandbox.folders import SandboxFolders
 from service.schemas import TERMINAL_STATUSES, ExecuteRequest, JobSummary, JobView, McpServer, SessionRequest
 from service.sessions import KILL_CONFIRM_S, SESSION_FEATURE, Session, SessionManager, SessionRun, SessionSandbox
 from service.settings import Settings
@@ -328,7 +329,8 @@ class JobManager:
         self._admitted = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._removals: set[asyncio.Future[None]] = set()  # sandboxes of ended jobs being removed
-        self._jobs_dir = settings.work_dir / "jobs"
+        self._folders = SandboxFolders(settings.work_dir / "run", settings.sandbox_folders_tmpfs_mb)
+        self._jobs_dir = self._folders.path / "jobs"
         self._output_dir = settings.work_dir / "output"
         self._instance = settings.instance()
         self._instance_labels = {LABEL_MANAGED: "1", LABEL_INSTANCE: self._instance}
@@ -342,7 +344,7 @@ class JobManager:
         self._pool = WarmPools(
             backend,
             self._spec(defaults, {}, self._jobs_dir, None, {}),
-            settings.work_dir / "pool",
+            self._folders.path / "pool",
             settings.warm_pool_size,
             settings.warm_pool_max_age_s,
             settings.warm_pool_max_profiles,
@@ -355,7 +357,7 @@ class JobManager:
         self._metrics.track_pools(self._pool.sizes)
         self._sessions = SessionManager(
             backend,
-            settings.work_dir / "sessions",
+            self._folders.path / "sessions",
             settings.max_sessions,
             before_end=self._end_session_jobs,
             on_count=self._metrics.set_sessions,
@@ -381,6 +383,7 @@ class JobManager:
                 removed,
                 self._instance,
             )
+        await asyncio.to_thread(self._folders.open)  # a tmpfs: sandboxes' mount tables show no host path
         if self._jobs_dir.exists():
             shutil.rmtree(self._jobs_dir, ignore_errors=True)
         for folder in (self._jobs_dir, self._output_dir):
@@ -477,6 +480,7 @@ class JobManager:
             await asyncio.gather(*self._removals, return_exceptions=True)
         await self._sessions.close()
         await self._pool.close()
+        await asyncio.to_thread(self._folders.close)
         await self._http.aclose()
         self._checks.close()
 

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from service.egress import header_problem, url_problem
 from service.toolkit.schema import json_depth
 
 MAX_SCRIPT_CHARS = 8 * 1024 * 1024  # outer bound of the schema; PTC_MAX_SCRIPT_BYTES is the limit (413)
@@ -127,6 +128,9 @@ class ExecuteRequest(BaseModel):
     def _http_url(cls, url: str | None) -> str | None:
         if url is not None and not url.lower().startswith(("http://", "https://")):
             raise ValueError("callback_url must be an absolute http(s) URL")
+        problem = url_problem(url) if url is not None else None
+        if problem:
+            raise ValueError(problem)
         return url
 
 
@@ -212,7 +216,19 @@ class McpServer(BaseModel):
     def _http_url(cls, url: str) -> str:
         if not url.lower().startswith(("http://", "https://")):
             raise ValueError("url must be an absolute http(s) URL")
+        problem = url_problem(url)
+        if problem:
+            raise ValueError(problem)
         return url
+
+    @field_validator("headers")
+    @classmethod
+    def _allowed_headers(cls, headers: dict[str, str]) -> dict[str, str]:
+        for name in headers:
+            problem = header_problem(name)
+            if problem:
+                raise ValueError(problem)
+        return headers
 
 
 class ManifestRequest(BaseModel):

@@ -7,7 +7,7 @@ per script. Files under the working directory (``/tmp``) persist from one
 script to the next; processes do not. Each script is a job of its own (own
 output, call records, time limit and view), run in the order it arrived.
 
-The session's folder (``work_dir/sessions/<session_id>``) is mounted
+The session's folder (``work_dir/run/sessions/<session_id>``) is mounted
 read-only at ``/run/ptc``; the service listens on its ``control.sock``
 before the sandbox starts, and writes each run's ``script.py`` and ``tools``
 package there, with the run's broker on ``tools.sock`` (the one-shot layout).
@@ -132,7 +132,7 @@ class SessionSandbox:
             os.chmod(path, 0o666)
             spec = replace(
                 self.spec,
-                env={**self.spec.env, "PTC_SESSION": "1"},
+                env={"PTC_SESSION": "1"},  # the session's env goes with each run: see run()
                 labels={**self.spec.labels, SANDBOX_LABEL: self.folder.name},  # this sandbox's alone (see start)
             )
             self.handle = await self._backend.start(spec, self._stray_output)
@@ -212,6 +212,12 @@ class SessionSandbox:
                 code = message["exit_code"]
                 if type(code) is not int or not 0 <= code <= 255:
                     raise ValueError(f"an exit code of {str(code)[:20]}")
+                left = message.get("left", 0)
+                if left != 0:  # something of the script survived kill(-1): the sandbox serves nothing more
+                    self.broken = self.broken or (
+                        f"{str(left)[:20]} process(es) of a script were still there after it ended and SIGKILL"
+                    )
+                    log.warning("sandbox %s: %s", self.folder.name, self.broken)
                 run = self._run
                 if run is not None and message["id"] == run.job_id and not run.exit.done():
                     self._run = None
@@ -254,12 +260,17 @@ class SessionSandbox:
             raise SandboxError(f"the session's sandbox went away: {exc}") from exc
 
     async def run(self, job_id: str, env: dict[str, str], sink: OutputSink) -> SessionRun:
-        """Start the script already written to the folder; the caller holds the session's turn."""
+        """Start the script already written to the folder; the caller holds the session's turn.
+
+        The script's environment is the sandbox's ``spec.env`` (a session's env) updated with ``env``; neither is
+        in the container's own environment, so the interpreter's ``/proc/1/environ`` (readable from a script
+        under gVisor) holds only the image's defaults and ``PTC_SESSION``.
+        """
         run = SessionRun(self, job_id, sink)
         self._run = run
         self.job_id = job_id
         try:
-            await self.send({"op": "run", "id": job_id, "env": env})
+            await self.send({"op": "run", "id": job_id, "env": {**self.spec.env, **env}})
         except BaseException:
             self._run = None
             raise

@@ -82,6 +82,12 @@ class Settings(BaseSettings):
         description="Host directory for per-job folders (socket, stubs, script), bind-mounted into sandboxes. "
         "Keep the path short: a unix socket path must fit in 107 bytes.",
     )
+    sandbox_folders_tmpfs_mb: int = Field(
+        1024,
+        ge=0,
+        description="Size of the tmpfs the service mounts at work_dir/run for the sandboxes' folders, so that a "
+        "sandbox's mount table shows no host path (needs root; else a warning) (MiB); 0: none, folders on disk.",
+    )
     max_concurrent_sandboxes: int = Field(
         0, description="Scripts running at once, one-shot jobs and session scripts alike; 0 means 2 x CPU count."
     )

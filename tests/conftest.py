@@ -27,6 +27,7 @@ import httpx
 import pytest
 
 from service.auth import hash_token
+from service.sandbox.docker import runtime_problem
 from tests.toolserver import ToolServer
 
 IMAGE = os.environ.get("PTC_SANDBOX_IMAGE", "ptc-sandbox-runtime:latest")
@@ -63,9 +64,10 @@ def engine() -> docker.DockerClient:
 
 
 def require_runtime(engine: docker.DockerClient, runtime: str) -> None:
-    """Skip (fail under CI=true) unless the engine has ``runtime`` registered (``deploy/local.sh setup`` does it)."""
-    if runtime not in (engine.info().get("Runtimes") or {}):
-        problem = f"the Docker engine has no {runtime!r} runtime (deploy/local.sh setup registers runsc)"
+    """Skip (fail under CI=true) unless the engine has ``runtime`` registered as the service needs it (gVisor
+    with ``--oci-seccomp``; ``deploy/local.sh setup`` does it)."""
+    problem = runtime_problem(runtime, engine.info().get("Runtimes") or {})
+    if problem:
         if in_ci():
             pytest.fail(problem)
         pytest.skip(problem)

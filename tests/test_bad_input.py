@@ -156,7 +156,10 @@ def test_memory_past_the_limit_is_oom_killed(runtime_api: httpx.Client) -> None:
 def test_fork_bomb_is_contained(runtime_api: httpx.Client) -> None:
     script = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     view = execute(runtime_api, script, timeout_s=3)
-    assert view["status"] in ("timed_out", "failed")
+    # Under gVisor, forked interpreters copy more of their memory: the bomb may fill memory_mb before the process
+    # limit (the engine then reports the sandbox OOM-killed); either way it ends within the job, as the job's.
+    assert view["status"] in ("timed_out", "failed", "oom_killed"), view
+    assert view["error"] is None or view["error"]["type"] != "sandbox_error", view
 
 
 def test_sandbox_has_no_network_root_or_writable_root_fs(runtime_api: httpx.Client) -> None:

@@ -116,3 +116,42 @@ async def test_a_lying_sandbox_is_broken_and_its_run_lost(tmp_path: Path, lie: b
     status, output, broken = await run_once(tmp_path, lambda run: lie)
     assert status.lost and status.exit_code == 137 and output == b""
     assert broken
+
+
+async def test_a_run_that_left_processes_behind_breaks_the_sandbox(tmp_path: Path) -> None:
+    status, _, broken = await run_once(
+        tmp_path, lambda run: b'{"op": "exit", "id": "job_1", "exit_code": 0, "oom_killed": false, "left": 2}\n'
+    )
+    assert status == ExitStatus(0, False)  # the script's own exit; the sandbox serves nothing more
+    assert "still there" in broken
+
+
+async def test_a_sessions_env_travels_with_each_run_not_in_the_container(tmp_path: Path) -> None:
+    seen: list[dict[str, object]] = []
+
+    def answer(run: dict[str, object]) -> bytes:
+        seen.append(run)
+        return b'{"op": "exit", "id": "job_1", "exit_code": 0, "oom_killed": false, "left": 0}\n'
+
+    started: list[SandboxSpec] = []
+
+    class Recording(StandIn):
+        async def start(self, spec: SandboxSpec, sink: OutputSink) -> SandboxHandle:
+            started.append(spec)
+            return await super().start(spec, sink)
+
+    async def server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(answer(orjson.loads(await reader.readline())))
+        await writer.drain()
+        await reader.read()
+
+    backend = Recording(server)
+    base = spec(tmp_path / "sandbox")
+    sandbox = SessionSandbox(backend, SandboxSpec(**{**base.__dict__, "env": {"A": "session", "B": "session"}}))
+    await sandbox.start()
+    run = await sandbox.run("job_1", {"B": "run"}, lambda _stream, _data: None)
+    assert await asyncio.wait_for(run.wait(), 10) == ExitStatus(0, False)
+    await sandbox.destroy()
+    await asyncio.gather(*backend.tasks, return_exceptions=True)
+    assert dict(started[0].env) == {"PTC_SESSION": "1"}  # the interpreter's environment (/proc/1/environ)
+    assert seen[0]["env"] == {"A": "session", "B": "run"}

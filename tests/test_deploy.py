@@ -34,7 +34,7 @@ from tests.conftest import IMAGE, ROOT, free_port, in_ci, labelled_containers, w
 
 KUBERNETES = ROOT / "deploy" / "kubernetes"
 KUBERNETES_VERSIONS = ("1.28.0", "1.37.0")  # the oldest and newest minor versions the manifests are checked for
-RUNSC_ARGS = ["--network=none", "--host-uds=open"]
+RUNSC_ARGS = ["--network=none", "--host-uds=open", "--oci-seccomp"]
 # Settings the manifests and the Compose file set that come with the authentication and egress work of
 # issue 6 (service/auth.py, service/egress.py); until that is merged, this branch's Settings ignores them.
 SETTINGS_OF_AUTH = {"PTC_AUTH", "PTC_API_KEYS", "PTC_API_KEYS_FILE", "PTC_METRICS_AUTH", "PTC_EGRESS_ALLOW"}
@@ -173,13 +173,24 @@ def test_running_engine_without_runsc_is_reloaded_not_restarted(fake_engine: Fak
 
 
 def test_engine_that_has_runsc_is_left_alone(fake_engine: FakeEngine) -> None:
-    fake_engine.daemon_json.write_text(json.dumps({"runtimes": {"runsc": {"path": "/opt/runsc"}}}))
+    runsc = {"path": "/opt/runsc", "runtimeArgs": ["--oci-seccomp"]}
+    fake_engine.daemon_json.write_text(json.dumps({"runtimes": {"runsc": runsc}}))
     before = fake_engine.daemon_json.read_text()
     fake_engine.start_dockerd()
     result = fake_engine.local_sh("engine")
     assert result.returncode == 0, result.stderr
     assert fake_engine.daemon_json.read_text() == before  # not even rewritten with this machine's flags
     assert fake_engine.loads() == 1
+
+
+def test_engine_with_runsc_but_not_its_seccomp_flag_is_registered_again(fake_engine: FakeEngine) -> None:
+    fake_engine.daemon_json.write_text(json.dumps({"runtimes": {"runsc": {"path": "/opt/runsc"}}}))
+    fake_engine.start_dockerd()
+    result = fake_engine.local_sh("engine")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(fake_engine.daemon_json.read_text()) == {"runtimes": {"runsc": runsc_entry()}}
+    assert fake_engine.runtimes()["runsc"] == runsc_entry()
+    assert fake_engine.loads() == 2  # reloaded, not restarted
 
 
 def test_register_runsc_merges_once_and_refuses_a_broken_file(tmp_path: Path) -> None:

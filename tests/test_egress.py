@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from service import callbacks
-from service.egress import LOOPBACK_RULES, EgressDenied, EgressPolicy, EgressRule, is_public
+from service.egress import LOOPBACK_RULES, EgressDenied, EgressPolicy, EgressRule, OwnAddress, is_public
 from service.toolkit.endpoints import EndpointClients, ToolCallFailed
 from service.toolkit.manifest import parse_tool
 from tests.conftest import Service, execute
@@ -45,6 +45,10 @@ METADATA_AND_PRIVATE = [
     "http://[::ffff:10.0.0.1]/",
     "http://[64:ff9b::a9fe:a9fe]/",
     "http://0.0.0.0:8080/",
+    "http://[::a9fe:a9fe]/",  # IPv4-compatible ::169.254.169.254
+    "http://[::10.0.0.1]/",
+    "http://[2002:a9fe:a9fe::1]/",  # 6to4 around 169.254.169.254
+    "http://[64:ff9b:1::a9fe:a9fe]/",  # local-use NAT64
 ]
 
 
@@ -192,6 +196,62 @@ def test_default_is_loopback_only() -> None:
     for url in ("http://example.com/x", "http://2130706433/x", *METADATA_AND_PRIVATE):
         with pytest.raises(EgressDenied):
             policy.target(url)
+
+
+def test_ipv6_forms_that_embed_an_ipv4_address_are_judged_by_it() -> None:
+    import ipaddress
+
+    for embedding in ("::ffff:127.0.0.1", "::127.0.0.1", "64:ff9b::7f00:1", "2002:7f00:1::1"):
+        assert EgressPolicy(["*://127.0.0.1:80"]).target(f"http://[{embedding}]/x").host == embedding
+    assert is_public(ipaddress.ip_address("::5db8:d822"))  # ::93.184.216.34: only compared, never contacted
+    EgressPolicy().target("http://[::1]:9/x")  # ::1 and :: are no IPv4-compatible addresses
+    with pytest.raises(EgressDenied):
+        EgressPolicy(["*://*:*"]).target("http://[::]:9/x")
+
+
+def _local_ipv6() -> str | None:
+    """A global IPv6 address of this host's own interfaces (not loopback), if it has one."""
+    try:
+        lines = Path("/proc/net/if_inet6").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hexa, *_, scope, _flags, name = line.split()
+        if name != "lo" and scope == "00":
+            return str(ipaddress_from_hex(hexa))
+    return None
+
+
+def ipaddress_from_hex(hexa: str) -> Any:
+    import ipaddress
+
+    return ipaddress.IPv6Address(int(hexa, 16))
+
+
+@pytest.mark.parametrize("bound", ["127.0.0.1", "0.0.0.0", "::", "localhost"])
+async def test_the_services_own_address_is_refused_whatever_the_rules(bound: str, no_network: None) -> None:
+    own = OwnAddress.of(bound, 8080)
+    policy = EgressPolicy(["*://*:*", "*://127.0.0.0/8:*", "*://[::1]:*", "*://0.0.0.0/0:*", "*://[::/0]:*"], [own])
+    for url in (
+        "http://127.0.0.1:8080/execute",
+        "http://127.9.9.9:8080/execute",
+        "http://[::1]:8080/execute",
+        "http://[::ffff:127.0.0.1]:8080/execute",
+        "http://[::127.0.0.1]:8080/execute",
+        "http://0.0.0.0:8080/execute",
+        "http://[::]:8080/execute",
+    ):
+        with pytest.raises(EgressDenied, match="own address"):
+            policy.target(url)
+    with pytest.raises(EgressDenied, match="own address"):
+        await policy.resolve("http://localhost:8080/execute")
+    assert policy.target("http://127.0.0.1:8081/x").port == 8081  # another port of the host is not the service
+    local = _local_ipv6()
+    if local is not None and bound in ("0.0.0.0", "::", "localhost"):  # every address of the host
+        with pytest.raises(EgressDenied, match="own address"):
+            policy.target(f"http://[{local}]:8080/x")
+    if local is not None and bound == "127.0.0.1":
+        assert policy.target(f"http://[{local}]:8080/x").port == 8080
 
 
 @pytest.mark.parametrize("url", ["file:///etc/passwd", "gopher://127.0.0.1/", "ws://127.0.0.1/"])
@@ -432,3 +492,82 @@ def test_a_script_gets_egress_denied_at_the_first_call_and_nothing_is_sent(
         assert callback.json()["detail"].startswith("callback_url: ")
     time.sleep(0.3)
     assert [listener.accepted for listener in off_list] == [0, 0]
+
+
+def test_a_tool_call_cannot_reach_the_services_own_api(service: Service, api: httpx.Client) -> None:
+    """Default rules (loopback) and a tool whose endpoint is the service itself, with the tenant's own key:
+    every spelling of the service's address is refused before anything is sent."""
+    port = service.url.rsplit(":", 1)[1]
+    spellings = {
+        "v4": f"http://127.0.0.1:{port}/execute",
+        "alias": f"http://127.0.0.2:{port}/execute",
+        "name": f"http://localhost:{port}/execute",
+        "v6": f"http://[::1]:{port}/execute",
+        "mapped": f"http://[::ffff:127.0.0.1]:{port}/execute",
+    }
+    tools = [
+        {
+            "name": name,
+            "parameters": {"type": "object", "additionalProperties": True},
+            "endpoint": {"kind": "http", "url": url, "headers": service.headers},
+        }
+        for name, url in spellings.items()
+    ]
+    script = (
+        "import tools\n"
+        f"for name in {list(spellings)!r}:\n"
+        "    try:\n"
+        "        print(name, 'answered', getattr(tools, name)(script='print(1)'))\n"
+        "    except tools.ToolError as e:\n"
+        "        print(name, e.type)\n"
+    )
+    view = execute(api, script, tools)
+    assert view["stdout"].splitlines() == [f"{name} egress_denied" for name in spellings], view["stdout"]
+    assert all("own address" in c["error"]["message"] for c in view["calls"]), view["calls"]
+
+
+TOOL_URL = "http://127.0.0.1:9/x"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "field"),
+    [
+        ({"kind": "http", "url": "http://user:secret@127.0.0.1:9/x"}, "url"),
+        ({"kind": "mcp", "url": "http://token@127.0.0.1:9/mcp"}, "url"),
+        *(
+            ({"kind": "http", "url": TOOL_URL, "headers": {name: "x"}}, name)
+            for name in ("Host", "transfer-encoding", "Content-Length", "Connection", "Proxy-Authorization", "Upgrade")
+        ),
+    ],
+)
+def test_manifests_with_credentials_in_urls_or_framing_headers_are_refused(
+    api: httpx.Client, endpoint: dict[str, Any], field: str
+) -> None:
+    tools = [{"name": "t", "endpoint": endpoint}]
+    for path, body in (("/toolsets", {"tools": tools}), ("/execute", {"script": "", "tools": tools})):
+        answer = api.post(path, json=body)
+        assert answer.status_code == 422, answer.text
+        loc = answer.json()["errors"][0]["loc"]
+        assert loc[-1] == field, loc
+        assert "secret" not in answer.text
+
+
+def test_mcp_servers_and_callbacks_with_credentials_or_framing_headers_are_refused(
+    restricted_service: Service, tool_server: ToolServer
+) -> None:
+    """Refused when registered, for what they carry (the destinations are on the allowlist)."""
+    allowed = tool_server.url("").rstrip("/")
+    with restricted_service.client() as api:
+        for server, why in (
+            ({"url": allowed.replace("http://", "http://user:secret@") + "/mcp"}, "credentials"),
+            ({"url": f"{allowed}/mcp", "headers": {"Transfer-Encoding": "chunked"}}, "'Transfer-Encoding'"),
+        ):
+            answer = api.post("/toolsets", json={"mcp_servers": [server]})
+            assert answer.status_code == 422, answer.text
+            error = answer.json()["errors"][0]
+            assert error["loc"][:3] == ["body", "mcp_servers", 0] and why in error["msg"], error
+        callback = allowed.replace("http://", "http://user:secret@") + "/callback"
+        answer = api.post("/execute", json={"script": "", "callback_url": callback})
+        assert answer.status_code == 422, answer.text
+        error = answer.json()["errors"][0]
+        assert error["loc"] == ["body", "callback_url"] and "credentials" in error["msg"], error

@@ -394,3 +394,11 @@ def test_callbacks_and_lost_jobs_survive_a_crash(engine: docker.DockerClient, sc
     finally:
         second.stop()
         receiver.httpd.shutdown()
+
+
+def test_a_trailing_slash_is_not_redirected_to_the_hosts_a_request_names(api: httpx.Client) -> None:
+    for path in ("/jobs/", "/sessions/", "/execute/"):
+        answer = api.get(path, headers={"Host": "evil.example"})
+        assert not answer.is_redirect, (path, answer.status_code, answer.headers)
+        assert "evil.example" not in answer.headers.get("location", ""), answer.headers
+        assert answer.status_code in (404, 405) and answer.headers["content-type"] == "application/problem+json"

@@ -8,9 +8,11 @@ fixtures of ``conftest.py``; this module adds what only a runtime can show.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import docker
 import httpx
+import pytest
 
 from tests.conftest import Service, execute, labelled_containers, start_service, wait_until
 
@@ -75,3 +77,23 @@ def test_readyz_names_a_runtime_the_engine_lacks(engine: docker.DockerClient, sc
         assert labelled_containers(engine, svc.instance_id, include_pool=True) == []
     finally:
         svc.stop()
+
+
+@pytest.mark.parametrize("session", [False, True], ids=["one-shot", "session"])
+def test_the_mount_table_shows_no_host_path_of_the_work_dir(
+    runtime_api: httpx.Client, runtime_service: Service, session: bool
+) -> None:
+    body: dict[str, Any] = {}
+    if session:
+        created = runtime_api.post("/sessions", json={})
+        assert created.status_code == 201, created.text
+        body["session_id"] = created.json()["session_id"]
+    try:
+        view = execute(runtime_api, "print(open('/proc/self/mountinfo').read())", **body)
+    finally:
+        if session:
+            runtime_api.delete(f"/sessions/{body['session_id']}")
+    mounts = view["stdout"]
+    assert " /run/ptc " in mounts, mounts
+    for path in {str(runtime_service.work_dir), str(runtime_service.work_dir.resolve())}:
+        assert path not in mounts, mounts

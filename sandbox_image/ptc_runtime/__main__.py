@@ -120,6 +120,7 @@ if __name__ == "__main__":
     sys.path[:] = [p for p in sys.path if p not in ("", os.getcwd())]
     compiled = None
     if os.environ.get("PTC_SESSION") == "1":
+        from ptc_runtime.confine import CLEAN_IMPORT_ENV
         from ptc_runtime.session import serve
 
         run = serve(compile_script)
@@ -127,10 +128,15 @@ if __name__ == "__main__":
             sys.exit(0)
         compiled, env = run  # in the forked child of one script: run it like a one-shot job
         os.environ.update(env)
+        os.environ.update(CLEAN_IMPORT_ENV)  # never the run's to change (the service refuses PYTHON* names anyway)
         if "TZ" in env:
             import time
 
             time.tzset()
+    else:  # one-shot: this process runs the script itself, as the sandbox user
+        from ptc_runtime.confine import drop, no_user_namespaces_filter
+
+        drop(no_user_namespaces_filter(), own_session=False)
     try:
         exit_fast(main(sys.argv, compiled))
     except SystemExit as exc:

@@ -14,28 +14,43 @@ Control protocol: one JSON object per line in both directions.
 - server -> service: ``{"op": "out", "id": job_id, "stream": "stdout"|"stderr", "n": n}``
   followed by exactly n raw bytes of the script's output;
 - service -> server: ``{"op": "signal", "id": job_id, "signal": "SIGTERM"|"SIGKILL"}``;
-- server -> service: ``{"op": "exit", "id": job_id, "exit_code": n, "oom_killed": bool}``
+- server -> service: ``{"op": "exit", "id": job_id, "exit_code": n, "oom_killed": bool, "left": n}``
   once the script's process has ended, every other process of the sandbox
-  has been killed and all output has been sent; ``{"op": "error", "message":
-  ...}`` for a request it cannot follow.
+  has been killed and all output has been sent; ``left`` counts the
+  processes still listed after ``KILL_DEADLINE_S`` (anything but 0 and the
+  service ends the sandbox); ``{"op": "error", "message": ...}`` for a
+  request it cannot follow.
 
 The script is compiled here, before the fork (up to ``PRECOMPILE_BYTES``; a
 larger one is compiled by the child, so that compiling it cannot exhaust the
-server). The forked child makes itself a process group, the OOM killer's
-first choice and ordinary (dumpable) again; it takes pipes as stdout and
-stderr, applies the run's ``env``, and returns from ``serve`` so that
-``__main__`` runs it exactly as a one-shot job runs its script. The server
-itself is not dumpable: a script (same user, no capabilities) cannot ptrace
-it or open its memory or descriptors. ``exit_code`` follows the shell
-convention: the exit status, or 128 + N for a death by signal N. The server
-runs as the container's init (pid 1): it collects every orphan, and a script
-can neither kill nor stop it (the kernel drops signals sent to a namespace's
-init from inside it unless the init handles them).
-``oom_killed`` says the kernel's OOM killer acted during the run (read from
-the memory cgroup's ``oom_kill`` counter: ``memory.events`` on cgroup v2,
-``memory/memory.oom_control`` on v1); where no counter is readable, a
-SIGKILL the server did not send counts as an OOM kill. Nothing of a script
-outlives it: files under the working directory (``/tmp``) do.
+server). The forked child confines itself (``ptc_runtime.confine.drop``: its
+own session, the sandbox user 10001 with no capability, dumpable, the OOM
+killer's first choice, no user namespaces, a clean import path for its
+subprocesses); it takes pipes as stdout and stderr, applies the run's ``env``,
+and returns from ``serve`` so that ``__main__`` runs it exactly as a one-shot
+job runs its script. ``exit_code`` follows the shell convention: the exit
+status, or 128 + N for a death by signal N.
+
+The server is the container's init (pid 1) and, when the service starts the
+sandbox as root with only ``CAP_SETUID``/``CAP_SETGID``/``CAP_KILL`` (images
+labelled ``privsep``), stays root while every script runs as 10001: no script
+can signal it, ptrace it or open its ``/proc`` files, under runc (which also
+drops signals sent to a namespace's init from inside it) and gVisor (which
+does not) alike. It also makes itself not dumpable. It collects every orphan.
+
+Nothing of a script outlives it. When the script's process has ended (or is
+to be killed), the server sends SIGKILL to every other process with
+``kill(-1)`` (the kernel's list, not names or ``/proc`` states: a process whose
+main thread has exited shows as a zombie there but is killed like any other),
+collects them, and checks that ``/proc`` lists nothing but itself; what is
+still listed after ``KILL_DEADLINE_S`` is reported (``left``). Files under the
+working directory (``/tmp``) do outlive the script.
+
+``oom_killed`` says the kernel's OOM killer acted during the run, read from
+the memory cgroup's ``oom_kill`` counter (``memory.events`` on cgroup v2,
+``memory/memory.oom_control`` on v1), which a script cannot write; where no
+counter is readable (gVisor) it is never claimed: a SIGKILL proves nothing,
+and gVisor's OOM kill ends the whole sandbox, which the engine reports.
 """
 
 from __future__ import annotations
@@ -47,31 +62,19 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+from ptc_runtime.confine import drop, no_user_namespaces_filter, prepare, set_dumpable
 
 RUN_DIR = "/run/ptc"
 CONTROL_SOCKET = os.path.join(RUN_DIR, "control.sock")
 SCRIPT = os.path.join(RUN_DIR, "script.py")
 READ_BYTES = 64 * 1024
-KILL_ROUNDS = 200
+KILL_DEADLINE_S = 2.0  # how long the end of a run waits for the killed to be gone before it gives up on the sandbox
 PRECOMPILE_BYTES = 64 * 1024  # larger scripts are compiled by the child: compiling them could exhaust the server
-PR_SET_DUMPABLE = 4
 DRAIN_S = 2.0
 OOM_COUNTERS = ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control")
 SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL}
-
-
-def set_dumpable(dumpable: bool) -> None:
-    """prctl(PR_SET_DUMPABLE): a process that is not dumpable cannot be ptraced, nor its /proc/<pid>/mem or
-    fd entries opened, by another process of the same user without CAP_SYS_PTRACE (which no sandbox has).
-    The server makes itself so, so that a script cannot take it over; each script's process is made dumpable
-    again (ordinary). Best effort: without ctypes or prctl the server runs as it is."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 1 if dumpable else 0, 0, 0, 0)
-    except (ImportError, OSError, AttributeError):
-        pass
 
 
 def oom_kills() -> Optional[int]:
@@ -88,33 +91,20 @@ def oom_kills() -> Optional[int]:
     return None
 
 
-def _alive(pid: int) -> bool:
+def others() -> List[str]:
+    """Every process of the sandbox but this one (which is its init), alive or a zombie not yet collected, as
+    the kernel lists them: ``/proc`` of the sandbox's pid namespace, which a script cannot hide a process from."""
+    keep = {str(os.getpid()), "1"}  # "1": the init, should the interpreter not be it
+    return [name for name in os.listdir("/proc") if name.isdigit() and name not in keep]
+
+
+def kill_all_once() -> None:
+    """kill(-1, SIGKILL) from the sandbox's init: the kernel sends it to every process of the pid namespace (and
+    those below it) but the caller, whatever their state or name; ``CAP_KILL`` reaches the sandbox user's."""
     try:
-        with open("/proc/%d/stat" % pid, "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
-
-
-def kill_others() -> bool:
-    """SIGKILL every process of the sandbox but init and this server, until none is left; False if some stay."""
-    keep = {1, os.getpid()}
-    for _ in range(KILL_ROUNDS):
-        try:
-            pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
-        except OSError:
-            return False
-        live = [pid for pid in pids if pid not in keep and _alive(pid)]
-        if not live:
-            return True
-        for pid in live:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.001)
-    return False
+        os.kill(-1, signal.SIGKILL)
+    except OSError:  # ESRCH: nobody else there
+        pass
 
 
 def ended_children() -> Iterator[Tuple[int, int]]:
@@ -137,7 +127,6 @@ class _Run:
         self.pid = pid
         self.pipes = pipes  # read end -> stream name
         self.oom_before = oom_before
-        self.killed = False
         self.status: Optional[int] = None
 
 
@@ -151,6 +140,8 @@ class Server:
         self.buffer = b""
         self.run: Optional[_Run] = None
         self.wake_r, self.wake_w = os.pipe()
+        self.filter = no_user_namespaces_filter()
+        prepare(self.filter)
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
 
@@ -203,13 +194,8 @@ class Server:
             return self.start(str(request["id"]), dict(request.get("env") or {}))
         if op == "signal" and self.run is not None and request.get("id") == self.run.job_id:
             number = SIGNALS.get(request.get("signal"), signal.SIGKILL)
-            if number == signal.SIGKILL:
-                self.run.killed = True
-                try:
-                    os.killpg(self.run.pid, signal.SIGKILL)
-                except OSError:
-                    pass
-                kill_others()
+            if number == signal.SIGKILL:  # everything of the script: the end of the run checks that it is gone
+                kill_all_once()
             else:
                 try:
                     os.killpg(self.run.pid, number)
@@ -246,14 +232,12 @@ class Server:
         return None
 
     def become_child(self, out_r: int, out_w: int, err_r: int, err_w: int) -> None:
-        os.setpgid(0, 0)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any Python process
-        set_dumpable(True)
-        try:  # the script, not the server, is the one the OOM killer takes when the sandbox runs out of memory
-            with open("/proc/self/oom_score_adj", "w") as f:
-                f.write("1000")
-        except OSError:
-            pass
+        try:
+            drop(self.filter)  # its own session, the sandbox user, no capability (ptc_runtime.confine)
+        except OSError as exc:
+            os.write(err_w, ("ptc_runtime: cannot drop privileges: %s\n" % exc).encode())
+            os._exit(126)
         os.environ.pop("PTC_SESSION", None)  # the script sees the environment a one-shot job sees
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -281,29 +265,39 @@ class Server:
         os.close(fd)
         del run.pipes[fd]
 
-    def reap(self) -> None:
-        """Collect every ended child (the server is the sandbox's init: orphans are its children too); end the run
-        when its script's process is among them."""
+    def collect(self) -> None:
+        """Collect every ended child (the server is the sandbox's init: orphans are its children too), keeping the
+        wait status of the run's script."""
         run = self.run
         for pid, status in ended_children():
             if run is not None and pid == run.pid and run.status is None:
                 run.status = status
+
+    def reap(self) -> None:
+        """Collect ended children; end the run when its script's process is among them."""
+        run = self.run
+        self.collect()
         if run is not None and run.status is not None and self.run is run:
             self.end_run(hung_up=False)
+
+    def kill_all(self) -> List[str]:
+        """SIGKILL every process of the sandbox but this one, collect them, and return the pids still listed
+        after ``KILL_DEADLINE_S`` ([] when none is: the sandbox holds nothing but the interpreter)."""
+        deadline = time.monotonic() + KILL_DEADLINE_S
+        while True:
+            kill_all_once()
+            self.collect()
+            left = others()
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.0005)
 
     def end_run(self, hung_up: bool) -> None:
         """The script's process has ended (or the service left): kill the rest, send the output, then exit."""
         run = self.run
         if run is None:
             return
-        if run.status is None:  # the service hung up mid-run
-            try:
-                os.killpg(run.pid, signal.SIGKILL)
-            except OSError:
-                pass
-        kill_others()
-        for _ in ended_children():  # the zombies of the killed: they hold pids until init collects them
-            pass
+        left = self.kill_all()
         if hung_up:
             return
         deadline = time.monotonic() + DRAIN_S
@@ -322,12 +316,11 @@ class Server:
             number = 0
             exit_code = os.WEXITSTATUS(status)
         oom_after = oom_kills()
-        if run.oom_before is not None and oom_after is not None:
-            oom = oom_after > run.oom_before
-        else:
-            oom = number == signal.SIGKILL and not run.killed
+        # No counter (gVisor shows none): no claim. A SIGKILL proves nothing (a script can send it to itself);
+        # gVisor's OOM kills the whole sandbox, which the engine reports.
+        oom = run.oom_before is not None and oom_after is not None and oom_after > run.oom_before
         self.run = None
-        self.send({"op": "exit", "id": run.job_id, "exit_code": exit_code, "oom_killed": oom})
+        self.send({"op": "exit", "id": run.job_id, "exit_code": exit_code, "oom_killed": oom, "left": len(left)})
 
 
 def serve(compile_script: Callable[[str], Any]) -> Optional[Tuple[Any, Dict[str, str]]]:

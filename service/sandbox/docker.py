@@ -25,16 +25,52 @@ from docker.utils.socket import frames_iter
 
 from service.errors import EngineUnavailable, SandboxError
 from service.sandbox.base import RUN_DIR, ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec
+from service.sandbox.seccomp import profile_json
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MIB = 1024 * 1024
 SANDBOX_USER = "10001:10001"
+PRIVSEP_USER = "0:0"
+PRIVSEP_CAPS = ["SETUID", "SETGID", "KILL"]  # the resident interpreter's; every script drops them (10001, none)
+PRIVSEP_FEATURE = "privsep"
+RUNTIME_LABEL = "io.ptc-sandbox.runtime"
+GVISOR = "runsc"
+# gVisor (this runsc, ptrace platform) holds host tasks for its own threads: measured, 8 per idle process of the
+# sandbox and about 25 per process at the peak of a fork bomb (32 processes: 795 host tasks; 64: 1,691).
+GVISOR_PROCESS_SHARE = 4  # the sandbox user's processes and threads inside gVisor: pids // this
+GVISOR_HOST_TASKS_PER_PID = 8  # the host's pids cgroup: pids * this + base
+GVISOR_HOST_TASKS_BASE = 64
 OUTPUT_DRAIN_S = 5.0
 SWEEP_SETTLE_ROUNDS = 40  # x 0.25 s
 _STREAMS = {1: "stdout", 2: "stderr"}
 FALLBACK_API_VERSION = "1.41"  # Docker 20.10's API; every later engine still serves it
+GVISOR_SECCOMP_FLAGS = frozenset({"--oci-seccomp", "--oci-seccomp=true", "-oci-seccomp", "-oci-seccomp=true"})
+"""runsc flags that make gVisor apply the container's seccomp profile to the sandboxed processes."""
+
+
+def runtime_problem(name: str, runtimes: Mapping[str, Any]) -> str | None:
+    """Why the engine's runtime ``name`` cannot run sandboxes, or None when it can.
+
+    ``runtimes`` is ``docker info``'s ``Runtimes`` ({name: {"path": ..., "runtimeArgs": [...]}}). A gVisor
+    runtime (its path ends in ``runsc``) must carry ``--oci-seccomp``: without it runsc ignores the seccomp
+    profile (``service/sandbox/seccomp.py``), and a script could use io_uring and create user namespaces.
+    """
+    entry = runtimes.get(name)
+    if entry is None:
+        return (
+            f"the Docker engine has no runtime {name!r}; registered: {', '.join(sorted(runtimes)) or 'none'} "
+            "(deploy/local.sh setup registers runsc)"
+        )
+    path = str((entry or {}).get("path") or "")
+    args = set((entry or {}).get("runtimeArgs") or ())
+    if path.rsplit("/", 1)[-1] == "runsc" and not args & GVISOR_SECCOMP_FLAGS:
+        return (
+            f"the Docker engine's runtime {name!r} is gVisor without --oci-seccomp, so the sandboxes' seccomp "
+            "profile would not apply (deploy/local.sh setup registers runsc with it)"
+        )
+    return None
 
 
 class DockerBackend(SandboxBackend):
@@ -58,6 +94,8 @@ class DockerBackend(SandboxBackend):
         self._runtime = runtime
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ptc-docker")
         self._readers: dict[str, threading.Thread] = {}
+        self._privsep: dict[str, bool] = {}  # image -> whether its runtime drops privileges itself (see _create)
+        self._runtimes_ok: set[str | None] = {None}  # runtimes checked by runtime_problem; None: the engine's default
 
     @staticmethod
     def _connect(base_url: str | None, max_workers: int, version: str | None) -> docker.DockerClient:
@@ -75,21 +113,49 @@ class DockerBackend(SandboxBackend):
                 raise SandboxError(f"the Docker engine refused: {exc.explanation or exc}") from exc
             raise EngineUnavailable(f"the Docker engine is not reachable: {type(exc).__name__}") from exc
 
+    def _image_privsep(self, image: str) -> bool:
+        """Whether ``image``'s runtime runs scripts as 10001 when started as root (its label lists ``privsep``);
+        cached per image for the life of the backend (a rebuilt image needs a restart anyway, see the pool)."""
+        if image not in self._privsep:
+            attrs = self._api.inspect_image(image)  # type: ignore[no-untyped-call]
+            labels = (attrs.get("Config") or {}).get("Labels") or {}
+            self._privsep[image] = PRIVSEP_FEATURE in str(labels.get(RUNTIME_LABEL, "")).split(",")
+        return self._privsep[image]
+
     def _create(self, spec: SandboxSpec) -> str:
+        """Create (not start) the sandbox's container.
+
+        An image labelled ``privsep`` starts as root holding only ``PRIVSEP_CAPS``: the resident interpreter keeps
+        them, each script runs as 10001 with none (``ptc_runtime/confine.py``), so no script can signal, ptrace
+        or read the interpreter under runc or gVisor. Other images run as 10001 with no capability at all.
+        Under gVisor the host's pids cgroup also counts gVisor's own threads, and when it is full gVisor itself
+        cannot make a thread and the whole sandbox dies. So the script's processes and threads are bounded inside
+        gVisor's kernel (``RLIMIT_NPROC`` of the sandbox user: ``pids // GVISOR_PROCESS_SHARE``, fork then fails
+        with EAGAIN as under runc), and the host's cgroup gets ``pids * GVISOR_HOST_TASKS_PER_PID +
+        GVISOR_HOST_TASKS_BASE``, above what that many processes of a fork bomb make gVisor hold.
+        """
+        privsep = self._image_privsep(spec.image)
+        ulimits = [
+            Ulimit(name="nofile", soft=spec.open_files, hard=spec.open_files),
+            Ulimit(name="fsize", soft=spec.file_size_mb * MIB, hard=spec.file_size_mb * MIB),
+        ]
+        host_pids = spec.pids
+        if spec.runtime == GVISOR:
+            inside = max(4, spec.pids // GVISOR_PROCESS_SHARE)
+            ulimits.append(Ulimit(name="nproc", soft=inside, hard=inside))
+            host_pids = spec.pids * GVISOR_HOST_TASKS_PER_PID + GVISOR_HOST_TASKS_BASE
         host_config = self._api.create_host_config(
             network_mode="none",
             read_only=True,
             tmpfs={"/tmp": f"size={spec.tmp_mb}m,mode=1777,nosuid,nodev"},
             cap_drop=["ALL"],
-            security_opt=["no-new-privileges"],
+            cap_add=PRIVSEP_CAPS if privsep else None,
+            security_opt=["no-new-privileges", f"seccomp={profile_json()}"],
             mem_limit=spec.memory_mb * MIB,
             memswap_limit=spec.memory_mb * MIB,
             nano_cpus=int(spec.cpus * 1e9),
-            pids_limit=spec.pids,
-            ulimits=[
-                Ulimit(name="nofile", soft=spec.open_files, hard=spec.open_files),
-                Ulimit(name="fsize", soft=spec.file_size_mb * MIB, hard=spec.file_size_mb * MIB),
-            ],
+            pids_limit=host_pids,
+            ulimits=ulimits,
             mounts=[Mount(target=RUN_DIR, source=str(spec.job_dir), type="bind", read_only=True)],
             init=False,  # the runtime's server is pid 1 itself (ptc_runtime/session.py): no other process to trust
             ipc_mode="private",
@@ -99,7 +165,7 @@ class DockerBackend(SandboxBackend):
         )
         container = self._api.create_container(
             spec.image,
-            user=SANDBOX_USER,
+            user=PRIVSEP_USER if privsep else SANDBOX_USER,
             working_dir="/tmp",
             environment=dict(spec.env),
             labels=dict(spec.labels),
@@ -130,7 +196,21 @@ class DockerBackend(SandboxBackend):
 
         return threading.Thread(target=read, name=f"ptc-output-{container_id[:12]}", daemon=True)
 
+    def _check_runtime(self, name: str | None) -> None:
+        """Raise SandboxError when the engine's runtime ``name`` cannot run hardened sandboxes (``runtime_problem``)."""
+        if name in self._runtimes_ok:
+            return
+        assert name is not None
+        runtimes = self._api.info().get("Runtimes") or {}
+        if name not in runtimes:
+            return  # the engine refuses it itself ("Unknown runtime")
+        problem = runtime_problem(name, runtimes)
+        if problem:
+            raise SandboxError(problem)
+        self._runtimes_ok.add(name)  # a refusal is not remembered: the operator may register the runtime meanwhile
+
     def _start_blocking(self, spec: SandboxSpec, sink: OutputSink) -> str:
+        self._check_runtime(spec.runtime)
         container_id = self._create(spec)
         try:
             reader = self._attach(container_id, sink)
@@ -227,11 +307,9 @@ class DockerBackend(SandboxBackend):
                 runtimes = (await self._run(self._api.info)).get("Runtimes") or {}
             except SandboxError as exc:
                 return False, str(exc)
-            if self._runtime not in runtimes:
-                return False, (
-                    f"the Docker engine has no runtime {self._runtime!r} (PTC_RUNTIME); registered: "
-                    f"{', '.join(sorted(runtimes)) or 'none'} (deploy/local.sh setup registers runsc)"
-                )
+            problem = runtime_problem(self._runtime, runtimes)
+            if problem:
+                return False, f"{problem} (PTC_RUNTIME)"
         try:
             await self._run(self._api.inspect_image, image)
         except SandboxError:

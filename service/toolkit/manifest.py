@@ -28,6 +28,7 @@ import referencing.exceptions
 import regex
 from jsonschema.exceptions import ValidationError
 
+from service.egress import header_problem, url_problem
 from service.errors import ManifestError
 from service.toolkit.schema import JsonSchema, json_depth, to_json_schema
 from service.toolkit.validation import budgeted, canonical, enum_keyword, tick
@@ -297,6 +298,9 @@ def parse_endpoint(raw: Any, loc: tuple[str | int, ...]) -> Endpoint:
         url = raw.get("url")
         if not isinstance(url, str) or not url.lower().startswith(("http://", "https://")):
             raise ManifestError(f"an {kind} endpoint needs an absolute http(s) url", (*loc, "url"))
+        problem = url_problem(url)
+        if problem:
+            raise ManifestError(problem, (*loc, "url"))
         headers = raw.get("headers") or {}
         if not isinstance(headers, Mapping) or not all(
             isinstance(k, str) and _HEADER_NAME.fullmatch(k) and isinstance(v, str) and _HEADER_VALUE.fullmatch(v)
@@ -306,6 +310,10 @@ def parse_endpoint(raw: Any, loc: tuple[str | int, ...]) -> Endpoint:
                 "headers must map header names (RFC 9110 tokens) to values without control characters",
                 (*loc, "headers"),
             )
+        for name in headers:
+            problem = header_problem(name)
+            if problem:
+                raise ManifestError(problem, (*loc, "headers", name))
         timeout = raw.get("timeout_s")
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600
