@@ -21,6 +21,7 @@ import uvicorn
 from service import logs
 from service.api import create_app
 from service.auth import KEY_NAME, hash_token
+from service.connections import ConnectionGuard, guarded_protocol, parse_networks
 from service.errors import InsecureConfig, WorkDirBusy
 from service.settings import Settings
 
@@ -63,6 +64,15 @@ def main(argv: list[str] | None = None) -> int:
         log_config=None,  # uvicorn's records go through the handler of logs.configure
         access_log=False,  # the service logs each request itself (the "request" event)
         timeout_graceful_shutdown=10,
+        http=guarded_protocol(
+            ConnectionGuard(
+                settings.max_connections,
+                settings.max_connections_per_address,
+                parse_networks(settings.trusted_proxies),
+            ),
+            settings.header_timeout_s,
+            settings.body_timeout_s,
+        ),
     )
     return 0
 

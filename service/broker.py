@@ -6,7 +6,9 @@ order, by ``{"id": n, "ok": true, "result": ...}`` or ``{"id": n, "ok": false,
 "error": {"type", "message"}}``. Each request is handled in its own task, so
 many calls are in flight at once on one connection. One control request
 exists: ``{"id": n, "op": "report", "error": {...}}``, by which the runtime
-describes the script's uncaught exception; it is kept as the job's ``error``.
+describes the script's uncaught exception; it is kept as ``script_report``,
+the script's own claim: the job's ``error`` is built from what the service
+observed (``service.verdict``), with this report only labelled inside it.
 
 Every request naming a tool gets a call record, appended when it arrives
 (``seq`` in arrival order, status ``pending``) and completed when it ends:
@@ -34,7 +36,9 @@ Nothing from the sandbox is trusted, and one job cannot starve the others:
   is refused (``limit_exceeded``, record ``rejected``); at most
   ``MAX_ENDPOINT_CALLS`` calls per job wait on endpoints at once;
 - arguments and results nested deeper than ``MAX_JSON_DEPTH`` are refused;
-- argument validation runs on a worker thread, never on the event loop;
+- argument and result checks run on the shared ``CheckScheduler``'s threads, never on the event loop:
+  one check of a job at a time, taken fairly between keys and jobs, each within a CPU budget (past it the
+  call is refused, type ``limit_exceeded``);
 - once ``close`` begins, nothing new is read or dispatched, and calls still
   in flight end ``cancelled``: the records are final.
 """
@@ -50,7 +54,6 @@ import os
 import secrets
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -58,15 +61,17 @@ from typing import Any, TypeVar
 import orjson
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from service.errors import CallNotPending
+from service.errors import CallNotPending, CheckTooCostly
 from service.toolkit.endpoints import EndpointClients, ToolCallFailed
 from service.toolkit.manifest import ToolSpec
 from service.toolkit.schema import json_depth
+from service.toolkit.validation import CheckScheduler
 
 log = logging.getLogger(__name__)
 
 REPORT_FIELD_CAP = 2000
 MAX_IN_FLIGHT = 1024
+DEFAULT_CHECK_BUDGET_S = 1.0  # CPU time of one check, for a broker without the service's scheduler (s)
 MAX_CONNECTIONS = 32
 MAX_ENDPOINT_CALLS = 64
 MAX_JSON_DEPTH = 64
@@ -75,10 +80,6 @@ MAX_HINTS = 20  # unknown-tool calls per job that get "did you mean" hints (diff
 HINT_NAME_MAX = 64
 HINT_CANDIDATES = 1000
 T = TypeVar("T")
-# Argument and result checks run here: a few threads of their own, so that a slow check (a big array with
-# uniqueItems, a large enum) can delay only the calls of jobs that make such calls, never the event loop,
-# job start-up or manifest compilation.
-_VALIDATION_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ptc-validate")
 RETRY_BACKOFF_S = 0.2
 RETRY_BACKOFF_MAX_S = 5.0
 
@@ -144,6 +145,9 @@ class Broker:
         on_call_end: called with each completed record (metrics hook).
         client_call_timeout_s: how long a client-executed call waits for its answer (s).
         on_client_calls: called with the number of client-executed calls waiting, whenever it changes.
+        checks: the service's scheduler of argument and result checks (shared by every job); None: one of the
+            broker's own, with one thread (for a broker used alone, as in tests).
+        check_group: the fairness group of this job's checks (the API key that owns the job).
     """
 
     def __init__(
@@ -158,7 +162,12 @@ class Broker:
         on_client_calls: Callable[[int], None] | None = None,
         max_in_flight_bytes: int = UNBOUNDED,
         memory: CallMemory | None = None,
+        *,
+        checks: CheckScheduler | None = None,
+        check_group: str = "",
     ) -> None:
+        self._checks = checks or CheckScheduler(1, DEFAULT_CHECK_BUDGET_S)
+        self._check_group = check_group
         self._client_timeout = client_call_timeout_s
         self._on_client_calls = on_client_calls
         self._client_calls: dict[str, asyncio.Future[tuple[bool, Any]]] = {}
@@ -176,12 +185,11 @@ class Broker:
         self._on_call_end = on_call_end
         self._closing = False
         self._endpoint_slots = asyncio.Semaphore(MAX_ENDPOINT_CALLS)
-        self._validating = asyncio.Semaphore(1)
         self._hints_left = MAX_HINTS
         self._per_tool: dict[str, asyncio.Semaphore] = {}
         self.records: list[dict[str, Any]] = []
         self.calls_over_limit = 0
-        self.reported_error: dict[str, Any] | None = None
+        self.script_report: dict[str, Any] | None = None
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._connections: set[asyncio.StreamWriter] = set()
@@ -399,7 +407,10 @@ class Broker:
             return self._fail(
                 record, "rejected", "not_allowed", f"{tool_name} is not callable from code (see its allowed_callers)"
             )
-        check = await self._off_loop(tool.check_arguments, args)
+        try:
+            check = await self._off_loop(tool.check_arguments, args)
+        except CheckTooCostly as exc:
+            return self._fail(record, "rejected", "limit_exceeded", f"{tool_name}: arguments refused: {exc}")
         if check.problem is not None:
             return self._fail(record, "rejected", "invalid_arguments", f"{tool_name}: {check.problem}")
         if check.repaired:
@@ -434,7 +445,10 @@ class Broker:
         """Check a result (depth, output schema, the job's record budget) and record it; returns the reply."""
         if json_depth(result, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
             return self._fail(record, "error", "bad_response", f"the result is nested deeper than {MAX_JSON_DEPTH}")
-        wrong = await self._off_loop(tool.check_result, result)
+        try:
+            wrong = await self._off_loop(tool.check_result, result)
+        except CheckTooCostly as exc:
+            return self._fail(record, "error", "limit_exceeded", f"{tool.name}: result refused: {exc}")
         if wrong is not None:
             return self._fail(record, "error", "invalid_result", f"{tool.name}: {wrong}")
         encoded = self._keep(record, "result", result)
@@ -454,9 +468,8 @@ class Broker:
             self._memory.forget(size)
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run CPU-bound checking on the validation threads, one at a time per job, never on the event loop."""
-        async with self._validating:
-            return await asyncio.get_running_loop().run_in_executor(_VALIDATION_THREADS, fn, *args)
+        """Run CPU-bound checking on the shared check threads (one at a time per job, fairly, within the budget)."""
+        return await self._checks.run(self._check_group, self, fn, *args)
 
     @property
     def pending_client_calls(self) -> list[dict[str, Any]]:
@@ -543,7 +556,7 @@ class Broker:
         return {"ok": False, "error": error}
 
     def _keep_report(self, error: Any) -> None:
-        """Keep the last report (the runtime's comes after the script's code); it is informational only."""
+        """Keep the last report (the runtime's comes after the script's code): the script's unverified claim."""
         if not isinstance(error, dict):
             return
         kept: dict[str, Any] = {}
@@ -554,7 +567,7 @@ class Broker:
             if isinstance(error.get(key), int) and not isinstance(error.get(key), bool):
                 kept[key] = error[key]
         if "type" in kept:
-            self.reported_error = kept
+            self.script_report = kept
 
 
 def _scrub(message: str, tool: ToolSpec) -> str:

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import httpx
 import orjson
 
-from service import callbacks, logs, views
+from service import callbacks, logs, verdict, views
 from service.auth import Caller
 from service.broker import Broker, CallMemory
 from service.egress import EgressDenied
@@ -58,7 +58,7 @@ from service.errors import (
     WorkDirBusy,
 )
 from service.metrics import Metrics
-from service.normalize import Normalized, prepare, view_fields, with_hint
+from service.normalize import Normalized, prepare, view_fields
 from service.output import CappedStream, OutputLog, decode_slice, read_range
 from service.pool import RUNTIME_LABEL, WarmPools
 from service.quotas import HostCapacity, OwnerSlot, Quotas, Slots
@@ -70,6 +70,7 @@ from service.settings import Settings
 from service.store import JobQuery, JobStore, StoredJob
 from service.toolkit.cache import CompiledManifest, ManifestCache
 from service.toolkit.endpoints import EndpointClients, ToolCallFailed
+from service.toolkit.validation import CheckScheduler
 from service.views import Body, EncodedView, render_head, snapshot
 
 log = logging.getLogger(__name__)
@@ -200,7 +201,7 @@ class Job:
     sandbox_id: str | None = None  # the engine's container id, once the job has one
     session_id: str | None = None  # the session it runs in (not counted in the admission of one-shot jobs)
     stop_reason: str | None = None  # why a stop was asked, when not by POST /jobs/{id}/stop
-    normalized: Normalized | None = None  # the script's normalization (None: switched off by the request)
+    normalized: Normalized | None = None  # the script's normalization (no repairs when switched off)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     saving: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves reach the store in the order they began
 
@@ -350,6 +351,7 @@ class JobManager:
             capacity=self._capacity,
         )
         self._manifests = ManifestCache(self._installation_salt())
+        self._checks = CheckScheduler(settings.validation_threads, settings.validation_budget_s)
         self._metrics = metrics or Metrics(settings)
         self._metrics.track_jobs(self._live)
         self._metrics.track_pools(self._pool.sizes)
@@ -480,6 +482,7 @@ class JobManager:
         await self._pool.close()
         await asyncio.to_thread(self._folders.close)
         await self._http.aclose()
+        self._checks.close()
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
@@ -705,6 +708,8 @@ class JobManager:
             on_client_calls=lambda waiting: self._client_calls_changed(job, waiting),
             max_in_flight_bytes=settings.max_call_bytes_in_flight,
             memory=self._call_memory,
+            checks=self._checks,
+            check_group=job.owner,
         )
         job.calls = broker.records
         job.broker = broker
@@ -954,7 +959,8 @@ class JobManager:
             job.error = {"type": "sandbox_error", "message": exit_status.lost}
         else:
             job.status = "succeeded" if exit_status.exit_code == 0 else "failed"
-            job.error = with_hint(broker.reported_error, job.normalized) if exit_status.exit_code != 0 else None
+            code = exit_status.exit_code
+            job.error = verdict.failure(code, job.normalized, broker.script_report) if code != 0 else None
 
     async def _cleanup(self, job: Job, broker: Broker, sandbox: SessionSandbox | None) -> None:
         """Save the final view, tell waiters, then remove the job's own ``sandbox`` (and folder). Never raises.

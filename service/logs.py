@@ -10,8 +10,8 @@ event               fields
 ``request``         ``method``, ``route`` (template), ``path``, ``status``, ``duration_ms``, ``job_id`` (of the path,
                     or the job a ``POST /execute`` created), ``key``
 ``job``             ``job_id``, ``status``, ``key``; when it ends also ``exit_code``, ``error_type``,
-                    ``duration_ms``, ``queue_ms``, ``sandbox_start``, ``sandbox_id``, ``calls``,
-                    ``stdout_bytes``, ``stderr_bytes``
+                    ``script_error_type`` (``error.script_report.type``: the script's claim), ``duration_ms``,
+                    ``queue_ms``, ``sandbox_start``, ``sandbox_id``, ``calls``, ``stdout_bytes``, ``stderr_bytes``
 ``sandbox_start``   ``job_id``, ``sandbox_id``, ``mode`` (warm, cold, session), ``start_ms``; with ``job_id`` null,
                     a container started ahead of jobs: ``mode`` pool, or session (with ``session_id``)
 ``sandbox_stop``    ``job_id`` (null for pool and session sandboxes), ``sandbox_id``, ``reason``, ``stop_ms``
@@ -58,6 +58,7 @@ QUIET_LIBRARIES = ("httpx", "httpcore")
 TERMINAL = frozenset({"succeeded", "failed", "timed_out", "stopped", "oom_killed", "lost"})
 SUMMARY_TOOLS = 20
 PATH_CHARS = 200
+MAX_CLAIMED_TYPE = 100  # characters of a script-reported exception type that the job event logs
 _job_keys: dict[str, str | None] = {}
 
 
@@ -153,6 +154,7 @@ def job(job: Job) -> None:
         fields.update(
             exit_code=job.exit_code,
             error_type=(job.error or {}).get("type"),
+            script_error_type=_claimed_type(job.error),
             duration_ms=_ms(job.started_at, job.ended_at),
             queue_ms=_ms(job.created_at, job.started_at or job.ended_at),
             sandbox_start=job.sandbox_start,
@@ -164,6 +166,14 @@ def job(job: Job) -> None:
     event("job", **fields)
     if job.status in TERMINAL and job.calls:
         tool_calls(job.id, key, job.calls)
+
+
+def _claimed_type(error: dict[str, Any] | None) -> str | None:
+    """The exception type the script's runtime reported (unverified), when it looks like a Python class name."""
+    claimed = ((error or {}).get("script_report") or {}).get("type")
+    if isinstance(claimed, str) and len(claimed) <= MAX_CLAIMED_TYPE and claimed.isidentifier():
+        return claimed
+    return None
 
 
 def tool_calls(job_id: str, key: str | None, records: list[dict[str, Any]]) -> None:

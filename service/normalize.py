@@ -62,6 +62,7 @@ __all__ = [
     "count",
     "normalize",
     "prepare",
+    "verdict_only",
     "view_fields",
     "with_hint",
 ]
@@ -72,6 +73,7 @@ MAX_COMPILES = 16  # compile attempts per script (each repair sequence costs one
 MAX_CHARS = 64 * 1024  # longer scripts run as sent: compiling holds the GIL (about 1 ms per KiB here)
 MAX_PROSE_LINES = 100  # non-blank lines of text around a fenced block; more is not "prose around a script"
 MAX_HINT_TEXT = 60
+MAX_ERROR_TEXT = 2000  # characters of a compile error's message and text, as the in-sandbox runtime caps them
 SYNTAX_ERRORS = frozenset({"SyntaxError", "IndentationError", "TabError"})
 
 NORMALIZATIONS = Counter(
@@ -104,12 +106,15 @@ class Normalized:
         repairs: the repairs made, in the order applied (empty: ``script is original``).
         hint: when the script still does not compile, a one-line hint for a recognized
             mechanical cause (literal escapes, fences, shell wrapper, unbalanced quotes, ...), else None.
+        compile_error: when the script still does not compile, the service's own compile error as a job
+            ``error`` (``type``, ``message``, and for a SyntaxError ``line``, ``column``, ``text``), else None.
     """
 
     script: str
     original: str
     repairs: tuple[Repair, ...] = ()
     hint: str | None = None
+    compile_error: dict[str, Any] | None = None
 
     @property
     def changed(self) -> bool:
@@ -710,7 +715,26 @@ def normalize(script: str) -> Normalized:
     found = _search(script, frozenset(), _Budget())
     if found is not None:
         return Normalized(found[0], script, tuple(found[1]))
-    return Normalized(script, script, hint=_hint(script, error))
+    return Normalized(script, script, hint=_hint(script, error), compile_error=_error_fields(error))
+
+
+def verdict_only(script: str) -> Normalized:
+    """``script`` unchanged, with its ``compile_error`` when it does not compile (unexamined past ``MAX_CHARS``)."""
+    error = _compile_error(script) if len(script) <= MAX_CHARS else None
+    return Normalized(script, script, compile_error=_error_fields(error) if error is not None else None)
+
+
+def _error_fields(error: BaseException) -> dict[str, Any]:
+    """A compile error as the job view's ``error`` shows it (messages capped like the runtime's)."""
+    fields: dict[str, Any] = {"type": type(error).__name__, "message": str(error)[:MAX_ERROR_TEXT]}
+    if isinstance(error, SyntaxError):
+        fields.update(
+            message=str(error.msg)[:MAX_ERROR_TEXT],
+            line=error.lineno,
+            column=error.offset,
+            text=(error.text or "").rstrip("\n")[:MAX_ERROR_TEXT] or None,
+        )
+    return fields
 
 
 def _short(line: str) -> str:
@@ -775,10 +799,11 @@ def count(normalized: Normalized) -> None:
         NORMALIZATIONS.labels(kind=repair.kind).inc()
 
 
-async def prepare(script: str, enabled: bool) -> Normalized | None:
-    """``normalize(script)`` on a worker thread, its repairs counted; None when the request switched it off."""
+async def prepare(script: str, enabled: bool) -> Normalized:
+    """``normalize(script)`` on a worker thread, its repairs counted; when the request switched it off, the script
+    unchanged with only the service's compile verdict (``compile_error``; no repair, no hint)."""
     if not enabled:
-        return None
+        return await asyncio.to_thread(verdict_only, script)
     normalized = await asyncio.to_thread(normalize, script)
     count(normalized)
     return normalized

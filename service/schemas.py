@@ -297,8 +297,19 @@ class ScriptRepair(BaseModel):
     detail: str
 
 
+class ScriptReport(BaseModel):
+    """What the in-sandbox runtime said of the script's uncaught exception: the script's claim, unverified."""
+
+    type: str
+    message: str | None = None
+    line: int | None = None
+    column: int | None = None
+    text: str | None = None
+
+
 class JobError(BaseModel):
-    """Why a job did not succeed: the script's uncaught exception, or the service's reason."""
+    """Why a job did not succeed, as the service observed it: its compile's SyntaxError, a non-zero exit, a
+    timeout, a stop, an OOM kill, a sandbox failure... (``service.verdict``)."""
 
     type: str
     message: str
@@ -306,6 +317,11 @@ class JobError(BaseModel):
     column: int | None = None
     text: str | None = Field(None, description="The offending source line (SyntaxError).")
     hint: str | None = Field(None, description="SyntaxError: what mechanical cause was recognized, in one line.")
+    script_report: ScriptReport | None = Field(
+        None,
+        description="The script's own report of its uncaught exception (the traceback's last line: type, message, "
+        "line), as sent from inside the sandbox: unverified, a script can write anything here.",
+    )
 
 
 class PendingCall(BaseModel):

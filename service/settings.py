@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from service.connections import parse_networks
 from service.egress import LOOPBACK_RULES, EgressRule
 from service.schemas import MAX_SCRIPT_CHARS, MAX_TOOLS
 
@@ -145,6 +146,19 @@ class Settings(BaseSettings):
         description="Encoded views of ended jobs kept in memory for reading, and of events' end views being sent "
         "at once (bytes).",
     )
+    validation_threads: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="Threads that check tool-call arguments and results against their schemas, shared by all jobs "
+        "(one check per job at a time, taken round-robin between keys and jobs).",
+    )
+    validation_budget_s: float = Field(
+        1.0,
+        gt=0,
+        description="CPU time one check of a tool call's arguments (or result) may take; past it the call is "
+        "refused with limit_exceeded (s).",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level; debug adds tool arguments and results to the logs."
     )
@@ -265,6 +279,32 @@ class Settings(BaseSettings):
     max_tools: int = Field(
         MAX_TOOLS, ge=1, le=MAX_TOOLS, description="Most tools in one manifest (MCP listings included); more: 422."
     )
+    header_timeout_s: float = Field(
+        10,
+        ge=0,
+        description="A request's line and headers must arrive within this of the connection opening (or of the "
+        "previous response); past it: 408 and the connection is closed. 0 = no limit (s).",
+    )
+    body_timeout_s: float = Field(
+        60,
+        ge=0,
+        description="A request's body must arrive within this of its headers; past it the connection is "
+        "closed. 0 = no limit (s).",
+    )
+    max_connections: int = Field(
+        4096, ge=0, description="HTTP connections open at once; past it a new one gets 503 and is closed. 0 = no cap."
+    )
+    max_connections_per_address: int = Field(
+        256,
+        ge=0,
+        description="HTTP connections open at once from one client address (PTC_TRUSTED_PROXIES excepted); past it "
+        "a new one gets 429 and is closed. 0 = no cap.",
+    )
+    trusted_proxies: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated addresses or CIDR networks of reverse proxies in front of the service: their "
+        "connections carry many clients', so PTC_MAX_CONNECTIONS_PER_ADDRESS does not apply to them.",
+    )
     key_limits: dict[str, KeyLimits] = Field(
         default_factory=dict,
         description='Per-key maxima as JSON, e.g. {"agent-a": {"timeout_s": 60, "memory_mb": 512, "tools": 50}}; '
@@ -325,7 +365,13 @@ class Settings(BaseSettings):
         "bounded by the concurrency).",
     )
 
-    @field_validator("egress_allow", "admin_keys", mode="before")
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _parse_proxies(cls, entries: list[str]) -> list[str]:
+        parse_networks(entries)  # ValueError names the entry
+        return entries
+
+    @field_validator("egress_allow", "admin_keys", "trusted_proxies", mode="before")
     @classmethod
     def _split_rules(cls, value: object) -> object:
         if isinstance(value, str):
@@ -363,7 +409,7 @@ def settings_table() -> str:
         value = info.default_factory() if info.default_factory is not None else info.default  # type: ignore[call-arg]
         if value is None:
             default = "—"
-        elif name in ("egress_allow", "admin_keys"):  # read as a comma-separated list
+        elif name in ("egress_allow", "admin_keys", "trusted_proxies"):  # read as a comma-separated list
             default = f"`{','.join(value)}`" if value else "—"
         elif isinstance(value, list | dict):  # read as JSON
             default = f"`{json.dumps(value, default=lambda v: v.model_dump(exclude_none=True))}`"

@@ -85,7 +85,7 @@ def test_the_scripts_last_report_wins(api: httpx.Client) -> None:
         "raise ValueError('real')\n"
     )
     view = execute(api, script)
-    assert view["error"]["type"] == "ValueError"
+    assert view["error"]["type"] == "nonzero_exit" and view["error"]["script_report"]["type"] == "ValueError"
 
 
 @pytest.mark.parametrize(

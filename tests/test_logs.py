@@ -158,7 +158,8 @@ def test_a_job_logs_its_events_and_never_its_source_arguments_results_or_output(
         start["mode"] == view["sandbox_start"] and start["sandbox_id"] == view["sandbox_id"] and start["start_ms"] > 0
     )
     assert stop["reason"] == "failed" and stop["stop_ms"] > 0
-    assert ended["exit_code"] == 1 and ended["error_type"] == "ValueError"
+    assert ended["exit_code"] == 1 and ended["error_type"] == "nonzero_exit"
+    assert ended["script_error_type"] == "ValueError"  # the script's own claim, labelled as such
     assert ended["duration_ms"] == view["duration_ms"] and ended["calls"] == 1
     assert summary["by_tool"] == {"lookup": {"ok": 1}}
     assert (post["method"], post["route"], get["method"], get["route"]) == ("POST", "/execute", "GET", "/jobs/{job_id}")

@@ -287,8 +287,9 @@ def test_a_wrong_argument_names_parameter_type_value_and_signature(api: httpx.Cl
     }
     view = execute(api, "import tools\ntools.geo.area(base='3')\n", [tool])
     assert view["status"] == "failed"
-    message = view["error"]["message"]
-    assert view["error"]["type"] == "ToolError" and view["error"]["line"] == 2
+    report = view["error"]["script_report"]
+    message = report["message"]
+    assert report["type"] == "ToolError" and report["line"] == 2
     assert "argument 'base': '3' is not of type 'integer' (got string)" in message
     assert "the stub is tools.geo.area(base: int, unit: Literal['cm', 'm'] | None = None)" in message
     assert (

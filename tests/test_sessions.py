@@ -50,7 +50,7 @@ def test_files_persist_within_a_session_and_stay_private_to_it(api: httpx.Client
     other = open_session(api)
     try:
         view = execute(api, "print(open('/tmp/notes.txt').read())", session_id=other["session_id"])
-        assert view["status"] == "failed" and view["error"]["type"] == "FileNotFoundError"
+        assert view["status"] == "failed" and view["error"]["script_report"]["type"] == "FileNotFoundError"
         assert other["sandbox_id"] != session["sandbox_id"]
     finally:
         api.delete(f"/sessions/{other['session_id']}")

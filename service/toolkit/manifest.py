@@ -31,6 +31,7 @@ from jsonschema.exceptions import ValidationError
 from service.egress import header_problem, url_problem
 from service.errors import ManifestError
 from service.toolkit.schema import JsonSchema, json_depth, to_json_schema
+from service.toolkit.validation import budgeted, canonical, enum_keyword, tick
 
 MAX_TOOL_NAME = 256
 MAX_NAME_SEGMENTS = 16
@@ -67,34 +68,29 @@ def _pattern_properties(validator: Any, patterns: Any, instance: Any, schema: An
                 yield from validator.descend(value, subschema, path=key, schema_path=pattern)
 
 
-def _canonical(value: Any) -> Any:
-    """A hashable form where JSON-equal values are equal (1 == 1.0, but true != 1), for uniqueItems."""
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return (type(value).__name__, value)
-    if isinstance(value, (int, float)):
-        return ("number", value)
-    if isinstance(value, list):
-        return ("array", tuple(_canonical(v) for v in value))
-    if isinstance(value, dict):
-        return ("object", tuple(sorted((k, _canonical(v)) for k, v in value.items())))
-    return ("other", repr(value))
-
-
 def _unique_items(validator: Any, unique: Any, instance: Any, schema: Any) -> Iterator[ValidationError]:
     """uniqueItems in linear time (jsonschema's own compares every pair)."""
     if unique and validator.is_type(instance, "array"):
         seen: set[Any] = set()
         for item in instance:
-            key = _canonical(item)
+            tick()  # an item's canonical form costs its size: count it against the check's budget
+            key = canonical(item)
             if key in seen:
                 yield ValidationError(f"{item!r} appears more than once; items must be unique")
                 return
             seen.add(key)
 
 
+_KEYWORDS: dict[str, Any] = {
+    **jsonschema.Draft202012Validator.VALIDATORS,
+    "pattern": _pattern,
+    "patternProperties": _pattern_properties,
+    "uniqueItems": _unique_items,
+    "enum": enum_keyword,
+}
+# Every keyword counts against the CPU budget of the check it runs in (service.toolkit.validation).
 Validator = jsonschema.validators.extend(  # type: ignore[no-untyped-call]
-    jsonschema.Draft202012Validator,
-    {"pattern": _pattern, "patternProperties": _pattern_properties, "uniqueItems": _unique_items},
+    jsonschema.Draft202012Validator, {name: budgeted(fn) for name, fn in _KEYWORDS.items()}
 )
 _META_VALIDATOR = jsonschema.Draft202012Validator(jsonschema.Draft202012Validator.META_SCHEMA)
 
