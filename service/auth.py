@@ -35,7 +35,7 @@ import hmac
 import ipaddress
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from starlette.responses import Response
@@ -69,13 +69,15 @@ class ApiKey:
     digest: bytes
 
 
-def parse_keys(text: str, source: str = "PTC_API_KEYS") -> list[ApiKey]:
-    """Parse ``name:sha256hex`` entries separated by commas or newlines (``#`` starts a comment line).
+def named_entries(text: str, source: str, what: str) -> Iterator[tuple[str, str]]:
+    """The ``(name, value)`` of each ``name:value`` entry in ``text``, entries separated by commas or newlines.
+
+    A line starting with ``#`` is a comment; names are key names (``KEY_NAME``); values are stripped.
 
     Raises:
-        ValueError: an entry is malformed (names ``source`` and the entry's name, never the hash).
+        ValueError: an entry has no ``:``, a name that is not a key name, or an empty value (the message names
+            ``source`` and ``what`` a value should be, never the value).
     """
-    keys = []
     for line in text.splitlines():
         if line.strip().startswith("#"):
             continue
@@ -83,13 +85,24 @@ def parse_keys(text: str, source: str = "PTC_API_KEYS") -> list[ApiKey]:
             entry = entry.strip()
             if not entry:
                 continue
-            name, sep, digest = entry.partition(":")
-            name, digest = name.strip(), digest.strip()
-            if not sep or not KEY_NAME.match(name):
-                raise ValueError(f"{source}: an entry is not name:sha256hex (name: letters, digits, _ . -)")
-            if not _HEX_DIGEST.match(digest):
-                raise ValueError(f"{source}: the hash of key {name!r} is not 64 hex digits (see ptc-sandbox hash-key)")
-            keys.append(ApiKey(name, bytes.fromhex(digest)))
+            name, sep, value = entry.partition(":")
+            name, value = name.strip(), value.strip()
+            if not sep or not KEY_NAME.match(name) or not value:
+                raise ValueError(f"{source}: an entry is not name:{what} (name: letters, digits, _ . -)")
+            yield name, value
+
+
+def parse_keys(text: str, source: str = "PTC_API_KEYS") -> list[ApiKey]:
+    """Parse ``name:sha256hex`` entries separated by commas or newlines (``#`` starts a comment line).
+
+    Raises:
+        ValueError: an entry is malformed (names ``source`` and the entry's name, never the hash).
+    """
+    keys = []
+    for name, digest in named_entries(text, source, "sha256hex"):
+        if not _HEX_DIGEST.match(digest):
+            raise ValueError(f"{source}: the hash of key {name!r} is not 64 hex digits (see ptc-sandbox hash-key)")
+        keys.append(ApiKey(name, bytes.fromhex(digest)))
     return keys
 
 

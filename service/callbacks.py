@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from service.auth import KEY_NAME
+from service.auth import named_entries
 from service.egress import EgressDenied
 from service.errors import InsecureConfig
 from service.settings import Settings
@@ -95,20 +95,10 @@ def parse_secrets(text: str, source: str) -> dict[str, bytes]:
         ValueError: an entry is malformed, empty, or names a key twice (names ``source`` and the key, never a secret).
     """
     found: dict[str, bytes] = {}
-    for line in text.splitlines():
-        if line.strip().startswith("#"):
-            continue
-        for entry in line.split(","):
-            entry = entry.strip()
-            if not entry:
-                continue
-            name, sep, secret = entry.partition(":")
-            name, secret = name.strip(), secret.strip()
-            if not sep or not KEY_NAME.match(name) or not secret:
-                raise ValueError(f"{source}: an entry is not name:secret (name: letters, digits, _ . -)")
-            if name in found:
-                raise ValueError(f"{source}: key {name!r} has two callback secrets")
-            found[name] = secret.encode()
+    for name, secret in named_entries(text, source, "secret"):
+        if name in found:
+            raise ValueError(f"{source}: key {name!r} has two callback secrets")
+        found[name] = secret.encode()
     return found
 
 
