@@ -37,11 +37,11 @@ kind                repair
                     ``\\n`` inside a triple-quoted string becomes the line break it stands for
                     (same value, same line numbers as the intended script); if the script was
                     escaped twice (``\\"`` outside strings), it is decoded as one string literal
+``indent``          a script indented as a whole (``" print(1)"``) loses the indentation common to its lines of
+                    code (lines inside multi-line strings too, as they were indented with it; blank lines stay)
 ``tabs``            indentation that mixes tabs and spaces (``TabError``) is expanded with the tab
                     width (8, 4 or 2) that compiles, only when every width that compiles gives the
                     same program
-``indent``          a script indented as a whole (``" print(1)"``) loses the indentation common to its lines of
-                    code (lines inside multi-line strings too, as they were indented with it; blank lines stay)
 ==================  ========================================================================
 
 "Compiles" means ``compile(script, ..., "exec")`` in the service's interpreter,
@@ -709,6 +709,18 @@ def _prose_around(before: str, after: str) -> int | None:
     return sum(1 for line in outside if line.strip())
 
 
+def _does_nothing(code: str) -> bool:
+    """Whether ``code`` parses as nothing but a lone name or constant (``hi`` between tags is text, not a script)."""
+    try:
+        _silence_compile_warnings()
+        body = ast.parse(code, COMPILE_FILENAME).body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    return not body or (
+        len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, (ast.Name, ast.Constant))
+    )
+
+
 def _tag_wrapper(text: str) -> list[Candidate]:
     lowered = text.lower()
     for number, match in enumerate(_TAG_OPEN.finditer(text)):
@@ -723,7 +735,7 @@ def _tag_wrapper(text: str) -> list[Candidate]:
             continue
         lo, hi, inner = _peel_tags(text, match.end(), close)
         content = text[lo:hi].strip("\n")
-        if not content.strip():
+        if not content.strip() or _does_nothing(content):
             continue
         opener = match.group() if len(match.group()) <= MAX_HINT_TEXT else f"<{name} ...>"
         shown = opener + "".join(f"<{n}>" for n in inner) + "..." + "".join(f"</{n}>" for n in [*inner[::-1], name])
@@ -795,7 +807,7 @@ def _json_wrapper(text: str) -> list[Candidate]:
         return []
     value, end = found
     field_ = _code_field(value)
-    if field_ is None or not field_[0].strip():
+    if field_ is None or not field_[0].strip() or _does_nothing(field_[0]):
         return []
     dropped = _prose_around(text[:at], text[end:])
     if dropped is None:

@@ -131,6 +131,7 @@ def test_wrapped_valid_scripts_run_their_exact_program(script: str, wrap: Any) -
         '{"code": "print(1)"}; print(2)',
         '{"a": 1, "b": "print(1)"}',  # no code-like field
         '{"code": "this does not compile"}',  # the field does not compile
+        '{"code": "pwd"}',  # a lone name: not a script
         '{"code": 1}',
         '{"code": "print(1)", "script": "print(2)"}',  # two code-like fields: which one is a guess
         '{"code": "print(1)", "tests": ["assert True"]}',  # another field that is not a plain value
@@ -158,12 +159,29 @@ def test_valid_python_that_does_something_is_never_touched(script: str) -> None:
         "<code>print(1)",  # no closing tag
         'Here:\n{"code": "print(1)"}\nprint(2)',  # code after the JSON object
         '{"code": "print(1)"',  # not closed
+        'print("<b>x</b>)',  # a broken string holding tags: their content is a lone name, no script
+        "<code>42</code>",
     ],
 )
 def test_what_is_not_only_a_wrapper_is_not_guessed(script: str) -> None:
     assert not compiles(script)
     result = normalize(script)
     assert result.script is script and not result.repairs
+
+
+@PROPERTY
+@given(
+    st.lists(st.sampled_from([*"ab1 =()<>/{}:,\n\"'", "code", "print(1)", "<code>", "</code>"]), max_size=30).map(
+        "".join
+    )
+)
+def test_compiling_text_is_untouched_unless_a_bare_code_dict_and_any_repair_compiles(text: str) -> None:
+    result = normalize(text)
+    if result.repairs:
+        assert compiles(result.script)
+        assert not compiles(text) or result.repairs[0].kind == "json_wrapper", result
+    else:
+        assert result.script is text
 
 
 # -- hostile input --------------------------------------------------------------------------------------------------
