@@ -1010,6 +1010,12 @@ def _hint(script: str, error: BaseException) -> str | None:
         )
     if any(_HEREDOC_PY.match(line) or _HEREDOC_CAT.match(line) for line in stripped.split("\n")[:1]):
         return "the script is a shell heredoc (python3 - <<EOF ...) that could not be unwrapped: send the Python code"
+    tag = _TAG_OPEN.match(stripped)
+    if tag is not None and f"</{tag.group('name').lower()}>" in stripped.lower():
+        return (
+            f"the script is wrapped in <{tag.group('name')}> tags whose content does not compile either (or is "
+            "more than one block, or has code around it): send the code alone"
+        )
     message = str(getattr(error, "msg", error))
     structural = _decode_structural(script) if "\\n" in script else None
     twice_escaped = structural is None and "\\n" in script and "line continuation" in message

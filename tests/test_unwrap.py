@@ -184,6 +184,14 @@ def test_compiling_text_is_untouched_unless_a_bare_code_dict_and_any_repair_comp
         assert result.script is text
 
 
+@pytest.mark.parametrize(
+    "script", ["<code>\nthis does not compile\n</code>", "<code>print(1)</code>\nand then\n<code>print(2)</code>"]
+)
+def test_tags_that_are_not_unwrapped_get_a_hint(script: str) -> None:
+    result = normalize(script)
+    assert not result.repairs and result.hint is not None and "wrapped in <code> tags" in result.hint
+
+
 # -- hostile input --------------------------------------------------------------------------------------------------
 
 
