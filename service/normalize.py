@@ -1,7 +1,10 @@
 """Script normalization: undo the mechanical damage models do to scripts before they run (README, "Normalization").
 
 Only a script that does not compile as it is gets touched: a script that
-compiles is returned byte for byte, always (and so is one longer than ``MAX_CHARS``). For one that does not, a small
+compiles is returned byte for byte (and so is one longer than ``MAX_CHARS``), with one exception: a script that is
+exactly one expression statement whose value is a dict display with one code-like string field
+(``{"code": "print(1)"}``, which would do nothing) runs that field's code (``json_wrapper``) when it compiles,
+after repairs of its own if need be; so does a repaired script of that form. For one that does not, a small
 depth-first search applies the repairs below (each at most once, in this
 order) and keeps the first sequence whose result compiles; when none does, the
 script is returned unchanged, with a one-line ``hint`` when a known mechanical
@@ -15,6 +18,14 @@ kind                repair
 ``fence``           exactly one Markdown fenced block (```` ``` ```` or ``~~~``, any info
                     string, prose around it) is replaced by its content; several blocks, or
                     text around the block that is itself code, are never guessed at
+``tag_wrapper``     XML-like tags of any name around the code (``<code>...</code>``, ``<execute lang="py">``,
+                    nested ``<a><b>...</b></a>``), text around them allowed, are replaced by their content
+                    (HTML entities decoded if that is what compiles); text around that is itself code, or
+                    several tagged blocks, are never guessed at
+``json_wrapper``    a JSON object (or Python dict literal) with one code-like string field (``CODE_KEYS``:
+                    ``code``, ``script``, ``python`` ...; other fields plain values), possibly inside one tool-call
+                    envelope (``{"name": ..., "arguments": {...}}``, the arguments also as a JSON string), text
+                    around it allowed: the field's string runs
 ``shell_wrapper``   ``python3 -c '...'`` / ``python -c "..."`` (a prompt ``$`` allowed), a heredoc
                     ``python3 - <<'EOF' ... EOF`` (or ``cat <<EOF | python3``), or a call such as
                     ``execute(command="python3 -c '...'")`` is replaced by the inner script, with the
@@ -26,6 +37,8 @@ kind                repair
                     ``\\n`` inside a triple-quoted string becomes the line break it stands for
                     (same value, same line numbers as the intended script); if the script was
                     escaped twice (``\\"`` outside strings), it is decoded as one string literal
+``indent``          a script indented as a whole (``" print(1)"``) loses the indentation common to its lines of
+                    code (lines inside multi-line strings too, as they were indented with it; blank lines stay)
 ``tabs``            indentation that mixes tabs and spaces (``TabError``) is expanded with the tab
                     width (8, 4 or 2) that compiles, only when every width that compiles gives the
                     same program
@@ -44,8 +57,9 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import html
+import json
 import re
-import textwrap
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -67,7 +81,7 @@ __all__ = [
     "with_hint",
 ]
 
-KINDS = ("bom", "crlf", "fence", "shell_wrapper", "literal_escapes", "tabs")
+KINDS = ("bom", "crlf", "fence", "tag_wrapper", "json_wrapper", "shell_wrapper", "literal_escapes", "indent", "tabs")
 COMPILE_FILENAME = "<ptc-normalize>"
 MAX_COMPILES = 16  # compile attempts per script (each repair sequence costs one); bounds the search
 MAX_CHARS = 64 * 1024  # longer scripts run as sent: compiling holds the GIL (about 1 ms per KiB here)
@@ -250,11 +264,10 @@ def _fence(text: str) -> list[Candidate]:
         detail = f"ran the content of the one fenced block {opener!r}{closed}{how}"
         detail += f"; {dropped} line(s) of text around it dropped" if dropped else ""
         content += "\n" if sep == "\n" and not content.endswith("\n") else ""
-        dedented = textwrap.dedent(content) if sep == "\n" else content
-        candidates = [(content, detail)]
-        if dedented != content:
-            candidates.append((dedented, detail + "; its common indentation removed"))
-        return candidates
+        dedented, common = _dedent(content) if sep == "\n" else (content, "")
+        if common:  # indented as a whole, the content cannot compile: the dedented form first
+            return [(dedented, detail + "; its common indentation removed"), (content, detail)]
+        return [(content, detail)]
     return []
 
 
@@ -659,12 +672,216 @@ def _tabs(text: str) -> list[Candidate]:
     return [(expanded[width], f"expanded tabs in indentation to {width} columns (the only reading that compiles)")]
 
 
+# Wrappers that are not code: XML-like tags, a JSON object (a tool call's), a script indented as a whole.
+
+_TAG_OPEN = re.compile(r"<(?P<name>[A-Za-z][\w.:-]*+)(?:\s[^<>]*+)?>")  # possessive, stops at the next < or >: linear
+MAX_TAG_CANDIDATES = 4  # opening tags tried as the wrapper (each costs one scan of the text)
+
+
+def _peel_tags(text: str, lo: int, hi: int) -> tuple[int, int, list[str]]:
+    """Inside ``text[lo:hi]``, peel tags that enclose all of it (``<a><b>...</b></a>``); linear in what is peeled.
+
+    Returns the content's bounds and the names peeled, outermost first.
+    """
+    names: list[str] = []
+    while True:
+        start = lo
+        while start < hi and text[start].isspace():
+            start += 1
+        end = hi
+        while end > start and text[end - 1].isspace():
+            end -= 1
+        match = _TAG_OPEN.match(text, start, end)
+        if match is None:
+            return lo, hi, names
+        close = f"</{match.group('name')}>"
+        if end - len(close) < match.end() or text[end - len(close) : end].lower() != close.lower():
+            return lo, hi, names
+        names.append(match.group("name"))
+        lo, hi = match.end(), end - len(close)
+
+
+def _prose_around(before: str, after: str) -> int | None:
+    """Non-blank lines of text around a wrapper, or None when they are too many or one of them is itself code."""
+    outside = before.split("\n") + after.split("\n")
+    if sum(1 for line in outside if line.strip()) > MAX_PROSE_LINES or any(map(_is_code_line, outside)):
+        return None
+    return sum(1 for line in outside if line.strip())
+
+
+def _does_nothing(code: str) -> bool:
+    """Whether ``code`` parses as nothing but a lone name or constant (``hi`` between tags is text, not a script)."""
+    try:
+        _silence_compile_warnings()
+        body = ast.parse(code, COMPILE_FILENAME).body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    return not body or (
+        len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, (ast.Name, ast.Constant))
+    )
+
+
+def _tag_wrapper(text: str) -> list[Candidate]:
+    lowered = text.lower()
+    for number, match in enumerate(_TAG_OPEN.finditer(text)):
+        if number >= MAX_TAG_CANDIDATES:
+            break
+        name = match.group("name")
+        close = lowered.rfind(f"</{name.lower()}>", match.end())
+        if close < 0:
+            continue
+        dropped = _prose_around(text[: match.start()], text[close + len(name) + 3 :])
+        if dropped is None:
+            continue
+        lo, hi, inner = _peel_tags(text, match.end(), close)
+        content = text[lo:hi].strip("\n")
+        if not content.strip() or _does_nothing(content):
+            continue
+        opener = match.group() if len(match.group()) <= MAX_HINT_TEXT else f"<{name} ...>"
+        shown = opener + "".join(f"<{n}>" for n in inner) + "..." + "".join(f"</{n}>" for n in [*inner[::-1], name])
+        detail = f"ran the content of the tags {shown}"
+        detail += f"; {dropped} line(s) of text around them dropped" if dropped else ""
+        content += "\n" if "\n" in content else ""
+        candidates = [(content, detail)]
+        if "&" in content and (unescaped := html.unescape(content)) != content:
+            candidates.append((unescaped, detail + "; HTML entities (&lt; &gt; &amp; ...) decoded"))
+        return candidates
+    return []
+
+
+#: Keys of a JSON object whose string value is the script (a model's own tool call: ``{"code": "..."}``).
+CODE_KEYS = frozenset({"code", "script", "python", "python_code", "source", "source_code", "program", "py", "src"})
+#: Keys of a tool call's envelope that hold the call's arguments (``{"name": ..., "arguments": {"code": ...}}``).
+ENVELOPE_KEYS = frozenset({"arguments", "args", "parameters", "input"})
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _code_field(obj: object, depth: int = 0) -> tuple[str, list[str], list[str]] | None:
+    """``(code, path, dropped)`` for an object whose only code-like field is a string (other fields scalars), else
+    None: ``path`` names the keys down to the code, ``dropped`` the other fields.
+
+    One tool-call envelope is looked into (``arguments`` etc., as an object or as a JSON string).
+    """
+    if not isinstance(obj, dict):
+        return None
+    code = [k for k, v in obj.items() if isinstance(k, str) and k.lower() in CODE_KEYS and isinstance(v, str)]
+    envelopes = [k for k in obj if isinstance(k, str) and k.lower() in ENVELOPE_KEYS]
+    others = [str(k) for k in obj if k not in code and k not in envelopes]
+    if any(not isinstance(obj[k], _SCALARS) for k in obj if k not in code and k not in envelopes):
+        return None
+    if len(code) == 1 and not envelopes:
+        return obj[code[0]], [code[0]], others
+    if len(envelopes) == 1 and not code and depth == 0:
+        inner = obj[envelopes[0]]
+        if isinstance(inner, str):
+            try:
+                inner = json.loads(inner)
+            except (ValueError, RecursionError):
+                return None
+        found = _code_field(inner, depth + 1)
+        if found is not None:
+            return found[0], [envelopes[0], *found[1]], others + found[2]
+    return None
+
+
+def _json_object(text: str, start: int) -> tuple[object, int] | None:
+    """The JSON object (or, failing that, Python dict literal) at ``text[start]``: (value, end), else None."""
+    try:
+        return json.JSONDecoder().raw_decode(text, start)
+    except (ValueError, RecursionError):
+        pass
+    try:  # single quotes: a Python dict literal, the whole rest of the text
+        return ast.literal_eval(text[start:].strip()), len(text)
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return None
+
+
+def _json_wrapper(text: str) -> list[Candidate]:
+    stripped = text.lstrip()
+    at = len(text) - len(stripped) if stripped.startswith("{") else text.find("\n{")
+    if at < 0:
+        return []
+    at += text[at] == "\n"
+    found = _json_object(text, at)
+    if found is None:
+        return []
+    value, end = found
+    field_ = _code_field(value)
+    if field_ is None or not field_[0].strip() or _does_nothing(field_[0]):
+        return []
+    dropped = _prose_around(text[:at], text[end:])
+    if dropped is None:
+        return []
+    code, path, others = field_
+    detail = f"ran the string field {' -> '.join(map(repr, path))} of the JSON object sent as the script"
+    detail += f"; its other fields dropped: {', '.join(map(repr, others))}" if others else ""
+    detail += f"; {dropped} line(s) of text around it dropped" if dropped else ""
+    return [(code, detail)]
+
+
+def _is_bare_dict(script: str) -> bool:
+    """Whether ``script`` (which compiles) is exactly one expression statement whose value is a dict display."""
+    first = next((line for line in script.split("\n") if line.strip() and not line.lstrip().startswith("#")), "")
+    if not first.lstrip().startswith(("{", "(")):
+        return False  # most scripts: no second parse
+    try:
+        _silence_compile_warnings()
+        tree = ast.parse(script, COMPILE_FILENAME)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    return len(tree.body) == 1 and isinstance(tree.body[0], ast.Expr) and isinstance(tree.body[0].value, ast.Dict)
+
+
+_INDENT_PREFIX = re.compile(r"[ \t]*+")
+
+
+def _dedent(text: str) -> tuple[str, str]:
+    """``text`` without the indentation common to its lines of code, and that indentation.
+
+    Unlike ``textwrap.dedent``, blank lines and comments do not count, blank lines are left as they are (one may
+    be inside a string literal, and editors do not indent blank lines), and so is a comment without the whole
+    common indentation.
+    """
+    lines = text.split("\n")
+    common: str | None = None
+    for line in lines:
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        prefix = _INDENT_PREFIX.match(line).group()  # type: ignore[union-attr]  # always matches
+        if common is None or prefix.startswith(common):
+            common = prefix if common is None else common
+        else:
+            k = 0
+            while k < len(common) and k < len(prefix) and common[k] == prefix[k]:
+                k += 1
+            common = common[:k]
+        if not common:
+            return text, ""
+    if not common:
+        return text, ""
+    return "\n".join(
+        line[len(common) :] if line.startswith(common) and line.strip() else line for line in lines
+    ), common
+
+
+def _indent(text: str) -> list[Candidate]:
+    dedented, common = _dedent(text)
+    if not common:
+        return []
+    spaces, tabs = common.count(" "), common.count("\t")
+    width = " and ".join(f"{n} {unit}" for n, unit in ((spaces, "space(s)"), (tabs, "tab(s)")) if n)
+    return [(dedented, f"removed the indentation common to every line ({width})")]
+
+
 _REPAIRS: tuple[tuple[str, Callable[[str], list[Candidate]]], ...] = (
     ("bom", _bom),
     ("crlf", _crlf),
     ("fence", _fence),
+    ("tag_wrapper", _tag_wrapper),
+    ("json_wrapper", _json_wrapper),
     ("shell_wrapper", _shell),
     ("literal_escapes", _literal_escapes),
+    ("indent", _indent),
     ("tabs", _tabs),
 )
 
@@ -710,12 +927,33 @@ def normalize(script: str) -> Normalized:
     if len(script) > MAX_CHARS:
         return Normalized(script, script)
     error = _compile_error(script)
+    budget = _Budget()
     if error is None:
-        return Normalized(script, script)
-    found = _search(script, frozenset(), _Budget())
+        found: tuple[str, list[Repair]] | None = (script, [])
+    else:
+        found = _search(script, frozenset(), budget)
     if found is not None:
-        return Normalized(found[0], script, tuple(found[1]))
+        unwrapped = _unwrap_bare_dict(found[0], frozenset(r.kind for r in found[1]), budget)
+        if unwrapped is not None:
+            found = (unwrapped[0], [*found[1], *unwrapped[1]])
+        return Normalized(found[0], script, tuple(found[1])) if found[1] else Normalized(script, script)
+    assert error is not None  # found is None only when the search ran, i.e. the script did not compile
     return Normalized(script, script, hint=_hint(script, error), compile_error=_error_fields(error))
+
+
+def _unwrap_bare_dict(script: str, used: frozenset[str], budget: _Budget) -> tuple[str, list[Repair]] | None:
+    """For a compiling ``script`` that is only a dict display, which does nothing (``{"code": "print(1)"}``): the
+    code of its one code-like field and the repairs, when that code compiles (after repairs of its own), else None."""
+    if "json_wrapper" in used or not _is_bare_dict(script):
+        return None
+    for code, detail in _json_wrapper(script):
+        repair = Repair("json_wrapper", detail)
+        if budget.compiles(code):
+            return code, [repair]
+        deeper = _search(code, used | {"json_wrapper"}, budget)
+        if deeper is not None:
+            return deeper[0], [repair, *deeper[1]]
+    return None
 
 
 def verdict_only(script: str) -> Normalized:
@@ -772,6 +1010,12 @@ def _hint(script: str, error: BaseException) -> str | None:
         )
     if any(_HEREDOC_PY.match(line) or _HEREDOC_CAT.match(line) for line in stripped.split("\n")[:1]):
         return "the script is a shell heredoc (python3 - <<EOF ...) that could not be unwrapped: send the Python code"
+    tag = _TAG_OPEN.match(stripped)
+    if tag is not None and f"</{tag.group('name').lower()}>" in stripped.lower():
+        return (
+            f"the script is wrapped in <{tag.group('name')}> tags whose content does not compile either (or is "
+            "more than one block, or has code around it): send the code alone"
+        )
     message = str(getattr(error, "msg", error))
     structural = _decode_structural(script) if "\\n" in script else None
     twice_escaped = structural is None and "\\n" in script and "line continuation" in message

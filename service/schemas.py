@@ -293,7 +293,9 @@ class CallRecord(BaseModel):
 class ScriptRepair(BaseModel):
     """A repair made to the script before it ran (``service.normalize``)."""
 
-    kind: Literal["bom", "crlf", "fence", "shell_wrapper", "literal_escapes", "tabs"]
+    kind: Literal[
+        "bom", "crlf", "fence", "tag_wrapper", "json_wrapper", "shell_wrapper", "literal_escapes", "tabs", "indent"
+    ]
     detail: str
 
 
