@@ -297,8 +297,9 @@ class Settings(BaseSettings):
     max_connections_per_address: int = Field(
         256,
         ge=0,
-        description="HTTP connections open at once from one client address (PTC_TRUSTED_PROXIES excepted); past it "
-        "a new one gets 429 and is closed. 0 = no cap.",
+        description="HTTP connections open at once from one client address (PTC_TRUSTED_PROXIES excepted; IPv6 "
+        "addresses are grouped by /64, IPv4-mapped ones count as their IPv4 address); past it a new one gets 429 "
+        "and is closed. 0 = no cap.",
     )
     trusted_proxies: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
