@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import __version__, callbacks
-from service.auth import BearerAuth, Caller, caller, configure, open_paths
+from service.auth import BearerAuth, Caller, caller, configure, may_scrape, open_paths
 from service.egress import EgressPolicy, OwnAddress
 from service.errors import (
     CallNotPending,
@@ -441,9 +441,20 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         """Liveness: the process answers."""
         return {"status": "ok"}
 
-    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
-    async def metrics_route() -> Response:
-        """Prometheus metrics (text format 0.0.4); the names and labels are listed in the README."""
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}, 403: {}})
+    async def metrics_route(request: Request) -> Response:
+        """Prometheus metrics (text format 0.0.4); the names and labels are listed in the README.
+
+        With authentication, only the admin role and the keys in ``PTC_METRICS_KEYS`` may read them
+        (unless ``PTC_METRICS_AUTH=open``); another key gets 403.
+        """
+        if not may_scrape(keys, request.state.key_name):
+            return problem(
+                403,
+                "Forbidden",
+                "this API key may not read /metrics: it needs the admin role (PTC_ADMIN_KEYS) or to be named in "
+                "PTC_METRICS_KEYS",
+            )
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
     @app.get("/readyz", responses={503: {}})
