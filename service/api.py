@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import __version__, callbacks
-from service.auth import BearerAuth, Caller, caller, configure, open_paths
+from service.auth import BearerAuth, Caller, caller, configure, may_scrape, open_paths
 from service.egress import EgressPolicy, OwnAddress
 from service.errors import (
     CallNotPending,
@@ -40,6 +41,7 @@ from service.jobs import JobManager, wait_for_end_or_client
 from service.limits import check_execute, check_manifest_request, check_session
 from service.metrics import CONTENT_TYPE, HttpObserver, Metrics
 from service.openapi import document
+from service.output import OutputRange
 from service.sandbox.base import SandboxBackend, Stream
 from service.schemas import (
     ClientAnswer,
@@ -63,6 +65,7 @@ from service.views import BATCH_BYTES, Body
 log = logging.getLogger(__name__)
 
 DRAIN_BYTES = 64 * 1024 * 1024
+OUTPUT_SLICE_BYTES = 256 * 1024  # GET /jobs/{id}/output/{stream} reads and sends the range this much at a time
 PROBLEM = "application/problem+json"
 
 
@@ -148,6 +151,20 @@ async def _slices(body: bytes) -> AsyncIterator[bytes]:
     view = memoryview(body)
     for start in range(0, len(body), BATCH_BYTES):
         yield bytes(view[start : start + BATCH_BYTES])
+
+
+async def _output_slices(retained: OutputRange) -> AsyncIterator[bytes]:
+    """The bytes of ``retained``, ``OUTPUT_SLICE_BYTES`` at a time, each read in a thread when the previous one
+    was sent (uvicorn's flow control: a client that does not read holds at most about one slice here)."""
+    try:
+        while retained.remaining > 0:
+            yield await asyncio.to_thread(retained.read, OUTPUT_SLICE_BYTES)
+    finally:
+        # in a thread (it waits for a read under way), not awaited: a cancelled response may not await here
+        try:
+            asyncio.get_running_loop().run_in_executor(None, retained.close)
+        except RuntimeError:  # no running loop (finalized at shutdown): nothing can be reading any more
+            retained.close()
 
 
 class _BodyTooLarge(BaseException):
@@ -303,8 +320,12 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         length: Annotated[int, Query(ge=1, le=16 * 1024 * 1024)] = 1024 * 1024,
     ) -> Response:
         """Raw retained bytes of ``stdout`` or ``stderr`` from ``offset`` (``application/octet-stream``)."""
-        data = await jobs_of(request).read_output(job_id, caller_of(request), stream, offset, length)
-        return Response(data, media_type="application/octet-stream", headers={"X-Offset": str(offset)})
+        retained = await jobs_of(request).output_range(job_id, caller_of(request), stream, offset, length)
+        return StreamingResponse(
+            _output_slices(retained),
+            media_type="application/octet-stream",
+            headers={"X-Offset": str(offset), "content-length": str(retained.length)},
+        )
 
     @app.post("/jobs/{job_id}/wait", response_model=JobView, responses={404: {}})
     async def wait_job(
@@ -420,9 +441,20 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         """Liveness: the process answers."""
         return {"status": "ok"}
 
-    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
-    async def metrics_route() -> Response:
-        """Prometheus metrics (text format 0.0.4); the names and labels are listed in the README."""
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}, 403: {}})
+    async def metrics_route(request: Request) -> Response:
+        """Prometheus metrics (text format 0.0.4); the names and labels are listed in the README.
+
+        With authentication, only the admin role and the keys in ``PTC_METRICS_KEYS`` may read them
+        (unless ``PTC_METRICS_AUTH=open``); another key gets 403.
+        """
+        if not may_scrape(keys, request.state.key_name):
+            return problem(
+                403,
+                "Forbidden",
+                "this API key may not read /metrics: it needs the admin role (PTC_ADMIN_KEYS) or to be named in "
+                "PTC_METRICS_KEYS",
+            )
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
     @app.get("/readyz", responses={503: {}})

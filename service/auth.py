@@ -15,7 +15,10 @@ Every path needs a key except ``/healthz``, ``/readyz`` and, with
 ``PTC_METRICS_AUTH=open``, ``/metrics``; that includes ``/openapi.json``,
 ``/docs`` and unknown paths (a caller without a key learns nothing of the API).
 A missing or wrong key gets ``401`` problem+json with ``WWW-Authenticate: Bearer``
-before the body is read.
+before the body is read. With ``PTC_METRICS_AUTH=required``, ``/metrics`` (which
+names every tenant's tools and counts everyone's jobs) answers only keys that
+``may_scrape``: the admin role and the keys named in ``PTC_METRICS_KEYS``; any
+other key gets ``403``.
 
 ``PTC_AUTH=disabled`` turns all of this off, for development: it is logged as a
 warning at start-up, and refused (``InsecureConfig``) when ``PTC_HOST`` is not a
@@ -134,13 +137,15 @@ class KeyRing:
     Args:
         keys: at least one key.
         admins: names of the keys with the admin role.
+        scrapers: names of the keys that may read ``/metrics`` besides the admins (``PTC_METRICS_KEYS``).
     """
 
-    def __init__(self, keys: Iterable[ApiKey], admins: Iterable[str] = ()) -> None:
+    def __init__(self, keys: Iterable[ApiKey], admins: Iterable[str] = (), scrapers: Iterable[str] = ()) -> None:
         self._keys = tuple(keys)
         if not self._keys:
             raise ValueError("a key ring needs at least one key")
         self.admins = frozenset(admins)
+        self.scrapers = frozenset(scrapers)
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -170,6 +175,18 @@ def caller(keys: KeyRing | None, key_name: str | None) -> Caller:
     if key_name is None:
         raise ValueError("no API key on this request")
     return Caller(key_name, admin=key_name in keys.admins)
+
+
+def may_scrape(keys: KeyRing | None, key_name: str | None) -> bool:
+    """Whether a request whose key is ``key_name`` may read ``/metrics``.
+
+    Yes with authentication disabled, on an open ``/metrics`` (``PTC_METRICS_AUTH=open``: no key is
+    identified there, ``key_name`` is None), and for the admin role and ``PTC_METRICS_KEYS``; no for any
+    other key (the metrics name every tenant's tools and count everyone's jobs).
+    """
+    if keys is None or key_name is None:
+        return True
+    return key_name in keys.admins or key_name in keys.scrapers
 
 
 def is_loopback(host: str) -> bool:
@@ -202,13 +219,16 @@ def configure(settings: Settings) -> KeyRing | None:
                 "`ptc-sandbox hash-key NAME`), or PTC_AUTH=disabled for development on a loopback address"
             )
         names = {k.name for k in keys}
-        unknown = sorted(set(settings.admin_keys) - names)
-        if unknown:
-            raise InsecureConfig(f"PTC_ADMIN_KEYS names {', '.join(unknown)}, which is no configured API key")
+        for setting, named in (("PTC_ADMIN_KEYS", settings.admin_keys), ("PTC_METRICS_KEYS", settings.metrics_keys)):
+            unknown = sorted(set(named) - names)
+            if unknown:
+                raise InsecureConfig(f"{setting} names {', '.join(unknown)}, which is no configured API key")
         log.info("authentication: %d API key(s): %s", len(keys), ", ".join(sorted(names)))
         if settings.admin_keys:
             log.info("admin role (sees every owner's jobs and sessions): %s", ", ".join(sorted(settings.admin_keys)))
-        return KeyRing(keys, settings.admin_keys)
+        if settings.metrics_keys:
+            log.info("may read /metrics besides the admin role: %s", ", ".join(sorted(settings.metrics_keys)))
+        return KeyRing(keys, settings.admin_keys, settings.metrics_keys)
     if not is_loopback(settings.host):
         if not settings.auth_force_insecure:
             raise InsecureConfig(

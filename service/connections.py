@@ -20,9 +20,12 @@ with, per connection:
 - **connection caps** (``ConnectionGuard``): at most ``max_connections``
   open at once, and at most ``max_per_address`` from one client address;
   past them a new connection gets a ``503`` (total) or ``429`` (per address)
-  with ``Retry-After`` and is closed at once. Addresses in ``exempt`` (the
-  reverse proxies in front of the service, whose connections carry many
-  clients') are counted in the total only.
+  with ``Retry-After`` and is closed at once. A client address is an IPv4
+  address, or an IPv6 address's /64 (a host is given a whole /64 and may
+  use any address in it; an IPv4-mapped IPv6 address counts as its IPv4
+  address): ``client_key``. Addresses in ``exempt`` (the reverse proxies in
+  front of the service, whose connections carry many clients') are counted
+  in the total only.
 
 The deadlines do not apply while a request is being answered: a long
 ``wait_s`` or an event stream is never cut.
@@ -45,6 +48,27 @@ PAUSED_RECHECK_S = 1.0  # while reading is paused by the service, the body deadl
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
+IPV6_CLIENT_PREFIX = 64  # an IPv6 client is its /64: the smallest block a host is given (RFC 6177, SLAAC)
+
+
+def client_key(address: str) -> str:
+    """What the per-address cap counts ``address`` as.
+
+    An IPv4 address as itself; an IPv4-mapped IPv6 address (``::ffff:192.0.2.1``) as its IPv4
+    address; any other IPv6 address as its /64 network (``2001:db8::/64``), so rotating within the
+    block a host is given yields no new caps; text that is no IP address as itself.
+    """
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, IPV6_CLIENT_PREFIX), strict=False))
+    return str(ip)
+
+
 def parse_networks(entries: Iterable[str]) -> tuple[Network, ...]:
     """Addresses or CIDR networks (``10.0.0.5``, ``10.0.0.0/24``, ``::1``) as networks; raises ValueError."""
     return tuple(ipaddress.ip_network(entry.strip(), strict=False) for entry in entries if entry.strip())
@@ -55,7 +79,8 @@ class ConnectionGuard:
 
     Args:
         max_connections: connections open at once (0 = no cap).
-        max_per_address: connections open at once from one client address (0 = no cap).
+        max_per_address: connections open at once from one client address, as ``client_key`` counts it
+            (an IPv6 client is its /64; 0 = no cap).
         exempt: client networks not subject to ``max_per_address`` (trusted reverse proxies).
 
     Used from the server's event loop only.
@@ -85,24 +110,26 @@ class ConnectionGuard:
         if self.max_connections and self._open >= self.max_connections:
             self.refused += 1
             return 503
-        if address is not None and self.max_per_address and not self._is_exempt(address):
-            if self._by_address.get(address, 0) >= self.max_per_address:
+        key = client_key(address) if address is not None else None
+        if key is not None and address is not None and self.max_per_address and not self._is_exempt(address):
+            if self._by_address.get(key, 0) >= self.max_per_address:
                 self.refused += 1
                 return 429
         self._open += 1
-        if address is not None:
-            self._by_address[address] = self._by_address.get(address, 0) + 1
+        if key is not None:
+            self._by_address[key] = self._by_address.get(key, 0) + 1
         return None
 
     def release(self, address: str | None) -> None:
         """Forget an admitted connection that closed."""
         self._open -= 1
         if address is not None:
-            left = self._by_address.get(address, 0) - 1
+            key = client_key(address)
+            left = self._by_address.get(key, 0) - 1
             if left > 0:
-                self._by_address[address] = left
+                self._by_address[key] = left
             else:
-                self._by_address.pop(address, None)
+                self._by_address.pop(key, None)
 
     def _is_exempt(self, address: str) -> bool:
         if not self._exempt:

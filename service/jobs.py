@@ -59,7 +59,7 @@ from service.errors import (
 )
 from service.metrics import Metrics
 from service.normalize import Normalized, prepare, view_fields
-from service.output import CappedStream, OutputLog, decode_slice, read_range
+from service.output import CappedStream, OutputLog, OutputRange, decode_slice, read_range
 from service.pool import RUNTIME_LABEL, WarmPools
 from service.quotas import HostCapacity, OwnerSlot, Quotas, Slots
 from service.sandbox.base import ExitStatus, SandboxBackend, SandboxSpec, Stream, write_run_files
@@ -407,10 +407,8 @@ class JobManager:
         started = datetime.fromisoformat(view["started_at"]) if view.get("started_at") else None
         for stream in STREAMS:
             path = self._output_dir / stored.job_id / stream
-            data = await asyncio.to_thread(read_range, path, 0, self._settings.output_retention_bytes)
-            size = len(data)
             inline = CappedStream(max(len(view[stream].encode()), 64 * 1024))
-            inline.write(data)
+            size = await self._replay(path, inline, self._settings.output_retention_bytes)
             rendered = inline.render()
             view.update(
                 {
@@ -443,6 +441,19 @@ class JobManager:
         await self._store.put(stored_job(view, len(view["calls"]), body, stored.instance_id))
         self._metrics.job_lost()
         log.warning("job %s was %s when the service last stopped: marked lost", stored.job_id, stored.status)
+
+    @staticmethod
+    async def _replay(path: Path, inline: CappedStream, limit: int) -> int:
+        """Write the first ``limit`` bytes of a retained file into ``inline`` a ``SLICE_BYTES`` slice at a time
+        (never the whole file in memory); returns how many."""
+        size = 0
+        while size < limit:
+            data = await asyncio.to_thread(read_range, path, size, min(SLICE_BYTES, limit - size))
+            if not data:
+                break
+            inline.write(data)
+            size += len(data)
+        return size
 
     def _installation_salt(self) -> bytes:
         """A secret random key kept in the work dir (created once): keys toolset ids so they leak nothing."""
@@ -1318,10 +1329,23 @@ class JobManager:
         view[f"{stream}_truncated"] = offset + consumed < view[f"{stream}_retained_bytes"]
 
     async def read_output(self, job_id: str, caller: Caller, stream: Stream, offset: int, length: int) -> bytes:
-        """Raw retained bytes of a stream; raises JobNotFound (for another owner's job too)."""
+        """Raw retained bytes of a stream, at most ``min(length, SLICE_BYTES)`` of them (bounded in memory:
+        ``output_range`` serves longer reads); raises JobNotFound (for another owner's job too)."""
         if self.live(job_id, caller) is None:
             await self.stored_view(job_id, caller)
-        return await asyncio.to_thread(read_range, self._output_dir / job_id / stream, offset, length)
+        path = self._output_dir / job_id / stream
+        return await asyncio.to_thread(read_range, path, offset, min(length, SLICE_BYTES))
+
+    async def output_range(self, job_id: str, caller: Caller, stream: Stream, offset: int, length: int) -> OutputRange:
+        """The retained bytes of a stream from ``offset``, up to ``length`` (those retained now), as an open
+        ``OutputRange`` to read a slice at a time and close (``GET /jobs/{id}/output/{stream}``).
+
+        Raises:
+            JobNotFound: no such job, or another owner's.
+        """
+        if self.live(job_id, caller) is None:
+            await self.stored_view(job_id, caller)
+        return await asyncio.to_thread(OutputRange.open, self._output_dir / job_id / stream, offset, length)
 
     async def wait(self, job_id: str, caller: Caller, timeout_s: float) -> Body:
         """Block until the job ends, waits for the client (a client-executed call), or ``timeout_s`` passes.

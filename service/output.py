@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,6 +158,71 @@ class OutputLog:
     def close(self) -> None:
         """No more writes."""
         self._file.close()
+
+
+class OutputRange:
+    """Retained bytes of a stream from one offset, read from one open file a slice at a time.
+
+    ``open`` fixes ``length``, the exact count of bytes it will give: those retained at that moment
+    from ``offset`` (at most the length asked). Retained files only grow (appended until the job ends,
+    then left alone until purged), and the file stays open, so a purge meanwhile changes nothing: a
+    reader gets the same bytes one ``read_range`` would have given at ``open``, without holding them
+    all in memory. ``read`` and ``close`` block (run them in a thread); ``close`` waits for a ``read``
+    under way in another thread.
+
+    Attributes:
+        offset: where the range starts (bytes).
+        length: bytes the range holds (0 past the end, or without a file).
+    """
+
+    def __init__(self, fd: int | None, offset: int, length: int) -> None:
+        self._fd = fd
+        self.offset = offset
+        self.length = length
+        self._position = offset
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, path: Path, offset: int, length: int) -> OutputRange:
+        """The range of up to ``length`` bytes from ``offset`` of the file at ``path`` (blocking)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:  # no file (never retained, or purged)
+            return cls(None, offset, 0)
+        try:
+            size = os.fstat(fd).st_size
+        except OSError:
+            os.close(fd)
+            return cls(None, offset, 0)
+        return cls(fd, offset, max(0, min(length, size - offset)))
+
+    @property
+    def remaining(self) -> int:
+        """Bytes of the range not read yet."""
+        return self.offset + self.length - self._position
+
+    def read(self, most: int) -> bytes:
+        """The next at most ``most`` bytes of the range (b"" once all are read, or after ``close``).
+
+        Raises:
+            OSError: the file shrank under the range (retained files never do) or could not be read.
+        """
+        with self._lock:
+            wanted = min(most, self.remaining)
+            if self._fd is None or wanted <= 0:
+                return b""
+            data = os.pread(self._fd, wanted, self._position)
+            if not data:
+                raise OSError(f"retained output ended {self.remaining} bytes before its range")
+            self._position += len(data)
+            return data
+
+    def close(self) -> None:
+        """Release the file (idempotent; waits for a ``read`` under way)."""
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
 
 def read_range(path: Path, offset: int, length: int) -> bytes:

@@ -254,7 +254,14 @@ class Settings(BaseSettings):
         "jobs, sessions and toolsets (the others only on their own).",
     )
     metrics_auth: Literal["required", "open"] = Field(
-        "required", description="open: GET /metrics answers without a key (for a scraper on a trusted network)."
+        "required",
+        description="required: GET /metrics answers only the admin role and PTC_METRICS_KEYS (others get 403); "
+        "open: it answers without a key (for a scraper on a trusted network).",
+    )
+    metrics_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated names of API keys that may read GET /metrics (e.g. Prometheus's key), besides "
+        "the admin role; they have no other power beyond their own jobs.",
     )
 
     # -- egress rules (service/egress.py) --
@@ -297,8 +304,9 @@ class Settings(BaseSettings):
     max_connections_per_address: int = Field(
         256,
         ge=0,
-        description="HTTP connections open at once from one client address (PTC_TRUSTED_PROXIES excepted); past it "
-        "a new one gets 429 and is closed. 0 = no cap.",
+        description="HTTP connections open at once from one client address (PTC_TRUSTED_PROXIES excepted; IPv6 "
+        "addresses are grouped by /64, IPv4-mapped ones count as their IPv4 address); past it a new one gets 429 "
+        "and is closed. 0 = no cap.",
     )
     trusted_proxies: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
@@ -371,7 +379,7 @@ class Settings(BaseSettings):
         parse_networks(entries)  # ValueError names the entry
         return entries
 
-    @field_validator("egress_allow", "admin_keys", "trusted_proxies", mode="before")
+    @field_validator("egress_allow", "admin_keys", "metrics_keys", "trusted_proxies", mode="before")
     @classmethod
     def _split_rules(cls, value: object) -> object:
         if isinstance(value, str):
@@ -409,7 +417,7 @@ def settings_table() -> str:
         value = info.default_factory() if info.default_factory is not None else info.default  # type: ignore[call-arg]
         if value is None:
             default = "—"
-        elif name in ("egress_allow", "admin_keys", "trusted_proxies"):  # read as a comma-separated list
+        elif name in ("egress_allow", "admin_keys", "metrics_keys", "trusted_proxies"):  # comma-separated lists
             default = f"`{','.join(value)}`" if value else "—"
         elif isinstance(value, list | dict):  # read as JSON
             default = f"`{json.dumps(value, default=lambda v: v.model_dump(exclude_none=True))}`"

@@ -113,7 +113,8 @@ class Service:
 def start_service(instance_id: str, work_dir: Path, probe: str = "/readyz", **env: str) -> Service:
     """Start the service as a subprocess and wait until ``probe`` answers 200.
 
-    Authentication is on: a new API key (name ``pytest``) is configured, and ``Service.client()`` sends it.
+    Authentication is on: a new API key (name ``pytest``, which may read ``/metrics``) is configured, and
+    ``Service.client()`` sends it.
     """
     port = free_port()
     log_path = work_dir.with_suffix(".log")
@@ -126,6 +127,7 @@ def start_service(instance_id: str, work_dir: Path, probe: str = "/readyz", **en
         "PTC_SANDBOX_IMAGE": IMAGE,
         "PTC_AUTH": "required",
         "PTC_API_KEYS": f"pytest:{hash_token(token)}",
+        "PTC_METRICS_KEYS": "pytest",  # the suite scrapes /metrics with its key (tests/test_metrics.py, monitoring)
         **env,
     }
     with open(log_path, "ab") as log_file:

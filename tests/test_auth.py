@@ -178,8 +178,27 @@ async def test_healthz_is_open(client: httpx.AsyncClient) -> None:
 async def test_metrics_is_open_only_when_configured(tmp_path: Path) -> None:
     app = create_app(settings(tmp_path, metrics_auth="open"))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
-        assert (await c.get("/metrics")).status_code != 401  # 404 on this branch: no /metrics route yet
+        assert (await c.get("/metrics")).status_code == 200
+        assert (await c.get("/metrics", headers=bearer(BOB))).status_code == 200  # any key too, when open
         assert (await c.get("/jobs")).status_code == 401
+
+
+PROM = "prom-token-5555555555"
+
+
+async def test_metrics_answer_only_the_admin_role_and_metrics_keys(tmp_path: Path) -> None:
+    config = settings(tmp_path, api_keys=f"{KEYS},prom:{hash_token(PROM)}", admin_keys="alice", metrics_keys="prom")
+    app = create_app(config)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+        refused = await c.get("/metrics", headers=bearer(BOB))  # a tenant: the metrics name others' tools
+        assert refused.status_code == 403 and refused.headers["content-type"] == "application/problem+json"
+        assert "PTC_METRICS_KEYS" in refused.json()["detail"] and "ptc_" not in refused.text
+        for token in (ALICE, PROM):  # the admin role, a metrics key
+            answer = await c.get("/metrics", headers=bearer(token))
+            assert answer.status_code == 200 and "# TYPE ptc_executions_total counter" in answer.text
+        assert (await c.get("/metrics")).status_code == 401  # no key at all: as on every path
+    with pytest.raises(InsecureConfig, match="PTC_METRICS_KEYS names prometheus"):
+        configure(settings(tmp_path, metrics_keys="prometheus"))
 
 
 async def test_401_comes_before_the_body_is_read(client: httpx.AsyncClient) -> None:

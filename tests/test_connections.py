@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.connections import ConnectionGuard, parse_networks
+from service.connections import ConnectionGuard, client_key, parse_networks
 from tests.conftest import Service, start_service
 
 HEADER_TIMEOUT_S = 2
@@ -111,3 +111,19 @@ def test_the_guard_counts_per_address_and_in_total_and_exempts_trusted_proxies()
     assert parse_networks(["127.0.0.1"]) == (ipaddress.ip_network("127.0.0.1/32"),)
     with pytest.raises(ValueError):
         parse_networks(["not-an-address"])
+
+
+def test_ipv6_clients_are_counted_by_their_64_and_mapped_ipv4_by_its_ipv4_address() -> None:
+    guard = ConnectionGuard(max_connections=0, max_per_address=2)
+    # rotating addresses within one /64 (a host may use any of them) gets no new caps
+    assert [guard.admit(f"2001:db8:1:2::{n:x}") for n in range(1, 4)] == [None, None, 429]
+    assert guard.admit("2001:db8:1:2:ffff:ffff:ffff:ffff") == 429
+    assert guard.admit("2001:db8:1:3::1") is None  # another /64: another client
+    guard.release("2001:db8:1:2::1")
+    assert guard.admit("2001:db8:1:2::abcd") is None
+    # an IPv4-mapped IPv6 address is its IPv4 address
+    assert guard.admit("192.0.2.9") is None and guard.admit("::ffff:192.0.2.9") is None
+    assert guard.admit("::ffff:c000:209") == 429 and guard.admit("192.0.2.9") == 429
+    assert client_key("2001:DB8::1:2:3:4") == "2001:db8::/64"
+    assert client_key("::ffff:10.1.2.3") == "10.1.2.3" and client_key("10.1.2.3") == "10.1.2.3"
+    assert client_key("not-an-ip") == "not-an-ip"

@@ -7,6 +7,7 @@ service of their own and read its memory from ``/proc/<pid>/status``.
 from __future__ import annotations
 
 import asyncio
+import socket
 import statistics
 import threading
 import time
@@ -335,4 +336,46 @@ def test_service_memory_stays_bounded_after_a_job_with_large_arguments(scratch: 
             kept = [c for c in view["calls"] if c["args"] is not None]
             assert 0 < len(kept) < 62 and all(c["status"] == "ok" for c in view["calls"])  # the cap thinned records
     finally:
+        svc.stop()
+
+
+READERS = 24
+READER_RSS_BOUND_MB = 100
+"""Generous: each reader that does not read may hold about one 256 KiB slice (plus the transport's 64 KiB);
+on main each held the whole range, 16 MiB here (~14.6 MB each measured: ~350 MB for 24 readers)."""
+
+
+def test_readers_that_do_not_read_a_big_output_hold_no_copy_of_it(scratch: Path, engine: Any) -> None:
+    svc = start_service("pytest-load-output", scratch / "load-output", PTC_WARM_POOL_SIZE="0")
+    size = 16 * 1024 * 1024
+    pattern = "bytes(range(256)) * 65536"
+    readers: list[socket.socket] = []
+    try:
+        with svc.client(timeout=600) as api:
+            view = execute(api, f"import sys\nsys.stdout.buffer.write({pattern})", timeout_s=120, wait_s=120)
+            assert view["status"] == "succeeded" and view["stdout_retained_bytes"] == size, view["stderr"]
+            job_id = view["job_id"]
+            api.get(f"/jobs/{job_id}/output/stdout", params={"length": 1024}).raise_for_status()  # warm the path
+            baseline = rss_mb(svc)
+            host, port = svc.url.removeprefix("http://").split(":")
+            request = (
+                f"GET /jobs/{job_id}/output/stdout?length={size} HTTP/1.1\r\nHost: {host}\r\n"
+                f"Authorization: Bearer {svc.token}\r\n\r\n"
+            ).encode()
+            for _ in range(READERS):
+                reader = socket.socket()
+                reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                reader.connect((host, int(port)))
+                reader.sendall(request)  # and never read the answer
+                readers.append(reader)
+            time.sleep(5)  # the service has read (main: all of) the range for each and is stuck sending it
+            grown = rss_mb(svc) - baseline
+            assert grown < READER_RSS_BOUND_MB, f"the service grew by {grown:.0f} MiB for {READERS} readers"
+            answer = api.get(f"/jobs/{job_id}/output/stdout", params={"offset": 1000, "length": size})
+            assert answer.headers["x-offset"] == "1000" and answer.headers["content-length"] == str(size - 1000)
+            assert answer.content == (bytes(range(256)) * 65536)[1000:]  # exact bytes, in order
+            assert api.get(f"/jobs/{job_id}/output/stdout", params={"offset": size}).content == b""
+    finally:
+        for reader in readers:
+            reader.close()
         svc.stop()

@@ -313,6 +313,17 @@ def test_the_admin_role_sees_and_acts_on_everything(
     assert bob_job["job_id"] not in [j["job_id"] for j in alice.get("/jobs", params={"limit": 500}).json()["jobs"]]
 
 
+def test_metrics_are_refused_to_a_tenant_and_served_to_the_admin_role_and_a_metrics_key(
+    tenants: Service, alice: httpx.Client, root: httpx.Client, alice_job: dict[str, Any]
+) -> None:
+    refused = alice.get("/metrics")  # they name every tenant's tools and count everyone's jobs
+    assert refused.status_code == 403 and "ptc_tool_calls_total" not in refused.text
+    with tenants.client() as scraper:  # the suite's own key, named in PTC_METRICS_KEYS (tests/conftest.py)
+        for reader in (root, scraper):
+            answer = reader.get("/metrics")
+            assert answer.status_code == 200 and 'ptc_executions_total{status="succeeded"}' in answer.text
+
+
 # -- item 3: callbacks -------------------------------------------------------------------------------
 
 
