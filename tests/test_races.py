@@ -232,6 +232,24 @@ def test_exit_vs_timeout(api: httpx.Client, cold_api: httpx.Client) -> None:
     assert set(outcomes) <= {"succeeded", "timed_out"}
 
 
+def stop_timeout_trial(api: httpx.Client, session_id: str | None, delay: float, timeout_s: float) -> dict[str, Any]:
+    job_id, answered = submit(api, FOREVER, session_id, timeout_s=timeout_s)
+    sleep_until(answered + delay)
+    response = api.post(f"/jobs/{job_id}/stop")
+    assert response.status_code == 200
+    view = final_views(api, job_id, response.json())
+    assert view["status"] in ("stopped", "timed_out"), show(view)
+    error = {"stopped": "stopped", "timed_out": "timeout"}[view["status"]]
+    assert view["error"]["type"] == error, show(view)
+    if view["started_at"] is None:  # stopped before its start (its turn, a slot)
+        assert view["status"] == "stopped" and view["exit_code"] is None, show(view)
+        return view
+    assert view["exit_code"] in (143, 137), show(view)  # SIGTERM (or SIGKILL after the grace), SIGKILL
+    if view["status"] == "timed_out":
+        assert view["exit_code"] == 137, show(view)
+    return view
+
+
 def test_stop_vs_timeout(api: httpx.Client) -> None:
     """A stop that falls as the time limit does: the first decided wins, and everything says the same."""
     since = _now()
@@ -239,31 +257,20 @@ def test_stop_vs_timeout(api: httpx.Client) -> None:
     lanes = sessions(api, SESSIONS)
     per_lane = 12
     n = per_lane * len(lanes)
-    timeout_s = 0.3
+    timeout_s = 0.3  # counted from the script's start, which comes some ms after the submission's answer
     try:
 
         def trial(lane: str, i: int) -> dict[str, Any]:
             index = lanes.index(lane) + i * len(lanes)
-            job_id, answered = submit(api, FOREVER, lane, timeout_s=timeout_s)
-            sleep_until(answered + timeout_s - 0.03 + index * (0.06 / n))
-            response = api.post(f"/jobs/{job_id}/stop")
-            assert response.status_code == 200
-            view = final_views(api, job_id, response.json())
-            assert view["status"] in ("stopped", "timed_out"), show(view)
-            error = {"stopped": "stopped", "timed_out": "timeout"}[view["status"]]
-            assert view["error"]["type"] == error, show(view)
-            if view["started_at"] is None:  # stopped before its start (its turn, a slot)
-                assert view["status"] == "stopped" and view["exit_code"] is None, show(view)
-                return view
-            assert view["exit_code"] in (143, 137), show(view)
-            if view["status"] == "timed_out":
-                assert view["exit_code"] == 137, show(view)
-            return view
+            return stop_timeout_trial(api, lane, timeout_s - 0.01 + index * (0.08 / n), timeout_s)
 
         views += in_parallel(lanes, trial, per_lane)
         TRIALS["stop-vs-timeout session"] += n
     finally:
         close(api, lanes)
+    n = 4
+    views += [stop_timeout_trial(api, None, timeout_s - 0.01 + i * (0.08 / n), timeout_s) for i in range(n)]
+    TRIALS["stop-vs-timeout pool"] += n
     check_listed(api, since, views)
     print("stop vs timeout outcomes:", dict(Counter(v["status"] for v in views)))
 
@@ -307,27 +314,41 @@ def test_exit_vs_oom(api: httpx.Client) -> None:
         close(api, lanes)
 
 
-def test_sandbox_loss_vs_exit(api: httpx.Client, engine: docker.DockerClient) -> None:
+def loss_trial(api: httpx.Client, engine: docker.DockerClient, session_id: str | None, delay: float) -> dict[str, Any]:
+    script = DONE.format(s=0.3)
+    job_id, answered = submit(api, script, session_id)
+    view = api.get(f"/jobs/{job_id}").json()
+    while view["sandbox_id"] is None and view["status"] in ("queued", "running"):
+        time.sleep(0.005)
+        view = api.get(f"/jobs/{job_id}").json()
+    sleep_until(answered + delay)
+    try:
+        engine.containers.get(view["sandbox_id"]).kill()
+    except docker.errors.APIError:
+        pass  # already gone: the job ended
+    view = final_views(api, job_id)
+    check_done_or(view, "failed")
+    return view
+
+
+def test_sandbox_loss_vs_exit(api: httpx.Client, cold_api: httpx.Client, engine: docker.DockerClient) -> None:
     """The sandbox killed (by the engine) as the script exits: an exit reported before the loss wins
-    (succeeded); otherwise the job failed with sandbox_error and a non-zero exit."""
+    (succeeded); otherwise the job failed with sandbox_error and a non-zero exit. The engine's kill takes some
+    ms of its own, so the delays start well before the exit."""
     views: list[dict[str, Any]] = []
     script = DONE.format(s=0.3)
-    end = calibrate(api, script, None)
-    n = 8
-    for i in range(n):
-        job_id, answered = submit(api, script, None)
-        view = api.get(f"/jobs/{job_id}").json()
-        while view["sandbox_id"] is None and view["status"] in ("queued", "running"):
-            time.sleep(0.005)
-            view = api.get(f"/jobs/{job_id}").json()
-        sleep_until(answered + end - 0.06 + i * (0.08 / n))  # the engine's kill takes some ms of its own
+    for mode, client, n in (("pool", api, 8), ("cold", cold_api, 3)):
+        end = calibrate(client, script, None)
+        views += [loss_trial(client, engine, None, end - 0.06 + i * (0.08 / n)) for i in range(n)]
+        TRIALS[f"sandbox-loss-vs-exit {mode}"] += n
+    n = 4
+    for i in range(n):  # a session's sandbox is lost with it: one session per trial
+        (lane,) = sessions(api, 1)
         try:
-            engine.containers.get(view["sandbox_id"]).kill()
-        except docker.errors.APIError:
-            pass  # already gone: the job ended
-        view = final_views(api, job_id)
-        check_done_or(view, "failed")
-        views.append(view)
-    TRIALS["sandbox-loss-vs-exit pool"] += n
+            end = calibrate(api, script, lane) if i == 0 else end
+            views.append(loss_trial(api, engine, lane, end - 0.06 + i * (0.08 / n)))
+        finally:
+            close(api, [lane])
+    TRIALS["sandbox-loss-vs-exit session"] += n
     outcomes = Counter(v["status"] for v in views)
     print("sandbox loss vs exit outcomes:", dict(outcomes))
