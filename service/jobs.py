@@ -1351,13 +1351,16 @@ class JobManager:
     async def stop(self, job_id: str, caller: Caller) -> Body:
         """Stop the job (SIGTERM to its processes, SIGKILL after the grace); returns its view.
 
-        Idempotent: on an ended job it only returns the final view. Raises JobNotFound (another owner's too).
+        Idempotent: on an ended job it only returns the final view. The answer is the saved final view (the one
+        ``GET`` and ``wait`` serve), whatever ended the job: the script may have exited by itself first. It waits
+        for the grace and the SIGKILL's confirmation; only a sandbox slower than that gets the live view.
+        Raises JobNotFound (another owner's too).
         """
         job = self.live(job_id, caller)
         if job is not None:
             job.stop_requested.set()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(job.done.wait(), self._settings.stop_grace_s + 1)
+                await asyncio.wait_for(job.done.wait(), self._settings.stop_grace_s + KILL_CONFIRM_S + 1)
         return await self.view(job_id, caller)
 
     async def page(self, query: JobQuery) -> tuple[list[JobSummary], str | None]:

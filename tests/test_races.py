@@ -352,3 +352,23 @@ def test_sandbox_loss_vs_exit(api: httpx.Client, cold_api: httpx.Client, engine:
     TRIALS["sandbox-loss-vs-exit session"] += n
     outcomes = Counter(v["status"] for v in views)
     print("sandbox loss vs exit outcomes:", dict(outcomes))
+
+
+@pytest.mark.parametrize(
+    ("fields", "killed"),
+    [
+        (b'"signal": 15, "killed": true', True),
+        (b'"signal": 15, "killed": false', False),  # the script died by a SIGTERM the runtime did not send
+        (b'"signal": 15, "killed": "yes"', False),  # anything but true is no claim (a script may own the server)
+        (b'"signal": null', False),  # a legacy-shaped message: the service sent no signal, so it killed nothing
+    ],
+)
+async def test_the_service_takes_killed_only_as_the_runtime_says_it(
+    tmp_path: Path, fields: bytes, killed: bool
+) -> None:
+    """Unit: the control protocol's ``killed`` (see ``sandbox_image/ptc_runtime/session.py``) reaches ExitStatus."""
+    from tests.test_control_protocol import run_once
+
+    message = b'{"op": "exit", "id": "job_1", "exit_code": 143, "oom_killed": false, ' + fields + b"}\n"
+    status, _, broken = await run_once(tmp_path, lambda run: message)
+    assert status.killed is killed and status.exit_code == 143 and not broken
