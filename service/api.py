@@ -357,7 +357,8 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
 
     @app.post("/jobs/{job_id}/stop", response_model=JobView, responses={404: {}})
     async def stop_job(job_id: str, request: Request) -> Response:
-        """End the job: SIGTERM to the script's processes, SIGKILL after the grace. Idempotent."""
+        """End the job: SIGTERM to the script's processes, SIGKILL after the grace; a script that exited by itself
+        first keeps its own status. Answers with the final view. Idempotent."""
         return view_response(await jobs_of(request).stop(job_id, caller_of(request)))
 
     @app.get(

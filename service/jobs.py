@@ -885,7 +885,12 @@ class JobManager:
             await asyncio.shield(self._cleanup(job, broker, None))
 
     async def _supervise(self, job: Job, run: SessionRun, started: float) -> tuple[ExitStatus, str | None]:
-        """Wait for the script to exit, its time limit, or a stop request; returns (exit, what ended it)."""
+        """Wait for the script to exit, its time limit, or a stop request; returns (exit, what the service asked).
+
+        The first of the time limit and a stop that is decided wins (a stop during the SIGTERM grace does not
+        become a timeout, nor a stop after the timeout's SIGKILL a stop); whether it ended the script is for
+        ``_finish`` to say from the exit the runtime reports.
+        """
         waiting = asyncio.ensure_future(run.wait())
         stop = asyncio.ensure_future(job.stop_requested.wait())
         try:
@@ -948,7 +953,17 @@ class JobManager:
         return await self.view(job_id, caller)
 
     def _finish(self, job: Job, exit_status: ExitStatus, ended_by: str | None, broker: Broker) -> None:
+        """Set the job's status, exit code and error from what ended the script.
+
+        ``ended_by`` is what the service asked for (``stopped`` or ``timed_out``; the first decided, see
+        ``_supervise``); it names the end only when the service's signal ended the script (the runtime reports
+        a death by the signal it sent while the script ran, ``ExitStatus.killed``) or the sandbox was lost
+        after it was asked. A script whose own exit (or the OOM killer) came first ends by that exit: a stop or
+        timeout that arrives as the script exits never relabels it, and an exit 0 is always ``succeeded``.
+        """
         job.exit_code = exit_status.exit_code
+        if not (exit_status.killed or (exit_status.lost is not None and not exit_status.oom_killed)):
+            ended_by = None  # the script ended by itself before the service's signal took effect
         if ended_by == "timed_out":
             job.status = "timed_out"
             job.error = {
@@ -1360,13 +1375,16 @@ class JobManager:
     async def stop(self, job_id: str, caller: Caller) -> Body:
         """Stop the job (SIGTERM to its processes, SIGKILL after the grace); returns its view.
 
-        Idempotent: on an ended job it only returns the final view. Raises JobNotFound (another owner's too).
+        Idempotent: on an ended job it only returns the final view. The answer is the saved final view (the one
+        ``GET`` and ``wait`` serve), whatever ended the job: the script may have exited by itself first. It waits
+        for the grace and the SIGKILL's confirmation; only a sandbox slower than that gets the live view.
+        Raises JobNotFound (another owner's too).
         """
         job = self.live(job_id, caller)
         if job is not None:
             job.stop_requested.set()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(job.done.wait(), self._settings.stop_grace_s + 1)
+                await asyncio.wait_for(job.done.wait(), self._settings.stop_grace_s + KILL_CONFIRM_S + 1)
         return await self.view(job_id, caller)
 
     async def page(self, query: JobQuery) -> tuple[list[JobSummary], str | None]:

@@ -57,6 +57,7 @@ STRAY_KEPT_BYTES = 2048  # of that output, kept for the error of a sandbox that 
 ENDED_KEPT = 1000
 EXPIRY_TICK_S = 1.0
 _STREAMS: dict[str, Stream] = {"stdout": "stdout", "stderr": "stderr"}
+SIGNAL_NUMBERS = {"SIGTERM": 15, "SIGKILL": 9}  # the signals the service sends to a script (Linux numbers)
 
 
 def _now() -> datetime:
@@ -70,6 +71,7 @@ class SessionRun:
         self.job_id = job_id
         self.sink = sink
         self.exit: asyncio.Future[ExitStatus] = asyncio.get_running_loop().create_future()
+        self.sent: set[int] = set()  # signal numbers asked for (for runtimes that do not report ``killed``)
         self._sandbox = sandbox
 
     async def wait(self) -> ExitStatus:
@@ -78,7 +80,8 @@ class SessionRun:
 
     async def signal(self, signal: str) -> None:
         """Send ``SIGTERM`` or ``SIGKILL`` to the script's process group (a sandbox already gone has ended the
-        run: nothing to signal)."""
+        run: nothing to signal). Whether it ended the script is the runtime's to say (``ExitStatus.killed``)."""
+        self.sent.add(SIGNAL_NUMBERS[signal])
         with contextlib.suppress(SandboxError):
             await self._sandbox.send({"op": "signal", "id": self.job_id, "signal": signal})
 
@@ -221,7 +224,12 @@ class SessionSandbox:
                 run = self._run
                 if run is not None and message["id"] == run.job_id and not run.exit.done():
                     self._run = None
-                    run.exit.set_result(ExitStatus(exit_code=code, oom_killed=message["oom_killed"] is True))
+                    oom = message["oom_killed"] is True
+                    if "killed" in message:  # the runtime says whether the service's signal ended the script
+                        killed = message["killed"] is True
+                    else:  # an older runtime: a death by a signal the service sent
+                        killed = code - 128 in run.sent and not oom
+                    run.exit.set_result(ExitStatus(exit_code=code, oom_killed=oom, killed=killed))
             elif op == "error":
                 self._stray_output("stderr", str(message.get("message"))[:500].encode())
 

@@ -14,9 +14,14 @@ Control protocol: one JSON object per line in both directions.
 - server -> service: ``{"op": "out", "id": job_id, "stream": "stdout"|"stderr", "n": n}``
   followed by exactly n raw bytes of the script's output;
 - service -> server: ``{"op": "signal", "id": job_id, "signal": "SIGTERM"|"SIGKILL"}``;
-- server -> service: ``{"op": "exit", "id": job_id, "exit_code": n, "oom_killed": bool, "left": n}``
+- server -> service: ``{"op": "exit", "id": job_id, "exit_code": n, "signal": n|null, "killed": bool,
+  "oom_killed": bool, "left": n}``
   once the script's process has ended, every other process of the sandbox
-  has been killed and all output has been sent; ``left`` counts the
+  has been killed and all output has been sent; ``signal`` is the signal the
+  script's process died by (null: it exited), ``killed`` whether that signal
+  is one this server sent at the service's request while the process was
+  still alive (a request that arrives after the script ended is ignored, so
+  an exit of its own is never reported as killed); ``left`` counts the
   processes still listed after ``KILL_DEADLINE_S`` (anything but 0 and the
   service ends the sandbox); ``{"op": "error", "message": ...}`` for a
   request it cannot follow.
@@ -46,9 +51,12 @@ collects them, and checks that ``/proc`` lists nothing but itself; what is
 still listed after ``KILL_DEADLINE_S`` is reported (``left``). Files under the
 working directory (``/tmp``) do outlive the script.
 
-``oom_killed`` says the kernel's OOM killer acted during the run, read from
-the memory cgroup's ``oom_kill`` counter (``memory.events`` on cgroup v2,
-``memory/memory.oom_control`` on v1), which a script cannot write; where no
+``oom_killed`` says the kernel's OOM killer ended the script: its process died
+by SIGKILL, not one this server sent first, and the memory cgroup's
+``oom_kill`` counter (``memory.events`` on cgroup v2,
+``memory/memory.oom_control`` on v1, which a script cannot write) rose during
+the run (for the service's own SIGKILL: before it was sent). A script that
+exits by itself is never OOM-killed, whatever its children met. Where no
 counter is readable (gVisor) it is never claimed: a SIGKILL proves nothing,
 and gVisor's OOM kill ends the whole sandbox, which the engine reports.
 """
@@ -127,7 +135,21 @@ class _Run:
         self.pid = pid
         self.pipes = pipes  # read end -> stream name
         self.oom_before = oom_before
+        self.oom_at_kill: Optional[int] = None  # the counter when the service's SIGKILL was sent
+        self.sent: List[int] = []  # signals sent at the service's request while the process was alive
         self.status: Optional[int] = None
+
+    def ended(self) -> bool:
+        """Whether the script's process has ended (collected, or a zombie not collected yet)."""
+        if self.status is not None:
+            return True
+        try:  # WNOWAIT: leave it to collect(), which keeps its wait status
+            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return True
+        except OSError:
+            return False
+        return info is not None and info.si_pid == self.pid
 
 
 class Server:
@@ -193,18 +215,31 @@ class Server:
                 return None
             return self.start(str(request["id"]), dict(request.get("env") or {}))
         if op == "signal" and self.run is not None and request.get("id") == self.run.job_id:
-            number = SIGNALS.get(request.get("signal"), signal.SIGKILL)
-            if number == signal.SIGKILL:  # everything of the script: the end of the run checks that it is gone
-                kill_all_once()
-            else:
-                try:
-                    os.killpg(self.run.pid, number)
-                except OSError:
-                    pass
+            self.send_signal(self.run, SIGNALS.get(request.get("signal"), signal.SIGKILL))
             return None
         if op == "ping":
             self.send({"op": "pong"})
         return None
+
+    def send_signal(self, run: _Run, number: int) -> None:
+        """Send the service's signal to the script (SIGKILL: to every process of the sandbox). A script that has
+        ended already is left alone: its end is its own (``end_run`` follows from SIGCHLD)."""
+        if run.ended():
+            return
+        run.sent.append(number)
+        if number == signal.SIGKILL:  # everything of the script: the end of the run checks that it is gone
+            run.oom_at_kill = oom_kills()
+            kill_all_once()
+            return
+        try:
+            os.killpg(run.pid, number)
+        except ProcessLookupError:  # forked but not yet in its own process group (confine.drop: setsid)
+            try:
+                os.kill(run.pid, number)
+            except OSError:
+                pass
+        except OSError:
+            pass
 
     def start(self, job_id: str, env: Dict[str, str]) -> Optional[Tuple[Any, Dict[str, str]]]:
         try:
@@ -309,18 +344,24 @@ class Server:
                 os.close(fd)
                 del run.pipes[fd]
         status = run.status or 0
+        number: Optional[int] = None
         if os.WIFSIGNALED(status):
             number = os.WTERMSIG(status)
             exit_code = 128 + number
         else:
-            number = 0
             exit_code = os.WEXITSTATUS(status)
-        oom_after = oom_kills()
-        # No counter (gVisor shows none): no claim. A SIGKILL proves nothing (a script can send it to itself);
+        killed = number is not None and number in run.sent
+        # OOM: the counter rose (before the service's SIGKILL, if it sent one) and the script died by SIGKILL.
+        # No counter (gVisor shows none): no claim. A SIGKILL alone proves nothing (a script can send it to itself);
         # gVisor's OOM kills the whole sandbox, which the engine reports.
-        oom = run.oom_before is not None and oom_after is not None and oom_after > run.oom_before
+        oom_after = run.oom_at_kill if signal.SIGKILL in run.sent else oom_kills()
+        rose = run.oom_before is not None and oom_after is not None and oom_after > run.oom_before
+        oom = number == signal.SIGKILL and rose
+        if oom:
+            killed = False  # the OOM killer came first
         self.run = None
-        self.send({"op": "exit", "id": run.job_id, "exit_code": exit_code, "oom_killed": oom, "left": len(left)})
+        message = {"op": "exit", "id": run.job_id, "exit_code": exit_code, "signal": number, "killed": killed}
+        self.send({**message, "oom_killed": oom, "left": len(left)})
 
 
 def serve(compile_script: Callable[[str], Any]) -> Optional[Tuple[Any, Dict[str, str]]]:

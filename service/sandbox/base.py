@@ -76,12 +76,14 @@ class SandboxSpec:
 
 @dataclass(frozen=True)
 class ExitStatus:
-    """How a script ended: ``exit_code`` (128+N for signal N), whether the OOM killer acted, and ``lost``: why
-    the sandbox could not say (its resident interpreter died or misbehaved), None when it did."""
+    """How a script ended: ``exit_code`` (128+N for signal N), whether the OOM killer ended it, ``lost``: why
+    the sandbox could not say (its resident interpreter died or misbehaved), None when it did, and ``killed``:
+    whether it died by a signal the sandbox sent at the service's request (stop, timeout) while it still ran."""
 
     exit_code: int
     oom_killed: bool
     lost: str | None = None
+    killed: bool = False
 
 
 @dataclass
