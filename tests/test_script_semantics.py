@@ -16,6 +16,7 @@ import docker
 import httpx
 import pytest
 
+from service.normalize import normalize
 from tests.conftest import execute
 
 ECHO = {"endpoint": {"kind": "echo"}}
@@ -150,13 +151,16 @@ def test_script_is_the_real_main_like_a_plain_interpreter(
     assert view["stderr"] == err.replace("/tmp/script.py", "/run/ptc/script.py"), view
 
 
-def test_the_issue_pool_input(api: httpx.Client) -> None:
+def test_the_issue_pool_input_under_each_runtime(runtime_api: httpx.Client) -> None:
     script = (
         "import multiprocessing\n\ndef square(n):\n    return n * n\n\n"
         'if __name__ == "__main__":\n    print(multiprocessing.Pool(2).map(square, range(5)))\n'
     )
-    view = execute(api, script)
+    view = execute(runtime_api, script)
     assert (view["status"], view["stdout"]) == ("succeeded", "[0, 1, 4, 9, 16]\n"), view
+    queue = textwrap.dedent(MAIN_SCRIPTS["queue_and_semaphore"]).lstrip()
+    view = execute(runtime_api, queue)
+    assert (view["status"], view["stdout"]) == ("succeeded", "from child\n0\n"), view
 
 
 # -- top-level await ----------------------------------------------------------------------------------------------
@@ -173,6 +177,13 @@ def test_top_level_await_runs_as_a_coroutine(api: httpx.Client, session_id: str,
     view = execute(api, script, tools=None if body else TOOLS, **body)
     assert (view["status"], view["stdout"], view["ran_as_coroutine"]) == ("succeeded", "['a', 'b']\n", True), view
     assert view["normalization"] == [] and len(view["calls"]) == 2
+
+
+def test_the_service_compile_allows_top_level_await() -> None:
+    normalized = normalize("import asyncio\nawait asyncio.sleep(0)\n")
+    assert (normalized.repairs, normalized.compile_error) == ((), None)
+    inside = normalize("def f():\n    await g()\n")  # still an error inside a plain function
+    assert inside.compile_error is not None and inside.compile_error["type"] == "SyntaxError"
 
 
 def test_asyncio_run_and_plain_scripts_are_not_coroutines(api: httpx.Client) -> None:
