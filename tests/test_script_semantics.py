@@ -308,3 +308,14 @@ def test_tools_are_imported_only_for_a_script_that_names_one(api: httpx.Client) 
     assert execute(api, probe, tools=TOOLS)["stdout"] == "False\n"  # print is a tool's name too: a builtin's first
     view = execute(api, probe + "def later():\n    return web_search(query='q')\n", tools=TOOLS)
     assert view["stdout"] == "True\n", view
+
+
+def test_namespaces_as_globals_both_ways(api: httpx.Client) -> None:
+    params = {"type": "object", "properties": {"u": {"type": "string"}}}
+    manifest = [{"name": n, "parameters": params, **ECHO} for n in ("auth", "auth.login", "a.b.c")]
+    plain = "print(auth(u='1')['tool'], auth.login(u='2')['tool'], a.b.c(u='3')['tool'])\n"
+    view = execute(api, plain, tools=manifest)
+    assert (view["status"], view["stdout"]) == ("succeeded", "auth auth.login a.b.c\n"), view
+    awaited = "import asyncio\nrs = await asyncio.gather(auth(u='1'), auth.login(u='2'), a.b.c(u='3'))\n"
+    view = execute(api, awaited + "print([r['tool'] for r in rs])\n", tools=manifest)
+    assert (view["status"], view["stdout"]) == ("succeeded", "['auth', 'auth.login', 'a.b.c']\n"), view
