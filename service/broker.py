@@ -9,6 +9,8 @@ exists: ``{"id": n, "op": "report", "error": {...}}``, by which the runtime
 describes the script's uncaught exception; it is kept as ``script_report``,
 the script's own claim: the job's ``error`` is built from what the service
 observed (``service.verdict``), with this report only labelled inside it.
+``{"id": n, "op": "report", "ran_as": "coroutine"}`` says the script had
+top-level ``await`` and ran as a coroutine (``ran_as_coroutine``, also a claim).
 
 Every request naming a tool gets a call record, appended when it arrives
 (``seq`` in arrival order, status ``pending``) and completed when it ends:
@@ -190,6 +192,7 @@ class Broker:
         self.records: list[dict[str, Any]] = []
         self.calls_over_limit = 0
         self.script_report: dict[str, Any] | None = None
+        self.ran_as_coroutine = False  # the runtime said the script ran as a coroutine (top-level await)
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._connections: set[asyncio.StreamWriter] = set()
@@ -314,6 +317,7 @@ class Broker:
             request_id = None
         if request.get("op") == "report":
             self._keep_report(request.get("error"))
+            self.ran_as_coroutine = self.ran_as_coroutine or request.get("ran_as") == "coroutine"
             await self._reply(writer, lock, {"id": request_id, "ok": True, "result": None})
             return
         tool_name = request.get("tool")

@@ -190,6 +190,7 @@ class Job:
     error: dict[str, Any] | None = None
     calls: list[dict[str, Any]] = field(default_factory=list)
     calls_over_limit: int = 0
+    ran_as_coroutine: bool = False  # the runtime's report: the script had top-level await
     created_at: datetime = field(default_factory=_now)
     started_at: datetime | None = None
     ended_at: datetime | None = None
@@ -260,6 +261,7 @@ class Job:
             "sandbox_id": self.sandbox_id,
             "session_id": self.session_id,
             "owner": self.owner,
+            "ran_as_coroutine": self.ran_as_coroutine or (self.broker is not None and self.broker.ran_as_coroutine),
             **view_fields(self.normalized),
         }
 
@@ -998,6 +1000,7 @@ class JobManager:
             with contextlib.suppress(Exception):
                 await broker.close()
             job.calls_over_limit = broker.calls_over_limit
+            job.ran_as_coroutine = broker.ran_as_coroutine
             for log_ in (job.stdout, job.stderr):
                 log_.close()
             job.ended_at = _now()

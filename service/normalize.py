@@ -160,7 +160,8 @@ def _compile_error(source: str) -> BaseException | None:
     """None if ``source`` compiles, else the error (SyntaxError, or ValueError/RecursionError/MemoryError...)."""
     _silence_compile_warnings()
     try:
-        compile(source, COMPILE_FILENAME, "exec", dont_inherit=True)
+        # Top-level await is allowed: the runtime runs such a script as a coroutine (README, "Scripts and stubs").
+        compile(source, COMPILE_FILENAME, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
     except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as exc:
         return exc
     return None

@@ -412,6 +412,11 @@ class JobView(BaseModel):
     normalization: list[ScriptRepair] = Field(
         default_factory=list, description="Repairs made to the script before it ran (empty: it ran as sent)."
     )
+    ran_as_coroutine: bool = Field(
+        False,
+        description="The script had top-level await and ran as a coroutine in a new event loop (as the runtime "
+        "inside the sandbox reported: unverified).",
+    )
     original_script: str | None = Field(None, description="With repairs: the script as sent.")
     normalized_script: str | None = Field(None, description="With repairs: the script that ran.")
 

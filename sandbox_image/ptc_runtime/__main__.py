@@ -4,25 +4,38 @@ Modes: a cold one-shot job runs the script at once; ``PTC_SESSION=1`` serves
 a session or a warm-pool sandbox (``ptc_runtime.session``): a resident
 interpreter that forks one process per script.
 
-The script runs as ``__main__`` in this process, with ``/run/ptc`` first on
-``sys.path`` so that ``import tools`` finds the generated package. Its exit
-code is the process's. When it ends with an uncaught exception (a
-SyntaxError included) the traceback goes to stderr as Python prints it, and
+The script is this process's ``__main__`` module, as with ``python3 script.py``:
+a fresh module named ``__main__`` in ``sys.modules`` with ``__file__`` the
+script's path, ``__spec__`` None and ``sys.argv == [path]``, so pickling what
+the script defines, process pools (their forked workers inherit it),
+``inspect`` and warnings work, and tracebacks show the script's lines.
+``/run/ptc`` is first on ``sys.path`` so that ``import tools`` finds the
+generated package, and the manifest's tools are also in the script's globals
+(``ptc_runtime.stubs.Toolbox.script_globals``; not the names of builtins). A
+script with top-level ``await`` (compiled with ``PyCF_ALLOW_TOP_LEVEL_AWAIT``,
+its code flagged ``CO_COROUTINE``) runs as a coroutine in a new event loop,
+as ``asyncio.run`` would, and the runtime tells the broker so
+(``{"op": "report", "ran_as": "coroutine"}``). Its exit code is the process's.
+When it ends with an uncaught exception (a SyntaxError included) the traceback goes to stderr as Python prints it, and
 a short description (type, message, line) is sent to the broker so that the
 job view can carry it; that report is informational only.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
 import os
 import sys
 import traceback
-from typing import Any, Dict, List, Optional
+import types
+from typing import Any, Dict, List, Optional, Set
 
 from ptc_runtime.client import ToolError, client
 
 RUN_DIR = "/run/ptc"
 MESSAGE_CAP = 2000
+CO_COROUTINE = 0x0080  # inspect.CO_COROUTINE: a top-level-await script's code (inspect itself costs an import)
 
 
 def _report(error: Dict[str, Any]) -> None:
@@ -30,6 +43,16 @@ def _report(error: Dict[str, Any]) -> None:
         client().request({"op": "report", "error": error}, timeout=2.0)
     except ToolError:
         pass
+
+
+def _from_script(tb: Any, filename: str) -> Any:
+    """The traceback from the script's first frame on (the runtime's and asyncio's frames before it left out, as
+    ``python3 script.py`` shows none); past the runtime's own frame when the script has none (a compile error)."""
+    first = tb.tb_next if tb is not None else None
+    node = first
+    while node is not None and node.tb_frame.f_code.co_filename != filename:
+        node = node.tb_next
+    return node if node is not None else first
 
 
 def _script_line(tb: Any, filename: str) -> Optional[int]:
@@ -47,9 +70,98 @@ def compile_script(path: str) -> Any:
     try:
         with open(path, "rb") as f:
             source = f.read()
-        return compile(source, path, "exec", dont_inherit=True)
+        return compile(source, path, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
     except Exception as exc:
         return exc
+
+
+def main_module(path: str) -> types.ModuleType:
+    """A fresh ``__main__`` module for the script at ``path``, installed as ``sys.modules["__main__"]`` (what
+    ``pickle`` and ``multiprocessing`` look names up in), with what ``python3 path`` gives its module."""
+    module = types.ModuleType("__main__")
+    module.__file__ = path
+    module.__builtins__ = builtins  # type: ignore[attr-defined]
+    module.__spec__ = None
+    module.__loader__ = None
+    module.__cached__ = None  # type: ignore[attr-defined]
+    sys.modules["__main__"] = module
+    return module
+
+
+def referenced_names(code: types.CodeType) -> Set[str]:
+    """Every global, attribute or imported name the code and the functions and classes in it refer to
+    (``co_names`` of each code object): what decides whether the tools are worth importing."""
+    names: Set[str] = set()
+    stack = [code]
+    while stack:
+        current = stack.pop()
+        names.update(current.co_names)
+        stack.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
+    return names
+
+
+def tool_names(package: str) -> Set[str]:
+    """The names the generated ``tools`` package at ``package`` exports (its one-line ``__all__``), read without
+    importing it; empty when there is no such package."""
+    try:
+        with open(os.path.join(package, "__init__.py"), encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("__all__ = ["):
+                    names = ast.literal_eval(line.split("=", 1)[1].strip())
+                    return {n for n in names if isinstance(n, str)} - {"aio", "ToolError"}
+    except (OSError, ValueError, SyntaxError, UnicodeDecodeError):
+        pass
+    return set()
+
+
+def offer_tools(module: types.ModuleType, code: types.CodeType) -> bool:
+    """Put the manifest's tools into ``module``'s globals (not over a builtin's name), when the script refers to
+    one of their names (importing ``tools`` compiles it: ~45 ms for 100 tools, not paid by a script that names
+    none, say through ``globals()`` or ``eval`` only); returns whether it did."""
+    path = module.__file__ or ""
+    builtin_names = vars(builtins)
+    offerable = tool_names(os.path.join(os.path.dirname(path), "tools")) - builtin_names.keys()
+    if not offerable & referenced_names(code):
+        return False
+    offered = _toolbox_call("script_globals")
+    for name, value in offered.items():
+        if name not in builtin_names and not name.startswith("__"):
+            setattr(module, name, value)
+    return bool(offered)
+
+
+def _toolbox_call(method: str) -> Dict[str, Any]:
+    """``tools._ptc_toolbox.<method>()`` (``script_globals`` or ``tool_paths``, a fixed table), {} when the
+    package cannot be imported or is not a generated one."""
+    try:
+        import tools  # type: ignore[import-not-found]
+
+        toolbox = tools._ptc_toolbox
+        found: Dict[str, Any] = {"script_globals": toolbox.script_globals, "tool_paths": toolbox.tool_paths}[method]()
+        return found
+    except Exception:  # no package: the script sees no tools, as without a manifest
+        return {}
+
+
+def _report_mode(mode: str) -> None:
+    try:
+        client().request({"op": "report", "ran_as": mode}, timeout=2.0)
+    except ToolError:
+        pass
+
+
+def _hint_tool(exc: NameError) -> None:
+    """Append to ``exc``'s message which tool its name is close to (difflib), if any."""
+    name = getattr(exc, "name", None)
+    if not isinstance(name, str) or len(exc.args) != 1 or not isinstance(exc.args[0], str):
+        return
+    tool_paths = _toolbox_call("tool_paths")
+    import difflib
+
+    close = difflib.get_close_matches(name, list(tool_paths), n=3, cutoff=0.7)
+    paths = list(dict.fromkeys(tool_paths[c] for c in close))
+    if paths:
+        exc.args = (exc.args[0] + ". A tool has a close name: " + ", ".join("tools." + p for p in paths),)
 
 
 def main(argv: List[str], compiled: Any = None) -> int:
@@ -71,13 +183,22 @@ def main(argv: List[str], compiled: Any = None) -> int:
             )
         _report(error)
         return 1
-    namespace = {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__}
+    module = main_module(path)
+    offer_tools(module, code)
     try:
-        exec(code, namespace)
+        if code.co_flags & CO_COROUTINE:  # top-level await: run it as asyncio.run would
+            import asyncio
+
+            _report_mode("coroutine")
+            asyncio.run(eval(code, module.__dict__))  # the code of a top-level-await script makes a coroutine
+        else:
+            exec(code, module.__dict__)
     except SystemExit:
         raise
     except BaseException as exc:  # the script's own failure: report it like Python would
-        tb = exc.__traceback__.tb_next if exc.__traceback__ else None
+        tb = _from_script(exc.__traceback__, path)
+        if isinstance(exc, NameError) and not isinstance(exc, UnboundLocalError):
+            _hint_tool(exc)
         sys.stderr.write("".join(traceback.format_exception(type(exc), exc, tb)))
         _report({"type": type(exc).__name__, "message": str(exc)[:MESSAGE_CAP], "line": _script_line(tb, path)})
         return 1

@@ -12,16 +12,25 @@ attempted call has a record.
 
 The synchronous stub lives where the function is defined (``tools.<name>``);
 its awaitable twin is registered under the same path in ``tools.aio``.
+
+``Toolbox.script_globals`` gives the names the runtime puts in the script's
+global namespace (README, "Scripts and stubs"): each top-level tool as a
+``GlobalStub``, which blocks and returns the result when called outside a
+running event loop (``web_search(query=...)``) and returns a coroutine to
+await when called in the thread of a running loop (``await web_search(...)``,
+``asyncio.gather``), and each dotted namespace (``math.factorial``) as a
+``Namespace`` of such stubs.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, Optional, Tuple
+import sys
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ptc_runtime.client import ToolError, client
 
-__all__ = ["CallableNamespace", "Namespace", "ToolError", "Toolbox"]
+__all__ = ["CallableNamespace", "GlobalStub", "Namespace", "ToolError", "Toolbox"]
 
 SIGNATURE_CAP = 600  # characters of the signature appended to an invalid_arguments ToolError
 
@@ -133,6 +142,43 @@ class AsyncStub(_Stub):
             raise binder.explain(exc) from None
 
 
+class GlobalStub(_Stub):
+    """A tool in the script's global namespace: ``web_search(...)`` and ``await web_search(...)`` alike.
+
+    Called outside a running event loop (plain code, a thread of its own) it
+    blocks and returns the result, like ``tools.<name>``; called in the thread
+    of a running event loop (inside ``async def``, or at the top level of a
+    script that uses top-level ``await``) it returns a coroutine, like
+    ``tools.aio.<name>``, to await or pass to ``asyncio.gather`` /
+    ``asyncio.create_task``. Such a coroutine sends nothing until it is awaited
+    (Python warns "coroutine '<name>' was never awaited" otherwise); there,
+    ``tools.<name>(...)`` is the blocking call.
+    """
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        asyncio = sys.modules.get("asyncio")  # not imported: no loop can be running (and importing it costs ~20 ms)
+        try:
+            if asyncio is None:
+                raise RuntimeError("no running event loop")
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop running in this thread: the blocking call
+            binder = self._binder
+            try:
+                return client().request({"tool": binder.tool, "args": binder.bind(args, kwargs)})
+            except ToolError as exc:
+                raise binder.explain(exc) from None
+        coroutine: Any = self._call(args, kwargs)
+        coroutine.__qualname__ = coroutine.__name__ = self._binder.path  # what "never awaited" names
+        return coroutine
+
+    async def _call(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        binder = self._binder
+        try:
+            return await client().arequest({"tool": binder.tool, "args": binder.bind(args, kwargs)})
+        except ToolError as exc:
+            raise binder.explain(exc) from None
+
+
 class CallableNamespace(type):
     """Metaclass of a generated namespace class that is also a tool: calling the class calls its ``__call__`` stub."""
 
@@ -147,6 +193,41 @@ class Toolbox:
 
     def __init__(self) -> None:
         self.aio = Namespace("")
+        self._stubs: List[Tuple[_Binder, Callable[..., Any]]] = []  # every tool, in definition order
+
+    def script_globals(self) -> Dict[str, Any]:
+        """The tools as the script's global namespace offers them: Python name -> ``GlobalStub``, or a
+        ``Namespace`` of them for a dotted tool name (``math`` for ``math.factorial``; a tool that is also a
+        namespace is its ``__call__``). The runtime leaves out the names of builtins; the script's own
+        assignments replace the rest."""
+        found: Dict[str, Any] = {}
+        for binder, fn in self._stubs:
+            *parents, leaf = binder.path.split(".")
+            stub = GlobalStub(binder, fn)
+            if not parents:
+                found[leaf] = stub
+                continue
+            node = found.get(parents[0])
+            if not isinstance(node, Namespace):
+                node = found[parents[0]] = Namespace(parents[0])
+            for depth, part in enumerate(parents[1:], 2):
+                child = vars(node).get(part)
+                if not isinstance(child, Namespace):
+                    child = Namespace(".".join(parents[:depth]))
+                    setattr(node, part, child)
+                node = child
+            setattr(node, leaf, stub)  # "__call__" for the tool named like its namespace
+        return found
+
+    def tool_paths(self) -> Dict[str, str]:
+        """Every name a script might use for a tool -> the Python path it has (``tools.<path>``): the path, its
+        last part, and the tool's original name (for a ``NameError``'s hint)."""
+        paths: Dict[str, str] = {}
+        for binder, _ in self._stubs:
+            path = binder.path.replace(".__call__", "")
+            for name in (binder.tool, path.rsplit(".", 1)[-1], path):
+                paths.setdefault(name, path)
+        return paths
 
     def tool(self, name: str, renames: Optional[Dict[str, str]] = None) -> Callable[[Callable[..., Any]], SyncStub]:
         """Decorator: make the decorated signature a stub of tool ``name``.
@@ -168,6 +249,7 @@ class Toolbox:
                     setattr(node, part, child)
                 node = child
             setattr(node, leaf, AsyncStub(binder, fn))
+            self._stubs.append((binder, fn))
             return SyncStub(binder, fn)
 
         return decorate

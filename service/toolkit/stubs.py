@@ -37,6 +37,8 @@ from service.toolkit.schema import JsonSchema, python_type, safe_identifier
 USAGE = """\
 Call tools from Python: `import tools`, then `tools.<name>(...)` (blocks until the result; safe in threads).
 For many calls at once use `await tools.aio.<name>(...)` with `asyncio.gather`; it runs them concurrently.
+Each tool is also a global without the import: `<name>(...)` blocks, except inside a running event loop
+(`async def`, or a script with top-level `await`), where it must be awaited: `await <name>(...)`.
 Results are JSON values (dict, list, str, int, float, bool, None).
 A failed call raises `tools.ToolError` with `.type` and `.message`; catch it to recover or report.
 Dotted tool names are namespaces (`tools.math.factorial`); parameter names that are not identifiers
