@@ -659,12 +659,7 @@ class JobManager:
                 encoded = await views.encode(render_head(view), records)
             except (ValueError, TypeError):  # a view that cannot be encoded must still be saved: keep what can be
                 log.exception("job %s: its view cannot be encoded; saving it without output and calls", job.id)
-                view.update(
-                    stdout="",
-                    stderr="",
-                    calls=[],
-                    error={"type": "internal_error", "message": "the job's output or calls could not be encoded"},
-                )
+                view.update(views.unencodable(view))
                 records = []
                 encoded = await views.encode(render_head(view), records)
             await self._store.put(stored_job(encoded.head, len(records), encoded.body, self._instance))

@@ -50,6 +50,22 @@ def encode_record(record: dict[str, Any]) -> bytes:
     return orjson.dumps(record, option=OPTIONS)
 
 
+def unencodable(view: dict[str, Any]) -> dict[str, Any]:
+    """The fields that replace a view's output and calls when it cannot be encoded (the broker and the output
+    logs keep it from happening), so that it still says nothing its totals contradict: no text and
+    ``*_truncated`` (its bytes stay readable by offset), no records and ``calls_total`` 0, and an error."""
+    return {
+        "stdout": "",
+        "stderr": "",
+        "stdout_truncated": view["stdout_bytes"] > 0,
+        "stderr_truncated": view["stderr_bytes"] > 0,
+        "calls": [],
+        "calls_total": 0,
+        "calls_by_status": {},
+        "error": {"type": "internal_error", "message": "the job's output or calls could not be encoded"},
+    }
+
+
 def snapshot(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records as they are now: ended records never change again, pending ones are copied."""
     return [record if record["status"] != "pending" else dict(record) for record in records]
