@@ -58,10 +58,12 @@ def test_big_integers_cross_exactly_to_the_record_and_back(api: httpx.Client) ->
         f"for x in {BIG!r}:\n"
         "    r = tools.echo_any(x=x)['args']['x']\n"
         "    print(type(r).__name__, r == x, r)\n"
+        "try:\n    tools.echo_any(x=10**5000)\nexcept tools.ToolError as e:\n    print(e.type, 'digits' in e.message)\n"
     )
     view = execute(api, script, [ECHO_ANY], timeout_s=30)
     assert view["status"] == "succeeded", view
-    assert view["stdout"] == "".join(f"int True {x}\n" for x in BIG)
+    assert view["stdout"] == "".join(f"int True {x}\n" for x in BIG) + "invalid_arguments True\n"
+    assert len(view["calls"]) == len(BIG)  # past 4,300 digits the stub refuses before sending
     for record, x in zip(view["calls"], BIG, strict=True):
         assert same(record["args"], {"x": x}) and same(record["result"]["args"], {"x": x})
     stored = api.get(f"/jobs/{view['job_id']}")
@@ -326,6 +328,24 @@ async def exchange(lines: list[bytes], folder: Path) -> tuple[Broker, list[dict[
         await broker.close()
         await endpoints.aclose()
     return broker, replies
+
+
+def test_a_refused_argument_is_quoted_within_bounds(socket_dir: Path) -> None:
+    line = json.dumps({"id": 1, "tool": "typed", "args": {"n": "x" * 100_000}}).encode()
+    broker, replies = asyncio.run(exchange([line], socket_dir))
+    (reply,) = replies
+    assert reply["error"]["type"] == "invalid_arguments"
+    assert len(reply["error"]["message"]) <= REPORT_FIELD_CAP + 1
+    assert broker.records[0]["error"] == reply["error"]
+
+
+def test_a_view_that_cannot_be_encoded_contradicts_nothing() -> None:
+    view = view_of([], None)
+    view.update(status="succeeded", exit_code=0, error=None, stdout="x" * 27, stdout_bytes=27)
+    view["calls"] = [{"status": "ok", "seq": 1}]
+    view.update(views.unencodable(view))
+    consistent({**view, "error": None})
+    assert view["stdout_truncated"] and view["error"]["type"] == "internal_error"
 
 
 @pytest.fixture(scope="module")
