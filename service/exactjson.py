@@ -21,8 +21,17 @@ from typing import Any
 
 import orjson
 
-_LONG_DIGITS = re.compile(rb"\d{19}")
-_LONG_DIGITS_TEXT = re.compile(r"\d{19}")
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_LONG_RUN = b"0" * 19
+_LONG_DIGITS_TEXT = re.compile(r"[0-9]{19}")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # \ud800 to \udfff: half of a pair, or a lone one
+
+
+def _has_long_digits(data: bytes | bytearray | memoryview | str) -> bool:
+    """Whether 19 or more ASCII digits follow each other somewhere (in a number, or in a string: harmless)."""
+    if isinstance(data, str):
+        return _LONG_DIGITS_TEXT.search(data) is not None
+    return _LONG_RUN in bytes(data).translate(_DIGITS_AS_ZERO)  # about 1.5 ms per MB (a regex: about 25)
 
 
 def _refuse_constant(name: str) -> Any:
@@ -42,13 +51,13 @@ def loads(data: bytes | bytearray | memoryview | str) -> Any:
     Raises:
         ValueError: the text is not JSON, or holds what JSON cannot carry exactly (see the module).
     """
-    long_digits = _LONG_DIGITS_TEXT.search(data) if isinstance(data, str) else _LONG_DIGITS.search(bytes(data))
-    if long_digits is None:
+    if not _has_long_digits(data):
         return orjson.loads(data)  # orjson.JSONDecodeError is a ValueError
     text = data if isinstance(data, str) else bytes(data).decode("utf-8")  # UnicodeDecodeError: a ValueError
     try:
         value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite)
-        strict_dumps(value)  # a lone surrogate escape decodes to a str that UTF-8 cannot carry: refused
+        if isinstance(data, str) or _SURROGATE_ESCAPE.search(text):  # a str may hold one raw
+            strict_dumps(value)  # a lone surrogate escape decodes to a str that UTF-8 cannot carry: refused
     except RecursionError:
         raise ValueError("the JSON is nested too deeply") from None
     return value
