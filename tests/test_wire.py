@@ -12,12 +12,16 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import secrets
+import signal
 import tempfile
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import docker
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -30,7 +34,7 @@ from service.jobs import stored_job
 from service.schemas import JobList, JobView
 from service.toolkit.cache import ManifestCache
 from service.toolkit.endpoints import EndpointClients
-from tests.conftest import execute
+from tests.conftest import execute, labelled_containers, start_service, wait_until
 from tests.toolserver import BIG_RESULT, ToolServer
 
 BIG = [12345678901234567890123, -(2**70), 2**64, -(2**63) - 1, 2**64 - 1]
@@ -422,3 +426,29 @@ def test_whatever_a_sandboxed_script_sends_its_view_is_served(
     assert view["status"] == "succeeded", view
     assert view["stdout"].endswith("after\n")
     assert check_served(api, view["job_id"]) == view
+
+
+def test_a_job_lost_to_a_restart_keeps_exact_values_and_consistent_totals(
+    engine: docker.DockerClient, scratch: Path
+) -> None:
+    instance = f"pytest-wire-{secrets.token_hex(4)}"
+    tools = [ECHO_ANY, {"name": "ask", "parameters": {"properties": {"x": {}}}, "endpoint": {"kind": "client"}}]
+    script = "import tools\ntools.echo_any(x=2**70)\ntools.ask(x=-(2**70))\n"
+    first = start_service(instance, scratch / "wire-lost", PTC_WARM_POOL_SIZE="0")
+    with first.client() as api:
+        job = api.post("/execute", json={"script": script, "tools": tools, "wait_s": 20}).json()
+        assert job["status"] == "waiting", job
+        time.sleep(0.5)  # let the save of the waiting view land in the store
+    first.process.send_signal(signal.SIGKILL)
+    first.process.wait()
+    second = start_service(instance, scratch / "wire-lost", PTC_WARM_POOL_SIZE="0")
+    try:
+        with second.client() as api:
+            lost = check_served(api, job["job_id"])
+            assert lost["status"] == "lost"
+            assert [c["status"] for c in lost["calls"]] == ["ok", "error"]
+            assert lost["calls_by_status"] == {"ok": 1, "error": 1}  # the pending call ended, and is counted so
+            assert same(lost["calls"][0]["args"], {"x": 2**70}) and same(lost["calls"][1]["args"], {"x": -(2**70)})
+        wait_until(lambda: labelled_containers(engine, instance) == [], 10)
+    finally:
+        second.stop()
