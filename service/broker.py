@@ -38,6 +38,11 @@ Nothing from the sandbox is trusted, and one job cannot starve the others:
   is refused (``limit_exceeded``, record ``rejected``); at most
   ``MAX_ENDPOINT_CALLS`` calls per job wait on endpoints at once;
 - arguments and results nested deeper than ``MAX_JSON_DEPTH`` are refused;
+- values keep their exact meaning (``service.exactjson``): integers of any size cross exactly both ways (past
+  Python's 4,300 digits a request is refused as not JSON); NaN, infinities and lone surrogates are refused, from
+  the script (``bad_request``, no record), an endpoint (``bad_response``) or a client's answer alike;
+- every error message is capped at ``REPORT_FIELD_CAP`` characters, a request id that is not a string or a
+  64-bit integer is answered as null, a report's ``line`` / ``column`` are kept only within ``MAX_REPORT_INT``;
 - argument and result checks run on the shared ``CheckScheduler``'s threads, never on the event loop:
   one check of a job at a time, taken fairly between keys and jobs, each within a CPU budget (past it the
   call is refused, type ``limit_exceeded``);
@@ -63,6 +68,7 @@ from typing import Any, TypeVar
 import orjson
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
+from service import exactjson
 from service.errors import CallNotPending, CheckTooCostly
 from service.toolkit.endpoints import EndpointClients, ToolCallFailed
 from service.toolkit.manifest import ToolSpec
@@ -72,6 +78,7 @@ from service.toolkit.validation import CheckScheduler
 log = logging.getLogger(__name__)
 
 REPORT_FIELD_CAP = 2000
+MAX_REPORT_INT = 1 << 31  # a report's line and column are kept when 0 <= value < this
 MAX_IN_FLIGHT = 1024
 DEFAULT_CHECK_BUDGET_S = 1.0  # CPU time of one check, for a broker without the service's scheduler (s)
 MAX_CONNECTIONS = 32
@@ -277,8 +284,8 @@ class Broker:
         """Keep ``value`` as ``record[field]`` (raw JSON) if the job's and the service's record caps allow;
         else null with ``<field>_dropped_bytes``. Returns the encoded value (None if it cannot be encoded)."""
         try:
-            encoded = orjson.dumps(value)
-        except orjson.JSONEncodeError:
+            encoded = exactjson.dumps(value)
+        except ValueError:
             record[field] = None
             return None
         size = len(encoded)
@@ -305,15 +312,16 @@ class Broker:
 
     async def _handle(self, line: bytes, writer: asyncio.StreamWriter, lock: asyncio.Lock) -> None:
         try:
-            request = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            await self._reply(writer, lock, _error(None, "bad_request", "the request is not valid JSON"))
+            request = exactjson.loads(line)
+        except ValueError as exc:
+            message = f"the request is not valid JSON, or holds what JSON cannot carry exactly: {exc}"
+            await self._reply(writer, lock, _error(None, "bad_request", message[:REPORT_FIELD_CAP]))
             return
         if not isinstance(request, dict):
             await self._reply(writer, lock, _error(None, "bad_request", "the request must be a JSON object"))
             return
         request_id = request.get("id")
-        if not isinstance(request_id, (int, str)) or isinstance(request_id, bool):
+        if not isinstance(request_id, (int, str)) or isinstance(request_id, bool) or not _fits_64(request_id):
             request_id = None
         if request.get("op") == "report":
             self._keep_report(request.get("error"))
@@ -500,7 +508,7 @@ class Broker:
         future: asyncio.Future[tuple[bool, Any]] = asyncio.get_running_loop().create_future()
         call_id = record["call_id"]
         self._client_calls[call_id] = future
-        self._client_args[call_id] = orjson.Fragment(orjson.dumps(args))
+        self._client_args[call_id] = orjson.Fragment(exactjson.dumps(args))
         self._client_calls_changed()
         timeout = tool.timeout_s or self._client_timeout
         try:
@@ -516,6 +524,10 @@ class Broker:
         if not ok:
             kind = str(value.get("type", "client_error"))[:REPORT_FIELD_CAP]
             return self._fail(record, "error", kind, str(value.get("message", ""))[:REPORT_FIELD_CAP])
+        try:
+            exactjson.strict_dumps(value)  # the API's JSON reader lets NaN and infinities through
+        except ValueError as exc:
+            return self._fail(record, "error", "bad_response", f"{tool.name}: the client's result is not JSON: {exc}")
         return await self._accept_result(tool, record, value)
 
     def _client_calls_changed(self) -> None:
@@ -555,6 +567,8 @@ class Broker:
 
     @staticmethod
     def _fail(record: dict[str, Any], status: str, type_: str, message: str) -> dict[str, Any]:
+        if len(message) > REPORT_FIELD_CAP:  # a schema error may quote a whole argument
+            message = message[: REPORT_FIELD_CAP - 5] + " [...]"
         error = {"type": type_, "message": message}
         record.update(status=status, error=error)
         return {"ok": False, "error": error}
@@ -568,8 +582,9 @@ class Broker:
             if isinstance(error.get(key), str):
                 kept[key] = error[key][:REPORT_FIELD_CAP]
         for key in ("line", "column"):
-            if isinstance(error.get(key), int) and not isinstance(error.get(key), bool):
-                kept[key] = error[key]
+            value = error.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_REPORT_INT:
+                kept[key] = value
         if "type" in kept:
             self.script_report = kept
 
@@ -583,6 +598,11 @@ def _scrub(message: str, tool: ToolSpec) -> str:
             if len(token) >= 4:
                 message = message.replace(token, "[redacted]")
     return message
+
+
+def _fits_64(request_id: int | str) -> bool:
+    """A string, or an integer a reply can carry (orjson writes 64-bit integers only)."""
+    return isinstance(request_id, str) or -(1 << 63) <= request_id < 1 << 64
 
 
 def _transient(exc: BaseException) -> bool:

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import httpx
 import orjson
 
-from service import callbacks, logs, verdict, views
+from service import callbacks, exactjson, logs, verdict, views
 from service.auth import Caller
 from service.broker import Broker, CallMemory
 from service.egress import EgressDenied
@@ -404,7 +404,7 @@ class JobManager:
 
     async def _mark_lost(self, stored: StoredJob) -> None:
         """End a job a previous run left unfinished: status ``lost``, its output as far as it was kept."""
-        view = orjson.loads(stored.view)
+        view = exactjson.loads(stored.view)  # its records may hold integers past 64 bits
         ended = _now()
         started = datetime.fromisoformat(view["started_at"]) if view.get("started_at") else None
         for stream in STREAMS:
@@ -422,6 +422,11 @@ class JobManager:
                     f"{stream}_next_offset": max(view[f"{stream}_bytes"], size),
                 }
             )
+        calls = [c for c in view["calls"] if c["status"] != "pending"] + [
+            {**c, "status": "error", "error": {"type": "cancelled", "message": "the service stopped"}}
+            for c in view["calls"]
+            if c["status"] == "pending"
+        ]
         view.update(
             status="lost",
             ended_at=ended,
@@ -432,12 +437,9 @@ class JobManager:
             },
             duration_ms=_ms(started, ended),
             queue_ms=_ms(datetime.fromisoformat(view["created_at"]), started or ended),
-            calls=[c for c in view["calls"] if c["status"] != "pending"]
-            + [
-                {**c, "status": "error", "error": {"type": "cancelled", "message": "the service stopped"}}
-                for c in view["calls"]
-                if c["status"] == "pending"
-            ],
+            calls=calls,
+            calls_total=len(calls),
+            calls_by_status=dict(Counter(c["status"] for c in calls)),  # its pending calls ended
         )
         body = b"".join([part async for part in views.stream(render_head(view), [], view["calls"])])
         await self._store.put(stored_job(view, len(view["calls"]), body, stored.instance_id))
@@ -672,12 +674,7 @@ class JobManager:
                 encoded = await views.encode(render_head(view), records)
             except (ValueError, TypeError):  # a view that cannot be encoded must still be saved: keep what can be
                 log.exception("job %s: its view cannot be encoded; saving it without output and calls", job.id)
-                view.update(
-                    stdout="",
-                    stderr="",
-                    calls=[],
-                    error={"type": "internal_error", "message": "the job's output or calls could not be encoded"},
-                )
+                view.update(views.unencodable(view))
                 records = []
                 encoded = await views.encode(render_head(view), records)
             await self._store.put(stored_job(encoded.head, len(records), encoded.body, self._instance))

@@ -26,12 +26,14 @@ from typing import Any
 
 import orjson
 
+from service import exactjson
 from service.schemas import JobView
 
 BATCH_BYTES = 1024 * 1024
 """Bytes rendered between two returns to the event loop, and the size of the slices a body is sent in."""
 OPTIONS = orjson.OPT_UTC_Z  # datetimes as pydantic writes them: ...Z
 _TAIL_FIELDS = ("pending_calls", "calls")
+_VALUE_FIELDS = ("args", "result")  # a record's fields that hold what a script, tool or client sent
 
 
 def render_head(view: dict[str, Any]) -> bytes:
@@ -46,8 +48,35 @@ def render_head(view: dict[str, Any]) -> bytes:
 
 
 def encode_record(record: dict[str, Any]) -> bytes:
-    """One call record as JSON (its args and result fragments copied as they are)."""
-    return orjson.dumps(record, option=OPTIONS)
+    """One call record as JSON (its args and result fragments copied as they are).
+
+    A record decoded from a stored view (a job marked lost) holds its args and result as values, which may be
+    integers past 64 bits: those are written exactly (``service.exactjson``).
+    """
+    try:
+        return orjson.dumps(record, option=OPTIONS)
+    except orjson.JSONEncodeError:
+        exact = {
+            key: orjson.Fragment(exactjson.dumps(value)) if key in _VALUE_FIELDS and value is not None else value
+            for key, value in record.items()
+        }
+        return orjson.dumps(exact, option=OPTIONS)
+
+
+def unencodable(view: dict[str, Any]) -> dict[str, Any]:
+    """The fields that replace a view's output and calls when it cannot be encoded (the broker and the output
+    logs keep it from happening), so that it still says nothing its totals contradict: no text and
+    ``*_truncated`` (its bytes stay readable by offset), no records and ``calls_total`` 0, and an error."""
+    return {
+        "stdout": "",
+        "stderr": "",
+        "stdout_truncated": view["stdout_bytes"] > 0,
+        "stderr_truncated": view["stderr_bytes"] > 0,
+        "calls": [],
+        "calls_total": 0,
+        "calls_by_status": {},
+        "error": {"type": "internal_error", "message": "the job's output or calls could not be encoded"},
+    }
 
 
 def snapshot(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -123,7 +152,7 @@ async def encode(head: bytes, records: Iterable[dict[str, Any] | bytes | memoryv
             since_yield = 0
             await asyncio.sleep(0)
     body = b"".join(parts)
-    return EncodedView(orjson.loads(head), body, spans)
+    return EncodedView(exactjson.loads(head), body, spans)
 
 
 def scan(body: bytes) -> tuple[dict[str, Any], list[tuple[int, int]]]:

@@ -14,6 +14,8 @@ Routes (POST, JSON object body = the tool's arguments):
 - ``/slow``            sleeps 0.1 s, answers ``{"ok": true}``; ``max_in_flight`` keeps the most at once
 - ``/wrong_shape``     answers ``{"ok": "yes"}`` (for output-schema checks)
 - ``/auth_echo``       answers 401 with the request's Authorization header in its body
+- ``/echo``            answers ``{"args": <the arguments as received>}`` (stdlib ``json``: integers exact)
+- ``/big``             answers ``BIG_RESULT`` (integers past 64 bits)
 
 ``headers`` keeps the headers of every request, in order.
 
@@ -39,6 +41,7 @@ POPULATIONS = {
     "Brazil": 216_422_446,
 }
 HANG_S = 30.0
+BIG_RESULT = {"id": 12345678901234567890123, "neg": -(2**70), "edge": 2**64, "list": [2**100, -(2**64) - 1]}
 
 
 class ToolServer:
@@ -110,6 +113,10 @@ class ToolServer:
             with self._lock:
                 self.in_flight -= 1
             return 200, {"ok": True}
+        if path == "/echo":
+            return 200, {"args": args}
+        if path == "/big":
+            return 200, BIG_RESULT
         if path == "/wrong_shape":
             return 200, {"ok": "yes"}
         if path == "/triangle_area":

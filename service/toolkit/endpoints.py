@@ -28,11 +28,11 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import httpx
-import orjson
 from mcp import ClientSession, McpError
 from mcp import types as mcp_types
 from mcp.client.streamable_http import streamable_http_client
 
+from service import exactjson
 from service.egress import EgressDenied, EgressPolicy
 from service.toolkit.manifest import Endpoint, ToolSpec
 
@@ -234,8 +234,8 @@ def _mcp_failure(exc: BaseException, initializing: bool) -> ToolCallFailed:
 
 def _json_or_text(text: str) -> Any:
     try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
+        return exactjson.loads(text)
+    except ValueError:
         return text
 
 
@@ -302,7 +302,7 @@ class EndpointClients:
             async with (
                 asyncio.timeout(timeout),
                 self._http.stream(
-                    "POST", endpoint.url, content=orjson.dumps(args), headers=headers, timeout=timeout
+                    "POST", endpoint.url, content=exactjson.dumps(args), headers=headers, timeout=timeout
                 ) as response,
             ):
                 body = bytearray()
@@ -323,8 +323,8 @@ class EndpointClients:
             more = " [...]" if len(body) > BODY_EXCERPT_BYTES else ""
             raise ToolCallFailed("http_error", f"HTTP {response.status_code}: {excerpt}{more}")
         try:
-            return orjson.loads(body) if body else None
-        except orjson.JSONDecodeError as exc:
+            return exactjson.loads(body) if body else None
+        except ValueError as exc:
             raise ToolCallFailed("bad_response", f"the endpoint's answer is not JSON: {exc}") from exc
 
     async def _mcp(self, tool: ToolSpec, args: dict[str, Any]) -> Any:
@@ -350,8 +350,8 @@ class EndpointClients:
             raise ToolCallFailed("timeout", f"the MCP server did not answer within {timeout:g} s") from exc
         value = _mcp_result(result)
         try:
-            size = len(orjson.dumps(value))
-        except orjson.JSONEncodeError as exc:
+            size = len(exactjson.strict_dumps(value))  # exact integers; NaN and infinities refused
+        except ValueError as exc:
             raise ToolCallFailed("bad_response", f"the MCP result is not representable as JSON: {exc}") from exc
         if size > self._max_result_bytes:
             raise ToolCallFailed("result_too_large", f"the MCP result has more than {self._max_result_bytes} bytes")

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jsonschema
-import orjson
 import referencing
 import referencing.exceptions
 import regex
 from jsonschema.exceptions import ValidationError
 
+from service import exactjson
 from service.egress import header_problem, url_problem
 from service.errors import ManifestError
 from service.toolkit.schema import JsonSchema, json_depth, to_json_schema
@@ -218,8 +218,8 @@ def _repair(args: dict[str, Any], errors: list[ValidationError]) -> dict[str, An
         if not isinstance(error.instance, str) or not wanted & {"object", "array"} or not error.absolute_path:
             continue
         try:
-            parsed = orjson.loads(error.instance)
-        except orjson.JSONDecodeError:
+            parsed = exactjson.loads(error.instance)
+        except ValueError:
             continue
         if isinstance(parsed, (dict, list)):
             fixes.append((list(error.absolute_path), parsed))
