@@ -12,7 +12,7 @@ Control protocol: one JSON object per line in both directions.
 - server -> service: ``{"op": "hello", "pid": n}`` once connected;
 - service -> server: ``{"op": "run", "id": job_id, "env": {...}}``;
 - server -> service: ``{"op": "out", "id": job_id, "stream": "stdout"|"stderr", "n": n}``
-  followed by exactly n raw bytes of the script's output;
+  followed by exactly n raw bytes of the script's output (n <= ``READ_BYTES``);
 - service -> server: ``{"op": "signal", "id": job_id, "signal": "SIGTERM"|"SIGKILL"}``;
 - server -> service: ``{"op": "exit", "id": job_id, "exit_code": n, "oom_killed": bool, "left": n}``
   once the script's process has ended, every other process of the sandbox
@@ -30,6 +30,17 @@ subprocesses); it takes pipes as stdout and stderr, applies the run's ``env``,
 and returns from ``serve`` so that ``__main__`` runs it exactly as a one-shot
 job runs its script. ``exit_code`` follows the shell convention: the exit
 status, or 128 + N for a death by signal N.
+
+Output is live and kept. The child writes each line to its pipe as it is
+printed (``ptc_runtime.stdio``), and the kernel keeps what is in a pipe
+whatever happens to the writer. The server sends what it reads at once, in
+frames of at most ``READ_BYTES``; after a read that emptied the pipe (a
+script printing slowly) it leaves that pipe alone for ``REST_S``, so that a
+script printing many short lines costs one frame per ``REST_S`` instead of
+one wake-up and frame per line (the pipe, enlarged to ``PIPE_BYTES``, holds
+them meanwhile). A printed line therefore reaches the service within about
+``REST_S``. At any end of the script (exit, signal, the OOM killer,
+``os._exit``) the server reads its pipes to the end before it sends ``exit``.
 
 The server is the container's init (pid 1) and, when the service starts the
 sandbox as root with only ``CAP_SETUID``/``CAP_SETGID``/``CAP_KILL`` (images
@@ -55,6 +66,7 @@ and gVisor's OOM kill ends the whole sandbox, which the engine reports.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import selectors
@@ -65,11 +77,15 @@ import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from ptc_runtime.confine import drop, no_user_namespaces_filter, prepare, set_dumpable
+from ptc_runtime.stdio import live
 
 RUN_DIR = "/run/ptc"
 CONTROL_SOCKET = os.path.join(RUN_DIR, "control.sock")
 SCRIPT = os.path.join(RUN_DIR, "script.py")
 READ_BYTES = 64 * 1024
+REST_S = 0.01  # after a read that emptied a pipe, how long it is left to fill (the latency of a printed line)
+PIPE_BYTES = 1024 * 1024  # the script's pipes (F_SETPIPE_SZ; the unprivileged maximum by default); best effort
+F_SETPIPE_SZ = 1031
 KILL_DEADLINE_S = 2.0  # how long the end of a run waits for the killed to be gone before it gives up on the sandbox
 PRECOMPILE_BYTES = 64 * 1024  # larger scripts are compiled by the child: compiling them could exhaust the server
 DRAIN_S = 2.0
@@ -126,6 +142,7 @@ class _Run:
         self.job_id = job_id
         self.pid = pid
         self.pipes = pipes  # read end -> stream name
+        self.resting: Dict[int, float] = {}  # read end left alone (not in the selector) -> when it is watched again
         self.oom_before = oom_before
         self.status: Optional[int] = None
 
@@ -159,7 +176,7 @@ class Server:
         self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
         self.send({"op": "hello", "pid": os.getpid()})
         while True:
-            for key, _ in self.selector.select():
+            for key, _ in self.selector.select(self.rest_timeout()):
                 if key.data == "control":
                     data = self.control.recv(READ_BYTES)
                     if not data:
@@ -179,6 +196,7 @@ class Server:
                     self.reap()
                 else:
                     self.forward(key.fd, key.data)
+            self.watch_rested()
 
     def handle(self, line: bytes) -> Optional[Tuple[Any, Dict[str, str]]]:
         try:
@@ -214,6 +232,11 @@ class Server:
         compiled = self.compile_script(SCRIPT) if small else None  # None: the child compiles it
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
+        for fd in (out_w, err_w):
+            try:
+                fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_BYTES)
+            except OSError:  # a lower /proc/sys/fs/pipe-max-size, or a kernel without it: the default 64 KiB
+                pass
         oom_before = oom_kills()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
@@ -249,8 +272,10 @@ class Server:
         os.dup2(err_w, 2)
         os.close(out_w)
         os.close(err_w)
+        live()  # each printed line goes to the pipe at once (ptc_runtime.stdio)
 
     def forward(self, fd: int, stream: str) -> None:
+        """Send what one read of the pipe ``fd`` gives; a read that emptied it rests the pipe for ``REST_S``."""
         run = self.run
         if run is None:
             return
@@ -260,10 +285,36 @@ class Server:
             return
         if data:
             self.send({"op": "out", "id": run.job_id, "stream": stream, "n": len(data)}, data)
+            if len(data) < READ_BYTES and fd not in run.resting:
+                self.selector.unregister(fd)
+                run.resting[fd] = time.monotonic() + REST_S
             return
-        self.selector.unregister(fd)
+        self.close_pipe(run, fd)
+
+    def close_pipe(self, run: _Run, fd: int) -> None:
+        """Stop reading the pipe ``fd`` (at its end, or when a writer survived the end of the run)."""
+        if run.resting.pop(fd, None) is None:
+            self.selector.unregister(fd)
         os.close(fd)
         del run.pipes[fd]
+
+    def rest_timeout(self) -> Optional[float]:
+        """Seconds until a resting pipe is to be watched again (None: none rests)."""
+        run = self.run
+        if run is None or not run.resting:
+            return None
+        return max(0.0, min(run.resting.values()) - time.monotonic())
+
+    def watch_rested(self) -> None:
+        """Watch again the pipes whose rest is over."""
+        run = self.run
+        if run is None or not run.resting:
+            return
+        now = time.monotonic()
+        for fd, until in list(run.resting.items()):
+            if until <= now:
+                del run.resting[fd]
+                self.selector.register(fd, selectors.EVENT_READ, run.pipes[fd])
 
     def collect(self) -> None:
         """Collect every ended child (the server is the sandbox's init: orphans are its children too), keeping the
@@ -301,13 +352,18 @@ class Server:
         if hung_up:
             return
         deadline = time.monotonic() + DRAIN_S
-        for fd in list(run.pipes):
-            while fd in run.pipes and time.monotonic() < deadline:
-                self.forward(fd, run.pipes[fd])
-            if fd in run.pipes:  # a writer survived the kill: give up on the rest
-                self.selector.unregister(fd)
-                os.close(fd)
-                del run.pipes[fd]
+        for fd in list(run.pipes):  # every byte the script wrote before it ended, to the end of each pipe
+            stream = run.pipes[fd]
+            while time.monotonic() < deadline:
+                try:
+                    data = os.read(fd, READ_BYTES)
+                except BlockingIOError:  # a writer survived the kill (for now): wait for it to go
+                    time.sleep(0.0005)
+                    continue
+                if not data:
+                    break
+                self.send({"op": "out", "id": run.job_id, "stream": stream, "n": len(data)}, data)
+            self.close_pipe(run, fd)  # at its end, or a writer survived the kill: give up on the rest
         status = run.status or 0
         if os.WIFSIGNALED(status):
             number = os.WTERMSIG(status)
