@@ -1,10 +1,10 @@
 """Issue 12, item 1, measured: what live output costs an output-heavy script.
 
-``python -m bench.output_heavy [--before IMAGE] [--after IMAGE] [--runs 5] [--out FILE]`` starts one service per
-sandbox image (``--before``: default ``ptc-sandbox-runtime:latest``; ``--after``: default ``$PTC_SANDBOX_IMAGE``),
-opens a session in each, and runs each script ``--runs`` times in both, alternating between them so that the
-load of this shared machine falls on both alike (plus one untimed warm-up run each). Per script and image it
-reports the median of:
+``python -m bench.output_heavy [--before IMAGE] [--after IMAGE] [--runs 5] [--runtime runsc] [--out FILE]``
+starts one service per sandbox image (``--before``: default ``ptc-sandbox-runtime:latest``; ``--after``:
+default ``$PTC_SANDBOX_IMAGE``), opens a session in each, and runs each script ``--runs`` times in both,
+alternating between them so that the load of this shared machine falls on both alike (plus one untimed
+warm-up run each). Per script and image it reports the median of:
 
 - ``http_ms``: the ``POST /execute`` round trip (the script's run plus its output reaching the service);
 - ``script_ms``: the script's own time (``time.perf_counter`` around its loop, written to stderr at the end);
@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--after", default=os.environ.get("PTC_SANDBOX_IMAGE", "ptc-sandbox-runtime:latest"))
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--runtime", default=None, help="OCI runtime of the sandboxes (PTC_RUNTIME), e.g. runsc")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="ptc-output-bench-"))
     images = {"before": args.before, "after": args.after}
@@ -77,6 +78,7 @@ def main() -> None:
                 f"bench-output-{label}-{secrets.token_hex(4)}",
                 scratch / label,
                 PTC_SANDBOX_IMAGE=image,
+                **({"PTC_RUNTIME": args.runtime} if args.runtime else {}),
             )
             clients[label] = services[label].client(timeout=300)
             created = clients[label].post("/sessions", json={})
@@ -95,7 +97,13 @@ def main() -> None:
             client.close()
         for service in services.values():
             service.stop()
-    result: dict[str, Any] = {"images": images, "runs": args.runs, "medians": {}, "samples": samples}
+    result: dict[str, Any] = {
+        "images": images,
+        "runtime": args.runtime,
+        "runs": args.runs,
+        "medians": {},
+        "samples": samples,
+    }
     print(f"| script | before http ms | after http ms | before script ms | after script ms |  (median of {args.runs})")
     print("| --- | ---: | ---: | ---: | ---: |")
     for name in SCRIPTS:
