@@ -199,3 +199,12 @@ def test_sandbox_loss_keeps_what_reached_the_service(modes: Modes, mode: str) ->
     finally:
         if own is not None:
             modes.api.delete(f"/sessions/{own}")
+
+
+def test_the_issue_input_keeps_its_output_under_each_runtime(runtime_api: httpx.Client) -> None:
+    # runc and gVisor (runsc): the runtime's pipes, their size (F_SETPIPE_SZ) and its rests work alike.
+    response = runtime_api.post("/execute", json={"script": ISSUE_INPUT, "timeout_s": 3})
+    view = response.json()
+    assert view["status"] == "timed_out", view
+    assert view["stdout"] == "step 1 done\nstep 2 done\n", view
+    assert "warn: slow path\n" in view["stderr"], view
