@@ -258,6 +258,9 @@ if __name__ == "__main__":
         from ptc_runtime.confine import drop, no_user_namespaces_filter
 
         drop(no_user_namespaces_filter(), own_session=False)
+        from ptc_runtime.stdio import live
+
+        live()  # each printed line leaves the process at once: kept at any end (a session's child does the same)
     try:
         exit_fast(main(sys.argv, compiled))
     except SystemExit as exc:
