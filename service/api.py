@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import email.message
+import gc
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
-from contextlib import asynccontextmanager
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -169,6 +171,35 @@ def _json_content(content_type: str | None) -> bool:
 _TOO_DEEP = {"type": "too_deep", "loc": ("body",), "msg": f"nested deeper than {MAX_BODY_DEPTH} levels"}
 
 
+_GC_PAUSE = threading.Lock()
+_gc_pauses = 0
+_gc_was_enabled = True
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while the block runs (counted: off until the last of several ends).
+
+    Parsing allocates one object per JSON value, none in a cycle; with the collector on, those allocations
+    trigger collections that walk every object of the process again and again, while holding the GIL (so
+    the event loop waits): 2.4 million empty arrays parse in 0.9 s with it, 0.05 s without. Objects that
+    die meanwhile still go by reference counting; only cycles wait for the collector's next run.
+    """
+    global _gc_pauses, _gc_was_enabled
+    with _GC_PAUSE:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
+    try:
+        yield
+    finally:
+        with _GC_PAUSE:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()
+
+
 def parse_body(raw: bytes, validate: Callable[[Any], tuple[Any, list[Any]]]) -> Any:
     """A request body parsed (orjson; the stdlib for what only it reads, e.g. lone surrogates) and validated.
 
@@ -186,10 +217,12 @@ def parse_body(raw: bytes, validate: Callable[[Any], tuple[Any, list[Any]]]) -> 
             ``type``, ``loc`` and ``msg`` only (never the offending ``input``, which may be megabytes).
     """
     try:
-        value = orjson.loads(raw)
+        with gc_paused():
+            value = orjson.loads(raw)
     except orjson.JSONDecodeError:
         try:
-            value = json.loads(raw)
+            with gc_paused():
+                value = json.loads(raw)
         except json.JSONDecodeError as exc:
             error = {"type": "json_invalid", "loc": ("body", exc.pos), "msg": f"JSON decode error: {exc.msg}"}
             raise RequestValidationError([error]) from None

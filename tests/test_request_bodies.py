@@ -6,6 +6,7 @@ Issue 11 review, fault 2: a 7 MiB ``metadata`` of empty arrays, refused with 422
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import Annotated, Any
 
 import pytest
@@ -14,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.testclient import TestClient
 from pydantic import AfterValidator, BaseModel
 
-from service.api import MAX_BODY_DEPTH, ParsedOffLoop, parse_body
+from service.api import MAX_BODY_DEPTH, ParsedOffLoop, gc_paused, parse_body
 from service.schemas import ExecuteRequest, check_metadata
 from service.toolkit.validation import CheckScheduler
 
@@ -114,3 +115,19 @@ def _field(model: type[BaseModel]) -> Any:
         return body_field.validate(value, {}, loc=("body",))
 
     return validate
+
+
+def test_the_collector_is_paused_while_any_parse_runs_and_restored_after() -> None:
+    assert gc.isenabled()
+    with gc_paused():
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the outer parse still runs
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # left as it was found
+    finally:
+        gc.enable()
