@@ -131,3 +131,21 @@ def test_the_collector_is_paused_while_any_parse_runs_and_restored_after() -> No
         assert not gc.isenabled()  # left as it was found
     finally:
         gc.enable()
+
+
+def test_young_cycles_are_collected_while_parses_overlap_back_to_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from service import api
+
+    collected: list[int] = []
+    monkeypatch.setattr(api, "GC_PAUSE_MAX_S", 0.0)
+
+    def collect(generation: int = 2) -> int:
+        collected.append(generation)
+        return 0
+
+    monkeypatch.setattr(gc, "collect", collect)
+    with gc_paused():
+        with gc_paused():
+            pass
+        assert collected == [1]  # the outer parse still holds the pause, past GC_PAUSE_MAX_S
+    assert collected == [1] and gc.isenabled()
