@@ -352,7 +352,9 @@ class JobManager:
             settings.warm_pool_max_profiles,
             capacity=self._capacity,
         )
-        self._manifests = ManifestCache(self._installation_salt())
+        self._manifests = ManifestCache(
+            self._installation_salt(), threads=settings.manifest_threads, budget_s=settings.manifest_budget_s
+        )
         self._checks = CheckScheduler(settings.validation_threads, settings.validation_budget_s)
         self._metrics = metrics or Metrics(settings)
         self._metrics.track_jobs(self._live)
@@ -498,6 +500,7 @@ class JobManager:
         await asyncio.to_thread(self._folders.close)
         await self._http.aclose()
         self._checks.close()
+        self._manifests.close()
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
@@ -1097,7 +1100,7 @@ class JobManager:
                     f"no toolset {toolset!r}; register the manifest with POST /toolsets", ("body", "toolset")
                 )
             tools = orjson.loads(raw)
-        return await self._manifests.compile(tools)
+        return await self._manifests.compile(tools, caller.owner)
 
     async def register_toolset(
         self, tools: list[dict[str, Any]], servers: list[McpServer], owner: str
@@ -1124,7 +1127,7 @@ class JobManager:
                 f"{len(tools)} tools (MCP listings included) exceed the server maximum of {self._settings.max_tools}",
                 ("body", "mcp_servers"),
             )
-        compiled = await self._manifests.compile(tools)
+        compiled = await self._manifests.compile(tools, owner)
         if compiled.toolset_id is None:
             raise InvalidField("this manifest cannot be stored as JSON (lone surrogates?)", ("body", "tools"))
         await self._store.put_toolset(compiled.toolset_id, orjson.dumps(tools), owner)

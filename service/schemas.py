@@ -27,15 +27,18 @@ CallStatus = Literal["pending", "ok", "error", "rejected", "timeout"]
 
 
 def check_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
-    """``metadata`` if it is small JSON (depth and size caps); raises ValueError otherwise."""
-    if json_depth(metadata, MAX_METADATA_DEPTH) > MAX_METADATA_DEPTH:
-        raise ValueError(f"metadata is nested deeper than {MAX_METADATA_DEPTH} levels")
+    """``metadata`` if it is small JSON (size and depth caps); raises ValueError otherwise.
+
+    The size first (orjson, in C): the depth walk, in Python, then only sees at most ``MAX_METADATA_BYTES``.
+    """
     try:
         size = len(orjson.dumps(metadata))
     except orjson.JSONEncodeError as exc:
         raise ValueError(f"metadata cannot be stored as JSON: {exc}") from None
     if size > MAX_METADATA_BYTES:
         raise ValueError(f"metadata is larger than {MAX_METADATA_BYTES} bytes of JSON")
+    if json_depth(metadata, MAX_METADATA_DEPTH) > MAX_METADATA_DEPTH:
+        raise ValueError(f"metadata is nested deeper than {MAX_METADATA_DEPTH} levels")
     return metadata
 
 

@@ -159,6 +159,18 @@ class Settings(BaseSettings):
         description="CPU time one check of a tool call's arguments (or result) may take; past it the call is "
         "refused with limit_exceeded (s).",
     )
+    manifest_threads: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="Threads that compile tool manifests (schema checks, stubs), shared by all keys (one compile "
+        "per key at a time, taken round-robin between keys).",
+    )
+    manifest_budget_s: float = Field(
+        10.0,
+        gt=0,
+        description="CPU time one manifest's compile may take; past it the request is refused with 422 (s).",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level; debug adds tool arguments and results to the logs."
     )

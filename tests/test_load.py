@@ -51,7 +51,7 @@ class Socket:
 @asynccontextmanager
 async def broker(tmp_path: Path, **options: Any) -> AsyncIterator[tuple[Broker, Socket]]:
     """A started broker with an echo tool and a client-executed tool, and a connection to it."""
-    manifest = await ManifestCache(b"k" * 32).compile([ECHO_TOOL, CLIENT_TOOL])
+    manifest = await ManifestCache(b"k" * 32).compile([ECHO_TOOL, CLIENT_TOOL], "pytest")
     endpoints = EndpointClients(30.0, 8 * 1024 * 1024, EgressPolicy([]))
     b = Broker(manifest.tools, endpoints, 10_000, 1024 * 1024, options.pop("max_record_bytes", 1 << 30), **options)
     await asyncio.to_thread(tmp_path.mkdir, parents=True, exist_ok=True)

@@ -341,6 +341,13 @@ def test_deep_repaired_arguments_and_client_results_are_refused(api: httpx.Clien
         content=json.dumps({"result": nested}),
         headers={"content-type": "application/json"},
     )
+    # Deeper than a body may be (254 levels: what the service can write back): refused at the door, the call
+    # still waits for an answer.
+    assert answer.status_code == 422 and "nested deeper than 254 levels" in answer.json()["detail"], answer.text
+    answer = api.post(
+        f"/jobs/{job['job_id']}/calls/{call['call_id']}",
+        json={"error": {"type": "bad_response", "message": "the result was nested too deep"}},
+    )
     assert answer.status_code == 200
     final = api.post(f"/jobs/{job['job_id']}/wait", params={"timeout_s": 20}).json()
     assert final["stdout"] == "before\ninvalid_arguments\nbad_response\n"

@@ -314,7 +314,7 @@ def view_of(records: list[dict[str, Any]], report: dict[str, Any] | None) -> dic
 
 async def exchange(lines: list[bytes], folder: Path) -> tuple[Broker, list[dict[str, Any]]]:
     """Send ``lines`` to a real broker over a real unix socket; returns it (closed) and the replies."""
-    manifest = await ManifestCache(b"k" * 32).compile([ECHO_ANY, {**TYPED, "endpoint": {"kind": "echo"}}])
+    manifest = await ManifestCache(b"k" * 32).compile([ECHO_ANY, {**TYPED, "endpoint": {"kind": "echo"}}], "pytest")
     endpoints = EndpointClients(30.0, 8 * 1024 * 1024, EgressPolicy([]))
     broker = Broker(manifest.tools, endpoints, 100, 1024 * 1024, 64 * 1024)
     path = folder / "tools.sock"

@@ -2,13 +2,18 @@
 
 A manifest is identified by the SHA-256 of its canonical JSON (keys sorted),
 so the same tools sent again (the usual case: an agent re-sends its manifest
-with every script) cost one hash. Compilation runs on a worker thread, never
-on the event loop: a large manifest takes seconds to check.
+with every script) cost one hash. Compilation runs on threads of its own
+(``PTC_MANIFEST_THREADS``), never on the event loop nor on the default
+executor that jobs' file work uses: a large manifest takes seconds to check.
+Compiles are fair between keys (a ``CheckScheduler`` with the owner as the
+group: one compile per key at a time, keys taken round-robin), so one key's
+stream of large manifests delays another key's compile by at most one
+compile per key ahead of it; and one compile may take at most
+``PTC_MANIFEST_BUDGET_S`` of CPU time (past it: ManifestError, a 422).
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 from collections import OrderedDict
@@ -17,8 +22,10 @@ from typing import Any
 
 import orjson
 
+from service.errors import CheckTooCostly, ManifestError
 from service.toolkit.manifest import ToolSpec, parse_manifest
 from service.toolkit.stubs import generate_stub_module
+from service.toolkit.validation import CheckScheduler
 
 CACHED_MANIFESTS = 256
 CACHED_BYTES = 32 * 1024 * 1024  # of canonical manifest JSON; a compiled manifest takes some 20 times that
@@ -46,17 +53,42 @@ def compile_manifest(entries: list[dict[str, Any]], toolset_id: str | None = Non
 
 
 class ManifestCache:
-    """An LRU of ``CompiledManifest`` by content hash (at most ``size`` entries)."""
+    """An LRU of ``CompiledManifest`` by content hash (at most ``size`` entries), compiled fairly (module doc).
 
-    def __init__(self, salt: bytes, size: int = CACHED_MANIFESTS, max_bytes: int = CACHED_BYTES) -> None:
+    Args:
+        salt: the installation's secret, keying toolset ids.
+        threads: compile threads, shared by all keys.
+        budget_s: CPU time one compile may take (s).
+
+    Use from one event loop only; ``close`` when done.
+    """
+
+    def __init__(
+        self,
+        salt: bytes,
+        size: int = CACHED_MANIFESTS,
+        max_bytes: int = CACHED_BYTES,
+        *,
+        threads: int = 2,
+        budget_s: float = 10.0,
+    ) -> None:
         self._salt = salt
+        self._compiles = CheckScheduler(threads, budget_s)
         self._size = size
         self._max_bytes = max_bytes
         self._bytes = 0
         self._entries: OrderedDict[bytes, tuple[CompiledManifest, int]] = OrderedDict()
 
-    async def compile(self, entries: list[dict[str, Any]]) -> CompiledManifest:
-        """The compiled manifest, from the cache or built on a worker thread; raises ManifestError."""
+    def close(self) -> None:
+        """Stop the compile threads once their compiles are done (queued ones are cancelled)."""
+        self._compiles.close()
+
+    async def compile(self, entries: list[dict[str, Any]], owner: str) -> CompiledManifest:
+        """The compiled manifest, from the cache or built on a compile thread in ``owner``'s turn.
+
+        Raises:
+            ManifestError: an entry is unusable, or the compile ran past the CPU budget (its message says so).
+        """
         try:
             canonical: bytes | None = orjson.dumps(entries, option=orjson.OPT_SORT_KEYS)
         except TypeError:  # not representable as canonical JSON (e.g. a lone surrogate): compile, don't cache
@@ -65,7 +97,15 @@ class ManifestCache:
         if key is not None and key in self._entries:
             self._entries.move_to_end(key)
             return self._entries[key][0]
-        compiled = await asyncio.to_thread(compile_manifest, entries, "ts_" + key.hex()[:32] if key else None)
+        toolset_id = "ts_" + key.hex()[:32] if key else None
+        try:
+            compiled = await self._compiles.run(owner, owner, compile_manifest, entries, toolset_id)
+        except CheckTooCostly as exc:
+            raise ManifestError(
+                f"compiling this manifest took more than {exc.budget_s:g} s of CPU time (PTC_MANIFEST_BUDGET_S); "
+                "send fewer tools or smaller schemas",
+                ("body", "tools"),
+            ) from exc
         if key is not None and canonical is not None and len(canonical) <= self._max_bytes // 4:
             self._entries[key] = (compiled, len(canonical))
             self._bytes += len(canonical)

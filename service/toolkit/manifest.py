@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import copy
 import difflib
+import hashlib
 import itertools
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jsonschema
+import orjson
 import referencing
 import referencing.exceptions
 import regex
@@ -92,7 +96,62 @@ _KEYWORDS: dict[str, Any] = {
 Validator = jsonschema.validators.extend(  # type: ignore[no-untyped-call]
     jsonschema.Draft202012Validator, {name: budgeted(fn) for name, fn in _KEYWORDS.items()}
 )
-_META_VALIDATOR = jsonschema.Draft202012Validator(jsonschema.Draft202012Validator.META_SCHEMA)
+# The metaschema check of a manifest's schemas counts against the compile's CPU budget too (service.toolkit.cache).
+_MetaValidator = jsonschema.validators.extend(  # type: ignore[no-untyped-call]
+    jsonschema.Draft202012Validator,
+    {name: budgeted(fn) for name, fn in jsonschema.Draft202012Validator.VALIDATORS.items()},
+)
+_META_VALIDATOR = _MetaValidator(jsonschema.Draft202012Validator.META_SCHEMA)
+META_CACHED = 4096  # distinct property schemas whose metaschema verdict is kept (by SHA-256 of canonical JSON)
+_META_VERDICTS: OrderedDict[bytes, tuple[str, str] | None] = OrderedDict()
+_META_LOCK = threading.Lock()
+
+
+def schema_problem(schema: Any) -> tuple[str, str] | None:
+    """Why ``schema`` is not a valid Draft 2020-12 JSON Schema, as ``(where, message)``, or None.
+
+    Checking against the metaschema costs about 1 ms of CPU per property schema (jsonschema resolves its
+    ``$dynamicRef``s in Python); manifests repeat the same property schemas across tools, so each property's
+    schema is checked once and its verdict kept (``META_CACHED`` of them), and the object around them is
+    checked with no properties. The check counts against the running compile's CPU budget (``tick``).
+    ``where`` is a ``/``-joined path (empty: the top).
+    """
+    properties = schema.get("properties") if isinstance(schema, Mapping) else None
+    if not isinstance(properties, Mapping):
+        return _meta_problem(schema)
+    outer = _meta_problem({**schema, "properties": {}})  # even an empty schema costs ~1 ms to check
+    if outer is not None:
+        return outer
+    for name, sub in properties.items():
+        inner = _cached_meta_problem(sub)
+        if inner is not None:
+            where, message = inner
+            return "/".join(p for p in ("properties", str(name), where) if p), message
+    return None
+
+
+def _cached_meta_problem(schema: Any) -> tuple[str, str] | None:
+    try:
+        key = hashlib.sha256(orjson.dumps(schema, option=orjson.OPT_SORT_KEYS)).digest()
+    except orjson.JSONEncodeError:
+        return _meta_problem(schema)
+    with _META_LOCK:
+        if key in _META_VERDICTS:
+            _META_VERDICTS.move_to_end(key)
+            return _META_VERDICTS[key]
+    verdict = _meta_problem(schema)
+    with _META_LOCK:
+        _META_VERDICTS[key] = verdict
+        while len(_META_VERDICTS) > META_CACHED:
+            _META_VERDICTS.popitem(last=False)
+    return verdict
+
+
+def _meta_problem(schema: Any) -> tuple[str, str] | None:
+    error = jsonschema.exceptions.best_match(_META_VALIDATOR.iter_errors(schema))
+    if error is None:
+        return None
+    return "/".join(str(p) for p in error.absolute_path), error.message
 
 
 @dataclass(frozen=True)
@@ -356,11 +415,11 @@ def parse_tool(entry: Any, loc: tuple[str | int, ...]) -> ToolSpec:
     parameters.setdefault("additionalProperties", False)
     for param in parameters["properties"]:
         _check_name(param, (*loc, "parameters", "properties"))
-    error = jsonschema.exceptions.best_match(_META_VALIDATOR.iter_errors(parameters))
-    if error is not None:
-        where = "/".join(str(p) for p in error.absolute_path)
+    problem = schema_problem(parameters)
+    if problem is not None:
+        where, message = problem
         raise ManifestError(
-            f"parameters is not a valid JSON Schema at {where or 'top'}: {error.message}", (*loc, "parameters")
+            f"parameters is not a valid JSON Schema at {where or 'top'}: {message}", (*loc, "parameters")
         )
     endpoint = parse_endpoint(outer.get("endpoint", inner.get("endpoint")), (*loc, "endpoint"))
     output_schema = _output_schema(outer, inner, loc)
@@ -383,9 +442,9 @@ def _output_schema(outer: Mapping[str, Any], inner: Mapping[str, Any], loc: tupl
     if not isinstance(raw, Mapping) or json_depth(raw, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
         raise ManifestError("the output schema must be a JSON Schema object of bounded depth", (*loc, "outputSchema"))
     schema = to_json_schema(dict(raw))
-    error = jsonschema.exceptions.best_match(_META_VALIDATOR.iter_errors(schema))
-    if error is not None:
-        raise ManifestError(f"the output schema is not a valid JSON Schema: {error.message}", (*loc, "outputSchema"))
+    problem = schema_problem(schema)
+    if problem is not None:
+        raise ManifestError(f"the output schema is not a valid JSON Schema: {problem[1]}", (*loc, "outputSchema"))
     return schema
 
 
@@ -431,6 +490,7 @@ def parse_manifest(entries: Sequence[Any], loc: tuple[str | int, ...] = ("tools"
     """A whole manifest -> tools by original name; raises ManifestError (duplicate names included)."""
     tools: dict[str, ToolSpec] = {}
     for i, entry in enumerate(entries):
+        tick()  # a tool's parsing counts against the compile's budget, as its metaschema check does
         spec = parse_tool(entry, (*loc, i))
         if spec.name in tools:
             raise ManifestError(f"duplicate tool name {spec.name!r}", (*loc, i, "name"))
