@@ -25,7 +25,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import __version__, callbacks
+from service import __version__, callbacks, exactjson
 from service.auth import BearerAuth, Caller, caller, configure, may_scrape, open_paths
 from service.egress import EgressPolicy, OwnAddress
 from service.errors import (
@@ -228,7 +228,8 @@ def gc_paused() -> Iterator[None]:
 
 
 def parse_body(raw: bytes, validate: Callable[[Any], tuple[Any, list[Any]]]) -> Any:
-    """A request body parsed (orjson; the stdlib for what only it reads, e.g. lone surrogates) and validated.
+    """A request body parsed (orjson; the stdlib for what only it reads exactly: integers past 64 bits, lone
+    surrogates) and validated.
 
     Runs on a worker thread: parsing and validating 8 MiB of nested JSON takes seconds of CPU.
 
@@ -244,6 +245,8 @@ def parse_body(raw: bytes, validate: Callable[[Any], tuple[Any, list[Any]]]) -> 
             ``type``, ``loc`` and ``msg`` only (never the offending ``input``, which may be megabytes).
     """
     try:
+        if exactjson.has_long_digits(raw):  # orjson would read an integer past 64 bits as a float
+            raise orjson.JSONDecodeError("an integer may be past 64 bits", "", 0)
         with gc_paused():
             value = orjson.loads(raw)
     except orjson.JSONDecodeError:

@@ -27,7 +27,7 @@ _LONG_DIGITS_TEXT = re.compile(r"[0-9]{19}")
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # \ud800 to \udfff: half of a pair, or a lone one
 
 
-def _has_long_digits(data: bytes | bytearray | memoryview | str) -> bool:
+def has_long_digits(data: bytes | bytearray | memoryview | str) -> bool:
     """Whether 19 or more ASCII digits follow each other somewhere (in a number, or in a string: harmless)."""
     if isinstance(data, str):
         return _LONG_DIGITS_TEXT.search(data) is not None
@@ -51,7 +51,7 @@ def loads(data: bytes | bytearray | memoryview | str) -> Any:
     Raises:
         ValueError: the text is not JSON, or holds what JSON cannot carry exactly (see the module).
     """
-    if not _has_long_digits(data):
+    if not has_long_digits(data):
         return orjson.loads(data)  # orjson.JSONDecodeError is a ValueError
     text = data if isinstance(data, str) else bytes(data).decode("utf-8")  # UnicodeDecodeError: a ValueError
     try:
