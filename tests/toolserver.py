@@ -14,6 +14,7 @@ Routes (POST, JSON object body = the tool's arguments):
 - ``/slow``            sleeps 0.1 s, answers ``{"ok": true}``; ``max_in_flight`` keeps the most at once
 - ``/wrong_shape``     answers ``{"ok": "yes"}`` (for output-schema checks)
 - ``/auth_echo``       answers 401 with the request's Authorization header in its body
+- ``/nested``          answers ``NESTED``: 8 MiB of ``[[],[],...]`` (costly to parse and walk, cheap to send)
 
 ``headers`` keeps the headers of every request, in order.
 
@@ -39,6 +40,7 @@ POPULATIONS = {
     "Brazil": 216_422_446,
 }
 HANG_S = 30.0
+NESTED = b"[" + b"[]," * (8 * 1024 * 1024 // 3 - 1) + b"[]]"  # 8 MiB - 1 byte, 2.8 million empty arrays
 
 
 class ToolServer:
@@ -128,6 +130,8 @@ class ToolServer:
             return 200, None
         if path == "/fail":
             return 500, b"internal failure in the tool"
+        if path == "/nested":
+            return 200, NESTED
         if path == "/not_json":
             return 200, b"<html>not json</html>"
         return 404, {"error": "no such route"}
