@@ -121,3 +121,26 @@ def test_records_past_the_record_cap_keep_the_call_but_not_its_data(scratch: Pat
             assert all(c["result"] is None and c["result_dropped_bytes"] > 20000 for c in dropped)
     finally:
         svc.stop()
+
+
+REDOS_TOOL = {
+    "name": "slow",
+    "parameters": {"type": "object", "patternProperties": {"^(a|a)+$": {}}, "additionalProperties": True},
+    "endpoint": {"kind": "echo"},
+}
+
+
+def test_regex_costs_refuse_the_call_and_the_script_goes_on(api: httpx.Client) -> None:
+    # Before: the timeout escaped the check (no reply: the script blocked until timeout_s, record "pending"), and
+    # 1,500 keys took 52 s of CPU in one check. Now both are refusals within the budget (PTC_VALIDATION_BUDGET_S, 1 s).
+    script = (
+        "import tools\n"
+        "for args in ({'a' * 25 + 'b': 1}, {'a' * 16 + 'b' + str(i): 1 for i in range(1500)}):\n"
+        "    try:\n        tools.slow(**args)\n    except tools.ToolError as e:\n        print(e.type)\n"
+        "print('went on')\n"
+    )
+    started = time.monotonic()
+    view = execute(api, script, [REDOS_TOOL], timeout_s=60)
+    assert time.monotonic() - started < 30  # generous: two checks of at most ~1 s of CPU each
+    assert (view["status"], view["stdout"]) == ("succeeded", "limit_exceeded\nlimit_exceeded\nwent on\n"), view
+    assert [(c["status"], c["error"]["type"]) for c in view["calls"]] == [("rejected", "limit_exceeded")] * 2
