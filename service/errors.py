@@ -10,7 +10,8 @@
     ├── WorkDirBusy          another instance holds the work dir        (start-up)
     ├── InsecureConfig       settings that would expose the service     (start-up)
     ├── EgressDenied         (service.egress) a destination off the egress rules: a tool error, never HTTP
-    ├── CheckTooCostly       checking a call's arguments/result ran past its CPU budget: a tool error, never HTTP
+    ├── CheckTooCostly       checking a call's arguments/result ran past its CPU budget (or one regex search
+    │                        past its time limit): a tool error (limit_exceeded), never HTTP
     ├── JobNotFound          no job with that id                         -> 404
     ├── SessionNotFound      no session with that id                     -> 404
     ├── SessionClosed        the session has ended                       -> 409
@@ -65,8 +66,8 @@ class PayloadTooLarge(PtcError):
 class CheckTooCostly(PtcError):
     """Checking a tool call's arguments or result against the schema took more than ``budget_s`` of CPU time."""
 
-    def __init__(self, budget_s: float) -> None:
-        super().__init__(f"checking against the tool's schema took more than {budget_s:g} s of CPU time")
+    def __init__(self, budget_s: float, message: str | None = None) -> None:
+        super().__init__(message or f"checking against the tool's schema took more than {budget_s:g} s of CPU time")
         self.budget_s = budget_s
 
 

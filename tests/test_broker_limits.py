@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -121,3 +123,79 @@ def test_records_past_the_record_cap_keep_the_call_but_not_its_data(scratch: Pat
             assert all(c["result"] is None and c["result_dropped_bytes"] > 20000 for c in dropped)
     finally:
         svc.stop()
+
+
+REDOS_TOOL = {
+    "name": "slow",
+    "parameters": {"type": "object", "patternProperties": {"^(a|a)+$": {}}, "additionalProperties": True},
+    "endpoint": {"kind": "echo"},
+}
+
+
+def test_regex_costs_refuse_the_call_and_the_script_goes_on(api: httpx.Client) -> None:
+    # Before: the timeout escaped the check (no reply: the script blocked until timeout_s, record "pending"), and
+    # 1,500 keys took 52 s of CPU in one check. Now both are refusals within the budget (PTC_VALIDATION_BUDGET_S, 1 s).
+    script = (
+        "import tools\n"
+        "for args in ({'a' * 25 + 'b': 1}, {'a' * 16 + 'b' + str(i): 1 for i in range(1500)}):\n"
+        "    try:\n        tools.slow(**args)\n    except tools.ToolError as e:\n        print(e.type)\n"
+        "print('went on')\n"
+    )
+    started = time.monotonic()
+    view = execute(api, script, [REDOS_TOOL], timeout_s=60)
+    assert time.monotonic() - started < 30  # generous: two checks of at most ~1 s of CPU each
+    assert (view["status"], view["stdout"]) == ("succeeded", "limit_exceeded\nlimit_exceeded\nwent on\n"), view
+    assert [(c["status"], c["error"]["type"]) for c in view["calls"]] == [("rejected", "limit_exceeded")] * 2
+
+
+def _healthz_while(api: httpx.Client, script: str, tools: list[dict[str, Any]]) -> tuple[list[float], dict[str, Any]]:
+    """Run ``script`` and sample /healthz (s) while it runs; returns the samples and the job's view."""
+    samples: list[float] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        with httpx.Client(base_url=str(api.base_url), timeout=30) as probe:
+            while not done.is_set():
+                started = time.perf_counter()
+                probe.get("/healthz")
+                samples.append(time.perf_counter() - started)
+                time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        view = execute(api, script, tools, timeout_s=60)
+    finally:
+        done.set()
+        sampler.join()
+    return samples, view
+
+
+FLOOD = (
+    "import socket, threading, time\n"
+    'line = b\'{"id":1,"tool":"e","args":{"x":[\' + b\'[],\' * 340000 + b\'[]]}}\\n\'\n'
+    "s = socket.socket(socket.AF_UNIX)\ns.connect('/run/ptc/tools.sock')\nf = s.makefile('rb')\n"
+    "threading.Thread(target=lambda: [f.readline() for _ in iter(int, 1)], daemon=True).start()\n"
+    "end = time.monotonic() + 8\nn = 0\nwhile time.monotonic() < end:\n    s.sendall(line)\n    n += 1\nprint(n)\n"
+)
+
+
+def test_healthz_stays_responsive_while_a_job_floods_large_argument_lines(api: httpx.Client) -> None:
+    tool = {"name": "e", "parameters": {"type": "object", "additionalProperties": True}, "endpoint": ECHO}
+    samples, view = _healthz_while(api, FLOOD, [tool])
+    assert view["status"] == "succeeded", view
+    assert samples and max(samples) < 1.0, sorted(samples)[-5:]  # before: median 0.59 s, max seconds
+
+
+def test_healthz_stays_responsive_while_a_jobs_http_tool_returns_8_mib(
+    api: httpx.Client, tool_server: ToolServer
+) -> None:
+    tool = {"name": "big", "endpoint": {"kind": "http", "url": tool_server.url("nested"), "timeout_s": 60}}
+    script = (  # 8 calls at once on the raw socket; the replies are read, not parsed (the sandbox's memory)
+        "import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect('/run/ptc/tools.sock')\nf = s.makefile('rb')\n"
+        's.sendall(b\'\'.join(b\'{"id":%d,"tool":"big","args":{}}\\n\' % i for i in range(8)))\n'
+        "print(sum(len(f.readline()) > 8_000_000 for _ in range(8)))\n"
+    )
+    samples, view = _healthz_while(api, script, [tool])
+    assert (view["status"], view["stdout"]) == ("succeeded", "8\n"), view
+    assert samples and max(samples) < 1.0, sorted(samples)[-5:]  # before: 12.5 s

@@ -16,6 +16,7 @@ Routes (POST, JSON object body = the tool's arguments):
 - ``/auth_echo``       answers 401 with the request's Authorization header in its body
 - ``/echo``            answers ``{"args": <the arguments as received>}`` (stdlib ``json``: integers exact)
 - ``/big``             answers ``BIG_RESULT`` (integers past 64 bits)
+- ``/nested``          answers ``NESTED``: 8 MiB of ``[[],[],...]`` (costly to parse and walk, cheap to send)
 
 ``headers`` keeps the headers of every request, in order.
 
@@ -42,6 +43,7 @@ POPULATIONS = {
 }
 HANG_S = 30.0
 BIG_RESULT = {"id": 12345678901234567890123, "neg": -(2**70), "edge": 2**64, "list": [2**100, -(2**64) - 1]}
+NESTED = b"[" + b"[]," * (8 * 1024 * 1024 // 3 - 1) + b"[]]"  # 8 MiB - 1 byte, 2.8 million empty arrays
 
 
 class ToolServer:
@@ -135,6 +137,8 @@ class ToolServer:
             return 200, None
         if path == "/fail":
             return 500, b"internal failure in the tool"
+        if path == "/nested":
+            return 200, NESTED
         if path == "/not_json":
             return 200, b"<html>not json</html>"
         return 404, {"error": "no such route"}

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -48,6 +49,17 @@ MCP_CLOSE_S = 5.0  # how long closing one session may take before its task is ca
 MCP_FAILURE_WAIT_S = 1.0  # how long a call whose connection closed waits to learn why
 # What the SDK's transport answers for a request the server rejected with 404 (session unknown or expired).
 _MCP_SESSION_TERMINATED = (32600, "Session terminated")
+
+
+@dataclass(frozen=True)
+class RawJson:
+    """An endpoint's answer as it came: JSON text not parsed yet (``EndpointClients.call(..., raw=True)``).
+
+    The broker parses it on its check threads (``service.broker.check_result``), never on the event loop:
+    parsing and walking 8 MiB of ``[[],[],...]`` takes about a second of CPU.
+    """
+
+    body: bytes
 
 
 class ToolCallFailed(Exception):
@@ -284,10 +296,24 @@ class EndpointClients:
         await asyncio.gather(*(session.aclose() for session in sessions), *self._retiring)
         await self._http.aclose()
 
-    async def call(self, tool: ToolSpec, args: dict[str, Any]) -> Any:
+    async def call(self, tool: ToolSpec, args: dict[str, Any], *, raw: bool = False) -> Any:
         # ``client`` endpoints never come here: the broker pauses those calls for the client to answer.
-        """Run one call; returns the JSON result or raises ToolCallFailed."""
-        return await self._dispatch[tool.endpoint.kind](tool, args)
+        """Run one call; returns the JSON result or raises ToolCallFailed.
+
+        ``raw``: an ``http`` endpoint's answer is returned as ``RawJson`` (its body, unparsed), for the caller
+        to parse off the event loop (the broker does); without it the body is parsed here, on the event loop
+        (for small answers and tests).
+
+        Raises:
+            ToolCallFailed: see its ``type``s; ``bad_response`` for a body that is not JSON (not ``raw``).
+        """
+        result = await self._dispatch[tool.endpoint.kind](tool, args)
+        if isinstance(result, RawJson) and not raw:
+            try:
+                return exactjson.loads(result.body)
+            except ValueError as exc:
+                raise ToolCallFailed("bad_response", f"the endpoint's answer is not JSON: {exc}") from exc
+        return result
 
     async def _echo(self, tool: ToolSpec, args: dict[str, Any]) -> Any:
         return {"tool": tool.name, "args": args}
@@ -322,10 +348,7 @@ class EndpointClients:
             excerpt = bytes(body[:BODY_EXCERPT_BYTES]).decode("utf-8", "replace")
             more = " [...]" if len(body) > BODY_EXCERPT_BYTES else ""
             raise ToolCallFailed("http_error", f"HTTP {response.status_code}: {excerpt}{more}")
-        try:
-            return exactjson.loads(body) if body else None
-        except ValueError as exc:
-            raise ToolCallFailed("bad_response", f"the endpoint's answer is not JSON: {exc}") from exc
+        return RawJson(bytes(body)) if body else None  # parsed by the caller (``call``), off the loop if it wants
 
     async def _mcp(self, tool: ToolSpec, args: dict[str, Any]) -> Any:
         endpoint: Endpoint = tool.endpoint

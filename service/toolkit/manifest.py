@@ -14,7 +14,6 @@ Accepted entry shapes (DESIGN.md, "Tool manifest"):
 
 from __future__ import annotations
 
-import copy
 import difflib
 import hashlib
 import itertools
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jsonschema
+import jsonschema._keywords as _jsonschema_keywords
 import orjson
 import referencing
 import referencing.exceptions
@@ -33,15 +33,17 @@ from jsonschema.exceptions import ValidationError
 
 from service import exactjson
 from service.egress import header_problem, url_problem
-from service.errors import ManifestError
+from service.errors import CheckTooCostly, ManifestError
 from service.toolkit.schema import JsonSchema, json_depth, to_json_schema
-from service.toolkit.validation import budgeted, canonical, enum_keyword, tick
+from service.toolkit.validation import budget_left, budgeted, canonical, enum_keyword, tick
 
 MAX_TOOL_NAME = 256
 MAX_NAME_SEGMENTS = 16
 MAX_SCHEMA_DEPTH = 64
 MAX_ERRORS_EXAMINED = 50
-PATTERN_TIMEOUT_S = 0.05
+PATTERN_TIMEOUT_S = 0.05  # one regex search (or what is left of the check's budget, if less)
+PATTERN_SHOWN = 100  # characters of a pattern or value an error message shows
+ERROR_KEYS_SHOWN = 20  # unexpected keys an error message lists
 HINT_NAME_MAX = 64
 
 # No "$ref" is ever fetched: a manifest could otherwise make the service GET any URL, and block on it.
@@ -49,18 +51,46 @@ _NO_RETRIEVAL: referencing.Registry[Any] = referencing.Registry()
 
 
 def _search(pattern: str, text: str) -> bool:
-    """``re.search`` semantics with a time bound (the ``regex`` module), so a pattern cannot stall the broker."""
+    """``re.search`` semantics with a time bound (the ``regex`` module), so a pattern cannot stall the broker.
+
+    The bound is ``PATTERN_TIMEOUT_S`` or what is left of the running check's CPU budget, if less.
+
+    Raises:
+        CheckTooCostly: the search ran out of time (the call is refused, ``limit_exceeded``), or the budget was
+            already spent.
+        regex.error: ``pattern`` is not a valid pattern (the keywords below turn it into a validation error).
+    """
+    limit = budget_left(PATTERN_TIMEOUT_S)
+    tick()
     try:
-        return regex.search(pattern, text, timeout=PATTERN_TIMEOUT_S) is not None
+        return regex.search(pattern, text, timeout=limit) is not None
     except TimeoutError:
-        raise ValidationError(f"matching {pattern!r} took too long") from None
-    except regex.error as exc:
-        raise ValidationError(f"invalid pattern {pattern!r}: {exc}") from None
+        budget_left(PATTERN_TIMEOUT_S)  # the check's budget is spent: say so
+        shown = pattern if len(pattern) <= PATTERN_SHOWN else pattern[:PATTERN_SHOWN] + "..."
+        raise CheckTooCostly(
+            limit, f"matching the pattern {shown!r} against one value took more than {limit:g} s"
+        ) from None
+
+
+def _bad_pattern(pattern: str, exc: regex.error) -> ValidationError:
+    return ValidationError(f"the tool's schema has an invalid pattern {pattern[:PATTERN_SHOWN]!r}: {exc}")
 
 
 def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Iterator[ValidationError]:
-    if validator.is_type(instance, "string") and not _search(pattern, instance):
-        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+    if not validator.is_type(instance, "string"):
+        return
+    try:
+        found = _search(pattern, instance)
+    except regex.error as exc:
+        yield _bad_pattern(pattern, exc)
+        return
+    if not found:
+        shown = instance if len(instance) <= PATTERN_SHOWN else instance[:PATTERN_SHOWN] + "..."
+        yield ValidationError(f"{shown!r} does not match {pattern!r}")
+
+
+# Keywords that loop over an instance's members count each member against the check's budget (``tick``): the
+# keyword itself ticks once per call, but a loop over 100,000 keys or items costs 100,000 times more.
 
 
 def _pattern_properties(validator: Any, patterns: Any, instance: Any, schema: Any) -> Iterator[ValidationError]:
@@ -68,8 +98,94 @@ def _pattern_properties(validator: Any, patterns: Any, instance: Any, schema: An
         return
     for pattern, subschema in patterns.items():
         for key, value in instance.items():
-            if _search(pattern, key):
+            try:
+                found = _search(pattern, key)
+            except regex.error as exc:
+                yield _bad_pattern(pattern, exc)
+                return
+            if found:
                 yield from validator.descend(value, subschema, path=key, schema_path=pattern)
+
+
+def _extra_keys(instance: dict[str, Any], schema: Any) -> list[str] | ValidationError:
+    """The keys of ``instance`` that neither ``properties`` nor ``patternProperties`` cover (regex searches bounded,
+    each key counted); a ValidationError for an invalid pattern. (jsonschema's own uses ``re`` without a bound.)"""
+    properties = schema.get("properties", {})
+    patterns = list(schema.get("patternProperties", {}))
+    extras = []
+    for key in instance:
+        tick()
+        if key in properties:
+            continue
+        try:
+            if any(_search(pattern, key) for pattern in patterns):
+                continue
+        except regex.error as exc:
+            return _bad_pattern(str(patterns), exc)
+        extras.append(key)
+    return extras
+
+
+def _additional_properties(validator: Any, extra: Any, instance: Any, schema: Any) -> Iterator[ValidationError]:
+    if not validator.is_type(instance, "object"):
+        return
+    extras = _extra_keys(instance, schema)
+    if isinstance(extras, ValidationError):
+        yield extras
+        return
+    if validator.is_type(extra, "object"):
+        for key in extras:
+            yield from validator.descend(instance[key], extra, path=key)
+    elif not extra and extras:
+        listed = ", ".join(repr(k[:PATTERN_SHOWN]) for k in sorted(extras)[:ERROR_KEYS_SHOWN])
+        more = f" and {len(extras) - ERROR_KEYS_SHOWN} more" if len(extras) > ERROR_KEYS_SHOWN else ""
+        if "patternProperties" in schema:
+            patterns = ", ".join(repr(p) for p in sorted(schema["patternProperties"]))
+            yield ValidationError(f"{listed}{more} match none of the patterns {patterns}")
+        else:
+            verb = "was" if len(extras) == 1 else "were"
+            yield ValidationError(f"Additional properties are not allowed ({listed}{more} {verb} unexpected)")
+
+
+def _property_names(validator: Any, names: Any, instance: Any, schema: Any) -> Iterator[ValidationError]:
+    if not validator.is_type(instance, "object"):
+        return
+    for key in instance:
+        tick()
+        yield from validator.descend(instance=key, schema=names)
+
+
+def _items(validator: Any, items: Any, instance: Any, schema: Any) -> Iterator[ValidationError]:
+    if not validator.is_type(instance, "array"):
+        return
+    prefix = len(schema.get("prefixItems", []))
+    extra = len(instance) - prefix
+    if extra <= 0:
+        return
+    if items is False:
+        yield ValidationError(f"expected at most {prefix} items but found {extra} extra")
+        return
+    for index in range(prefix, len(instance)):
+        tick()
+        yield from validator.descend(instance=instance[index], schema=items, path=index)
+
+
+def _contains(validator: Any, contains: Any, instance: Any, schema: Any) -> Iterator[ValidationError]:
+    tick(len(instance) if validator.is_type(instance, "array") else 1)
+    keyword: Any = _jsonschema_keywords.contains
+    yield from keyword(validator, contains, instance, schema)
+
+
+def _unevaluated(name: str) -> Any:
+    """jsonschema's ``unevaluatedItems`` / ``unevaluatedProperties``, every member counted first. (Their search for
+    evaluated keys uses ``re`` without a bound: a manifest may not combine them with ``patternProperties``.)"""
+    keyword = getattr(_jsonschema_keywords, name)
+
+    def counted(validator: Any, value: Any, instance: Any, schema: Any) -> Iterator[ValidationError]:
+        tick(len(instance) if isinstance(instance, (list, dict)) else 1)
+        yield from keyword(validator, value, instance, schema)
+
+    return counted
 
 
 def _unique_items(validator: Any, unique: Any, instance: Any, schema: Any) -> Iterator[ValidationError]:
@@ -78,7 +194,7 @@ def _unique_items(validator: Any, unique: Any, instance: Any, schema: Any) -> It
         seen: set[Any] = set()
         for item in instance:
             tick()  # an item's canonical form costs its size: count it against the check's budget
-            key = canonical(item)
+            key = canonical(item, counted=True)
             if key in seen:
                 yield ValidationError(f"{item!r} appears more than once; items must be unique")
                 return
@@ -89,6 +205,12 @@ _KEYWORDS: dict[str, Any] = {
     **jsonschema.Draft202012Validator.VALIDATORS,
     "pattern": _pattern,
     "patternProperties": _pattern_properties,
+    "additionalProperties": _additional_properties,
+    "propertyNames": _property_names,
+    "items": _items,
+    "contains": _contains,
+    "unevaluatedItems": _unevaluated("unevaluatedItems"),
+    "unevaluatedProperties": _unevaluated("unevaluatedProperties"),
     "uniqueItems": _unique_items,
     "enum": enum_keyword,
 }
@@ -284,7 +406,7 @@ def _repair(args: dict[str, Any], errors: list[ValidationError]) -> dict[str, An
             fixes.append((list(error.absolute_path), parsed))
     if not fixes:
         return None
-    repaired = copy.deepcopy(args)
+    repaired: dict[str, Any] = orjson.loads(orjson.dumps(args))  # a deep copy in C (deepcopy walks it in Python)
     for path, value in fixes:
         node: Any = repaired
         for key in path[:-1]:
@@ -421,6 +543,7 @@ def parse_tool(entry: Any, loc: tuple[str | int, ...]) -> ToolSpec:
         raise ManifestError(
             f"parameters is not a valid JSON Schema at {where or 'top'}: {message}", (*loc, "parameters")
         )
+    _refuse_unbounded_patterns(parameters, (*loc, "parameters"))
     endpoint = parse_endpoint(outer.get("endpoint", inner.get("endpoint")), (*loc, "endpoint"))
     output_schema = _output_schema(outer, inner, loc)
     return ToolSpec(
@@ -445,7 +568,31 @@ def _output_schema(outer: Mapping[str, Any], inner: Mapping[str, Any], loc: tupl
     problem = schema_problem(schema)
     if problem is not None:
         raise ManifestError(f"the output schema is not a valid JSON Schema: {problem[1]}", (*loc, "outputSchema"))
+    _refuse_unbounded_patterns(schema, (*loc, "outputSchema"))
     return schema
+
+
+def _keywords_used(schema: Any) -> set[str]:
+    """Every object key anywhere in ``schema`` (a superset of the keywords it uses; depth already bounded)."""
+    found: set[str] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            found.update(k for k in node if isinstance(k, str))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found
+
+
+def _refuse_unbounded_patterns(schema: JsonSchema, loc: tuple[str | int, ...]) -> None:
+    """jsonschema's ``unevaluatedProperties`` matches ``patternProperties`` with ``re``, which no time limit bounds
+    (a pattern like ``^(a|a)+$`` would hold a check thread, and the GIL, for as long as the input makes it):
+    a schema may use one or the other, not both."""
+    used = _keywords_used(schema)
+    if "unevaluatedProperties" in used and "patternProperties" in used:
+        raise ManifestError("a schema may not combine unevaluatedProperties with patternProperties", loc)
 
 
 _HEADER_NAME = regex.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")

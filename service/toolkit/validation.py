@@ -9,9 +9,13 @@ Three parts, so that one tenant's expensive calls never delay another's:
   (``1 == 1.0``, but ``true != 1`` and ``false != 0``; arrays and objects by
   content).
 - A CPU budget per check (``budgeted``): every schema keyword evaluated
-  counts, and every ``TICKS_PER_CLOCK_READ`` of them the thread's CPU time
-  (``time.thread_time``: not the time spent waiting for the GIL or a core) is
-  compared with the budget; past it the check raises ``CheckTooCostly``.
+  counts, so does every instance member a keyword loops over (``tick``, also
+  weighted: ``tick(n)`` for n units of work done at once), and every
+  ``TICKS_PER_CLOCK_READ`` units the thread's CPU time (``time.thread_time``:
+  not the time spent waiting for the GIL or a core) is compared with the
+  budget; past it the check raises ``CheckTooCostly``. Work that is costly
+  in one step (a regex search) asks ``budget_left`` first and is bounded by
+  it.
 - ``CheckScheduler``: the checks of all jobs share ``threads`` worker
   threads. A job runs at most one check at a time; when a thread is free,
   the next check is taken round-robin over groups (API keys), then over the
@@ -49,20 +53,26 @@ ENUM_SHOWN = 20  # members an error message lists
 # -- enum by set membership -------------------------------------------------------------------------------------------
 
 
-def canonical(value: Any) -> Hashable:
+def canonical(value: Any, counted: bool = False) -> Hashable:
     """A hashable form of a JSON value in which JSON-equal values are equal.
 
     Numbers compare by value (``1`` and ``1.0`` are one), booleans are not numbers (``True`` is not ``1``),
     strings, null, arrays (in order) and objects (by key) by content; anything else by its ``repr``.
+    ``counted``: every member of every array and object counts against the running check's budget (``tick``);
+    for instances (a schema's enum lists are built once and cached, outside any one call's account).
     """
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return (type(value).__name__, value)
     if isinstance(value, (int, float)):
         return ("number", value)
     if isinstance(value, list):
-        return ("array", tuple(canonical(v) for v in value))
+        if counted:
+            tick(len(value))
+        return ("array", tuple(canonical(v, counted) for v in value))
     if isinstance(value, dict):
-        return ("object", tuple(sorted((k, canonical(v)) for k, v in value.items())))
+        if counted:
+            tick(len(value))
+        return ("object", tuple(sorted((k, canonical(v, counted)) for k, v in value.items())))
     return ("other", repr(value))
 
 
@@ -95,7 +105,7 @@ def enum_keyword(validator: Any, enums: Any, instance: Any, schema: Any) -> Iter
     """``enum`` with JSON equality, by set membership for lists of ``ENUM_SET_MIN`` members or more."""
     if not isinstance(enums, list):  # the metaschema requires an array; be safe anyway
         enums = list(enums) if isinstance(enums, (tuple, set, frozenset)) else [enums]
-    key = canonical(instance)
+    key = canonical(instance, counted=True)
     if len(enums) >= ENUM_SET_MIN:
         found = key in enum_members(enums)
     else:
@@ -112,20 +122,39 @@ def enum_keyword(validator: Any, enums: Any, instance: Any, schema: Any) -> Iter
 class _Budget(threading.local):
     deadline: float | None = None
     ticks: int = 0
+    next_read: int = TICKS_PER_CLOCK_READ
     limit_s: float = 0.0
 
 
 _BUDGET = _Budget()
 
 
-def tick() -> None:
-    """Count one unit of checking work on this thread; raises CheckTooCostly once the thread's budget is spent."""
+def tick(units: int = 1) -> None:
+    """Count ``units`` of checking work on this thread (one keyword, one instance member, one container walked);
+    raises CheckTooCostly once the thread's budget is spent (the clock is read every ``TICKS_PER_CLOCK_READ``)."""
     budget = _BUDGET
     if budget.deadline is None:
         return
-    budget.ticks += 1
-    if budget.ticks % TICKS_PER_CLOCK_READ == 0 and time.thread_time() > budget.deadline:
+    budget.ticks += units
+    if budget.ticks >= budget.next_read:
+        budget.next_read = budget.ticks + TICKS_PER_CLOCK_READ
+        if time.thread_time() > budget.deadline:
+            raise CheckTooCostly(budget.limit_s)
+
+
+def budget_left(cap_s: float) -> float:
+    """CPU seconds the running check may still spend, at most ``cap_s`` (``cap_s`` when no check runs here).
+
+    Raises:
+        CheckTooCostly: the budget is already spent.
+    """
+    budget = _BUDGET
+    if budget.deadline is None:
+        return cap_s
+    left = budget.deadline - time.thread_time()
+    if left <= 0:
         raise CheckTooCostly(budget.limit_s)
+    return min(cap_s, left)
 
 
 def budgeted(keyword: Callable[..., Any]) -> Callable[..., Any]:
@@ -144,10 +173,29 @@ def run_budgeted(budget_s: float, fn: Callable[..., T], *args: Any) -> T:
     _BUDGET.deadline = time.thread_time() + budget_s
     _BUDGET.limit_s = budget_s
     _BUDGET.ticks = 0
+    _BUDGET.next_read = TICKS_PER_CLOCK_READ
     try:
         return fn(*args)
     finally:
         _BUDGET.deadline = None
+
+
+def deeper_than(value: Any, limit: int) -> bool:
+    """Whether a JSON value nests deeper than ``limit`` (a scalar is 0 deep, ``[]`` 1, ``[[]]`` 2).
+
+    Walks level by level, without recursion, and stops at level ``limit``; every value visited counts against
+    the running check's budget (``tick``). About 30 ms of CPU per MiB of ``[[],[],...]``.
+    """
+    level = [value]
+    for depth in range(limit + 1):
+        tick(len(level))
+        containers = [node for node in level if isinstance(node, (dict, list))]
+        if not containers:
+            return False
+        if depth == limit:
+            return True
+        level = [child for node in containers for child in (node.values() if isinstance(node, dict) else node)]
+    return False
 
 
 # -- fair scheduling over a few threads -----------------------------------------------------------------------------

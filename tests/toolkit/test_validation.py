@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import jsonschema
 import pytest
 
-from service.errors import CheckTooCostly
+from service.errors import CheckTooCostly, ManifestError
 from service.toolkit.manifest import Validator, parse_tool
 from service.toolkit.validation import ENUM_SET_MIN, CheckScheduler, canonical, run_budgeted
 
@@ -150,3 +151,69 @@ def test_a_budget_error_reaches_the_caller() -> None:
         checks.close()
 
     asyncio.run(scenario())
+
+
+# -- keywords that loop over an instance's members (issue 11 review, fault 4) ----------------------------------------
+
+REDOS = "^(a|a)+$"  # exponential backtracking on "aaaa...b"
+
+
+def _tool(parameters: dict[str, Any]) -> Any:
+    return parse_tool({"name": "t", "parameters": parameters, "endpoint": {"kind": "echo"}}, ("tools", 0))
+
+
+def _cpu(fn: Any, *args: Any) -> tuple[Any, float]:
+    started = time.thread_time()
+    try:
+        return fn(*args), time.thread_time() - started
+    except CheckTooCostly as exc:
+        return exc, time.thread_time() - started
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"type": "object", "patternProperties": {REDOS: {}}, "additionalProperties": True},
+        {"type": "object", "patternProperties": {REDOS: {}}, "additionalProperties": False},
+        {"type": "object", "propertyNames": {"pattern": REDOS}, "additionalProperties": True},
+    ],
+    ids=["patternProperties", "additionalProperties", "propertyNames"],
+)
+def test_regex_work_over_many_keys_stays_within_the_budget(parameters: dict[str, Any]) -> None:
+    # 1,500 keys that each take the pattern (almost) its whole 50 ms: 75 s of CPU before the fix (52 s measured).
+    args = {"a" * 16 + "b" + str(i): 1 for i in range(1500)}
+    outcome, cpu_s = _cpu(run_budgeted, 0.2, _tool(parameters).check_arguments, args)
+    assert isinstance(outcome, CheckTooCostly)
+    assert cpu_s < 0.2 + 0.5  # the budget, plus at most one regex search's time limit (and generous slack)
+
+
+def test_a_regex_timeout_refuses_the_call_instead_of_escaping() -> None:
+    tool = _tool({"type": "object", "patternProperties": {REDOS: {}}, "additionalProperties": True})
+    with pytest.raises(CheckTooCostly, match=r"took more than 0\.05 s"):
+        run_budgeted(5.0, tool.check_arguments, {"a" * 25 + "b": 1})  # before: jsonschema ValidationError raised
+
+
+def test_an_invalid_pattern_is_a_validation_error_not_an_exception() -> None:
+    tool = _tool({"type": "object", "properties": {"s": {"type": "string", "pattern": "(?<"}}})
+    check = run_budgeted(1.0, tool.check_arguments, {"s": "x"})
+    assert check.problem is not None and "invalid pattern" in check.problem
+
+
+@pytest.mark.parametrize(
+    ("parameters", "args"),
+    [
+        ({"type": "object", "properties": {"xs": {"type": "array", "items": {}}}}, {"xs": [0] * 2_000_000}),
+        ({"type": "object", "properties": {"xs": {"type": "array", "contains": True}}}, {"xs": [0] * 2_000_000}),
+        ({"type": "object", "propertyNames": True, "additionalProperties": True}, {str(i): 0 for i in range(400_000)}),
+        ({"type": "object", "additionalProperties": {}}, {str(i): 0 for i in range(400_000)}),
+    ],
+    ids=["items", "contains", "propertyNames", "additionalProperties"],
+)
+def test_members_count_even_under_an_empty_subschema(parameters: dict[str, Any], args: dict[str, Any]) -> None:
+    with pytest.raises(CheckTooCostly):  # a member under `true` / `{}` runs no keyword of its own
+        run_budgeted(0.0, _tool(parameters).check_arguments, args)
+
+
+def test_unevaluated_properties_with_pattern_properties_is_refused() -> None:
+    with pytest.raises(ManifestError, match="unevaluatedProperties"):
+        _tool({"type": "object", "patternProperties": {REDOS: {}}, "unevaluatedProperties": False})

@@ -1,0 +1,212 @@
+"""The broker's work on a call's JSON stays off the event loop, and every request gets an answer (issue 11 review).
+
+Unit tests drive a real ``Broker`` over a real unix socket in-process: a script's side is a blocking socket in a
+thread (so the test's own parsing never runs on the loop it measures), and a ticker task on the loop records how
+long the loop went without running it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from service import broker as broker_module
+from service.broker import Broker
+from service.egress import EgressPolicy
+from service.toolkit.cache import ManifestCache
+from service.toolkit.endpoints import EndpointClients
+from service.toolkit.validation import CheckScheduler
+from tests.toolserver import ToolServer
+
+ANY_ARGS = {"type": "object", "additionalProperties": True}
+REDOS = "^(a|a)+$"
+FLAT: list[list[int]] = [[] for _ in range(340_000)]  # ~1 MiB of [[],[],...]: 0.225 s to walk (on the loop before)
+
+
+@pytest.fixture(scope="module")
+def nested_server() -> Iterator[ToolServer]:
+    server = ToolServer().start()
+    yield server
+    server.stop()
+
+
+@asynccontextmanager
+async def broker(tmp_path: Path, tools: list[dict[str, Any]], budget_s: float = 1.0) -> AsyncIterator[Broker]:
+    manifest = await ManifestCache(b"k" * 32).compile(tools, "pytest")
+    endpoints = EndpointClients(30.0, 8 * 1024 * 1024, EgressPolicy())  # loopback only
+    checks = CheckScheduler(2, budget_s)
+    b = Broker(manifest.tools, endpoints, 10_000, 1024 * 1024, 1 << 30, checks=checks)
+    await b.start(tmp_path / "tools.sock")
+    try:
+        yield b
+    finally:
+        await b.close()
+        await endpoints.aclose()
+        checks.close()
+
+
+class Script:
+    """A script's side of the socket, blocking, used from threads: ``call`` sends a line and waits for its reply."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.connect(str(path))
+        self.file = self.sock.makefile("rb")
+
+    def call(self, line: bytes) -> dict[str, Any]:
+        reply: dict[str, Any] = orjson.loads(self.call_raw(line))
+        return reply
+
+    def call_raw(self, line: bytes) -> bytes:
+        """The reply's line, unparsed (parsing it here would hold the GIL, which the loop under test shares)."""
+        self.sock.sendall(line)
+        return self.file.readline()
+
+    def close(self) -> None:
+        self.file.close()
+        self.sock.close()
+
+
+async def stalls_while(work: Any, *args: Any) -> tuple[list[float], Any]:
+    """Run ``work(*args)`` in a thread; returns the event loop's gaps between 10 ms ticks (s) and its result."""
+    gaps: list[float] = []
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.01)
+            now = time.perf_counter()
+            gaps.append(now - last - 0.01)
+            last = now
+
+    tick_task = asyncio.create_task(ticker())
+    try:
+        result = await asyncio.to_thread(work, *args)
+    finally:
+        done.set()
+        await tick_task
+    return gaps, result
+
+
+def long_stalls(gaps: list[float]) -> int:
+    return sum(gap > 0.1 for gap in gaps)
+
+
+async def test_large_argument_lines_are_parsed_and_walked_off_the_event_loop(tmp_path: Path) -> None:
+    line = orjson.dumps({"id": 1, "tool": "e", "args": {"x": FLAT}}) + b"\n"
+    async with broker(tmp_path, [{"name": "e", "parameters": ANY_ARGS, "endpoint": {"kind": "echo"}}]) as b:
+        script = Script(tmp_path / "tools.sock")
+
+        def flood() -> list[bytes]:
+            return [script.call_raw(line) for _ in range(8)]
+
+        gaps, raw = await stalls_while(flood)
+        script.close()
+    replies = [orjson.loads(r) for r in raw]
+    assert all(r["ok"] and len(r["result"]["args"]["x"]) == len(FLAT) for r in replies)
+    assert [r["status"] for r in b.records] == ["ok"] * 8
+    # Before: every call stalled the loop for its parse and two depth walks (>= 0.45 s each, 8 of them).
+    assert long_stalls(gaps) <= 2, sorted(gaps)[-5:]  # > 100 ms; allows a hiccup of a loaded host
+
+
+async def test_large_http_results_are_parsed_and_walked_off_the_event_loop(
+    tmp_path: Path, nested_server: ToolServer
+) -> None:
+    tool = {"name": "big", "parameters": ANY_ARGS, "endpoint": {"kind": "http", "url": nested_server.url("nested")}}
+    async with broker(tmp_path, [tool], budget_s=30.0) as b:
+        script = Script(tmp_path / "tools.sock")
+        gaps, raw = await stalls_while(script.call_raw, b'{"id":7,"tool":"big","args":{}}\n')
+        script.close()
+    reply = orjson.loads(raw)
+    assert reply["id"] == 7 and reply["ok"], reply.get("error")
+    assert len(reply["result"]) == 8 * 1024 * 1024 // 3
+    assert b.records[0]["status"] == "ok"
+    assert max(gaps) < 0.5, sorted(gaps)[-5:]  # before: one stall of >= 0.7 s (parse) + 0.3 s (walk)
+
+
+async def test_a_result_too_costly_to_check_is_refused_within_the_budget(
+    tmp_path: Path, nested_server: ToolServer
+) -> None:
+    tool = {"name": "big", "parameters": ANY_ARGS, "endpoint": {"kind": "http", "url": nested_server.url("nested")}}
+    async with broker(tmp_path, [tool], budget_s=0.05) as b:
+        script = Script(tmp_path / "tools.sock")
+        reply = await asyncio.to_thread(script.call, b'{"id":1,"tool":"big","args":{}}\n')
+        script.close()
+    assert reply["error"]["type"] == "limit_exceeded", reply
+    assert (b.records[0]["status"], b.records[0]["error"]["type"]) == ("error", "limit_exceeded")
+
+
+async def test_a_small_line_after_a_large_one_is_recorded_after_it(tmp_path: Path) -> None:
+    big = orjson.dumps({"id": 1, "tool": "e", "args": {"x": FLAT}}) + b"\n"
+    small = b'{"id":2,"tool":"e","args":{}}\n'
+    async with broker(tmp_path, [{"name": "e", "parameters": ANY_ARGS, "endpoint": {"kind": "echo"}}]) as b:
+        script = Script(tmp_path / "tools.sock")
+        await asyncio.to_thread(script.sock.sendall, big + small)
+        replies = [orjson.loads(await asyncio.to_thread(script.file.readline)) for _ in range(2)]
+        script.close()
+    assert {r["id"] for r in replies} == {1, 2}
+    assert [r["seq"] for r in b.records] == [1, 2] and b.records[0]["args"] is not None  # the large one is seq 1
+    assert orjson.loads(orjson.dumps(b.records[1]["args"])) == {}
+
+
+async def test_a_regex_timeout_gets_a_refusal_not_a_hang(tmp_path: Path) -> None:
+    params = {"type": "object", "patternProperties": {REDOS: {}}, "additionalProperties": True}
+    async with broker(tmp_path, [{"name": "slow", "parameters": params, "endpoint": {"kind": "echo"}}]) as b:
+        script = Script(tmp_path / "tools.sock")
+        line = orjson.dumps({"id": 3, "tool": "slow", "args": {"a" * 25 + "b": 1}}) + b"\n"
+        reply = await asyncio.wait_for(asyncio.to_thread(script.call, line), 10)  # before: no reply, ever
+        script.close()
+    assert reply["id"] == 3 and reply["error"]["type"] == "limit_exceeded"
+    assert "took more than 0.05 s" in reply["error"]["message"]
+    assert (b.records[0]["status"], b.records[0]["error"]["type"]) == ("rejected", "limit_exceeded")
+
+
+async def test_pattern_properties_over_many_keys_are_refused_within_the_budget(tmp_path: Path) -> None:
+    params = {"type": "object", "patternProperties": {REDOS: {}}, "additionalProperties": True}
+    args = {"a" * 16 + "b" + str(i): 1 for i in range(1500)}  # 52 s of CPU in one check before
+    async with broker(tmp_path, [{"name": "p", "parameters": params, "endpoint": {"kind": "echo"}}], 0.5) as b:
+        script = Script(tmp_path / "tools.sock")
+        started = time.perf_counter()
+        reply = await asyncio.to_thread(script.call, orjson.dumps({"id": 1, "tool": "p", "args": args}) + b"\n")
+        elapsed = time.perf_counter() - started
+        script.close()
+    assert reply["error"]["type"] == "limit_exceeded" and "0.5 s of CPU" in reply["error"]["message"]
+    assert b.records[0]["status"] == "rejected"
+    assert elapsed < 10  # CPU within 0.5 s + one 50 ms search; wall time generous for a loaded host
+
+
+@pytest.mark.parametrize("where", ["read_request", "check_arguments"])
+async def test_an_unexpected_fault_becomes_an_internal_error_reply_and_a_final_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(broker_module, where, broken)
+    async with broker(tmp_path, [{"name": "e", "parameters": ANY_ARGS, "endpoint": {"kind": "echo"}}]) as b:
+        script = Script(tmp_path / "tools.sock")
+        line = orjson.dumps({"id": 5, "tool": "e", "args": {"x": "y" * 5000}}) + b"\n"  # parsed off the loop
+        reply = await asyncio.wait_for(asyncio.to_thread(script.call, line), 10)
+        script.close()
+    assert reply["ok"] is False and reply["error"]["type"] == "internal_error"
+    assert "a bug" not in reply["error"]["message"]
+    if where == "check_arguments":  # the call has a record: final, never pending
+        assert reply["id"] == 5
+        assert (b.records[0]["status"], b.records[0]["error"]["type"]) == ("error", "internal_error")
+    else:  # the line could not be read: no id, no record
+        assert b.records == []
+
+
+def test_lines_read_on_the_loop_are_small_and_shallow() -> None:
+    assert broker_module.inline_request(b'{"id":1,"tool":"e","args":{"q":"x"}}')
+    assert not broker_module.inline_request(b'{"id":1,"tool":"e","args":{"q":"' + b"x" * 5000 + b'"}}')
+    assert not broker_module.inline_request(orjson.dumps({"args": [[]] * 100}))
