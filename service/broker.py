@@ -48,7 +48,7 @@ Nothing from the sandbox is trusted, and one job cannot starve the others:
   validation, parsing an http endpoint's answer and checking results all run on the shared
   ``CheckScheduler``'s threads: one check of a job at a time, taken fairly between keys and jobs, each within
   a CPU budget (past it the call is refused, type ``limit_exceeded``); large texts are parsed with the
-  garbage collector paused (``collection_paused``), whose collections inside the parser would hold the GIL;
+  garbage collector paused (``collector.gc_paused``), whose collections inside the parser would hold the GIL;
 - any fault of the service while handling a request becomes an ``internal_error`` reply (logged with its
   traceback), and the call's record, if it has one, gets a final status: never a request left unanswered;
 - once ``close`` begins, nothing new is read or dispatched, and calls still
@@ -61,13 +61,11 @@ import asyncio
 import contextlib
 import difflib
 import functools
-import gc
 import logging
 import os
 import secrets
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -77,6 +75,7 @@ import orjson
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from service import exactjson
+from service.collector import gc_paused
 from service.errors import CallNotPending, CheckTooCostly
 from service.toolkit.endpoints import EndpointClients, RawJson, ToolCallFailed
 from service.toolkit.manifest import ArgumentCheck, ToolSpec
@@ -661,35 +660,6 @@ def parse_result_body(body: bytes) -> Any:
     return exactjson.loads(body)
 
 
-_GC_LOCK = threading.Lock()
-_GC_PAUSES = 0
-_GC_WAS_ENABLED = False
-
-
-@contextlib.contextmanager
-def collection_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while a large JSON text is parsed, on any thread (nests; thread-safe).
-
-    Parsing allocates one container object per array and object; with the collector on, those allocations
-    trigger collections inside the parser, which holds the GIL throughout, so the event loop's thread stalls
-    too: 1 MiB of ``[[],[],...]`` parsed in 0.18 s with the collector on, 0.03 s with it paused. Parsed JSON
-    holds no reference cycles, so nothing is left for the collector by the pause.
-    """
-    global _GC_PAUSES, _GC_WAS_ENABLED
-    with _GC_LOCK:
-        if _GC_PAUSES == 0:
-            _GC_WAS_ENABLED = gc.isenabled()
-            gc.disable()
-        _GC_PAUSES += 1
-    try:
-        yield
-    finally:
-        with _GC_LOCK:
-            _GC_PAUSES -= 1
-            if _GC_PAUSES == 0 and _GC_WAS_ENABLED:
-                gc.enable()
-
-
 @dataclass(frozen=True)
 class Request:
     """One request line, read. Exactly one of: ``problem`` (a bad request), ``report`` (the runtime's error
@@ -724,7 +694,7 @@ def read_request(line: bytes, check_depth: bool) -> Request:
     check's budget) and encode them. CPU time grows with the line: run off the event loop unless
     ``inline_request(line)``."""
     try:
-        with collection_paused():
+        with gc_paused():
             request = parse_request_line(line)
     except ValueError as exc:
         message = f"the request is not valid JSON, or holds what JSON cannot carry exactly: {exc}"
@@ -781,7 +751,7 @@ def check_result(tool: ToolSpec, result: Any) -> CheckedResult:
     """
     if isinstance(result, RawJson):
         try:
-            with collection_paused():
+            with gc_paused():
                 result = parse_result_body(result.body)
         except ValueError as exc:
             message = f"the endpoint's answer is not JSON, or holds what JSON cannot carry exactly: {exc}"

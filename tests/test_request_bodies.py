@@ -15,7 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.testclient import TestClient
 from pydantic import AfterValidator, BaseModel
 
-from service.api import MAX_BODY_DEPTH, ParsedOffLoop, gc_paused, parse_body
+from service.api import MAX_BODY_DEPTH, ParsedOffLoop, parse_body
+from service.collector import gc_paused
 from service.schemas import ExecuteRequest, check_metadata
 from service.toolkit.validation import CheckScheduler
 
@@ -134,10 +135,10 @@ def test_the_collector_is_paused_while_any_parse_runs_and_restored_after() -> No
 
 
 def test_young_cycles_are_collected_while_parses_overlap_back_to_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    from service import api
+    from service import collector
 
     collected: list[int] = []
-    monkeypatch.setattr(api, "GC_PAUSE_MAX_S", 0.0)
+    monkeypatch.setattr(collector, "GC_PAUSE_MAX_S", 0.0)
 
     def collect(generation: int = 2) -> int:
         collected.append(generation)
