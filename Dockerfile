@@ -17,6 +17,8 @@ FROM ${BASE_IMAGE}
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 COPY pyproject.toml README.md /src/
 COPY service /src/service
+# The runtime's package ships with the service too: both sides of the control socket import ptc_runtime.protocol.
+COPY sandbox_image/ptc_runtime /src/sandbox_image/ptc_runtime
 COPY deploy/wheels /src/wheels
 # With a wheelhouse (deploy/wheels holds *.whl, pip's included) install offline; else from the index.
 RUN set -eu; \
@@ -32,7 +34,8 @@ RUN set -eu; \
     mkdir -p /var/lib/ptc-sandbox; \
     chown 10002:10002 /var/lib/ptc-sandbox; \
     chmod 700 /var/lib/ptc-sandbox; \
-    ptc-sandbox --help >/dev/null
+    ptc-sandbox --help >/dev/null; \
+    python3 -c 'import ptc_runtime.protocol'
 
 LABEL org.opencontainers.image.title="ptc-sandbox" \
       org.opencontainers.image.description="Execution service for Programmatic Tool Calling" \

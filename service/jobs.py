@@ -60,12 +60,15 @@ from service.errors import (
 from service.metrics import Metrics
 from service.normalize import Normalized, prepare, view_fields
 from service.output import CappedStream, OutputLog, OutputRange, decode_slice, read_range
-from service.pool import RUNTIME_LABEL, WarmPools
 from service.quotas import HostCapacity, OwnerSlot, Quotas, Slots
 from service.sandbox.base import ExitStatus, SandboxBackend, SandboxSpec, Stream, write_run_files
 from service.sandbox.folders import SandboxFolders
+from service.sandbox.labels import FEATURE_SESSION, LABEL_SESSION, features, instance_labels
+from service.sandbox.pool import WarmPools
+from service.sandbox.resident import KILL_CONFIRM_S, ResidentRun, ResidentSandbox
+from service.sandbox.spec import sandbox_spec
 from service.schemas import TERMINAL_STATUSES, ExecuteRequest, JobSummary, JobView, McpServer, SessionRequest
-from service.sessions import KILL_CONFIRM_S, SESSION_FEATURE, Session, SessionManager, SessionRun, SessionSandbox
+from service.sessions import Session, SessionManager
 from service.settings import Settings
 from service.store import JobQuery, JobStore, StoredJob
 from service.toolkit.cache import CompiledManifest, ManifestCache
@@ -75,10 +78,6 @@ from service.views import Body, EncodedView, render_head, snapshot
 
 log = logging.getLogger(__name__)
 
-LABEL_INSTANCE = "io.ptc-sandbox.instance"
-LABEL_JOB = "io.ptc-sandbox.job"
-LABEL_MANAGED = "io.ptc-sandbox.managed"
-LABEL_SESSION = "io.ptc-sandbox.session"
 KILL_WAIT_S = 30.0
 STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
 SLICE_BYTES = 1024 * 1024
@@ -211,7 +210,7 @@ class Job:
         return self.normalized.script if self.normalized is not None else request.script
 
     def sink(self, stream: Stream, data: bytes) -> None:
-        """OutputSink for this job's sandbox (called on the backend's reader thread)."""
+        """OutputSink for this job's run (called on the event loop, by its sandbox's control reader)."""
         (self.stdout if stream == "stdout" else self.stderr).write(data)
         self.loop.call_soon_threadsafe(self.notify)
 
@@ -335,7 +334,7 @@ class JobManager:
         self._jobs_dir = self._folders.path / "jobs"
         self._output_dir = settings.work_dir / "output"
         self._instance = settings.instance()
-        self._instance_labels = {LABEL_MANAGED: "1", LABEL_INSTANCE: self._instance}
+        self._instance_labels = instance_labels(self._instance)
         self._http = httpx.AsyncClient(  # callbacks pass the egress rules of tool endpoints
             follow_redirects=False,
             transport=endpoints.egress.transport(limits=httpx.Limits(max_connections=CALLBACK_DELIVERIES)),
@@ -652,20 +651,7 @@ class JobManager:
         self, limits: ResolvedLimits, env: dict[str, str], job_dir: Path, job_id: str | None, labels: dict[str, str]
     ) -> SandboxSpec:
         """The sandbox a job with these limits and env runs in (``job_id`` None: a pooled or session sandbox)."""
-        settings = self._settings
-        return SandboxSpec(
-            image=settings.sandbox_image,
-            job_dir=job_dir,
-            memory_mb=limits.memory_mb,
-            cpus=limits.cpus,
-            pids=limits.pids,
-            tmp_mb=limits.tmp_mb,
-            file_size_mb=settings.file_size_mb,
-            open_files=settings.open_files,
-            env=env,
-            labels={**self._instance_labels, **({LABEL_JOB: job_id} if job_id else {}), **labels},
-            runtime=settings.runtime,
-        )
+        return sandbox_spec(self._settings, limits, job_dir, env=env, job_id=job_id, labels=labels)
 
     async def _save(self, job: Job, final: bool = False) -> None:
         """Save the job's view (encoded a batch of records at a time); ``final``: also keep it for reading."""
@@ -732,7 +718,7 @@ class JobManager:
         """The script slot ``job`` takes while it runs (its owner's ``running_jobs`` quota applies)."""
         return self._slots.of(job.owner, self._quotas.of(job.owner).running_jobs)
 
-    async def _slot_and_sandbox(self, job: Job, spec: SandboxSpec) -> tuple[OwnerSlot, SessionSandbox] | None:
+    async def _slot_and_sandbox(self, job: Job, spec: SandboxSpec) -> tuple[OwnerSlot, ResidentSandbox] | None:
         """A script slot for ``job`` and its sandbox: a pooled one, or a new one (not started) with room
         committed on the host; None (nothing held) if the job was stopped first.
 
@@ -750,7 +736,7 @@ class JobManager:
             if sandbox is not None:
                 return slot, sandbox
             if self._pool.evict(fits):
-                sandbox = SessionSandbox(self._backend, spec)
+                sandbox = ResidentSandbox(self._backend, spec)
                 sandbox.commitment = capacity.commit(spec.memory_mb, spec.cpus)  # given back at its removal
                 return slot, sandbox
             slot.release()
@@ -767,7 +753,7 @@ class JobManager:
 
     async def _run(self, job: Job, request: ExecuteRequest, manifest: CompiledManifest) -> None:
         broker = self._new_broker(job, manifest)
-        sandbox: SessionSandbox | None = None
+        sandbox: ResidentSandbox | None = None
         try:
             await self._save(job)
             spec = self._spec(job.limits, {}, self._jobs_dir / job.id, job.id, {})
@@ -886,7 +872,7 @@ class JobManager:
         finally:
             await asyncio.shield(self._cleanup(job, broker, None))
 
-    async def _supervise(self, job: Job, run: SessionRun, started: float) -> tuple[ExitStatus, str | None]:
+    async def _supervise(self, job: Job, run: ResidentRun, started: float) -> tuple[ExitStatus, str | None]:
         """Wait for the script to exit, its time limit, or a stop request; returns (exit, what the service asked).
 
         The first of the time limit and a stop that is decided wins (a stop during the SIGTERM grace does not
@@ -990,7 +976,7 @@ class JobManager:
             code = exit_status.exit_code
             job.error = verdict.failure(code, job.normalized, broker.script_report) if code != 0 else None
 
-    async def _cleanup(self, job: Job, broker: Broker, sandbox: SessionSandbox | None) -> None:
+    async def _cleanup(self, job: Job, broker: Broker, sandbox: ResidentSandbox | None) -> None:
         """Save the final view, tell waiters, then remove the job's own ``sandbox`` (and folder). Never raises.
 
         The sandbox is removed after the answer (it has exited, or was killed, and its output is all in),
@@ -1170,8 +1156,7 @@ class JobManager:
                 ("body", "runtime"),
             )
         await self.manifest(request.tools, request.toolset, Caller(owner, admin))  # a bad manifest fails now
-        features = (await self._backend.image_labels(settings.sandbox_image)).get(RUNTIME_LABEL, "")
-        if SESSION_FEATURE not in features.split(","):
+        if FEATURE_SESSION not in features(await self._backend.image_labels(settings.sandbox_image)):
             raise SandboxError(
                 f"the sandbox image {settings.sandbox_image} cannot run sessions "
                 "(rebuild it with sandbox_image/build.sh)"

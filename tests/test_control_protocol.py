@@ -1,7 +1,7 @@
 """The service never trusts what a sandbox says on its control socket (a script may have taken its server over).
 
 Unit tests: the sandbox side is played by a coroutine speaking the protocol over the real unix socket of a
-``SessionSandbox``; the engine is a stand-in that starts nothing (the integration tests use the real one).
+``ResidentSandbox``; the engine is a stand-in that starts nothing (the integration tests use the real one).
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from pathlib import Path
 
 import orjson
 import pytest
+from ptc_runtime.protocol import CONTROL_SOCKET, MAX_FRAME_BYTES
 
 from service.sandbox.base import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec
-from service.sessions import CONTROL_SOCKET, MAX_FRAME_BYTES, SessionSandbox
+from service.sandbox.resident import ResidentSandbox
 
 Server = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -48,6 +49,9 @@ class StandIn(SandboxBackend):
     async def remove(self, handle: SandboxHandle) -> None:
         pass
 
+    async def labelled(self, labels: Mapping[str, str]) -> list[str]:
+        return []
+
     async def remove_labelled(self, labels: Mapping[str, str]) -> int:
         return 0
 
@@ -77,7 +81,7 @@ async def run_once(tmp_path: Path, answer: Callable[[dict[str, object]], bytes])
         await reader.read()  # until the service hangs up
 
     backend = StandIn(server)
-    sandbox = SessionSandbox(backend, spec(tmp_path / "sandbox"))
+    sandbox = ResidentSandbox(backend, spec(tmp_path / "sandbox"))
     await sandbox.start()
     output = bytearray()
     run = await sandbox.run("job_1", {}, lambda _stream, data: output.extend(data))
@@ -147,7 +151,7 @@ async def test_a_sessions_env_travels_with_each_run_not_in_the_container(tmp_pat
 
     backend = Recording(server)
     base = spec(tmp_path / "sandbox")
-    sandbox = SessionSandbox(backend, SandboxSpec(**{**base.__dict__, "env": {"A": "session", "B": "session"}}))
+    sandbox = ResidentSandbox(backend, SandboxSpec(**{**base.__dict__, "env": {"A": "session", "B": "session"}}))
     await sandbox.start()
     run = await sandbox.run("job_1", {"B": "run"}, lambda _stream, _data: None)
     assert await asyncio.wait_for(run.wait(), 10) == ExitStatus(0, False)

@@ -28,10 +28,10 @@ from service.auth import IMPLICIT_OWNER, hash_token
 from service.errors import QuotaExceeded
 from service.metrics import Metrics
 from service.output import OutputLog
-from service.pool import PooledSandbox, WarmPool, WarmPools
 from service.quotas import REJECTION_REASONS, HostCapacity, OutputBudget, Quotas, Slots, machine_memory_mb
 from service.sandbox.base import SandboxBackend, SandboxSpec
-from service.sessions import SessionSandbox
+from service.sandbox.pool import PooledSandbox, WarmPool, WarmPools
+from service.sandbox.resident import ResidentSandbox
 from service.settings import Settings
 from tests.conftest import Service, labelled_containers, start_service, wait_until
 
@@ -211,10 +211,10 @@ async def test_pooled_sandboxes_commit_room_and_give_it_up_to_whoever_needs_it(t
     spec = SandboxSpec("x", tmp_path, memory_mb=256, cpus=1, pids=64, tmp_mb=8, file_size_mb=8, open_files=64)
     pools = WarmPools(backend, spec, tmp_path / "pool", 2, 600, 2, capacity=capacity)
     for name in ("default", "other"):
-        pool = WarmPool(backend, spec, tmp_path / name, 2, 600, name, lambda _name, _n: None, capacity)
+        pool = WarmPool(backend, spec, tmp_path / name, 2, 600, name, capacity)
         pools._pools[(name,)] = pool
         for i in range(2):
-            sandbox = SessionSandbox(backend, replace(spec, job_dir=tmp_path / name / str(i)))
+            sandbox = ResidentSandbox(backend, replace(spec, job_dir=tmp_path / name / str(i)))
             sandbox.commitment = capacity.commit(spec.memory_mb, spec.cpus)
             pool._ready.append(PooledSandbox(sandbox))
     assert capacity.committed_memory_mb == 1024 and capacity.shortfall(512, 1) == "host_memory_mb"

@@ -32,8 +32,8 @@ import types
 from typing import Any, Dict, List, Optional, Set
 
 from ptc_runtime.client import ToolError, client
+from ptc_runtime.protocol import RUN_DIR, SCRIPT, SESSION_ENV
 
-RUN_DIR = "/run/ptc"
 MESSAGE_CAP = 2000
 CO_COROUTINE = 0x0080  # inspect.CO_COROUTINE: a top-level-await script's code (inspect itself costs an import)
 
@@ -166,7 +166,7 @@ def _hint_tool(exc: NameError) -> None:
 
 def main(argv: List[str], compiled: Any = None) -> int:
     """Run the script (``argv[1]``, default ``/run/ptc/script.py``), compiled here unless ``compiled`` is given."""
-    path = argv[1] if len(argv) > 1 else os.path.join(RUN_DIR, "script.py")
+    path = argv[1] if len(argv) > 1 else os.path.join(RUN_DIR, SCRIPT)
     sys.path.insert(0, os.path.dirname(path) or RUN_DIR)
     sys.argv = [path]
     code = compile_script(path) if compiled is None else compiled
@@ -240,7 +240,7 @@ if __name__ == "__main__":
     # random.py) would shadow the standard library for the scripts after it.
     sys.path[:] = [p for p in sys.path if p not in ("", os.getcwd())]
     compiled = None
-    if os.environ.get("PTC_SESSION") == "1":
+    if os.environ.get(SESSION_ENV) == "1":
         from ptc_runtime.confine import CLEAN_IMPORT_ENV
         from ptc_runtime.session import serve
 

@@ -7,7 +7,7 @@ at a time. Before each run the service writes the run's ``script.py`` and
 ``tools`` package into the folder and listens on its ``tools.sock`` (the same
 layout as a one-shot job), so a script sees exactly what it would see cold.
 
-Control protocol: one JSON object per line in both directions.
+Control protocol (its names and sizes live in ``ptc_runtime.protocol``): one JSON object per line both ways.
 
 - server -> service: ``{"op": "hello", "pid": n}`` once connected;
 - service -> server: ``{"op": "run", "id": job_id, "env": {...}}``;
@@ -90,13 +90,13 @@ import sys
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+from ptc_runtime import protocol
 from ptc_runtime.confine import drop, no_user_namespaces_filter, prepare, set_dumpable
 from ptc_runtime.stdio import live
 
-RUN_DIR = "/run/ptc"
-CONTROL_SOCKET = os.path.join(RUN_DIR, "control.sock")
-SCRIPT = os.path.join(RUN_DIR, "script.py")
-READ_BYTES = 64 * 1024
+CONTROL_SOCKET = os.path.join(protocol.RUN_DIR, protocol.CONTROL_SOCKET)
+SCRIPT = os.path.join(protocol.RUN_DIR, protocol.SCRIPT)
+READ_BYTES = protocol.MAX_FRAME_BYTES  # a read of a pipe is one output frame at most
 REST_S = 0.01  # after a read that emptied a pipe, how long at most it is left to fill (a printed line's latency)
 F_SETPIPE_SZ = 1031
 F_GETPIPE_SZ = 1032
@@ -106,7 +106,7 @@ KILL_DEADLINE_S = 2.0  # how long the end of a run waits for the killed to be go
 PRECOMPILE_BYTES = 64 * 1024  # larger scripts are compiled by the child: compiling them could exhaust the server
 DRAIN_S = 2.0
 OOM_COUNTERS = ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control")
-SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL}
+SIGNALS = {protocol.SIGTERM: signal.SIGTERM, protocol.SIGKILL: signal.SIGKILL}
 
 
 def oom_kills() -> Optional[int]:
@@ -206,7 +206,7 @@ class Server:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.selector.register(self.control, selectors.EVENT_READ, "control")
         self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
-        self.send({"op": "hello", "pid": os.getpid()})
+        self.send({protocol.FIELD_OP: protocol.HELLO, "pid": os.getpid()})
         while True:
             for key, _ in self.selector.select(self.rest_timeout()):
                 if key.data == "control":
@@ -233,20 +233,20 @@ class Server:
     def handle(self, line: bytes) -> Optional[Tuple[Any, Dict[str, str]]]:
         try:
             request = json.loads(line)
-            op = request["op"]
+            op = request[protocol.FIELD_OP]
         except (ValueError, KeyError, TypeError):
-            self.send({"op": "error", "message": "unreadable request"})
+            self.send({protocol.FIELD_OP: protocol.ERROR, "message": "unreadable request"})
             return None
-        if op == "run":
+        if op == protocol.RUN:
             if self.run is not None:
-                self.send({"op": "error", "message": "a script is running already"})
+                self.send({protocol.FIELD_OP: protocol.ERROR, "message": "a script is running already"})
                 return None
             return self.start(str(request["id"]), dict(request.get("env") or {}))
-        if op == "signal" and self.run is not None and request.get("id") == self.run.job_id:
+        if op == protocol.SIGNAL and self.run is not None and request.get("id") == self.run.job_id:
             self.send_signal(self.run, SIGNALS.get(request.get("signal"), signal.SIGKILL))
             return None
-        if op == "ping":
-            self.send({"op": "pong"})
+        if op == protocol.PING:
+            self.send({protocol.FIELD_OP: protocol.PONG})
         return None
 
     def send_signal(self, run: _Run, number: int) -> None:

@@ -1,10 +1,13 @@
-"""The small interface every sandbox backend implements (start, wait, kill, remove, sweep).
+"""The small interface every sandbox backend implements (start, wait, kill, remove, list, sweep).
 
-A backend runs the sandbox image with the job's folder mounted at
-``/run/ptc`` (socket, ``tools`` package, ``script.py``); the image's
-entrypoint runs the script. Output is pushed to an ``OutputSink`` as raw
-bytes while the script runs. All methods are coroutines: blocking engine
-calls run off the event loop.
+A backend runs the sandbox image with a folder mounted read-only at
+``/run/ptc`` (control socket, broker socket, ``tools`` package,
+``script.py``); the image's entrypoint starts the resident interpreter, which
+runs scripts on the service's request (``service.sandbox.resident``). The
+container's own output (the interpreter's, outside any script) is pushed to
+an ``OutputSink`` as raw bytes. All methods are coroutines: blocking engine
+calls run off the event loop. Backends: ``docker.DockerBackend`` (the engine)
+and ``fake.FakeBackend`` (in memory, for tests without an engine).
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from ptc_runtime import protocol
+
 Stream = Literal["stdout", "stderr"]
 OutputSink = Callable[[Stream, bytes], None]
-"""Receives each chunk of output as it arrives (called from a backend thread)."""
+"""Receives each chunk of output as it arrives: a run's (``ResidentRun``, on the event loop) or a container's own
+(from a backend's thread: the Docker backend's attach reader)."""
 
-RUN_DIR = "/run/ptc"
-"""Where the job's folder appears inside the sandbox (DESIGN.md, data flow step 2)."""
+RUN_DIR = protocol.RUN_DIR
+"""Where the sandbox's folder appears inside the sandbox."""
 
 
 def write_run_files(folder: Path, script: str, stub_source: str | None) -> None:
@@ -123,12 +129,27 @@ class SandboxBackend(abc.ABC):
         """Remove the sandbox whatever its state; no error if it is already gone."""
 
     @abc.abstractmethod
+    async def labelled(self, labels: Mapping[str, str]) -> list[str]:
+        """The ids of every sandbox (running or not, not yet removed) carrying all of ``labels``.
+
+        Raises:
+            SandboxError: the engine failed.
+            EngineUnavailable: the engine cannot be reached.
+        """
+
+    @abc.abstractmethod
     async def remove_labelled(self, labels: Mapping[str, str]) -> int:
         """Remove every sandbox carrying all of ``labels``; returns how many."""
 
     @abc.abstractmethod
     async def image_labels(self, image: str) -> dict[str, str]:
-        """The image's labels ({} when it is missing or has none); raises SandboxError when the engine fails."""
+        """The image's labels: {} when the image is missing or has none.
+
+        Raises:
+            SandboxError: the engine failed.
+            EngineUnavailable: the engine cannot be reached (never answered as {}: a caller that reads a feature
+                from the labels must not conclude the image lacks it).
+        """
 
     @abc.abstractmethod
     async def ready(self, image: str) -> tuple[bool, str]:

@@ -1,9 +1,13 @@
-"""Docker backend: one container per sandbox, hardened as DESIGN.md's "Sandbox defaults".
+"""Docker backend: one container per sandbox, hardened (``_create``: no network, read-only root, no capability
+but the resident interpreter's three, seccomp, memory/CPU/pids limits, a small ``/tmp``; docs/threat-model.md).
 
 The only module that imports the Docker SDK. Every blocking SDK call runs in
-this backend's thread pool; each sandbox's output is read by its own thread
-from an attach stream opened before the container starts, so no byte is
-missed and the script never blocks on a full pipe.
+this backend's thread pool, and its errors are translated here: the engine
+refused (``SandboxError``) or cannot be reached (``EngineUnavailable``). The
+container's own stdout and stderr (the resident interpreter's, never a
+script's: a script's output travels on the control socket) are read by one
+thread per sandbox from an attach stream opened before the container starts,
+and handed to the start's ``OutputSink``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from docker.utils.socket import frames_iter
 
 from service.errors import EngineUnavailable, SandboxError
 from service.sandbox.base import RUN_DIR, ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec
+from service.sandbox.labels import FEATURE_PRIVSEP, features
 from service.sandbox.seccomp import profile_json
 
 log = logging.getLogger(__name__)
@@ -34,8 +39,6 @@ MIB = 1024 * 1024
 SANDBOX_USER = "10001:10001"
 PRIVSEP_USER = "0:0"
 PRIVSEP_CAPS = ["SETUID", "SETGID", "KILL"]  # the resident interpreter's; every script drops them (10001, none)
-PRIVSEP_FEATURE = "privsep"
-RUNTIME_LABEL = "io.ptc-sandbox.runtime"
 GVISOR = "runsc"
 # gVisor (this runsc, ptrace platform) holds host tasks for its own threads: measured, 8 per idle process of the
 # sandbox and about 25 per process at the peak of a fork bomb (32 processes: 795 host tasks; 64: 1,691).
@@ -118,8 +121,7 @@ class DockerBackend(SandboxBackend):
         cached per image for the life of the backend (a rebuilt image needs a restart anyway, see the pool)."""
         if image not in self._privsep:
             attrs = self._api.inspect_image(image)  # type: ignore[no-untyped-call]
-            labels = (attrs.get("Config") or {}).get("Labels") or {}
-            self._privsep[image] = PRIVSEP_FEATURE in str(labels.get(RUNTIME_LABEL, "")).split(",")
+            self._privsep[image] = FEATURE_PRIVSEP in features((attrs.get("Config") or {}).get("Labels") or {})
         return self._privsep[image]
 
     def _create(self, spec: SandboxSpec) -> str:
@@ -290,12 +292,22 @@ class DockerBackend(SandboxBackend):
     async def remove_labelled(self, labels: Mapping[str, str]) -> int:
         return await self._run(self._remove_labelled_blocking, labels)
 
-    async def image_labels(self, image: str) -> dict[str, str]:
+    def _image_labels_blocking(self, image: str) -> dict[str, str]:
         try:
-            attrs = await self._run(self._api.inspect_image, image)
-        except SandboxError:
+            attrs = self._api.inspect_image(image)  # type: ignore[no-untyped-call]
+        except docker.errors.NotFound:  # the image is missing: no labels (an engine that fails is not that)
             return {}
         return dict((attrs.get("Config") or {}).get("Labels") or {})
+
+    async def image_labels(self, image: str) -> dict[str, str]:
+        return await self._run(self._image_labels_blocking, image)
+
+    def _labelled_blocking(self, labels: Mapping[str, str]) -> list[str]:
+        filters = {"label": [f"{k}={v}" for k, v in labels.items()]}
+        return [str(c["Id"]) for c in self._api.containers(all=True, quiet=True, filters=filters)]
+
+    async def labelled(self, labels: Mapping[str, str]) -> list[str]:
+        return await self._run(self._labelled_blocking, labels)
 
     async def ready(self, image: str) -> tuple[bool, str]:
         try:
@@ -312,6 +324,8 @@ class DockerBackend(SandboxBackend):
                 return False, f"{problem} (PTC_RUNTIME)"
         try:
             await self._run(self._api.inspect_image, image)
+        except EngineUnavailable as exc:
+            return False, str(exc)
         except SandboxError:
             return False, f"sandbox image {image!r} is not present (build it with sandbox_image/build.sh)"
         return True, "ok"

@@ -1,7 +1,7 @@
 """The warm pool: sandboxes started ahead of time, each waiting for one job.
 
-A pooled sandbox is a session sandbox (``service.sessions.SessionSandbox``)
-used once: a container already running the runtime's resident interpreter,
+A pooled sandbox is a resident sandbox (``service.sandbox.resident``) used
+once: a container already running the runtime's resident interpreter,
 with the stub library imported, connected to its control socket and waiting.
 Binding a job writes the job's script and ``tools`` package into its folder,
 starts the job's broker on the folder's socket and asks the interpreter to
@@ -44,13 +44,12 @@ from pathlib import Path
 from service.errors import SandboxError
 from service.quotas import HostCapacity
 from service.sandbox.base import SandboxBackend, SandboxSpec
-from service.sessions import SESSION_FEATURE, SessionSandbox
+from service.sandbox.labels import FEATURE_SESSION, LABEL_POOL, features
+from service.sandbox.resident import ResidentSandbox
 
 log = logging.getLogger(__name__)
 
-RUNTIME_LABEL = "io.ptc-sandbox.runtime"
-POOL_LABEL = "io.ptc-sandbox.pool"  # on a pooled sandbox: its pool's profile name
-REFILL_BACKOFF_S = 5.0
+REFILL_BACKOFF_S = 5.0  # after a failed start; also how often the image's label is asked for while the engine is down
 DEFAULT_PROFILE = "default"
 
 
@@ -72,7 +71,7 @@ def profile_key(spec: SandboxSpec) -> tuple[object, ...]:
 class PooledSandbox:
     """A started sandbox waiting for its job, and when it started (for ``max_age_s``)."""
 
-    sandbox: SessionSandbox
+    sandbox: ResidentSandbox
     started: float = field(default_factory=time.monotonic)
 
 
@@ -86,7 +85,6 @@ class WarmPool:
         size: sandboxes to keep waiting.
         max_age_s: a sandbox idle longer than this is replaced.
         name: the profile's name (``default``, or a short hash) for logs and metrics.
-        on_size: called with the number of waiting sandboxes whenever it changes.
         capacity: the host capacity its sandboxes commit to; None: not counted.
     """
 
@@ -98,7 +96,6 @@ class WarmPool:
         size: int,
         max_age_s: float,
         name: str,
-        on_size: Callable[[str, int], None],
         capacity: HostCapacity | None = None,
     ) -> None:
         self._backend = backend
@@ -108,7 +105,6 @@ class WarmPool:
         self._size = size
         self._max_age_s = max_age_s
         self.name = name
-        self._on_size = on_size
         self._ready: deque[PooledSandbox] = deque()
         self._starting = 0
         self._wake = asyncio.Event()
@@ -125,7 +121,7 @@ class WarmPool:
         self._folder.mkdir(parents=True, mode=0o700, exist_ok=True)
         self._task = asyncio.create_task(self._refill(), name=f"warm pool {self.name}")
 
-    def take(self) -> SessionSandbox | None:
+    def take(self) -> ResidentSandbox | None:
         """A waiting sandbox, handed out once; None when the pool is empty."""
         self.last_taken = time.monotonic()
         sandbox = None
@@ -135,7 +131,6 @@ class WarmPool:
                 sandbox = candidate.sandbox
             else:
                 asyncio.get_running_loop().create_task(candidate.sandbox.destroy())
-        self._on_size(self.name, len(self._ready))
         self._wake.set()
         return sandbox
 
@@ -151,7 +146,6 @@ class WarmPool:
             sandbox.commitment.release()
             sandbox.commitment = None
         asyncio.get_running_loop().create_task(sandbox.destroy())
-        self._on_size(self.name, len(self._ready))
         return True
 
     async def close(self) -> None:
@@ -162,7 +156,6 @@ class WarmPool:
                 await self._task
         while self._ready:
             await self._ready.popleft().sandbox.destroy()
-        self._on_size(self.name, 0)
 
     async def _refill(self) -> None:
         while True:
@@ -182,13 +175,12 @@ class WarmPool:
                 except SandboxError as exc:
                     log.warning("warm pool %s: could not start a sandbox: %s", self.name, exc)
                     await asyncio.sleep(REFILL_BACKOFF_S)
-                self._on_size(self.name, len(self._ready))
                 continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=max(self._max_age_s / 4, 1.0))
 
     async def _start_one(self) -> PooledSandbox:
-        sandbox = SessionSandbox(self._backend, replace(self._spec, job_dir=self._folder / secrets.token_hex(8)))
+        sandbox = ResidentSandbox(self._backend, replace(self._spec, job_dir=self._folder / secrets.token_hex(8)))
         sandbox.stop_reason = "pool"  # until a job takes it (then the job's status)
         if self._capacity is not None:  # checked by the caller, without an await since
             sandbox.commitment = self._capacity.commit(self._spec.memory_mb, self._spec.cpus)
@@ -216,7 +208,6 @@ class WarmPools:
         size: sandboxes each pool keeps waiting; 0 disables pooling.
         max_age_s: a sandbox idle longer than this is replaced; a pool unused this long is closed.
         max_profiles: pools at most (the default one included).
-        on_size: called with (profile name, waiting sandboxes) whenever a pool's size changes.
         capacity: the host capacity pooled sandboxes commit to; None: not counted.
     """
 
@@ -228,7 +219,6 @@ class WarmPools:
         size: int,
         max_age_s: float,
         max_profiles: int,
-        on_size: Callable[[str, int], None] = lambda _name, _n: None,
         capacity: HostCapacity | None = None,
     ) -> None:
         self._backend = backend
@@ -238,25 +228,46 @@ class WarmPools:
         self._size = size
         self._max_age_s = max_age_s
         self._max_profiles = max_profiles
-        self._on_size = on_size
         self._pools: dict[tuple[object, ...], WarmPool] = {}
+        self._opened = False  # the image's label was read: the default pool runs (or pooling is off)
+        self._opening: asyncio.Task[None] | None = None
         self._retire: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Empty the pools' folder and start the default profile's pool.
 
         Pooling stays off when the image's runtime cannot serve a job from a pool (an image built before:
-        its label ``io.ptc-sandbox.runtime`` lacks ``session``); jobs then start cold.
+        its label ``io.ptc-sandbox.runtime`` lacks ``session``); jobs then start cold. When the engine cannot be
+        asked now (it is down), the label is asked for again every ``REFILL_BACKOFF_S`` in the background, and
+        jobs start cold until it answers.
         """
         await asyncio.to_thread(shutil.rmtree, self._folder, True)
         self._folder.mkdir(parents=True, mode=0o700)
         if self._size <= 0:
             return
         try:
-            features = (await self._backend.image_labels(self._default.image)).get(RUNTIME_LABEL, "")
-        except SandboxError:
-            features = SESSION_FEATURE  # the engine is down now; the refill loop retries starts
-        if SESSION_FEATURE not in features.split(","):
+            self._open(await self._backend.image_labels(self._default.image))
+        except SandboxError as exc:
+            log.warning("warm pool waits for the engine to read image %s's label: %s", self._default.image, exc)
+            self._opening = asyncio.create_task(self._open_when_engine_answers(), name="warm pool opening")
+
+    async def _open_when_engine_answers(self) -> None:
+        """Ask for the image's labels every ``REFILL_BACKOFF_S`` until the engine answers, then ``_open``."""
+        while True:
+            await asyncio.sleep(REFILL_BACKOFF_S)
+            try:
+                labels = await self._backend.image_labels(self._default.image)
+            except SandboxError as exc:
+                log.debug("warm pool still waits for the engine: %s", exc)
+                continue
+            self._open(labels)
+            log.info("warm pool: the engine answers again")
+            return
+
+    def _open(self, image_labels: dict[str, str]) -> None:
+        """Start the default profile's pool if the image's labels list the ``session`` feature; else pool nothing."""
+        self._opened = True
+        if FEATURE_SESSION not in features(image_labels):
             log.warning(
                 "warm pool off: image %s cannot serve pooled jobs (rebuild it with sandbox_image/build.sh)",
                 self._default.image,
@@ -266,9 +277,14 @@ class WarmPools:
         self._pool_for(self._default, DEFAULT_PROFILE)
         self._retire = asyncio.create_task(self._retire_loop(), name="warm pool retirement")
 
-    def take(self, spec: SandboxSpec) -> SessionSandbox | None:
+    @property
+    def enabled(self) -> bool:
+        """Whether pooled sandboxes are handed out (pooling is on and the image's label was read)."""
+        return self._opened and self._size > 0
+
+    def take(self, spec: SandboxSpec) -> ResidentSandbox | None:
         """A waiting sandbox of ``spec``'s profile, or None (the profile's pool is then created if there is room)."""
-        if self._size <= 0:
+        if not self.enabled:
             return None
         key = profile_key(spec)
         pool = self._pools.get(key)
@@ -296,22 +312,22 @@ class WarmPools:
 
     async def close(self) -> None:
         """Close every pool (their waiting sandboxes are destroyed)."""
-        if self._retire is not None:
-            self._retire.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._retire
+        for task in (self._opening, self._retire):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await asyncio.gather(*(pool.close() for pool in self._pools.values()), return_exceptions=True)
         self._pools.clear()
 
     def _pool_for(self, spec: SandboxSpec, name: str) -> WarmPool:
         pool = WarmPool(
             self._backend,
-            replace(spec, env={}, labels={**self._default.labels, POOL_LABEL: name}),
+            replace(spec, env={}, labels={**self._default.labels, LABEL_POOL: name}),
             self._folder / name,
             self._size,
             self._max_age_s,
             name,
-            self._on_size,
             self._capacity,
         )
         self._pools[profile_key(spec)] = pool

@@ -1,0 +1,45 @@
+"""Every ``io.ptc-sandbox.*`` label the service reads or writes, and the runtime features an image's label lists.
+
+Containers (written by the service when it creates a sandbox; read by the start-up sweep and the tests):
+
+- ``LABEL_MANAGED`` ``"1"`` and ``LABEL_INSTANCE`` the instance id: every sandbox of the service. The start-up
+  sweep removes whatever carries both for this instance (a previous run's leftovers).
+- ``LABEL_JOB``: the job id of a one-shot job's sandbox (absent on pooled and session sandboxes).
+- ``LABEL_SESSION`` ``"1"``: a session's sandbox.
+- ``LABEL_POOL``: a pooled sandbox's profile name (``default`` or a short hash).
+- ``LABEL_SANDBOX``: unique per sandbox (its folder's name): a start that failed late removes only that one.
+
+Images (written by ``sandbox_image/Dockerfile`` and the service's ``Dockerfile``; read by the service):
+
+- ``LABEL_RUNTIME``: the runtime's features, comma-separated (``FEATURE_SESSION``: a resident interpreter that
+  forks one process per script, used by every run; ``FEATURE_PRIVSEP``: started as root with three capabilities,
+  it runs every script as 10001 and ends each run with ``kill(-1)``).
+- ``LABEL_ROLE``: ``sandbox-image`` or ``service``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+PREFIX = "io.ptc-sandbox."
+LABEL_MANAGED = PREFIX + "managed"
+LABEL_INSTANCE = PREFIX + "instance"
+LABEL_JOB = PREFIX + "job"
+LABEL_SESSION = PREFIX + "session"
+LABEL_POOL = PREFIX + "pool"
+LABEL_SANDBOX = PREFIX + "sandbox"
+LABEL_RUNTIME = PREFIX + "runtime"
+LABEL_ROLE = PREFIX + "role"
+
+FEATURE_SESSION = "session"
+FEATURE_PRIVSEP = "privsep"
+
+
+def instance_labels(instance: str) -> dict[str, str]:
+    """The labels on every sandbox of the service instance ``instance`` (what the start-up sweep removes)."""
+    return {LABEL_MANAGED: "1", LABEL_INSTANCE: instance}
+
+
+def features(image_labels: Mapping[str, str]) -> frozenset[str]:
+    """The runtime features an image's labels list (``LABEL_RUNTIME``); empty for an image without the label."""
+    return frozenset(name for name in str(image_labels.get(LABEL_RUNTIME, "")).split(",") if name)

@@ -1,0 +1,316 @@
+"""The resident-interpreter sandbox: one container whose interpreter runs scripts on the service's request.
+
+Every run goes through this type, whatever its placement: a cold one-shot job (a sandbox started for it and removed
+after), a pooled one (started ahead of time by ``service.sandbox.pool``, used once), and a session's turn (the
+session's sandbox, kept for the next script; ``service.sessions``). The sandbox runs the runtime with
+``PTC_SESSION=1`` (``sandbox_image/ptc_runtime/session.py``): a resident interpreter, with the stub library
+imported, that forks one process per script and speaks the control protocol of ``ptc_runtime.protocol`` over the
+folder's ``control.sock``.
+
+The sandbox's folder is mounted read-only at ``/run/ptc``; the service listens on its ``control.sock`` before the
+sandbox starts, and writes each run's ``script.py`` and ``tools`` package there, with the run's broker on
+``tools.sock``. A run's output arrives as ``out`` frames on the control connection and reaches the run's
+``OutputSink`` on the event loop; its end is the ``exit`` frame. Nothing the sandbox says is trusted: a frame
+outside the protocol marks the sandbox broken and ends it. When the control connection ends (the interpreter died,
+the container was killed or lost), the running script ends ``lost`` with the engine's view of the exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import time
+from dataclasses import replace
+from typing import Any
+
+import orjson
+from ptc_runtime import protocol
+
+from service import logs
+from service.errors import SandboxError
+from service.quotas import Commitment
+from service.sandbox.base import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec, Stream
+from service.sandbox.labels import LABEL_SANDBOX
+
+log = logging.getLogger(__name__)
+
+HELLO_TIMEOUT_S = 30.0
+HELLO_POLL_S = 0.5  # first look at the engine for a sandbox that has not said hello (then 1 s, 1 s, ...)
+KILL_CONFIRM_S = 5.0
+OOM_SETTLE_ROUNDS = 5  # x 0.2 s: how long a sandbox that died by SIGKILL is watched for the engine's OOM flag
+STRAY_LOG_LINES = 10  # log lines of a sandbox's output outside any script; the rest is counted, not logged
+STRAY_KEPT_BYTES = 2048  # of that output, kept for the error of a sandbox that never connected
+_STREAMS: dict[str, Stream] = {"stdout": "stdout", "stderr": "stderr"}
+SIGNAL_NUMBERS = {protocol.SIGTERM: 15, protocol.SIGKILL: 9}  # the signals the service sends (Linux numbers)
+
+
+class ResidentRun:
+    """One script running in a resident sandbox: wait for its exit, signal it, kill it.
+
+    Args:
+        sandbox: the sandbox it runs in.
+        job_id: the run's id (the job's), as in the control protocol's frames.
+        sink: receives the run's output, on the event loop.
+    """
+
+    def __init__(self, sandbox: ResidentSandbox, job_id: str, sink: OutputSink) -> None:
+        self.job_id = job_id
+        self.sink = sink
+        self.exit: asyncio.Future[ExitStatus] = asyncio.get_running_loop().create_future()
+        self.sent: set[int] = set()  # signal numbers asked for (for runtimes that do not report ``killed``)
+        self._sandbox = sandbox
+
+    async def wait(self) -> ExitStatus:
+        """The script's exit, once its output has all reached the sink."""
+        return await asyncio.shield(self.exit)
+
+    async def signal(self, signal: str) -> None:
+        """Send ``SIGTERM`` or ``SIGKILL`` to the script's process group (a sandbox already gone has ended the
+        run: nothing to signal). Whether it ended the script is the runtime's to say (``ExitStatus.killed``)."""
+        self.sent.add(SIGNAL_NUMBERS[signal])
+        with contextlib.suppress(SandboxError):
+            await self._sandbox.send({protocol.FIELD_OP: protocol.SIGNAL, "id": self.job_id, "signal": signal})
+
+    async def kill(self) -> None:
+        """SIGKILL the script and everything it started; if the sandbox does not confirm in time, kill it all."""
+        await self.signal("SIGKILL")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.exit), KILL_CONFIRM_S)
+            return
+        await self._sandbox.destroy(f"the sandbox did not end a script within {KILL_CONFIRM_S:g} s of SIGKILL")
+
+
+class ResidentSandbox:
+    """The service's side of one resident sandbox: container, folder and control connection.
+
+    Args:
+        backend: the sandbox backend.
+        spec: the sandbox; ``job_dir`` is its folder (created by ``start``, removed by ``destroy``), ``env`` is the
+            environment of every run (not the container's: see ``run``), ``PTC_SESSION=1`` and a label unique to
+            the sandbox are added.
+
+    Attributes:
+        handle: the started container (None before ``start``).
+        broken: why the sandbox can run nothing more (None while it can).
+        job_id: the job it ran last, for logs.
+        stop_reason: what the ``sandbox_stop`` log event says when it is removed (``session``, ``pool``, or the
+            job's status).
+        commitment: the host capacity it holds, given back once it is removed.
+    """
+
+    def __init__(self, backend: SandboxBackend, spec: SandboxSpec) -> None:
+        self._backend = backend
+        self.spec = spec
+        self.folder = spec.job_dir
+        self.handle: SandboxHandle | None = None
+        self.broken: str | None = None
+        self.job_id: str | None = None  # the job it ran last (one-shot sandboxes: its only one), for logs
+        self.stop_reason = "session"  # what the sandbox_stop log event says when it is removed
+        self.commitment: Commitment | None = None  # host capacity it holds; given back once it is removed
+        self._server: asyncio.AbstractServer | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._hello: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._run: ResidentRun | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._destroyed = False
+        self._stray_lines = 0
+        self._stray = bytearray()
+
+    async def start(self) -> None:
+        """Create the folder, listen on its control socket, start the sandbox and wait until its interpreter has
+        connected (said ``hello``).
+
+        Raises:
+            SandboxError: the engine failed, or the server did not connect within ``HELLO_TIMEOUT_S``
+                (nothing is left behind).
+        """
+        self.folder.mkdir(mode=0o755)
+        os.chmod(self.folder, 0o755)
+        path = self.folder / protocol.CONTROL_SOCKET
+        try:
+            self._server = await asyncio.start_unix_server(self._accept, path=str(path))
+            os.chmod(path, 0o666)
+            spec = replace(
+                self.spec,
+                env={protocol.SESSION_ENV: "1"},  # the spec's env goes with each run: see run()
+                labels={**self.spec.labels, LABEL_SANDBOX: self.folder.name},  # this sandbox's alone (see start)
+            )
+            self.handle = await self._backend.start(spec, self._stray_output)
+            await self._wait_for_hello(self.handle)
+        except BaseException:
+            await self.destroy("the session could not start")
+            raise
+
+    async def _wait_for_hello(self, handle: SandboxHandle) -> None:
+        """Until the server says hello; raises SandboxError if the container exits first or after the time limit."""
+        deadline = time.monotonic() + HELLO_TIMEOUT_S
+        look_after = HELLO_POLL_S
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._hello), look_after)
+                return
+            look_after = min(look_after * 2, 1.0)
+            ended = await self._backend.exited(handle)
+            if ended is not None:
+                said = bytes(self._stray).decode("utf-8", "replace").strip()[-500:]
+                raise SandboxError(
+                    f"the sandbox exited (code {ended.exit_code}) before it was ready" + (f": {said}" if said else "")
+                )
+            if time.monotonic() > deadline:
+                raise SandboxError(
+                    f"the sandbox did not connect within {HELLO_TIMEOUT_S:g} s (an image older than the service? "
+                    "rebuild it with sandbox_image/build.sh)"
+                )
+
+    def _stray_output(self, stream: Stream, data: bytes) -> None:
+        """Output of the sandbox outside any script (the server's own, e.g. why it could not start): never a
+        job's; its first ``STRAY_LOG_LINES`` chunks are logged, and its first bytes kept for ``start``'s error."""
+        if len(self._stray) < STRAY_KEPT_BYTES:
+            self._stray += data[: STRAY_KEPT_BYTES - len(self._stray)]
+        self._stray_lines += 1
+        if self._stray_lines <= STRAY_LOG_LINES:
+            log.warning("sandbox %s wrote outside any script to %s: %r", self.folder.name, stream, data[:500])
+        elif self._stray_lines == STRAY_LOG_LINES + 1:
+            log.warning("sandbox %s: more output outside any script; not logged", self.folder.name)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._writer is not None or self._destroyed:  # only the server's first connection is the control one
+            writer.close()
+            return
+        self._writer = writer
+        self._reader = asyncio.current_task()
+        try:
+            await self._read(reader)
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            log.debug("session %s: control connection ended: %r", self.folder.name, exc)
+        except (ValueError, KeyError, TypeError) as exc:  # never trusted: a script may have taken the server over
+            self.broken = self.broken or f"the sandbox broke the control protocol ({type(exc).__name__})"
+            log.warning("sandbox %s: %s: %s", self.folder.name, self.broken, str(exc)[:200])
+        finally:
+            writer.close()
+            await self._lost()
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        while True:
+            line = await reader.readline()
+            if not line:
+                return
+            message = orjson.loads(line)
+            op = message[protocol.FIELD_OP]
+            if op == protocol.HELLO:
+                if not self._hello.done():
+                    self._hello.set_result(None)
+            elif op == protocol.OUT:
+                size = message["n"]
+                if (
+                    type(size) is not int
+                    or not 0 <= size <= protocol.MAX_FRAME_BYTES
+                    or message["stream"] not in _STREAMS
+                ):
+                    raise ValueError(f"an output frame of {str(size)[:20]} bytes to {str(message['stream'])[:20]}")
+                data = await reader.readexactly(size)
+                run = self._run
+                if run is not None and message["id"] == run.job_id:
+                    run.sink(_STREAMS[message["stream"]], data)
+            elif op == protocol.EXIT:
+                code = message["exit_code"]
+                if type(code) is not int or not 0 <= code <= 255:
+                    raise ValueError(f"an exit code of {str(code)[:20]}")
+                left = message.get("left", 0)
+                if left != 0:  # something of the script survived kill(-1): the sandbox serves nothing more
+                    self.broken = self.broken or (
+                        f"{str(left)[:20]} process(es) of a script were still there after it ended and SIGKILL"
+                    )
+                    log.warning("sandbox %s: %s", self.folder.name, self.broken)
+                run = self._run
+                if run is not None and message["id"] == run.job_id and not run.exit.done():
+                    self._run = None
+                    oom = message["oom_killed"] is True
+                    if "killed" in message:  # the runtime says whether the service's signal ended the script
+                        killed = message["killed"] is True
+                    else:  # an older runtime: a death by a signal the service sent
+                        killed = code - 128 in run.sent and not oom
+                    run.exit.set_result(ExitStatus(exit_code=code, oom_killed=oom, killed=killed))
+            elif op == protocol.ERROR:
+                self._stray_output("stderr", str(message.get("message"))[:500].encode())
+
+    async def _lost(self) -> None:
+        """The control connection ended: the sandbox cannot go on. End the running script from the engine's view."""
+        run, self._run = self._run, None
+        if self.broken is None:
+            self.broken = "the session's sandbox stopped answering (its server exited or was killed)"
+        status = ExitStatus(exit_code=137, oom_killed=False)
+        if self.handle is not None:
+            with contextlib.suppress(Exception):
+                await self._backend.kill(self.handle)
+                status = await asyncio.wait_for(self._backend.wait(self.handle), 10)
+                # The engine may record an OOM kill (of the whole sandbox: gVisor's case) after reporting the exit.
+                for _ in range(OOM_SETTLE_ROUNDS if status.exit_code == 137 and not self._destroyed else 0):
+                    if status.oom_killed:
+                        break
+                    await asyncio.sleep(0.2)
+                    status = await self._backend.exited(self.handle) or status
+        if status.oom_killed:
+            self.broken = "the session's sandbox ran out of memory and its server was killed"
+        if not self._hello.done():
+            self._hello.set_exception(SandboxError(f"the session's sandbox ended before it connected: {self.broken}"))
+        if run is not None and not run.exit.done():
+            run.exit.set_result(ExitStatus(status.exit_code, status.oom_killed, lost=self.broken))
+
+    async def send(self, message: dict[str, Any]) -> None:
+        """Write one control message; raises SandboxError when the sandbox is gone."""
+        writer = self._writer
+        if writer is None or writer.is_closing() or self.broken is not None:
+            raise SandboxError(self.broken or "the session's sandbox is not connected")
+        writer.write(orjson.dumps(message) + b"\n")
+        try:
+            await writer.drain()
+        except ConnectionError as exc:
+            raise SandboxError(f"the session's sandbox went away: {exc}") from exc
+
+    async def run(self, job_id: str, env: dict[str, str], sink: OutputSink) -> ResidentRun:
+        """Start the script already written to the folder (``script.py``; one run at a time: a session's caller
+        holds its turn). Returns the run; raises SandboxError when the sandbox is gone or broken.
+
+        The script's environment is the sandbox's ``spec.env`` (a session's env) updated with ``env``; neither is
+        in the container's own environment, so the interpreter's ``/proc/1/environ`` (readable from a script
+        under gVisor) holds only the image's defaults and ``PTC_SESSION``.
+        """
+        run = ResidentRun(self, job_id, sink)
+        self._run = run
+        self.job_id = job_id
+        try:
+            await self.send({protocol.FIELD_OP: protocol.RUN, "id": job_id, "env": {**self.spec.env, **env}})
+        except BaseException:
+            self._run = None
+            raise
+        return run
+
+    async def destroy(self, reason: str | None = None) -> None:
+        """Remove the sandbox and its folder (idempotent); ``reason`` marks the sandbox broken."""
+        if reason is not None and self.broken is None:
+            self.broken = reason
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if self._server is not None:
+            self._server.close()
+        if self._writer is not None:
+            self._writer.close()
+        if self.handle is not None:
+            begin, why = time.monotonic(), "broken" if self.broken else self.stop_reason  # before an await can break it
+            try:
+                await self._backend.remove(self.handle)
+            except SandboxError as exc:
+                log.warning("session %s: could not remove its sandbox: %s", self.folder.name, exc)
+            stop_s = time.monotonic() - begin
+            logs.sandbox("sandbox_stop", self.job_id, self.handle.id, stop_s, folder=self.folder.name, reason=why)
+        if self.commitment is not None:
+            self.commitment.release()
+        if self._reader is not None and self._reader is not asyncio.current_task():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._reader), 5)
+        await asyncio.to_thread(shutil.rmtree, self.folder, True)
