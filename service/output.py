@@ -125,8 +125,8 @@ class OutputLog:
     The first ``retain_bytes`` bytes go to ``path`` (unbuffered, so readers see
     them at once), as far as ``budget`` (the owner's, shared by all its jobs)
     grants them; later bytes are counted but not kept. The inline view gets
-    every byte either way. Written by one thread (the sandbox's output reader),
-    read by any.
+    every byte either way. Written by one writer (the job's output sink, on the
+    event loop: ``ResidentSandbox`` hands it each output frame), read by any.
 
     Args:
         path: the file of retained bytes (created empty).

@@ -1,7 +1,7 @@
 """Admission: quotas per API key, the host's capacity, and the script slots every job shares.
 
 Three ledgers, all kept in this process's memory and changed only on the event loop (the output
-budget excepted, which the sandbox's output reader thread also takes from):
+budget has a lock of its own besides, so that an output sink may take from it on any thread):
 
 ``Quotas``
     what each owner (an API key's name, or ``IMPLICIT_OWNER`` without authentication) has: jobs not
@@ -162,7 +162,7 @@ class Commitment:
 
 
 class OutputBudget:
-    """Bytes an owner's jobs may still retain on disk (thread-safe: taken on output reader threads).
+    """Bytes an owner's jobs may still retain on disk (thread-safe: its jobs' output sinks take from it).
 
     Args:
         limit: the owner's ``output_bytes`` quota.

@@ -1,0 +1,109 @@
+"""The warm pool on the fake backend: it waits for an engine that is down, stays off for an image that cannot serve
+it, and hands each sandbox out once."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from service.sandbox import pool as pool_module
+from service.sandbox.base import SandboxSpec
+from service.sandbox.fake import RUNTIME_LABELS, FakeBackend
+from service.sandbox.pool import WarmPools
+
+
+@pytest.fixture
+def folder() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="ptcp", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def spec(folder: Path, image: str = "ptc-fake:1", memory_mb: int = 128) -> SandboxSpec:
+    return SandboxSpec(
+        image=image,
+        job_dir=folder / "jobs",
+        memory_mb=memory_mb,
+        cpus=1,
+        pids=64,
+        tmp_mb=8,
+        file_size_mb=8,
+        open_files=64,
+        labels={"io.ptc-sandbox.test": "pool"},
+    )
+
+
+async def ready(pools: WarmPools, name: str, count: int) -> None:
+    for _ in range(500):
+        if pools.sizes().get(name, 0) >= count:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"pool {name} has {pools.sizes()} after 10 s")
+
+
+async def test_an_engine_down_at_start_delays_the_pool_until_it_answers(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(pool_module, "REFILL_BACKOFF_S", 0.05)
+    backend = FakeBackend(images={"ptc-fake:1": RUNTIME_LABELS})
+    backend.engine_down = True
+    pools = WarmPools(backend, spec(folder), folder / "pool", size=1, max_age_s=600, max_profiles=2)
+    try:
+        await pools.start()
+        assert not pools.enabled
+        assert pools.take(spec(folder)) is None
+        assert pools.sizes() == {}  # nothing was created for a profile meanwhile
+        backend.engine_down = False
+        await ready(pools, "default", 1)
+        assert pools.enabled
+        sandbox = pools.take(spec(folder))
+        assert sandbox is not None and sandbox.handle is not None and sandbox.broken is None
+        assert pools.take(spec(folder)) is None  # handed out once: the next one is not started yet
+        await sandbox.destroy()
+    finally:
+        await pools.close()
+        await backend.close()
+    assert "warm pool off" not in caplog.text
+    assert await backend.labelled({"io.ptc-sandbox.test": "pool"}) == []
+
+
+async def test_an_image_without_the_session_feature_turns_the_pool_off(
+    folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = FakeBackend(images={"ptc-old:1": {}})
+    pools = WarmPools(backend, spec(folder, image="ptc-old:1"), folder / "pool", 1, 600, 2)
+    with caplog.at_level(logging.WARNING):
+        await pools.start()
+    try:
+        assert not pools.enabled
+        assert pools.take(spec(folder, image="ptc-old:1")) is None
+        assert "warm pool off" in caplog.text
+        assert backend.starts == 0
+    finally:
+        await pools.close()
+
+
+async def test_a_profile_of_its_own_gets_a_pool_on_first_demand(folder: Path) -> None:
+    backend = FakeBackend()
+    pools = WarmPools(backend, spec(folder), folder / "pool", 1, 600, 2)
+    await pools.start()
+    try:
+        await ready(pools, "default", 1)
+        other = spec(folder, memory_mb=256)
+        assert pools.take(other) is None  # cold this time; its pool starts now
+        names = [name for name in pools.sizes() if name != "default"]
+        assert len(names) == 1
+        await ready(pools, names[0], 1)
+        taken = pools.take(other)
+        assert taken is not None and taken.spec.memory_mb == 256
+        await taken.destroy()
+    finally:
+        await pools.close()
+        await backend.close()
+    assert await backend.labelled({}) == []
