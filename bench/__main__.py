@@ -48,6 +48,7 @@ from typing import Any
 import docker
 import httpx
 
+from service.sandbox.labels import LABEL_JOB, LABEL_POOL
 from tests.conftest import IMAGE, labelled_containers, start_service, wait_until
 
 ECHO = [
@@ -272,7 +273,7 @@ class Bench:
         return [
             c
             for c in labelled_containers(self.engine, self.instance, include_pool=True)
-            if "io.ptc-sandbox.job" not in c.labels and c.status == "running" and "io.ptc-sandbox.pool" in c.labels
+            if LABEL_JOB not in c.labels and c.status == "running" and LABEL_POOL in c.labels
         ]
 
 

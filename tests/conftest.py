@@ -28,11 +28,10 @@ import pytest
 
 from service.auth import hash_token
 from service.sandbox.docker import runtime_problem
+from service.sandbox.labels import LABEL_INSTANCE, LABEL_JOB
 from tests.toolserver import ToolServer
 
 IMAGE = os.environ.get("PTC_SANDBOX_IMAGE", "ptc-sandbox-runtime:latest")
-LABEL_INSTANCE = "io.ptc-sandbox.instance"
-LABEL_JOB = "io.ptc-sandbox.job"
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIMES = ("runc", "runsc")
 """The OCI runtimes the isolation tests run under: the engine's default and gVisor."""

@@ -12,7 +12,8 @@ import docker
 import httpx
 import pytest
 
-from tests.conftest import IMAGE, LABEL_INSTANCE, labelled_containers, start_service, wait_until
+from service.sandbox.labels import LABEL_INSTANCE
+from tests.conftest import IMAGE, labelled_containers, start_service, wait_until
 
 
 def test_sweep_at_start_removes_what_a_killed_instance_left(engine: docker.DockerClient, scratch: Path) -> None:
