@@ -192,9 +192,10 @@ class DockerBackend(SandboxBackend):
                         sink(name, chunk)  # type: ignore[arg-type]
             except Exception:  # the stream ends with the container; anything else is worth a trace
                 log.debug("output stream of %s ended with an error", container_id[:12], exc_info=True)
-            finally:
-                with contextlib.suppress(Exception):
-                    sock.close()
+            finally:  # the SDK's wrapper and the socket under it: closing the wrapper alone leaves the socket open
+                for s in (sock, getattr(sock, "_sock", None)):
+                    with contextlib.suppress(Exception):
+                        s.close()
 
         return threading.Thread(target=read, name=f"ptc-output-{container_id[:12]}", daemon=True)
 
