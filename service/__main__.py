@@ -17,6 +17,7 @@ from pathlib import Path
 
 import prometheus_client
 import uvicorn
+from pydantic import ValidationError
 
 from service import logs
 from service.api import create_app
@@ -46,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "hash-key":
         return _hash_key(args.name, args.generate)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    settings = Settings(**overrides)
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        print(f"ptc-sandbox: refusing to start: {_settings_errors(exc)}", file=sys.stderr)
+        return 2
     _raise_open_files_limit()
     logs.configure(settings.log_level, settings.log_format)
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series
@@ -75,6 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     return 0
+
+
+def _settings_errors(exc: ValidationError) -> str:
+    """Each error of the settings on one line, as ``PTC_<NAME>: <message>`` (the message alone when it concerns
+    several settings and names them), without the input values pydantic would print (secrets among them)."""
+    lines = []
+    for error in exc.errors():
+        names = ".".join(str(part) for part in error["loc"])
+        lines.append(f"PTC_{names.upper()}: {error['msg']}" if names else error["msg"])
+    return "\n".join(lines)
 
 
 def _check_work_dir_free(work_dir: Path) -> None:
