@@ -49,7 +49,7 @@ from starlette.requests import Request
 from starlette.types import Scope
 
 if TYPE_CHECKING:
-    from service.jobs import Job
+    from service.jobs import LiveJob as Job
 
 EVENTS = logging.getLogger("service.events")
 KEY_NAME: ContextVar[str | None] = ContextVar("ptc_key_name", default=None)

@@ -57,7 +57,7 @@ from service.quotas import REJECTION_REASONS
 from service.settings import Settings
 
 if TYPE_CHECKING:
-    from service.jobs import Job
+    from service.jobs import LiveJob as Job
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OTHER = "other"

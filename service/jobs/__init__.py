@@ -57,6 +57,19 @@ from service.errors import (
     SessionNotFound,
     WorkDirBusy,
 )
+from service.jobs.model import (
+    FINAL,
+    INTERNAL_ERROR,
+    SERVICE_STOPPED,
+    EndedBy,
+    ErrorType,
+    Job,
+    JobError,
+    JobStatus,
+    end_of_run,
+    session_closed,
+    stopped_before_start,
+)
 from service.metrics import Metrics
 from service.normalize import Normalized, prepare, view_fields
 from service.output import CappedStream, OutputLog, OutputRange, decode_slice, read_range
@@ -64,7 +77,7 @@ from service.pool import RUNTIME_LABEL, WarmPools
 from service.quotas import HostCapacity, OwnerSlot, Quotas, Slots
 from service.sandbox.base import ExitStatus, SandboxBackend, SandboxSpec, Stream, write_run_files
 from service.sandbox.folders import SandboxFolders
-from service.schemas import TERMINAL_STATUSES, ExecuteRequest, JobSummary, JobView, McpServer, SessionRequest
+from service.schemas import ExecuteRequest, JobSummary, JobView, McpServer, SessionRequest
 from service.sessions import KILL_CONFIRM_S, SESSION_FEATURE, Session, SessionManager, SessionRun, SessionSandbox
 from service.settings import Settings
 from service.store import JobQuery, JobStore, StoredJob
@@ -172,11 +185,11 @@ def _ms(start: datetime | None, end: datetime | None) -> float | None:
     return round((end - start).total_seconds() * 1000, 3)
 
 
-@dataclass
-class Job:
-    """One execution while the service holds it in memory (from submission until saved as ended)."""
+@dataclass(kw_only=True)
+class LiveJob(Job):
+    """One execution while the service holds it in memory (from submission until saved as ended): its
+    lifecycle record (``model.Job``) with its limits, output, broker and the events its followers wait on."""
 
-    id: str
     limits: ResolvedLimits
     metadata: dict[str, Any]
     callback_url: str | None
@@ -184,16 +197,9 @@ class Job:
     stdout: OutputLog
     stderr: OutputLog
     loop: asyncio.AbstractEventLoop
-    owner: str  # the API key name that submitted it (auth.IMPLICIT_OWNER with authentication disabled)
-    status: str = "queued"
-    exit_code: int | None = None
-    error: dict[str, Any] | None = None
     calls: list[dict[str, Any]] = field(default_factory=list)
     calls_over_limit: int = 0
     ran_as_coroutine: bool = False  # the runtime's report: the script had top-level await
-    created_at: datetime = field(default_factory=_now)
-    started_at: datetime | None = None
-    ended_at: datetime | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
     waiting: asyncio.Event = field(default_factory=asyncio.Event)  # set while client calls wait for answers
@@ -230,7 +236,7 @@ class Job:
         started = self.started_at
         return {
             "job_id": self.id,
-            "status": self.status,
+            "status": self.status.value,
             "exit_code": self.exit_code,
             "stdout": out.text,
             "stderr": err.text,
@@ -266,7 +272,7 @@ class Job:
         }
 
 
-async def wait_for_end_or_client(job: Job, timeout_s: float) -> None:
+async def wait_for_end_or_client(job: LiveJob, timeout_s: float) -> None:
     """Return when the job ends, when it waits on a client-executed call, or after ``timeout_s``."""
     ended = asyncio.ensure_future(job.done.wait())
     waiting = asyncio.ensure_future(job.waiting.wait())
@@ -327,7 +333,7 @@ class JobManager:
         self._loading: dict[str, asyncio.Future[EncodedView]] = {}  # ended views being read back from the store
         self._scanning = asyncio.Lock()  # one stored view indexed at a time
         self._end_events = views.ByteBudget(settings.view_cache_bytes)
-        self._live: dict[str, Job] = {}
+        self._live: dict[str, LiveJob] = {}
         self._admitted = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._removals: set[asyncio.Future[None]] = set()  # sandboxes of ended jobs being removed
@@ -531,7 +537,7 @@ class JobManager:
 
     # -- submission and the run ----------------------------------------------------------------
 
-    async def submit(self, request: ExecuteRequest, owner: str, *, admin: bool = False) -> Job:
+    async def submit(self, request: ExecuteRequest, owner: str, *, admin: bool = False) -> LiveJob:
         """Check and admit ``request``, and start its job, owned by ``owner`` (the API key's name).
 
         Its ``session_id`` and ``toolset`` must be ``owner``'s own, unless ``admin`` (the admin role).
@@ -572,7 +578,7 @@ class JobManager:
         self._spawn(self._run(job, request, manifest), f"job {job.id}")
         return job
 
-    async def _submit_to_session(self, request: ExecuteRequest, limits: ResolvedLimits, caller: Caller) -> Job:
+    async def _submit_to_session(self, request: ExecuteRequest, limits: ResolvedLimits, caller: Caller) -> LiveJob:
         """Queue ``request`` for its session's turn (one script at a time per session, in order of arrival)."""
         assert request.session_id is not None
         self._session(request.session_id, caller)  # another owner's session is not found
@@ -617,7 +623,7 @@ class JobManager:
         tools: list[dict[str, Any]],
         toolset: str | None,
         caller: Caller,
-    ) -> tuple[Job, CompiledManifest]:
+    ) -> tuple[LiveJob, CompiledManifest]:
         """A job for an admitted ``request`` (live from now on) and its compiled manifest (``tools`` or ``toolset``).
 
         The job is ``caller.owner``'s; ``toolset`` must be one ``caller`` may use.
@@ -633,7 +639,7 @@ class JobManager:
         (output_dir / OWNER_FILE).write_text(caller.owner)
         retain, inline = self._settings.output_retention_bytes, limits.output_bytes
         budget = self._quotas.output(caller.owner)
-        job = Job(
+        job = LiveJob(
             id=job_id,
             limits=limits,
             metadata=request.metadata,
@@ -667,7 +673,7 @@ class JobManager:
             runtime=settings.runtime,
         )
 
-    async def _save(self, job: Job, final: bool = False) -> None:
+    async def _save(self, job: LiveJob, final: bool = False) -> None:
         """Save the job's view (encoded a batch of records at a time); ``final``: also keep it for reading."""
         logs.job(job)  # every save is a status change
         view = job.view_dict()
@@ -684,12 +690,12 @@ class JobManager:
         if final:
             self._views.put(job.id, encoded)
 
-    async def _set_status(self, job: Job, status: str) -> None:
-        job.status = status
+    async def _set_status(self, job: LiveJob, status: JobStatus) -> None:
+        job.move(status)
         job.notify()
         await self._save(job)
 
-    async def _acquire(self, job: Job, slots: _Acquirable) -> bool:
+    async def _acquire(self, job: LiveJob, slots: _Acquirable) -> bool:
         """Wait for a sandbox slot (or the session's turn); False (and nothing held) if the job was stopped first."""
         acquire = asyncio.ensure_future(slots.acquire())
         stopped = asyncio.ensure_future(job.stop_requested.wait())
@@ -707,7 +713,7 @@ class JobManager:
             return False
         return got_slot
 
-    def _new_broker(self, job: Job, manifest: CompiledManifest) -> Broker:
+    def _new_broker(self, job: LiveJob, manifest: CompiledManifest) -> Broker:
         """The job's broker (not listening yet); its records are the job's call records."""
         settings = self._settings
         broker = Broker(
@@ -728,11 +734,11 @@ class JobManager:
         job.broker = broker
         return broker
 
-    def _slot(self, job: Job) -> OwnerSlot:
+    def _slot(self, job: LiveJob) -> OwnerSlot:
         """The script slot ``job`` takes while it runs (its owner's ``running_jobs`` quota applies)."""
         return self._slots.of(job.owner, self._quotas.of(job.owner).running_jobs)
 
-    async def _slot_and_sandbox(self, job: Job, spec: SandboxSpec) -> tuple[OwnerSlot, SessionSandbox] | None:
+    async def _slot_and_sandbox(self, job: LiveJob, spec: SandboxSpec) -> tuple[OwnerSlot, SessionSandbox] | None:
         """A script slot for ``job`` and its sandbox: a pooled one, or a new one (not started) with room
         committed on the host; None (nothing held) if the job was stopped first.
 
@@ -765,7 +771,7 @@ class JobManager:
                 stopped.cancel()
         return None
 
-    async def _run(self, job: Job, request: ExecuteRequest, manifest: CompiledManifest) -> None:
+    async def _run(self, job: LiveJob, request: ExecuteRequest, manifest: CompiledManifest) -> None:
         broker = self._new_broker(job, manifest)
         sandbox: SessionSandbox | None = None
         try:
@@ -773,15 +779,14 @@ class JobManager:
             spec = self._spec(job.limits, {}, self._jobs_dir / job.id, job.id, {})
             got = await self._slot_and_sandbox(job, spec)
             if got is None:
-                job.status = "stopped"
-                job.error = {"type": "stopped", "message": "stopped before it started"}
+                job.end(JobStatus.STOPPED, stopped_before_start())
                 return
             slot, sandbox = got
             try:
                 begin = time.monotonic()
                 job.sandbox_start = "warm" if sandbox.handle is not None else "cold"
                 job.started_at = _now()
-                await self._set_status(job, "running")
+                await self._set_status(job, JobStatus.RUNNING)
                 started = time.monotonic()  # a cold job's time limit includes its sandbox's start
                 if sandbox.handle is None:
                     await sandbox.start()
@@ -803,23 +808,23 @@ class JobManager:
             await asyncio.shield(self._cleanup(job, broker, sandbox))
 
     @staticmethod
-    def _failed(job: Job, exc: BaseException) -> None:
+    def _failed(job: LiveJob, exc: BaseException) -> None:
         """Set the status and error of a job whose run raised ``exc`` (the service stopping included)."""
         if isinstance(exc, asyncio.CancelledError):
-            job.status = "lost"
-            job.error = {"type": "service_stopped", "message": "the service stopped while the job ran"}
+            if not job.ended:
+                job.end(JobStatus.LOST, SERVICE_STOPPED)
         elif isinstance(exc, SandboxError):
             log.error("job %s: sandbox failure: %s", job.id, exc)
-            job.status = "failed"
-            kind = "engine_unavailable" if isinstance(exc, EngineUnavailable) else "sandbox_error"
-            job.error = {"type": kind, "message": str(exc)}
+            kind = ErrorType.ENGINE_UNAVAILABLE if isinstance(exc, EngineUnavailable) else ErrorType.SANDBOX_ERROR
+            if not job.ended:
+                job.end(JobStatus.FAILED, JobError(kind, str(exc)))
         elif isinstance(exc, Exception):
             log.exception("job %s: unexpected failure", job.id, exc_info=exc)
-            job.status = "failed"
-            job.error = {"type": "internal_error", "message": "the service failed to run the job; see its log"}
+            if not job.ended:
+                job.end(JobStatus.FAILED, INTERNAL_ERROR)
 
     async def _run_in_session(
-        self, job: Job, request: ExecuteRequest, manifest: CompiledManifest, session: Session
+        self, job: LiveJob, request: ExecuteRequest, manifest: CompiledManifest, session: Session
     ) -> None:
         """Run a job in its session's sandbox once it is the session's turn; the sandbox stays for the next."""
         broker = self._new_broker(job, manifest)
@@ -829,27 +834,20 @@ class JobManager:
             session.queued -= 1
             holds_slot = False
             if not got_turn:
-                job.status = "stopped"
-                job.error = {"type": "stopped", "message": "stopped before it started"}
+                job.end(JobStatus.STOPPED, stopped_before_start())
                 return
             try:
                 if session.ended:
-                    job.status = "stopped"
-                    job.error = {
-                        "type": "session_closed",
-                        "message": f"the session ended ({session.status}) before this script's turn",
-                    }
+                    job.end(JobStatus.STOPPED, session_closed(session.status, before_turn=True))
                     return
                 session.current_job_id = job.id  # busy from now on; a session that ends stops it
                 slot = self._slot(job)
                 if not await self._acquire(job, slot):
-                    job.status = "stopped"
-                    job.error = {"type": "stopped", "message": job.stop_reason or "stopped before it started"}
+                    job.end(JobStatus.STOPPED, stopped_before_start(job.stop_reason))
                     return
                 holds_slot = True
                 if session.ended:
-                    job.status = "stopped"
-                    job.error = {"type": "session_closed", "message": f"the session ended ({session.status})"}
+                    job.end(JobStatus.STOPPED, session_closed(session.status, before_turn=False))
                     return
                 begin = time.monotonic()
                 sandbox = session.sandbox
@@ -860,7 +858,7 @@ class JobManager:
                 job.started_at = _now()
                 job.sandbox_start = "session"
                 job.sandbox_id = sandbox.handle.id[:12] if sandbox.handle is not None else None
-                await self._set_status(job, "running")
+                await self._set_status(job, JobStatus.RUNNING)
                 started = time.monotonic()
                 run = await sandbox.run(job.id, request.env, job.sink)
                 self._metrics.sandbox_started("session", time.monotonic() - begin)
@@ -886,7 +884,7 @@ class JobManager:
         finally:
             await asyncio.shield(self._cleanup(job, broker, None))
 
-    async def _supervise(self, job: Job, run: SessionRun, started: float) -> tuple[ExitStatus, str | None]:
+    async def _supervise(self, job: LiveJob, run: SessionRun, started: float) -> tuple[ExitStatus, EndedBy | None]:
         """Wait for the script to exit, its time limit, or a stop request; returns (exit, what the service asked).
 
         The first of the time limit and a stop that is decided wins (a stop during the SIGTERM grace does not
@@ -898,7 +896,7 @@ class JobManager:
         try:
             remaining = max(job.limits.timeout_s - (time.monotonic() - started), 0)
             done, _ = await asyncio.wait({waiting, stop}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-            ended_by = None
+            ended_by: EndedBy | None = None
             if waiting not in done:
                 if stop in done:
                     ended_by = "stopped"
@@ -915,19 +913,19 @@ class JobManager:
             if not waiting.done():
                 waiting.cancel()
 
-    def _call_ended(self, job: Job, record: dict[str, Any]) -> None:
+    def _call_ended(self, job: LiveJob, record: dict[str, Any]) -> None:
         """A tool call of ``job`` has its outcome: wake followers, count it, log it (debug level)."""
         job.notify()
         self._metrics.tool_call(record)
         logs.tool_call(job.id, record)
 
-    def _client_calls_changed(self, job: Job, waiting: int) -> None:
+    def _client_calls_changed(self, job: LiveJob, waiting: int) -> None:
         """``waiting`` while client-executed calls wait for answers, ``running`` again when none does."""
-        if waiting and job.status == "running":
-            job.status = "waiting"
+        if waiting and job.status == JobStatus.RUNNING:
+            job.move(JobStatus.WAITING)
             job.waiting.set()
-        elif not waiting and job.status == "waiting":
-            job.status = "running"
+        elif not waiting and job.status == JobStatus.WAITING:
+            job.move(JobStatus.RUNNING)
             job.waiting.clear()
         else:
             job.notify()
@@ -954,7 +952,7 @@ class JobManager:
             await asyncio.wait_for(changed.wait(), 1.0)
         return await self.view(job_id, caller)
 
-    def _finish(self, job: Job, exit_status: ExitStatus, ended_by: str | None, broker: Broker) -> None:
+    def _finish(self, job: LiveJob, exit_status: ExitStatus, ended_by: EndedBy | None, broker: Broker) -> None:
         """Set the job's status, exit code and error from what ended the script.
 
         ``ended_by`` is what the service asked for (``stopped`` or ``timed_out``; the first decided, see
@@ -964,33 +962,19 @@ class JobManager:
         timeout that arrives as the script exits never relabels it, and an exit 0 is always ``succeeded``.
         """
         job.exit_code = exit_status.exit_code
-        if not (exit_status.killed or (exit_status.lost is not None and not exit_status.oom_killed)):
-            ended_by = None  # the script ended by itself before the service's signal took effect
-        if ended_by == "timed_out":
-            job.status = "timed_out"
-            job.error = {
-                "type": "timeout",
-                "message": f"the script ran past timeout_s={job.limits.timeout_s:g} and was killed",
-            }
-        elif ended_by == "stopped":
-            job.status = "stopped"
-            job.error = {"type": "stopped", "message": job.stop_reason or "stopped on request"}
-        elif exit_status.oom_killed:
-            job.status = "oom_killed"
-            job.error = {
-                "type": "oom",
-                "message": f"the sandbox ran out of memory (limit {job.limits.memory_mb} MiB) "
-                "and the kernel killed the script",
-            }
-        elif exit_status.lost is not None:
-            job.status = "failed"
-            job.error = {"type": "sandbox_error", "message": exit_status.lost}
-        else:
-            job.status = "succeeded" if exit_status.exit_code == 0 else "failed"
-            code = exit_status.exit_code
-            job.error = verdict.failure(code, job.normalized, broker.script_report) if code != 0 else None
+        code = exit_status.exit_code
+        script_failure = verdict.failure(code, job.normalized, broker.script_report) if code != 0 else None
+        status, error = end_of_run(
+            exit_status,
+            ended_by,
+            timeout_s=job.limits.timeout_s,
+            memory_mb=job.limits.memory_mb,
+            stop_reason=job.stop_reason,
+            script_failure=script_failure,
+        )
+        job.end(status, error)
 
-    async def _cleanup(self, job: Job, broker: Broker, sandbox: SessionSandbox | None) -> None:
+    async def _cleanup(self, job: LiveJob, broker: Broker, sandbox: SessionSandbox | None) -> None:
         """Save the final view, tell waiters, then remove the job's own ``sandbox`` (and folder). Never raises.
 
         The sandbox is removed after the answer (it has exited, or was killed, and its output is all in),
@@ -1004,8 +988,8 @@ class JobManager:
             for log_ in (job.stdout, job.stderr):
                 log_.close()
             job.ended_at = _now()
-            if job.status not in TERMINAL_STATUSES:
-                job.status = "lost"
+            if not job.ended:
+                job.end(JobStatus.LOST, job.error)
             self._metrics.job_ended(job)
             try:
                 await self._save(job, final=True)
@@ -1251,7 +1235,7 @@ class JobManager:
 
     # -- reading, waiting, stopping ------------------------------------------------------------
 
-    def live(self, job_id: str, caller: Caller) -> Job | None:
+    def live(self, job_id: str, caller: Caller) -> LiveJob | None:
         """The job if it has not been saved as ended yet; raises JobNotFound when it is another owner's.
 
         Every job a caller names goes through here or ``final``: another owner's job answers
@@ -1300,7 +1284,7 @@ class JobManager:
             self._views.put(job_id, encoded)
         return encoded
 
-    def live_view(self, job: Job) -> Body:
+    def live_view(self, job: LiveJob) -> Body:
         """A live job's view, rendered a batch of records at a time as it is sent."""
         return self._render(job.view_dict())
 
@@ -1338,7 +1322,7 @@ class JobManager:
         """
         path = self._output_dir / view["job_id"] / stream
         data = await asyncio.to_thread(read_range, path, offset, SLICE_BYTES)
-        at_end = view["status"] in TERMINAL_STATUSES and offset + len(data) >= view[f"{stream}_retained_bytes"]
+        at_end = view["status"] in FINAL and offset + len(data) >= view[f"{stream}_retained_bytes"]
         text, consumed, invalid = decode_slice(data, final=at_end)
         view[stream] = text
         view[f"{stream}_offset"] = offset
@@ -1450,7 +1434,7 @@ class JobManager:
             while sent in sent_after:
                 sent_after.discard(sent)
                 sent += 1
-            ended = head["status"] in TERMINAL_STATUSES and (job is None or job.done.is_set())
+            ended = head["status"] in FINAL and (job is None or job.done.is_set())
             for stream in STREAMS:
                 retained = head[f"{stream}_retained_bytes"]
                 while offsets[stream] < retained:
