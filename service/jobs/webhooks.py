@@ -123,7 +123,9 @@ class Webhooks:
         )
         callback["state"] = "delivered" if delivered else "failed"
         self._metrics.callback_done(delivered)
-        await asyncio.gather(*pending, return_exceptions=True)
+        for outcome in await asyncio.gather(*pending, return_exceptions=True):
+            if isinstance(outcome, Exception):
+                log.error("job %s: saving a callback attempt into its view failed", job_id, exc_info=outcome)
         await self._put_view(stored, view, final)
         if not delivered:
             log.warning(
