@@ -18,9 +18,10 @@ module          what it does
 ``tasks``       background tasks, held and their failures logged
 ==============  ===================================================================================================
 
-The parts are built by the app factory (``service.api.create_app``), which also subscribes metrics, logs and
-webhooks to ``events``. This module imports only ``model`` at run time, so that ``service.schemas``,
-``service.logs`` and ``service.metrics`` can import the model without importing the whole service.
+The parts are built by the app factory (``service.api.build_jobs``, called by ``create_app``), which also
+subscribes metrics, logs and webhooks to ``events``. This module imports only ``model`` and ``service.errors`` at
+run time, so that ``service.logs`` and ``service.metrics`` can import the model without importing the whole
+service (and without an import cycle through ``service.auth`` or ``service.sessions``, which import logs).
 """
 
 from __future__ import annotations
