@@ -1,4 +1,4 @@
-"""Request and response models of the HTTP API (DESIGN.md, "HTTP API")."""
+"""Request and response models of the HTTP API (each route's body and answer; served as ``/openapi.json``)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 # (and some, e.g. PYTHONMALLOC, could stop it); LD_*: read by the dynamic loader, likewise; PTC_*: the runtime's.
 _RESERVED_ENV = ("PYTHON", "LD_", "PTC_")
 
+# The values of ``service.jobs.model.JobStatus``, spelled out for the OpenAPI document (a unit test keeps them equal).
 JobStatus = Literal["queued", "running", "waiting", "succeeded", "failed", "timed_out", "stopped", "oom_killed", "lost"]
-TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "timed_out", "stopped", "oom_killed", "lost"})
 CallStatus = Literal["pending", "ok", "error", "rejected", "timeout"]
 
 
@@ -271,7 +271,7 @@ class ToolCallError(BaseModel):
 
 
 class CallRecord(BaseModel):
-    """One tool call as the broker saw it (DESIGN.md, "Call record")."""
+    """One tool call as the broker saw it (``service.broker``): its call record in the job view."""
 
     seq: int = Field(description="1-based, in order of arrival at the broker.")
     call_id: str
@@ -364,7 +364,7 @@ class CallbackState(BaseModel):
 
 
 class JobView(BaseModel):
-    """A job as the API shows it (DESIGN.md, "Job view")."""
+    """A job as the API shows it (``service.jobs.live.LiveJob.view_dict`` while live, then the saved view)."""
 
     job_id: str
     status: JobStatus

@@ -16,6 +16,7 @@ from starlette.routing import BaseRoute
 from service import __version__, callbacks
 from service.api import problems
 from service.api.bodies import BODY_THREADS, BodyLimit, ParsedOffLoop
+from service.api.composition import build_jobs
 from service.api.deps import NOT_STARTED, SessionService, ToolsetService
 from service.api.problems import UNAUTHORIZED
 from service.api.routers import health as health_router
@@ -71,7 +72,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         )
         store = SQLiteJobStore(settings.job_store_path())
         await store.open()
-        jobs = JobManager(settings, backend, endpoints, store, metrics)
+        jobs = build_jobs(settings, backend, endpoints, store, metrics)
         await jobs.start()
         app.state.jobs, app.state.backend = jobs, backend
         _serve(app.state, jobs)

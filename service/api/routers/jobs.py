@@ -17,7 +17,7 @@ from service.api.deps import AppSettings, Jobs, Key, Who
 from service.api.problems import ENGINE_UNAVAILABLE
 from service.api.responses import output_slices, view_response
 from service.errors import InvalidField, RequestLimitError
-from service.jobs import wait_for_end_or_client
+from service.jobs.live import wait_for_end_or_client
 from service.limits import check_execute
 from service.sandbox.base import Stream
 from service.schemas import ClientAnswer, ExecuteRequest, JobList, JobStatus, JobView
