@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
@@ -26,15 +27,33 @@ JobStatus = Literal["queued", "running", "waiting", "succeeded", "failed", "time
 CallStatus = Literal["pending", "ok", "error", "rejected", "timeout"]
 
 
+def _has_non_finite(value: Any) -> bool:
+    """Whether a JSON-like value holds a float NaN or infinity anywhere (walked without recursion)."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, float) and not math.isfinite(node):
+            return True
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
+
+
 def check_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
     """``metadata`` if it is small JSON (size and depth caps); raises ValueError otherwise.
 
     The size first (orjson, in C): the depth walk, in Python, then only sees at most ``MAX_METADATA_BYTES``.
     """
     try:
-        size = len(orjson.dumps(metadata))
+        encoded = orjson.dumps(metadata)
     except orjson.JSONEncodeError as exc:
         raise ValueError(f"metadata cannot be stored as JSON: {exc}") from None
+    size = len(encoded)
+    if b"null" in encoded and size <= MAX_METADATA_BYTES and _has_non_finite(metadata):
+        # orjson writes NaN and infinities (which the request reader lets through, 1e400 included) as null
+        raise ValueError("metadata cannot be stored as JSON: NaN or an infinity (a number out of range of a double)")
     if size > MAX_METADATA_BYTES:
         raise ValueError(f"metadata is larger than {MAX_METADATA_BYTES} bytes of JSON")
     if json_depth(metadata, MAX_METADATA_DEPTH) > MAX_METADATA_DEPTH:
