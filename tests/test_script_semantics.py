@@ -104,6 +104,65 @@ MAIN_SCRIPTS = {
 
         fail()
         """,
+    # Hostile review of issue 12: how a script ends, as the plain interpreter ends it.
+    "keyboard_interrupt": """
+        raise KeyboardInterrupt
+        """,
+    "exit_code_past_a_c_long": """
+        import sys
+
+        sys.exit(2**70)
+        """,
+    "own_excepthook": """
+        import sys
+
+        def hook(kind, value, tb):
+            print("hook saw", kind.__name__, value)
+
+        sys.excepthook = hook
+        raise ValueError("v")
+        """,
+    "failing_excepthook": """
+        import sys
+
+        def hook(kind, value, tb):
+            raise RuntimeError("the hook broke")
+
+        sys.excepthook = hook
+        1 / 0
+        """,
+    "str_of_the_exception_fails": """
+        class Odd(Exception):
+            def __str__(self):
+                raise RuntimeError("no str")
+
+        raise Odd()
+        """,
+    "exit_object_whose_str_fails": """
+        class Odd:
+            def __str__(self):
+                raise ValueError
+
+        raise SystemExit(Odd())
+        """,
+    "indentation_error": """
+        if True:
+        print(1)
+        """,
+    "left_open_and_finalized": """
+        import os
+
+        class Noisy:
+            def __del__(self):
+                print("finalized")
+
+        out = os.fdopen(os.dup(1), "w")
+        out.write("left open, flushed at exit\\n")
+        noisy = Noisy()
+        """,
+    "loader": """
+        print(type(__loader__).__name__, __loader__.name, __spec__)
+        """,
 }
 
 
@@ -144,11 +203,47 @@ def test_script_is_the_real_main_like_a_plain_interpreter(
 ) -> None:
     script = textwrap.dedent(MAIN_SCRIPTS[name]).lstrip()
     body: dict[str, Any] = {"session_id": session_id} if mode == "session" else {}
-    view = execute(api, script, **body)
+    view = execute(api, script, normalize=False, **body)
     code, out, err = plain_run(engine, script)
     assert view["exit_code"] == code, view
     assert view["stdout"] == out.replace("/tmp/script.py", "/run/ptc/script.py"), view
     assert view["stderr"] == err.replace("/tmp/script.py", "/run/ptc/script.py"), view
+
+
+def test_files_a_script_left_open_are_complete_for_the_next_script_of_its_session(
+    api: httpx.Client, session_id: str
+) -> None:
+    # The runtime ended each script without finalizing it: what a file left open still buffered was lost (a
+    # later script read empty files), where python3 flushes it at exit: in a global, in the frames of an
+    # uncaught exception's traceback, in a reference cycle.
+    first = textwrap.dedent(
+        """
+        import csv
+
+        rows = open("/tmp/rows.csv", "w", newline="")
+        csv.writer(rows).writerows([[1, 2], [3, 4]])
+
+        class Node:
+            pass
+
+        node = Node()
+        node.me = node
+        node.log = open("/tmp/cycle.txt", "w")
+        node.log.write("in a cycle")
+
+        def fail():
+            held = open("/tmp/frame.txt", "w")
+            held.write("in a frame")
+            raise ValueError("after writing")
+
+        fail()
+        """
+    ).lstrip()
+    view = execute(api, first, session_id=session_id)
+    assert view["status"] == "failed" and "ValueError: after writing" in view["stderr"], view
+    second = "for name in ('rows.csv', 'cycle.txt', 'frame.txt'):\n    print(repr(open('/tmp/' + name).read()))\n"
+    view = execute(api, second, session_id=session_id)
+    assert view["stdout"] == "'1,2\\n3,4\\n'\n'in a cycle'\n'in a frame'\n", view
 
 
 def test_the_issue_pool_input_under_each_runtime(runtime_api: httpx.Client) -> None:
