@@ -246,6 +246,20 @@ def test_files_a_script_left_open_are_complete_for_the_next_script_of_its_sessio
     assert view["stdout"] == "'1,2\\n3,4\\n'\n'in a cycle'\n'in a frame'\n", view
 
 
+@pytest.mark.parametrize("mode", ["job", "session"])
+def test_a_coding_declaration_does_not_change_the_text_that_runs(api: httpx.Client, session_id: str, mode: str) -> None:
+    # The script is text (JSON), written as UTF-8; compiling the file's bytes honoured a copied coding
+    # declaration: 'café' became 'cafÃ©' under latin-1, and an unknown codec's name a SyntaxError, while the
+    # service's own compile (normalization, its verdict) had read the text.
+    body: dict[str, Any] = {"session_id": session_id} if mode == "session" else {}
+    view = execute(api, "# -*- coding: latin-1 -*-\nprint(ascii('café'))\n", normalize=False, **body)
+    assert (view["status"], view["stdout"]) == ("succeeded", "'caf\\xe9'\n"), view
+    view = execute(api, "# coding: no-such-codec\nprint('ran')\n", normalize=False, **body)
+    assert (view["status"], view["stdout"]) == ("succeeded", "ran\n"), view
+    view = execute(api, "\ufeffprint('after a byte-order mark')\n", normalize=False, **body)
+    assert (view["status"], view["stdout"]) == ("succeeded", "after a byte-order mark\n"), view
+
+
 def test_the_issue_pool_input_under_each_runtime(runtime_api: httpx.Client) -> None:
     script = (
         "import multiprocessing\n\ndef square(n):\n    return n * n\n\n"

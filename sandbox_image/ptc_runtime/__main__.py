@@ -68,10 +68,19 @@ def _script_line(tb: Any, filename: str) -> Optional[int]:
 def compile_script(path: str) -> Any:
     """The script at ``path`` compiled, or the exception compiling it raised (SyntaxError, ValueError for a
     NUL byte, RecursionError or MemoryError for a pathological expression: never raised, so that a session's
-    resident interpreter survives any script)."""
+    resident interpreter survives any script).
+
+    The script arrived as text (the service writes it as UTF-8): it is compiled as that text, as the service's own
+    compile (its verdict, normalization) sees it, so a coding declaration copied into it (``# -*- coding: latin-1
+    -*-``) cannot turn ``'café'`` into ``'cafÃ©'`` or an unknown codec's name into a SyntaxError; a leading
+    byte-order mark is dropped, as Python drops it from a file. Bytes that are not UTF-8 compile as bytes."""
     try:
         with open(path, "rb") as f:
-            source = f.read()
+            source: Any = f.read()
+        try:
+            source = source.decode("utf-8-sig")
+        except UnicodeDecodeError:
+            pass
         return compile(source, path, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
     except Exception as exc:
         return exc
