@@ -412,6 +412,16 @@ def test_unawaited_call_in_a_loop_sends_nothing_and_says_so(api: httpx.Client) -
     assert "coroutine 'web_search' was never awaited" in view["stderr"]
 
 
+def test_unawaited_call_kept_in_a_variable_says_so_too(api: httpx.Client) -> None:
+    # The runtime ended the script without finalizing its globals: a coroutine kept in one was never destroyed,
+    # so Python never warned; it now warns as python3 does at exit, attributed to "sys:1", not to the runtime.
+    script = "import asyncio\nawait asyncio.sleep(0)\nkept = web_search(query='lost')\n"
+    view = execute(api, script, tools=TOOLS)
+    assert view["status"] == "succeeded" and view["calls"] == [], view
+    assert view["stderr"].startswith("sys:1: RuntimeWarning: coroutine 'web_search' was never awaited\n"), view
+    assert "ptc_runtime" not in view["stderr"], view
+
+
 def test_tools_are_imported_only_for_a_script_that_names_one(api: httpx.Client) -> None:
     probe = "import sys\nprint('tools' in sys.modules)\n"
     assert execute(api, probe, tools=TOOLS)["stdout"] == "False\n"  # print is a tool's name too: a builtin's first

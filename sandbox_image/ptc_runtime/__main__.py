@@ -255,6 +255,9 @@ def _print_uncaught(exc: BaseException, tb: Any) -> None:
         sys.__excepthook__(type(exc), exc, tb)
 
 
+_CLEAR_NAMES = compile("for name in names: namespace[name] = None", "sys", "exec")
+
+
 def finalize_main() -> None:
     """Finalize the script's module as the interpreter does at exit, which ``exit_fast`` otherwise skips: its
     globals are set to None (names starting with ``_`` first, ``__builtins__`` kept), so that what only they held
@@ -264,13 +267,11 @@ def finalize_main() -> None:
     buffered writer is flushed, then the collector runs (~25 ms with asyncio imported; skipped otherwise)."""
     namespace = getattr(_script_module, "__dict__", None)  # None: the script did not run (a compile error)
     if isinstance(namespace, dict):
-        for underscore in (True, False):
-            for key in list(namespace):
-                if isinstance(key, str) and key.startswith("_") == underscore and key != "__builtins__":
-                    try:
-                        namespace[key] = None
-                    except Exception:  # a __del__ that fails is ignored, as at the interpreter's exit
-                        pass
+        names = [k for k in namespace if isinstance(k, str) and k.startswith("_") and k != "__builtins__"]
+        names += [k for k in namespace if not (isinstance(k, str) and k.startswith("_"))]
+        # Run as code of a file named "sys", line 1: a warning raised by a finalizer (a coroutine never awaited)
+        # is attributed as CPython attributes it at exit ("sys:1: RuntimeWarning: ..."), not to this module.
+        exec(_CLEAR_NAMES, {"names": names, "namespace": namespace})
     if _regular_file_open():  # flush before collecting: the collector may close a raw file before its buffer
         import gc
         import io
