@@ -24,7 +24,7 @@ measures, in one run on the same machine (times in ms unless said otherwise):
   usage minus page cache).
 
 Writes ``<out>/bench.json`` (every figure) and ``<out>/bench.md`` (the
-table the README quotes) and prints the table.
+table docs/performance.md quotes) and prints the table.
 """
 
 from __future__ import annotations

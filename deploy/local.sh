@@ -162,7 +162,7 @@ case "${1:-}" in
     setup ""
     if [ -z "${PTC_AUTH:-}${PTC_API_KEYS:-}${PTC_API_KEYS_FILE:-}" ]; then
       # Development default: no keys configured, so say so explicitly (the service refuses it off loopback).
-      log "no PTC_API_KEYS: serving with PTC_AUTH=disabled (development only; see README, Authentication)"
+      log "no PTC_API_KEYS: serving with PTC_AUTH=disabled (development only; see docs/operations.md, Authentication)"
       export PTC_AUTH=disabled
     fi
     exec .venv/bin/ptc-sandbox serve ;;

@@ -8,17 +8,16 @@ or a new one printed first).
 from __future__ import annotations
 
 import argparse
-import fcntl
 import logging
 import resource
 import secrets
 import sys
-from pathlib import Path
 
 import prometheus_client
 import uvicorn
+from pydantic import ValidationError
 
-from service import logs
+from service import logs, workdir
 from service.api import create_app
 from service.auth import KEY_NAME, hash_token
 from service.connections import ConnectionGuard, guarded_protocol, parse_networks
@@ -46,13 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "hash-key":
         return _hash_key(args.name, args.generate)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    settings = Settings(**overrides)
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        print(f"ptc-sandbox: refusing to start: {_settings_errors(exc)}", file=sys.stderr)
+        return 2
     _raise_open_files_limit()
     logs.configure(settings.log_level, settings.log_format)
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series
     try:
         app = create_app(settings)
-        _check_work_dir_free(settings.work_dir)
+        workdir.check_free(settings.work_dir)
     except (InsecureConfig, WorkDirBusy) as exc:
         logging.getLogger("service").critical("refusing to start: %s", exc)
         return 2
@@ -77,20 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _check_work_dir_free(work_dir: Path) -> None:
-    """Raise WorkDirBusy, before the server starts, when another instance holds ``work_dir``'s lock.
-
-    (The lock itself is taken, and held, by the job manager at start-up; this only gives a clean refusal.)
-    """
-    path = work_dir / ".lock"
-    if not path.exists():
-        return
-    with open(path, "a+") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise WorkDirBusy(work_dir) from None
-        fcntl.flock(lock, fcntl.LOCK_UN)
+def _settings_errors(exc: ValidationError) -> str:
+    """Each error of the settings on one line, as ``PTC_<NAME>: <message>`` (the message alone when it concerns
+    several settings and names them), without the input values pydantic would print (secrets among them)."""
+    lines = []
+    for error in exc.errors():
+        names = ".".join(str(part) for part in error["loc"])
+        lines.append(f"PTC_{names.upper()}: {error['msg']}" if names else error["msg"])
+    return "\n".join(lines)
 
 
 def _hash_key(name: str, generate: bool) -> int:

@@ -266,7 +266,7 @@ class BearerAuth:
         app: the application behind it.
         keys: the key ring; None disables authentication (``key_name`` is then None).
         open_paths: paths that answer without a key.
-        deny: makes the 401 response from a reason (``api`` owns the problem+json mapping);
+        deny: makes the 401 response from a reason (``api.problems`` owns the problem+json mapping);
             the middleware adds ``WWW-Authenticate``.
     """
 

@@ -1,4 +1,4 @@
-"""The service's exception hierarchy (one root; ``api`` maps it to RFC 9457 problem+json).
+"""The service's exception hierarchy (one root; ``api.problems.RULES`` maps it to RFC 9457 problem+json).
 
 ::
 
@@ -17,7 +17,8 @@
     ├── SessionClosed        the session has ended                       -> 409
     ├── TooManySessions      max_sessions are live                       -> 429
     ├── QueueFull            all sandbox slots busy and the queue full   -> 429
-    ├── QuotaExceeded        a key's quota, or the host's capacity, used -> 429
+    ├── QuotaExceeded        a key's quota used                          -> 429
+    │   └── HostCapacityExceeded  the host has no room for the sandbox   -> 429
     ├── CallNotPending       answer to a client call not waiting for one -> 409
     └── SandboxError         the engine failed us (not the script)      -> 503
         └── EngineUnavailable  the engine cannot be reached             -> 503
@@ -107,12 +108,13 @@ class SessionClosed(PtcError):
 
 
 class TooManySessions(PtcError):
-    """``max_sessions`` sessions are live already."""
+    """``max_sessions`` sessions are live already; retry after ``retry_after_s`` (30) seconds."""
 
     def __init__(self, limit: int) -> None:
         super().__init__(f"{limit} sessions are open already (PTC_MAX_SESSIONS); delete one or retry later")
         self.limit = limit
         self.reason = "max_sessions"
+        self.retry_after_s = 30
 
 
 class CallNotPending(PtcError):
@@ -151,3 +153,8 @@ class QuotaExceeded(PtcError):
         self.reason = reason
         self.limit = limit
         self.retry_after_s = max(1, retry_after_s)
+
+
+class HostCapacityExceeded(QuotaExceeded):
+    """The host cannot take a sandbox of these limits: its memory or CPUs are committed (``reason``
+    ``host_memory_mb`` or ``host_cpus``); a ``QuotaExceeded`` of the host rather than of a key."""

@@ -48,14 +48,15 @@ import orjson
 from starlette.requests import Request
 from starlette.types import Scope
 
+from service.jobs.model import FINAL
+
 if TYPE_CHECKING:
-    from service.jobs import Job
+    from service.jobs.live import LiveJob
 
 EVENTS = logging.getLogger("service.events")
 KEY_NAME: ContextVar[str | None] = ContextVar("ptc_key_name", default=None)
 QUIET_ROUTES = frozenset({"/healthz", "/readyz", "/metrics"})
 QUIET_LIBRARIES = ("httpx", "httpcore")
-TERMINAL = frozenset({"succeeded", "failed", "timed_out", "stopped", "oom_killed", "lost"})
 SUMMARY_TOOLS = 20
 PATH_CHARS = 200
 MAX_CLAIMED_TYPE = 100  # characters of a script-reported exception type that the job event logs
@@ -141,15 +142,15 @@ def request(scope: Scope, route: str, status: int, seconds: float) -> None:
     )
 
 
-def job(job: Job) -> None:
+def job(job: LiveJob) -> None:
     """The ``job`` event of a status change; when the job has ended, also its ``tool_calls`` summary."""
     if job.id not in _job_keys:
         _job_keys[job.id] = KEY_NAME.get()
     key = _job_keys[job.id]
-    fields: dict[str, Any] = {"job_id": job.id, "status": job.status, "key": key}
+    fields: dict[str, Any] = {"job_id": job.id, "status": str(job.status), "key": key}
     if job.started_at is not None and job.status == "running":
         fields["queue_ms"] = _ms(job.created_at, job.started_at)
-    if job.status in TERMINAL:
+    if job.status in FINAL:
         _job_keys.pop(job.id, None)
         fields.update(
             exit_code=job.exit_code,
@@ -164,7 +165,7 @@ def job(job: Job) -> None:
             stderr_bytes=job.stderr.inline.total_bytes,
         )
     event("job", **fields)
-    if job.status in TERMINAL and job.calls:
+    if job.status in FINAL and job.calls:
         tool_calls(job.id, key, job.calls)
 
 

@@ -1,6 +1,6 @@
 """Prometheus metrics (``GET /metrics``): their definitions, and one small helper per thing that is counted.
 
-Names follow DESIGN.md ("Metrics") and the Prometheus conventions: the ``ptc_``
+Names follow the Prometheus conventions: the ``ptc_``
 prefix, base units in the name (``_seconds``), counters ending in ``_total``.
 Every label has a bounded set of values; none ever carries a job id:
 
@@ -52,16 +52,16 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import logs
+from service.jobs.model import LIVE, JobStatus
 from service.normalize import NORMALIZATIONS
 from service.quotas import REJECTION_REASONS
 from service.settings import Settings
 
 if TYPE_CHECKING:
-    from service.jobs import Job
+    from service.jobs.live import LiveJob
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OTHER = "other"
-LIVE_STATUSES = ("queued", "running", "waiting")
 START_MODES = ("warm", "cold", "session")
 STREAMS = ("stdout", "stderr")
 # Job times: from a few ms (print(1) from the warm pool) to the largest timeout_s.
@@ -178,15 +178,15 @@ class Metrics:
 
     # -- events --------------------------------------------------------------------------------
 
-    def job_ended(self, job: Job) -> None:
+    def job_ended(self, job: LiveJob) -> None:
         """Count an ended job: status, run time, queue wait, OOM kill, timeout, truncated streams."""
         ended = job.ended_at or job.started_at or job.created_at
-        self.executions.labels(status=job.status).inc()
+        self.executions.labels(status=str(job.status)).inc()
         self.execution_duration.observe(_seconds(job.started_at, ended))
         self.queue_wait.observe(_seconds(job.created_at, job.started_at or ended))
-        if job.status == "oom_killed":
+        if job.status == JobStatus.OOM_KILLED:
             self.oom_kills.inc()
-        elif job.status == "timed_out":
+        elif job.status == JobStatus.TIMED_OUT:
             self.timeouts.inc()
         for stream, log in (("stdout", job.stdout), ("stderr", job.stderr)):
             if log.inline.total_bytes > job.limits.output_bytes:  # more than the cap: head and tail kept
@@ -194,7 +194,7 @@ class Metrics:
 
     def job_lost(self) -> None:
         """Count a job an earlier run of the service left unfinished (found at start-up, marked ``lost``)."""
-        self.executions.labels(status="lost").inc()
+        self.executions.labels(status=JobStatus.LOST.value).inc()
 
     def sandbox_started(self, mode: str | None, seconds: float) -> None:
         """Observe a job's sandbox start (``mode``: warm, cold or session)."""
@@ -263,8 +263,8 @@ class _StateCollector(Collector):
         return [_jobs_family(), _pool_family()]
 
     def collect(self) -> Iterator[Metric]:
-        counts = Tally({status: 0 for status in LIVE_STATUSES})
-        counts.update(job.status for job in list(self.live.values()))
+        counts = Tally({status.value: 0 for status in LIVE})
+        counts.update(str(job.status) for job in list(self.live.values()))
         jobs = _jobs_family()
         for status, count in sorted(counts.items()):
             jobs.add_metric([status], count)

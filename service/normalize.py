@@ -372,12 +372,31 @@ _HEREDOC_PY = re.compile(rf"^\s*(?:\$\s+)?{_PYTHON}(?:\s+-)?\s*<<(?P<dash>-?)\s*
 _HEREDOC_CAT = re.compile(
     rf"^\s*(?:\$\s+)?cat\s*<<(?P<dash>-?)\s*(?P<q>['\"]?)(?P<delim>\w+)(?P=q)\s*\|\s*{_PYTHON}(?:\s+-)?\s*$"
 )
+# The head of a call holding one string argument: ``execute(command="``. The tail (``")`` and what may follow it) is
+# matched by ``_call_body`` with string methods: as a regex (``(?P=q)\s*\)\s*;?\s*\Z`` after a greedy body) it took
+# quadratic time on whitespace after a ``)`` (50 s for 64 KiB).
 _CALL = re.compile(
     r"\A\s*(?P<fn>[A-Za-z_][\w.]*)\(\s*(?:(?P<kw>[A-Za-z_]\w*)\s*=\s*)?(?P<prefix>[rRuU]?)(?P<q>\"\"\"|'''|\"|')"
-    r"(?P<body>.*)(?P=q)\s*\)\s*;?\s*\Z",
-    re.S,
 )
 _PY_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"', "\n": ""}
+
+
+def _call_body(text: str, head: re.Match[str]) -> str | None:
+    """The string argument's body of a call ``text`` whose head ``_CALL`` matched: up to the last quote of its kind
+    that is followed only by whitespace, ``)``, whitespace, an optional ``;`` and whitespace; None if ``text`` does
+    not end so. Linear in the length of ``text``."""
+    tail = text.rstrip()
+    if tail.endswith(";"):
+        tail = tail[:-1].rstrip()
+    if not tail.endswith(")"):
+        return None
+    tail = tail[:-1].rstrip()
+    quote, start = head.group("q"), head.end()
+    if len(quote) == 3 and not (tail.endswith(quote) and len(tail) - 3 >= start):
+        quote, start = quote[0], head.start("q") + 1  # as the regex would backtrack: a one-quote string
+    if not tail.endswith(quote) or len(tail) - len(quote) < start:
+        return None
+    return text[start : len(tail) - len(quote)]
 
 
 def _dash_c(text: str) -> Candidate | None:
@@ -456,8 +475,9 @@ def _shell(text: str) -> list[Candidate]:
             script, command = heredoc
             return [(script, f"ran the script of the heredoc {command}{how} (shell quoting undone)")]
     call = _CALL.match(text)
-    if call is not None:
-        inner = _py_string_body(call.group("body"), raw=call.group("prefix") in ("r", "R"))
+    body = _call_body(text, call) if call is not None else None
+    if call is not None and body is not None:
+        inner = _py_string_body(body, raw=call.group("prefix") in ("r", "R"))
         found = _dash_c(inner)
         if found is None:
             heredoc = _heredoc_body(inner.split("\n"), "\n")

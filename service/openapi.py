@@ -39,7 +39,12 @@ class Problem(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    type: str = Field("about:blank", description="A URI naming the kind of problem.")
+    type: str = Field(
+        "about:blank",
+        description="A URI naming the kind of problem, to compare as a string (never fetched): "
+        "tag:ptc-sandbox.dev,2026:problems/<name> for the service's problems (README, Errors), "
+        "about:blank for an unknown path (404) or method (405).",
+    )
     title: str = Field(description="Short summary of the kind of problem.")
     status: int = Field(description="The HTTP status code.")
     detail: str = Field(description="What went wrong with this request; a 422's starts with the field at fault.")

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from service.errors import QuotaExceeded
+from service.errors import HostCapacityExceeded, QuotaExceeded
 from service.settings import KeyQuotas, Settings
 
 QUOTA_NAMES = (
@@ -130,13 +130,13 @@ class HostCapacity:
         """An event set at the next release after this call."""
         return self._changed
 
-    def refusal(self, memory_mb: float, cpus: float, reason: str) -> QuotaExceeded:
+    def refusal(self, memory_mb: float, cpus: float, reason: str) -> HostCapacityExceeded:
         """The 429 of a session that does not fit (``reason`` from ``shortfall``)."""
         if reason == "host_memory_mb":
             have, used, asked, unit = self.memory_mb, self.committed_memory_mb, memory_mb, " MiB"
         else:
             have, used, asked, unit = self.cpus, self.committed_cpus, cpus, " CPUs"
-        return QuotaExceeded(
+        return HostCapacityExceeded(
             f"the host cannot take a sandbox of {asked:g}{unit}: {used:g}{unit} of its {have:g}{unit} are "
             "committed to sandboxes (PTC_HOST_MEMORY_MB, PTC_HOST_CPUS and their overcommit)",
             reason,

@@ -1,7 +1,8 @@
-"""Request and response models of the HTTP API (DESIGN.md, "HTTP API")."""
+"""Request and response models of the HTTP API (each route's body and answer; served as ``/openapi.json``)."""
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
@@ -21,9 +22,23 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 # (and some, e.g. PYTHONMALLOC, could stop it); LD_*: read by the dynamic loader, likewise; PTC_*: the runtime's.
 _RESERVED_ENV = ("PYTHON", "LD_", "PTC_")
 
+# The values of ``service.jobs.model.JobStatus``, spelled out for the OpenAPI document (a unit test keeps them equal).
 JobStatus = Literal["queued", "running", "waiting", "succeeded", "failed", "timed_out", "stopped", "oom_killed", "lost"]
-TERMINAL_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "timed_out", "stopped", "oom_killed", "lost"})
 CallStatus = Literal["pending", "ok", "error", "rejected", "timeout"]
+
+
+def _has_non_finite(value: Any) -> bool:
+    """Whether a JSON-like value holds a float NaN or infinity anywhere (walked without recursion)."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, float) and not math.isfinite(node):
+            return True
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
 
 
 def check_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
@@ -32,9 +47,13 @@ def check_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
     The size first (orjson, in C): the depth walk, in Python, then only sees at most ``MAX_METADATA_BYTES``.
     """
     try:
-        size = len(orjson.dumps(metadata))
+        encoded = orjson.dumps(metadata)
     except orjson.JSONEncodeError as exc:
         raise ValueError(f"metadata cannot be stored as JSON: {exc}") from None
+    size = len(encoded)
+    if b"null" in encoded and size <= MAX_METADATA_BYTES and _has_non_finite(metadata):
+        # orjson writes NaN and infinities (which the request reader lets through, 1e400 included) as null
+        raise ValueError("metadata cannot be stored as JSON: NaN or an infinity (a number out of range of a double)")
     if size > MAX_METADATA_BYTES:
         raise ValueError(f"metadata is larger than {MAX_METADATA_BYTES} bytes of JSON")
     if json_depth(metadata, MAX_METADATA_DEPTH) > MAX_METADATA_DEPTH:
@@ -271,7 +290,7 @@ class ToolCallError(BaseModel):
 
 
 class CallRecord(BaseModel):
-    """One tool call as the broker saw it (DESIGN.md, "Call record")."""
+    """One tool call as the broker saw it (``service.broker``): its call record in the job view."""
 
     seq: int = Field(description="1-based, in order of arrival at the broker.")
     call_id: str
@@ -364,7 +383,7 @@ class CallbackState(BaseModel):
 
 
 class JobView(BaseModel):
-    """A job as the API shows it (DESIGN.md, "Job view")."""
+    """A job as the API shows it (``service.jobs.live.LiveJob.view_dict`` while live, then the saved view)."""
 
     job_id: str
     status: JobStatus

@@ -9,7 +9,8 @@ import socket
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.connections import parse_networks
@@ -52,11 +53,18 @@ class KeyQuotas(BaseModel):
     jobs_per_minute: int | None = Field(None, ge=0, description="Jobs admitted in any 60 s.")
 
 
+# Defaults whose maximum is not named max_<the default's name without default_>: default -> its maximum.
+CEILINGS_BY_MEANING = {
+    "session_idle_timeout_s": "max_session_lifetime_s",
+    "session_max_lifetime_s": "max_session_lifetime_s",
+}
+
+
 class Settings(BaseSettings):
     """Every setting of the service; each field is the env var ``PTC_<NAME>``.
 
-    Defaults are the sandbox defaults of DESIGN.md ("Sandbox defaults"); a
-    request may lower a limit, or raise it up to the ``max_*`` ceiling.
+    A ``default_*`` setting is what a request gets when it asks for nothing; it may lower a limit, or
+    raise it up to the ``max_*`` ceiling. A default above its maximum is refused (``default_ceilings``).
     """
 
     model_config = SettingsConfigDict(env_prefix="PTC_", extra="ignore")
@@ -385,6 +393,25 @@ class Settings(BaseSettings):
         "bounded by the concurrency).",
     )
 
+    @model_validator(mode="after")
+    def _defaults_within_maxima(self) -> Settings:
+        """Refuse a default above its maximum (every pair of ``default_ceilings``): it would apply, unchecked,
+        to every request that sets none (e.g. a 7,200 s default timeout under a 3,600 s maximum)."""
+        above = [
+            f"PTC_{default.upper()} ({getattr(self, default)}) is above PTC_{ceiling.upper()} "
+            f"({getattr(self, ceiling)})"
+            for default, ceiling in default_ceilings()
+            if getattr(self, default) > getattr(self, ceiling)
+        ]
+        if above:
+            raise PydanticCustomError(
+                "default_above_maximum",
+                "{above}: a default applies to every request that does not set the value, so it must not exceed "
+                "the maximum a request may ask for; lower the default or raise the maximum",
+                {"above": "; ".join(above)},
+            )
+        return self
+
     @field_validator("trusted_proxies")
     @classmethod
     def _parse_proxies(cls, entries: list[str]) -> list[str]:
@@ -420,6 +447,19 @@ class Settings(BaseSettings):
         """Sandboxes allowed to run at once (``max_concurrent_sandboxes`` or 2 x CPUs)."""
 
         return self.max_concurrent_sandboxes or 2 * (os.cpu_count() or 1)
+
+
+def default_ceilings() -> list[tuple[str, str]]:
+    """Every (default, maximum) pair of ``Settings``, by field name: each ``default_<x>`` with ``max_<x>``
+    (a ``default_<x>`` without one is a bug that ``tests/unit/test_settings.py`` catches), then
+    ``CEILINGS_BY_MEANING``."""
+    fields = Settings.model_fields
+    pairs = [
+        (name, "max_" + name.removeprefix("default_"))
+        for name in fields
+        if name.startswith("default_") and "max_" + name.removeprefix("default_") in fields
+    ]
+    return pairs + list(CEILINGS_BY_MEANING.items())
 
 
 def settings_table() -> str:

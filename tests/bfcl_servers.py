@@ -340,7 +340,7 @@ def main() -> None:
 
     Prints the server's URL; with ``--manifest``, writes a ptc-sandbox manifest for it (the MCP server's
     ``tools/list`` entries, or the BFCL docs, each with its endpoint) to FILE. The instance starts from
-    BFCL's first ``multi_turn_base`` scenario that uses the class (README example).
+    BFCL's first ``multi_turn_base`` scenario that uses the class (the MCP example of docs/tools-and-manifests.md).
     """
     import argparse
     import json

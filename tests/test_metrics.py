@@ -79,7 +79,7 @@ def test_tool_labels_are_capped_and_unknown_tools_count_as_other() -> None:
 
 
 def test_job_histograms_reach_the_maximum_timeout() -> None:
-    samples = parse(Metrics(settings(max_timeout_s=120)).exposition().decode())
+    samples = parse(Metrics(settings(max_timeout_s=120, default_timeout_s=60)).exposition().decode())
     for name in ("ptc_execution_duration_seconds_bucket", "ptc_queue_wait_seconds_bucket"):
         bounds = [dict(labels)["le"] for n, labels in samples if n == name]
         assert bounds[-2:] == ["120.0", "+Inf"]

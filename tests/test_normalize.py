@@ -68,7 +68,7 @@ def valid_scripts(draw: st.DrawFn) -> str:
 
     The first line is no comment: a one-line script starting with one is a comment as a whole, which compiles
     (and is then left alone, as every compiling script is). Raw triple-quoted strings are not generated: in one
-    written on one line, ``\\n`` is taken for a line break (README, "Normalization").
+    written on one line, ``\\n`` is taken for a line break (docs/normalization.md).
     """
     lines = ["x = 0"]
     for _ in range(draw(st.integers(1, 5))):

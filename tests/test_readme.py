@@ -1,4 +1,4 @@
-"""The README's settings table is the one rendered from ``Settings``.
+"""The settings table of ``docs/settings.md`` is the one rendered from ``Settings``.
 
 Regenerate it with ``.venv/bin/python -m tests.test_readme``.
 """
@@ -9,20 +9,22 @@ from pathlib import Path
 
 from service.settings import settings_table
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+SETTINGS_DOC = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
 HEADER = "| variable | default | meaning |"
 
 
-def test_readme_lists_every_setting() -> None:
-    assert settings_table() in README.read_text(), "stale settings table: run .venv/bin/python -m tests.test_readme"
+def test_settings_doc_lists_every_setting() -> None:
+    assert settings_table() in SETTINGS_DOC.read_text(), (
+        "stale settings table in docs/settings.md: run .venv/bin/python -m tests.test_readme"
+    )
 
 
 def rewrite_table() -> None:
-    """Replace the README's settings table (from its header to the next blank line) with the current one."""
-    text = README.read_text()
+    """Replace the settings table of ``docs/settings.md`` (from its header to the next blank line) with the current."""
+    text = SETTINGS_DOC.read_text()
     start = text.index(HEADER)
-    end = text.index("\n\n", start)
-    README.write_text(text[:start] + settings_table() + text[end:])
+    end = text.index("\n\n", start) if "\n\n" in text[start:] else len(text.rstrip("\n"))
+    SETTINGS_DOC.write_text(text[:start] + settings_table() + text[end:])
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.testclient import TestClient
 from pydantic import AfterValidator, BaseModel
 
-from service.api import MAX_BODY_DEPTH, ParsedOffLoop, parse_body
+from service.api.bodies import MAX_BODY_DEPTH, ParsedOffLoop, parse_body
 from service.collector import gc_paused
 from service.schemas import ExecuteRequest, check_metadata
 from service.toolkit.validation import CheckScheduler

@@ -238,7 +238,7 @@ def test_another_keys_session_cannot_be_seen_deleted_or_run_in(
             response = bob.post("/execute", json={"script": thief, "session_id": sid})
             assert response.status_code == 404, response.text
             assert response.json() == {
-                "type": "about:blank",
+                "type": "tag:ptc-sandbox.dev,2026:problems/session-not-found",
                 "title": "Session not found",
                 "status": 404,
                 "detail": f"no session with id {sid}",

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from service import exactjson, verdict, views
 from service.broker import MAX_TOOL_NAME_SHOWN, REPORT_FIELD_CAP, Broker
 from service.egress import EgressPolicy
-from service.jobs import stored_job
+from service.jobs.live import stored_job
 from service.schemas import JobList, JobView
 from service.toolkit.cache import ManifestCache
 from service.toolkit.endpoints import EndpointClients

@@ -35,6 +35,7 @@ from ptc_runtime.client import ToolError, client
 from ptc_runtime.protocol import RUN_DIR, SCRIPT, SESSION_ENV
 
 MESSAGE_CAP = 2000
+EXIT_KEYBOARD_INTERRUPT = 130  # 128 + SIGINT: how python3 ends on an uncaught KeyboardInterrupt
 CO_COROUTINE = 0x0080  # inspect.CO_COROUTINE: a top-level-await script's code (inspect itself costs an import)
 
 
@@ -66,13 +67,25 @@ def _script_line(tb: Any, filename: str) -> Optional[int]:
 def compile_script(path: str) -> Any:
     """The script at ``path`` compiled, or the exception compiling it raised (SyntaxError, ValueError for a
     NUL byte, RecursionError or MemoryError for a pathological expression: never raised, so that a session's
-    resident interpreter survives any script)."""
+    resident interpreter survives any script).
+
+    The script arrived as text (the service writes it as UTF-8): it is compiled as that text, as the service's own
+    compile (its verdict, normalization) sees it, so a coding declaration copied into it (``# -*- coding: latin-1
+    -*-``) cannot turn ``'café'`` into ``'cafÃ©'`` or an unknown codec's name into a SyntaxError; a leading
+    byte-order mark is dropped, as Python drops it from a file. Bytes that are not UTF-8 compile as bytes."""
     try:
         with open(path, "rb") as f:
-            source = f.read()
+            source: Any = f.read()
+        try:
+            source = source.decode("utf-8-sig")
+        except UnicodeDecodeError:
+            pass
         return compile(source, path, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
     except Exception as exc:
         return exc
+
+
+_script_module: Optional[types.ModuleType] = None  # the script's module, once made (``finalize_main``)
 
 
 def main_module(path: str) -> types.ModuleType:
@@ -82,9 +95,13 @@ def main_module(path: str) -> types.ModuleType:
     module.__file__ = path
     module.__builtins__ = builtins  # type: ignore[attr-defined]
     module.__spec__ = None
-    module.__loader__ = None
+    # importlib.machinery.SourceFileLoader, as python3 gives a script, without importing importlib (~1 ms cold)
+    source_loader = getattr(sys.modules.get("_frozen_importlib_external"), "SourceFileLoader", None)
+    module.__loader__ = source_loader("__main__", path) if source_loader is not None else None
     module.__cached__ = None  # type: ignore[attr-defined]
     sys.modules["__main__"] = module
+    global _script_module
+    _script_module = module
     return module
 
 
@@ -172,8 +189,9 @@ def main(argv: List[str], compiled: Any = None) -> int:
     code = compile_script(path) if compiled is None else compiled
     if isinstance(code, BaseException):
         exc = code
-        sys.stderr.write("".join(traceback.format_exception_only(type(exc), exc)))
-        error: Dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)[:MESSAGE_CAP]}
+        exc.__traceback__ = None  # the runtime's compile call is not the script's
+        sys.__excepthook__(type(exc), exc, None)  # the interpreter's own printer, as ``python3 script.py`` uses
+        error: Dict[str, Any] = {"type": type(exc).__name__, "message": _text(exc)[:MESSAGE_CAP]}
         if isinstance(exc, SyntaxError):
             error.update(
                 message=str(exc.msg)[:MESSAGE_CAP],
@@ -199,10 +217,91 @@ def main(argv: List[str], compiled: Any = None) -> int:
         tb = _from_script(exc.__traceback__, path)
         if isinstance(exc, NameError) and not isinstance(exc, UnboundLocalError):
             _hint_tool(exc)
-        sys.stderr.write("".join(traceback.format_exception(type(exc), exc, tb)))
-        _report({"type": type(exc).__name__, "message": str(exc)[:MESSAGE_CAP], "line": _script_line(tb, path)})
-        return 1
+        _print_uncaught(exc, tb)
+        _report({"type": type(exc).__name__, "message": _text(exc)[:MESSAGE_CAP], "line": _script_line(tb, path)})
+        # The script's frames refer back to this one (f_back), which would hold them in a cycle through ``tb``: the
+        # collector finalizes a cycle's objects in any order, and a file the script left open in a frame (its raw
+        # file closed first) would lose what it buffered. Without the cycle they go when ``exc`` does, in order.
+        del tb
+        return EXIT_KEYBOARD_INTERRUPT if isinstance(exc, KeyboardInterrupt) else 1
     return 0
+
+
+def _text(exc: BaseException) -> str:
+    """``str(exc)``, or what Python prints when that fails (a script's exception may raise in ``__str__``)."""
+    try:
+        return str(exc)
+    except Exception:
+        return "<exception str() failed>"
+
+
+def _print_uncaught(exc: BaseException, tb: Any) -> None:
+    """Print an uncaught exception as the interpreter does: through ``sys.excepthook`` (the script may have set its
+    own), with the traceback from the script's first frame on; a hook that fails is reported as Python does."""
+    exc.__traceback__ = tb
+    hook = sys.excepthook
+    try:
+        hook(type(exc), exc, tb)
+    except BaseException as failure:
+        if hook is sys.__excepthook__:
+            return
+        sys.stderr.write("Error in sys.excepthook:\n")
+        if failure.__traceback__ is not None:
+            failure.__traceback__ = failure.__traceback__.tb_next  # from the hook's frame on
+        if failure.__context__ is exc:  # raised while the runtime handled exc: not a context the script made
+            failure.__context__ = None
+        sys.__excepthook__(type(failure), failure, failure.__traceback__)
+        sys.stderr.write("\nOriginal exception was:\n")
+        sys.__excepthook__(type(exc), exc, tb)
+
+
+_CLEAR_NAMES = compile("for name in names: namespace[name] = None", "sys", "exec")
+
+
+def finalize_main() -> None:
+    """Finalize the script's module as the interpreter does at exit, which ``exit_fast`` otherwise skips: its
+    globals are set to None (names starting with ``_`` first, ``__builtins__`` kept), so that what only they held
+    is finalized: a file the script left open is flushed and closed (a later script of the session reads all of
+    it), ``__del__`` methods run. Objects in reference cycles need the collector, which finalizes them in any
+    order (a raw file may be closed before its buffer is flushed): when a regular file is still open, every
+    buffered writer is flushed, then the collector runs (~25 ms with asyncio imported; skipped otherwise)."""
+    namespace = getattr(_script_module, "__dict__", None)  # None: the script did not run (a compile error)
+    if isinstance(namespace, dict):
+        names = [k for k in namespace if isinstance(k, str) and k.startswith("_") and k != "__builtins__"]
+        names += [k for k in namespace if not (isinstance(k, str) and k.startswith("_"))]
+        # Run as code of a file named "sys", line 1: a warning raised by a finalizer (a coroutine never awaited)
+        # is attributed as CPython attributes it at exit ("sys:1: RuntimeWarning: ..."), not to this module.
+        exec(_CLEAR_NAMES, {"names": names, "namespace": namespace})
+    if _regular_file_open():  # flush before collecting: the collector may close a raw file before its buffer
+        import gc
+        import io
+
+        for obj in gc.get_objects():
+            if isinstance(obj, (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)):
+                try:
+                    if not obj.closed:
+                        obj.flush()
+                except Exception:
+                    pass
+        gc.collect()
+
+
+def _regular_file_open() -> bool:
+    """Whether the process holds a descriptor of a regular file (other than 0-2)."""
+    import stat
+
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except (OSError, ValueError):
+        return True
+    for fd in fds:
+        if fd > 2:
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    return True
+            except OSError:
+                continue
+    return False
 
 
 def exit_fast(code: Any) -> None:
@@ -216,15 +315,17 @@ def exit_fast(code: Any) -> None:
     if shutdown is not None:
         shutdown()
     atexit._run_exitfuncs()
+    finalize_main()
     if code is None:
         status = 0
     elif isinstance(code, int):
-        status = code & 0xFF
+        status = code & 0xFF if -(1 << 63) <= code < 1 << 63 else 255  # past a C long: -1, as CPython exits
     else:
-        try:
-            sys.stderr.write(str(code) + "\n")
-        except (OSError, ValueError):
-            pass
+        for text in (code, "\n"):  # the line break even when str() of the script's object fails, as CPython
+            try:
+                sys.stderr.write(str(text))
+            except Exception:
+                pass
         status = 1
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -195,7 +195,8 @@ class DockerBackend(SandboxBackend):
             finally:  # the SDK's wrapper and the socket under it: closing the wrapper alone leaves the socket open
                 for s in (sock, getattr(sock, "_sock", None)):
                     with contextlib.suppress(Exception):
-                        s.close()
+                        if s is not None:
+                            s.close()
 
         return threading.Thread(target=read, name=f"ptc-output-{container_id[:12]}", daemon=True)
 

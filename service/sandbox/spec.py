@@ -7,12 +7,11 @@ from pathlib import Path
 from typing import Protocol
 
 from service.sandbox.base import SandboxSpec
-from service.sandbox.labels import LABEL_JOB, instance_labels
 from service.settings import Settings
 
 
 class SandboxLimits(Protocol):
-    """A run's own sandbox limits, after defaults and server maxima were applied (e.g. ``jobs.ResolvedLimits``)."""
+    """A run's own sandbox limits, after defaults and server maxima were applied (``jobs.live.ResolvedLimits``)."""
 
     @property
     def memory_mb(self) -> int:
@@ -32,19 +31,13 @@ class SandboxLimits(Protocol):
 
 
 def sandbox_spec(
-    settings: Settings,
-    limits: SandboxLimits,
-    job_dir: Path,
-    *,
-    env: Mapping[str, str] | None = None,
-    job_id: str | None = None,
-    labels: Mapping[str, str] | None = None,
+    settings: Settings, limits: SandboxLimits, env: Mapping[str, str], job_dir: Path, labels: Mapping[str, str]
 ) -> SandboxSpec:
-    """The sandbox of a run with ``limits`` (``job_id`` None: a pooled or session sandbox, no job label).
+    """The sandbox of a run (a job's, or a pooled or session sandbox) with ``limits`` and ``env``.
 
-    The image, runtime, ``file_size_mb`` and ``open_files`` are the settings'; the labels are the instance's
-    (``labels.instance_labels``: what the start-up sweep removes), the job's, then ``labels``; ``env`` is the
-    environment of each run (``ResidentSandbox.run``), not the container's.
+    The image, runtime, ``file_size_mb`` and ``open_files`` are the settings'; ``env`` is the environment of each
+    run (``ResidentSandbox.run``), not the container's; ``labels`` are all of the sandbox's labels (the instance's,
+    ``labels.instance_labels``, included: what the start-up sweep removes).
     """
     return SandboxSpec(
         image=settings.sandbox_image,
@@ -55,7 +48,7 @@ def sandbox_spec(
         tmp_mb=limits.tmp_mb,
         file_size_mb=settings.file_size_mb,
         open_files=settings.open_files,
-        env=dict(env or {}),
-        labels={**instance_labels(settings.instance()), **({LABEL_JOB: job_id} if job_id else {}), **(labels or {})},
+        env=dict(env),
+        labels=dict(labels),
         runtime=settings.runtime,
     )

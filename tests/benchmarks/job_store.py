@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import orjson
 
-from service.jobs import stored_job
+from service.jobs.live import stored_job
 from service.store import SQLiteJobStore, StoredJob
 from tests.conftest import execute, start_service
 

@@ -1,0 +1,128 @@
+"""The app factory, ``create_app``: the composition root. It reads the settings, builds the services (in the
+lifespan: backend, endpoint clients, store, job manager), the middleware (metrics, authentication, body size),
+the error handler (``problems``) and the served OpenAPI document, and includes one router per resource
+(``routers/``). Routes reach the services through ``deps``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.datastructures import State
+from starlette.routing import BaseRoute
+
+from service import __version__, callbacks
+from service.api import problems
+from service.api.bodies import BODY_THREADS, BodyLimit, ParsedOffLoop
+from service.api.composition import build_jobs
+from service.api.deps import NOT_STARTED, SessionService, ToolsetService
+from service.api.problems import UNAUTHORIZED
+from service.api.routers import health as health_router
+from service.api.routers import jobs as jobs_router
+from service.api.routers import sessions as sessions_router
+from service.api.routers import tools as tools_router
+from service.auth import BearerAuth, configure, open_paths
+from service.egress import EgressPolicy, OwnAddress
+from service.jobs import JobManager
+from service.metrics import HttpObserver, Metrics
+from service.openapi import document
+from service.sandbox.base import SandboxBackend
+from service.settings import Settings
+from service.store import SQLiteJobStore
+from service.toolkit.endpoints import EndpointClients
+from service.toolkit.validation import CheckScheduler
+
+log = logging.getLogger(__name__)
+
+# One router per resource, included in this order (the OpenAPI document's).
+RESOURCES = (jobs_router, sessions_router, tools_router, health_router)
+
+
+def create_app(settings: Settings | None = None, backend: SandboxBackend | None = None) -> FastAPI:
+    """Build the service.
+
+    Args:
+        settings: configuration; default: read from ``PTC_*`` environment variables.
+        backend: sandbox backend; default: ``DockerBackend`` on ``settings.docker_host``.
+
+    Raises:
+        InsecureConfig: the authentication settings are unusable or unsafe (``auth.configure``).
+        pydantic.ValidationError: ``settings`` not given and the ``PTC_*`` variables are invalid (e.g. a default
+            above its maximum).
+    """
+    settings = settings or Settings()
+    keys = configure(settings)
+    callbacks.load_secrets(settings)  # a malformed PTC_CALLBACK_SECRETS refuses the start now, not at the lifespan
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        nonlocal backend
+        if backend is None:
+            from service.sandbox.docker import DockerBackend
+
+            backend = DockerBackend(
+                settings.docker_host, max_workers=4 * settings.concurrency() + 8, runtime=settings.runtime
+            )
+        endpoints = EndpointClients(
+            settings.tool_timeout_s,
+            settings.max_tool_result_bytes,
+            EgressPolicy(settings.egress_allow, own=[OwnAddress.of(settings.host, settings.port)]),
+        )
+        store = SQLiteJobStore(settings.job_store_path())
+        await store.open()
+        jobs = build_jobs(settings, backend, endpoints, store, metrics)
+        await jobs.start()
+        app.state.jobs, app.state.backend = jobs, backend
+        _serve(app.state, jobs)
+        ok, reason = await backend.ready(settings.sandbox_image)
+        if not ok:
+            log.warning("not ready yet: %s (GET /readyz answers 503 until this is fixed)", reason)
+        log.info(
+            "ptc-sandbox %s ready: instance %s, image %s, store %s",
+            __version__,
+            settings.instance(),
+            settings.sandbox_image,
+            settings.job_store_path(),
+        )
+        try:
+            yield
+        finally:
+            await jobs.close()
+            app.state.bodies.close()
+            await endpoints.aclose()
+            await store.close()
+            await backend.close()
+
+    # No trailing-slash redirects: Starlette would build their Location from the request's Host header.
+    app = FastAPI(title="ptc-sandbox", version=__version__, lifespan=lifespan, redirect_slashes=False)
+    app.router.route_class = ParsedOffLoop
+    app.state.bodies = CheckScheduler(BODY_THREADS, budget_s=3600.0)  # parsing does not count ticks: no budget
+    metrics = app.state.metrics = Metrics(settings)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(  # no key, no reading of the body
+        BearerAuth, keys=keys, open_paths=open_paths(settings), deny=UNAUTHORIZED.response
+    )
+    app.add_middleware(HttpObserver, metrics=metrics, routes=_observed_routes(app))  # outermost: sees every answer
+    document(app, open_paths(settings), authenticated=keys is not None)
+    problems.install(app)
+    app.state.settings, app.state.keys = settings, keys
+    app.state.jobs = app.state.sessions = app.state.toolsets = app.state.backend = NOT_STARTED  # deps.NotStarted
+    for resource in RESOURCES:
+        app.include_router(resource.router)
+    return app
+
+
+def _observed_routes(app: FastAPI) -> list[BaseRoute]:
+    """The routes ``HttpObserver`` matches a request against when the router did not run (a body refused by
+    ``BodyLimit``, a key refused by ``BearerAuth``): FastAPI's own (``/openapi.json``, ``/docs``) and each
+    resource's, as declared (an app's included router is one opaque route in recent FastAPI versions)."""
+    return [*app.router.routes, *(route for resource in RESOURCES for route in resource.router.routes)]
+
+
+def _serve(state: State, manager: JobManager) -> None:
+    """Make ``manager`` the sessions and toolsets resources of ``deps`` too (it serves both today)."""
+    sessions: SessionService = manager
+    toolsets: ToolsetService = manager
+    state.sessions, state.toolsets = sessions, toolsets

@@ -1,0 +1,46 @@
+"""Response bodies streamed in slices: job views (``view_response``) and retained output (``output_slices``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi.responses import Response, StreamingResponse
+
+from service.output import OutputRange
+from service.views import BATCH_BYTES, Body
+
+OUTPUT_SLICE_BYTES = 256 * 1024  # GET /jobs/{id}/output/{stream} reads and sends the range this much at a time
+
+
+def view_response(body: Body, status_code: int = 200) -> Response:
+    """A job view as ``application/json``, sent in slices of ``BATCH_BYTES`` (with flow control, so a slow
+    client holds no copy of the view): whole bytes with their length, or pieces as they are rendered."""
+    if isinstance(body, bytes):
+        return StreamingResponse(
+            _slices(body),
+            status_code=status_code,
+            media_type="application/json",
+            headers={"content-length": str(len(body))},
+        )
+    return StreamingResponse(body, status_code=status_code, media_type="application/json")
+
+
+async def _slices(body: bytes) -> AsyncIterator[bytes]:
+    view = memoryview(body)
+    for start in range(0, len(body), BATCH_BYTES):
+        yield bytes(view[start : start + BATCH_BYTES])
+
+
+async def output_slices(retained: OutputRange) -> AsyncIterator[bytes]:
+    """The bytes of ``retained``, ``OUTPUT_SLICE_BYTES`` at a time, each read in a thread when the previous one
+    was sent (uvicorn's flow control: a client that does not read holds at most about one slice here)."""
+    try:
+        while retained.remaining > 0:
+            yield await asyncio.to_thread(retained.read, OUTPUT_SLICE_BYTES)
+    finally:
+        # in a thread (it waits for a read under way), not awaited: a cancelled response may not await here
+        try:
+            asyncio.get_running_loop().run_in_executor(None, retained.close)
+        except RuntimeError:  # no running loop (finalized at shutdown): nothing can be reading any more
+            retained.close()

@@ -1,0 +1,1 @@
+"""One router per resource: jobs, sessions, tools, health (and metrics)."""

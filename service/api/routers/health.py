@@ -1,0 +1,44 @@
+"""Health and metrics: ``GET /healthz`` (liveness), ``GET /readyz`` (readiness), ``GET /metrics`` (Prometheus)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+
+from service.api.bodies import ParsedOffLoop
+from service.api.deps import AppMetrics, AppSettings, Backend, Key, Keys
+from service.api.problems import FORBIDDEN, NOT_READY
+from service.auth import may_scrape
+from service.metrics import CONTENT_TYPE
+
+router = APIRouter(route_class=ParsedOffLoop)
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    """Liveness: the process answers."""
+    return {"status": "ok"}
+
+
+@router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}, 403: {}})
+async def metrics_route(metrics: AppMetrics, keys: Keys, key: Key) -> Response:
+    """Prometheus metrics (text format 0.0.4); the names and labels are listed in the README.
+
+    With authentication, only the admin role and the keys in ``PTC_METRICS_KEYS`` may read them
+    (unless ``PTC_METRICS_AUTH=open``); another key gets 403.
+    """
+    if not may_scrape(keys, key):
+        return FORBIDDEN.response(
+            "this API key may not read /metrics: it needs the admin role (PTC_ADMIN_KEYS) or to be named in "
+            "PTC_METRICS_KEYS"
+        )
+    return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+
+@router.get("/readyz", responses={503: {}})
+async def readyz(backend: Backend, settings: AppSettings) -> Response:
+    """Readiness: the engine answers and the sandbox image is present."""
+    ok, reason = await backend.ready(settings.sandbox_image)
+    if not ok:
+        return NOT_READY.response(reason)
+    return JSONResponse({"status": "ready", "image": settings.sandbox_image})

@@ -1,0 +1,218 @@
+"""The jobs resource: ``POST /execute`` and ``/jobs`` (list, view, output, wait, client calls, stop, events)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Annotated
+
+import orjson
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BeforeValidator
+from sse_starlette import EventSourceResponse
+
+from service.api.bodies import ParsedOffLoop
+from service.api.deps import AppSettings, Jobs, Key, Who
+from service.api.problems import ENGINE_UNAVAILABLE
+from service.api.responses import output_slices, view_response
+from service.errors import InvalidField, RequestLimitError
+from service.jobs.live import wait_for_end_or_client
+from service.limits import check_execute
+from service.sandbox.base import Stream
+from service.schemas import ClientAnswer, ExecuteRequest, JobList, JobStatus, JobView
+from service.store import InvalidCursor, JobQuery
+
+router = APIRouter(route_class=ParsedOffLoop)
+
+_SSE_EVENT = {  # one event of GET /jobs/{id}/events; data is JSON text
+    "type": "object",
+    "properties": {
+        "event": {"type": "string", "enum": ["status", "stdout", "stderr", "call", "end"]},
+        "data": {"type": "string"},
+    },
+    "required": ["data"],
+}
+
+
+def _iso8601(value: object) -> object:
+    """Only ISO 8601 text is a date-time here (pydantic alone would also take numbers as unix seconds)."""
+    if isinstance(value, str):
+        try:
+            datetime.fromisoformat(value)
+        except ValueError:
+            raise ValueError("not an ISO 8601 date-time") from None
+    return value
+
+
+IsoDateTime = Annotated[datetime, BeforeValidator(_iso8601)]
+
+
+def utc(value: datetime | None, name: str) -> datetime | None:
+    """A query datetime in UTC (naive ones are taken as UTC).
+
+    Args:
+        value: the parsed query parameter, or None when absent.
+        name: the parameter's name (``created_after`` or ``created_before``), for the error's ``loc``.
+
+    Raises:
+        InvalidField: ``value`` has no UTC equivalent (e.g. year 9999 at -05:00), naming ``("query", name)``.
+    """
+    if value is None:
+        return None
+    try:
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    except OverflowError:
+        raise InvalidField(f"{value.isoformat()} is outside the range of UTC datetimes", ("query", name)) from None
+
+
+@router.post(
+    "/execute",
+    response_model=JobView,
+    responses={202: {"model": JobView}, 404: {}, 409: {}, 422: {}, 429: {}, 503: {}},
+)
+async def execute(
+    body: ExecuteRequest, request: Request, jobs: Jobs, who: Who, settings: AppSettings, key: Key
+) -> Response:
+    """Run ``body.script`` in a new sandbox (or, with ``session_id``, in that session's sandbox).
+
+    Answers 200 with the final view if the job ends within ``wait_s``, else 202
+    with the view so far (the job runs on until it ends or hits ``timeout_s``).
+    A job that could not start because the engine is unreachable answers 503.
+    """
+    check_execute(body, settings, key)
+    job = await jobs.submit(body, who.owner, admin=who.admin)
+    request.state.job_id = job.id  # for the request's log event
+    await wait_for_end_or_client(job, job.limits.wait_s)  # a client-executed call needs the caller now
+    if not job.done.is_set():
+        return view_response(jobs.live_view(job), 202)
+    if job.error is not None and job.error.get("type") == "engine_unavailable":
+        return ENGINE_UNAVAILABLE.response(str(job.error["message"]), job_id=job.id)
+    return view_response(await jobs.stored_view(job.id, who))  # saved as served
+
+
+@router.get("/jobs", response_model=JobList, responses={422: {}})
+async def list_jobs(
+    jobs: Jobs,
+    who: Who,
+    status: Annotated[list[JobStatus] | None, Query(description="Keep only these statuses.")] = None,
+    created_after: Annotated[IsoDateTime | None, Query(description="ISO 8601; exclusive.")] = None,
+    created_before: Annotated[IsoDateTime | None, Query(description="ISO 8601; exclusive.")] = None,
+    cursor: Annotated[str | None, Query(description="next_cursor of the previous page.")] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+) -> JobList:
+    """The caller's jobs (the admin role: every owner's), newest first, a page at a time."""
+    query = JobQuery(
+        owner=who.only_owner,
+        statuses=tuple(status or ()),
+        created_after=utc(created_after, "created_after"),
+        created_before=utc(created_before, "created_before"),
+        cursor=cursor,
+        limit=limit,
+    )
+    try:
+        page, next_cursor = await jobs.page(query)
+    except InvalidCursor as exc:
+        raise InvalidField(str(exc), ("query", "cursor")) from exc
+    return JobList(jobs=page, next_cursor=next_cursor)
+
+
+@router.get("/jobs/{job_id}", response_model=JobView, responses={404: {}})
+async def get_job(
+    job_id: str,
+    jobs: Jobs,
+    who: Who,
+    stdout_offset: Annotated[int | None, Query(ge=0, description="Return stdout from this byte offset.")] = None,
+    stderr_offset: Annotated[int | None, Query(ge=0, description="Return stderr from this byte offset.")] = None,
+) -> Response:
+    """The job's view: live while it runs, final after."""
+    offsets: dict[Stream, int | None] = {"stdout": stdout_offset, "stderr": stderr_offset}
+    return view_response(await jobs.view(job_id, who, offsets))
+
+
+@router.get(
+    "/jobs/{job_id}/output/{stream}",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "The bytes; header X-Offset: where they start.",
+            "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+        },
+        404: {},
+    },
+)
+async def get_output(
+    job_id: str,
+    stream: Stream,
+    jobs: Jobs,
+    who: Who,
+    offset: Annotated[int, Query(ge=0)] = 0,
+    length: Annotated[int, Query(ge=1, le=16 * 1024 * 1024)] = 1024 * 1024,
+) -> Response:
+    """Raw retained bytes of ``stdout`` or ``stderr`` from ``offset`` (``application/octet-stream``)."""
+    retained = await jobs.output_range(job_id, who, stream, offset, length)
+    return StreamingResponse(
+        output_slices(retained),
+        media_type="application/octet-stream",
+        headers={"X-Offset": str(offset), "content-length": str(retained.length)},
+    )
+
+
+@router.post("/jobs/{job_id}/wait", response_model=JobView, responses={404: {}})
+async def wait_job(
+    job_id: str,
+    jobs: Jobs,
+    who: Who,
+    settings: AppSettings,
+    timeout_s: Annotated[float | None, Query(ge=0, description="Seconds; default PTC_DEFAULT_WAIT_S.")] = None,
+) -> Response:
+    """Block until the job ends or ``timeout_s`` passes; answers the view then."""
+    if timeout_s is None:
+        timeout_s = settings.default_wait_s
+    if timeout_s > settings.max_wait_s:
+        raise RequestLimitError(
+            f"{timeout_s} exceeds the server maximum of {settings.max_wait_s}", ("query", "timeout_s")
+        )
+    return view_response(await jobs.wait(job_id, who, timeout_s))
+
+
+@router.post("/jobs/{job_id}/calls/{call_id}", response_model=JobView, responses={404: {}, 409: {}, 422: {}})
+async def answer_call(job_id: str, call_id: str, body: ClientAnswer, jobs: Jobs, who: Who) -> Response:
+    """Answer a client-executed tool call: ``{"result": ...}`` or ``{"error": {"type", "message"}}``."""
+    has_result, has_error = "result" in body.model_fields_set, body.error is not None
+    if has_result == has_error:
+        raise InvalidField("give exactly one of result or error", ("body",))
+    if has_error:
+        assert body.error is not None
+        ok, value = False, body.error.model_dump()
+    else:
+        ok, value = True, body.result
+    return view_response(await jobs.answer_call(job_id, who, call_id, ok, value))
+
+
+@router.post("/jobs/{job_id}/stop", response_model=JobView, responses={404: {}})
+async def stop_job(job_id: str, jobs: Jobs, who: Who) -> Response:
+    """End the job: SIGTERM to the script's processes, SIGKILL after the grace; a script that exited by itself
+    first keeps its own status. Answers with the final view. Idempotent."""
+    return view_response(await jobs.stop(job_id, who))
+
+
+@router.get(
+    "/jobs/{job_id}/events",
+    response_class=EventSourceResponse,
+    responses={
+        200: {"description": "An event stream.", "content": {"text/event-stream": {"schema": _SSE_EVENT}}},
+        404: {},
+    },
+)
+async def job_events(job_id: str, jobs: Jobs, who: Who) -> EventSourceResponse:
+    """Server-Sent Events: ``status``, ``stdout``/``stderr``, ``call`` and a final ``end``."""
+    if jobs.live(job_id, who) is None:
+        await jobs.stored_view(job_id, who)  # 404 before the stream starts
+
+    async def stream() -> AsyncIterator[bytes]:
+        async for event, data in jobs.events(job_id, who):  # "call" and "end" come as JSON bytes
+            payload = data if isinstance(data, bytes) else orjson.dumps(data)
+            yield b"event: " + event.encode() + b"\r\ndata: " + payload + b"\r\n\r\n"
+
+    return EventSourceResponse(stream(), ping=15)

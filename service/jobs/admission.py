@@ -1,0 +1,266 @@
+"""Admission: a request becomes a job, or is refused, before anything waits.
+
+Bounds: at most ``concurrency`` running plus ``max_queue`` queued one-shot jobs, else ``QueueFull``; in a
+session at most ``max_queue`` scripts waiting for its turn (and ``max_queue`` over all sessions); then the
+owner's quotas (``service.quotas``, else ``QuotaExceeded``). Each admitted job holds a ``Ticket``: its place in
+these counts, given back exactly once, whatever ends the job (even a run task cancelled before it began), so
+the counts cannot leak. Script slots (one-shot jobs and session scripts share them) come from ``slot``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from service.auth import Caller
+from service.callbacks import CallbackSecrets
+from service.egress import EgressDenied
+from service.errors import InvalidField, QueueFull, SessionNotFound
+from service.jobs.live import OWNER_FILE, SANDBOX_LIMITS, LiveJob, ResolvedLimits, resolve_limits
+from service.normalize import prepare
+from service.output import OutputLog
+from service.quotas import OwnerSlot, Quotas, Slots
+from service.schemas import ExecuteRequest
+from service.sessions import Session, SessionManager
+from service.settings import Settings
+from service.toolkit.cache import CompiledManifest
+from service.toolkit.endpoints import EndpointClients
+from service.toolsets import Toolsets
+
+
+def find_session(sessions: SessionManager, session_id: str, caller: Caller) -> Session:
+    """A live or recently ended session ``caller`` may access; raises SessionNotFound (another owner's too)."""
+    session = sessions.get(session_id)
+    if not caller.may_access(session.owner):
+        raise SessionNotFound(session_id)
+    return session
+
+
+class Queue(Protocol):
+    """What holds a count of scripts waiting for their turn (``sessions.Session``)."""
+
+    queued: int
+
+
+class Ticket:
+    """An admitted job's place in the counts: the one-shot bound or its session's queue, and its owner's quota.
+
+    ``leave_queue`` when a session script gets (or gives up waiting for) its turn; ``release`` when the job has
+    ended. Both are idempotent, so a path that calls them twice (or a task's done callback after the run's own
+    cleanup) never gives back more than was taken.
+    """
+
+    def __init__(self, admission: Admission, owner: str, queue: Queue | None) -> None:
+        self._admission = admission
+        self.owner = owner
+        self._queue = queue
+        self._queued = queue is not None
+        self.released = False
+
+    def leave_queue(self) -> None:
+        """The session script left its session's queue (idempotent; nothing for a one-shot job)."""
+        if self._queued and self._queue is not None:
+            self._queued = False
+            self._queue.queued -= 1
+
+    def release(self) -> None:
+        """The job ended (or was never started): give back all it counted (idempotent)."""
+        if self.released:
+            return
+        self.released = True
+        self.leave_queue()
+        if self._queue is None:
+            self._admission.admitted -= 1
+        self._admission.quotas.job_ended(self.owner)
+
+
+class Admission:
+    """Queue bounds, quotas and script slots.
+
+    Args:
+        settings: ``concurrency()``, ``max_queue`` and ``retry_after_s``.
+        quotas: per-owner quotas.
+        slots: the script slots of the host.
+        sessions_queued: scripts waiting for their turn in all sessions (``SessionManager.queued``).
+    """
+
+    def __init__(self, settings: Settings, quotas: Quotas, slots: Slots, sessions_queued: Callable[[], int]) -> None:
+        self._settings = settings
+        self.quotas = quotas
+        self._slots = slots
+        self._sessions_queued = sessions_queued
+        self.admitted = 0  # one-shot jobs queued or running
+
+    def one_shot(self, owner: str) -> Ticket:
+        """Count a one-shot job of ``owner``; raises QueueFull or QuotaExceeded (then nothing is counted)."""
+        if self.admitted >= self._settings.concurrency() + self._settings.max_queue:
+            raise QueueFull(self._settings.retry_after_s)
+        self.quotas.admit_job(owner)
+        self.admitted += 1  # counted before any await, so admission is exact under concurrency
+        return Ticket(self, owner, None)
+
+    def in_session(self, queue: Queue, owner: str) -> Ticket:
+        """Count a script of ``owner`` queued for its session's turn; raises QueueFull or QuotaExceeded."""
+        max_queue = self._settings.max_queue
+        if queue.queued >= max_queue or self._sessions_queued() >= max_queue:
+            raise QueueFull(self._settings.retry_after_s)  # PTC_MAX_QUEUE per session, and for all sessions
+        self.quotas.admit_job(owner)
+        queue.queued += 1  # counted before any await, so the session's queue bound is exact
+        return Ticket(self, owner, queue)
+
+    def slot(self, owner: str) -> OwnerSlot:
+        """The script slot a job of ``owner`` takes while it runs (its ``running_jobs`` quota applies)."""
+        return self._slots.of(owner, self.quotas.of(owner).running_jobs)
+
+
+@dataclass
+class Admitted:
+    """A job admitted and live: run it with its ``manifest``; ``session`` None for a one-shot job."""
+
+    job: LiveJob
+    request: ExecuteRequest
+    manifest: CompiledManifest
+    ticket: Ticket
+    session: Session | None
+
+
+class Intake:
+    """Checks a request, admits it and makes its job (``JobManager.submit`` before the run).
+
+    Args:
+        settings: limits and retention.
+        admission: bounds and quotas.
+        toolsets: compiles the job's manifest.
+        sessions: finds the session a script is for.
+        endpoints: the egress rules a ``callback_url`` must pass.
+        secrets: callback secrets (a callback needs one for its owner).
+        output_dir: where each job's output folder is made.
+        live: the live jobs (job id -> job): a new job joins it.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        admission: Admission,
+        toolsets: Toolsets,
+        sessions: SessionManager,
+        endpoints: EndpointClients,
+        secrets_: CallbackSecrets,
+        output_dir: Path,
+        live: dict[str, LiveJob],
+    ) -> None:
+        self._settings = settings
+        self._admission = admission
+        self._toolsets = toolsets
+        self._sessions = sessions
+        self._endpoints = endpoints
+        self._secrets = secrets_
+        self._output_dir = output_dir
+        self._live = live
+
+    async def admit(self, request: ExecuteRequest, owner: str, admin: bool) -> Admitted:
+        """Check and admit ``request`` of ``owner`` (``admin``: the admin role) and make its job (live from now on).
+
+        Raises:
+            ManifestError: a tool entry is unusable (names the entry and field).
+            RequestLimitError: a limit exceeds its server maximum.
+            InvalidField: an unknown toolset (another owner's included), a callback that cannot be sent.
+            SessionNotFound: an unknown session (another owner's included).
+            QueueFull / QuotaExceeded: see ``Admission``.
+        """
+        caller = Caller(owner, admin)
+        limits = resolve_limits(request, self._settings)
+        if request.callback_url and self._secrets.for_owner(owner) is None:
+            raise InvalidField(
+                "callback_url needs the server setting PTC_CALLBACK_SECRET, or a PTC_CALLBACK_SECRETS entry for "
+                "this key (callbacks are always signed)",
+                ("body", "callback_url"),
+            )
+        if request.callback_url:
+            try:
+                self._endpoints.egress.target(request.callback_url)
+            except EgressDenied as exc:
+                raise InvalidField(str(exc), ("body", "callback_url")) from exc
+        if request.session_id is not None:
+            return await self._admit_to_session(request, limits, caller, request.session_id)
+        ticket = self._admission.one_shot(caller.owner)
+        try:
+            job, manifest = await self._new_job(limits, request, request.tools, request.toolset, caller)
+        except BaseException:
+            ticket.release()
+            raise
+        return Admitted(job, request, manifest, ticket, None)
+
+    async def _admit_to_session(
+        self, request: ExecuteRequest, limits: ResolvedLimits, caller: Caller, session_id: str
+    ) -> Admitted:
+        """Queue ``request`` for its session's turn (one script at a time per session, in order of arrival)."""
+        find_session(self._sessions, session_id, caller)  # another owner's session is not found
+        session = self._sessions.usable(session_id)
+        for name in SANDBOX_LIMITS:
+            asked = getattr(request.limits, name)
+            if asked is not None and asked != session.limits[name]:
+                raise InvalidField(
+                    f"a session's scripts share its sandbox: {name} is {session.limits[name]} for this session",
+                    ("body", "limits", name),
+                )
+        sandbox_limits = {name: session.limits[name] for name in SANDBOX_LIMITS}
+        if request.limits.output_bytes is None:
+            sandbox_limits["output_bytes"] = session.limits["output_bytes"]
+        limits = replace(limits, **sandbox_limits)  # the job's view and messages give its session's limits
+        own_tools = bool(request.tools or request.toolset)
+        job_caller = caller if own_tools else Caller(session.owner)  # the session's toolset is its owner's
+        ticket = self._admission.in_session(session, job_caller.owner)  # counts against the job's owner
+        try:
+            job, manifest = await self._new_job(
+                limits,
+                request,
+                request.tools if own_tools else session.tools,
+                request.toolset if own_tools else session.toolset,
+                job_caller,
+            )
+        except BaseException:
+            ticket.release()
+            raise
+        job.session_id = session.id
+        return Admitted(job, request, manifest, ticket, session)
+
+    async def _new_job(
+        self,
+        limits: ResolvedLimits,
+        request: ExecuteRequest,
+        tools: list[dict[str, Any]],
+        toolset: str | None,
+        caller: Caller,
+    ) -> tuple[LiveJob, CompiledManifest]:
+        """A job for an admitted ``request`` (live from now on) and its compiled manifest (``tools`` or ``toolset``).
+
+        Raises:
+            ManifestError / InvalidField: the manifest is unusable.
+        """
+        manifest = await self._toolsets.manifest(tools, toolset, caller)
+        normalized = await prepare(request.script, request.normalize)
+        job_id = "job_" + secrets.token_hex(12)
+        output_dir = self._output_dir / job_id
+        output_dir.mkdir(mode=0o700)
+        (output_dir / OWNER_FILE).write_text(caller.owner)
+        retain, inline = self._settings.output_retention_bytes, limits.output_bytes
+        budget = self._admission.quotas.output(caller.owner)
+        job = LiveJob(
+            id=job_id,
+            limits=limits,
+            metadata=request.metadata,
+            callback_url=request.callback_url,
+            output_dir=output_dir,
+            stdout=OutputLog(output_dir / "stdout", inline, retain, budget),
+            stderr=OutputLog(output_dir / "stderr", inline, retain, budget),
+            loop=asyncio.get_running_loop(),
+            owner=caller.owner,
+            normalized=normalized,
+        )
+        self._live[job.id] = job
+        return job, manifest

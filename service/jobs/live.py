@@ -1,0 +1,196 @@
+"""A job while the service holds it in memory (``LiveJob``), its resolved limits, and the store's row of a view.
+
+Output bytes of a job are kept on disk under ``work_dir/output/<job_id>/`` (see ``service.output.OutputLog``)
+for offset reads; ``OWNER_FILE`` there names whose output budget they count against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from service.broker import Broker
+from service.errors import RequestLimitError
+from service.jobs.model import Job
+from service.normalize import Normalized, view_fields
+from service.output import OutputLog
+from service.sandbox.base import Stream
+from service.schemas import ExecuteRequest, JobSummary, JobView
+from service.settings import Settings
+from service.store import StoredJob
+
+STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
+SLICE_BYTES = 1024 * 1024  # the most bytes of a stream read into memory at once
+OWNER_FILE = "owner"  # in a job's output folder: whose output budget its retained bytes count against
+SANDBOX_LIMITS = ("memory_mb", "cpus", "pids", "tmp_mb")  # a sandbox's own limits (a session's are fixed)
+
+
+@dataclass(frozen=True)
+class ResolvedLimits:
+    """A request's limits after defaults and server maxima were applied."""
+
+    timeout_s: float
+    wait_s: float
+    memory_mb: int
+    cpus: float
+    pids: int
+    output_bytes: int
+    tmp_mb: int
+
+
+def resolve_limits(request: ExecuteRequest, settings: Settings) -> ResolvedLimits:
+    """Apply defaults; raises RequestLimitError naming the field that exceeds its server maximum."""
+    limits = request.limits
+
+    def pick(value: Any, default: Any, maximum: Any, loc: tuple[str, ...]) -> Any:
+        if value is None:
+            return default
+        if value > maximum:
+            raise RequestLimitError(f"{value} exceeds the server maximum of {maximum}", ("body", *loc))
+        return value
+
+    return ResolvedLimits(
+        timeout_s=pick(request.timeout_s, settings.default_timeout_s, settings.max_timeout_s, ("timeout_s",)),
+        wait_s=pick(request.wait_s, settings.default_wait_s, settings.max_wait_s, ("wait_s",)),
+        memory_mb=pick(limits.memory_mb, settings.default_memory_mb, settings.max_memory_mb, ("limits", "memory_mb")),
+        cpus=pick(limits.cpus, settings.default_cpus, min(settings.max_cpus, os.cpu_count() or 1), ("limits", "cpus")),
+        pids=pick(limits.pids, settings.default_pids, settings.max_pids, ("limits", "pids")),
+        output_bytes=pick(
+            limits.output_bytes, settings.default_output_bytes, settings.max_output_bytes, ("limits", "output_bytes")
+        ),
+        tmp_mb=pick(limits.tmp_mb, settings.default_tmp_mb, settings.max_tmp_mb, ("limits", "tmp_mb")),
+    )
+
+
+def now() -> datetime:
+    """The current time (UTC)."""
+    return datetime.now(UTC)
+
+
+def ms(start: datetime | None, end: datetime | None) -> float | None:
+    """Milliseconds from ``start`` to ``end`` (3 decimals); None when either is missing."""
+    if start is None or end is None:
+        return None
+    return round((end - start).total_seconds() * 1000, 3)
+
+
+@dataclass(kw_only=True)
+class LiveJob(Job):
+    """One execution while the service holds it in memory (from submission until saved as ended): its
+    lifecycle record (``model.Job``) with its limits, output, broker and the events its followers wait on."""
+
+    limits: ResolvedLimits
+    metadata: dict[str, Any]
+    callback_url: str | None
+    output_dir: Path
+    stdout: OutputLog
+    stderr: OutputLog
+    loop: asyncio.AbstractEventLoop
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    calls_over_limit: int = 0
+    ran_as_coroutine: bool = False  # the runtime's report: the script had top-level await
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
+    waiting: asyncio.Event = field(default_factory=asyncio.Event)  # set while client calls wait for answers
+    broker: Broker | None = None
+    sandbox_start: str | None = None  # "warm" (from the pool), "cold" or "session"
+    sandbox_id: str | None = None  # the engine's container id, once the job has one
+    session_id: str | None = None  # the session it runs in (not counted in the admission of one-shot jobs)
+    stop_reason: str | None = None  # why a stop was asked, when not by POST /jobs/{id}/stop
+    normalized: Normalized | None = None  # the script's normalization (no repairs when switched off)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    saving: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves reach the store in the order they began
+
+    def script(self, request: ExecuteRequest) -> str:
+        """The script to run: the request's, as normalization left it."""
+        return self.normalized.script if self.normalized is not None else request.script
+
+    def sink(self, stream: Stream, data: bytes) -> None:
+        """OutputSink for this job's run (called on the event loop, by its sandbox's control reader)."""
+        (self.stdout if stream == "stdout" else self.stderr).write(data)
+        self.loop.call_soon_threadsafe(self.notify)
+
+    def notify(self) -> None:
+        """Wake whoever follows the job (events stream): something changed. Event-loop thread only."""
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def changed(self) -> asyncio.Event:
+        """An event set at the next change after this call."""
+        return self._changed
+
+    def view_dict(self) -> dict[str, Any]:
+        """The job view as a plain dict (inline output, records so far)."""
+        out, err = self.stdout.inline.render(), self.stderr.inline.render()
+        started = self.started_at
+        return {
+            "job_id": self.id,
+            "status": self.status.value,
+            "exit_code": self.exit_code,
+            "stdout": out.text,
+            "stderr": err.text,
+            "stdout_truncated": out.truncated,
+            "stderr_truncated": err.truncated,
+            "stdout_bytes": out.total_bytes,
+            "stderr_bytes": err.total_bytes,
+            "stdout_invalid_utf8": out.invalid_utf8,
+            "stderr_invalid_utf8": err.invalid_utf8,
+            "calls": self.calls,
+            "calls_total": len(self.calls),
+            "calls_by_status": dict(Counter(c["status"] for c in self.calls)),
+            "calls_over_limit": self.calls_over_limit,
+            "error": self.error,
+            "metadata": self.metadata,
+            "created_at": self.created_at,
+            "started_at": started,
+            "ended_at": self.ended_at,
+            "duration_ms": ms(started, self.ended_at),
+            "queue_ms": ms(self.created_at, started or (None if self.ended_at else now())),
+            "stdout_next_offset": out.total_bytes,
+            "stderr_next_offset": err.total_bytes,
+            "stdout_retained_bytes": self.stdout.retained_bytes,
+            "stderr_retained_bytes": self.stderr.retained_bytes,
+            "callback": {"url": self.callback_url, "state": "pending", "attempts": []} if self.callback_url else None,
+            "pending_calls": self.broker.pending_client_calls if self.broker is not None else [],
+            "sandbox_start": self.sandbox_start,
+            "sandbox_id": self.sandbox_id,
+            "session_id": self.session_id,
+            "owner": self.owner,
+            "ran_as_coroutine": self.ran_as_coroutine or (self.broker is not None and self.broker.ran_as_coroutine),
+            **view_fields(self.normalized),
+        }
+
+
+async def wait_for_end_or_client(job: LiveJob, timeout_s: float) -> None:
+    """Return when the job ends, when it waits on a client-executed call, or after ``timeout_s``."""
+    ended = asyncio.ensure_future(job.done.wait())
+    waiting = asyncio.ensure_future(job.waiting.wait())
+    try:
+        await asyncio.wait({ended, waiting}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        ended.cancel()
+        waiting.cancel()
+
+
+def stored_job(head: dict[str, Any], calls: int, body: bytes, instance_id: str) -> StoredJob:
+    """The store's row for a job view: ``body`` (its JSON), its columns, summary and callback flag from ``head``
+    (the view's fields but its calls) and ``calls`` (how many records it holds)."""
+    model = JobView.model_validate({**head, "calls": [], "pending_calls": []})
+    summary = JobSummary.model_validate({**model.model_dump(), "calls": calls})
+    pending = model.callback is not None and model.callback.state == "pending" and model.ended_at is not None
+    return StoredJob(
+        job_id=model.job_id,
+        status=model.status,
+        instance_id=instance_id,
+        created_at=model.created_at,
+        ended_at=model.ended_at,
+        view=body,
+        summary=summary.model_dump_json().encode(),
+        callback_pending=pending,
+        owner=model.owner,
+    )

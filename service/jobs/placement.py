@@ -1,0 +1,247 @@
+"""Where a job's script runs: the two placements of the one run path (``service.jobs.runner``).
+
+- ``OneShot``: a script slot, then a sandbox of the warm pool (``warm``) or a new one (``cold``, room committed
+  on the host first); destroyed once the job's final view is saved.
+- ``InSession``: the session's turn, then a script slot, in the session's sandbox (``session``), which is kept
+  for the session's next script; a sandbox found broken ends its session.
+
+Both end a job that was stopped (or whose session ended) before it started, and set why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from service.broker import Broker
+from service.jobs.admission import Admission, Ticket
+from service.jobs.live import LiveJob, now
+from service.jobs.model import JobStatus, session_closed, stopped_before_start
+from service.jobs.tasks import Tasks
+from service.quotas import HostCapacity, OwnerSlot
+from service.sandbox.base import SandboxBackend
+from service.sandbox.labels import LABEL_JOB
+from service.sandbox.pool import WarmPools
+from service.sandbox.resident import ResidentSandbox
+from service.sandbox.spec import sandbox_spec
+from service.sessions import Session, SessionManager
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class Acquirable(Protocol):
+    """A script slot or a session's turn: ``asyncio.Lock`` or ``quotas.OwnerSlot``."""
+
+    async def acquire(self) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+async def acquire(job: LiveJob, slots: Acquirable) -> bool:
+    """Wait for a script slot (or the session's turn); False (and nothing held) if the job was stopped first."""
+    acquiring = asyncio.ensure_future(slots.acquire())
+    stopped = asyncio.ensure_future(job.stop_requested.wait())
+    try:
+        await asyncio.wait({acquiring, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not acquiring.done():
+            acquiring.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await acquiring
+    got = acquiring.done() and not acquiring.cancelled()
+    if got and job.stop_requested.is_set():
+        slots.release()
+        return False
+    return got
+
+
+@dataclass
+class Sandboxes:
+    """What placements take sandboxes and slots from.
+
+    ``instance_labels`` go on every sandbox of this instance (the start-up sweep removes them);
+    ``jobs_dir`` holds one-shot jobs' folders; ``removals`` the removals of one-shot sandboxes under way.
+    """
+
+    backend: SandboxBackend
+    pool: WarmPools
+    capacity: HostCapacity
+    admission: Admission
+    sessions: SessionManager
+    jobs_dir: Path
+    instance_labels: dict[str, str]
+    removals: set[asyncio.Future[None]]
+
+
+class Placement(Protocol):
+    """Where one job runs; ``mode`` is its ``sandbox_start`` once ``enter`` gave a sandbox."""
+
+    mode: str | None
+
+    async def enter(self) -> ResidentSandbox | None:
+        """Wait for the job's turn and sandbox; None when it ended first (its status and error are set)."""
+        ...
+
+    async def ready(self) -> None:
+        """Start the sandbox if it is not started yet (the job is ``running`` by then)."""
+        ...
+
+    def stubs(self, stub_source: str) -> str | None:
+        """The ``tools`` package to write, None when the sandbox holds this one already."""
+        ...
+
+    async def leave(self, broker: Broker) -> None:
+        """Give back the slot and turn (the script has ended, or never started). Never raises."""
+        ...
+
+    def dispose(self, status: str) -> None:
+        """After the final save: remove a one-shot sandbox (in the background); keep a session's."""
+        ...
+
+
+class OneShot:
+    """A pooled or cold sandbox of its own, destroyed after the job."""
+
+    def __init__(self, sandboxes: Sandboxes, settings: Settings, job: LiveJob) -> None:
+        self._sandboxes = sandboxes
+        self._job = job
+        labels = {**sandboxes.instance_labels, LABEL_JOB: job.id}
+        self._spec = sandbox_spec(settings, job.limits, {}, sandboxes.jobs_dir / job.id, labels)
+        self._slot: OwnerSlot | None = None
+        self._sandbox: ResidentSandbox | None = None
+        self.mode: str | None = None
+
+    async def enter(self) -> ResidentSandbox | None:
+        """A script slot and a sandbox: a pooled one, or a new one (not started) with room committed on the host.
+
+        Room is taken from idle pooled sandboxes when needed; when there is none, the job gives its slot back
+        and waits (still ``queued``) for room to be released, so that a job waiting for room never holds a slot
+        a session's script would need to end.
+        """
+        job, spec, sandboxes = self._job, self._spec, self._sandboxes
+        capacity, slot = sandboxes.capacity, sandboxes.admission.slot(job.owner)
+
+        def fits() -> bool:
+            return capacity.shortfall(spec.memory_mb, spec.cpus) is None
+
+        while await acquire(job, slot):
+            sandbox = sandboxes.pool.take(spec)
+            if sandbox is None and sandboxes.pool.evict(fits):
+                sandbox = ResidentSandbox(sandboxes.backend, spec)
+                sandbox.commitment = capacity.commit(spec.memory_mb, spec.cpus)  # given back at its removal
+            if sandbox is not None:
+                self._slot, self._sandbox = slot, sandbox
+                self.mode = "warm" if sandbox.handle is not None else "cold"
+                return sandbox
+            slot.release()
+            changed = asyncio.ensure_future(capacity.changed().wait())
+            stopped = asyncio.ensure_future(job.stop_requested.wait())
+            capacity.waiting += 1
+            try:
+                await asyncio.wait({changed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                capacity.waiting -= 1
+                changed.cancel()
+                stopped.cancel()
+        job.end(JobStatus.STOPPED, stopped_before_start())
+        return None
+
+    async def ready(self) -> None:
+        if self._sandbox is not None and self._sandbox.handle is None:
+            await self._sandbox.start()
+
+    def stubs(self, stub_source: str) -> str | None:
+        return stub_source
+
+    async def leave(self, broker: Broker) -> None:
+        if self._slot is not None:
+            self._slot.release()
+            self._slot = None
+
+    def dispose(self, status: str) -> None:
+        sandbox, removals = self._sandbox, self._sandboxes.removals
+        if sandbox is None:
+            return
+        sandbox.stop_reason = status  # its removal never fails loudly; the start-up sweep catches what it misses
+        removal = asyncio.ensure_future(sandbox.destroy())
+        removals.add(removal)
+        removal.add_done_callback(_removed)
+        removal.add_done_callback(removals.discard)
+
+
+def _removed(removal: asyncio.Future[None]) -> None:
+    if not removal.cancelled() and removal.exception() is not None:
+        log.error("removing a job's sandbox failed", exc_info=removal.exception())
+
+
+class InSession:
+    """The session's sandbox at the session's turn (one script at a time, in order of arrival)."""
+
+    def __init__(self, session: Session, sandboxes: Sandboxes, ticket: Ticket, job: LiveJob, tasks: Tasks) -> None:
+        self._session = session
+        self._sandboxes = sandboxes
+        self._ticket = ticket
+        self._job = job
+        self._tasks = tasks
+        self._turn = False
+        self._slot: OwnerSlot | None = None
+        self.mode: str | None = "session"
+
+    async def enter(self) -> ResidentSandbox | None:
+        job, session = self._job, self._session
+        self._turn = await acquire(job, session.turn)
+        self._ticket.leave_queue()
+        if not self._turn:
+            job.end(JobStatus.STOPPED, stopped_before_start())
+            return None
+        if session.ended:
+            job.end(JobStatus.STOPPED, session_closed(session.status, before_turn=True))
+            return None
+        session.current_job_id = job.id  # busy from now on; a session that ends stops it
+        slot = self._sandboxes.admission.slot(job.owner)
+        if not await acquire(job, slot):
+            job.end(JobStatus.STOPPED, stopped_before_start(job.stop_reason))
+            return None
+        self._slot = slot
+        if session.ended:
+            job.end(JobStatus.STOPPED, session_closed(session.status, before_turn=False))
+            return None
+        return session.sandbox
+
+    async def ready(self) -> None:
+        pass
+
+    def stubs(self, stub_source: str) -> str | None:
+        stubs = None if self._session.stub_source == stub_source else stub_source
+        self._session.stub_source = stub_source
+        return stubs
+
+    async def leave(self, broker: Broker) -> None:
+        session, job = self._session, self._job
+        if self._slot is not None:
+            self._slot.release()
+            self._slot = None
+        if not self._turn:
+            return
+        try:
+            await broker.close()  # before the next script's broker listens on the same path
+        except Exception:
+            log.exception("job %s: closing its broker failed", job.id)
+        if session.current_job_id == job.id:
+            session.current_job_id = None
+            session.executions += 1
+        session.last_used_at = now()
+        session.turn.release()
+        self._turn = False
+        if session.sandbox.broken is not None and not session.ended:
+            end = self._sandboxes.sessions.end(session, "broken", session.sandbox.broken)
+            self._tasks.spawn(end, f"end {session.id}")
+
+    def dispose(self, status: str) -> None:
+        pass

@@ -1,0 +1,218 @@
+"""Recovery: what a previous run left (start-up sweep, lost jobs), and retention (purge of old jobs).
+
+At start-up, before anything is served: take the work dir's lock (``service.workdir``), remove the sandboxes an
+earlier run of this instance left, empty the job folders, mark every job the store holds unfinished for this
+instance ``lost`` (its output as far as it was kept), and count the output bytes each owner retains against its
+budget. Then, every ``purge_interval_s``, ended jobs older than ``job_retention_s`` are deleted with their output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+from collections import Counter
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import IO
+
+from service import exactjson, views, workdir
+from service.errors import SandboxError
+from service.jobs.events import Events, JobLost
+from service.jobs.live import OWNER_FILE, SLICE_BYTES, STREAMS, ms, now, stored_job
+from service.jobs.model import ErrorType, JobError, JobStatus
+from service.output import CappedStream, read_range
+from service.quotas import Quotas
+from service.sandbox.base import SandboxBackend
+from service.sandbox.folders import SandboxFolders
+from service.settings import Settings
+from service.store import JobStore, StoredJob
+from service.views import render_head
+
+log = logging.getLogger(__name__)
+
+
+class Recovery:
+    """The start-up sweep and the retention purge.
+
+    Args:
+        settings: ``work_dir``, retention settings.
+        backend: removes the sandboxes an earlier run left (by ``instance_labels``).
+        store: the job store.
+        folders: the sandbox folders (a tmpfs, opened here).
+        quotas: output budgets per owner.
+        events: ``JobLost`` is published for each job marked lost.
+        cache: ended jobs' views kept for reading (a purged job leaves it).
+        instance_labels: the labels of this instance's sandboxes.
+        instance: this instance's id.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        backend: SandboxBackend,
+        store: JobStore,
+        folders: SandboxFolders,
+        quotas: Quotas,
+        events: Events,
+        cache: views.ViewCache,
+        instance_labels: dict[str, str],
+        instance: str,
+    ) -> None:
+        self._settings = settings
+        self._backend = backend
+        self._store = store
+        self._folders = folders
+        self._quotas = quotas
+        self._events = events
+        self._views = cache
+        self._instance_labels = instance_labels
+        self._instance = instance
+        self.jobs_dir = folders.path / "jobs"
+        self.output_dir = settings.work_dir / "output"
+        self._lock: IO[str] | None = None
+
+    async def start(self) -> None:
+        """Lock the work dir, then reconcile what a previous run left: sandboxes, job folders, unfinished jobs.
+
+        Raises:
+            WorkDirBusy: another running instance holds the work dir.
+        """
+        self._lock = workdir.lock(self._settings.work_dir)
+        try:
+            removed = await self._backend.remove_labelled(self._instance_labels)
+        except SandboxError as exc:
+            log.warning("could not sweep sandboxes of instance %s: %s", self._instance, exc)
+            removed = 0
+        if removed:
+            log.warning(
+                "removed %d sandbox(es) left behind by an earlier run of instance %s",
+                removed,
+                self._instance,
+            )
+        await asyncio.to_thread(self._folders.open)  # a tmpfs: sandboxes' mount tables show no host path
+        if self.jobs_dir.exists():
+            await asyncio.to_thread(shutil.rmtree, self.jobs_dir, False, _removal_failed)
+        for folder in (self.jobs_dir, self.output_dir):
+            folder.mkdir(parents=True, exist_ok=True)
+        # Only root (the service) enters the work dir: the engine mounts job folders into sandboxes itself.
+        os.chmod(self._settings.work_dir, 0o700)
+        for stored in await self._store.unfinished(self._instance):
+            await self._mark_lost(stored)
+        for owner, retained in (await asyncio.to_thread(_retained_by_owner, self.output_dir)).items():
+            self._quotas.output(owner).take(retained)
+
+    async def _mark_lost(self, stored: StoredJob) -> None:
+        """End a job a previous run left unfinished: status ``lost``, its output as far as it was kept."""
+        view = exactjson.loads(stored.view)  # its records may hold integers past 64 bits
+        ended = now()
+        started = datetime.fromisoformat(view["started_at"]) if view.get("started_at") else None
+        for stream in STREAMS:
+            path = self.output_dir / stored.job_id / stream
+            inline = CappedStream(max(len(view[stream].encode()), 64 * 1024))
+            size = await self._replay(path, inline, self._settings.output_retention_bytes)
+            rendered = inline.render()
+            view.update(
+                {
+                    stream: rendered.text,
+                    f"{stream}_truncated": rendered.truncated,
+                    f"{stream}_invalid_utf8": rendered.invalid_utf8,
+                    f"{stream}_bytes": max(view[f"{stream}_bytes"], size),
+                    f"{stream}_retained_bytes": size,
+                    f"{stream}_next_offset": max(view[f"{stream}_bytes"], size),
+                }
+            )
+        calls = [c for c in view["calls"] if c["status"] != "pending"] + [
+            {**c, "status": "error", "error": JobError(ErrorType.CANCELLED, "the service stopped").as_dict()}
+            for c in view["calls"]
+            if c["status"] == "pending"
+        ]
+        view.update(
+            status=JobStatus.LOST.value,
+            ended_at=ended,
+            error=JobError(
+                ErrorType.SERVICE_RESTARTED,
+                f"the service stopped while the job was {stored.status}; its sandbox was removed when it started again",
+            ).as_dict(),
+            duration_ms=ms(started, ended),
+            queue_ms=ms(datetime.fromisoformat(view["created_at"]), started or ended),
+            calls=calls,
+            calls_total=len(calls),
+            calls_by_status=dict(Counter(c["status"] for c in calls)),  # its pending calls ended
+        )
+        body = b"".join([part async for part in views.stream(render_head(view), [], view["calls"])])
+        await self._store.put(stored_job(view, len(view["calls"]), body, stored.instance_id))
+        self._events.publish(JobLost(stored.job_id, stored.status))
+        log.warning("job %s was %s when the service last stopped: marked lost", stored.job_id, stored.status)
+
+    @staticmethod
+    async def _replay(path: Path, inline: CappedStream, limit: int) -> int:
+        """Write the first ``limit`` bytes of a retained file into ``inline`` a ``SLICE_BYTES`` slice at a time
+        (never the whole file in memory); returns how many."""
+        size = 0
+        while size < limit:
+            data = await asyncio.to_thread(read_range, path, size, min(SLICE_BYTES, limit - size))
+            if not data:
+                break
+            inline.write(data)
+            size += len(data)
+        return size
+
+    async def purge_loop(self) -> None:
+        """Purge expired jobs every ``purge_interval_s``, for ever (cancel it); a failed purge is logged."""
+        while True:
+            try:
+                await self.purge_expired()
+            except Exception:
+                log.exception("purging expired jobs failed")
+            await asyncio.sleep(self._settings.purge_interval_s)
+
+    async def purge_expired(self) -> int:
+        """Delete ended jobs older than the retention, with their output files; returns how many."""
+        cutoff = now() - timedelta(seconds=self._settings.job_retention_s)
+        ids = await self._store.purge(cutoff)
+        for job_id in ids:
+            self._views.drop(job_id)
+            owner, retained = await asyncio.to_thread(_remove_output, self.output_dir / job_id)
+            if owner is not None:
+                self._quotas.output(owner).give_back(retained)
+        if ids:
+            log.info("purged %d job(s) ended before %s", len(ids), cutoff.isoformat())
+        return len(ids)
+
+
+def _removal_failed(function: object, path: str, excinfo: tuple[type[BaseException], BaseException, object]) -> None:
+    """``shutil.rmtree``'s ``onerror``: log what could not be removed, go on with the rest."""
+    log.warning("could not remove %s: %s", path, excinfo[1])
+
+
+def _retained(folder: Path) -> tuple[str | None, int]:
+    """The owner of a job's output folder and the bytes it retains (blocking: run it in a thread)."""
+    try:
+        owner: str | None = (folder / OWNER_FILE).read_text()
+    except OSError:
+        owner = None  # written before owners were recorded: counted against nobody
+    size = 0
+    for stream in STREAMS:
+        with contextlib.suppress(OSError):
+            size += (folder / stream).stat().st_size
+    return owner, size
+
+
+def _retained_by_owner(output_dir: Path) -> dict[str, int]:
+    """Retained output bytes per owner in ``output_dir`` (blocking; at start-up)."""
+    totals: Counter[str] = Counter()
+    for folder in output_dir.iterdir():
+        owner, size = _retained(folder)
+        if owner is not None:
+            totals[owner] += size
+    return dict(totals)
+
+
+def _remove_output(folder: Path) -> tuple[str | None, int]:
+    """Delete a job's output folder; returns its owner and the bytes it retained (blocking)."""
+    found = _retained(folder)
+    shutil.rmtree(folder, True)
+    return found

@@ -1,0 +1,320 @@
+"""The run of a job: one path, two placements.
+
+``Runner.start`` runs an admitted job as a task. The path is the same for every job: save it ``queued``; let its
+placement find it a sandbox (waiting for a script slot, or its session's turn); save it ``running``; write the
+script (and the generated ``tools`` package) into the sandbox's folder; open its broker's socket; let the script
+go; enforce ``timeout_s`` and stop requests (``_supervise``); set the final status by the end-of-run rules
+(``model.end_of_run``); save the final view; only then tell anyone (``events.JobEnded``); and finally give the
+sandbox back. The placements (``service.jobs.placement``):
+
+- one-shot: a pooled sandbox or a cold one, destroyed after the job;
+- in-session: the session's sandbox at the session's turn, kept for its next script.
+
+A job's status is saved to the store before each event about it is published ("saved before anyone is told"),
+so an ended job survives any crash of the service. This module imports neither metrics nor logs: they subscribe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from service import verdict, views
+from service.broker import Broker, CallMemory
+from service.errors import CallNotPending, EngineUnavailable, SandboxError
+from service.jobs.admission import Admitted, Ticket
+from service.jobs.events import CallEnded, Events, JobEnded, SandboxStarted, StatusChanged
+from service.jobs.live import LiveJob, now, stored_job
+from service.jobs.model import INTERNAL_ERROR, SERVICE_STOPPED, EndedBy, ErrorType, JobError, JobStatus, end_of_run
+from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
+from service.jobs.tasks import Tasks
+from service.sandbox.base import ExitStatus, write_run_files
+from service.sandbox.resident import KILL_CONFIRM_S, ResidentRun
+from service.settings import Settings
+from service.store import JobStore
+from service.toolkit.cache import CompiledManifest
+from service.toolkit.endpoints import EndpointClients
+from service.toolkit.validation import CheckScheduler
+from service.views import render_head, snapshot
+
+log = logging.getLogger(__name__)
+
+KILL_WAIT_S = 30.0  # how long the sandbox may take to confirm the script's exit after its SIGKILL
+
+
+class Runner:
+    """Runs admitted jobs and keeps their status in the store.
+
+    Args:
+        settings: tool-call and output limits, ``stop_grace_s``.
+        store: the job store (every status change is saved there first).
+        events: where lifecycle events are published.
+        sandboxes: what the one-shot placement takes sandboxes from (pool, backend, host capacity).
+        endpoints: shared endpoint clients of every job's broker.
+        call_memory: the service-wide bounds of call records and calls in flight.
+        checks: the validation threads of tool-call arguments.
+        live: the live jobs (job id -> job); a job leaves it once its final view is saved.
+        final_views: where a job's final encoded view is kept for reading (``views.ViewCache``).
+        tasks: where run tasks and other background work are held.
+        instance: this instance's id, saved with each job.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: JobStore,
+        events: Events,
+        sandboxes: Sandboxes,
+        endpoints: EndpointClients,
+        call_memory: CallMemory,
+        checks: CheckScheduler,
+        live: dict[str, LiveJob],
+        final_views: views.ViewCache,
+        tasks: Tasks,
+        instance: str,
+    ) -> None:
+        self._settings = settings
+        self._store = store
+        self._events = events
+        self._sandboxes = sandboxes
+        self._endpoints = endpoints
+        self._call_memory = call_memory
+        self._checks = checks
+        self._live = live
+        self._final_views = final_views
+        self._tasks = tasks
+        self._instance = instance
+
+    def start(self, admitted: Admitted) -> asyncio.Task[Any]:
+        """Run the admitted job as a task; its ticket is given back when the job ends, or when the task ends
+        however it ends (cancelled before it began included)."""
+        job, ticket = admitted.job, admitted.ticket
+        placement: Placement
+        if admitted.session is None:
+            placement = OneShot(self._sandboxes, self._settings, job)
+        else:
+            placement = InSession(admitted.session, self._sandboxes, ticket, job, self._tasks)
+        task = self._tasks.spawn(self.run(admitted, placement), f"job {job.id}")
+        task.add_done_callback(lambda _: ticket.release())
+        return task
+
+    async def run(self, admitted: Admitted, placement: Placement) -> None:
+        """The run path of one job in ``placement`` (see the module's docstring). Never raises but
+        CancelledError (the service stopping: the job ends ``lost``)."""
+        job, request, manifest = admitted.job, admitted.request, admitted.manifest
+        broker = self._new_broker(job, manifest)
+        try:
+            try:
+                await self._save_and_tell(job)
+                sandbox = await placement.enter()
+                if sandbox is None:
+                    return  # ended before it started (placement set why)
+                begin = time.monotonic()
+                job.sandbox_start = placement.mode
+                job.started_at = now()
+                await self._set_status(job, JobStatus.RUNNING)
+                started = time.monotonic()  # a cold job's time limit includes its sandbox's start
+                await placement.ready()
+                job.sandbox_id = sandbox.handle.id[:12] if sandbox.handle is not None else None
+                stubs = placement.stubs(manifest.stub_source)
+                await asyncio.to_thread(write_run_files, sandbox.folder, job.script(request), stubs)
+                await broker.start(sandbox.folder / "tools.sock")
+                run = await sandbox.run(job.id, request.env, job.sink)
+                self._events.publish(SandboxStarted(job, time.monotonic() - begin))
+                exit_status, ended_by = await self._supervise(job, run, started)
+                self._finish(job, exit_status, ended_by, broker)
+            finally:
+                await placement.leave(broker)
+        except BaseException as exc:
+            self._failed(job, exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            await asyncio.shield(self._cleanup(job, broker, admitted.ticket, placement))
+
+    def _new_broker(self, job: LiveJob, manifest: CompiledManifest) -> Broker:
+        """The job's broker (not listening yet); its records are the job's call records."""
+        settings = self._settings
+        broker = Broker(
+            manifest.tools,
+            self._endpoints,
+            settings.max_tool_calls,
+            settings.max_request_line_bytes,
+            settings.max_record_bytes,
+            on_call_end=lambda record: self._call_ended(job, record),
+            client_call_timeout_s=settings.client_call_timeout_s,
+            on_client_calls=lambda waiting: self._client_calls_changed(job, waiting),
+            max_in_flight_bytes=settings.max_call_bytes_in_flight,
+            memory=self._call_memory,
+            checks=self._checks,
+            check_group=job.owner,
+        )
+        job.calls = broker.records
+        job.broker = broker
+        return broker
+
+    async def _save(self, job: LiveJob, final: bool = False) -> None:
+        """Save the job's view (encoded a batch of records at a time); ``final``: also keep it for reading.
+
+        Raises what the store raises (the caller decides: a failed first save ends the run).
+        """
+        view = job.view_dict()
+        records = snapshot(view["calls"])
+        async with job.saving:  # encoding gives the loop back: a later save must not overtake an earlier one
+            try:
+                encoded = await views.encode(render_head(view), records)
+            except (ValueError, TypeError):  # a view that cannot be encoded must still be saved: keep what can be
+                log.exception("job %s: its view cannot be encoded; saving it without output and calls", job.id)
+                view.update(views.unencodable(view))
+                records = []
+                encoded = await views.encode(render_head(view), records)
+            await self._store.put(stored_job(encoded.head, len(records), encoded.body, self._instance))
+        if final:
+            self._final_views.put(job.id, encoded)
+
+    async def _set_status(self, job: LiveJob, status: JobStatus) -> None:
+        job.move(status)
+        job.notify()
+        await self._save_and_tell(job)
+
+    async def _save_and_tell(self, job: LiveJob) -> None:
+        """Save the job's status, then tell subscribers (``StatusChanged``); raises what the store raises."""
+        await self._save(job)
+        self._events.publish(StatusChanged(job))
+
+    @staticmethod
+    def _failed(job: LiveJob, exc: BaseException) -> None:
+        """Set the status and error of a job whose run raised ``exc`` (the service stopping included)."""
+        if isinstance(exc, asyncio.CancelledError):
+            if not job.ended:
+                job.end(JobStatus.LOST, SERVICE_STOPPED)
+        elif isinstance(exc, SandboxError):
+            log.error("job %s: sandbox failure: %s", job.id, exc)
+            kind = ErrorType.ENGINE_UNAVAILABLE if isinstance(exc, EngineUnavailable) else ErrorType.SANDBOX_ERROR
+            if not job.ended:
+                job.end(JobStatus.FAILED, JobError(kind, str(exc)))
+        elif isinstance(exc, Exception):
+            log.exception("job %s: unexpected failure", job.id, exc_info=exc)
+            if not job.ended:
+                job.end(JobStatus.FAILED, INTERNAL_ERROR)
+
+    async def _supervise(self, job: LiveJob, run: ResidentRun, started: float) -> tuple[ExitStatus, EndedBy | None]:
+        """Wait for the script to exit, its time limit, or a stop request; returns (exit, what the service asked).
+
+        The first of the time limit and a stop that is decided wins (a stop during the SIGTERM grace does not
+        become a timeout, nor a stop after the timeout's SIGKILL a stop); whether it ended the script is for
+        ``model.end_of_run`` to say from the exit the runtime reports.
+        """
+        waiting = asyncio.ensure_future(run.wait())
+        stop = asyncio.ensure_future(job.stop_requested.wait())
+        try:
+            remaining = max(job.limits.timeout_s - (time.monotonic() - started), 0)
+            done, _ = await asyncio.wait({waiting, stop}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            ended_by: EndedBy | None = None
+            if waiting not in done:
+                if stop in done:
+                    ended_by = "stopped"
+                    await run.signal("SIGTERM")
+                    grace_done, _ = await asyncio.wait({waiting}, timeout=self._settings.stop_grace_s)
+                    if not grace_done:
+                        await run.kill()
+                else:
+                    ended_by = "timed_out"
+                    await run.kill()
+            return await asyncio.wait_for(waiting, KILL_WAIT_S), ended_by
+        finally:
+            stop.cancel()
+            if not waiting.done():
+                waiting.cancel()
+
+    @staticmethod
+    def _finish(job: LiveJob, exit_status: ExitStatus, ended_by: EndedBy | None, broker: Broker) -> None:
+        """Set the job's final status, exit code and error from what ended the script (``model.end_of_run``)."""
+        job.exit_code = code = exit_status.exit_code
+        script_failure = verdict.failure(code, job.normalized, broker.script_report) if code != 0 else None
+        status, error = end_of_run(
+            exit_status,
+            ended_by,
+            timeout_s=job.limits.timeout_s,
+            memory_mb=job.limits.memory_mb,
+            stop_reason=job.stop_reason,
+            script_failure=script_failure,
+        )
+        job.end(status, error)
+
+    def _call_ended(self, job: LiveJob, record: dict[str, Any]) -> None:
+        """A tool call of ``job`` has its outcome: wake followers, tell subscribers."""
+        job.notify()
+        self._events.publish(CallEnded(job, record))
+
+    def _client_calls_changed(self, job: LiveJob, waiting: int) -> None:
+        """``waiting`` while client-executed calls wait for answers, ``running`` again when none does."""
+        if waiting and job.status == JobStatus.RUNNING:
+            job.move(JobStatus.WAITING)
+            job.waiting.set()
+        elif not waiting and job.status == JobStatus.WAITING:
+            job.move(JobStatus.RUNNING)
+            job.waiting.clear()
+        else:
+            job.notify()
+            return
+        job.notify()
+        self._tasks.spawn(self._save_and_tell(job), f"save {job.id}")
+
+    async def _cleanup(self, job: LiveJob, broker: Broker, ticket: Ticket, placement: Placement) -> None:
+        """Save the final view, then tell waiters and subscribers, then give the sandbox back. Never raises.
+
+        A one-shot sandbox is removed after the answer (it has exited, or was killed, and its output is all
+        in), so a caller does not wait ~40 ms for the engine.
+        """
+        try:
+            try:
+                await broker.close()
+            except Exception:
+                log.exception("job %s: closing its broker failed", job.id)
+            job.calls_over_limit = broker.calls_over_limit
+            job.ran_as_coroutine = broker.ran_as_coroutine
+            for output in (job.stdout, job.stderr):
+                output.close()
+            job.ended_at = now()
+            if not job.ended:
+                job.end(JobStatus.LOST, job.error)
+            try:
+                await self._save(job, final=True)
+            except Exception:
+                log.exception("job %s: could not save its final view", job.id)
+        finally:
+            broker.release()
+            ticket.release()
+            job.notify()
+            job.done.set()
+            self._live.pop(job.id, None)
+            self._events.publish(JobEnded(job))
+            placement.dispose(job.status)
+
+    # -- requests about a running job ----------------------------------------------------------
+
+    async def answer_call(self, job: LiveJob, call_id: str, ok: bool, value: Any) -> None:
+        """Answer a client-executed call of a live job and let its task record the answer (at most 1 s).
+
+        Raises:
+            CallNotPending: that call is not waiting for an answer.
+        """
+        if job.broker is None:
+            raise CallNotPending(call_id)
+        changed = job.changed()
+        job.broker.answer_client_call(call_id, ok, value)
+        with contextlib.suppress(TimeoutError):  # let the call's task record the answer before the view is taken
+            await asyncio.wait_for(changed.wait(), 1.0)
+
+    async def stop(self, job: LiveJob, reason: str | None = None) -> None:
+        """Ask the job to stop (SIGTERM, SIGKILL after the grace) and wait for its end, at most the grace and
+        the SIGKILL's confirmation; ``reason`` is given in its error when not a caller's request."""
+        if reason is not None:
+            job.stop_reason = reason
+        job.stop_requested.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(job.done.wait(), self._settings.stop_grace_s + KILL_CONFIRM_S + 1)

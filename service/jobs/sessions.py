@@ -1,0 +1,162 @@
+"""Sessions as the job service offers them: creating one (limits, runtime, manifest, quotas, room on the host),
+reading and ending them, and stopping a session's running script when it ends.
+
+The sessions resource itself (owners, expiry, the resident sandbox) is ``service.sessions``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+from service.auth import Caller
+from service.errors import InvalidField, RequestLimitError, SandboxError
+from service.jobs.admission import Admission, find_session
+from service.jobs.live import SANDBOX_LIMITS, LiveJob, resolve_limits
+from service.jobs.placement import Sandboxes
+from service.jobs.runner import Runner
+from service.sandbox.labels import FEATURE_SESSION, LABEL_SESSION, features
+from service.sandbox.spec import sandbox_spec
+from service.schemas import ExecuteRequest, SessionRequest
+from service.sessions import Session, SessionManager
+from service.settings import Settings
+from service.toolsets import Toolsets
+
+log = logging.getLogger(__name__)
+
+
+class SessionJobs:
+    """Session requests of the job service.
+
+    Args:
+        settings: session limits and lifetimes, the sandbox image and runtimes.
+        sessions: the sessions resource.
+        sandboxes: backend, warm pool (gives up room), host capacity, labels.
+        admission: the owners' quotas.
+        toolsets: a session's manifest is checked when it is created.
+        runner: stops a session's running script when the session ends.
+        live: the live jobs (job id -> job).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        sessions: SessionManager,
+        sandboxes: Sandboxes,
+        admission: Admission,
+        toolsets: Toolsets,
+        runner: Runner,
+        live: dict[str, LiveJob],
+    ) -> None:
+        self._settings = settings
+        self._sessions = sessions
+        self._sandboxes = sandboxes
+        self._admission = admission
+        self._toolsets = toolsets
+        self._runner = runner
+        self._live = live
+
+    async def create_session(self, request: SessionRequest, owner: str, *, admin: bool = False) -> dict[str, Any]:
+        """Start a session's sandbox, owned by ``owner``, and return its view.
+
+        Its ``toolset`` must be ``owner``'s own, unless ``admin``.
+
+        The session counts against its owner's session quotas and commits its memory and CPUs on the host
+        (idle pooled sandboxes give up their room for it) until it ends.
+
+        Raises:
+            RequestLimitError / InvalidField: a limit past its maximum, an unknown runtime or toolset, a bad
+                manifest (checked now, not at the first script).
+            TooManySessions: ``max_sessions`` are open.
+            QuotaExceeded: the owner is at a session quota, or the host has no room (``host_memory_mb``,
+                ``host_cpus``).
+            SandboxError: the image cannot run sessions, or the sandbox could not start.
+        """
+        settings = self._settings
+        limits = resolve_limits(ExecuteRequest(script="", limits=request.limits), settings)
+        lifetimes = {}
+        for name, value, default in (
+            ("idle_timeout_s", request.idle_timeout_s, settings.session_idle_timeout_s),
+            ("max_lifetime_s", request.max_lifetime_s, settings.session_max_lifetime_s),
+        ):
+            if value is not None and value > settings.max_session_lifetime_s:
+                raise RequestLimitError(
+                    f"{value} exceeds the server maximum of {settings.max_session_lifetime_s}", ("body", name)
+                )
+            lifetimes[name] = value if value is not None else default
+        runtime = request.runtime or settings.runtime
+        if runtime is not None and runtime != settings.runtime and runtime not in settings.session_runtimes:
+            raise InvalidField(
+                f"runtime {runtime!r} is not offered; ask for one of {sorted(settings.session_runtimes)}",
+                ("body", "runtime"),
+            )
+        await self._toolsets.manifest(request.tools, request.toolset, Caller(owner, admin))  # a bad manifest fails now
+        if FEATURE_SESSION not in features(await self._sandboxes.backend.image_labels(settings.sandbox_image)):
+            raise SandboxError(
+                f"the sandbox image {settings.sandbox_image} cannot run sessions "
+                "(rebuild it with sandbox_image/build.sh)"
+            )
+        labels = {**self._sandboxes.instance_labels, LABEL_SESSION: "1"}
+        spec = sandbox_spec(settings, limits, request.env, self._sandboxes.jobs_dir, labels)
+        spec = replace(spec, runtime=None if runtime == "runc" else runtime)
+        memory_mb, cpus, capacity = limits.memory_mb, limits.cpus, self._sandboxes.capacity
+        self._admission.quotas.admit_session(owner, memory_mb, cpus)  # from here to the commitment: no await
+        try:
+
+            def fits() -> bool:
+                return capacity.shortfall(memory_mb, cpus) is None
+
+            if not self._sandboxes.pool.evict(fits):
+                raise capacity.refusal(memory_mb, cpus, capacity.shortfall(memory_mb, cpus) or "")
+            commitment = capacity.commit(memory_mb, cpus)
+            try:
+                session = await self._sessions.create(
+                    spec,
+                    limits={name: getattr(limits, name) for name in (*SANDBOX_LIMITS, "output_bytes")},
+                    env=request.env,
+                    tools=request.tools,
+                    toolset=request.toolset,
+                    metadata=request.metadata,
+                    owner=owner,
+                    **lifetimes,
+                )
+            except BaseException:
+                if commitment is not None:
+                    commitment.release()
+                raise
+        except BaseException:
+            self._admission.quotas.session_ended(owner, memory_mb, cpus)
+            raise
+        session.sandbox.commitment = commitment  # given back when its sandbox is removed
+        log.info("session %s started in sandbox %s", session.id, session.view()["sandbox_id"])
+        return session.view()
+
+    def session_view(self, session_id: str, caller: Caller) -> dict[str, Any]:
+        """A session's view; raises SessionNotFound (for another owner's session too)."""
+        return find_session(self._sessions, session_id, caller).view()
+
+    def sessions(self, caller: Caller) -> list[dict[str, Any]]:
+        """Views of the open sessions ``caller`` may access (the admin role: all), oldest first."""
+        return [s.view() for s in self._sessions.live_sessions() if caller.may_access(s.owner)]
+
+    async def delete_session(self, session_id: str, caller: Caller) -> dict[str, Any]:
+        """End a session: its running script is stopped, its queued ones end ``stopped``, its sandbox is removed.
+
+        Idempotent: an ended session's view is returned as it is. Raises SessionNotFound (another owner's too).
+        """
+        session = find_session(self._sessions, session_id, caller)
+        await self._sessions.end(session, "closed", None)
+        return session.view()
+
+    async def end_session_jobs(self, session: Session) -> None:
+        """Before a session's sandbox goes: stop the script running in it (queued ones see the session ended).
+
+        Its owner's session quotas are given back here (its host capacity when its sandbox is removed).
+        """
+        self._admission.quotas.session_ended(session.owner, session.limits["memory_mb"], session.limits["cpus"])
+        job = self._live.get(session.current_job_id or "")
+        if job is None:
+            return
+        reason = (session.error or {}).get("message") or "deleted"
+        await self._runner.stop(job, f"the session ended ({session.status}: {reason})")

@@ -1,0 +1,266 @@
+"""Reading jobs: views, slices, output ranges, pages and the events stream.
+
+A live job is served from memory (``LiveJob.view_dict``); once saved as ended, from the store: its encoded view
+(``service.views.EncodedView``) is kept in a byte-bounded cache, or read back (once for concurrent readers, one
+view indexed at a time, off the event loop). Every job a caller names goes through ``live`` or ``final``:
+another owner's job answers exactly like one that does not exist (its existence is not revealed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from service import views
+from service.auth import Caller
+from service.errors import JobNotFound
+from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob, wait_for_end_or_client
+from service.jobs.model import FINAL
+from service.output import OutputRange, decode_slice, read_range
+from service.sandbox.base import Stream
+from service.schemas import JobSummary
+from service.store import JobQuery, JobStore
+from service.views import Body, EncodedView, render_head, snapshot
+
+log = logging.getLogger(__name__)
+
+
+class JobViews:
+    """Views of live and ended jobs.
+
+    Args:
+        store: the job store.
+        live: the live jobs (job id -> job).
+        output_dir: ``work_dir/output``, one folder of retained output per job.
+        cache: ended jobs' encoded views, kept for reading.
+        end_budget: bounds the memory of ``end`` events being sent (each is one piece).
+    """
+
+    def __init__(
+        self,
+        store: JobStore,
+        live: dict[str, LiveJob],
+        output_dir: Path,
+        cache: views.ViewCache,
+        end_budget: views.ByteBudget,
+    ) -> None:
+        self._store = store
+        self._live = live
+        self._output_dir = output_dir
+        self._views = cache
+        self._end_events = end_budget
+        self._loading: dict[str, asyncio.Future[EncodedView]] = {}  # ended views being read back from the store
+        self._scanning = asyncio.Lock()  # one stored view indexed at a time
+
+    def live(self, job_id: str, caller: Caller) -> LiveJob | None:
+        """The job if it has not been saved as ended yet; raises JobNotFound when it is another owner's.
+
+        Every job a caller names goes through here or ``final``: another owner's job answers
+        exactly like one that does not exist (its existence is not revealed).
+        """
+        job = self._live.get(job_id)
+        if job is not None and not caller.may_access(job.owner):
+            raise JobNotFound(job_id)
+        return job
+
+    async def stored_view(self, job_id: str, caller: Caller) -> bytes:
+        """The saved view (JSON bytes) of a job that is not live; raises JobNotFound (another owner's too)."""
+        return (await self.final(job_id, caller)).body
+
+    async def final(self, job_id: str, caller: Caller) -> EncodedView:
+        """The encoded view of a job that is not live: kept since it ended, or read back from the store (once
+        for concurrent readers, one view indexed at a time, off the event loop).
+
+        Raises:
+            JobNotFound: no such job, or another owner's (the same answer: existence is not revealed).
+        """
+        encoded = await self.encoded(job_id)
+        if not caller.may_access(encoded.head.get("owner")):  # None: saved before owners were (admin only)
+            raise JobNotFound(job_id)
+        return encoded
+
+    async def encoded(self, job_id: str) -> EncodedView:
+        """``final`` without the owner check, for the service's own reads (webhooks); raises JobNotFound."""
+        cached = self._views.get(job_id)
+        if cached is not None:
+            return cached
+        loading = self._loading.get(job_id)
+        if loading is None:
+            loading = self._loading[job_id] = asyncio.ensure_future(self._load(job_id))
+            loading.add_done_callback(lambda _: self._loading.pop(job_id, None))
+        return await asyncio.shield(loading)
+
+    async def _load(self, job_id: str) -> EncodedView:
+        stored = await self._store.get(job_id)
+        if stored is None:
+            raise JobNotFound(job_id)
+        async with self._scanning:
+            head, spans = await asyncio.to_thread(views.scan, stored.view)
+        encoded = EncodedView(head, stored.view, spans)
+        if job_id not in self._live:  # a job saved as running may have ended meanwhile: its own save wins
+            self._views.put(job_id, encoded)
+        return encoded
+
+    def live_view(self, job: LiveJob) -> Body:
+        """A live job's view, rendered a batch of records at a time as it is sent."""
+        return self._render(job.view_dict())
+
+    @staticmethod
+    def _render(view: dict[str, Any]) -> Body:
+        records = snapshot(view["calls"])
+        return views.stream(render_head(view), view.get("pending_calls", []), records)
+
+    async def view(self, job_id: str, caller: Caller, offsets: dict[Stream, int | None] | None = None) -> Body:
+        """The job's view (JSON bytes, or pieces of them); with ``offsets``, a stream's text holds its bytes from
+        that offset.
+
+        Raises:
+            JobNotFound: no such job, or another owner's.
+        """
+        job = self.live(job_id, caller)
+        wanted = {stream: offset for stream, offset in (offsets or {}).items() if offset is not None}
+        if job is not None:
+            view = job.view_dict()
+            for stream, offset in wanted.items():
+                await self._slice(view, stream, offset)
+            return self._render(view)
+        final = await self.final(job_id, caller)
+        if not wanted:
+            return final.body
+        head = dict(final.head)
+        for stream, offset in wanted.items():
+            await self._slice(head, stream, offset)
+        return views.stream(render_head(head), [], final.records())
+
+    async def _slice(self, view: dict[str, Any], stream: Stream, offset: int) -> None:
+        """Put the stream's retained bytes from ``offset`` (at most ``SLICE_BYTES``) into ``view``.
+
+        ``<stream>_truncated`` then says whether retained bytes follow the slice.
+        """
+        path = self._output_dir / view["job_id"] / stream
+        data = await asyncio.to_thread(read_range, path, offset, SLICE_BYTES)
+        at_end = view["status"] in FINAL and offset + len(data) >= view[f"{stream}_retained_bytes"]
+        text, consumed, invalid = decode_slice(data, final=at_end)
+        view[stream] = text
+        view[f"{stream}_offset"] = offset
+        view[f"{stream}_next_offset"] = offset + consumed
+        view[f"{stream}_invalid_utf8"] = invalid
+        view[f"{stream}_truncated"] = offset + consumed < view[f"{stream}_retained_bytes"]
+
+    async def read_output(self, job_id: str, caller: Caller, stream: Stream, offset: int, length: int) -> bytes:
+        """Raw retained bytes of a stream, at most ``min(length, SLICE_BYTES)`` of them (bounded in memory:
+        ``output_range`` serves longer reads); raises JobNotFound (for another owner's job too)."""
+        if self.live(job_id, caller) is None:
+            await self.stored_view(job_id, caller)
+        path = self._output_dir / job_id / stream
+        return await asyncio.to_thread(read_range, path, offset, min(length, SLICE_BYTES))
+
+    async def output_range(self, job_id: str, caller: Caller, stream: Stream, offset: int, length: int) -> OutputRange:
+        """The retained bytes of a stream from ``offset``, up to ``length`` (those retained now), as an open
+        ``OutputRange`` to read a slice at a time and close (``GET /jobs/{id}/output/{stream}``).
+
+        Raises:
+            JobNotFound: no such job, or another owner's.
+        """
+        if self.live(job_id, caller) is None:
+            await self.stored_view(job_id, caller)
+        return await asyncio.to_thread(OutputRange.open, self._output_dir / job_id / stream, offset, length)
+
+    async def wait(self, job_id: str, caller: Caller, timeout_s: float) -> Body:
+        """Block until the job ends, waits for the client (a client-executed call), or ``timeout_s`` passes.
+
+        Returns its view then. Raises JobNotFound (for another owner's job too, at once).
+        """
+        job = self.live(job_id, caller)
+        if job is not None:
+            await wait_for_end_or_client(job, timeout_s)
+        return await self.view(job_id, caller)
+
+    async def page(self, query: JobQuery) -> tuple[list[JobSummary], str | None]:
+        """A page of jobs (newest first; only ``query.owner``'s unless it is None) and the next cursor.
+
+        Raises InvalidCursor.
+        """
+        stored, cursor = await self._store.page(query)
+        summaries = []
+        for row in stored:
+            live = self._live.get(row.job_id)
+            if live is not None:
+                view = live.view_dict()
+                summaries.append(JobSummary.model_validate({**view, "calls": len(view["calls"])}))
+            elif row.summary:
+                summaries.append(JobSummary.model_validate_json(row.summary))
+            else:  # saved before summaries were kept
+                final = await self.encoded(row.job_id)
+                summaries.append(JobSummary.model_validate({**final.head, "calls": len(final.spans)}))
+        return summaries, cursor
+
+    async def count(self) -> int:
+        """Jobs in the store."""
+        return await self._store.count()
+
+    async def events(self, job_id: str, caller: Caller) -> AsyncIterator[tuple[str, Any]]:
+        """Follow a job: yields ``(event, data)`` pairs, in order, until the job has ended.
+
+        Events: ``status`` ``{"status"}`` on each change; ``stdout``/``stderr``
+        ``{"offset", "text"}`` for each new piece of output (retained bytes);
+        ``call`` with each call record (JSON bytes) once it has its outcome; finally ``end``
+        with the final view (JSON bytes). A follower that joins late first gets everything
+        so far. A job that is no longer live has ended: if its final save failed, the store holds an
+        earlier status, and ``end`` carries that saved view. Raises JobNotFound (for another owner's job too).
+        """
+        job = self.live(job_id, caller)
+        final = await self.final(job_id, caller) if job is None else None
+        offsets = {"stdout": 0, "stderr": 0}
+        sent = 0  # records before this index have all been sent
+        sent_after: set[int] = set()  # indexes at or past ``sent`` already sent (they ended out of order)
+        last_status = None
+        while True:
+            changed = job.changed() if job is not None else None
+            records: list[Any]
+            encoded: list[Any]
+            if job is not None:
+                head = job.view_dict()
+                records = encoded = head["calls"]
+            elif final is not None:
+                head = final.head
+                records = encoded = list(final.records())
+            else:  # not reachable: a job that is not live has its saved view
+                raise JobNotFound(job_id)
+            if head["status"] != last_status:
+                last_status = head["status"]
+                yield "status", {"status": last_status}
+            for index in range(sent, len(records)):
+                if index in sent_after or (job is not None and records[index]["status"] == "pending"):
+                    continue
+                sent_after.add(index)
+                record = encoded[index]
+                yield "call", views.encode_record(record) if isinstance(record, dict) else bytes(record)
+            while sent in sent_after:
+                sent_after.discard(sent)
+                sent += 1
+            ended = job is None or (head["status"] in FINAL and job.done.is_set())
+            for stream in STREAMS:
+                retained = head[f"{stream}_retained_bytes"]
+                while offsets[stream] < retained:
+                    data = await self.read_output(job_id, caller, stream, offsets[stream], 64 * 1024)
+                    text, consumed, _ = decode_slice(data, final=ended and offsets[stream] + len(data) >= retained)
+                    if not consumed:
+                        break
+                    yield stream, {"offset": offsets[stream], "text": text}
+                    offsets[stream] += consumed
+            if ended:
+                end = final if final is not None else await self.final(job_id, caller)
+                async with self._end_events.hold(len(end.body)):  # the end event is sent as one piece
+                    yield "end", end.body
+                return
+            if changed is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), 15)
+            if job is not None and job.done.is_set() and job_id not in self._live:
+                job = None  # saved as ended: read the final view from the store
+                final = await self.encoded(job_id)

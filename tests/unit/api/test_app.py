@@ -1,0 +1,85 @@
+"""The app factory (service/api/app.py): routers per resource, one error handler, services from the lifespan."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.api import problems
+from service.api.app import RESOURCES
+from service.api.bodies import ParsedOffLoop
+from service.api.deps import NOT_STARTED
+from service.errors import PtcError
+
+ROUTES = {
+    "jobs": {
+        ("POST", "/execute"),
+        ("GET", "/jobs"),
+        ("GET", "/jobs/{job_id}"),
+        ("GET", "/jobs/{job_id}/output/{stream}"),
+        ("POST", "/jobs/{job_id}/wait"),
+        ("POST", "/jobs/{job_id}/calls/{call_id}"),
+        ("POST", "/jobs/{job_id}/stop"),
+        ("GET", "/jobs/{job_id}/events"),
+    },
+    "sessions": {
+        ("POST", "/sessions"),
+        ("GET", "/sessions"),
+        ("GET", "/sessions/{session_id}"),
+        ("DELETE", "/sessions/{session_id}"),
+    },
+    "tools": {("POST", "/stubs"), ("POST", "/toolsets")},
+    "health": {("GET", "/healthz"), ("GET", "/metrics"), ("GET", "/readyz")},
+}
+
+
+def test_each_route_lives_in_the_router_of_its_resource(app: FastAPI) -> None:
+    found: dict[str, set[tuple[str, str]]] = {}
+    for resource in RESOURCES:
+        name = resource.__name__.removeprefix("service.api.routers.")
+        for route in resource.router.routes:
+            assert isinstance(route, ParsedOffLoop), route
+            assert route.endpoint.__module__ == resource.__name__
+            found.setdefault(name, set()).update((method, route.path) for method in route.methods or ())
+    assert found == ROUTES
+    served = {(method.upper(), path) for path, item in app.openapi()["paths"].items() for method in item}
+    assert served == set().union(*ROUTES.values())
+
+
+def test_one_handler_answers_every_error(app: FastAPI) -> None:
+    for cls in (PtcError, RequestValidationError, StarletteHTTPException, Exception):
+        assert app.exception_handlers[cls] is problems.handle
+
+
+def test_services_are_placeholders_until_the_lifespan_starts_them(app: FastAPI) -> None:
+    assert app.state.jobs is NOT_STARTED and app.state.sessions is NOT_STARTED
+    with pytest.raises(RuntimeError, match="not started"):
+        app.state.jobs.submit  # noqa: B018
+
+
+async def test_checks_that_need_no_service_answer_before_the_lifespan(client: httpx.AsyncClient) -> None:
+    response = await client.post("/execute", json={"script": "x" * (2 * 1024 * 1024)})
+    assert response.status_code == 413 and response.json()["type"] == problems.PAYLOAD_TOO_LARGE.uri
+    assert (await client.get("/healthz")).json() == {"status": "ok"}
+
+
+async def test_requests_the_router_never_saw_are_counted_under_their_route(client: httpx.AsyncClient) -> None:
+    """A body refused by the size limit, or a request refused for its key, still names its route's template."""
+    too_large = await client.post("/execute", content=b"x" * (9 * 1024 * 1024), headers={"content-type": "text/plain"})
+    no_key = await client.get("/jobs/abc", headers={"Authorization": ""})
+    no_key_spec = await client.get("/openapi.json", headers={"Authorization": ""})
+    nowhere = await client.get("/nowhere")
+    assert (too_large.status_code, no_key.status_code, no_key_spec.status_code) == (413, 401, 401)
+    assert nowhere.status_code == 404
+    metrics = client._transport.app.state.metrics  # type: ignore[attr-defined]
+    exposition = metrics.exposition().decode()
+    for method, route, status in [
+        ("POST", "/execute", 413),
+        ("GET", "/jobs/{job_id}", 401),
+        ("GET", "/openapi.json", 401),
+        ("GET", "unmatched", 404),
+    ]:
+        assert f'ptc_http_requests_total{{method="{method}",route="{route}",status="{status}"}} 1.0' in exposition

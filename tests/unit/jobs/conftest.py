@@ -1,0 +1,135 @@
+"""Engine-free parts for the job package's unit tests: settings in a temporary work dir, a store that can be told
+to fail, live jobs, a runner wired with stand-ins for what no test here reaches (pool, backend)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from service import views
+from service.broker import CallMemory
+from service.jobs.admission import Admission
+from service.jobs.events import Events
+from service.jobs.live import LiveJob, resolve_limits
+from service.jobs.placement import Sandboxes
+from service.jobs.runner import Runner
+from service.jobs.tasks import Tasks
+from service.output import OutputLog
+from service.quotas import HostCapacity, Quotas, Slots
+from service.schemas import ExecuteRequest
+from service.settings import Settings
+from service.store import StoredJob
+from service.toolkit.endpoints import EndpointClients
+from service.toolkit.validation import CheckScheduler
+
+
+class StoreDown(OSError):
+    """What the fake store raises while ``failing``."""
+
+
+@dataclass
+class FakeStore:
+    """The part of ``JobStore`` the runner and the views use, in memory; ``failing`` makes ``put`` raise."""
+
+    rows: dict[str, StoredJob] = field(default_factory=dict)
+    failing: bool = False
+    puts: int = 0
+
+    async def put(self, job: StoredJob) -> None:
+        self.puts += 1
+        if self.failing:
+            raise StoreDown("the store is down")
+        self.rows[job.job_id] = job
+
+    async def get(self, job_id: str) -> StoredJob | None:
+        return self.rows.get(job_id)
+
+
+@dataclass
+class FakeSession:
+    """What a session placement touches of ``sessions.Session``."""
+
+    id: str = "ses_1"
+    owner: str = "alice"
+    queued: int = 0
+    status: str = "ready"
+    current_job_id: str | None = None
+    executions: int = 0
+    stub_source: str | None = None
+    turn: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last_used_at: Any = None
+    sandbox: Any = None
+
+    @property
+    def ended(self) -> bool:
+        return self.status in ("closed", "expired", "broken")
+
+
+@dataclass
+class Parts:
+    settings: Settings
+    store: FakeStore
+    quotas: Quotas
+    admission: Admission
+    events: Events
+    tasks: Tasks
+    live: dict[str, LiveJob]
+    runner: Runner
+    new_job: Callable[[str], LiveJob]
+
+
+@pytest.fixture
+def parts(tmp_path: Path) -> Parts:
+    settings = Settings(work_dir=tmp_path, max_concurrent_sandboxes=2, max_queue=2)
+    store = FakeStore()
+    capacity = HostCapacity(64 * 1024, 64)
+    quotas = Quotas(settings, capacity)
+    sessions_queued: list[int] = [0]
+    admission = Admission(settings, quotas, Slots(settings.concurrency()), lambda: sessions_queued[0])
+    events, tasks = Events(), Tasks()
+    live: dict[str, LiveJob] = {}
+    sandboxes = Sandboxes(
+        cast(Any, None), cast(Any, None), capacity, admission, cast(Any, None), tmp_path / "jobs", {}, set()
+    )
+    runner = Runner(
+        settings,
+        cast(Any, store),
+        events,
+        sandboxes,
+        EndpointClients(5.0, 1 << 20),
+        CallMemory(1 << 20, 1 << 20),
+        CheckScheduler(1, 5.0),
+        live,
+        views.ViewCache(1 << 20),
+        tasks,
+        "test",
+    )
+
+    made = iter(range(1 << 30))
+
+    def new_job(owner: str) -> LiveJob:
+        limits = resolve_limits(ExecuteRequest(script="print(1)"), settings)
+        job_id = f"job_{next(made)}"
+        folder = tmp_path / "output" / job_id
+        folder.mkdir(parents=True)
+        budget = quotas.output(owner)
+        job = LiveJob(
+            id=job_id,
+            owner=owner,
+            limits=limits,
+            metadata={},
+            callback_url=None,
+            output_dir=folder,
+            stdout=OutputLog(folder / "stdout", limits.output_bytes, 1 << 20, budget),
+            stderr=OutputLog(folder / "stderr", limits.output_bytes, 1 << 20, budget),
+            loop=asyncio.get_running_loop(),
+        )
+        live[job.id] = job
+        return job
+
+    return Parts(settings, store, quotas, admission, events, tasks, live, runner, new_job)
