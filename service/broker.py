@@ -1,6 +1,6 @@
 """The broker: one unix-socket server per job, the only authority on which tool calls happened.
 
-Protocol (DESIGN.md, "Stub <-> broker wire protocol"): newline-delimited JSON.
+Protocol: newline-delimited JSON.
 A request ``{"id": n, "tool": name, "args": {...}}`` is answered, in any
 order, by ``{"id": n, "ok": true, "result": ...}`` or ``{"id": n, "ok": false,
 "error": {"type", "message"}}``. Each request is handled in its own task, so

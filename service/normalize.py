@@ -1,4 +1,4 @@
-"""Script normalization: undo the mechanical damage models do to scripts before they run (README, "Normalization").
+"""Script normalization: undo the mechanical damage models do to scripts before they run (docs/normalization.md).
 
 Only a script that does not compile as it is gets touched: a script that
 compiles is returned byte for byte (and so is one longer than ``MAX_CHARS``), with one exception: a script that is
@@ -160,7 +160,7 @@ def _compile_error(source: str) -> BaseException | None:
     """None if ``source`` compiles, else the error (SyntaxError, or ValueError/RecursionError/MemoryError...)."""
     _silence_compile_warnings()
     try:
-        # Top-level await is allowed: the runtime runs such a script as a coroutine (README, "Scripts and stubs").
+        # Top-level await is allowed: the runtime runs such a script as a coroutine (docs/tools-and-manifests.md).
         compile(source, COMPILE_FILENAME, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
     except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as exc:
         return exc

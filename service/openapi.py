@@ -42,7 +42,7 @@ class Problem(BaseModel):
     type: str = Field(
         "about:blank",
         description="A URI naming the kind of problem, to compare as a string (never fetched): "
-        "tag:ptc-sandbox.dev,2026:problems/<name> for the service's problems (README, Errors), "
+        "tag:ptc-sandbox.dev,2026:problems/<name> for the service's problems (docs/api.md, Errors), "
         "about:blank for an unknown path (404) or method (405).",
     )
     title: str = Field(description="Short summary of the kind of problem.")
@@ -90,7 +90,7 @@ def document(app: FastAPI, open_paths: frozenset[str], authenticated: bool = Tru
                 "bearerAuth": {
                     "type": "http",
                     "scheme": "bearer",
-                    "description": "An API key (PTC_API_KEYS holds its SHA-256; see README, Authentication).",
+                    "description": "An API key (PTC_API_KEYS holds its SHA-256; docs/operations.md).",
                 }
             }
             schema["security"] = [{"bearerAuth": []}]

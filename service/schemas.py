@@ -120,7 +120,7 @@ class ExecuteRequest(BaseModel):
         description="How long to wait for the end before answering 202 with the job so far (s); 0 = at once.",
     )
     callback_url: str | None = Field(
-        None, max_length=2048, description="Where to POST the final job view, signed (see README, Callbacks)."
+        None, max_length=2048, description="Where to POST the final job view, signed (see docs/api.md, Callbacks)."
     )
     limits: Limits = Field(default_factory=Limits)
     env: Env = Field(default_factory=dict, description="Extra environment variables for the script.")
@@ -135,7 +135,7 @@ class ExecuteRequest(BaseModel):
     normalize: bool = Field(
         True,
         strict=True,
-        description="Repair a script that does not compile (fences, shell wrappers, literal \\n, ...; README).",
+        description="Repair a script that does not compile (fences, wrappers, literal \\n; docs/normalization.md).",
     )
 
     @field_validator("script")

@@ -288,7 +288,7 @@ class Settings(BaseSettings):
     egress_allow: Annotated[list[str], NoDecode] = Field(
         list(LOOPBACK_RULES),
         description="Comma-separated [scheme://]host[:port] rules of what http/mcp endpoints and callbacks may "
-        "reach (README, Egress rules); non-public addresses need an address rule. Empty: nothing.",
+        "reach (docs/operations.md, Egress rules); non-public addresses need an address rule. Empty: nothing.",
     )
 
     # -- request limits (service/limits.py) --
@@ -463,7 +463,7 @@ def default_ceilings() -> list[tuple[str, str]]:
 
 
 def settings_table() -> str:
-    """The README's settings table (Markdown), rendered from the fields above so the two cannot drift."""
+    """The settings table of docs/settings.md (Markdown), rendered from the fields above so the two cannot drift."""
     rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
     for name, info in Settings.model_fields.items():
         value = info.default_factory() if info.default_factory is not None else info.default  # type: ignore[call-arg]

@@ -1,6 +1,6 @@
 """Client for the broker's unix socket: newline-delimited JSON with request ids.
 
-Wire format (DESIGN.md, "Stub <-> broker wire protocol"): one request per line,
+Wire format: one request per line,
 ``{"id": n, "tool": name, "args": {...}}``; the broker answers each with
 ``{"id": n, "ok": true, "result": ...}`` or ``{"id": n, "ok": false,
 "error": {"type": ..., "message": ...}}``, in any order. Besides tool calls,

@@ -14,7 +14,7 @@ The synchronous stub lives where the function is defined (``tools.<name>``);
 its awaitable twin is registered under the same path in ``tools.aio``.
 
 ``Toolbox.script_globals`` gives the names the runtime puts in the script's
-global namespace (README, "Scripts and stubs"): each top-level tool as a
+global namespace (docs/tools-and-manifests.md, "Scripts and stubs"): each top-level tool as a
 ``GlobalStub``, which blocks and returns the result when called outside a
 running event loop (``web_search(query=...)``) and returns a coroutine to
 await when called in the thread of a running loop (``await web_search(...)``,

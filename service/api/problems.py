@@ -10,7 +10,7 @@ handler; it finds an error's rule by the error's class, most specific first (``E
 Problem type URIs are tag URIs (RFC 4151), ``tag:ptc-sandbox.dev,2026:problems/<name>``: identifiers a client
 compares as strings (RFC 9457 section 3.1.1: the ``type`` is the problem's primary identifier), stable across
 releases, and promising no web page to fetch (an ``https`` URI would promise documentation at that address,
-which the service does not serve). The names are listed in ``TYPES`` and in the README's error section.
+which the service does not serve). The names are listed in ``TYPES`` and in docs/api.md ("Errors").
 Starlette's own HTTP errors (an unknown path's 404, a wrong method's 405 with ``Allow``) keep ``about:blank``
 with the status phrase as title, which is what ``about:blank`` means (RFC 9457 section 4.2.1).
 

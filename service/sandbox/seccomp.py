@@ -108,7 +108,7 @@ DENIED: dict[str, str] = {
     "swapon": "machine",
     "swapoff": "machine",
 }
-"""System calls the sandbox profile refuses, with the reason (README, Isolation)."""
+"""System calls the sandbox profile refuses, with the reason (docs/sandbox.md, "Seccomp")."""
 
 
 def derive(default: dict[str, Any]) -> dict[str, Any]:

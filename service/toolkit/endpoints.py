@@ -3,7 +3,7 @@
 Dispatch is by ``Endpoint.kind`` through the table in ``EndpointClients``:
 
 - ``echo``: returns ``{"tool": name, "args": args}`` without contacting anything.
-- ``http`` (DESIGN.md, "http endpoint protocol"): POST the arguments as a
+- ``http``: POST the arguments as a
   JSON object to ``url`` with the endpoint's headers; a 2xx JSON body is the
   result; anything else is a ``ToolCallFailed`` carrying the status and a capped
   excerpt of the body. Redirects are not followed. The endpoint's ``timeout_s``

@@ -1,6 +1,6 @@
 """Tool manifests: the entries a request sends, parsed into ``ToolSpec``s.
 
-Accepted entry shapes (DESIGN.md, "Tool manifest"):
+Accepted entry shapes:
 
 - ours: ``{"name", "description", "parameters", "endpoint", ...}``;
 - OpenAI function tools: ``{"type": "function", "function": {"name", "description", "parameters"}}``

@@ -209,7 +209,7 @@ def json_depth(value: Any, limit: int) -> int:
 def safe_identifier(name: str, taken: set[str], in_class: bool = False) -> str:
     """A valid, unused Python identifier for ``name`` (``from`` -> ``from_``, ``Content-Type`` -> ``Content_Type``).
 
-    Rule (documented in README, "Stubs"): characters that cannot appear in an
+    Rule (documented in docs/tools-and-manifests.md, "Scripts and stubs"): characters that cannot appear in an
     identifier become ``_``; a leading digit gets a ``_`` prefix; a dunder
     name (``__qualname__``), or in a class body (a namespace) any name with a
     leading double underscore, starts with a single one instead, so nothing is

@@ -4,7 +4,7 @@ For each tool, one typed function: required parameters first, then optional
 ones with the schema's default (a JSON literal) or ``None``; a docstring from
 the tool's and the parameters' descriptions; the body is the docstring only,
 because ``ptc_runtime.stubs.Toolbox.tool`` turns the function into a stub that
-sends the call to the broker. Names (README, "Stubs"):
+sends the call to the broker. Names (docs/tools-and-manifests.md, "Scripts and stubs"):
 
 - a dotted tool name is a path of nested namespaces (``math.factorial`` ->
   ``tools.math.factorial``), each written as a class;

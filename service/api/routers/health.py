@@ -22,7 +22,7 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}, 403: {}})
 async def metrics_route(metrics: AppMetrics, keys: Keys, key: Key) -> Response:
-    """Prometheus metrics (text format 0.0.4); the names and labels are listed in the README.
+    """Prometheus metrics (text format 0.0.4); the names and labels are listed in docs/operations.md ("Metrics").
 
     With authentication, only the admin role and the keys in ``PTC_METRICS_KEYS`` may read them
     (unless ``PTC_METRICS_AUTH=open``); another key gets 403.
