@@ -15,7 +15,7 @@ order) followed by the data area of ``size`` bytes (a power of two). Words:
   at data offset ``i % size``. The child copies the bytes first and publishes ``HEAD`` after.
 - ``TAIL``: bytes the server has taken (only grows, at most ``HEAD``); published by the server, read by the
   child to know the free space (``size - (HEAD - TAIL)``).
-- ``ASLEEP``: set to 1 by the server before it sleeps longer than ``REST_S`` (``session.IDLE_S``); a child
+- ``ASLEEP``: set to 1 by the server before it sleeps longer than a rest (``ptc_runtime.session.IDLE_S``); a child
   write that finds it set clears it and nudges the server (one byte on the nudge pipe: the only system call
   of a write, once per sleep).
 - ``WAITING``: set to 1 by the child before it waits for the server (a full ring, or ``sync``); the server,
@@ -25,13 +25,15 @@ Two pipes go with the rings: nudge (child -> server, non-blocking, a full pipe a
 ack (server -> child, which blocks reading it). A full ring makes the writer wait for the ack (back-pressure,
 as a full pipe does), never spin.
 
-Wake-ups: the server watches the nudge pipe always. While output flows it takes what is in the rings every
-``REST_S``; when a pass finds nothing it sets ``ASLEEP``, checks the rings once more, and sleeps up to
-``IDLE_S``. Python has no memory fence, so the child's check of ``ASLEEP`` may miss the server's setting it
-in the same instant (x86 may reorder a store before a later load); ``IDLE_S`` bounds the delay of that rare
-miss. Waiting for an ack never depends on that: the child sets ``WAITING`` before its nudge (a system call),
-and the server reads ``WAITING`` after reading the nudge. Data bytes are written before ``HEAD`` and read
-after it, which x86-64's store order (TSO) keeps; aligned 8-byte words are read and written whole.
+Wake-ups: the server (``ptc_runtime.session``) watches the nudge pipe always. While output flows it takes
+what is in the rings every ``REST_S``; when a pass finds nothing it sets ``ASLEEP``, checks the rings once
+more, and sleeps up to ``IDLE_S``. Python has no memory fence, so the child's check of ``ASLEEP`` may miss
+the server's setting it in the same instant (x86 may reorder a store before a later load); ``IDLE_S`` bounds
+the delay of that rare miss. Waiting for an ack never depends on that: the child sets ``WAITING`` before
+its nudge (a system call), and the server reads ``WAITING`` after reading the nudge. Data bytes are
+written before ``HEAD`` and read after it, which x86-64's store order (TSO) keeps; aligned 8-byte words are
+read and written whole. (On a weakly ordered CPU, aarch64, bytes taken while the script runs could be read
+before they are visible: the image targets x86-64.)
 
 The child is not trusted: the script may scribble on the mapping at will. The server keeps its own ``TAIL``,
 reads ``HEAD`` once per pass and treats a ``HEAD - TAIL`` outside ``[0, size]`` as the end of that ring's
@@ -190,10 +192,15 @@ class _Child:
 
     def sync(self) -> None:
         """Wait until the server has taken everything of both rings (before another writer may write to the
-        fds: the order rule of the module docstring). No system call when they are empty already."""
+        fds: the order rule of the module docstring). No system call when they are empty already; no wait from a
+        signal handler that interrupted a write of this thread (its output may then come before what that write
+        held)."""
         if self.forked:
             return
-        self.enter()
+        try:
+            self.enter()
+        except RuntimeError:  # called (os.write, a fork) from a signal handler that interrupted a write: no wait
+            return
         try:
             for writer in self.writers:
                 writer.drain()
