@@ -210,10 +210,12 @@ def test_printing_makes_no_system_call_per_line(runtime_api: httpx.Client, sessi
 
 
 def test_threads_printing_at_once_lose_no_line(runtime_api: httpx.Client, session: str) -> None:
-    # Several threads print at once (the ring takes its lock once a second thread exists): every line whole, each
-    # thread's lines in its order.
+    # Several threads write at once (the ring takes its lock once a second thread exists): every line whole, each
+    # thread's lines in its order. (One write per line: print's two writes, text and newline, may interleave
+    # between threads, as in any Python.)
     script = (
-        "import threading\ndef work(k):\n    for i in range(1500):\n        print('t%d %d' % (k, i))\n"
+        "import sys, threading\ndef work(k):\n    for i in range(1500):\n"
+        "        sys.stdout.write('t%d %d\\n' % (k, i))\n"
         "ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]\nfor t in ts:\n    t.start()\n"
         "for t in ts:\n    t.join()\n"
     )
