@@ -62,6 +62,7 @@ while total < 5_000_000:
     total += n
 out('x' * 4_000_000)
 data = bytes(range(256)) * 3907
+sys.stdout.flush()  # text and bytes in program order (as at any pipe: the text stream holds an unfinished line)
 sys.stdout.buffer.write(data)
 h.update(data)
 import array

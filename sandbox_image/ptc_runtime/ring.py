@@ -7,6 +7,13 @@ line (~1 us under runc, ~20 us under gVisor, whose system calls are that slow). 
 into memory that the resident interpreter (``ptc_runtime.session``, the script's parent, which outlives it)
 maps too: it survives the script's process whatever ends it, without a system call per line.
 
+The text streams are line-buffered over the ring (``io.TextIOWrapper(line_buffering=True)``, with the
+encoding and error handler Python gave them): each complete line, and whatever a ``flush()`` finds, is one write
+into the ring, so a kill never leaves half of a ``print`` (its text without its newline) and a print costs one
+copy. A line without its newline waits in the stream until the next newline, a flush or the script's exit, as
+at a terminal (and as with ``ptc_runtime.stdio.live``): the only bytes of the script's output not yet in shared
+memory. What is written to ``sys.stdout.buffer`` goes into the ring at once.
+
 Layout: one ring per stream (``STDOUT_RING_BYTES``, ``STDERR_RING_BYTES``), an anonymous ``MAP_SHARED``
 mapping made by the server before the fork: a header of ``HEADER_BYTES`` (unsigned 64-bit words, native
 order) followed by the data area of ``size`` bytes (a power of two). Words:
@@ -336,8 +343,7 @@ def _same_pipe(fd: int, index: int) -> bool:
 
 
 def _set_direct(raw: RingRaw, stream: Optional[io.TextIOWrapper], direct: bool) -> None:
-    """Switch ``raw`` between the ring and its fd; ``stream`` is line-buffered while direct (one ``write`` per
-    line, as ``ptc_runtime.stdio.live``) and write-through to the ring otherwise."""
+    """Switch ``raw`` between the ring and its fd (an unfinished line in ``stream`` goes where it was bound)."""
     if raw.direct == direct:
         return
     if stream is not None:
@@ -346,11 +352,6 @@ def _set_direct(raw: RingRaw, stream: Optional[io.TextIOWrapper], direct: bool) 
         except (OSError, ValueError):
             pass
     raw.set_direct(direct)
-    if stream is not None:
-        try:
-            stream.reconfigure(line_buffering=direct, write_through=not direct)
-        except (OSError, ValueError):
-            pass
 
 
 def _before_fork() -> None:
@@ -432,8 +433,8 @@ def install(rings: List[Ring], nudge: int, ack: int) -> None:
             encoding=getattr(old, "encoding", None) or "utf-8",
             errors=getattr(old, "errors", None) or ("backslashreplace" if fd == 2 else "strict"),
             newline="\n",
-            line_buffering=False,
-            write_through=True,
+            line_buffering=True,  # print's text and newline reach the ring as one write: a kill never tears a line
+            write_through=False,
         )
         stream.mode = "w"  # type: ignore[misc]
         _streams.append(stream)
