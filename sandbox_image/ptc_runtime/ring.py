@@ -45,7 +45,8 @@ before they are visible: the image targets x86-64.)
 The child is not trusted: the script may scribble on the mapping at will. The server keeps its own ``TAIL``,
 reads ``HEAD`` once per pass and treats a ``HEAD - TAIL`` outside ``[0, size]`` as the end of that ring's
 output; every read is inside its own mapping (which the child cannot resize), so the worst a script can do
-is garble or drop its own output. The child trusts nothing the server cannot be made to write either: the
+is garble or drop its own output (or, having ended its ring, wait for room there until its time limit,
+nudging the server at each ack). The child trusts nothing the server cannot be made to write either: the
 free space it computes is clamped, and every copy is bounded by the data area.
 
 Order with output written to the pipes (fds 1 and 2) by anything else: a subprocess, an ``os.write``, a
@@ -58,7 +59,8 @@ what forks: ``multiprocessing``, ``os.spawn*``, ``pty.fork``), ``subprocess`` (`
 os.write(1, c)`` arrives as a, the subprocess's output, b, c. Not ordered: output of processes running at the
 same time as the script prints (as with any two writers of one pipe), and writes to fds 1 and 2 that bypass
 the ``os`` functions above: a C extension's ``printf``/``write(1, ...)``, ``os.sendfile``, a ``dup`` of fd 1, a
-``faulthandler`` traceback; at the end of the run those come before what the ring still held.
+``faulthandler`` traceback; at the end of the run those come before what the ring still held. A line without
+its newline still waiting in the text stream is not emptied by ``sync`` (as at any pipe: it comes when done).
 
 A forked process (``os.fork``: multiprocessing's workers) does not share the ring: in it both streams go back
 to writing each line to the pipe (line-buffered, as ``ptc_runtime.stdio.live``). While ``os.dup2`` has made
@@ -77,7 +79,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 HEADER_BYTES = 64
 HEAD, TAIL, ASLEEP, WAITING = 0, 1, 2, 3  # word indexes in the header
-STDOUT_RING_BYTES = 1024 * 1024  # ~1 MiB: measured, 100,000 prints never wait for the server (bench)
+STDOUT_RING_BYTES = 1024 * 1024  # 100,000 print(i) (590 KB, bench.output_heavy) fit without a wait
 STDERR_RING_BYTES = 256 * 1024
 ACK_READ_BYTES = 64
 
