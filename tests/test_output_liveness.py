@@ -9,6 +9,7 @@ within 1 s where the runtime forwards it within about 10 ms.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,7 +71,7 @@ class Modes:
 @pytest.fixture(scope="module")
 def modes(engine: docker.DockerClient, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Modes]:
     folder = Path(tmp_path_factory.mktemp("out", numbered=True))
-    instance = f"pytest-output-{folder.name}"
+    instance = f"pytest-output-{folder.name}-{secrets.token_hex(4)}"  # unique: a service removes its id's leftovers
     svc = start_service(instance, folder / "svc", PTC_WARM_POOL_SIZE="1", PTC_WARM_POOL_MAX_PROFILES="1")
     try:
         with svc.client() as api:

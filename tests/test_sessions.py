@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import secrets
 import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,8 @@ import httpx
 import pytest
 
 from tests.conftest import container_gone, execute, labelled_containers, start_service, wait_until
+
+RUN = secrets.token_hex(4)  # instance ids of this run: a concurrent run on the same engine removes its own only
 
 ECHO = [
     {
@@ -126,7 +129,7 @@ def comparable(view: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_same_input_gives_the_same_view_in_a_session_warm_and_cold(engine: docker.DockerClient, scratch: Path) -> None:
-    instance = "pytest-same-view"
+    instance = f"pytest-same-view-{RUN}"
     # One pool (the default profile's): a job with other limits is always cold.
     svc = start_service(instance, scratch / "same-view", PTC_WARM_POOL_SIZE="2", PTC_WARM_POOL_MAX_PROFILES="1")
 
@@ -306,7 +309,7 @@ def test_idle_session_expires_and_its_sandbox_is_removed(api: httpx.Client, engi
 
 def test_max_sessions_is_enforced(engine: docker.DockerClient, scratch: Path) -> None:
     svc = start_service(  # the one key may open every session: the global limit is tested
-        "pytest-max-sessions",
+        f"pytest-max-sessions-{RUN}",
         scratch / "max-sessions",
         PTC_MAX_SESSIONS="2",
         PTC_QUOTA_SESSIONS="4",
@@ -320,20 +323,20 @@ def test_max_sessions_is_enforced(engine: docker.DockerClient, scratch: Path) ->
             assert len(api.get("/sessions").json()["sessions"]) == 2
     finally:
         svc.stop()
-    assert labelled_containers(engine, "pytest-max-sessions", include_pool=True) == []
+    assert labelled_containers(engine, f"pytest-max-sessions-{RUN}", include_pool=True) == []
 
 
 def test_killed_service_leaves_nothing_after_the_next_start(engine: docker.DockerClient, scratch: Path) -> None:
-    first = start_service("pytest-session-crash", scratch / "session-crash", PTC_WARM_POOL_SIZE="2")
+    first = start_service(f"pytest-session-crash-{RUN}", scratch / "session-crash", PTC_WARM_POOL_SIZE="2")
     with first.client() as api:
         sessions = [open_session(api) for _ in range(2)]
         execute(api, "open('/tmp/x', 'w').write('x')", session_id=sessions[0]["session_id"])
-        wait_until(lambda: len(labelled_containers(engine, "pytest-session-crash", include_pool=True)) == 4, 30)
+        wait_until(lambda: len(labelled_containers(engine, f"pytest-session-crash-{RUN}", include_pool=True)) == 4, 30)
     first.process.send_signal(signal.SIGKILL)
     first.process.wait()
-    second = start_service("pytest-session-crash", scratch / "session-crash", PTC_WARM_POOL_SIZE="0")
+    second = start_service(f"pytest-session-crash-{RUN}", scratch / "session-crash", PTC_WARM_POOL_SIZE="0")
     try:
-        assert labelled_containers(engine, "pytest-session-crash", include_pool=True) == []
+        assert labelled_containers(engine, f"pytest-session-crash-{RUN}", include_pool=True) == []
         with second.client() as api:
             gone = api.post("/execute", json={"script": "print(1)", "session_id": sessions[0]["session_id"]})
             assert gone.status_code == 404
@@ -342,7 +345,7 @@ def test_killed_service_leaves_nothing_after_the_next_start(engine: docker.Docke
 
 
 def test_a_session_that_fails_to_start_leaves_the_others_alone(engine: docker.DockerClient, scratch: Path) -> None:
-    instance = "pytest-failed-start"
+    instance = f"pytest-failed-start-{RUN}"
     svc = start_service(instance, scratch / "failed-start", PTC_SESSION_RUNTIMES='["runc", "nonesuch"]')
     try:
         with svc.client() as api:

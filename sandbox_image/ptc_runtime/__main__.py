@@ -361,7 +361,7 @@ if __name__ == "__main__":
         drop(no_user_namespaces_filter(), own_session=False)
         from ptc_runtime.stdio import live
 
-        live()  # each printed line leaves the process at once: kept at any end (a session's child does the same)
+        live()  # each printed line leaves the process at once: kept at any end (a session's child: ptc_runtime.ring)
     try:
         exit_fast(main(sys.argv, compiled))
     except SystemExit as exc:

@@ -1,0 +1,90 @@
+"""``ptc_runtime.ring`` without an engine: the server's reader against any header, and a writer in a forked
+process through rings small enough (4 KiB) that every write wraps around and waits for the reader."""
+
+from __future__ import annotations
+
+import os
+import random
+import select
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "sandbox_image"))  # the runtime, as in the image
+
+from ptc_runtime.ring import ASLEEP, HEAD, TAIL, WAITING, Ring, RingReader, install
+
+
+def test_the_reader_stays_in_bounds_whatever_the_header_says() -> None:
+    rng = random.Random(7)
+    ring = Ring(4096)
+    try:
+        for _ in range(2000):
+            reader = RingReader(ring)
+            reader.tail = rng.choice((0, 5, 4096, 2**63, 2**64 - 1))
+            for word in (HEAD, TAIL, ASLEEP, WAITING):
+                ring.header[word] = rng.choice((0, 1, 4095, 4096, 4097, 2**63, 2**64 - 1, rng.getrandbits(64)))
+            head = reader.head()
+            if head is None:
+                assert reader.ended and reader.head() is None
+                continue
+            assert 0 <= head - reader.tail <= ring.size
+            took = reader.tail != head
+            while reader.tail != head:
+                data = reader.take(head, 1000)
+                assert 0 < len(data) <= 1000
+            assert not took or ring.header[TAIL] == reader.tail  # published
+    finally:
+        ring.close()
+
+
+def test_a_forked_writer_wraps_and_waits_and_every_byte_arrives_in_order() -> None:
+    rings = [Ring(4096), Ring(4096)]
+    nudge_r, nudge_w = os.pipe()
+    ack_r, ack_w = os.pipe()
+    out_r, out_w = os.pipe()
+    rng = random.Random(3)
+    chunks = [bytes([65 + i % 26]) * rng.choice((1, 7, 4095, 4096, 4097, 10_000)) for i in range(300)]
+    expected = b"".join(chunks) + b"".join(b"%d\n" % i for i in range(5000))
+    pid = os.fork()
+    if pid == 0:  # the script's process
+        try:
+            os.close(nudge_r)
+            os.close(ack_w)
+            os.dup2(out_w, 1)
+            os.dup2(out_w, 2)
+            install(rings, nudge_w, ack_r)
+            for chunk in chunks:
+                sys.stdout.buffer.write(chunk)
+            for i in range(5000):
+                print(i)
+        finally:
+            os._exit(0)
+    os.close(nudge_w)
+    os.close(ack_r)
+    os.close(out_w)
+    reader = RingReader(rings[0])
+    got = bytearray()
+    ended = False
+    try:
+        while not ended:
+            ready, _, _ = select.select([nudge_r], [], [], 0.01)
+            if ready:
+                os.read(nudge_r, 4096)
+            ended = os.waitpid(pid, os.WNOHANG)[0] == pid
+            head = reader.head()
+            assert head is not None
+            while reader.tail != head:
+                got += reader.take(head, 1500)
+            if reader.waited():
+                os.write(ack_w, b"\0")
+        assert bytes(got) == expected
+        assert os.read(out_r, 100) == b""  # nothing went to the pipe
+    finally:
+        if not ended:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        for ring in rings:
+            ring.close()
+        for fd in (nudge_r, ack_w, out_r):
+            os.close(fd)
