@@ -14,8 +14,8 @@ from pathlib import Path
 
 import orjson
 
-from tests.test_broker_work import ANY_ARGS, FLAT, Script, broker, long_stalls, stalls_while
 from tests.toolserver import ToolServer
+from tests.unit.test_broker_work import ANY_ARGS, FLAT, Script, broker, long_stalls, stalls_while
 
 
 async def _measure(tmp: Path) -> dict[str, object]:

@@ -286,3 +286,11 @@ def execute(api: httpx.Client, script: str, tools: list[dict[str, Any]] | None =
     assert response.status_code == 200, response.text
     view: dict[str, Any] = response.json()
     return view
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test under ``tests/integration/`` carries the ``integration`` marker (``-m "not integration"`` runs
+    the rest, which needs no engine)."""
+    for item in items:
+        if "integration" in item.path.parts and item.get_closest_marker("integration") is None:
+            item.add_marker(pytest.mark.integration)

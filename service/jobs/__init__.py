@@ -122,6 +122,7 @@ class JobManager:
         await parts.webhooks.close()
         parts.checks.close()
         parts.manifests.close()
+        parts.recovery.release()
 
     async def purge_expired(self) -> int:
         """Delete ended jobs older than the retention, with their output files; returns how many."""

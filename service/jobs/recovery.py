@@ -74,6 +74,12 @@ class Recovery:
         self.output_dir = settings.work_dir / "output"
         self._lock: IO[str] | None = None
 
+    def release(self) -> None:
+        """Give the work dir's lock back (at shutdown; the kernel would at the process's exit anyway)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
     async def start(self) -> None:
         """Lock the work dir, then reconcile what a previous run left: sandboxes, job folders, unfinished jobs.
 

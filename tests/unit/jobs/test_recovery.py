@@ -59,8 +59,10 @@ async def test_a_job_folder_that_cannot_be_removed_is_logged(
         real_unlink(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "unlink", unlink)
+    started = recovery(tmp_path)
     with caplog.at_level(logging.WARNING):
-        await recovery(tmp_path).start()
+        await started.start()
+    started.release()
     assert "could not remove" in caplog.text and "Operation not permitted" in caplog.text
 
 
@@ -69,3 +71,7 @@ async def test_the_work_dir_is_locked_once(tmp_path: Path) -> None:
     await first.start()
     with pytest.raises(WorkDirBusy):
         await recovery(tmp_path).start()
+    first.release()
+    second = recovery(tmp_path)
+    await second.start()  # given back: the next instance takes it
+    second.release()

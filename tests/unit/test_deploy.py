@@ -1,0 +1,464 @@
+"""Deployment: gVisor set-up in deploy/local.sh, the Compose file, the Kubernetes manifests, the service image.
+
+- ``deploy/local.sh engine`` is run against a fake ``docker``/``dockerd`` pair (a PATH of stand-ins and a
+  temporary daemon.json), so its fresh-machine and reload paths are exercised without touching the engine.
+- The Compose file is checked with ``docker compose config`` (or Debian's ``docker-compose``), and its
+  service part is built (offline: wheels from deploy/build-service-image.sh) and started for real.
+- The Kubernetes manifests are checked against the Kubernetes JSON schemas bundled by
+  ``kubernetes-validate`` (strict: unknown fields fail), and against each other (selectors, ports, names).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from service.settings import Settings
+from tests.conftest import ROOT, in_ci, wait_until
+
+KUBERNETES = ROOT / "deploy" / "kubernetes"
+
+
+KUBERNETES_VERSIONS = ("1.28.0", "1.37.0")  # the oldest and newest minor versions the manifests are checked for
+
+
+RUNSC_ARGS = ["--network=none", "--host-uds=open", "--oci-seccomp"]
+
+
+SETTINGS_OF_AUTH = {"PTC_AUTH", "PTC_API_KEYS", "PTC_API_KEYS_FILE", "PTC_METRICS_AUTH", "PTC_EGRESS_ALLOW"}
+
+
+def need_root_and_runsc() -> None:
+    if os.geteuid() != 0 or shutil.which("runsc") is None:
+        problem = "deploy/local.sh's engine steps need root and runsc (deploy/local.sh setup installs it)"
+        if in_ci():
+            pytest.fail(problem)
+        pytest.skip(problem)
+
+
+FAKE_DOCKER = """#!/bin/sh
+# Stand-in for `docker info`: answers while the fake dockerd runs, with the runtimes it last loaded.
+[ "$1" = info ] || { echo "fake docker: only info" >&2; exit 1; }
+[ -f "$FAKE_STATE/running" ] || exit 1
+if [ "$2" = --format ]; then cat "$FAKE_STATE/runtimes"; fi
+"""
+
+
+FAKE_DOCKERD = """
+import json, os, signal, sys, time
+state, args = os.environ["FAKE_STATE"], sys.argv[1:]
+config = args[args.index("--config-file") + 1] if "--config-file" in args else None
+
+def load(*_):
+    runtimes = {"runc": {"path": "runc"}}
+    if config and os.path.exists(config):
+        runtimes.update(json.load(open(config)).get("runtimes", {}))
+    with open(state + "/runtimes", "w") as f:
+        json.dump(runtimes, f)
+    with open(state + "/loads", "a") as f:
+        f.write("load\\n")
+
+load()
+signal.signal(signal.SIGHUP, load)
+with open(os.environ["PTC_DOCKERD_PIDFILE"], "w") as f:
+    f.write(str(os.getpid()))
+with open(state + "/args", "w") as f:
+    json.dump(args, f)
+open(state + "/running", "w").close()
+end = time.time() + 60
+while time.time() < end:
+    time.sleep(0.1)
+"""
+
+
+class FakeEngine:
+    """A folder of stand-ins for ``docker`` and ``dockerd`` and the environment that makes local.sh use them."""
+
+    def __init__(self, folder: Path) -> None:
+        self.state = folder / "state"
+        self.bin = folder / "bin"
+        self.daemon_json = folder / "etc" / "daemon.json"
+        for path in (self.state, self.bin, self.daemon_json.parent):
+            path.mkdir(parents=True)
+        (self.bin / "docker").write_text(FAKE_DOCKER)
+        (self.bin / "dockerd").write_text(f"#!{sys.executable}\n{FAKE_DOCKERD}")
+        for name in ("docker", "dockerd"):
+            (self.bin / name).chmod(0o755)
+        self.env = {
+            **os.environ,
+            "PATH": f"{self.bin}:{os.environ['PATH']}",
+            "FAKE_STATE": str(self.state),
+            "PTC_DOCKER_DAEMON_JSON": str(self.daemon_json),
+            "PTC_DOCKERD_PIDFILE": str(self.state / "dockerd.pid"),
+            "PTC_DOCKERD_LOG": str(folder / "dockerd.log"),
+        }
+
+    def start_dockerd(self) -> None:
+        """Start the fake dockerd the way an operator did before local.sh ran (with the current daemon.json)."""
+        subprocess.Popen(["dockerd", "--config-file", str(self.daemon_json)], env=self.env, start_new_session=True)
+        wait_until(lambda: (self.state / "running").exists(), 10)
+
+    def local_sh(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(ROOT / "deploy" / "local.sh"), *args], env=self.env, capture_output=True, text=True, timeout=60
+        )
+
+    def loads(self) -> int:
+        path = self.state / "loads"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def runtimes(self) -> dict[str, Any]:
+        loaded: dict[str, Any] = json.loads((self.state / "runtimes").read_text())
+        return loaded
+
+    def stop(self) -> None:
+        pidfile = self.state / "dockerd.pid"
+        if pidfile.exists():
+            try:
+                os.kill(int(pidfile.read_text()), signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def fake_engine(tmp_path: Path) -> Iterator[FakeEngine]:
+    need_root_and_runsc()
+    fake = FakeEngine(tmp_path)
+    yield fake
+    fake.stop()
+
+
+def runsc_entry() -> dict[str, Any]:
+    return {"path": shutil.which("runsc"), "runtimeArgs": RUNSC_ARGS}
+
+
+def test_fresh_machine_gets_runsc_registered_before_dockerd_starts(fake_engine: FakeEngine) -> None:
+    result = fake_engine.local_sh("engine")
+    assert result.returncode == 0, result.stderr
+    args = json.loads((fake_engine.state / "args").read_text())
+    assert args[:3] == ["--bridge=none", "--iptables=false", "--ip-forward=false"]
+    assert args[args.index("--config-file") + 1] == str(fake_engine.daemon_json)
+    assert json.loads(fake_engine.daemon_json.read_text()) == {"runtimes": {"runsc": runsc_entry()}}
+    assert fake_engine.runtimes()["runsc"] == runsc_entry()
+    assert fake_engine.loads() == 1  # read at start: no reload needed
+
+
+def test_running_engine_without_runsc_is_reloaded_not_restarted(fake_engine: FakeEngine) -> None:
+    fake_engine.daemon_json.write_text(json.dumps({"log-level": "warn", "runtimes": {"other": {"path": "/x"}}}))
+    fake_engine.start_dockerd()
+    pid = (fake_engine.state / "dockerd.pid").read_text()
+    result = fake_engine.local_sh("engine")
+    assert result.returncode == 0, result.stderr
+    assert "SIGHUP" in result.stderr
+    assert json.loads(fake_engine.daemon_json.read_text()) == {
+        "log-level": "warn",
+        "runtimes": {"other": {"path": "/x"}, "runsc": runsc_entry()},
+    }
+    assert fake_engine.loads() == 2  # its start, then one reload
+    assert (fake_engine.state / "dockerd.pid").read_text() == pid  # the same process: never restarted
+    assert "runsc" in fake_engine.runtimes()
+
+
+def test_engine_that_has_runsc_is_left_alone(fake_engine: FakeEngine) -> None:
+    runsc = {"path": "/opt/runsc", "runtimeArgs": ["--oci-seccomp"]}
+    fake_engine.daemon_json.write_text(json.dumps({"runtimes": {"runsc": runsc}}))
+    before = fake_engine.daemon_json.read_text()
+    fake_engine.start_dockerd()
+    result = fake_engine.local_sh("engine")
+    assert result.returncode == 0, result.stderr
+    assert fake_engine.daemon_json.read_text() == before  # not even rewritten with this machine's flags
+    assert fake_engine.loads() == 1
+
+
+def test_engine_with_runsc_but_not_its_seccomp_flag_is_registered_again(fake_engine: FakeEngine) -> None:
+    fake_engine.daemon_json.write_text(json.dumps({"runtimes": {"runsc": {"path": "/opt/runsc"}}}))
+    fake_engine.start_dockerd()
+    result = fake_engine.local_sh("engine")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(fake_engine.daemon_json.read_text()) == {"runtimes": {"runsc": runsc_entry()}}
+    assert fake_engine.runtimes()["runsc"] == runsc_entry()
+    assert fake_engine.loads() == 2  # reloaded, not restarted
+
+
+def test_register_runsc_merges_once_and_refuses_a_broken_file(tmp_path: Path) -> None:
+    need_root_and_runsc()
+    config = tmp_path / "daemon.json"
+    config.write_text('{"data-root": "/srv/docker"}')
+    script = str(ROOT / "deploy" / "local.sh")
+    first = subprocess.run([script, "register-runsc", str(config)], capture_output=True, text=True, timeout=60)
+    second = subprocess.run([script, "register-runsc", str(config)], capture_output=True, text=True, timeout=60)
+    assert (first.stdout, second.stdout) == ("changed\n", "unchanged\n")
+    assert json.loads(config.read_text()) == {"data-root": "/srv/docker", "runtimes": {"runsc": runsc_entry()}}
+    config.write_text("[1, 2]")
+    broken = subprocess.run([script, "register-runsc", str(config)], capture_output=True, text=True, timeout=60)
+    assert broken.returncode == 2 and "not a JSON object" in broken.stderr
+    assert config.read_text() == "[1, 2]"
+
+
+def compose_command() -> list[str]:
+    """``docker compose`` when the plugin works, else Debian's ``docker-compose``; skips (fails in CI) without."""
+    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if in_ci():
+        pytest.fail("neither `docker compose` nor docker-compose (deploy/local.sh setup installs it)")
+    pytest.skip("neither `docker compose` nor docker-compose")
+
+
+def compose_config(*args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    result = subprocess.run(
+        [*compose_command(), "-f", str(ROOT / "docker-compose.yml"), *args, "config"],
+        cwd=ROOT,
+        env=env or clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    config: dict[str, Any] = yaml.safe_load(result.stdout)
+    return config
+
+
+def bind_mounts(service: dict[str, Any]) -> list[str]:
+    """A service's volumes as ``source:target`` (Compose v1 prints ``src:dst:rw``, v2 a mapping)."""
+    found = []
+    for volume in service.get("volumes", []):
+        if isinstance(volume, str):
+            found.append(":".join(volume.split(":")[:2]))
+        else:
+            found.append(f"{volume['source']}:{volume['target']}")
+    return found
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment without the caller's ``PTC_*`` settings (so the file's defaults show), plus ``extra``."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("PTC_")}, **extra}
+
+
+def test_compose_file_is_valid_and_creates_no_network() -> None:
+    config = compose_config("--profile", "monitoring")
+    services = config["services"]
+    assert set(services) == {"sandbox-image", "work-dir", "ptc-sandbox", "prometheus", "grafana"}
+    assert not config.get("networks")  # no bridge network: hosts like these have none to give
+    for name, service in services.items():
+        assert service.get("network_mode") in ("host", "none"), name
+    assert {n for n, s in services.items() if "monitoring" in s.get("profiles", [])} == {"prometheus", "grafana"}
+    svc = services["ptc-sandbox"]
+    assert svc["depends_on"] == {
+        "sandbox-image": {"condition": "service_completed_successfully"},
+        "work-dir": {"condition": "service_completed_successfully"},
+    }
+    volumes = bind_mounts(svc)
+    assert "/var/run/docker.sock:/var/run/docker.sock" in volumes
+    assert "/var/lib/ptc-sandbox:/var/lib/ptc-sandbox" in volumes  # the same path inside as on the host
+    assert svc["read_only"] is True and svc["cap_drop"] == ["ALL"]
+    assert services["sandbox-image"]["image"] == "ptc-sandbox-runtime:latest"
+    environment = svc["environment"]
+    assert environment["PTC_HOST"] == "127.0.0.1" and environment["PTC_SANDBOX_IMAGE"] == "ptc-sandbox-runtime:latest"
+    known = {f"PTC_{name.upper()}" for name in Settings.model_fields} | SETTINGS_OF_AUTH
+    assert set(environment) <= known, set(environment) - known
+    mounted = " ".join(m for s in ("prometheus", "grafana") for m in bind_mounts(services[s]))
+    for path in ("deploy/prometheus/prometheus.yml", "deploy/grafana/provisioning", "deploy/grafana/dashboards"):
+        assert str(ROOT / path) in mounted, path
+
+
+def test_compose_settings_follow_the_environment() -> None:
+    env = clean_env(PTC_WORK_DIR="/srv/ptc", PTC_PORT="9000", PTC_RUNTIME="runsc", PTC_SANDBOX_IMAGE="x:1")
+    svc = compose_config(env=env)["services"]["ptc-sandbox"]
+    assert (svc["environment"]["PTC_PORT"], svc["environment"]["PTC_RUNTIME"]) == ("9000", "runsc")
+    volumes = bind_mounts(svc)
+    assert "/srv/ptc:/srv/ptc" in volumes
+
+
+_SECRET_KEY_SELECTOR = {
+    "type": "object",
+    "required": ["name", "key"],
+    "additionalProperties": False,
+    "properties": {"name": {"type": "string"}, "key": {"type": "string"}, "optional": {"type": "boolean"}},
+}
+
+
+_LABEL_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "matchExpressions": {"type": "array", "items": {"type": "object"}},
+    },
+}
+
+
+SERVICE_MONITOR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "metadata": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string"},
+                "namespace": {"type": "string"},
+                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+            },
+        },
+        "spec": {
+            "type": "object",
+            "required": ["selector", "endpoints"],
+            "additionalProperties": False,
+            "properties": {
+                "jobLabel": {"type": "string"},
+                "selector": _LABEL_SELECTOR,
+                "namespaceSelector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "any": {"type": "boolean"},
+                        "matchNames": {"type": "array", "items": {"type": "string"}},
+                    },
+                },
+                "endpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "targetPort": {"type": ["string", "integer"]},
+                            "path": {"type": "string"},
+                            "scheme": {"enum": ["http", "https"]},
+                            "interval": {"type": "string", "pattern": "^(0|(([0-9]+)(ms|s|m|h))+)$"},
+                            "scrapeTimeout": {"type": "string", "pattern": "^(0|(([0-9]+)(ms|s|m|h))+)$"},
+                            "authorization": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "properties": {"type": {"type": "string"}, "credentials": _SECRET_KEY_SELECTOR},
+                            },
+                            "bearerTokenSecret": _SECRET_KEY_SELECTOR,
+                            "honorLabels": {"type": "boolean"},
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def manifests(folder: Path = KUBERNETES, pattern: str = "**/*.yaml") -> list[tuple[str, dict[str, Any]]]:
+    """(file relative to deploy/kubernetes, document) for every Kubernetes object under ``folder``."""
+    found = []
+    for path in sorted(folder.glob(pattern)):
+        for document in yaml.safe_load_all(path.read_text()):
+            if document and document.get("kind") != "Kustomization":
+                found.append((str(path.relative_to(KUBERNETES)), document))
+    return found
+
+
+def validate(document: dict[str, Any], version: str) -> None:
+    """Raise when ``document`` does not match its schema (kubernetes-validate strict, or the ServiceMonitor's)."""
+    if document["kind"] == "ServiceMonitor":
+        jsonschema.validate(document, SERVICE_MONITOR_SCHEMA)
+    else:
+        kubernetes_validate.validate(document, version, strict=True)
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_kubernetes_manifests_match_their_schemas(version: str) -> None:
+    found = manifests()
+    kinds = {document["kind"] for _, document in found}
+    assert {"Deployment", "Service", "ConfigMap", "Secret", "ServiceMonitor", "NetworkPolicy"} <= kinds
+    for name, document in found:
+        try:
+            validate(document, version)
+        except (jsonschema.ValidationError, kubernetes_validate.SchemaNotFoundError) as exc:
+            raise AssertionError(f"{name}: {document['kind']}: {getattr(exc, 'message', exc)}") from exc
+
+
+@pytest.mark.parametrize("kind", ["Deployment", "ServiceMonitor"])
+def test_schema_check_catches_a_misspelt_field(kind: str) -> None:
+    [document] = [d for _, d in manifests() if d["kind"] == kind]
+    spelt_wrong = json.loads(json.dumps(document))
+    if kind == "Deployment":
+        spelt_wrong["spec"]["template"]["spec"]["containers"][0]["readinessprobe"] = {}
+    else:
+        spelt_wrong["spec"]["endpoints"][0]["intervall"] = "15s"
+    with pytest.raises(jsonschema.ValidationError):
+        validate(spelt_wrong, KUBERNETES_VERSIONS[-1])
+
+
+def one(kind: str, name: str | None = None) -> dict[str, Any]:
+    [document] = [d for f, d in manifests() if d["kind"] == kind and not f.startswith("planned/")]
+    assert name is None or document["metadata"]["name"] == name
+    return document
+
+
+def test_kubernetes_manifests_agree_with_each_other() -> None:
+    kustomization = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == sorted(
+        p.name for p in KUBERNETES.glob("*.yaml") if p.name != "kustomization.yaml"
+    )
+    deployment, service, monitor = one("Deployment"), one("Service"), one("ServiceMonitor")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    port_names = {p["name"] for p in container["ports"]}
+    assert {p["targetPort"] for p in service["spec"]["ports"]} <= port_names
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} <= {p["name"] for p in service["spec"]["ports"]}
+    policy = next(d for f, d in manifests() if d["kind"] == "NetworkPolicy" and not f.startswith("planned/"))
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    # What the pod refers to exists.
+    secrets_ = {d["metadata"]["name"]: d for _, d in manifests(KUBERNETES, "*.yaml") if d["kind"] == "Secret"}
+    config = one("ConfigMap")
+    assert [s["configMapRef"]["name"] for s in container["envFrom"]] == [config["metadata"]["name"]]
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["api-keys"]["secret"]["secretName"] in secrets_
+    credentials = monitor["spec"]["endpoints"][0]["authorization"]["credentials"]
+    assert credentials["key"] in secrets_[credentials["name"]]["stringData"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    keys_file = Path(config["data"]["PTC_API_KEYS_FILE"])
+    assert keys_file.parent == Path(mounts["api-keys"])
+    assert keys_file.name in secrets_[volumes["api-keys"]["secret"]["secretName"]]["stringData"]
+    # The work dir has the same path on the node and in the pod (the node's engine resolves the bind mounts).
+    assert volumes["work-dir"]["hostPath"]["path"] == mounts["work-dir"] == config["data"]["PTC_WORK_DIR"]
+    assert volumes["docker-sock"]["hostPath"]["path"] == mounts["docker-sock"] == "/var/run/docker.sock"
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] and not security["allowPrivilegeEscalation"]
+    assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == 10002
+    known = {f"PTC_{name.upper()}" for name in Settings.model_fields} | SETTINGS_OF_AUTH
+    assert set(config["data"]) <= known, set(config["data"]) - known
+    assert config["data"]["PTC_RUNTIME"] == "runsc"
+
+
+def test_planned_sandbox_pod_keeps_the_docker_backends_hardening() -> None:
+    pod = next(d for f, d in manifests() if f == "planned/sandbox-pod.yaml")
+    runtime_class = next(d for f, d in manifests() if f == "planned/runtimeclass-gvisor.yaml")
+    spec = pod["spec"]
+    assert spec["runtimeClassName"] == runtime_class["metadata"]["name"] and runtime_class["handler"] == "runsc"
+    assert spec["automountServiceAccountToken"] is False and spec["securityContext"]["runAsUser"] == 10001
+    [container] = spec["containers"]
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["resources"]["limits"]["memory"] == container["resources"]["requests"]["memory"]
+    assert {m["mountPath"]: m.get("readOnly", False) for m in container["volumeMounts"]} == {
+        "/run/ptc": True,
+        "/tmp": False,
+    }
