@@ -2,7 +2,7 @@
 
 Every test runs in the three modes (``cold``, ``warm`` pool, ``session``) of one service: its warm pool keeps one
 sandbox of the default profile, a job asking ``cpus`` 0.99 fits no pool and starts cold (as in
-``tests/test_sessions.py``). Timing bounds are generous (the machine is shared): a printed line must show
+``tests/integration/test_sessions.py``). Timing bounds are generous (the machine is shared): a printed line must show
 within 1 s where the runtime forwards it within about 10 ms.
 """
 
