@@ -126,7 +126,7 @@ def start_service(instance_id: str, work_dir: Path, probe: str = "/readyz", **en
         "PTC_SANDBOX_IMAGE": IMAGE,
         "PTC_AUTH": "required",
         "PTC_API_KEYS": f"pytest:{hash_token(token)}",
-        "PTC_METRICS_KEYS": "pytest",  # the suite scrapes /metrics with its key (tests/{unit,integration}/test_metrics.py, monitoring)
+        "PTC_METRICS_KEYS": "pytest",  # the suite scrapes /metrics with its key (the metrics and monitoring tests)
         **env,
     }
     with open(log_path, "ab") as log_file:

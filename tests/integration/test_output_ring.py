@@ -5,7 +5,7 @@ of one ``write`` per line. These tests check what that must not cost: every byte
 wrap-around and its full-ring waits; order with what subprocesses and ``os.write`` put in the same pipe; a script
 that scribbles on the shared mapping cannot hurt the interpreter (the next script of the session runs normally);
 a line printed after a sleep still shows while the script runs. Every script runs in a session: cold jobs and the
-warm pool run through the same resident interpreter (``tests/integration/test_output_liveness.py`` covers the three modes).
+warm pool run through the same resident interpreter (``test_output_liveness.py`` beside this covers the three modes).
 """
 
 from __future__ import annotations
