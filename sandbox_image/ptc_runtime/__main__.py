@@ -265,6 +265,12 @@ def finalize_main() -> None:
     it), ``__del__`` methods run. Objects in reference cycles need the collector, which finalizes them in any
     order (a raw file may be closed before its buffer is flushed): when a regular file is still open, every
     buffered writer is flushed, then the collector runs (~25 ms with asyncio imported; skipped otherwise)."""
+    import gc
+
+    # No automatic collection from here on: one triggered while the names are cleared would finalize a cycle
+    # holding a file in any order, before its buffer is flushed below (the collector's counts are inherited from
+    # the resident interpreter, so when that happens depends on the session's history).
+    gc.disable()
     namespace = getattr(_script_module, "__dict__", None)  # None: the script did not run (a compile error)
     if isinstance(namespace, dict):
         names = [k for k in namespace if isinstance(k, str) and k.startswith("_") and k != "__builtins__"]
@@ -273,7 +279,6 @@ def finalize_main() -> None:
         # is attributed as CPython attributes it at exit ("sys:1: RuntimeWarning: ..."), not to this module.
         exec(_CLEAR_NAMES, {"names": names, "namespace": namespace})
     if _regular_file_open():  # flush before collecting: the collector may close a raw file before its buffer
-        import gc
         import io
 
         for obj in gc.get_objects():
