@@ -29,8 +29,8 @@ order) followed by the data area of ``size`` bytes (a power of two). Words:
   after each pass over the rings, clears it and writes one byte to the ack pipe.
 
 Two pipes go with the rings: nudge (child -> server, non-blocking, a full pipe already means "wake up") and
-ack (server -> child, which blocks reading it). A full ring makes the writer wait for the ack (back-pressure,
-as a full pipe does), never spin.
+ack (server -> child, which waits for it, ``ACK_WAIT_MS`` at most before it nudges again). A full ring makes the
+writer wait for the ack (back-pressure, as a full pipe does), never spin.
 
 Wake-ups: the server (``ptc_runtime.session``) watches the nudge pipe always. While output flows it takes
 what is in the rings every ``REST_S``; when a pass finds nothing it sets ``ASLEEP``, checks the rings once
@@ -74,6 +74,7 @@ import _thread
 import io
 import mmap
 import os
+import select
 import sys
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -82,6 +83,7 @@ HEAD, TAIL, ASLEEP, WAITING = 0, 1, 2, 3  # word indexes in the header
 STDOUT_RING_BYTES = 1024 * 1024  # 100,000 print(i) (590 KB, bench.output_heavy) fit without a wait
 STDERR_RING_BYTES = 256 * 1024
 ACK_READ_BYTES = 64
+ACK_WAIT_MS = 100  # the longest wait for an ack before the child flags WAITING and nudges again
 
 
 class Ring:
@@ -147,19 +149,16 @@ class RingReader:
         return False
 
 
-class _Child:
-    """The child's side of both rings: the nudge and ack pipes, one lock for writes from several threads and for
-    ``sync``, and a ``busy`` flag (a write under way in this process: a write from a signal handler that
-    interrupted one raises RuntimeError, as ``io.BufferedWriter`` does)."""
+class _Guard:
+    """One ring writer's lock (writes from several threads, and ``sync``) and ``busy`` flag (a write under way in
+    this process: a write from a signal handler that interrupted one of the same stream raises RuntimeError, as
+    ``io.BufferedWriter`` does). Per stream, as Python's own streams: a handler may write to ``sys.stderr`` while
+    the write it interrupted waits for room in the stdout ring."""
 
-    def __init__(self, nudge: int, ack: int) -> None:
-        self.writers: List[_Writer] = []
-        self.nudge_fd = nudge
-        self.ack_fd = ack
+    def __init__(self) -> None:
         self.lock = _thread.allocate_lock()
         self.owner: Optional[int] = None
         self.busy = False
-        self.forked = False  # in a process forked from the script: the rings are not this process's
 
     def enter(self) -> None:
         """Take the lock and mark a write under way (RuntimeError: this thread has one under way already)."""
@@ -179,6 +178,22 @@ class _Child:
         self.owner = None
         self.lock.release()
 
+    def reset(self) -> None:
+        """In a forked process: another thread of the parent may have held the lock, or been in a write."""
+        self.lock = _thread.allocate_lock()
+        self.owner = None
+        self.busy = False
+
+
+class _Child:
+    """The child's side of both rings: the nudge and ack pipes and the writers (each with its ``_Guard``)."""
+
+    def __init__(self, nudge: int, ack: int) -> None:
+        self.writers: List[_Writer] = []
+        self.nudge_fd = nudge
+        self.ack_fd = ack
+        self.forked = False  # in a process forked from the script: the rings are not this process's
+
     def nudge(self) -> None:
         try:
             _os_write(self.nudge_fd, b"\0")
@@ -186,14 +201,22 @@ class _Child:
             pass
 
     def wait(self, header: Any, done: Callable[[], bool]) -> None:
-        """Block until ``done()``: flag ``WAITING``, nudge, read an ack; a stale ack only makes it look again."""
+        """Block until ``done()``: flag ``WAITING``, nudge, wait for an ack (at most ``ACK_WAIT_MS``, then again);
+        a stale ack only makes it look again. The ack pipe is shared by both rings' writers: a thread waiting for
+        one ring may read the ack meant for another thread waiting for the other, so no wait for an ack is
+        unbounded (the loser flags and nudges again after ``ACK_WAIT_MS``)."""
         while not done():
             header[WAITING] = 1
             if done():
                 return
             self.nudge()
             try:
-                os.read(self.ack_fd, ACK_READ_BYTES)
+                poller = select.poll()  # one per wait: a poll object refuses a second thread's concurrent poll
+                poller.register(self.ack_fd, select.POLLIN)
+                if poller.poll(ACK_WAIT_MS):
+                    os.read(self.ack_fd, ACK_READ_BYTES)
+            except BlockingIOError:  # another thread took the ack first
+                pass
             except OSError:  # the ack pipe is gone (closed by the script): the server still acks at its passes
                 import time
 
@@ -206,15 +229,16 @@ class _Child:
         held)."""
         if self.forked:
             return
-        try:
-            self.enter()
-        except RuntimeError:  # called (os.write, a fork) from a signal handler that interrupted a write: no wait
-            return
-        try:
-            for writer in self.writers:
+        for writer in self.writers:
+            guard = writer.guard
+            try:
+                guard.enter()
+            except RuntimeError:  # called (os.write, a fork) from a signal handler that interrupted this write
+                continue
+            try:
                 writer.drain()
-        finally:
-            self.leave()
+            finally:
+                guard.leave()
 
 
 class _Writer:
@@ -228,14 +252,15 @@ class _Writer:
         size = ring.size
         mask = size - 1
         count = _thread._count  # threads started besides the main one (0: no other thread can be in a write)
+        guard = self.guard = _Guard()
         head = 0  # bytes written (HEAD, as this process knows it)
         limit = size  # HEAD may grow to this without looking at TAIL again (TAIL last seen + size)
 
         def write(b: Any) -> int:
             nonlocal head
-            if child.busy or count() or type(b) is not bytes:
+            if guard.busy or count() or type(b) is not bytes:
                 return slow(b)
-            child.busy = True  # before HEAD is read: a signal handler's write from here on raises (slow)
+            guard.busy = True  # before HEAD is read: a signal handler's write from here on raises (slow)
             try:
                 n = len(b)
                 start = head & mask
@@ -249,14 +274,14 @@ class _Writer:
                         child.nudge()
                     return n
             finally:
-                child.busy = False
+                guard.busy = False
             return slow(b)
 
         def slow(b: Any) -> int:
             nonlocal head, limit
             view = b if type(b) is bytes else memoryview(b).cast("B")
             n = len(view)
-            child.enter()
+            guard.enter()
             try:
                 done = 0
                 while done < n:
@@ -275,7 +300,7 @@ class _Writer:
                         header[ASLEEP] = 0
                         child.nudge()
             finally:
-                child.leave()
+                guard.leave()
             return n
 
         def has_room() -> bool:
@@ -366,8 +391,8 @@ def _after_fork_in_child() -> None:
     if child is None or child.forked:
         return
     child.forked = True
-    child.lock = _thread.allocate_lock()  # another thread of the parent may have held it at the fork
-    child.owner = None
+    for writer in child.writers:
+        writer.guard.reset()
     for fd in (child.nudge_fd, child.ack_fd):
         try:
             os.close(fd)
@@ -422,7 +447,7 @@ def install(rings: List[Ring], nudge: int, ack: int) -> None:
     global _child
     child = _Child(nudge, ack)
     os.set_blocking(nudge, False)
-    os.set_blocking(ack, True)
+    os.set_blocking(ack, False)  # waited for with poll (``_Child.wait``)
     for index, (fd, name, old) in enumerate(((1, "<stdout>", sys.stdout), (2, "<stderr>", sys.stderr))):
         st = os.fstat(fd)
         _pipe_ids.append((st.st_dev, st.st_ino))

@@ -88,3 +88,106 @@ def test_a_forked_writer_wraps_and_waits_and_every_byte_arrives_in_order() -> No
             ring.close()
         for fd in (nudge_r, ack_w, out_r):
             os.close(fd)
+
+
+def _serve(pid: int, rings: list[Ring], nudge_r: int, ack_w: int, start_after_s: float) -> list[bytes]:
+    """Act as the resident interpreter for the forked writer ``pid`` until it exits: after ``start_after_s``,
+    take both rings at every nudge or 10 ms, ack a waiting writer (one byte per waiting ring, as the server
+    does). Returns what each ring held; the writer reports its end through them."""
+    import time
+
+    readers = [RingReader(ring) for ring in rings]
+    got = [bytearray() for _ in rings]
+    begin = time.monotonic()
+    while True:
+        ready, _, _ = select.select([nudge_r], [], [], 0.01)
+        if ready:
+            os.read(nudge_r, 4096)
+        if time.monotonic() - begin < start_after_s:
+            continue
+        ended = os.waitpid(pid, os.WNOHANG)[0] == pid
+        for index, reader in enumerate(readers):
+            head = reader.head()
+            assert head is not None
+            while reader.tail != head:
+                got[index] += reader.take(head, 1500)
+        for reader in readers:
+            if reader.waited():
+                try:
+                    os.write(ack_w, b"\0")
+                except BrokenPipeError:  # the writer has exited
+                    pass
+        if ended:
+            return [bytes(data) for data in got]
+
+
+def _run_writer(body: object, start_after_s: float) -> tuple[int, list[bytes]]:
+    """Fork a process that installs 4 KiB rings and calls ``body()``; exit 0 if it returned, 1 if it raised."""
+    rings = [Ring(4096), Ring(4096)]
+    nudge_r, nudge_w = os.pipe()
+    ack_r, ack_w = os.pipe()
+    out_r, out_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(nudge_r)
+            os.close(ack_w)
+            os.dup2(out_w, 1)
+            os.dup2(out_w, 2)
+            install(rings, nudge_w, ack_r)
+            body()  # type: ignore[operator]
+            sys.stdout.flush()
+            sys.stderr.flush()
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(nudge_w)
+    os.close(ack_r)
+    os.close(out_w)
+    try:
+        got = _serve(pid, rings, nudge_r, ack_w, start_after_s)
+    finally:
+        for ring in rings:
+            ring.close()
+        for fd in (nudge_r, ack_w, out_r):
+            os.close(fd)
+    # _serve returned after waitpid collected it: its status is gone; the body reports through the rings
+    return (0 if got[1].endswith(b"BODY DONE\n") else 1), got
+
+
+def test_a_signal_handler_may_write_stderr_while_stdout_waits_for_room() -> None:
+    # python3 script.py | slow_reader: a handler's sys.stderr.write while a sys.stdout write is blocked works;
+    # the rings shared one lock and busy flag: "RuntimeError: reentrant call inside a ring writer" (exit 1)
+    def body() -> None:
+        signal.signal(signal.SIGALRM, lambda *_: sys.stderr.write("handler\n"))
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        sys.stdout.buffer.write(b"x" * 20_000)  # 5 rings' worth: waits; the reader starts after 0.3 s
+        sys.stderr.write("BODY DONE\n")
+
+    code, (out, err) = _run_writer(body, start_after_s=0.3)
+    assert code == 0, err[-300:]
+    assert out == b"x" * 20_000
+    assert err == b"handler\nBODY DONE\n"
+
+
+def test_two_threads_waiting_for_both_rings_at_once_both_finish() -> None:
+    # one ack pipe for both rings: a thread's read may take the other's ack; neither may then wait forever
+    def body() -> None:
+        import threading
+
+        def write(stream: object, n: int) -> None:
+            for _ in range(n):
+                stream.buffer.write(b"y" * 3000)  # type: ignore[attr-defined]
+
+        threads = [threading.Thread(target=write, args=(s, 200)) for s in (sys.stdout, sys.stderr)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        sys.stderr.write("BODY DONE\n")
+
+    code, (out, err) = _run_writer(body, start_after_s=0.05)
+    assert code == 0
+    assert out == b"y" * 600_000
+    assert err == b"y" * 600_000 + b"BODY DONE\n"
