@@ -226,3 +226,18 @@ def test_threads_printing_at_once_lose_no_line(runtime_api: httpx.Client, sessio
     for k in range(4):
         assert [line for line in lines if line.startswith(f"t{k} ")] == [f"t{k} {i}" for i in range(1500)]
     assert len(lines) == 6000
+
+
+def test_a_signal_handler_writes_stderr_while_a_big_stdout_write_waits(runtime_api: httpx.Client, session: str) -> None:
+    # A handler (a SIGTERM or an alarm logging to stderr) that interrupts a print blocked on a full stdout: python3
+    # at a slow pipe goes on; the rings shared one lock for both streams and the script died of "reentrant call".
+    script = (
+        "import signal, sys\n"
+        "signal.signal(signal.SIGALRM, lambda *_: sys.stderr.write('handler\\n'))\n"
+        "signal.setitimer(signal.ITIMER_REAL, 0.05)\n"
+        "sys.stdout.buffer.write(b'x' * (64 << 20))\n"  # one write under the stdout ring's lock: 64 full rings
+        "sys.stderr.write('done\\n')\n"
+    )
+    view = run(runtime_api, session, script)
+    assert view["status"] == "succeeded", view["stderr"]
+    assert view["stderr"] == "handler\ndone\n"
