@@ -58,9 +58,12 @@ what forks: ``multiprocessing``, ``os.spawn*``, ``pty.fork``), ``subprocess`` (`
 ``os.write``/``os.writev`` to fd 1 or 2 and ``os.dup2`` onto them. So ``print(a); subprocess.run(...); print(b);
 os.write(1, c)`` arrives as a, the subprocess's output, b, c. Not ordered: output of processes running at the
 same time as the script prints (as with any two writers of one pipe), and writes to fds 1 and 2 that bypass
-the ``os`` functions above: a C extension's ``printf``/``write(1, ...)``, ``os.sendfile``, a ``dup`` of fd 1, a
-``faulthandler`` traceback; at the end of the run those come before what the ring still held. A line without
-its newline still waiting in the text stream is not emptied by ``sync`` (as at any pipe: it comes when done).
+the ``os`` functions above: a file object on fd 1 or 2 (``open(1, "w")``, ``os.fdopen(1)``, ``io.FileIO(1)``,
+``open("/dev/stdout", "w")``: its writes are the C ``write``), a C extension's ``printf``/``write(1, ...)``,
+``os.sendfile``, a ``dup`` of fd 1, a ``faulthandler`` traceback; those may come before what the ring held when
+they were written (a pass takes the pipe before the ring), and at the end of the run before what it still held.
+A line without its newline still waiting in the text stream is not emptied by ``sync`` (as at any pipe: it comes
+when done).
 
 A forked process (``os.fork``: multiprocessing's workers) does not share the ring: in it both streams go back
 to writing each line to the pipe (line-buffered, as ``ptc_runtime.stdio.live``). While ``os.dup2`` has made
