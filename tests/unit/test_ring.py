@@ -90,20 +90,31 @@ def test_a_forked_writer_wraps_and_waits_and_every_byte_arrives_in_order() -> No
             os.close(fd)
 
 
-def _serve(pid: int, rings: list[Ring], nudge_r: int, ack_w: int, start_after_s: float) -> list[bytes]:
-    """Act as the resident interpreter for the forked writer ``pid`` until it exits: after ``start_after_s``,
-    take both rings at every nudge or 10 ms, ack a waiting writer (one byte per waiting ring, as the server
-    does). Returns what each ring held; the writer reports its end through them."""
+def _serve(pid: int, rings: list[Ring], nudge_r: int, ack_w: int, alarm: bool) -> list[bytes]:
+    """Act as the resident interpreter for the forked writer ``pid`` until it exits: take both rings at every
+    nudge or 10 ms, ack a waiting writer (one byte per waiting ring, as the server does). ``alarm``: first wait
+    until the writer waits for room in the stdout ring, send it SIGALRM there, and serve 0.2 s later. Returns
+    what each ring held; the writer reports its end through them."""
     import time
 
     readers = [RingReader(ring) for ring in rings]
     got = [bytearray() for _ in rings]
-    begin = time.monotonic()
+    serve_at = None if alarm else 0.0
+    deadline = time.monotonic() + 30
     while True:
+        if time.monotonic() > deadline:  # the writer hangs (an ack lost between two waiting threads)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the writer did not finish in 30 s")
         ready, _, _ = select.select([nudge_r], [], [], 0.01)
         if ready:
             os.read(nudge_r, 4096)
-        if time.monotonic() - begin < start_after_s:
+        if serve_at is None:
+            if rings[0].header[WAITING]:  # blocked on a full stdout ring (nothing is taken until then)
+                os.kill(pid, signal.SIGALRM)
+                serve_at = time.monotonic() + 0.2
+            continue
+        if time.monotonic() < serve_at:
             continue
         ended = os.waitpid(pid, os.WNOHANG)[0] == pid
         for index, reader in enumerate(readers):
@@ -121,7 +132,7 @@ def _serve(pid: int, rings: list[Ring], nudge_r: int, ack_w: int, start_after_s:
             return [bytes(data) for data in got]
 
 
-def _run_writer(body: object, start_after_s: float) -> tuple[int, list[bytes]]:
+def _run_writer(body: object, alarm: bool = False) -> tuple[int, list[bytes]]:
     """Fork a process that installs 4 KiB rings and calls ``body()``; exit 0 if it returned, 1 if it raised."""
     rings = [Ring(4096), Ring(4096)]
     nudge_r, nudge_w = os.pipe()
@@ -146,7 +157,7 @@ def _run_writer(body: object, start_after_s: float) -> tuple[int, list[bytes]]:
     os.close(ack_r)
     os.close(out_w)
     try:
-        got = _serve(pid, rings, nudge_r, ack_w, start_after_s)
+        got = _serve(pid, rings, nudge_r, ack_w, alarm)
     finally:
         for ring in rings:
             ring.close()
@@ -161,11 +172,10 @@ def test_a_signal_handler_may_write_stderr_while_stdout_waits_for_room() -> None
     # the rings shared one lock and busy flag: "RuntimeError: reentrant call inside a ring writer" (exit 1)
     def body() -> None:
         signal.signal(signal.SIGALRM, lambda *_: sys.stderr.write("handler\n"))
-        signal.setitimer(signal.ITIMER_REAL, 0.05)
-        sys.stdout.buffer.write(b"x" * 20_000)  # 5 rings' worth: waits; the reader starts after 0.3 s
+        sys.stdout.buffer.write(b"x" * 20_000)  # 5 rings' worth: waits; SIGALRM comes while it does
         sys.stderr.write("BODY DONE\n")
 
-    code, (out, err) = _run_writer(body, start_after_s=0.3)
+    code, (out, err) = _run_writer(body, alarm=True)
     assert code == 0, err[-300:]
     assert out == b"x" * 20_000
     assert err == b"handler\nBODY DONE\n"
@@ -187,7 +197,7 @@ def test_two_threads_waiting_for_both_rings_at_once_both_finish() -> None:
             thread.join()
         sys.stderr.write("BODY DONE\n")
 
-    code, (out, err) = _run_writer(body, start_after_s=0.05)
+    code, (out, err) = _run_writer(body)
     assert code == 0
     assert out == b"y" * 600_000
     assert err == b"y" * 600_000 + b"BODY DONE\n"
