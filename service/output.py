@@ -156,8 +156,13 @@ class OutputLog:
                 self.retained_bytes += len(kept)
 
     def close(self) -> None:
-        """No more writes."""
+        """No more writes (idempotent)."""
         self._file.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called (the file of retained bytes is closed)."""
+        return self._file.closed
 
 
 class OutputRange:

@@ -89,8 +89,9 @@ class Runner:
         self._instance = instance
 
     def start(self, admitted: Admitted) -> asyncio.Task[Any]:
-        """Run the admitted job as a task; its ticket is given back when the job ends, or when the task ends
-        however it ends (cancelled before it began included)."""
+        """Run the admitted job as a task; its ticket is given back and its output files closed when the job
+        ends, or when the task ends however it ends (cancelled before it began included: ``run`` and its
+        cleanup then never run)."""
         job, ticket = admitted.job, admitted.ticket
         placement: Placement
         if admitted.session is None:
@@ -98,7 +99,13 @@ class Runner:
         else:
             placement = InSession(admitted.session, self._sandboxes, ticket, job, self._tasks)
         task = self._tasks.spawn(self.run(admitted, placement), f"job {job.id}")
-        task.add_done_callback(lambda _: ticket.release())
+
+        def ended(_: asyncio.Task[Any]) -> None:
+            ticket.release()
+            for output in (job.stdout, job.stderr):
+                output.close()
+
+        task.add_done_callback(ended)
         return task
 
     async def run(self, admitted: Admitted, placement: Placement) -> None:

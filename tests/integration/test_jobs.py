@@ -225,8 +225,7 @@ def test_callbacks_and_lost_jobs_survive_a_crash(engine: docker.DockerClient, sc
     instance = f"pytest-cb-crash-{secrets.token_hex(4)}"
     env = {"PTC_CALLBACK_SECRET": "k", "PTC_CALLBACK_BACKOFF_S": "60"}
     receiver = Receiver(failures=0)
-    receiver.httpd.shutdown()
-    receiver.httpd.server_close()  # down for now: the first attempt fails and the retry waits 60 s
+    receiver.close()  # down for now: the first attempt fails and the retry waits 60 s
     first = start_service(instance, scratch / "cb-crash", **env)
     with first.client() as api:
         ended = execute(api, "print('ended')", callback_url=receiver.url)
@@ -253,7 +252,7 @@ def test_callbacks_and_lost_jobs_survive_a_crash(engine: docker.DockerClient, sc
             assert (lost["stdout"], lost["stdout_bytes"], lost["stdout_retained_bytes"]) == ("r\n", 2, 2)
     finally:
         second.stop()
-        receiver.httpd.shutdown()
+        receiver.close()
 
 
 def test_a_trailing_slash_is_not_redirected_to_the_hosts_a_request_names(api: httpx.Client) -> None:

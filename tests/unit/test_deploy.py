@@ -104,10 +104,13 @@ class FakeEngine:
             "PTC_DOCKERD_PIDFILE": str(self.state / "dockerd.pid"),
             "PTC_DOCKERD_LOG": str(folder / "dockerd.log"),
         }
+        self.dockerd: subprocess.Popen[bytes] | None = None
 
     def start_dockerd(self) -> None:
         """Start the fake dockerd the way an operator did before local.sh ran (with the current daemon.json)."""
-        subprocess.Popen(["dockerd", "--config-file", str(self.daemon_json)], env=self.env, start_new_session=True)
+        self.dockerd = subprocess.Popen(
+            ["dockerd", "--config-file", str(self.daemon_json)], env=self.env, start_new_session=True
+        )
         wait_until(lambda: (self.state / "running").exists(), 10)
 
     def local_sh(self, *args: str) -> subprocess.CompletedProcess[str]:
@@ -124,12 +127,16 @@ class FakeEngine:
         return loaded
 
     def stop(self) -> None:
+        """Stop the fake dockerd (whoever started it) and, when this test started it, reap it."""
         pidfile = self.state / "dockerd.pid"
         if pidfile.exists():
             try:
                 os.kill(int(pidfile.read_text()), signal.SIGTERM)
             except ProcessLookupError:
                 pass
+        if self.dockerd is not None:
+            self.dockerd.terminate()
+            self.dockerd.wait(10)
 
 
 @pytest.fixture

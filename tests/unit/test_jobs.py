@@ -70,12 +70,17 @@ class Receiver:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
 
+    def close(self) -> None:
+        """Stop serving and close the listening socket (``shutdown`` alone leaves it open)."""
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
 
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
     r = Receiver(failures=2)
     yield r
-    r.httpd.shutdown()
+    r.close()
 
 
 def test_callback_is_retried_and_signed(scratch: Path, receiver: Receiver) -> None:
@@ -142,6 +147,7 @@ def test_slow_callback_receiver_is_cut_off_at_the_timeout(scratch: Path) -> None
     finally:
         svc.stop()
         hang.shutdown()
+        hang.server_close()
 
 
 class _Sleeper(BaseHTTPRequestHandler):

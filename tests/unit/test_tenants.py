@@ -57,6 +57,11 @@ class Receiver:
         self.port = int(self.httpd.server_address[1])
         self.url = f"http://127.0.0.1:{self.port}/hook"
 
+    def close(self) -> None:
+        """Stop serving and close the listening socket (``shutdown`` alone leaves it open)."""
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
     def delivery_of(self, job_id: str) -> tuple[dict[str, str], bytes]:
         for headers, body in self.deliveries:
             if json.loads(body)["job_id"] == job_id:
@@ -78,7 +83,7 @@ def client_of(service: Service, name: str) -> httpx.Client:
 def receiver() -> Iterator[Receiver]:
     r = Receiver()
     yield r
-    r.httpd.shutdown()
+    r.close()
 
 
 @pytest.fixture(scope="module")

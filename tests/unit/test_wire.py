@@ -220,7 +220,12 @@ async def exchange(lines: list[bytes], folder: Path) -> tuple[Broker, list[dict[
         for _ in range(sum(1 for line in lines if line.strip())):
             raw = await asyncio.wait_for(reader.readline(), 10)
             replies.append(exactjson.loads(raw))  # every reply is JSON that keeps its meaning
+        # Wait for the broker to end the connection before closing it: closing the broker's server while an
+        # accepted connection is still being set up leaks that connection inside asyncio (CPython gh-109564).
+        writer.write_eof()
+        await reader.read()
         writer.close()
+        await writer.wait_closed()
     finally:
         await broker.close()
         await endpoints.aclose()

@@ -84,6 +84,8 @@ async def test_a_run_task_cancelled_before_it_began_gives_its_place_back(parts: 
         await task
     await asyncio.sleep(0)  # done callbacks run
     assert ticket.released and session.queued == 0 and parts.quotas.usage("alice").jobs == 0
+    # and its output files are closed (before the fix they stayed open until garbage collection)
+    assert job_admitted.job.stdout.closed and job_admitted.job.stderr.closed
 
 
 async def test_broker_close_failures_are_logged(
@@ -114,3 +116,5 @@ async def test_broker_close_failures_are_logged(
     with caplog.at_level(logging.ERROR):
         await placement.leave(parts.runner._new_broker(other_admitted.job, MANIFEST))
     assert f"job {other_admitted.job.id}: closing its broker failed" in caplog.text and not session.turn.locked()
+    for output in (other_admitted.job.stdout, other_admitted.job.stderr):  # never run: its cleanup is ours
+        output.close()
