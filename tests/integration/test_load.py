@@ -98,8 +98,13 @@ def test_healthz_answers_while_views_of_a_big_job_are_read_in_parallel(load_serv
         def read_in_parallel(read: Callable[[httpx.Client], httpx.Response]) -> tuple[list[float], list[bytes]]:
             probe = HealthProbe(load_service.url)
             probe.start()
+
+            def read_once(_: int) -> httpx.Response:
+                with load_service.client(timeout=600) as client:
+                    return read(client)
+
             with ThreadPoolExecutor(5) as pool:
-                answers = list(pool.map(lambda _: read(load_service.client(timeout=600)), range(5)))
+                answers = list(pool.map(read_once, range(5)))
             assert all(a.status_code == 200 for a in answers)
             return probe.finish(), [a.content for a in answers]
 
