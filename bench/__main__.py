@@ -336,7 +336,19 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="ptcb", dir="/tmp"))
     instance = f"bench-{secrets.token_hex(4)}"
     service = start_service(  # one warm pool (the default profile's): the "cold" requests' profile stays cold
-        instance, scratch / "svc", PTC_LOG_LEVEL="warning", PTC_MAX_QUEUE="1000", PTC_WARM_POOL_MAX_PROFILES="1"
+        instance,
+        scratch / "svc",
+        PTC_LOG_LEVEL="warning",
+        PTC_MAX_QUEUE="1000",
+        PTC_WARM_POOL_MAX_PROFILES="1",
+        # The benchmark is one key standing for every client: its quotas are the service's own limits (the
+        # defaults give one key half the slots, a quarter of the sessions' CPUs and 600 jobs a minute).
+        PTC_QUOTA_RUNNING_JOBS="1000",
+        PTC_QUOTA_QUEUED_JOBS="1000",
+        PTC_QUOTA_SESSIONS="32",
+        PTC_QUOTA_SESSION_CPUS="1000",
+        PTC_QUOTA_SESSION_MEMORY_MB="1000000",
+        PTC_QUOTA_JOBS_PER_MINUTE="1000000",
     )
     engine = docker.from_env()
     try:
