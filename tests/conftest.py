@@ -291,6 +291,7 @@ def execute(api: httpx.Client, script: str, tools: list[dict[str, Any]] | None =
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test under ``tests/integration/`` carries the ``integration`` marker (``-m "not integration"`` runs
     the rest, which needs no engine)."""
+    integration = ROOT / "tests" / "integration"
     for item in items:
-        if "integration" in item.path.parts and item.get_closest_marker("integration") is None:
+        if integration in item.path.parents and item.get_closest_marker("integration") is None:
             item.add_marker(pytest.mark.integration)
