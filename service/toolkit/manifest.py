@@ -35,7 +35,7 @@ from service import exactjson
 from service.egress import header_problem, url_problem
 from service.errors import CheckTooCostly, ManifestError
 from service.toolkit.schema import JsonSchema, json_depth, to_json_schema
-from service.toolkit.validation import budget_left, budgeted, canonical, enum_keyword, tick
+from service.toolkit.validation import budget_left, budgeted, canonical, enum_keyword, running_budget_s, tick
 
 MAX_TOOL_NAME = 256
 MAX_NAME_SEGMENTS = 16
@@ -57,7 +57,7 @@ def _search(pattern: str, text: str) -> bool:
 
     Raises:
         CheckTooCostly: the search ran out of time (the call is refused, ``limit_exceeded``), or the budget was
-            already spent.
+            already spent; a search bounded by what was left of the budget reports the budget, not its remainder.
         regex.error: ``pattern`` is not a valid pattern (the keywords below turn it into a validation error).
     """
     limit = budget_left(PATTERN_TIMEOUT_S)
@@ -66,6 +66,9 @@ def _search(pattern: str, text: str) -> bool:
         return regex.search(pattern, text, timeout=limit) is not None
     except TimeoutError:
         budget_left(PATTERN_TIMEOUT_S)  # the check's budget is spent: say so
+        budget_s = running_budget_s()
+        if budget_s is not None and limit < PATTERN_TIMEOUT_S:  # the search had only what was left of the budget
+            raise CheckTooCostly(budget_s) from None
         shown = pattern if len(pattern) <= PATTERN_SHOWN else pattern[:PATTERN_SHOWN] + "..."
         raise CheckTooCostly(
             limit, f"matching the pattern {shown!r} against one value took more than {limit:g} s"

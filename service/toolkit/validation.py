@@ -157,6 +157,12 @@ def budget_left(cap_s: float) -> float:
     return min(cap_s, left)
 
 
+def running_budget_s() -> float | None:
+    """The CPU budget (seconds) of the check running on this thread, None when none runs."""
+    budget = _BUDGET
+    return None if budget.deadline is None else budget.limit_s
+
+
 def budgeted(keyword: Callable[..., Any]) -> Callable[..., Any]:
     """A jsonschema keyword function that counts against the running check's budget (see ``tick``)."""
 
