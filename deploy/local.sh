@@ -18,6 +18,7 @@
 #     daemon.json (flags below) before dockerd starts; an engine already running
 #     without it (or with it but without --oci-seccomp) gets SIGHUP (a reload: no restart, its containers
 #     keep running); an engine that already has it so is left alone. Missing runsc fails under CI=true;
+#   - kernel.pid_max raised to 4194304 when lower (gVisor's threads count there: docs/operations.md);
 #   - the sandbox image (sandbox_image/build.sh; offline base when no registry);
 #   - for the tests only: Debian's docker-compose when no `docker compose` works, and Debian's
 #     prometheus (a real Prometheus scrapes the service in a test).
@@ -144,9 +145,20 @@ setup_compose() {
   apt_install --no-install-recommends docker-compose
 }
 
+# gVisor's sandboxes each may hold up to 24 * pids + 64 host tasks (service/sandbox/docker.py): a pid_max of
+# 32768 (a common default) would let ten fork bombs exhaust the host's pids. Raised only, never lowered.
+setup_pid_max() {
+  local want=4194304 have
+  have=$(cat /proc/sys/kernel/pid_max 2>/dev/null || echo "$want")
+  if [ "$have" -lt "$want" ]; then
+    as_root sh -c "echo $want >/proc/sys/kernel/pid_max" || log "warning: could not raise kernel.pid_max ($have)"
+  fi
+}
+
 setup() {
   setup_venv "${1:-}"
   setup_engine
+  setup_pid_max
   sandbox_image/build.sh >/dev/null
   if [ "${1:-}" = "[test]" ]; then setup_prometheus; setup_compose; fi
 }

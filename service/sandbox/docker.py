@@ -41,9 +41,11 @@ PRIVSEP_USER = "0:0"
 PRIVSEP_CAPS = ["SETUID", "SETGID", "KILL"]  # the resident interpreter's; every script drops them (10001, none)
 GVISOR = "runsc"
 # gVisor (this runsc, ptrace platform) holds host tasks for its own threads: measured, 8 per idle process of the
-# sandbox and about 25 per process at the peak of a fork bomb (32 processes: 795 host tasks; 64: 1,691).
+# sandbox and about 25 per process at the peak of a fork bomb on an idle host (32 processes: 795 host tasks; 64:
+# 1,691), up to 37 with the host's CPUs busy (32 processes: 1,187; 25 bombs beside three busy loops). At 8 per pid
+# (1,088 for the default 128) a bomb on a loaded host filled the cgroup and gVisor died (exit 2, Go's fatal error).
 GVISOR_PROCESS_SHARE = 4  # the sandbox user's processes and threads inside gVisor: pids // this
-GVISOR_HOST_TASKS_PER_PID = 8  # the host's pids cgroup: pids * this + base
+GVISOR_HOST_TASKS_PER_PID = 24  # the host's pids cgroup: pids * this + base (96 per process inside: 2.6x the peak)
 GVISOR_HOST_TASKS_BASE = 64
 OUTPUT_DRAIN_S = 5.0
 SWEEP_SETTLE_ROUNDS = 40  # x 0.25 s
