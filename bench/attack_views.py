@@ -29,10 +29,8 @@ import os
 import secrets
 import shutil
 import socket
-import statistics
 import subprocess
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,6 +39,7 @@ from typing import Any
 import httpx
 
 from service.auth import hash_token
+from tests.probe import HealthProbe
 
 HERE = Path(__file__).resolve().parent.parent
 IMAGE = os.environ.get("PTC_SANDBOX_IMAGE", "ptc-sandbox-runtime:latest")
@@ -75,33 +74,6 @@ def status_kb(pid: int) -> dict[str, int]:
         if name in ("VmRSS", "VmHWM"):
             fields[name] = int(value.split()[0])
     return fields
-
-
-class Probe(threading.Thread):
-    """GET /healthz every 50 ms until stopped; keeps each latency (ms)."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(daemon=True)
-        self.url = url
-        self.latencies: list[float] = []
-        self.stopping = threading.Event()
-
-    def run(self) -> None:
-        with httpx.Client(timeout=120) as client:
-            while not self.stopping.is_set():
-                begin = time.perf_counter()
-                client.get(f"{self.url}/healthz").raise_for_status()
-                self.latencies.append((time.perf_counter() - begin) * 1000)
-                self.stopping.wait(0.05)
-
-    def summary(self) -> dict[str, float]:
-        self.stopping.set()
-        self.join()
-        return {
-            "healthz_max_ms": round(max(self.latencies), 1),
-            "healthz_median_ms": round(statistics.median(self.latencies), 1),
-            "healthz_probes": len(self.latencies),
-        }
 
 
 def parallel(readers: int, fn: Any) -> tuple[float, list[Any]]:
@@ -175,19 +147,17 @@ def main() -> None:
             with httpx.Client(base_url=url, headers=headers, timeout=600) as client:
                 return len(client.post(f"/jobs/{job_id}/wait", params={"timeout_s": 0}).content)
 
-        probe = Probe(url)
-        probe.start()
-        seconds, sizes = parallel(args.readers, get)
-        figures["live"] = {"gets_s": seconds, "view_bytes": sizes[0], **probe.summary()}
+        with HealthProbe(url) as probe:
+            seconds, sizes = parallel(args.readers, get)
+        figures["live"] = {"gets_s": seconds, "view_bytes": sizes[0], **probe.summary_ms()}
         figures["live"]["rss_mb"] = status_kb(process.pid)["VmRSS"] // 1024
 
         stopped = api.post(f"/jobs/{job_id}/stop")
         figures["stop_s"] = round(stopped.elapsed.total_seconds(), 2)
-        probe = Probe(url)
-        probe.start()
-        seconds, sizes = parallel(args.readers, get)
-        wait_seconds, _ = parallel(args.readers, wait)
-        figures["ended"] = {"gets_s": seconds, "waits_s": wait_seconds, "view_bytes": sizes[0], **probe.summary()}
+        with HealthProbe(url) as probe:
+            seconds, sizes = parallel(args.readers, get)
+            wait_seconds, _ = parallel(args.readers, wait)
+        figures["ended"] = {"gets_s": seconds, "waits_s": wait_seconds, "view_bytes": sizes[0], **probe.summary_ms()}
         final = api.get(f"/jobs/{job_id}").json()  # parsed after the probe stopped: it holds this process's GIL
         figures["ended"] |= {
             "status": final["status"],

@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
-import statistics
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +22,7 @@ import httpx
 
 from service.auth import hash_token
 from tests.conftest import start_service
+from tests.probe import HealthProbe
 
 MALLORY = secrets.token_urlsafe(32)
 
@@ -40,29 +39,6 @@ def _post(client: httpx.Client, body: bytes, headers: dict[str, str]) -> int | s
         return client.post("/execute", content=body, headers=headers).status_code
     except httpx.HTTPError as exc:
         return type(exc).__name__
-
-
-def healthz_under(url: str, attack: Any) -> tuple[Any, list[float]]:
-    """Run ``attack()`` while sampling ``url``/healthz every 50 ms; returns its result and the latencies (ms)."""
-    samples: list[float] = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        with httpx.Client(base_url=url, timeout=120) as probe:
-            while not stop.is_set():
-                started = time.perf_counter()
-                probe.get("/healthz")
-                samples.append((time.perf_counter() - started) * 1000)
-                stop.wait(0.05)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
-        result = attack()
-    finally:
-        stop.set()
-        sampler.join()
-    return result, samples
 
 
 def main() -> None:
@@ -87,16 +63,15 @@ def main() -> None:
                 codes = list(pool.map(lambda _: _post(client, body, headers), range(args.requests)))
             return codes, time.perf_counter() - started
 
-        (codes, wall_s), samples = healthz_under(service.url, attack)
+        with HealthProbe(service.url, strict=False) as probe:
+            codes, wall_s = attack()
         result: dict[str, Any] = {
             "body_bytes": len(body),
             "clients": args.clients,
             "requests": args.requests,
             "answers": {str(code): codes.count(code) for code in set(codes)},
             "attack_wall_s": round(wall_s, 2),
-            "healthz_samples": len(samples),
-            "healthz_median_ms": round(statistics.median(samples), 1) if samples else None,
-            "healthz_max_ms": round(max(samples), 1) if samples else None,
+            **probe.summary_ms(),
         }
         print(json.dumps(result))
     finally:

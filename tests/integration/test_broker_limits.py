@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
-from typing import Any
 
 import httpx
 import pytest
 
 from tests.conftest import execute
+from tests.probe import healthz_while
 from tests.toolserver import ToolServer
 from tests.unit.test_broker_limits import ECHO
 
@@ -127,29 +126,6 @@ def test_regex_costs_refuse_the_call_and_the_script_goes_on(api: httpx.Client) -
     assert [(c["status"], c["error"]["type"]) for c in view["calls"]] == [("rejected", "limit_exceeded")] * 2
 
 
-def _healthz_while(api: httpx.Client, script: str, tools: list[dict[str, Any]]) -> tuple[list[float], dict[str, Any]]:
-    """Run ``script`` and sample /healthz (s) while it runs; returns the samples and the job's view."""
-    samples: list[float] = []
-    done = threading.Event()
-
-    def sample() -> None:
-        with httpx.Client(base_url=str(api.base_url), timeout=30) as probe:
-            while not done.is_set():
-                started = time.perf_counter()
-                probe.get("/healthz")
-                samples.append(time.perf_counter() - started)
-                time.sleep(0.05)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
-        view = execute(api, script, tools, timeout_s=60)
-    finally:
-        done.set()
-        sampler.join()
-    return samples, view
-
-
 def test_healthz_stays_responsive_while_a_jobs_http_tool_returns_8_mib(
     api: httpx.Client, tool_server: ToolServer
 ) -> None:
@@ -159,7 +135,7 @@ def test_healthz_stays_responsive_while_a_jobs_http_tool_returns_8_mib(
         's.sendall(b\'\'.join(b\'{"id":%d,"tool":"big","args":{}}\\n\' % i for i in range(8)))\n'
         "print(sum(len(f.readline()) > 8_000_000 for _ in range(8)))\n"
     )
-    samples, view = _healthz_while(api, script, [tool])
+    view, samples = healthz_while(str(api.base_url), lambda: execute(api, script, [tool], timeout_s=60), 30)
     assert (view["status"], view["stdout"]) == ("succeeded", "8\n"), view
     # Generous (a loaded CI machine showed one 2.5 s outlier in another test of this file): before, 12.5 s.
     assert samples and max(samples) < 3.0, sorted(samples)[-5:]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import socket
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +19,7 @@ import orjson
 import pytest
 
 from tests.conftest import Service, execute, start_service, wait_until
+from tests.probe import HealthProbe
 
 BIG_TOOLS = [
     {
@@ -44,29 +44,6 @@ def rss_mb(service: Service) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise AssertionError("no VmRSS")
-
-
-class HealthProbe(threading.Thread):
-    """GET /healthz every 50 ms until stopped; keeps the latencies (s)."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(daemon=True)
-        self.url = url
-        self.latencies: list[float] = []
-        self.stopping = threading.Event()
-
-    def run(self) -> None:
-        with httpx.Client(timeout=60) as client:
-            while not self.stopping.is_set():
-                begin = time.monotonic()
-                client.get(f"{self.url}/healthz").raise_for_status()
-                self.latencies.append(time.monotonic() - begin)
-                self.stopping.wait(0.05)
-
-    def finish(self) -> list[float]:
-        self.stopping.set()
-        self.join()
-        return self.latencies
 
 
 @pytest.fixture(scope="module")
@@ -96,17 +73,14 @@ def test_healthz_answers_while_views_of_a_big_job_are_read_in_parallel(load_serv
         wait_until(lambda: "calls done" in api.get(f"/jobs/{job_id}/output/stdout").text, 300, 1)
 
         def read_in_parallel(read: Callable[[httpx.Client], httpx.Response]) -> tuple[list[float], list[bytes]]:
-            probe = HealthProbe(load_service.url)
-            probe.start()
-
             def read_once(_: int) -> httpx.Response:
                 with load_service.client(timeout=600) as client:
                     return read(client)
 
-            with ThreadPoolExecutor(5) as pool:
+            with HealthProbe(load_service.url, timeout_s=60) as probe, ThreadPoolExecutor(5) as pool:
                 answers = list(pool.map(read_once, range(5)))
             assert all(a.status_code == 200 for a in answers)
-            return probe.finish(), [a.content for a in answers]
+            return probe.latencies, [a.content for a in answers]
 
         running, bodies = read_in_parallel(lambda c: c.get(f"/jobs/{job_id}"))
         assert len(orjson.loads(bodies[0])["calls"]) == 62 and len(bodies[0]) > 50_000_000

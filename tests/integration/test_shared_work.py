@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import secrets
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,7 @@ import pytest
 from bench.body_attack import attack_body
 from service.auth import hash_token
 from tests.conftest import Service, start_service
+from tests.probe import healthz_while
 
 pytestmark = pytest.mark.integration
 
@@ -48,28 +48,6 @@ def _mallory(service: Service) -> httpx.Client:
     return httpx.Client(base_url=service.url, timeout=300, headers={"Authorization": f"Bearer {MALLORY_TOKEN}"})
 
 
-def _healthz_while(service: Service, attack: Any) -> tuple[Any, list[float]]:
-    samples: list[float] = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        with httpx.Client(base_url=service.url, timeout=300) as probe:
-            while not stop.is_set():
-                started = time.perf_counter()
-                assert probe.get("/healthz").status_code == 200
-                samples.append(time.perf_counter() - started)
-                stop.wait(0.05)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
-        result = attack()
-    finally:
-        stop.set()
-        sampler.join()
-    return result, samples
-
-
 def test_healthz_answers_while_large_bodies_are_refused(shared: Service) -> None:
     body = attack_body()
     headers = {"content-type": "application/json"}
@@ -80,7 +58,7 @@ def test_healthz_answers_while_large_bodies_are_refused(shared: Service) -> None
                 pool.map(lambda _: mallory.post("/execute", content=body, headers=headers).status_code, range(6))
             )
 
-    codes, samples = _healthz_while(shared, attack)
+    codes, samples = healthz_while(shared.url, attack, timeout_s=300)
     assert codes == [422] * 6
     # Generous (a shared 2-core host): before, each body held the loop for seconds, one after the other.
     assert samples and max(samples) < 5.0, samples
