@@ -292,3 +292,17 @@ async def test_another_keys_secret_does_not_verify_a_callback(tenants: Tenants) 
     assert not library_verifies(ALICE_NEW, raw, headers)
     assert not library_verifies(ALICE_OLD, raw, headers)
     assert not verify(ALICE_NEW, headers[SIGNATURE_HEADER.lower()], raw)
+
+
+def test_the_by_hand_check_of_the_docs_verifies_and_refuses() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "webhooks.md").read_text()
+    block = text.split("## Verifying by hand", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict[str, Any] = {}
+    exec(compile(block, "docs/webhooks.md", "exec"), scope)
+    by_hand: Callable[[str, dict[str, str], bytes], bool] = scope["verify"]
+    new, old, body = whsec().rstrip("="), "free-form old secret".replace(" ", "-"), b'{"job_id": "job_6"}'
+    headers = signed_headers(parse_secret_list(f"{new} {old}"), "msg_job_6", int(time.time()), body)
+    assert by_hand(new, headers, body) and by_hand(old, headers, body)
+    assert not by_hand(whsec(), headers, body) and not by_hand(new, headers, body + b" ")
+    stale = signed_headers(parse_secret_list(new), "msg_job_6", int(time.time()) - 301, body)
+    assert not by_hand(new, stale, body)
