@@ -11,7 +11,10 @@ Signature, as the Standard Webhooks specification (version 1.0.0, "Signature sch
 A secret written ``whsec_<base64>`` (the specification's form) signs with the bytes its base64 decodes to, at
 least 24; any other secret (a free-form one of the releases before) signs with its UTF-8 bytes, as the
 specification's "Migrating" section allows. A receiver verifies with the ``standardwebhooks`` library:
-``Webhook("whsec_...")``, or ``Webhook(secret.encode())`` for a free-form secret.
+``Webhook("whsec_...")``, or ``Webhook(secret.encode())`` for a free-form secret. The service signs with its own
+few lines (``standard_signature``) rather than the library's ``Webhook.sign``, which takes the body as ``str``: a job
+view of tens of MiB would be decoded and encoded again at every attempt. ``tests/unit/test_callbacks.py`` holds the
+two to each other (the library's ``verify``) and to the vector the specification's libraries publish.
 
 Deprecated (kept for one release, still correct): ``X-PTC-Signature: t=<unix seconds>,v1=<hex>`` where
 ``hex = HMAC-SHA256(secret, f"{t}." + body)`` keyed with the secret's text as configured (UTF-8, ``whsec_``
