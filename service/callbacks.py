@@ -133,7 +133,10 @@ def standard_signature(keys: Sequence[bytes], msg_id: str, timestamp: int, body:
     """The ``webhook-signature`` value: ``v1,<base64>`` per key, space-separated, in the order of ``keys``.
 
     Each is the base64 of HMAC-SHA256(key, ``f"{msg_id}.{timestamp}."`` + ``body``), ``timestamp`` in unix seconds
-    (Standard Webhooks 1.0.0, "Signature scheme"). ``msg_id`` must hold no ``.`` (the specification's warning).
+    (Standard Webhooks 1.0.0, "Signature scheme").
+
+    Raises:
+        ValueError: ``msg_id`` holds a ``.`` (the specification's warning: it would make the signed text ambiguous).
     """
     if "." in msg_id:
         raise ValueError("a webhook-id may not contain '.'")
