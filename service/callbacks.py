@@ -1,10 +1,25 @@
 """Completion callbacks: the final job view POSTed to the job's ``callback_url``, signed, retried.
 
-Signature (header ``X-PTC-Signature``): ``t=<unix seconds>,v1=<hex>`` where
-``hex = HMAC-SHA256(secret, f"{t}." + body)``, the scheme Stripe documents for
-its webhooks (https://docs.stripe.com/webhooks#verify-manually). A receiver
-recomputes it over the raw body and rejects stale timestamps. The same
-timestamp is also sent alone in ``X-PTC-Timestamp``.
+Signature, as the Standard Webhooks specification (version 1.0.0, "Signature scheme" and "Webhook headers") says:
+
+- ``webhook-id``: ``msg_<job id>``, the same in every attempt of a job's one callback (retries and deliveries
+  resumed after a restart included), so a receiver drops duplicates by it;
+- ``webhook-timestamp``: this attempt's time, unix seconds;
+- ``webhook-signature``: ``v1,<base64 HMAC-SHA256(key, f"{id}.{timestamp}." + body)>``, one per secret of the
+  job's owner, space-separated (two while a secret is rotated: a receiver holding either verifies).
+
+A secret written ``whsec_<base64>`` (the specification's form) signs with the bytes its base64 decodes to, at
+least 24; any other secret (a free-form one of the releases before) signs with its UTF-8 bytes, as the
+specification's "Migrating" section allows. A receiver verifies with the ``standardwebhooks`` library:
+``Webhook("whsec_...")``, or ``Webhook(secret.encode())`` for a free-form secret. The service signs with its own
+few lines (``standard_signature``) rather than the library's ``Webhook.sign``, which takes the body as ``str``: a job
+view of tens of MiB would be decoded and encoded again at every attempt. ``tests/unit/test_callbacks.py`` holds the
+two to each other (the library's ``verify``) and to the vector the specification's libraries publish.
+
+Deprecated (kept for one release, still correct): ``X-PTC-Signature: t=<unix seconds>,v1=<hex>`` where
+``hex = HMAC-SHA256(secret, f"{t}." + body)`` keyed with the secret's text as configured (UTF-8, ``whsec_``
+prefix and all), the scheme Stripe documents for its webhooks; one ``v1=`` per secret while a secret is
+rotated. The same timestamp is also sent alone in ``X-PTC-Timestamp``.
 
 Delivery: an attempt succeeds on any 2xx answer; otherwise (another status,
 a timeout, a refused connection) it is retried with exponential backoff
@@ -21,15 +36,21 @@ can pick the secret to verify with. A key with an entry in ``PTC_CALLBACK_SECRET
 signed with that secret; the others with ``PTC_CALLBACK_SECRET``. So a key cannot
 obtain a validly signed callback that claims another tenant: the owner in the body
 is the submitting key, and a receiver holding its own secret refuses anyone else's.
+
+Rotation: each of those settings' secrets may be two (or more), separated by spaces (``new old``, as the
+signature header itself separates them): every callback is then signed with each.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hashlib
 import hmac
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -41,64 +62,153 @@ from service.egress import EgressDenied
 from service.errors import InsecureConfig
 from service.settings import Settings
 
-SIGNATURE_HEADER = "X-PTC-Signature"
-TIMESTAMP_HEADER = "X-PTC-Timestamp"
+WEBHOOK_ID_HEADER = "webhook-id"
+WEBHOOK_TIMESTAMP_HEADER = "webhook-timestamp"
+WEBHOOK_SIGNATURE_HEADER = "webhook-signature"
+SIGNATURE_HEADER = "X-PTC-Signature"  # deprecated: see the module's docstring
+TIMESTAMP_HEADER = "X-PTC-Timestamp"  # deprecated
 OWNER_HEADER = "X-PTC-Owner"
 MAX_BACKOFF_S = 60.0
+SECRET_PREFIX = "whsec_"
+MIN_KEY_BYTES = 24  # the specification's least size of a symmetric secret
 
 
-def sign(secret: bytes, timestamp: int, body: bytes) -> str:
-    """The ``X-PTC-Signature`` value for ``body`` sent at ``timestamp`` (unix seconds)."""
-    digest = hmac.new(secret, f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
-    return f"t={timestamp},v1={digest}"
+@dataclass(frozen=True)
+class CallbackSecret:
+    """One secret that signs callbacks.
+
+    Attributes:
+        text: the secret as configured, UTF-8: the key of the deprecated ``X-PTC-Signature``.
+        key: the HMAC key of ``webhook-signature``: what a ``whsec_`` secret's base64 decodes to, else ``text``.
+    """
+
+    text: bytes
+    key: bytes
+
+    def __repr__(self) -> str:  # never a secret in a log or a traceback
+        return "CallbackSecret(...)"
+
+    @classmethod
+    def parse(cls, secret: str) -> CallbackSecret:
+        """The secret written ``secret`` (``whsec_<base64>``, or free-form text).
+
+        Raises:
+            ValueError: a ``whsec_`` secret whose rest is not base64 (padding may be left out) or decodes to fewer
+                than 24 bytes (the message never contains the secret).
+        """
+        if not secret.startswith(SECRET_PREFIX):
+            return cls(secret.encode(), secret.encode())
+        encoded = secret[len(SECRET_PREFIX) :]
+        try:  # the reference library pads too (a whsec_ secret's base64 often comes without its '=')
+            key = base64.b64decode(encoded + "=" * (-len(encoded) % 4), validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("a whsec_ secret is not base64 after its prefix") from None
+        if len(key) < MIN_KEY_BYTES:
+            raise ValueError(f"a whsec_ secret decodes to {len(key)} bytes, fewer than {MIN_KEY_BYTES}")
+        return cls(secret.encode(), key)
+
+
+Secrets = tuple[CallbackSecret, ...]
+"""The secrets of one owner, newest first: one, or more while a secret is rotated."""
+
+
+def parse_secret_list(value: str) -> Secrets:
+    """The secrets of one setting's value, separated by whitespace (``new old`` while rotating).
+
+    Raises:
+        ValueError: no secret, or one ``CallbackSecret.parse`` refuses (never echoes a secret).
+    """
+    found = tuple(CallbackSecret.parse(part) for part in value.split())
+    if not found:
+        raise ValueError("an empty callback secret")
+    return found
+
+
+def message_id(job_id: str) -> str:
+    """The ``webhook-id`` of ``job_id``'s callback: ``msg_<job id>`` (one message per job end, so per job)."""
+    return f"msg_{job_id}"
+
+
+def standard_signature(keys: Sequence[bytes], msg_id: str, timestamp: int, body: bytes) -> str:
+    """The ``webhook-signature`` value: ``v1,<base64>`` per key, space-separated, in the order of ``keys``.
+
+    Each is the base64 of HMAC-SHA256(key, ``f"{msg_id}.{timestamp}."`` + ``body``), ``timestamp`` in unix seconds
+    (Standard Webhooks 1.0.0, "Signature scheme").
+
+    Raises:
+        ValueError: ``msg_id`` holds a ``.`` (the specification's warning: it would make the signed text ambiguous).
+    """
+    if "." in msg_id:
+        raise ValueError("a webhook-id may not contain '.'")
+    signed = f"{msg_id}.{timestamp}.".encode() + body
+    return " ".join("v1," + base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode() for key in keys)
+
+
+def sign(secret: bytes | Sequence[bytes], timestamp: int, body: bytes) -> str:
+    """The deprecated ``X-PTC-Signature`` value for ``body`` sent at ``timestamp`` (unix seconds).
+
+    ``t=<timestamp>,v1=<hex>``, one ``v1=`` per secret when ``secret`` is several (in their order).
+    """
+    keys = [secret] if isinstance(secret, bytes) else list(secret)
+    signed = f"{timestamp}.".encode() + body
+    return ",".join([f"t={timestamp}", *(f"v1={hmac.new(k, signed, hashlib.sha256).hexdigest()}" for k in keys)])
 
 
 def verify(secret: bytes | str, header: str, body: bytes, tolerance_s: float = 300) -> bool:
-    """Check an ``X-PTC-Signature`` header (constant-time); False when wrong or older than ``tolerance_s``.
+    """Check a (deprecated) ``X-PTC-Signature`` header (constant-time); False when wrong or older than ``tolerance_s``.
 
     ``secret`` is the job's key's ``PTC_CALLBACK_SECRETS`` entry, else ``PTC_CALLBACK_SECRET`` (str, UTF-8,
-    or its bytes); ``body`` the raw request body (check its ``owner`` too).
+    or its bytes; while rotating, either one of the two); ``body`` the raw request body (check its ``owner`` too).
+    Any of the header's ``v1=`` may match.
     """
     if isinstance(secret, str):
         secret = secret.encode()
     try:
-        fields = dict(part.split("=", 1) for part in header.split(","))
-        timestamp = int(fields["t"])
-    except (ValueError, KeyError):
+        fields = [part.split("=", 1) for part in header.split(",")]
+        (timestamp,) = (int(value) for name, value in fields if name == "t")
+        signatures = [value.encode() for name, value in fields if name == "v1"]
+    except ValueError:
         return False
     if abs(time.time() - timestamp) > tolerance_s:
         return False
-    return hmac.compare_digest(sign(secret, timestamp, body), header)
+    expected = sign(secret, timestamp, body).split("=", 2)[2].encode()
+    return any(hmac.compare_digest(expected, signature) for signature in signatures)
 
 
 class CallbackSecrets:
-    """The keys callbacks are signed with: one per API key name, and the server's for the rest.
+    """The secrets callbacks are signed with: one set per API key name, and the server's for the rest.
 
     Args:
-        default: ``PTC_CALLBACK_SECRET`` (bytes), or None.
-        per_owner: key name -> its own secret.
+        default: ``PTC_CALLBACK_SECRET``'s secrets, or None.
+        per_owner: key name -> its own secrets.
     """
 
-    def __init__(self, default: bytes | None, per_owner: dict[str, bytes]) -> None:
+    def __init__(self, default: Secrets | None, per_owner: dict[str, Secrets]) -> None:
         self._default = default
         self._per_owner = per_owner
 
-    def for_owner(self, owner: str | None) -> bytes | None:
-        """The secret that signs callbacks of ``owner``'s jobs (None: callbacks cannot be sent)."""
+    def for_owner(self, owner: str | None) -> Secrets | None:
+        """The secrets that sign callbacks of ``owner``'s jobs, newest first (None: callbacks cannot be sent)."""
         return self._per_owner.get(owner or "", self._default)
 
 
-def parse_secrets(text: str, source: str) -> dict[str, bytes]:
+def parse_secrets(text: str, source: str) -> dict[str, Secrets]:
     """Parse ``name:secret`` entries separated by commas or newlines (``#`` starts a comment line).
 
+    An entry's secret may be several separated by spaces (``name:new old`` while rotating).
+
     Raises:
-        ValueError: an entry is malformed, empty, or names a key twice (names ``source`` and the key, never a secret).
+        ValueError: an entry is malformed, empty, names a key twice, or holds a ``whsec_`` secret that is not
+            one (names ``source`` and the key, never a secret).
     """
-    found: dict[str, bytes] = {}
+    found: dict[str, Secrets] = {}
     for name, secret in named_entries(text, source, "secret"):
         if name in found:
             raise ValueError(f"{source}: key {name!r} has two callback secrets")
-        found[name] = secret.encode()
+        try:
+            found[name] = parse_secret_list(secret)
+        except ValueError as exc:
+            raise ValueError(f"{source}: key {name!r}: {exc}") from None
     return found
 
 
@@ -106,9 +216,11 @@ def load_secrets(settings: Settings) -> CallbackSecrets:
     """The callback secrets of ``settings`` (``PTC_CALLBACK_SECRET``, ``PTC_CALLBACK_SECRETS`` and its file).
 
     Raises:
-        InsecureConfig: an entry is malformed, a key has two secrets, or the file cannot be read.
+        InsecureConfig: an entry is malformed, a key has two entries, a ``whsec_`` secret is not one, or the
+            file cannot be read.
     """
-    per_owner: dict[str, bytes] = {}
+    per_owner: dict[str, Secrets] = {}
+    default: Secrets | None = None
     try:
         if settings.callback_secrets is not None:
             per_owner.update(parse_secrets(settings.callback_secrets.get_secret_value(), "PTC_CALLBACK_SECRETS"))
@@ -118,10 +230,32 @@ def load_secrets(settings: Settings) -> CallbackSecrets:
             if twice := sorted(set(more) & set(per_owner)):
                 raise ValueError(f"{source}: key {twice[0]!r} has a secret in PTC_CALLBACK_SECRETS too")
             per_owner.update(more)
+        if settings.callback_secret is not None:
+            try:
+                default = parse_secret_list(settings.callback_secret.get_secret_value())
+            except ValueError as exc:
+                raise ValueError(f"PTC_CALLBACK_SECRET: {exc}") from None
     except (OSError, ValueError) as exc:
         raise InsecureConfig(str(exc)) from exc
-    default = settings.callback_secret.get_secret_value().encode() if settings.callback_secret is not None else None
     return CallbackSecrets(default, per_owner)
+
+
+def signed_headers(secrets: Secrets, msg_id: str, timestamp: int, body: bytes) -> dict[str, str]:
+    """The signature headers of one attempt: Standard Webhooks' three, and the deprecated two.
+
+    Args:
+        secrets: the job's owner's secrets, newest first.
+        msg_id: the message's ``webhook-id`` (``message_id``).
+        timestamp: the attempt's time, unix seconds.
+        body: the raw body sent.
+    """
+    return {
+        WEBHOOK_ID_HEADER: msg_id,
+        WEBHOOK_TIMESTAMP_HEADER: str(timestamp),
+        WEBHOOK_SIGNATURE_HEADER: standard_signature([s.key for s in secrets], msg_id, timestamp, body),
+        SIGNATURE_HEADER: sign([s.text for s in secrets], timestamp, body),
+        TIMESTAMP_HEADER: str(timestamp),
+    }
 
 
 class _NotDelivered(Exception):
@@ -132,8 +266,9 @@ async def deliver(
     client: httpx.AsyncClient,
     url: str,
     body: bytes,
-    secret: bytes,
+    secrets: Secrets,
     *,
+    msg_id: str,
     max_attempts: int,
     backoff_s: float,
     timeout_s: float,
@@ -142,6 +277,7 @@ async def deliver(
 ) -> bool:
     """POST ``body`` to ``url`` until a 2xx answer or ``max_attempts`` attempts; returns whether it was delivered.
 
+    Every attempt carries ``msg_id`` in ``webhook-id`` and is signed anew with each of ``secrets``;
     ``on_attempt`` receives ``{"at", "status_code", "error", "duration_ms"}`` after every attempt;
     ``owner`` (the job's, as in the body) is sent in ``X-PTC-Owner``.
     """
@@ -153,7 +289,7 @@ async def deliver(
     try:
         async for attempt in retrying:
             with attempt:
-                await _attempt(client, url, body, secret, timeout_s, on_attempt, owner)
+                await _attempt(client, url, body, secrets, msg_id, timeout_s, on_attempt, owner)
     except RetryError:
         return False
     except EgressDenied:
@@ -165,17 +301,13 @@ async def _attempt(
     client: httpx.AsyncClient,
     url: str,
     body: bytes,
-    secret: bytes,
+    secrets: Secrets,
+    msg_id: str,
     timeout_s: float,
     on_attempt: Callable[[dict[str, Any]], None],
     owner: str | None,
 ) -> None:
-    timestamp = int(time.time())
-    headers = {
-        "content-type": "application/json",
-        SIGNATURE_HEADER: sign(secret, timestamp, body),
-        TIMESTAMP_HEADER: str(timestamp),
-    }
+    headers = {"content-type": "application/json", **signed_headers(secrets, msg_id, int(time.time()), body)}
     if owner is not None:
         headers[OWNER_HEADER] = owner
     record: dict[str, Any] = {"at": datetime.now(UTC), "status_code": None, "error": None}

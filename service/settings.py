@@ -234,12 +234,15 @@ class Settings(BaseSettings):
     )
     stop_grace_s: float = Field(2.0, ge=0, description="Time between SIGTERM and SIGKILL when a job is stopped (s).")
     callback_secret: SecretStr | None = Field(
-        None, description="HMAC-SHA256 key that signs completion callbacks; callback_url is refused without it."
+        None,
+        description="Secret that signs completion callbacks (Standard Webhooks webhook-signature; also the "
+        "deprecated X-PTC-Signature, for one more release): whsec_<base64> (at least 24 bytes) or free-form text; "
+        "two separated by a space (new old) while rotating. callback_url is refused without it.",
     )
     callback_secrets: SecretStr | None = Field(
         None,
         description="Per-key callback secrets, comma-separated name:secret pairs: the callbacks of a key's jobs "
-        "are signed with its own secret (PTC_CALLBACK_SECRET signs the others).",
+        "are signed with its own secret (PTC_CALLBACK_SECRET signs the others); name:new old while rotating.",
     )
     callback_secrets_file: Path | None = Field(
         None, description="File with more name:secret pairs for callbacks, one per line (# comments)."

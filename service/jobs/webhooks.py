@@ -1,6 +1,7 @@
 """Webhooks: the completion callback of a job, POSTed to its ``callback_url`` once its final view is saved.
 
-Signing, retries and the wire format are ``service.callbacks``. Delivery uses a client of its own (at most
+Signing (Standard Webhooks: ``webhook-id`` is ``msg_<job id>``, the same in every attempt and after a restart),
+retries and the wire format are ``service.callbacks``. Delivery uses a client of its own (at most
 ``CALLBACK_DELIVERIES`` connections, through the egress rules of tool endpoints, no redirects); each attempt is
 saved into the job's view as it happens. Deliveries still pending when the service stopped are resumed at
 start-up. ``Webhooks.job_ended`` is the subscriber of ``events.JobEnded``.
@@ -95,8 +96,8 @@ class Webhooks:
         stored = await self._store.get(job_id)
         if stored is None:
             return
-        secret = self._callback_secrets.for_owner(stored.owner)
-        if secret is None:
+        secrets = self._callback_secrets.for_owner(stored.owner)
+        if secrets is None:
             log.warning("job %s: its callback cannot be sent: no callback secret for its owner is set", job_id)
             return
         final = await self._views.encoded(job_id)
@@ -114,7 +115,8 @@ class Webhooks:
             self._http,
             callback["url"],
             body,
-            secret,
+            secrets,
+            msg_id=callbacks.message_id(job_id),
             max_attempts=self._settings.callback_max_attempts,
             backoff_s=self._settings.callback_backoff_s,
             timeout_s=self._settings.callback_timeout_s,

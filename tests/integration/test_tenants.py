@@ -20,6 +20,8 @@ from typing import Any
 import docker
 import httpx
 import pytest
+from standardwebhooks import Webhook
+from standardwebhooks.webhooks import WebhookVerificationError
 
 from service.auth import IMPLICIT_OWNER
 from service.callbacks import OWNER_HEADER, SIGNATURE_HEADER, verify
@@ -250,6 +252,9 @@ def test_callbacks_name_their_owner_and_a_key_with_its_own_secret_gets_it(
     assert delivered["owner"] == "alice" and headers[OWNER_HEADER] == "alice"
     assert verify(ALICE_CALLBACK_SECRET, headers[SIGNATURE_HEADER], body)
     assert not verify(SERVER_CALLBACK_SECRET, headers[SIGNATURE_HEADER], body)
+    assert Webhook(ALICE_CALLBACK_SECRET.encode()).verify(body, headers)["owner"] == "alice"  # Standard Webhooks
+    with pytest.raises(WebhookVerificationError):
+        Webhook(SERVER_CALLBACK_SECRET.encode()).verify(body, headers)
 
     headers, body = receiver.delivery_of(bob_job["job_id"])
     delivered = json.loads(body)
@@ -257,6 +262,9 @@ def test_callbacks_name_their_owner_and_a_key_with_its_own_secret_gets_it(
     assert delivered["owner"] == "bob" and headers[OWNER_HEADER] == "bob"  # ... is signed as bob's
     assert verify(SERVER_CALLBACK_SECRET, headers[SIGNATURE_HEADER], body)
     assert not verify(ALICE_CALLBACK_SECRET, headers[SIGNATURE_HEADER], body)  # alice's receiver refuses it
+    assert Webhook(SERVER_CALLBACK_SECRET.encode()).verify(body, headers)["owner"] == "bob"
+    with pytest.raises(WebhookVerificationError):  # nor does the standardwebhooks library with alice's secret
+        Webhook(ALICE_CALLBACK_SECRET.encode()).verify(body, headers)
 
 
 def test_with_auth_disabled_there_is_one_implicit_owner(engine: docker.DockerClient, scratch: Path) -> None:

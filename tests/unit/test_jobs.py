@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -12,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from standardwebhooks import Webhook
+from standardwebhooks.webhooks import WebhookVerificationError
 
 from service.callbacks import SIGNATURE_HEADER, verify
 from tests.conftest import execute, start_service, wait_until
@@ -84,9 +88,13 @@ def receiver() -> Iterator[Receiver]:
 
 
 def test_callback_is_retried_and_signed(scratch: Path, receiver: Receiver) -> None:
-    secret = "s3cret-for-tests"
+    secret = "s3cret-for-tests"  # the older, free-form secret, rotated to a whsec_ one (issue 14, item 4)
+    newer = "whsec_" + base64.b64encode(os.urandom(32)).decode()
     svc = start_service(
-        "pytest-callback", scratch / "callback", PTC_CALLBACK_SECRET=secret, PTC_CALLBACK_BACKOFF_S="0.2"
+        "pytest-callback",
+        scratch / "callback",
+        PTC_CALLBACK_SECRET=f"{newer} {secret}",
+        PTC_CALLBACK_BACKOFF_S="0.2",
     )
     try:
         with svc.client() as api:
@@ -97,6 +105,12 @@ def test_callback_is_retried_and_signed(scratch: Path, receiver: Receiver) -> No
             _, headers, body = receiver.deliveries[2]
             assert verify(secret.encode(), headers[SIGNATURE_HEADER], body)
             assert not verify(b"wrong", headers[SIGNATURE_HEADER], body)
+            # Standard Webhooks: one webhook-id across the retries; the library verifies with either secret.
+            assert {h["webhook-id"] for _, h, _ in receiver.deliveries} == {f"msg_{view['job_id']}"}
+            assert Webhook(newer).verify(body, headers)["job_id"] == view["job_id"]
+            assert Webhook(secret.encode()).verify(body, headers)["job_id"] == view["job_id"]
+            with pytest.raises(WebhookVerificationError):
+                Webhook(b"wrong").verify(body, headers)
             delivered = json.loads(body)
             assert (delivered["job_id"], delivered["status"], delivered["stdout"]) == (
                 view["job_id"],
