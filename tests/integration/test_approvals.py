@@ -40,6 +40,17 @@ def approvals(engine: docker.DockerClient, scratch: Path, tool_server: ToolServe
     assert not labelled_containers(engine, svc.instance_id, include_pool=True)
 
 
+def like_unknown(client: httpx.Client, method: str, path: str, real_id: str, unknown_id: str, **kw: Any) -> None:
+    """``method path`` on another owner's ``real_id`` answers exactly as on an id that does not exist."""
+    theirs = client.request(method, path.format(id=real_id), **kw)
+    unknown = client.request(method, path.format(id=unknown_id), **kw)
+    assert (theirs.status_code, theirs.headers["content-type"]) == (
+        unknown.status_code,
+        unknown.headers["content-type"],
+    )
+    assert theirs.text.replace(real_id, unknown_id) == unknown.text
+
+
 def client_of(service: Service, name: str) -> httpx.Client:
     return httpx.Client(base_url=service.url, timeout=60, headers={"Authorization": f"Bearer {TOKENS[name]}"})
 
@@ -93,7 +104,9 @@ def test_approved_calls_reach_the_tool_denied_and_undecided_ones_never_do(
         assert first is not None and first["status"] == "waiting" and first["awaiting"] == "approval"
         assert first["args"] == {"path": "/etc/hosts", "text": marker}
         for decision in ("approve", "deny"):  # bob's answer: the job does not exist for him
-            assert bob.post(f"/jobs/{job_id}/calls/{first['call_id']}/{decision}").status_code == 404
+            path = f"/jobs/{{id}}/calls/{first['call_id']}/{decision}"
+            like_unknown(bob, "POST", path, job_id, "job_" + "0" * 24, json={"reason": "bob says so"})
+            assert bob.post(path.format(id=job_id)).status_code == 404
         assert not [a for _, a in tool_server.requests if isinstance(a, dict) and a.get("text") == marker]
         assert alice.post(f"/jobs/{job_id}/calls/{first['call_id']}/approve").status_code == 200
 

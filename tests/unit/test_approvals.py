@@ -23,6 +23,7 @@ from service.sandbox.fake import FakeBackend
 from service.settings import Settings
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.manifest import parse_tool
+from service.toolkit.stubs import APPROVAL_NOTE, generate_stub_module
 
 ECHO = {"kind": "echo"}
 PARAMS = {"properties": {"path": {"type": "string"}, "size": {"type": "integer"}}, "required": ["path"]}
@@ -280,3 +281,11 @@ async def test_stopping_a_job_that_awaits_approval_ends_it() -> None:
         assert (record["status"], record["error"]["type"], record["approval"]) == ("error", "cancelled", None)
         late = await client.post(f"/jobs/{job_id}/calls/{call['call_id']}/approve", headers=auth(ALICE))
         assert late.status_code == 409
+
+
+def test_the_stub_of_a_gated_tool_says_a_call_may_be_denied() -> None:
+    gated = parse_tool({"name": "write", "parameters": PARAMS, "approval": RULE, "endpoint": ECHO}, ("tools", 0))
+    free = parse_tool({"name": "read", "parameters": PARAMS, "endpoint": ECHO}, ("tools", 1))
+    module = generate_stub_module([gated, free])
+    assert module.count(APPROVAL_NOTE) == 1
+    assert module.index(APPROVAL_NOTE) < module.index("def read(")
