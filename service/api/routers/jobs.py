@@ -84,7 +84,7 @@ async def execute(
     check_execute(body, settings, key)
     job = await jobs.submit(body, who.owner, admin=who.admin)
     request.state.job_id = job.id  # for the request's log event
-    await wait_for_end_or_client(job, job.limits.wait_s)  # a client-executed call needs the caller now
+    await wait_for_end_or_client(job, job.limits.wait_s)  # a client-executed call, or an approval, needs the caller now
     if not job.done.is_set():
         return view_response(jobs.live_view(job), 202)
     if job.error is not None and job.error.get("type") == "engine_unavailable":
