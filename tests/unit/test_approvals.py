@@ -29,7 +29,7 @@ from service.toolkit.stubs import APPROVAL_NOTE, generate_stub_module
 ECHO = {"kind": "echo"}
 PARAMS = {"properties": {"path": {"type": "string"}, "size": {"type": "integer"}}, "required": ["path"]}
 RULE = {"when": {"properties": {"path": {"pattern": "^/etc/"}}}}
-ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789"
+ALICE, BOB, ROOT = "alice-token-0123456789", "bob-token-0123456789", "root-token-0123456789"
 
 
 # -- the manifest field ------------------------------------------------------------------------------------------
@@ -150,11 +150,12 @@ async def until(condition: Callable[[], Any], timeout_s: float = 20) -> None:
 
 @contextlib.asynccontextmanager
 async def service(**overrides: Any) -> AsyncIterator[tuple[httpx.AsyncClient, FakeBackend]]:
-    """The service on a ``FakeBackend``, with the keys alice and bob and the given settings."""
+    """The service on a ``FakeBackend``, with the keys alice, bob and root (the admin role) and the given settings."""
     work_dir = Path(tempfile.mkdtemp(prefix="ptca", dir="/tmp"))
     settings = Settings(
         work_dir=work_dir,
-        api_keys=f"alice:{hash_token(ALICE)},bob:{hash_token(BOB)}",
+        api_keys=f"alice:{hash_token(ALICE)},bob:{hash_token(BOB)},root:{hash_token(ROOT)}",
+        admin_keys="root",
         sandbox_folders_tmpfs_mb=0,
         warm_pool_size=0,
         instance_id="fake-" + work_dir.name,
@@ -273,6 +274,21 @@ async def test_an_approval_that_never_comes_times_out() -> None:
         for call in final["calls"]:
             assert (call["status"], call["error"]["type"]) == ("timeout", "approval_timeout")
             assert call["approval"]["decision"] == "timed_out" and call["approval"]["by"] is None
+
+
+async def test_the_admin_role_decides_in_its_own_name() -> None:
+    tools = [{"name": "write", "parameters": PARAMS, "approval": "always", "endpoint": ECHO}]
+    script = "import tools\nprint(tools.write(path='/x')['args'])\n"
+    async with service() as (client, _):
+        job_id = (await client.post("/execute", json={"script": script, "tools": tools}, headers=auth(ALICE))).json()[
+            "job_id"
+        ]
+        [call] = (await pending(client, job_id, 1))["pending_calls"]
+        approved = await client.post(f"/jobs/{job_id}/calls/{call['call_id']}/approve", headers=auth(ROOT))
+        assert approved.status_code == 200, approved.text
+        final = await ended(client, job_id)
+        assert (final["status"], final["stdout"]) == ("succeeded", "{'path': '/x'}\n")
+        assert final["calls"][0]["approval"]["by"] == "root"
 
 
 async def test_stopping_a_job_that_awaits_approval_ends_it() -> None:
