@@ -19,6 +19,12 @@ Every request naming a tool gets a call record, appended when it arrives
 - ``ok`` / ``error`` / ``timeout``: the endpoint's outcome;
 - ``error`` with type ``cancelled``: the job ended while the call was in flight.
 
+Two kinds of call pause until the harness answers them over the API (``pending_calls``; the job is ``waiting``
+meanwhile): a client-executed tool's call (``answer_client_call``), and a call that needs approval
+(``ToolSpec.approval``), once its arguments are valid (``decide_approval``): approved, it goes on to its endpoint;
+denied, it ends ``error`` with type ``denied``; undecided for its approval timeout, ``timeout`` with type
+``approval_timeout`` (the endpoint never saw it). Its record's ``approval`` says who decided, and when.
+
 Nothing from the sandbox is trusted, and one job cannot starve the others:
 
 - past ``max_calls`` a call is refused without a record (counted in
@@ -163,7 +169,9 @@ class Broker:
         max_record_bytes: bytes of arguments and results the job's records may hold.
         on_call_end: called with each completed record (metrics hook).
         client_call_timeout_s: how long a client-executed call waits for its answer (s).
-        on_client_calls: called with the number of client-executed calls waiting, whenever it changes.
+        on_paused_calls: called with the number of calls waiting for the harness (client-executed calls and calls
+            awaiting approval), whenever it changes.
+        approval_timeout_s: how long a call waits for approval, for tools without ``approval_timeout_s`` (s).
         checks: the service's scheduler of argument and result checks (shared by every job); None: one of the
             broker's own, with one thread (for a broker used alone, as in tests).
         check_group: the fairness group of this job's checks (the API key that owns the job).
@@ -178,18 +186,20 @@ class Broker:
         max_record_bytes: int,
         on_call_end: Callable[[dict[str, Any]], None] | None = None,
         client_call_timeout_s: float = 270.0,
-        on_client_calls: Callable[[int], None] | None = None,
+        on_paused_calls: Callable[[int], None] | None = None,
         max_in_flight_bytes: int = UNBOUNDED,
         memory: CallMemory | None = None,
         *,
         checks: CheckScheduler | None = None,
         check_group: str = "",
+        approval_timeout_s: float = 270.0,
     ) -> None:
         self._checks = checks or CheckScheduler(1, DEFAULT_CHECK_BUDGET_S)
         self._check_group = check_group
         self._client_timeout = client_call_timeout_s
-        self._on_client_calls = on_client_calls
-        self._client_calls: dict[str, asyncio.Future[tuple[bool, Any]]] = {}
+        self._approval_timeout = approval_timeout_s
+        self._on_paused_calls = on_paused_calls
+        self._paused: dict[str, _Paused] = {}  # calls waiting for the harness, by call id
         self._tools = tools
         self._endpoints = endpoints
         self._max_calls = max_calls
@@ -200,7 +210,6 @@ class Broker:
         self._flight_cap = max_in_flight_bytes
         self._flight_bytes = 0
         self._flight_freed = asyncio.Event()
-        self._client_args: dict[str, orjson.Fragment] = {}  # the args of client-executed calls while they wait
         self._on_call_end = on_call_end
         self._closing = False
         self._endpoint_slots = asyncio.Semaphore(MAX_ENDPOINT_CALLS)
@@ -398,6 +407,7 @@ class Broker:
             "duration_ms": None,
             "args_dropped_bytes": None,
             "result_dropped_bytes": None,
+            "approval": None,
         }
 
     async def _call(self, tool_name: str, request: Request) -> dict[str, Any]:
@@ -467,6 +477,10 @@ class Broker:
             record["repaired"] = True
         if tool.endpoint.kind == "client":
             return await self._call_client(tool, check.args, args_json or b"null", record)
+        if checked.needs_approval:
+            refused = await self._await_approval(tool, args_json or b"null", record)
+            if refused is not None:
+                return refused
         try:
             async with self._endpoint_slots, self._tool_slots(tool):
                 result, attempts = await self._call_endpoint(tool, check.args)
@@ -509,44 +523,91 @@ class Broker:
         return await self._checks.run(self._check_group, self, fn, *args)
 
     @property
-    def pending_client_calls(self) -> list[dict[str, Any]]:
-        """Client-executed calls waiting for their answer: ``{"call_id", "tool", "args"}`` each, in arrival order."""
+    def pending_calls(self) -> list[dict[str, Any]]:
+        """Calls waiting for the harness, in arrival order: ``{"call_id", "tool", "args", "awaiting"}`` each, with
+        ``awaiting`` ``"client"`` (a client-executed call: ``answer_client_call``) or ``"approval"``
+        (``decide_approval``)."""
         return [
-            {"call_id": r["call_id"], "tool": r["tool"], "args": self._client_args[r["call_id"]]}
+            {"call_id": r["call_id"], "tool": r["tool"], "args": paused.args, "awaiting": paused.awaiting}
             for r in self.records
-            if r["call_id"] in self._client_args and r["status"] == "pending"
+            if (paused := self._paused.get(r["call_id"])) is not None and r["status"] == "pending"
         ]
+
+    def _paused_call(self, call_id: str, awaiting: str) -> asyncio.Future[Any]:
+        """The future of ``call_id`` if it waits for ``awaiting``; raises CallNotPending if not (unknown, answered,
+        timed out, or waiting for the other kind of answer)."""
+        paused = self._paused.get(call_id)
+        if paused is None or paused.awaiting != awaiting or paused.future.done():
+            raise CallNotPending(call_id)
+        return paused.future
 
     def answer_client_call(self, call_id: str, ok: bool, value: Any) -> None:
         """Resolve a waiting client-executed call with a result (``ok``) or an error ``{"type", "message"}``.
 
         Raises:
-            CallNotPending: no such call is waiting (unknown, already answered or timed out).
+            CallNotPending: no client-executed call of that id is waiting (unknown, already answered or timed out).
         """
-        future = self._client_calls.get(call_id)
-        if future is None or future.done():
-            raise CallNotPending(call_id)
-        future.set_result((ok, value))
+        self._paused_call(call_id, "client").set_result((ok, value))
+
+    def decide_approval(self, call_id: str, approved: bool, by: str, reason: str | None) -> None:
+        """Approve (the call goes on to its endpoint) or deny (the script gets a ``denied`` ToolError) a call
+        awaiting approval; its record's ``approval`` says so at once.
+
+        Args:
+            by: the API key name that decided.
+            reason: free text (at most ``REPORT_FIELD_CAP`` characters kept); a denial's reaches the script.
+
+        Raises:
+            CallNotPending: no call of that id awaits approval (unknown, decided, timed out, or client-executed).
+        """
+        future = self._paused_call(call_id, "approval")
+        record = next(r for r in self.records if r["call_id"] == call_id)
+        record["approval"] = {
+            "decision": "approved" if approved else "denied",
+            "by": by,
+            "at": _now(),
+            "reason": reason[:REPORT_FIELD_CAP] if reason is not None else None,
+        }
+        future.set_result(approved)
+
+    async def _pause(self, record: dict[str, Any], awaiting: str, args_json: bytes, timeout_s: float) -> Any:
+        """Hold the call until the harness answers it (the value ``answer_client_call`` or ``decide_approval`` set)
+        or ``timeout_s`` passes (TimeoutError); ``args_json``: its arguments, shown by ``pending_calls``."""
+        call_id = record["call_id"]
+        paused = _Paused(asyncio.get_running_loop().create_future(), awaiting, orjson.Fragment(args_json))
+        self._paused[call_id] = paused
+        self._paused_changed()
+        try:
+            return await asyncio.wait_for(paused.future, timeout_s)
+        finally:
+            del self._paused[call_id]
+            self._paused_changed()
+
+    async def _await_approval(self, tool: ToolSpec, args_json: bytes, record: dict[str, Any]) -> dict[str, Any] | None:
+        """Hold a call that needs approval until it is decided; None when approved, else the failure reply
+        (``denied``, or ``approval_timeout`` once the tool's or the service's approval timeout passes)."""
+        timeout = (tool.approval.timeout_s if tool.approval is not None else None) or self._approval_timeout
+        try:
+            approved = await self._pause(record, "approval", args_json, timeout)
+        except TimeoutError:
+            record["approval"] = {"decision": "timed_out", "by": None, "at": _now(), "reason": None}
+            message = f"{tool.name}: no approval came within {timeout:g} s; the call was not made"
+            return self._fail(record, "timeout", "approval_timeout", message)
+        if approved:
+            return None
+        reason = record["approval"]["reason"]
+        return self._fail(record, "error", "denied", f"{tool.name}: denied" + (f": {reason}" if reason else ""))
 
     async def _call_client(self, tool: ToolSpec, args: Any, args_json: bytes, record: dict[str, Any]) -> dict[str, Any]:
         """Pause the call until the client answers it (POST /jobs/{id}/calls/{call_id}) or the timeout passes.
-        ``args_json``: ``args`` encoded (shown to the client by ``pending_client_calls``)."""
-        future: asyncio.Future[tuple[bool, Any]] = asyncio.get_running_loop().create_future()
-        call_id = record["call_id"]
-        self._client_calls[call_id] = future
-        self._client_args[call_id] = orjson.Fragment(args_json)
-        self._client_calls_changed()
+        ``args_json``: ``args`` encoded (shown to the client by ``pending_calls``)."""
         timeout = tool.timeout_s or self._client_timeout
         try:
-            ok, value = await asyncio.wait_for(future, timeout)
+            ok, value = await self._pause(record, "client", args_json, timeout)
         except TimeoutError:
             return self._fail(
                 record, "timeout", "timeout", f"{tool.name}: the client did not answer within {timeout:g} s"
             )
-        finally:
-            del self._client_calls[call_id]
-            del self._client_args[call_id]
-            self._client_calls_changed()
         if not ok:
             kind = str(value.get("type", "client_error"))[:REPORT_FIELD_CAP]
             return self._fail(record, "error", kind, str(value.get("message", ""))[:REPORT_FIELD_CAP])
@@ -556,9 +617,9 @@ class Broker:
             return self._fail(record, "error", "bad_response", f"{tool.name}: the client's result is not JSON: {exc}")
         return await self._accept_result(tool, record, value)
 
-    def _client_calls_changed(self) -> None:
-        if self._on_client_calls is not None:
-            self._on_client_calls(sum(not f.done() for f in self._client_calls.values()))
+    def _paused_changed(self) -> None:
+        if self._on_paused_calls is not None:
+            self._on_paused_calls(sum(not p.future.done() for p in self._paused.values()))
 
     def _tool_slots(self, tool: ToolSpec) -> contextlib.AbstractAsyncContextManager[Any]:
         """The tool's ``max_concurrency`` semaphore for this job (created on first use), or no limit."""
@@ -636,6 +697,16 @@ def _transient(exc: BaseException) -> bool:
     if not isinstance(exc, ToolCallFailed):
         return False
     return exc.type in ("timeout", "endpoint_unreachable") or exc.message.startswith("HTTP 5")
+
+
+@dataclass(frozen=True)
+class _Paused:
+    """A call held until the harness answers it: the answer's future, what it awaits (``client`` or ``approval``)
+    and its arguments (JSON)."""
+
+    future: asyncio.Future[Any]
+    awaiting: str
+    args: orjson.Fragment
 
 
 _CANCELLED = {"type": "cancelled", "message": "the job ended before the tool answered"}
@@ -721,18 +792,26 @@ def read_request(line: bytes, check_depth: bool) -> Request:
 
 @dataclass(frozen=True)
 class CheckedArguments:
-    """``ToolSpec.check_arguments``'s outcome, with repaired arguments encoded (None: they nest too deep)."""
+    """``ToolSpec.check_arguments``'s outcome, with repaired arguments encoded (None: they nest too deep), and
+    whether valid arguments need approval (``Approval.needed``)."""
 
     check: ArgumentCheck
     args_json: bytes | None = None
+    needs_approval: bool = False
 
 
 def check_arguments(tool: ToolSpec, args: Any) -> CheckedArguments:
-    """Check ``args`` against ``tool``'s schema; repaired arguments are depth-checked and encoded too."""
+    """Check ``args`` against ``tool``'s schema; repaired arguments are depth-checked and encoded too; valid ones
+    are matched against the tool's approval rule.
+
+    Raises:
+        CheckTooCostly: past the check's CPU budget (the schema and the approval rule share it).
+    """
     check = tool.check_arguments(args)
+    needs = check.problem is None and tool.approval is not None and tool.approval.needed(check.args)
     if check.problem is None and check.repaired and not deeper_than(check.args, MAX_JSON_DEPTH):
-        return CheckedArguments(check, _encoded(check.args))
-    return CheckedArguments(check)
+        return CheckedArguments(check, _encoded(check.args), needs)
+    return CheckedArguments(check, needs_approval=needs)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ tried), are counted as ``other``.
 Each ``Metrics`` owns its ``CollectorRegistry`` (one per app), so tests can
 build as many as they like. Histogram buckets of job times reach
 ``max_timeout_s``; tool call buckets reach ``max(tool_timeout_s,
-client_call_timeout_s)``.
+client_call_timeout_s, approval_timeout_s)``.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
         job_buckets = buckets_up_to(settings.max_timeout_s, JOB_BUCKETS)
-        tool_max = max(settings.tool_timeout_s, settings.client_call_timeout_s)
+        tool_max = max(settings.tool_timeout_s, settings.client_call_timeout_s, settings.approval_timeout_s)
         self._max_tools = settings.metrics_max_tools
         self._tools: set[str] = set()
         self.executions = Counter("ptc_executions", "Jobs ended, by final status.", ["status"], registry=reg)

@@ -289,6 +289,15 @@ class ToolCallError(BaseModel):
     message: str
 
 
+class CallApproval(BaseModel):
+    """Who decided on a call that needed approval, and when (``POST /jobs/{id}/calls/{call_id}/approve|deny``)."""
+
+    decision: Literal["approved", "denied", "timed_out"]
+    by: str | None = Field(description="The API key name that decided; null when the approval timed out.")
+    at: datetime = Field(description="When the decision was made (or the approval timed out).")
+    reason: str | None = Field(None, description="The approver's reason, if given.")
+
+
 class CallRecord(BaseModel):
     """One tool call as the broker saw it (``service.broker``): its call record in the job view."""
 
@@ -309,6 +318,11 @@ class CallRecord(BaseModel):
     )
     result_dropped_bytes: int | None = Field(
         None, description="Set when the result was not kept (PTC_MAX_RECORD_BYTES reached): its size in bytes of JSON."
+    )
+    approval: CallApproval | None = Field(
+        None,
+        description="The approval decision of a call that needed one (the tool's approval in the manifest); null "
+        "for calls that needed none, and while (or if ever) a decision is awaited.",
     )
 
 
@@ -349,11 +363,24 @@ class JobError(BaseModel):
 
 
 class PendingCall(BaseModel):
-    """A client-executed call waiting for the client's answer (``POST /jobs/{id}/calls/{call_id}``)."""
+    """A call waiting for the harness: a client-executed call's answer (``POST /jobs/{id}/calls/{call_id}``) or a
+    decision on a call that needs approval (``POST /jobs/{id}/calls/{call_id}/approve`` or ``/deny``)."""
 
     call_id: str
     tool: str
-    args: Any
+    args: Any = Field(description="The arguments, validated (and repaired, if they were).")
+    awaiting: Literal["client", "approval"] = Field(
+        "client", description="client: the client executes the call; approval: a human approves or denies it."
+    )
+
+
+class ApprovalDecision(BaseModel):
+    """Body of ``POST /jobs/{id}/calls/{call_id}/approve`` and ``/deny`` (optional): the approver's reason; a
+    denial's reaches the script in its ToolError's message."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str | None = Field(None, max_length=2000)
 
 
 class ClientAnswer(BaseModel):
@@ -429,7 +456,9 @@ class JobView(BaseModel):
         "were recorded). A completion callback's body names it too.",
     )
     pending_calls: list[PendingCall] = Field(
-        default_factory=list, description="Client-executed calls waiting for an answer (status is then waiting)."
+        default_factory=list,
+        description="Calls waiting for the harness: client-executed calls and calls awaiting approval (status is "
+        "then waiting).",
     )
     normalization: list[ScriptRepair] = Field(
         default_factory=list, description="Repairs made to the script before it ran (empty: it ran as sent)."

@@ -208,6 +208,12 @@ class Settings(BaseSettings):
     client_call_timeout_s: float = Field(
         270, gt=0, description="How long a client-executed tool call waits for the client's answer (s)."
     )
+    approval_timeout_s: float = Field(
+        270,
+        gt=0,
+        description="How long a tool call that needs approval waits for it (s), for tools without their own "
+        "approval_timeout_s; then the script gets a ToolError of type approval_timeout.",
+    )
     warm_pool_size: int = Field(
         4, ge=0, le=64, description="Sandboxes kept started and waiting for a job, per profile; 0 = off."
     )

@@ -161,6 +161,23 @@ class JobManager:
         await self._runner.answer_call(job, call_id, ok, value)
         return await self._views.view(job_id, caller)
 
+    async def decide_approval(
+        self, job_id: str, caller: Caller, call_id: str, approved: bool, reason: str | None
+    ) -> Body:
+        """Approve (the call goes on to its endpoint) or deny a call awaiting approval; returns the job's view.
+        The record's ``approval.by`` is the caller's key name.
+
+        Raises:
+            JobNotFound: no such job, or another owner's (only the job's owner, or the admin role, decides).
+            CallNotPending: the job has ended, or that call does not await approval (decided, timed out, unknown).
+        """
+        job = self._views.live(job_id, caller)
+        if job is None:
+            await self._views.stored_view(job_id, caller)
+            raise CallNotPending(call_id)
+        await self._runner.decide_approval(job, call_id, approved, caller.owner, reason)
+        return await self._views.view(job_id, caller)
+
     async def stop(self, job_id: str, caller: Caller) -> Body:
         """Stop the job (SIGTERM to its processes, SIGKILL after the grace); returns its view.
 

@@ -156,7 +156,7 @@ class LiveJob(Job):
             "stdout_retained_bytes": self.stdout.retained_bytes,
             "stderr_retained_bytes": self.stderr.retained_bytes,
             "callback": {"url": self.callback_url, "state": "pending", "attempts": []} if self.callback_url else None,
-            "pending_calls": self.broker.pending_client_calls if self.broker is not None else [],
+            "pending_calls": self.broker.pending_calls if self.broker is not None else [],
             "sandbox_start": self.sandbox_start,
             "sandbox_id": self.sandbox_id,
             "session_id": self.session_id,

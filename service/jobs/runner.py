@@ -153,7 +153,8 @@ class Runner:
             settings.max_record_bytes,
             on_call_end=lambda record: self._call_ended(job, record),
             client_call_timeout_s=settings.client_call_timeout_s,
-            on_client_calls=lambda waiting: self._client_calls_changed(job, waiting),
+            on_paused_calls=lambda waiting: self._client_calls_changed(job, waiting),
+            approval_timeout_s=settings.approval_timeout_s,
             max_in_flight_bytes=settings.max_call_bytes_in_flight,
             memory=self._call_memory,
             checks=self._checks,
@@ -258,7 +259,8 @@ class Runner:
         self._events.publish(CallEnded(job, record))
 
     def _client_calls_changed(self, job: LiveJob, waiting: int) -> None:
-        """``waiting`` while client-executed calls wait for answers, ``running`` again when none does."""
+        """``waiting`` while calls wait for the harness (client-executed ones, or approvals), ``running`` again when
+        none does."""
         if waiting and job.status == JobStatus.RUNNING:
             job.move(JobStatus.WAITING)
             job.waiting.set()
@@ -315,6 +317,20 @@ class Runner:
         changed = job.changed()
         job.broker.answer_client_call(call_id, ok, value)
         with contextlib.suppress(TimeoutError):  # let the call's task record the answer before the view is taken
+            await asyncio.wait_for(changed.wait(), 1.0)
+
+    async def decide_approval(self, job: LiveJob, call_id: str, approved: bool, by: str, reason: str | None) -> None:
+        """Approve or deny a call of a live job that awaits approval; waits (at most 1 s) for the job to leave
+        ``waiting`` or its call to end, so the view after it shows the decision's effect.
+
+        Raises:
+            CallNotPending: that call is not awaiting approval.
+        """
+        if job.broker is None:
+            raise CallNotPending(call_id)
+        changed = job.changed()
+        job.broker.decide_approval(call_id, approved, by, reason)
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(changed.wait(), 1.0)
 
     async def stop(self, job: LiveJob, reason: str | None = None) -> None:

@@ -301,6 +301,37 @@ class Endpoint:
 
 
 @dataclass(frozen=True)
+class Approval:
+    """When a tool's calls wait for a human's approval (the manifest's ``approval``), and for how long.
+
+    Attributes:
+        when: a JSON Schema (2020-12): a call needs approval when its validated arguments match it; None: every
+            call does (``"always"``).
+        validator: compiled validator of ``when`` (the arguments' validator, with the same CPU budget per keyword).
+        timeout_s: how long a call waits for the decision (s); None: ``PTC_APPROVAL_TIMEOUT_S``.
+    """
+
+    when: JsonSchema | None = None
+    validator: jsonschema.protocols.Validator | None = field(default=None, repr=False, compare=False)
+    timeout_s: float | None = None
+
+    def needed(self, args: dict[str, Any]) -> bool:
+        """Whether a call with these (validated) arguments needs approval. Runs the rule within the running check's
+        CPU budget (run it on the check threads); a rule that cannot be evaluated (an unresolvable ``$ref``, too
+        deep) counts as a match: the call waits for a human rather than going out unapproved.
+
+        Raises:
+            CheckTooCostly: past the check's CPU budget.
+        """
+        if self.validator is None:
+            return True
+        try:
+            return bool(self.validator.is_valid(args))
+        except (referencing.exceptions.Unresolvable, RecursionError):
+            return True
+
+
+@dataclass(frozen=True)
 class ToolSpec:
     """One tool of a manifest, normalized.
 
@@ -318,6 +349,8 @@ class ToolSpec:
         retries: extra attempts after a failure, for idempotent tools only (exponential backoff).
         max_concurrency: calls of this tool in flight at once per job; None = no limit of its own.
         callable_from_code: False when ``allowed_callers`` excludes code: the broker refuses its calls.
+        approval: when its calls wait for a human's approval (``POST /jobs/{id}/calls/{call_id}/approve``); None:
+            never.
     """
 
     name: str
@@ -332,6 +365,7 @@ class ToolSpec:
     retries: int = 0
     max_concurrency: int | None = None
     callable_from_code: bool = True
+    approval: Approval | None = None
 
     def check_arguments(self, args: Any) -> ArgumentCheck:
         """Validate ``args``; a string where an object or array is expected is parsed once as JSON if that helps.
@@ -549,6 +583,7 @@ def parse_tool(entry: Any, loc: tuple[str | int, ...]) -> ToolSpec:
     _refuse_unbounded_patterns(parameters, (*loc, "parameters"))
     endpoint = parse_endpoint(outer.get("endpoint", inner.get("endpoint")), (*loc, "endpoint"))
     output_schema = _output_schema(outer, inner, loc)
+    approval = _approval(outer, inner, endpoint, loc)
     return ToolSpec(
         name=name,
         description=description,
@@ -557,8 +592,43 @@ def parse_tool(entry: Any, loc: tuple[str | int, ...]) -> ToolSpec:
         validator=Validator(parameters, registry=_NO_RETRIEVAL),
         output_schema=output_schema,
         output_validator=Validator(output_schema, registry=_NO_RETRIEVAL) if output_schema is not None else None,
+        approval=approval,
         **_policy(outer, inner, loc),
     )
+
+
+def _approval(
+    outer: Mapping[str, Any], inner: Mapping[str, Any], endpoint: Endpoint, loc: tuple[str | int, ...]
+) -> Approval | None:
+    """The entry's ``approval`` (``"never"``, the default; ``"always"``; or ``{"when": <JSON Schema>}``) and
+    ``approval_timeout_s``; raises ManifestError naming the field."""
+    raw = outer.get("approval", inner.get("approval"))
+    timeout = outer.get("approval_timeout_s", inner.get("approval_timeout_s"))
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0.001 <= timeout <= 3600
+    ):
+        raise ManifestError("approval_timeout_s must be a number in [0.001, 3600]", (*loc, "approval_timeout_s"))
+    if raw is None or raw == "never":
+        return None
+    where = (*loc, "approval")
+    if endpoint.kind == "client":
+        raise ManifestError("a client-executed tool cannot require approval: its client answers it already", where)
+    timeout_s = float(timeout) if timeout is not None else None
+    if raw == "always":
+        return Approval(timeout_s=timeout_s)
+    if not isinstance(raw, Mapping) or set(raw) != {"when"}:
+        raise ManifestError('approval must be "never", "always" or {"when": <JSON Schema of the arguments>}', where)
+    when = raw["when"]
+    if not isinstance(when, Mapping) or json_depth(when, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise ManifestError(
+            f"when must be a JSON Schema object nested at most {MAX_SCHEMA_DEPTH} deep", (*where, "when")
+        )
+    rule = dict(when)
+    problem = schema_problem(rule)
+    if problem is not None:
+        raise ManifestError(f"when is not a valid JSON Schema at {problem[0] or 'top'}: {problem[1]}", (*where, "when"))
+    _refuse_unbounded_patterns(rule, (*where, "when"))
+    return Approval(rule, Validator(rule, registry=_NO_RETRIEVAL), timeout_s)
 
 
 def _output_schema(outer: Mapping[str, Any], inner: Mapping[str, Any], loc: tuple[str | int, ...]) -> JsonSchema | None:

@@ -80,6 +80,13 @@ class _Node:
     child_names: dict[str, str] = field(default_factory=dict)  # original segment -> python name
 
 
+APPROVAL_NOTE = (
+    "A call may wait for a person's approval. Denied, it raises ToolError with type 'denied' (the reason in its"
+    " message); left undecided, type 'approval_timeout'. Either way the tool did not run."
+)
+"""The last paragraph of the docstring of a tool whose calls may need approval (its manifest's ``approval``)."""
+
+
 def _doc_literal(text: str, indent: str) -> str:
     """``text`` as a triple-quoted docstring that compiles whatever it contains."""
     if len(text) > MAX_DOC_CHARS:
@@ -157,6 +164,8 @@ def _function_source(py_name: str, spec: ToolSpec, indent: str, shapes: _Shapes)
     doc = spec.description.strip() or f"Call the tool {spec.name!r}."
     if doc_args:
         doc += "\n\nArgs:\n" + "\n".join(textwrap.indent(a, INDENT) for a in doc_args)
+    if spec.approval is not None:
+        doc += "\n\n" + APPROVAL_NOTE
     decorator = f"@_ptc_toolbox.tool({spec.name!r}" + (f", {renames!r})" if renames else ")")
     signature = ", ".join([*required_params, *optional_params])
     returns = "Any"

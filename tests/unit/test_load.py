@@ -122,14 +122,14 @@ async def test_calls_past_the_service_wide_bytes_in_flight_are_refused_as_reject
     memory = CallMemory(max_record_bytes=1 << 30, max_in_flight_bytes=1500)
     async with broker(tmp_path, memory=memory) as (b, sock):
         await sock.send(1, "ask", {"q": "x" * 1000})  # waits for the client: stays in flight
-        await until(lambda: bool(b.pending_client_calls))
+        await until(lambda: bool(b.pending_calls))
         await sock.send(2, "echo", {"q": "x" * 1000})
         refused = await sock.reply()
         assert refused["id"] == 2 and refused["error"]["type"] == "limit_exceeded"
         record = decoded(b.records[1])
         assert record["status"] == "rejected" and record["error"]["type"] == "limit_exceeded"
         assert record["args"] is None and record["args_dropped_bytes"] > 1000
-        b.answer_client_call(b.pending_client_calls[0]["call_id"], True, 42)
+        b.answer_client_call(b.pending_calls[0]["call_id"], True, 42)
         assert (await sock.reply())["result"] == 42
         await sock.send(3, "echo", {"q": "x" * 1000})  # room again
         assert (await sock.reply())["ok"]
@@ -140,18 +140,18 @@ async def test_a_job_past_its_bytes_in_flight_is_not_read_until_calls_end(tmp_pa
     async with broker(tmp_path, max_in_flight_bytes=2000) as (b, sock):
         for i in range(3):
             await sock.send(i, "ask", {"q": "x" * 900})  # ~940 bytes a line: two fit, the third waits
-        await until(lambda: len(b.pending_client_calls) == 2)
+        await until(lambda: len(b.pending_calls) == 2)
         await asyncio.sleep(0.2)
         assert len(b.records) == 2  # the third line is not read
-        b.answer_client_call(b.pending_client_calls[0]["call_id"], True, None)
+        b.answer_client_call(b.pending_calls[0]["call_id"], True, None)
         await until(lambda: len(b.records) == 3)
 
 
 async def test_client_calls_show_their_arguments_even_when_the_record_drops_them(tmp_path: Path) -> None:
     async with broker(tmp_path, max_record_bytes=0) as (b, sock):
         await sock.send(1, "ask", {"q": "where?"})
-        await until(lambda: bool(b.pending_client_calls))
-        pending = b.pending_client_calls[0]
+        await until(lambda: bool(b.pending_calls))
+        pending = b.pending_calls[0]
         assert orjson.loads(orjson.dumps(pending["args"])) == {"q": "where?"}
         assert b.records[0]["args"] is None and b.records[0]["args_dropped_bytes"] == len(b'{"q":"where?"}')
 

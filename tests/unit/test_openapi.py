@@ -77,6 +77,8 @@ def test_every_route_is_documented(spec: dict[str, Any]) -> None:
         ("GET", "/jobs/{job_id}/output/{stream}"),
         ("POST", "/jobs/{job_id}/wait"),
         ("POST", "/jobs/{job_id}/calls/{call_id}"),
+        ("POST", "/jobs/{job_id}/calls/{call_id}/approve"),
+        ("POST", "/jobs/{job_id}/calls/{call_id}/deny"),
         ("POST", "/jobs/{job_id}/stop"),
         ("GET", "/jobs/{job_id}/events"),
         ("POST", "/stubs"),

@@ -1,4 +1,5 @@
-"""The jobs resource: ``POST /execute`` and ``/jobs`` (list, view, output, wait, client calls, stop, events)."""
+"""The jobs resource: ``POST /execute`` and ``/jobs`` (list, view, output, wait, client calls, approvals, stop,
+events)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from service.errors import InvalidField, RequestLimitError
 from service.jobs.live import wait_for_end_or_client
 from service.limits import check_execute
 from service.sandbox.base import Stream
-from service.schemas import ClientAnswer, ExecuteRequest, JobList, JobStatus, JobView
+from service.schemas import ApprovalDecision, ClientAnswer, ExecuteRequest, JobList, JobStatus, JobView
 from service.store import InvalidCursor, JobQuery
 
 router = APIRouter(route_class=ParsedOffLoop)
@@ -83,7 +84,7 @@ async def execute(
     check_execute(body, settings, key)
     job = await jobs.submit(body, who.owner, admin=who.admin)
     request.state.job_id = job.id  # for the request's log event
-    await wait_for_end_or_client(job, job.limits.wait_s)  # a client-executed call needs the caller now
+    await wait_for_end_or_client(job, job.limits.wait_s)  # a client-executed call, or an approval, needs the caller now
     if not job.done.is_set():
         return view_response(jobs.live_view(job), 202)
     if job.error is not None and job.error.get("type") == "engine_unavailable":
@@ -188,6 +189,24 @@ async def answer_call(job_id: str, call_id: str, body: ClientAnswer, jobs: Jobs,
     else:
         ok, value = True, body.result
     return view_response(await jobs.answer_call(job_id, who, call_id, ok, value))
+
+
+@router.post("/jobs/{job_id}/calls/{call_id}/approve", response_model=JobView, responses={404: {}, 409: {}, 422: {}})
+async def approve_call(
+    job_id: str, call_id: str, jobs: Jobs, who: Who, body: ApprovalDecision | None = None
+) -> Response:
+    """Approve a call awaiting approval: the broker sends it to its tool's endpoint. Body optional:
+    ``{"reason": ...}``, kept in the call record's ``approval``."""
+    reason = body.reason if body is not None else None
+    return view_response(await jobs.decide_approval(job_id, who, call_id, True, reason))
+
+
+@router.post("/jobs/{job_id}/calls/{call_id}/deny", response_model=JobView, responses={404: {}, 409: {}, 422: {}})
+async def deny_call(job_id: str, call_id: str, jobs: Jobs, who: Who, body: ApprovalDecision | None = None) -> Response:
+    """Deny a call awaiting approval: the script gets a ToolError of type ``denied`` with the reason, and the
+    endpoint never sees the call. Body optional: ``{"reason": ...}``."""
+    reason = body.reason if body is not None else None
+    return view_response(await jobs.decide_approval(job_id, who, call_id, False, reason))
 
 
 @router.post("/jobs/{job_id}/stop", response_model=JobView, responses={404: {}})
