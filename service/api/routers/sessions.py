@@ -24,7 +24,9 @@ def json_session(view: dict[str, Any], status_code: int = 200) -> Response:
     return Response(body, status_code=status_code, media_type="application/json")
 
 
-@router.post("/sessions", status_code=201, response_model=SessionView, responses={422: {}, 429: {}, 503: {}})
+@router.post(
+    "/sessions", status_code=201, response_model=SessionView, responses={404: {}, 409: {}, 422: {}, 429: {}, 503: {}}
+)
 async def create_session(
     body: SessionRequest,
     request: Request,
