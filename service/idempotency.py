@@ -113,11 +113,11 @@ class Claim:
 
     async def bind(self, kind: Kind, resource_id: str, created_at: datetime, ends_by: datetime | None = None) -> None:
         """Bind the key to the job or session the request created (saved in the store), then release the claim."""
-        try:
-            record = IdempotencyRecord(self.owner, self.key, self.fingerprint, kind, resource_id, created_at, ends_by)
-            await self._keys.store.bind_idempotency_key(record)
+        record = IdempotencyRecord(self.owner, self.key, self.fingerprint, kind, resource_id, created_at, ends_by)
+        try:  # shielded: a request cancelled now (its client left) still binds what it created
+            await asyncio.shield(self._keys.store.bind_idempotency_key(record))
         finally:
-            self.release()
+            self.release()  # a repeat's lookup runs on the store's one thread after this write
 
     def release(self) -> None:
         """Let the key go without a binding (the request failed before creating anything); idempotent."""

@@ -14,9 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 
 from service.api import create_app
 from service.auth import hash_token
+from service.idempotency import Claim, IdempotencyKeys
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
 
@@ -33,10 +35,17 @@ def work_dir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+class Api(dict[str, httpx.AsyncClient]):
+    """A client per API key, and the app they reach (``app``)."""
+
+    app: FastAPI
+
+
 @asynccontextmanager
-async def service(work_dir: Path) -> AsyncIterator[dict[str, httpx.AsyncClient]]:
+async def service(work_dir: Path, **overrides: Any) -> AsyncIterator[Api]:
     """The service on ``work_dir`` (a second one on the same dir is a restart): a client per API key."""
     settings = Settings(
+        **overrides,
         work_dir=work_dir,
         api_keys=",".join(f"{name}:{hash_token(token)}" for name, token in TOKENS.items()),
         sandbox_folders_tmpfs_mb=0,
@@ -47,12 +56,19 @@ async def service(work_dir: Path) -> AsyncIterator[dict[str, httpx.AsyncClient]]
     app = create_app(settings, backend)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        clients = {
-            name: httpx.AsyncClient(
-                transport=transport, base_url="http://fake", timeout=60, headers={"Authorization": f"Bearer {token}"}
+        clients = Api(
+            (
+                name,
+                httpx.AsyncClient(
+                    transport=transport,
+                    base_url="http://fake",
+                    timeout=60,
+                    headers={"Authorization": f"Bearer {token}"},
+                ),
             )
             for name, token in TOKENS.items()
-        }
+        )
+        clients.app = app
         try:
             yield clients
         finally:
@@ -199,26 +215,30 @@ async def test_a_key_still_maps_to_its_job_after_a_restart(work_dir: Path) -> No
 
 async def test_a_purged_job_frees_its_key(work_dir: Path) -> None:
     script, runs = counting(work_dir)
-    async with service(work_dir) as api:
+    async with service(work_dir, job_retention_s=0.001) as api:
         first = (await api["alice"].post("/execute", json={"script": script}, headers=key("k"))).json()
-        app_store_purge = await _purge_all(api["alice"])
-        assert app_store_purge >= 1
+        await asyncio.sleep(0.01)
+        assert await api.app.state.jobs.purge_expired() == 1  # what the purge loop does after the retention
         second = await api["alice"].post("/execute", json={"script": script}, headers=key("k"))
         assert second.status_code == 200
+        assert "idempotent-replayed" not in second.headers
         assert second.json()["job_id"] != first["job_id"]
     assert runs_of(runs) == 2
 
 
-async def _purge_all(client: httpx.AsyncClient) -> int:
-    """Purge every ended job now, through the app's job service (as the purge loop does after the retention)."""
-    transport = client._transport
-    assert isinstance(transport, httpx.ASGITransport)
-    app: Any = transport.app
-    recovery = app.state.jobs._parts.recovery
-    recovery._settings = recovery._settings.model_copy(update={"job_retention_s": 1e-9})
-    await asyncio.sleep(0.01)
-    count: int = await app.state.jobs.purge_expired()
-    return count
+async def test_a_repeat_while_the_first_is_admitted_too_long_answers_409(work_dir: Path) -> None:
+    async with service(work_dir) as api:
+        keys: IdempotencyKeys = api.app.state.idempotency
+        keys.wait_s = 0.05
+        held = await keys.claim("alice", "k", "0" * 64, "job")  # a first request still being admitted
+        assert isinstance(held, Claim)
+        answer = await api["alice"].post("/execute", json={"script": "print(1)"}, headers=key("k"))
+        assert (answer.status_code, answer.json()["type"]) == (409, PROBLEMS + "idempotency-key-in-flight")
+        assert int(answer.headers["retry-after"]) >= 1
+        bobs = await api["bob"].post("/execute", json={"script": "print(1)"}, headers=key("k"))
+        assert bobs.status_code == 200  # not alice's: no wait, no 409
+        held.release()
+        assert (await api["alice"].post("/execute", json={"script": "print(1)"}, headers=key("k"))).status_code == 200
 
 
 async def test_the_same_session_request_starts_one_session(work_dir: Path) -> None:
@@ -243,3 +263,18 @@ async def test_the_same_session_request_starts_one_session(work_dir: Path) -> No
         gone = await api["alice"].post("/sessions", json=body, headers=key("s"))
         assert (gone.status_code, gone.json()["type"]) == (404, PROBLEMS + "session-not-found")
         assert gone.headers["idempotent-replayed"] == "true"
+
+
+async def test_a_job_the_engine_could_not_start_keeps_its_key(work_dir: Path) -> None:
+    async with service(work_dir) as api:
+        backend: FakeBackend = api.app.state.backend
+        backend.engine_down = True
+        try:
+            first = await api["alice"].post("/execute", json={"script": "print(1)"}, headers=key("k"))
+            again = await api["alice"].post("/execute", json={"script": "print(1)"}, headers=key("k"))
+        finally:
+            backend.engine_down = False
+        assert (first.status_code, again.status_code) == (503, 503)
+        assert first.json()["type"] == again.json()["type"] == PROBLEMS + "engine-unavailable"
+        assert again.json()["job_id"] == first.json()["job_id"]
+        assert again.headers["idempotent-replayed"] == "true"
