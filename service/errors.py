@@ -20,6 +20,8 @@
     ├── QuotaExceeded        a key's quota used                          -> 429
     │   └── HostCapacityExceeded  the host has no room for the sandbox   -> 429
     ├── CallNotPending       answer to a client call not waiting for one -> 409
+    ├── IdempotencyKeyReused   an Idempotency-Key sent again with another request -> 422
+    ├── IdempotencyKeyInFlight an Idempotency-Key whose first request is still being admitted -> 409
     └── SandboxError         the engine failed us (not the script)      -> 503
         └── EngineUnavailable  the engine cannot be reached             -> 503
 """
@@ -119,6 +121,26 @@ class TooManySessions(PtcError):
 
 class CallNotPending(PtcError):
     """An answer to a client-executed call that is not waiting for one (unknown, answered, timed out)."""
+
+
+class IdempotencyKeyReused(PtcError):
+    """An ``Idempotency-Key`` sent again with a request whose fingerprint differs from its first request's."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(
+            "this Idempotency-Key was sent before with another request (route or body); use a new key for a new request"
+        )
+        self.key = key
+
+
+class IdempotencyKeyInFlight(PtcError):
+    """The first request with this ``Idempotency-Key`` is still being admitted; retry after ``retry_after_s``."""
+
+    def __init__(self, retry_after_s: int = 1) -> None:
+        super().__init__(
+            "a request with this Idempotency-Key is still being admitted; retry it after Retry-After seconds"
+        )
+        self.retry_after_s = retry_after_s
 
 
 class SandboxError(PtcError):

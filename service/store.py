@@ -17,6 +17,11 @@ store made before owners were recorded is migrated when opened: the column is
 added and its existing rows get owner NULL ("legacy"), which only the admin
 role sees (``auth.Caller.may_access``); its toolsets get no owner row, so only
 the admin role can use them.
+
+Idempotency keys (``idempotency_keys``): one row per (owner, key), bound to the job or session the key's first
+request created; a job's row is deleted with the job by ``purge``, a session's once the session has ended
+(at the latest) before the retention's cutoff. A key never holds more than one row, and a row one resource, so
+an owner's keys are at most its jobs and sessions within the retention.
 """
 
 from __future__ import annotations
@@ -61,6 +66,30 @@ class StoredJob:
     summary: bytes
     callback_pending: bool = False
     owner: str | None = None
+
+
+@dataclass(frozen=True)
+class IdempotencyRecord:
+    """One ``Idempotency-Key`` bound to what its first request created (``service.idempotency``).
+
+    Attributes:
+        owner: the API key name that sent it; keys are looked up by (owner, key), never by key alone.
+        key: the ``Idempotency-Key`` header's value (1 to 255 printable ASCII characters).
+        fingerprint: SHA-256 (hex) of the request's route and canonical body (``idempotency.fingerprint``).
+        kind: ``job`` or ``session``.
+        resource_id: the job's or the session's id.
+        created_at: UTC time of the binding.
+        ends_by: for a session, the latest time it can end (created + ``max_lifetime_s``); None for a job,
+            whose key is deleted with the job's record.
+    """
+
+    owner: str
+    key: str
+    fingerprint: str
+    kind: str
+    resource_id: str
+    created_at: datetime
+    ends_by: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -139,7 +168,21 @@ class JobStore(abc.ABC):
 
     @abc.abstractmethod
     async def purge(self, ended_before: datetime) -> list[str]:
-        """Delete jobs that ended before ``ended_before``; returns their ids."""
+        """Delete jobs that ended before ``ended_before``; returns their ids.
+
+        The idempotency keys of those jobs go with them, in the same transaction, and so do session keys whose
+        session ended (at the latest) before ``ended_before``, and job keys older than it whose job was never
+        saved (the service stopped between the binding and the job's first save).
+        """
+
+    @abc.abstractmethod
+    async def bind_idempotency_key(self, record: IdempotencyRecord) -> IdempotencyRecord:
+        """Bind ``record.key`` of ``record.owner`` unless it is bound already; returns the binding that holds
+        (``record`` itself, or the earlier one)."""
+
+    @abc.abstractmethod
+    async def idempotency_key(self, owner: str, key: str) -> IdempotencyRecord | None:
+        """The binding of ``key`` sent by ``owner``, or None (another owner's binding of the same key is None)."""
 
     @abc.abstractmethod
     async def count(self) -> int:
@@ -178,6 +221,16 @@ CREATE TABLE IF NOT EXISTS toolset_owners (
     owner       TEXT NOT NULL,
     PRIMARY KEY (toolset_id, owner)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS idempotency_keys (
+    owner       TEXT NOT NULL,
+    key         TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    kind        TEXT NOT NULL,
+    resource_id TEXT NOT NULL,
+    created_at  TEXT NOT NULL,
+    ends_by     TEXT,
+    PRIMARY KEY (owner, key)
+) WITHOUT ROWID;
 """
 
 # Columns added after the first release of the table: (name, declaration), for stores made before them.
@@ -194,7 +247,25 @@ CREATE INDEX IF NOT EXISTS jobs_by_ended ON jobs (ended_at) WHERE ended_at IS NO
 CREATE INDEX IF NOT EXISTS jobs_unfinished ON jobs (instance_id) WHERE ended_at IS NULL;
 CREATE INDEX IF NOT EXISTS jobs_callback_pending ON jobs (instance_id) WHERE callback_pending = 1;
 CREATE INDEX IF NOT EXISTS jobs_by_owner ON jobs (owner, created_at DESC, job_id DESC);
+CREATE INDEX IF NOT EXISTS idempotency_keys_by_resource ON idempotency_keys (resource_id);
+CREATE INDEX IF NOT EXISTS idempotency_keys_by_end ON idempotency_keys (ends_by) WHERE ends_by IS NOT NULL;
 """
+
+_KEY_COLUMNS = "owner, key, fingerprint, kind, resource_id, created_at, ends_by"
+
+
+def _key_row(row: tuple[str, str, str, str, str, str, str | None]) -> IdempotencyRecord:
+    owner, key, fingerprint, kind, resource_id, created, ends_by = row
+    return IdempotencyRecord(
+        owner,
+        key,
+        fingerprint,
+        kind,
+        resource_id,
+        datetime.fromisoformat(created),
+        datetime.fromisoformat(ends_by) if ends_by else None,
+    )
+
 
 _COLUMNS = "job_id, status, instance_id, created_at, ended_at, view, summary, callback_pending, owner"
 _SUMMARY_COLUMNS = "job_id, status, instance_id, created_at, ended_at, x'', summary, callback_pending, owner"
@@ -333,8 +404,25 @@ class SQLiteJobStore(JobStore):
     async def purge(self, ended_before: datetime) -> list[str]:
         def delete(db: sqlite3.Connection) -> list[str]:
             cutoff = ended_before.isoformat()
-            ids = [r[0] for r in db.execute("SELECT job_id FROM jobs WHERE ended_at < ?", (cutoff,))]
-            db.execute("DELETE FROM jobs WHERE ended_at < ?", (cutoff,))
+            db.execute("BEGIN")  # one transaction: a job never goes without its idempotency key, nor the reverse
+            try:
+                ids = [r[0] for r in db.execute("SELECT job_id FROM jobs WHERE ended_at < ?", (cutoff,))]
+                db.execute(
+                    "DELETE FROM idempotency_keys WHERE kind = 'job' AND resource_id IN "
+                    "(SELECT job_id FROM jobs WHERE ended_at < ?)",
+                    (cutoff,),
+                )
+                db.execute("DELETE FROM jobs WHERE ended_at < ?", (cutoff,))
+                db.execute("DELETE FROM idempotency_keys WHERE kind = 'session' AND ends_by < ?", (cutoff,))
+                db.execute(
+                    "DELETE FROM idempotency_keys WHERE kind = 'job' AND created_at < ? AND NOT EXISTS "
+                    "(SELECT 1 FROM jobs WHERE jobs.job_id = idempotency_keys.resource_id)",
+                    (cutoff,),
+                )
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
             return ids
 
         return await self._run(delete)
@@ -342,6 +430,35 @@ class SQLiteJobStore(JobStore):
     async def count(self) -> int:
         row = await self._run(lambda db: db.execute("SELECT COUNT(*) FROM jobs").fetchone())
         return int(row[0])
+
+    async def bind_idempotency_key(self, record: IdempotencyRecord) -> IdempotencyRecord:
+        def bind(db: sqlite3.Connection) -> IdempotencyRecord:
+            db.execute(
+                f"INSERT OR IGNORE INTO idempotency_keys ({_KEY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    record.owner,
+                    record.key,
+                    record.fingerprint,
+                    record.kind,
+                    record.resource_id,
+                    record.created_at.isoformat(),
+                    record.ends_by.isoformat() if record.ends_by else None,
+                ),
+            )
+            row = db.execute(
+                f"SELECT {_KEY_COLUMNS} FROM idempotency_keys WHERE owner = ? AND key = ?", (record.owner, record.key)
+            ).fetchone()
+            return _key_row(row)
+
+        return await self._run(bind)
+
+    async def idempotency_key(self, owner: str, key: str) -> IdempotencyRecord | None:
+        row = await self._run(
+            lambda db: db.execute(
+                f"SELECT {_KEY_COLUMNS} FROM idempotency_keys WHERE owner = ? AND key = ?", (owner, key)
+            ).fetchone()
+        )
+        return _key_row(row) if row else None
 
     async def put_toolset(self, toolset_id: str, manifest: bytes, owner: str) -> None:
         def insert(db: sqlite3.Connection) -> None:

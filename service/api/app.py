@@ -25,6 +25,7 @@ from service.api.routers import sessions as sessions_router
 from service.api.routers import tools as tools_router
 from service.auth import BearerAuth, configure, open_paths
 from service.egress import EgressPolicy, OwnAddress
+from service.idempotency import IdempotencyKeys
 from service.jobs import JobManager
 from service.metrics import HttpObserver, Metrics
 from service.openapi import document
@@ -75,6 +76,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         jobs = build_jobs(settings, backend, endpoints, store, metrics)
         await jobs.start()
         app.state.jobs, app.state.backend = jobs, backend
+        app.state.idempotency = IdempotencyKeys(store)
         _serve(app.state, jobs)
         ok, reason = await backend.ready(settings.sandbox_image)
         if not ok:
@@ -109,6 +111,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     problems.install(app)
     app.state.settings, app.state.keys = settings, keys
     app.state.jobs = app.state.sessions = app.state.toolsets = app.state.backend = NOT_STARTED  # deps.NotStarted
+    app.state.idempotency = NOT_STARTED
     for resource in RESOURCES:
         app.include_router(resource.router)
     return app

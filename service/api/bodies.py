@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service import exactjson
 from service.api.problems import PAYLOAD_TOO_LARGE
 from service.collector import gc_paused
+from service.idempotency import KEY_HEADER, canonical_digest
 from service.toolkit.validation import CheckScheduler
 
 DRAIN_BYTES = 64 * 1024 * 1024
@@ -87,7 +88,7 @@ def _json_content(content_type: str | None) -> bool:
 _TOO_DEEP = {"type": "too_deep", "loc": ("body",), "msg": f"nested deeper than {MAX_BODY_DEPTH} levels"}
 
 
-def parse_body(raw: bytes, validate: Callable[[Any], tuple[Any, list[Any]]]) -> Any:
+def parse_body(raw: bytes, validate: Callable[[Any], tuple[Any, list[Any]]], digest: list[bytes] | None = None) -> Any:
     """A request body parsed (orjson; the stdlib for what only it reads exactly: integers past 64 bits, lone
     surrogates) and validated.
 
@@ -96,6 +97,8 @@ def parse_body(raw: bytes, validate: Callable[[Any], tuple[Any, list[Any]]]) -> 
     Args:
         raw: the body's bytes (at most ``PTC_MAX_BODY_BYTES``, ``BodyLimit``).
         validate: the route's body field's ``validate(value) -> (value, errors)``.
+        digest: when given (a request with an ``Idempotency-Key``), the SHA-256 of the valid body's canonical
+            JSON is appended to it (``idempotency.canonical_digest``, for the request's fingerprint).
 
     Returns:
         The validated body (for a model, its instance: FastAPI's own validation then keeps it as it is).
@@ -132,6 +135,8 @@ def parse_body(raw: bytes, validate: Callable[[Any], tuple[Any, list[Any]]]) -> 
         # not on the event loop when the exception is handled there.
         del value, validated, errors
         raise refusal
+    if digest is not None:
+        digest.append(canonical_digest(value))
     return validated
 
 
@@ -168,7 +173,10 @@ class ParsedOffLoop(APIRoute):
                 if raw:
                     bodies: CheckScheduler = request.app.state.bodies
                     group = getattr(request.state, "key_name", None) or ""
-                    request._json = await bodies.run(group, request, parse_body, raw, validate)
+                    digest: list[bytes] | None = [] if KEY_HEADER in request.headers else None
+                    request._json = await bodies.run(group, request, parse_body, raw, validate, digest)
+                    if digest:
+                        request.state.body_digest = digest[0]
             return await handler(request)
 
         return parse_first

@@ -8,8 +8,9 @@ lifespan put them; none is built here.
 - ``Key``: the name of the caller's API key (None with authentication disabled, and on an open path);
   ``Who``: the caller as an owner (``auth.Caller``); ``Keys``: every API key (None: authentication disabled).
 - ``AppMetrics``, ``Backend``: the metrics and the sandbox backend, for the health routes.
+- ``Idempotency``: the bindings of ``Idempotency-Key`` headers (``idempotency.IdempotencyKeys``).
 
-Until the lifespan has started the services, ``Jobs``, ``Sessions``, ``Toolsets`` and ``Backend`` are
+Until the lifespan has started the services, ``Jobs``, ``Sessions``, ``Toolsets``, ``Backend`` and ``Idempotency`` are
 ``NOT_STARTED``, which fails on first use: a request served without the lifespan (an in-process test) gets
 every answer that needs no service (validation, limits, 413) as a running service would.
 """
@@ -21,6 +22,7 @@ from typing import Annotated, Any, NoReturn, Protocol
 from fastapi import Depends, Request
 
 from service.auth import Caller, KeyRing, caller
+from service.idempotency import IdempotencyKeys
 from service.jobs import JobManager
 from service.metrics import Metrics
 from service.sandbox.base import SandboxBackend
@@ -131,6 +133,12 @@ async def sandbox_backend(request: Request) -> SandboxBackend:
     return backend
 
 
+async def idempotency_keys(request: Request) -> IdempotencyKeys:
+    """``app.state.idempotency``."""
+    keys: IdempotencyKeys = request.app.state.idempotency
+    return keys
+
+
 Jobs = Annotated[JobManager, Depends(job_service)]
 Sessions = Annotated[SessionService, Depends(session_service)]
 Toolsets = Annotated[ToolsetService, Depends(toolset_service)]
@@ -140,3 +148,4 @@ Keys = Annotated[KeyRing | None, Depends(key_ring)]
 Who = Annotated[Caller, Depends(who)]
 AppMetrics = Annotated[Metrics, Depends(app_metrics)]
 Backend = Annotated[SandboxBackend, Depends(sandbox_backend)]
+Idempotency = Annotated[IdempotencyKeys, Depends(idempotency_keys)]

@@ -35,6 +35,8 @@ from service.errors import (
     CallNotPending,
     EngineUnavailable,
     HostCapacityExceeded,
+    IdempotencyKeyInFlight,
+    IdempotencyKeyReused,
     InvalidField,
     JobNotFound,
     ManifestError,
@@ -90,6 +92,8 @@ JOB_NOT_FOUND = ProblemType("job-not-found", 404, "Job not found")
 SESSION_NOT_FOUND = ProblemType("session-not-found", 404, "Session not found")
 CALL_NOT_PENDING = ProblemType("call-not-pending", 409, "Call not waiting")
 SESSION_ENDED = ProblemType("session-ended", 409, "Session ended")
+IDEMPOTENCY_KEY_REUSED = ProblemType("idempotency-key-reused", 422, "Idempotency key reused")
+IDEMPOTENCY_KEY_IN_FLIGHT = ProblemType("idempotency-key-in-flight", 409, "Idempotency key in flight")
 QUEUE_FULL = ProblemType("queue-full", 429, "Too many jobs")
 QUOTA_EXCEEDED = ProblemType("quota-exceeded", 429, "Quota exceeded")
 HOST_CAPACITY_EXCEEDED = ProblemType("host-capacity-exceeded", 429, "Host capacity exceeded")
@@ -110,6 +114,8 @@ TYPES: tuple[ProblemType, ...] = (
     SESSION_NOT_FOUND,
     CALL_NOT_PENDING,
     SESSION_ENDED,
+    IDEMPOTENCY_KEY_REUSED,
+    IDEMPOTENCY_KEY_IN_FLIGHT,
     QUEUE_FULL,
     QUOTA_EXCEEDED,
     HOST_CAPACITY_EXCEEDED,
@@ -219,6 +225,12 @@ RULES: dict[type[Exception], Rule] = dict(
         _rule(SessionNotFound, SESSION_NOT_FOUND, lambda exc: Answer(f"no session with id {exc}")),
         _rule(CallNotPending, CALL_NOT_PENDING, _not_pending),
         _rule(SessionClosed, SESSION_ENDED, _session_ended),
+        _rule(IdempotencyKeyReused, IDEMPOTENCY_KEY_REUSED, _message),
+        _rule(
+            IdempotencyKeyInFlight,
+            IDEMPOTENCY_KEY_IN_FLIGHT,
+            lambda exc: Answer(str(exc), headers={"Retry-After": str(exc.retry_after_s)}),
+        ),
         _rule(QueueFull, QUEUE_FULL, _busy),
         _rule(TooManySessions, TOO_MANY_SESSIONS, _busy),
         _rule(QuotaExceeded, QUOTA_EXCEEDED, _over_quota),

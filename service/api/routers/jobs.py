@@ -8,21 +8,22 @@ from datetime import UTC, datetime
 from typing import Annotated
 
 import orjson
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BeforeValidator
 from sse_starlette import EventSourceResponse
 
 from service.api.bodies import ParsedOffLoop
-from service.api.deps import AppSettings, Jobs, Key, Who
+from service.api.deps import AppSettings, Idempotency, Jobs, Key, Who
+from service.api.idempotent import KEY_DESCRIPTION, KEY_HEADER, claim_key, replay
 from service.api.problems import ENGINE_UNAVAILABLE
 from service.api.responses import output_slices, view_response
 from service.errors import InvalidField, RequestLimitError
-from service.jobs.live import wait_for_end_or_client
+from service.jobs.live import LiveJob, wait_for_end_or_client
 from service.limits import check_execute
 from service.sandbox.base import Stream
 from service.schemas import ApprovalDecision, ClientAnswer, ExecuteRequest, JobList, JobStatus, JobView
-from service.store import InvalidCursor, JobQuery
+from service.store import IdempotencyRecord, InvalidCursor, JobQuery
 
 router = APIRouter(route_class=ParsedOffLoop)
 
@@ -73,23 +74,61 @@ def utc(value: datetime | None, name: str) -> datetime | None:
     responses={202: {"model": JobView}, 404: {}, 409: {}, 422: {}, 429: {}, 503: {}},
 )
 async def execute(
-    body: ExecuteRequest, request: Request, jobs: Jobs, who: Who, settings: AppSettings, key: Key
+    body: ExecuteRequest,
+    request: Request,
+    jobs: Jobs,
+    who: Who,
+    settings: AppSettings,
+    key: Key,
+    idempotency: Idempotency,
+    idempotency_key: Annotated[str | None, Header(alias=KEY_HEADER, description=KEY_DESCRIPTION)] = None,
 ) -> Response:
     """Run ``body.script`` in a new sandbox (or, with ``session_id``, in that session's sandbox).
 
     Answers 200 with the final view if the job ends within ``wait_s``, else 202
     with the view so far (the job runs on until it ends or hits ``timeout_s``).
     A job that could not start because the engine is unreachable answers 503.
+    With an ``Idempotency-Key`` already bound to a job of the same request, nothing runs: the answer is that
+    job's, as this request would get it now (``Idempotent-Replayed: true``).
     """
     check_execute(body, settings, key)
-    job = await jobs.submit(body, who.owner, admin=who.admin)
+    claim = await claim_key(request, idempotency, who.owner, idempotency_key, "job", body)
+    if isinstance(claim, IdempotencyRecord):
+        job_id = request.state.job_id = claim.resource_id
+        return await replay(request, lambda: job_answer(job_id, jobs, who))
+    try:
+        job = await jobs.submit(body, who.owner, admin=who.admin)
+    except BaseException:
+        if claim is not None:
+            claim.release()  # nothing was created: a retry with this key may succeed
+        raise
     request.state.job_id = job.id  # for the request's log event
-    await wait_for_end_or_client(job, job.limits.wait_s)  # a client-executed call, or an approval, needs the caller now
-    if not job.done.is_set():
-        return view_response(jobs.live_view(job), 202)
-    if job.error is not None and job.error.get("type") == "engine_unavailable":
-        return ENGINE_UNAVAILABLE.response(str(job.error["message"]), job_id=job.id)
-    return view_response(await jobs.stored_view(job.id, who))  # saved as served
+    if claim is not None:
+        await claim.bind("job", job.id, job.created_at)
+    return await job_answer(job.id, jobs, who, job)
+
+
+async def job_answer(job_id: str, jobs: Jobs, who: Who, job: LiveJob | None = None) -> Response:
+    """What ``POST /execute`` answers for a job now: its final view once it has ended within its ``wait_s``
+    (503 if the engine was unreachable), else 202 with its view so far.
+
+    Args:
+        job: the live job just submitted; None to look it up (a replay: live, or ended and saved).
+
+    Raises:
+        JobNotFound: no such job (purged), or another owner's.
+    """
+    if job is None:
+        job = jobs.live(job_id, who)
+    if job is not None:
+        await wait_for_end_or_client(job, job.limits.wait_s)  # a client call or an approval needs the caller
+        if not job.done.is_set():
+            return view_response(jobs.live_view(job), 202)
+    final = await jobs.final(job_id, who)  # saved as served
+    error = final.head.get("error") or {}
+    if error.get("type") == "engine_unavailable":
+        return ENGINE_UNAVAILABLE.response(str(error.get("message", "")), job_id=job_id)
+    return view_response(final.body)
 
 
 @router.get("/jobs", response_model=JobList, responses={422: {}})

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import datetime, timedelta
+from typing import Annotated, Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response
 
 from service.api.bodies import ParsedOffLoop
-from service.api.deps import AppSettings, Key, Sessions, Who
+from service.api.deps import AppSettings, Idempotency, Key, Sessions, Who
+from service.api.idempotent import KEY_DESCRIPTION, KEY_HEADER, claim_key, replay
 from service.limits import check_session
 from service.schemas import SessionList, SessionRequest, SessionView
+from service.store import IdempotencyRecord
 
 router = APIRouter(route_class=ParsedOffLoop)
 
@@ -21,17 +24,51 @@ def json_session(view: dict[str, Any], status_code: int = 200) -> Response:
     return Response(body, status_code=status_code, media_type="application/json")
 
 
-@router.post("/sessions", status_code=201, response_model=SessionView, responses={422: {}, 429: {}, 503: {}})
+@router.post(
+    "/sessions", status_code=201, response_model=SessionView, responses={404: {}, 409: {}, 422: {}, 429: {}, 503: {}}
+)
 async def create_session(
-    body: SessionRequest, sessions: Sessions, who: Who, settings: AppSettings, key: Key
+    body: SessionRequest,
+    request: Request,
+    sessions: Sessions,
+    who: Who,
+    settings: AppSettings,
+    key: Key,
+    idempotency: Idempotency,
+    idempotency_key: Annotated[str | None, Header(alias=KEY_HEADER, description=KEY_DESCRIPTION)] = None,
 ) -> Response:
     """Start a session: a sandbox kept for a conversation's scripts (``/execute`` with ``session_id``).
 
     Answers 201 once the sandbox is ready. Its files under ``/tmp`` persist between scripts; it ends
     after ``idle_timeout_s`` without a script, at ``max_lifetime_s``, or on DELETE.
+    With an ``Idempotency-Key`` already bound to a session of the same request, no sandbox starts: the answer is
+    that session's view (201 while it is open; once it has ended, what ``GET /sessions/{id}`` answers), with
+    ``Idempotent-Replayed: true``.
     """
     check_session(body, settings, key)
-    return json_session(await sessions.create_session(body, who.owner, admin=who.admin), 201)
+    claim = await claim_key(request, idempotency, who.owner, idempotency_key, "session", body)
+    if isinstance(claim, IdempotencyRecord):
+        session_id = claim.resource_id
+        return await replay(request, lambda: session_answer(session_id, sessions, who))
+    try:
+        view = await sessions.create_session(body, who.owner, admin=who.admin)
+    except BaseException:
+        if claim is not None:
+            claim.release()  # nothing was created: a retry with this key may succeed
+        raise
+    if claim is not None:
+        created_at: datetime = view["created_at"]
+        ends_by = created_at + timedelta(seconds=float(view["max_lifetime_s"]))
+        await claim.bind("session", view["session_id"], created_at, ends_by)
+    return json_session(view, 201)
+
+
+async def session_answer(session_id: str, sessions: Sessions, who: Who) -> Response:
+    """What a repeated ``POST /sessions`` answers: 201 with the session's view while it is open, else what
+    ``GET /sessions/{id}`` answers (200 with its ended view; ``SessionNotFound`` once it is forgotten, as after
+    a restart)."""
+    view = sessions.session_view(session_id, who)
+    return json_session(view, 200 if view["ended_at"] is not None else 201)
 
 
 @router.get("/sessions", response_model=SessionList)
