@@ -14,6 +14,7 @@ from service.api.bodies import ParsedOffLoop
 from service.api.deps import NOT_STARTED
 from service.api.routers.docs import ASSETS
 from service.errors import PtcError
+from tests.unit.test_docs_links import ROOT, anchors
 
 ROUTES = {
     "jobs": {
@@ -86,3 +87,18 @@ async def test_requests_the_router_never_saw_are_counted_under_their_route(clien
         ("GET", "unmatched", 404),
     ]:
         assert f'ptc_http_requests_total{{method="{method}",route="{route}",status="{status}"}} 1.0' in exposition
+
+
+async def test_an_unknown_route_or_method_answers_a_documented_problem_type(client: httpx.AsyncClient) -> None:
+    """The service as built (authentication on): before, both were ``about:blank``."""
+    page = ROOT / "docs" / "problems.md"
+    nowhere, wrong_method = await client.get("/jobs/"), await client.put("/execute")
+    assert nowhere.status_code == 404 and nowhere.json()["type"] == problems.ROUTE_NOT_FOUND.uri
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    assert wrong_method.json()["type"] == problems.METHOD_NOT_ALLOWED.uri
+    no_key = await client.get("/nowhere", headers={"Authorization": ""})
+    assert no_key.status_code == 401 and no_key.json()["type"] == problems.UNAUTHORIZED.uri
+    for response in (nowhere, wrong_method, no_key):
+        assert response.headers["content-type"] == "application/problem+json"
+        name = response.json()["type"].removeprefix(problems.TYPE_PREFIX)
+        assert name in anchors(page), name
