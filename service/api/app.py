@@ -126,7 +126,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
 
 def _observed_routes(app: FastAPI) -> list[BaseRoute]:
     """The routes ``HttpObserver`` matches a request against when the router did not run (a body refused by
-    ``BodyLimit``, a key refused by ``BearerAuth``): FastAPI's own (``/openapi.json``, ``/docs``) and each
+    ``BodyLimit``, a key refused by ``BearerAuth``): FastAPI's own (``/openapi.json``) and each
     resource's, as declared (an app's included router is one opaque route in recent FastAPI versions)."""
     return [*app.router.routes, *(route for resource in RESOURCES for route in resource.router.routes)]
 
