@@ -20,8 +20,9 @@
 #     keep running); an engine that already has it so is left alone. Missing runsc fails under CI=true;
 #   - kernel.pid_max raised to 4194304 when lower (gVisor's threads count there: docs/operations.md);
 #   - the sandbox image (sandbox_image/build.sh; offline base when no registry);
-#   - for the tests only: Debian's docker-compose when no `docker compose` works, and Debian's
-#     prometheus (a real Prometheus scrapes the service in a test).
+#   - for the tests only: Debian's docker-compose when no `docker compose` works, Debian's
+#     prometheus (a real Prometheus scrapes the service in a test), and Debian's chromium
+#     (a headless browser renders /docs and /redoc with the network off in a test).
 # Env: PTC_SANDBOX_IMAGE (image tag), PYTHON (interpreter for the venv),
 #      PTC_DOCKERD_LOG (default /var/log/ptc-dockerd.log),
 #      PTC_DOCKER_DAEMON_JSON (default /etc/docker/daemon.json),
@@ -145,6 +146,12 @@ setup_compose() {
   apt_install --no-install-recommends docker-compose
 }
 
+# A headless browser for the API documents' test (tests/integration/test_docs_ui.py).
+setup_chromium() {
+  if command -v chromium >/dev/null; then return; fi
+  apt_install --no-install-recommends chromium
+}
+
 # gVisor's sandboxes each may hold up to 24 * pids + 64 host tasks (service/sandbox/docker.py): a pid_max of
 # 32768 (a common default) would let ten fork bombs exhaust the host's pids. Raised only, never lowered.
 setup_pid_max() {
@@ -160,7 +167,7 @@ setup() {
   setup_engine
   setup_pid_max
   sandbox_image/build.sh >/dev/null
-  if [ "${1:-}" = "[test]" ]; then setup_prometheus; setup_compose; fi
+  if [ "${1:-}" = "[test]" ]; then setup_prometheus; setup_compose; setup_chromium; fi
 }
 
 case "${1:-}" in
@@ -187,5 +194,5 @@ case "${1:-}" in
   bench)
     setup "[test]"
     .venv/bin/python -m bench "${@:2}" ;;
-  *) sed -n "2,27p" "$0"; exit 2 ;;
+  *) sed -n "2,28p" "$0"; exit 2 ;;
 esac

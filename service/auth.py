@@ -11,9 +11,11 @@ not one matched already — so the time taken does not depend on which key, or
 which byte of it, matched. The key's name is put on ``request.state.key_name``
 (None on open paths and when authentication is disabled) for logs and metrics.
 
-Every path needs a key except ``/healthz``, ``/readyz`` and, with
-``PTC_METRICS_AUTH=open``, ``/metrics``; that includes ``/openapi.json``,
-``/docs`` and unknown paths (a caller without a key learns nothing of the API).
+Every path needs a key except ``/healthz``, ``/readyz``, with
+``PTC_METRICS_AUTH=open`` ``/metrics``, and the API documents (``/openapi.json``,
+``/docs``, ``/redoc`` and their assets: ``api.routers.docs.OPEN_PATHS``, which
+the app adds; they describe the code, not any tenant's data); that includes
+unknown paths (a caller without a key learns nothing of which exist).
 A missing or wrong key gets ``401`` problem+json with ``WWW-Authenticate: Bearer``
 before the body is read. With ``PTC_METRICS_AUTH=required``, ``/metrics`` (which
 names every tenant's tools and counts everyone's jobs) answers only keys that

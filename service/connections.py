@@ -20,7 +20,7 @@ with, per connection:
 - **connection caps** (``ConnectionGuard``): at most ``max_connections``
   open at once, and at most ``max_per_address`` from one client address;
   past them a new connection gets a ``503`` (total) or ``429`` (per address)
-  with ``Retry-After`` and is closed at once. A client address is an IPv4
+  problem+json with ``Retry-After`` and is closed at once. A client address is an IPv4
   address, or an IPv6 address's /64 (a host is given a whole /64 and may
   use any address in it; an IPv4-mapped IPv6 address counts as its IPv4
   address): ``client_key``. Addresses in ``exempt`` (the reverse proxies in
@@ -34,9 +34,11 @@ The deadlines do not apply while a request is being answered: a long
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import h11
@@ -143,21 +145,36 @@ class ConnectionGuard:
         return any(ip.version == net.version and ip in net for net in self._exempt)
 
 
-def _plain_response(status: int, reason: str, text: str, retry_after: int | None = None) -> bytes:
-    """A complete ``Connection: close`` HTTP/1.1 response with a short text body."""
-    body = text.encode()
-    head = [f"HTTP/1.1 {status} {reason}", "content-type: text/plain; charset=utf-8", "connection: close"]
-    if retry_after is not None:
-        head.append(f"retry-after: {retry_after}")
-    head.append(f"content-length: {len(body)}")
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+@dataclass(frozen=True)
+class _Answers:
+    """The complete problem+json responses written below the app (``problems.raw_answer``)."""
+
+    refusals: dict[int, bytes]  # by the status ConnectionGuard.admit gives
+    timed_out: bytes
+    bad_request: bytes
 
 
-_REFUSALS = {
-    503: _plain_response(503, "Service Unavailable", "too many open connections\n", retry_after=1),
-    429: _plain_response(429, "Too Many Requests", "too many open connections from this address\n", retry_after=1),
-}
-_TIMED_OUT = _plain_response(408, "Request Timeout", "the request's headers did not arrive in time\n")
+@functools.cache
+def _answers() -> _Answers:
+    """Made once, at the first connection: ``service.api`` imports the settings, which import this module."""
+    from service.api.problems import (
+        BAD_REQUEST,
+        REQUEST_TIMEOUT,
+        TOO_MANY_CONNECTIONS,
+        TOO_MANY_CONNECTIONS_FROM_ADDRESS,
+        raw_answer,
+    )
+
+    return _Answers(
+        refusals={
+            503: raw_answer(TOO_MANY_CONNECTIONS, "too many open connections", retry_after_s=1),
+            429: raw_answer(
+                TOO_MANY_CONNECTIONS_FROM_ADDRESS, "too many open connections from this address", retry_after_s=1
+            ),
+        },
+        timed_out=raw_answer(REQUEST_TIMEOUT, "the request's headers did not arrive in time"),
+        bad_request=raw_answer(BAD_REQUEST, "not a valid HTTP/1.1 request"),
+    )
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -185,11 +202,18 @@ class GuardedH11Protocol(H11Protocol):
             refusal = self.guard.admit(self._address)
             if refusal is not None:
                 log.debug("refused a connection from %s: %d", self._address, refusal)
-                transport.write(_REFUSALS[refusal])
+                transport.write(_answers().refusals[refusal])
                 transport.close()
                 return
             self._admitted = True
         self._follow()
+
+    def send_400_response(self, msg: str) -> None:
+        """A request that is not HTTP (h11 refused it): a ``bad-request`` problem, not uvicorn's text (none
+        when a response was under way: the connection is only closed)."""
+        if self.conn.our_state is h11.IDLE:
+            self.transport.write(_answers().bad_request)
+        self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._set_phase(None)
@@ -239,7 +263,7 @@ class GuardedH11Protocol(H11Protocol):
         if phase == "headers":
             log.debug("closing a connection from %s: request headers not complete in time", self._address)
             if self._phase_bytes and self.conn.our_state is h11.IDLE:
-                self.transport.write(_TIMED_OUT)
+                self.transport.write(_answers().timed_out)
         else:
             log.debug("closing a connection from %s: request body not complete in time", self._address)
         self._phase = None

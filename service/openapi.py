@@ -40,10 +40,10 @@ class Problem(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     type: str = Field(
-        "about:blank",
         description="A URI naming the kind of problem, to compare as a string (never fetched): "
-        "tag:ptc-sandbox.dev,2026:problems/<name> for the service's problems (docs/api.md, Errors), "
-        "about:blank for an unknown path (404) or method (405).",
+        "tag:ptc-sandbox.dev,2026:problems/<name>, each name documented in docs/problems.md (its section's "
+        "anchor is the name).",
+        examples=["tag:ptc-sandbox.dev,2026:problems/job-not-found"],
     )
     title: str = Field(description="Short summary of the kind of problem.")
     status: int = Field(description="The HTTP status code.")

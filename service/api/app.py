@@ -19,6 +19,7 @@ from service.api.bodies import BODY_THREADS, BodyLimit, ParsedOffLoop
 from service.api.composition import build_jobs
 from service.api.deps import NOT_STARTED, SessionService, ToolsetService
 from service.api.problems import UNAUTHORIZED
+from service.api.routers import docs as docs_router
 from service.api.routers import health as health_router
 from service.api.routers import jobs as jobs_router
 from service.api.routers import sessions as sessions_router
@@ -38,7 +39,7 @@ from service.toolkit.validation import CheckScheduler
 log = logging.getLogger(__name__)
 
 # One router per resource, included in this order (the OpenAPI document's).
-RESOURCES = (jobs_router, sessions_router, tools_router, health_router)
+RESOURCES = (jobs_router, sessions_router, tools_router, health_router, docs_router)
 
 
 def create_app(settings: Settings | None = None, backend: SandboxBackend | None = None) -> FastAPI:
@@ -50,6 +51,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
 
     Raises:
         InsecureConfig: the authentication settings are unusable or unsafe (``auth.configure``).
+        ModuleNotFoundError: ``fastapi-offline`` (the assets of ``/docs`` and ``/redoc``) is not installed.
         pydantic.ValidationError: ``settings`` not given and the ``PTC_*`` variables are invalid (e.g. a default
             above its maximum).
     """
@@ -98,16 +100,24 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             await backend.close()
 
     # No trailing-slash redirects: Starlette would build their Location from the request's Host header.
-    app = FastAPI(title="ptc-sandbox", version=__version__, lifespan=lifespan, redirect_slashes=False)
+    # /docs and /redoc are docs_router's: FastAPI's own would load their scripts from a CDN.
+    app = FastAPI(
+        title="ptc-sandbox",
+        version=__version__,
+        lifespan=lifespan,
+        redirect_slashes=False,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.router.route_class = ParsedOffLoop
     app.state.bodies = CheckScheduler(BODY_THREADS, budget_s=3600.0)  # parsing does not count ticks: no budget
     metrics = app.state.metrics = Metrics(settings)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
-    app.add_middleware(  # no key, no reading of the body
-        BearerAuth, keys=keys, open_paths=open_paths(settings), deny=UNAUTHORIZED.response
-    )
+    app.state.docs_assets = docs_router.load_assets()
+    opened = open_paths(settings) | docs_router.OPEN_PATHS  # the API documents hold no tenant's data
+    app.add_middleware(BearerAuth, keys=keys, open_paths=opened, deny=UNAUTHORIZED.response)  # before the body
     app.add_middleware(HttpObserver, metrics=metrics, routes=_observed_routes(app))  # outermost: sees every answer
-    document(app, open_paths(settings), authenticated=keys is not None)
+    document(app, opened, authenticated=keys is not None)
     problems.install(app)
     app.state.settings, app.state.keys = settings, keys
     app.state.jobs = app.state.sessions = app.state.toolsets = app.state.backend = NOT_STARTED  # deps.NotStarted
@@ -119,7 +129,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
 
 def _observed_routes(app: FastAPI) -> list[BaseRoute]:
     """The routes ``HttpObserver`` matches a request against when the router did not run (a body refused by
-    ``BodyLimit``, a key refused by ``BearerAuth``): FastAPI's own (``/openapi.json``, ``/docs``) and each
+    ``BodyLimit``, a key refused by ``BearerAuth``): FastAPI's own (``/openapi.json``) and each
     resource's, as declared (an app's included router is one opaque route in recent FastAPI versions)."""
     return [*app.router.routes, *(route for resource in RESOURCES for route in resource.router.routes)]
 

@@ -10,19 +10,23 @@ handler; it finds an error's rule by the error's class, most specific first (``E
 Problem type URIs are tag URIs (RFC 4151), ``tag:ptc-sandbox.dev,2026:problems/<name>``: identifiers a client
 compares as strings (RFC 9457 section 3.1.1: the ``type`` is the problem's primary identifier), stable across
 releases, and promising no web page to fetch (an ``https`` URI would promise documentation at that address,
-which the service does not serve). The names are listed in ``TYPES`` and in docs/api.md ("Errors").
-Starlette's own HTTP errors (an unknown path's 404, a wrong method's 405 with ``Allow``) keep ``about:blank``
-with the status phrase as title, which is what ``about:blank`` means (RFC 9457 section 4.2.1).
+which the service does not serve). No answer is ``about:blank``: every type in ``TYPES`` has its section in
+docs/problems.md, whose anchor is the type's name (``tests/unit/api/test_problems.py`` checks it).
+Starlette's own HTTP errors (an unknown path's 404, a wrong method's 405 with ``Allow``, an unreadable body's
+400) get their types from ``HTTP_LAYER``; any other status it might raise is ``http-error``.
 
 Answers that are not errors of a route (the 401 of ``auth.BearerAuth``, the 413 of ``bodies.BodyLimit``, the
-403 of ``/metrics``, the 503 of ``/readyz``) use the same problem types through ``ProblemType.response``.
+403 of ``/metrics``, the 503 of ``/readyz``) use the same problem types through ``ProblemType.response``; the
+connection caps below the app (``service.connections``) answer with ``connection_refusal``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -58,7 +62,7 @@ log = logging.getLogger(__name__)
 TYPE_PREFIX = "tag:ptc-sandbox.dev,2026:problems/"
 
 
-def problem(status: int, title: str, detail: str, type_: str = "about:blank", **extra: Any) -> JSONResponse:
+def problem(status: int, title: str, detail: str, type_: str, **extra: Any) -> JSONResponse:
     """An RFC 9457 problem+json response: members ``type``, ``title``, ``status``, ``detail``, then ``extra``."""
     body = {"type": type_, "title": title, "status": status, "detail": detail, **extra}
     return JSONResponse(jsonable_encoder(body), status_code=status, media_type=PROBLEM)
@@ -102,6 +106,15 @@ ENGINE_UNAVAILABLE = ProblemType("engine-unavailable", 503, "Container engine un
 SANDBOX_FAILURE = ProblemType("sandbox-failure", 503, "Sandbox failure")
 NOT_READY = ProblemType("not-ready", 503, "Not ready")
 INTERNAL_ERROR = ProblemType("internal-error", 500, "Internal error")
+BAD_REQUEST = ProblemType("bad-request", 400, "Bad request")
+ROUTE_NOT_FOUND = ProblemType("route-not-found", 404, "Route not found")
+METHOD_NOT_ALLOWED = ProblemType("method-not-allowed", 405, "Method not allowed")
+HTTP_ERROR = ProblemType("http-error", 400, "HTTP error")  # answered with the HTTP layer's own status
+TOO_MANY_CONNECTIONS = ProblemType("too-many-connections", 503, "Too many connections")
+TOO_MANY_CONNECTIONS_FROM_ADDRESS = ProblemType(
+    "too-many-connections-from-address", 429, "Too many connections from this address"
+)
+REQUEST_TIMEOUT = ProblemType("request-timeout", 408, "Request not received in time")
 
 TYPES: tuple[ProblemType, ...] = (
     INVALID_REQUEST,
@@ -124,7 +137,19 @@ TYPES: tuple[ProblemType, ...] = (
     SANDBOX_FAILURE,
     NOT_READY,
     INTERNAL_ERROR,
+    BAD_REQUEST,
+    ROUTE_NOT_FOUND,
+    METHOD_NOT_ALLOWED,
+    HTTP_ERROR,
+    TOO_MANY_CONNECTIONS,
+    TOO_MANY_CONNECTIONS_FROM_ADDRESS,
+    REQUEST_TIMEOUT,
 )
+
+HTTP_LAYER: dict[int, ProblemType] = {400: BAD_REQUEST, 404: ROUTE_NOT_FOUND, 405: METHOD_NOT_ALLOWED}
+"""Starlette's and FastAPI's own ``HTTPException`` statuses -> their types: 400 a body FastAPI could not read
+(e.g. the client went away), 404 no route has the path, 405 a route has the path but not the method. Any other
+status is ``HTTP_ERROR`` (none is raised by the routes and middleware this app has)."""
 
 
 @dataclass(frozen=True)
@@ -191,7 +216,10 @@ def _too_large(exc: PayloadTooLarge) -> Answer:
 
 
 def _not_pending(exc: CallNotPending) -> Answer:
-    return Answer(f"call {exc} is not waiting for an answer (unknown, answered, timed out, or its job has ended)")
+    return Answer(
+        f"call {exc} is not waiting for this answer or decision (unknown, answered or decided, timed out, "
+        "awaiting the other kind, or its job has ended)"
+    )
 
 
 def _session_ended(exc: SessionClosed) -> Answer:
@@ -252,12 +280,10 @@ def rule_for(cls: type[BaseException]) -> Rule | None:
 
 
 async def handle(request: Request, exc: Exception) -> Response:
-    """The exception handler of every error: its rule's problem+json, Starlette's own HTTP errors as
-    ``about:blank``, and anything else logged with its traceback and answered 500 (never its text)."""
+    """The exception handler of every error: its rule's problem+json, Starlette's own HTTP errors by
+    ``HTTP_LAYER``, and anything else logged with its traceback and answered 500 (never its text)."""
     if isinstance(exc, StarletteHTTPException):
-        response = problem(exc.status_code, str(exc.detail), str(exc.detail))
-        response.headers.update(exc.headers or {})  # e.g. Allow of a 405
-        return response
+        return http_layer(exc)
     rule = rule_for(type(exc))
     if rule is None:
         log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
@@ -269,6 +295,47 @@ async def handle(request: Request, exc: Exception) -> Response:
     response = rule.type.response(answer.detail, **answer.extra)
     response.headers.update(answer.headers)
     return response
+
+
+def http_layer(exc: StarletteHTTPException) -> JSONResponse:
+    """The answer to one of Starlette's or FastAPI's own HTTP errors: its ``HTTP_LAYER`` type (else
+    ``http-error`` with the error's status and the status phrase as title), its ``detail`` (the status phrase
+    unless it says more) and its headers (e.g. ``Allow`` of a 405)."""
+    type_ = HTTP_LAYER.get(exc.status_code)
+    detail = str(exc.detail)
+    if type_ is not None:
+        response = type_.response(_HTTP_DETAILS.get(exc.status_code, detail) if detail == _phrase(exc) else detail)
+    else:
+        response = problem(exc.status_code, _phrase(exc), detail, HTTP_ERROR.uri)
+    response.headers.update(exc.headers or {})
+    return response
+
+
+_HTTP_DETAILS = {
+    404: "no route has this path (paths are exact: no trailing slash; the routes are in GET /openapi.json)",
+    405: "this path has no such method (Allow lists those it has)",
+}
+
+
+def _phrase(exc: StarletteHTTPException) -> str:
+    """The status phrase Starlette puts as an HTTP error's ``detail`` when none was given."""
+    try:
+        return HTTPStatus(exc.status_code).phrase
+    except ValueError:
+        return "HTTP error"
+
+
+def raw_answer(type_: ProblemType, detail: str, retry_after_s: int | None = None) -> bytes:
+    """A complete HTTP/1.1 problem+json response of ``type_``, as bytes, with ``Connection: close`` (and
+    ``Retry-After``, in seconds, if given): for what answers below the ASGI app (``service.connections``), where
+    no response object exists."""
+    body = json.dumps({"type": type_.uri, "title": type_.title, "status": type_.status, "detail": detail}).encode()
+    head = [f"HTTP/1.1 {type_.status} {HTTPStatus(type_.status).phrase}", f"content-type: {PROBLEM}"]
+    head.append("connection: close")
+    if retry_after_s is not None:
+        head.append(f"retry-after: {retry_after_s}")
+    head.append(f"content-length: {len(body)}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
 def install(app: FastAPI) -> None:

@@ -8,6 +8,7 @@ meanwhile.
 from __future__ import annotations
 
 import ipaddress
+import json
 import secrets
 import socket
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from service.api.problems import BAD_REQUEST, REQUEST_TIMEOUT, TOO_MANY_CONNECTIONS_FROM_ADDRESS
 from service.connections import ConnectionGuard, client_key, parse_networks
 from tests.conftest import Service, start_service
 
@@ -54,6 +56,22 @@ def _read_until_closed(sock: socket.socket) -> bytes:
     return data
 
 
+def problem_type(answer: bytes) -> str:
+    """The ``type`` of a raw HTTP answer that must be problem+json (before: text/plain)."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"\r\ncontent-type: application/problem+json\r\n" in head.lower(), head
+    problem = json.loads(body)
+    assert problem["status"] == int(head.split()[1]), problem
+    return str(problem["type"])
+
+
+def test_a_request_that_is_not_http_gets_a_bad_request_problem(guarded: Service) -> None:
+    with _connect(guarded) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n")
+        answer = _read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 400 ") and problem_type(answer) == BAD_REQUEST.uri
+
+
 def test_partial_headers_are_closed_after_the_header_timeout_and_others_are_served(guarded: Service) -> None:
     started = time.monotonic()  # before the first connection: each one's deadline starts after this
     slow = [_connect(guarded) for _ in range(SLOW_CLIENTS)]
@@ -65,6 +83,7 @@ def test_partial_headers_are_closed_after_the_header_timeout_and_others_are_serv
         answers = [_read_until_closed(sock) for sock in slow]  # before: socket.timeout, they stayed open
         elapsed = time.monotonic() - started
         assert all(a.startswith(b"HTTP/1.1 408 ") for a in answers), answers[0]
+        assert problem_type(answers[0]) == REQUEST_TIMEOUT.uri
         assert HEADER_TIMEOUT_S - 0.05 < elapsed < HEADER_TIMEOUT_S + 10, elapsed
     finally:
         for sock in slow:
@@ -89,6 +108,7 @@ def test_connections_past_the_per_address_cap_are_refused(guarded: Service) -> N
         with _connect(guarded) as extra:
             answer = _read_until_closed(extra)
         assert answer.startswith(b"HTTP/1.1 429 ") and b"retry-after: 1" in answer
+        assert problem_type(answer) == TOO_MANY_CONNECTIONS_FROM_ADDRESS.uri
         transport = httpx.HTTPTransport(local_address="127.0.0.2")  # another address is not held back
         with httpx.Client(base_url=guarded.url, transport=transport, timeout=10) as other:
             assert other.get("/healthz").status_code == 200

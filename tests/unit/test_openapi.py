@@ -40,7 +40,7 @@ def spec(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_every_error_is_documented_as_problem_json(spec: dict[str, Any]) -> None:
-    assert spec["components"]["schemas"]["Problem"]["required"] == ["title", "status", "detail"]
+    assert spec["components"]["schemas"]["Problem"]["required"] == ["type", "title", "status", "detail"]
     for path, method, operation in operations(spec):
         responses = operation["responses"]
         assert "500" in responses, (method, path)

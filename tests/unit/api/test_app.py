@@ -12,7 +12,9 @@ from service.api import problems
 from service.api.app import RESOURCES
 from service.api.bodies import ParsedOffLoop
 from service.api.deps import NOT_STARTED
+from service.api.routers.docs import ASSETS
 from service.errors import PtcError
+from tests.unit.test_docs_links import ROOT, anchors
 
 ROUTES = {
     "jobs": {
@@ -35,7 +37,9 @@ ROUTES = {
     },
     "tools": {("POST", "/stubs"), ("POST", "/toolsets")},
     "health": {("GET", "/healthz"), ("GET", "/metrics"), ("GET", "/readyz")},
+    "docs": {("GET", "/docs"), ("GET", "/redoc"), *(("GET", f"/docs/assets/{name}") for name in ASSETS)},
 }
+UNDOCUMENTED = {"docs"}  # the API documents' own routes are not in /openapi.json
 
 
 def test_each_route_lives_in_the_router_of_its_resource(app: FastAPI) -> None:
@@ -48,7 +52,7 @@ def test_each_route_lives_in_the_router_of_its_resource(app: FastAPI) -> None:
             found.setdefault(name, set()).update((method, route.path) for method in route.methods or ())
     assert found == ROUTES
     served = {(method.upper(), path) for path, item in app.openapi()["paths"].items() for method in item}
-    assert served == set().union(*ROUTES.values())
+    assert served == set().union(*(routes for name, routes in ROUTES.items() if name not in UNDOCUMENTED))
 
 
 def test_one_handler_answers_every_error(app: FastAPI) -> None:
@@ -72,16 +76,31 @@ async def test_requests_the_router_never_saw_are_counted_under_their_route(clien
     """A body refused by the size limit, or a request refused for its key, still names its route's template."""
     too_large = await client.post("/execute", content=b"x" * (9 * 1024 * 1024), headers={"content-type": "text/plain"})
     no_key = await client.get("/jobs/abc", headers={"Authorization": ""})
-    no_key_spec = await client.get("/openapi.json", headers={"Authorization": ""})
+    no_key_list = await client.get("/sessions", headers={"Authorization": ""})
     nowhere = await client.get("/nowhere")
-    assert (too_large.status_code, no_key.status_code, no_key_spec.status_code) == (413, 401, 401)
+    assert (too_large.status_code, no_key.status_code, no_key_list.status_code) == (413, 401, 401)
     assert nowhere.status_code == 404
     metrics = client._transport.app.state.metrics  # type: ignore[attr-defined]
     exposition = metrics.exposition().decode()
     for method, route, status in [
         ("POST", "/execute", 413),
         ("GET", "/jobs/{job_id}", 401),
-        ("GET", "/openapi.json", 401),
+        ("GET", "/sessions", 401),
         ("GET", "unmatched", 404),
     ]:
         assert f'ptc_http_requests_total{{method="{method}",route="{route}",status="{status}"}} 1.0' in exposition
+
+
+async def test_an_unknown_route_or_method_answers_a_documented_problem_type(client: httpx.AsyncClient) -> None:
+    """The service as built (authentication on): before, both were ``about:blank``."""
+    page = ROOT / "docs" / "problems.md"
+    nowhere, wrong_method = await client.get("/jobs/"), await client.put("/execute")
+    assert nowhere.status_code == 404 and nowhere.json()["type"] == problems.ROUTE_NOT_FOUND.uri
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    assert wrong_method.json()["type"] == problems.METHOD_NOT_ALLOWED.uri
+    no_key = await client.get("/nowhere", headers={"Authorization": ""})
+    assert no_key.status_code == 401 and no_key.json()["type"] == problems.UNAUTHORIZED.uri
+    for response in (nowhere, wrong_method, no_key):
+        assert response.headers["content-type"] == "application/problem+json"
+        name = response.json()["type"].removeprefix(problems.TYPE_PREFIX)
+        assert name in anchors(page), name

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service import errors
 from service.api import problems
-from service.api.problems import RULES, TYPES, rule_for
+from service.api.problems import RULES, TYPES, ProblemType, rule_for
 from service.egress import EgressDenied
 from service.errors import PtcError
 from service.metrics import Metrics
+from service.openapi import Problem
 from service.settings import Settings
+from tests.unit.test_docs_links import anchors
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -49,13 +54,6 @@ def test_problem_types_are_distinct_stable_tag_uris() -> None:
         assert re.fullmatch(r"tag:ptc-sandbox\.dev,2026:problems/[a-z]+(-[a-z]+)*", problem_type.uri)
     assert {rule.type for rule in RULES.values()} <= set(TYPES)
     assert problems.INTERNAL_ERROR.uri == "tag:ptc-sandbox.dev,2026:problems/internal-error"
-
-
-def test_the_docs_list_every_problem_type() -> None:
-    docs = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))])
-    for problem_type in TYPES:
-        row = f"| `{problem_type.name}` | {problem_type.status} | {problem_type.title} |"
-        assert row in docs, row
 
 
 def raising(exc: Exception) -> FastAPI:
@@ -164,13 +162,90 @@ async def test_an_unmapped_error_is_logged_and_answered_500_without_its_text(
     assert [r.exc_info[1] for r in caplog.records if r.exc_info] == [exc]
 
 
-async def test_the_http_layers_own_errors_stay_about_blank() -> None:
-    transport = httpx.ASGITransport(app=raising(RuntimeError()), raise_app_exceptions=False)
+async def test_the_http_layers_own_errors_have_documented_types() -> None:
+    """An unknown path, a wrong method, an unreadable body and any other status of Starlette's (before: all
+    ``about:blank``, which docs/problems.md cannot document)."""
+    app = raising(RuntimeError())
+
+    @app.get("/teapot")
+    async def teapot() -> None:
+        raise StarletteHTTPException(418)
+
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
         missing, wrong_method = await client.get("/nowhere"), await client.delete("/boom")
-    assert missing.json() == {"type": "about:blank", "title": "Not Found", "status": 404, "detail": "Not Found"}
+        other = await client.get("/teapot")
+    assert missing.status_code == 404 and missing.headers["content-type"] == "application/problem+json"
+    assert missing.json()["type"] == problems.ROUTE_NOT_FOUND.uri and missing.json()["title"] == "Route not found"
     assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "GET"
-    assert wrong_method.json()["type"] == "about:blank"
+    assert wrong_method.json()["type"] == problems.METHOD_NOT_ALLOWED.uri
+    assert other.json() == {
+        "type": problems.HTTP_ERROR.uri,
+        "title": "I'm a Teapot",
+        "status": 418,
+        "detail": "I'm a Teapot",
+    }
+    for response in (missing, wrong_method, other):
+        assert documented(response.json()["type"]), response.json()
+
+
+async def test_fastapis_unreadable_body_is_bad_request() -> None:
+    app = raising(RuntimeError())
+
+    @app.post("/body")
+    async def body(value: dict[str, int]) -> None:
+        raise AssertionError("not reached")
+
+    async def broken() -> AsyncIterator[bytes]:
+        yield b'{"a":'
+        raise OSError("the client went away")
+
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        response = await client.post("/body", content=broken(), headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["type"] == problems.BAD_REQUEST.uri
+
+
+def documented(type_uri: str) -> bool:
+    """Whether ``type_uri`` is a service problem type with its section in docs/problems.md."""
+    name = type_uri.removeprefix(problems.TYPE_PREFIX)
+    return type_uri.startswith(problems.TYPE_PREFIX) and name in anchors(ROOT / "docs" / "problems.md")
+
+
+def every_problem_type() -> set[ProblemType]:
+    """Every ``ProblemType`` the service can answer with: those defined in service.api.problems (``TYPES``,
+    ``RULES``, ``HTTP_LAYER``) and any made elsewhere in ``service/`` (found by name in the source)."""
+    found = {value for value in vars(problems).values() if isinstance(value, ProblemType)}
+    found |= {rule.type for rule in RULES.values()} | set(problems.HTTP_LAYER.values())
+    return found
+
+
+def test_every_problem_type_has_its_section_in_docs_problems_md() -> None:
+    page = ROOT / "docs" / "problems.md"
+    sections = page.read_text().split("\n## ")[1:]
+    by_name = {section.split("\n", 1)[0].strip(): section for section in sections}
+    types = every_problem_type()
+    assert types == set(TYPES), "every ProblemType is listed in TYPES"
+    for problem_type in types:
+        assert problem_type.name in anchors(page), problem_type.name
+        section = by_name[problem_type.name]
+        status = (
+            "the HTTP layer's own (4xx or 5xx)" if problem_type is problems.HTTP_ERROR else str(problem_type.status)
+        )
+        assert f"**Status** {status} · **Title** {problem_type.title}\n" in section, problem_type.name
+        assert "**Client:**" in section, problem_type.name
+    assert set(by_name) == {t.name for t in types}, "a section for a type that does not exist"
+
+
+def test_no_answer_is_about_blank() -> None:
+    """No code in service/ makes an ``about:blank`` problem (``problem()`` has no default type any more), and
+    ``ProblemType`` is made only in service/api/problems.py (so ``every_problem_type`` sees them all)."""
+    for path in sorted((ROOT / "service").rglob("*.py")):
+        text = path.read_text()
+        if path != ROOT / "service" / "api" / "problems.py":
+            assert "ProblemType(" not in text, path
+            assert "about:blank" not in text, path
+    assert "about:blank" not in json.dumps(Problem.model_json_schema())
 
 
 async def test_fastapis_validation_errors_are_invalid_request() -> None:
