@@ -16,19 +16,32 @@ router = APIRouter(route_class=ParsedOffLoop)
 
 
 def json_session(view: dict[str, Any], status_code: int = 200) -> Response:
-    """A session's view as ``application/json``, validated by ``SessionView``."""
-    body = SessionView.model_validate(view).model_dump_json().encode()
-    return Response(body, status_code=status_code, media_type="application/json")
+    """A session's view as ``application/json``, validated by ``SessionView`` (a 201 with its ``Location``)."""
+    model = SessionView.model_validate(view)
+    headers = {"Location": f"/sessions/{model.session_id}"} if status_code == 201 else None
+    return Response(
+        model.model_dump_json().encode(), status_code=status_code, media_type="application/json", headers=headers
+    )
 
 
-@router.post("/sessions", status_code=201, response_model=SessionView, responses={422: {}, 429: {}, 503: {}})
+_LOCATION = {
+    "Location": {"schema": {"type": "string"}, "description": "The session's URL path: /sessions/{session_id}."}
+}
+
+
+@router.post(
+    "/sessions",
+    status_code=201,
+    response_model=SessionView,
+    responses={201: {"headers": _LOCATION}, 422: {}, 429: {}, 503: {}},
+)
 async def create_session(
     body: SessionRequest, sessions: Sessions, who: Who, settings: AppSettings, key: Key
 ) -> Response:
     """Start a session: a sandbox kept for a conversation's scripts (``/execute`` with ``session_id``).
 
-    Answers 201 once the sandbox is ready. Its files under ``/tmp`` persist between scripts; it ends
-    after ``idle_timeout_s`` without a script, at ``max_lifetime_s``, or on DELETE.
+    Answers 201 (``Location: /sessions/{id}``) once the sandbox is ready. Its files under ``/tmp`` persist
+    between scripts; it ends after ``idle_timeout_s`` without a script, at ``max_lifetime_s``, or on DELETE.
     """
     check_session(body, settings, key)
     return json_session(await sessions.create_session(body, who.owner, admin=who.admin), 201)

@@ -30,7 +30,7 @@ async def test_late_follower_of_a_job_whose_final_save_failed(parts: Parts) -> N
     )
 
     async def follow() -> list[tuple[str, Any]]:
-        return [pair async for pair in job_views.events(job.id, Caller("alice"))]
+        return [(event, data) async for event, data, _ in job_views.events(job.id, Caller("alice"))]
 
     followed = await asyncio.wait_for(follow(), 5)
     assert [event for event, _ in followed] == ["status", "end"]
