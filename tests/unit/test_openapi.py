@@ -109,3 +109,18 @@ def test_view_selection_event_resumption_and_location_are_documented(spec: dict[
     assert "204" in paths["/jobs/{job_id}/events"]["get"]["responses"]
     assert "Location" in paths["/execute"]["post"]["responses"]["202"]["headers"]
     assert "Location" in paths["/sessions"]["post"]["responses"]["201"]["headers"]
+
+
+def test_a_selected_view_is_documented_as_one_answer(spec: dict[str, Any]) -> None:
+    """Under ``calls=summary|none`` or ``fields=`` a view lacks fields ``JobView`` requires: its answers are
+    documented as ``JobView`` or ``JobViewSelection`` (before: schemathesis found views violating the schema)."""
+    schemas = spec["components"]["schemas"]
+    assert schemas["JobViewSelection"]["required"] == ["job_id", "status"]
+    assert list(schemas["CallSummary"]["properties"]) == ["seq", "call_id", "tool", "status", "error", "duration_ms"]
+    for path, method in (("/execute", "post"), ("/jobs/{job_id}", "get"), ("/jobs/{job_id}/wait", "post")):
+        for code in ("200", "202") if path == "/execute" else ("200",):
+            schema = spec["paths"][path][method]["responses"][code]["content"]["application/json"]["schema"]
+            assert schema["anyOf"] == [
+                {"$ref": "#/components/schemas/JobView"},
+                {"$ref": "#/components/schemas/JobViewSelection"},
+            ]

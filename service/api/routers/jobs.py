@@ -20,7 +20,7 @@ from service.errors import InvalidField, RequestLimitError
 from service.jobs.live import wait_for_end_or_client
 from service.limits import check_execute
 from service.sandbox.base import Stream
-from service.schemas import ClientAnswer, ExecuteRequest, JobList, JobStatus, JobView
+from service.schemas import ClientAnswer, ExecuteRequest, JobList, JobStatus, JobView, JobViewSelection
 from service.store import InvalidCursor, JobQuery
 from service.views import CallsMode, Selection, select
 
@@ -65,6 +65,8 @@ def view_selection(
 
 
 ViewSelection = Annotated[Selection, Depends(view_selection)]
+ViewAnswer = JobView | JobViewSelection
+"""A view answer, as documented: the whole ``JobView``, or the parts ``?calls=`` and ``?fields=`` selected."""
 
 
 def _iso8601(value: object) -> object:
@@ -100,8 +102,8 @@ def utc(value: datetime | None, name: str) -> datetime | None:
 
 @router.post(
     "/execute",
-    response_model=JobView,
-    responses={202: {"model": JobView, "headers": _LOCATION}, 404: {}, 409: {}, 422: {}, 429: {}, 503: {}},
+    response_model=ViewAnswer,
+    responses={202: {"model": ViewAnswer, "headers": _LOCATION}, 404: {}, 409: {}, 422: {}, 429: {}, 503: {}},
 )
 async def execute(
     body: ExecuteRequest,
@@ -155,7 +157,7 @@ async def list_jobs(
     return JobList(jobs=page, next_cursor=next_cursor)
 
 
-@router.get("/jobs/{job_id}", response_model=JobView, responses={404: {}})
+@router.get("/jobs/{job_id}", response_model=ViewAnswer, responses={404: {}})
 async def get_job(
     job_id: str,
     jobs: Jobs,
@@ -198,7 +200,7 @@ async def get_output(
     )
 
 
-@router.post("/jobs/{job_id}/wait", response_model=JobView, responses={404: {}})
+@router.post("/jobs/{job_id}/wait", response_model=ViewAnswer, responses={404: {}})
 async def wait_job(
     job_id: str,
     jobs: Jobs,
@@ -218,7 +220,7 @@ async def wait_job(
     return view_response(await jobs.wait(job_id, who, timeout_s, selection))
 
 
-@router.post("/jobs/{job_id}/calls/{call_id}", response_model=JobView, responses={404: {}, 409: {}, 422: {}})
+@router.post("/jobs/{job_id}/calls/{call_id}", response_model=ViewAnswer, responses={404: {}, 409: {}, 422: {}})
 async def answer_call(
     job_id: str, call_id: str, body: ClientAnswer, jobs: Jobs, who: Who, selection: ViewSelection
 ) -> Response:
@@ -234,7 +236,7 @@ async def answer_call(
     return view_response(await jobs.answer_call(job_id, who, call_id, ok, value, selection))
 
 
-@router.post("/jobs/{job_id}/stop", response_model=JobView, responses={404: {}})
+@router.post("/jobs/{job_id}/stop", response_model=ViewAnswer, responses={404: {}})
 async def stop_job(job_id: str, jobs: Jobs, who: Who, selection: ViewSelection) -> Response:
     """End the job: SIGTERM to the script's processes, SIGKILL after the grace; a script that exited by itself
     first keeps its own status. Answers with the final view. Idempotent."""
