@@ -17,6 +17,7 @@ import pytest
 from fastapi import FastAPI
 
 from service.auth import IMPLICIT_OWNER, Caller
+from service.errors import JobNotFound
 from service.jobs import JobManager
 from service.jobs.resume import InvalidPosition, Position, parse
 from service.views import FULL
@@ -184,3 +185,14 @@ async def test_bad_event_ids_are_problems(client: httpx.AsyncClient) -> None:
         assert answer.json()["errors"][0]["loc"] == loc
     answer = await client.get("/jobs/job_000000000000000000000000/events", headers={"Last-Event-ID": "garbage!"})
     assert answer.status_code == 404  # an unknown job first: the id is not even looked at
+
+
+async def test_another_owners_job_is_not_found_whatever_the_event_id(app: FastAPI, client: httpx.AsyncClient) -> None:
+    jobs: JobManager = app.state.jobs
+    job_id = (await client.post("/execute", json={"script": "print(1)"})).json()["job_id"]
+    token = Position(stdout=2).token(job_id)
+    assert (await jobs.resume_point(job_id, ANYONE, token, ("header",))).stdout == 2
+    with pytest.raises(JobNotFound):
+        await jobs.resume_point(job_id, Caller("mallory"), token, ("header",))
+    with pytest.raises(JobNotFound):
+        await jobs.resume_point(job_id, Caller("mallory"), "garbage", ("header",))
