@@ -8,7 +8,7 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator
 
 from service.egress import header_problem, url_problem
 from service.toolkit.schema import json_depth
@@ -470,6 +470,39 @@ class JobView(BaseModel):
     )
     original_script: str | None = Field(None, description="With repairs: the script as sent.")
     normalized_script: str | None = Field(None, description="With repairs: the script that ran.")
+
+
+class CallSummary(BaseModel):
+    """A call record as ``?calls=summary`` shows it (``service.views.SUMMARY_FIELDS``): no arguments, no result."""
+
+    seq: int
+    call_id: str
+    tool: str
+    status: CallStatus
+    error: ToolCallError | None
+    duration_ms: float | None
+    approval: CallApproval | None
+
+
+def _selected_view() -> type[BaseModel]:
+    """``JobView`` with every field but ``job_id`` and ``status`` optional and ``calls`` holding records or
+    summaries: the shape of a view under ``?calls=summary|none`` or ``?fields=`` (documentation only)."""
+    fields: dict[str, Any] = {}
+    for name, info in JobView.model_fields.items():
+        annotation = info.annotation
+        if name == "calls":
+            annotation = list[CallRecord | CallSummary]
+        required = name in ("job_id", "status")
+        fields[name] = (annotation, Field(... if required else None, description=info.description))
+    return create_model(
+        "JobViewSelection",
+        __doc__="A job view as ?calls=summary|none and ?fields= select it: job_id and status always; any other "
+        "field of JobView when selected (calls absent under calls=none, summaries under calls=summary).",
+        **fields,
+    )
+
+
+JobViewSelection = _selected_view()
 
 
 class JobSummary(BaseModel):

@@ -22,11 +22,12 @@ import json
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
 from service import exactjson
+from service.errors import InvalidField
 from service.schemas import JobView
 
 BATCH_BYTES = 1024 * 1024
@@ -35,16 +36,81 @@ OPTIONS = orjson.OPT_UTC_Z  # datetimes as pydantic writes them: ...Z
 _TAIL_FIELDS = ("pending_calls", "calls")
 _VALUE_FIELDS = ("args", "result")  # a record's fields that hold what a script, tool or client sent
 
+CallsMode = Literal["full", "summary", "none"]
+"""How a view shows its call records: ``full`` (every field), ``summary`` (``SUMMARY_FIELDS``), ``none``."""
+SUMMARY_FIELDS = ("seq", "call_id", "tool", "status", "error", "duration_ms", "approval")
+"""A call record's fields kept by ``calls=summary``: no arguments, no result, nothing about their bytes (``approval``:
+who decided a gated call, when, and the reason given)."""
+VIEW_FIELDS: tuple[str, ...] = tuple(JobView.model_fields)
+"""The view's top-level fields, the names ``fields=`` may select (in the order a view writes them)."""
+ALWAYS_SELECTED = frozenset({"job_id", "status"})
+"""The fields every selection includes."""
 
-def render_head(view: dict[str, Any]) -> bytes:
-    """The view without ``pending_calls`` and ``calls``, as a JSON object (validated by ``JobView``).
+
+@dataclass(frozen=True)
+class Selection:
+    """Which parts of a job view to send (``?calls=`` and ``?fields=``).
+
+    Attributes:
+        calls: how call records are shown.
+        fields: the top-level fields to include (always with ``ALWAYS_SELECTED``); None: all of them.
+    """
+
+    calls: CallsMode = "full"
+    fields: frozenset[str] | None = None
+
+    @property
+    def full(self) -> bool:
+        """The whole view, as it is stored (today's view, byte for byte)."""
+        return self.calls == "full" and self.fields is None
+
+    def wants(self, name: str) -> bool:
+        """Whether the top-level field ``name`` is sent."""
+        return self.fields is None or name in self.fields
+
+    @property
+    def records(self) -> CallsMode:
+        """How the ``calls`` field is sent: ``none`` when ``fields`` leaves it out."""
+        return self.calls if self.wants("calls") else "none"
+
+
+FULL = Selection()
+
+
+def select(calls: CallsMode = "full", fields: str | None = None) -> Selection:
+    """The selection of ``?calls=`` and ``?fields=`` (comma-separated top-level field names; empty names are
+    ignored, ``job_id`` and ``status`` are always included).
+
+    Raises:
+        InvalidField: ``fields`` names a field the view does not have (the message lists the allowed ones).
+    """
+    if fields is None:
+        return Selection(calls)
+    names = {name.strip() for name in fields.split(",")} - {""}
+    unknown = sorted(names - set(VIEW_FIELDS))
+    if unknown:
+        shown = ", ".join(name[:64] for name in unknown[:5])
+        raise InvalidField(f"unknown field(s) {shown}; allowed: {', '.join(VIEW_FIELDS)}", ("query", "fields"))
+    return Selection(calls, frozenset(names | ALWAYS_SELECTED))
+
+
+def render_head(view: dict[str, Any], selection: Selection = FULL) -> bytes:
+    """The view without ``pending_calls`` and ``calls``, as a JSON object (validated by ``JobView``); with
+    ``selection.fields``, only those fields.
 
     Raises:
         ValueError: a field does not fit the ``JobView`` schema (pydantic's ValidationError).
     """
     fields = {name: value for name, value in view.items() if name not in _TAIL_FIELDS}
     model = JobView.model_validate({**fields, "calls": []})
+    if selection.fields is not None:
+        return model.model_dump_json(include=set(selection.fields - set(_TAIL_FIELDS))).encode()
     return model.model_dump_json(exclude=set(_TAIL_FIELDS)).encode()
+
+
+def summary_record(record: dict[str, Any]) -> bytes:
+    """A call record's summary (``SUMMARY_FIELDS``) as JSON: no arguments or result, nor their sizes."""
+    return orjson.dumps({name: record.get(name) for name in SUMMARY_FIELDS}, option=OPTIONS)
 
 
 def encode_record(record: dict[str, Any]) -> bytes:
@@ -85,9 +151,18 @@ def snapshot(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _parts(
-    head: bytes, pending: list[dict[str, Any]], records: Iterable[dict[str, Any] | bytes | memoryview]
+    head: bytes,
+    pending: list[dict[str, Any]] | None,
+    records: Iterable[dict[str, Any] | bytes | memoryview] | None,
 ) -> Iterator[bytes | memoryview]:
-    yield head[:-1] + b',"pending_calls":' + orjson.dumps(pending, option=OPTIONS) + b',"calls":['
+    """The view's pieces: ``head`` (a JSON object), then ``pending_calls`` and ``calls`` unless None."""
+    start = head[:-1]
+    if pending is not None:
+        start += b',"pending_calls":' + orjson.dumps(pending, option=OPTIONS)
+    if records is None:
+        yield start + b"}"
+        return
+    yield start + b',"calls":['
     first = True
     for record in records:
         if not first:
@@ -97,12 +172,24 @@ def _parts(
     yield b"]}"
 
 
+def join(
+    head: bytes,
+    pending: list[dict[str, Any]] | None,
+    records: Iterable[dict[str, Any] | bytes | memoryview] | None,
+) -> bytes:
+    """The view's bytes at once (for small views: summaries, or no records)."""
+    return b"".join(_parts(head, pending, records))
+
+
 async def stream(
-    head: bytes, pending: list[dict[str, Any]], records: Iterable[dict[str, Any] | bytes | memoryview]
+    head: bytes,
+    pending: list[dict[str, Any]] | None,
+    records: Iterable[dict[str, Any] | bytes | memoryview] | None,
 ) -> AsyncIterator[bytes]:
     """The view's bytes in pieces of about ``BATCH_BYTES``, yielding to the event loop between them.
 
-    ``records`` must not change while this runs (``snapshot``, or an ``EncodedView``'s).
+    ``records`` must not change while this runs (``snapshot``, or an ``EncodedView``'s). ``pending`` or
+    ``records`` None: that field is left out.
     """
     batch: list[bytes | memoryview] = []
     size = 0
@@ -117,7 +204,10 @@ async def stream(
         yield b"".join(batch)
 
 
-@dataclass(frozen=True)
+_TAIL = b',"pending_calls":[],"calls":['  # what follows the head in an ended view written by ``encode``
+
+
+@dataclass
 class EncodedView:
     """An ended job's view, encoded once.
 
@@ -125,24 +215,67 @@ class EncodedView:
         head: the view's fields but ``pending_calls`` and ``calls``, as JSON values.
         body: the whole view as JSON bytes (what is served and stored).
         spans: (start, end) of each call record in ``body``, in order.
+        summaries: each call record's ``summary_record``, in order (kept beside ``body`` so that a
+            ``calls=summary`` view never decodes a record); None until made (``JobViews`` makes them once).
+        head_end: where the head's fields end in ``body`` (``_TAIL`` follows), when ``body`` has that layout
+            (every view ``encode`` wrote); None: render the head again.
     """
 
     head: dict[str, Any]
     body: bytes
     spans: list[tuple[int, int]]
+    summaries: list[bytes] | None = None
+    head_end: int | None = None
 
     def records(self) -> Iterator[memoryview]:
         """Each call record's JSON, in order (views into ``body``)."""
         view = memoryview(self.body)
         return (view[start:end] for start, end in self.spans)
 
+    @property
+    def size(self) -> int:
+        """Bytes held: the body and the summaries."""
+        return len(self.body) + sum(map(len, self.summaries or ()))
 
-async def encode(head: bytes, records: Iterable[dict[str, Any] | bytes | memoryview]) -> EncodedView:
-    """Encode an ended job's view (no pending calls), giving the event loop back every ``BATCH_BYTES``."""
+    def head_bytes(self) -> bytes | None:
+        """The head as a JSON object, cut from ``body`` (None when ``head_end`` is unknown)."""
+        return None if self.head_end is None else self.body[: self.head_end] + b"}"
+
+
+def head_end(body: bytes, spans: list[tuple[int, int]]) -> int | None:
+    """Where the head's fields end in a stored view whose last fields are ``"pending_calls":[]`` and then
+    ``"calls"`` (as ``encode`` writes them), from the record spans ``scan`` found; None for another layout."""
+    if spans:
+        at = spans[0][0] - len(_TAIL)
+        return at if at > 0 and body[at : spans[0][0]] == _TAIL else None
+    at = len(body) - len(_TAIL) - 2
+    return at if at > 0 and body[at:] == _TAIL + b"]}" else None
+
+
+async def encode(
+    head: bytes, records: Iterable[dict[str, Any] | bytes | memoryview], summaries: list[bytes] | None = None
+) -> EncodedView:
+    """Encode an ended job's view (no pending calls), giving the event loop back every ``BATCH_BYTES``.
+
+    The records' summaries are made as they are encoded when all are dicts (else ``summaries``, the same
+    records' summaries when the caller has them, or None).
+    """
     parts: list[bytes | memoryview] = []
     spans: list[tuple[int, int]] = []
+    made: list[bytes] | None = [] if summaries is None else None
     offset = since_yield = 0
-    for i, part in enumerate(_parts(head, [], records)):
+
+    def summarized() -> Iterator[dict[str, Any] | bytes | memoryview]:
+        nonlocal made
+        for record in records:
+            if made is not None:
+                if isinstance(record, dict):
+                    made.append(summary_record(record))
+                else:
+                    made = None
+            yield record
+
+    for i, part in enumerate(_parts(head, [], summarized())):
         if i >= 1 and part != b"," and part != b"]}":
             spans.append((offset, offset + len(part)))
         parts.append(part)
@@ -152,14 +285,15 @@ async def encode(head: bytes, records: Iterable[dict[str, Any] | bytes | memoryv
             since_yield = 0
             await asyncio.sleep(0)
     body = b"".join(parts)
-    return EncodedView(exactjson.loads(head), body, spans)
+    return EncodedView(exactjson.loads(head), body, spans, summaries if made is None else made, len(head) - 1)
 
 
-def scan(body: bytes) -> tuple[dict[str, Any], list[tuple[int, int]]]:
+def scan(body: bytes, summaries: list[bytes] | None = None) -> tuple[dict[str, Any], list[tuple[int, int]]]:
     """The head and the record spans of a stored view (any key order), decoding one record at a time.
 
     For views read back from the store. Each record is decoded to find where it ends (stdlib ``json``, whose
-    ``raw_decode`` reports the end), so memory holds one record's tree at a time, not the view's. Run it on a
+    ``raw_decode`` reports the end), so memory holds one record's tree at a time, not the view's; with
+    ``summaries`` (a list), each record's ``summary_record`` is appended to it on the way. Run it on a
     worker thread: the GIL is let go between records.
 
     Raises:
@@ -182,7 +316,9 @@ def scan(body: bytes) -> tuple[dict[str, Any], list[tuple[int, int]]]:
         if key == "calls":
             i = _skip(text, i + 1)  # past '['
             while text[i] != "]":
-                _, end = decoder.raw_decode(text, i)
+                record, end = decoder.raw_decode(text, i)
+                if summaries is not None:
+                    summaries.append(summary_record(record))
                 marks += (i, end)
                 i = _skip(text, end)
                 if text[i] == ",":
@@ -221,28 +357,30 @@ class ViewCache:
     def __init__(self, max_bytes: int) -> None:
         self._max = max_bytes
         self._size = 0
-        self._views: OrderedDict[str, EncodedView] = OrderedDict()
+        self._views: OrderedDict[str, tuple[EncodedView, int]] = OrderedDict()  # the view, its size when put
 
     def get(self, job_id: str) -> EncodedView | None:
-        view = self._views.get(job_id)
-        if view is not None:
-            self._views.move_to_end(job_id)
-        return view
+        kept = self._views.get(job_id)
+        if kept is None:
+            return None
+        self._views.move_to_end(job_id)
+        return kept[0]
 
     def put(self, job_id: str, view: EncodedView) -> None:
         self.drop(job_id)
-        if len(view.body) > self._max:
+        size = view.size
+        if size > self._max:
             return
-        self._views[job_id] = view
-        self._size += len(view.body)
+        self._views[job_id] = (view, size)
+        self._size += size
         while self._size > self._max:
-            _, old = self._views.popitem(last=False)
-            self._size -= len(old.body)
+            _, (_, old) = self._views.popitem(last=False)
+            self._size -= old
 
     def drop(self, job_id: str) -> None:
         old = self._views.pop(job_id, None)
         if old is not None:
-            self._size -= len(old.body)
+            self._size -= old[1]
 
 
 class ByteBudget:

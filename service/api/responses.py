@@ -13,17 +13,18 @@ from service.views import BATCH_BYTES, Body
 OUTPUT_SLICE_BYTES = 256 * 1024  # GET /jobs/{id}/output/{stream} reads and sends the range this much at a time
 
 
-def view_response(body: Body, status_code: int = 200) -> Response:
+def view_response(body: Body, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
     """A job view as ``application/json``, sent in slices of ``BATCH_BYTES`` (with flow control, so a slow
-    client holds no copy of the view): whole bytes with their length, or pieces as they are rendered."""
+    client holds no copy of the view): whole bytes with their length, or pieces as they are rendered;
+    ``headers``: more headers (``Location``)."""
     if isinstance(body, bytes):
         return StreamingResponse(
             _slices(body),
             status_code=status_code,
             media_type="application/json",
-            headers={"content-length": str(len(body))},
+            headers={"content-length": str(len(body)), **(headers or {})},
         )
-    return StreamingResponse(body, status_code=status_code, media_type="application/json")
+    return StreamingResponse(body, status_code=status_code, media_type="application/json", headers=headers)
 
 
 async def _slices(body: bytes) -> AsyncIterator[bytes]:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from service.errors import CallNotPending
 from service.jobs.model import FINAL, LIVE, Job, JobError, JobStatus
+from service.views import FULL, Selection
 
 if TYPE_CHECKING:
     from service.auth import Caller
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from service.jobs.live import LiveJob
     from service.jobs.placement import Sandboxes
     from service.jobs.recovery import Recovery
+    from service.jobs.resume import Position
     from service.jobs.runner import Runner
     from service.jobs.sessions import SessionJobs
     from service.jobs.tasks import Tasks
@@ -147,7 +149,9 @@ class JobManager:
         self._runner.start(admitted)
         return admitted.job
 
-    async def answer_call(self, job_id: str, caller: Caller, call_id: str, ok: bool, value: Any) -> Body:
+    async def answer_call(
+        self, job_id: str, caller: Caller, call_id: str, ok: bool, value: Any, selection: Selection = FULL
+    ) -> Body:
         """Answer a client-executed call of a running job; returns the job's view after it.
 
         Raises:
@@ -159,10 +163,16 @@ class JobManager:
             await self._views.stored_view(job_id, caller)
             raise CallNotPending(call_id)
         await self._runner.answer_call(job, call_id, ok, value)
-        return await self._views.view(job_id, caller)
+        return await self._views.view(job_id, caller, selection=selection)
 
     async def decide_approval(
-        self, job_id: str, caller: Caller, call_id: str, approved: bool, reason: str | None
+        self,
+        job_id: str,
+        caller: Caller,
+        call_id: str,
+        approved: bool,
+        reason: str | None,
+        selection: Selection = FULL,
     ) -> Body:
         """Approve (the call goes on to its endpoint) or deny a call awaiting approval; returns the job's view.
         The record's ``approval.by`` is the caller's key name.
@@ -176,9 +186,9 @@ class JobManager:
             await self._views.stored_view(job_id, caller)
             raise CallNotPending(call_id)
         await self._runner.decide_approval(job, call_id, approved, caller.owner, reason)
-        return await self._views.view(job_id, caller)
+        return await self._views.view(job_id, caller, selection=selection)
 
-    async def stop(self, job_id: str, caller: Caller) -> Body:
+    async def stop(self, job_id: str, caller: Caller, selection: Selection = FULL) -> Body:
         """Stop the job (SIGTERM to its processes, SIGKILL after the grace); returns its view.
 
         Idempotent: on an ended job it only returns the final view. The answer is the saved final view (the one
@@ -189,7 +199,7 @@ class JobManager:
         job = self._views.live(job_id, caller)
         if job is not None:
             await self._runner.stop(job)
-        return await self._views.view(job_id, caller)
+        return await self._views.view(job_id, caller, selection=selection)
 
     # -- toolsets ------------------------------------------------------------------------------
 
@@ -235,13 +245,24 @@ class JobManager:
         """The encoded view of a job that is not live; raises JobNotFound (another owner's too)."""
         return await self._views.final(job_id, caller)
 
-    def live_view(self, job: LiveJob) -> Body:
+    def live_view(self, job: LiveJob, selection: Selection = FULL) -> Body:
         """A live job's view, rendered a batch of records at a time as it is sent."""
-        return self._views.live_view(job)
+        return self._views.live_view(job, selection)
 
-    async def view(self, job_id: str, caller: Caller, offsets: dict[Stream, int | None] | None = None) -> Body:
-        """The job's view, with ``offsets`` a slice of a stream's retained bytes; raises JobNotFound."""
-        return await self._views.view(job_id, caller, offsets)
+    async def view(
+        self,
+        job_id: str,
+        caller: Caller,
+        offsets: dict[Stream, int | None] | None = None,
+        selection: Selection = FULL,
+    ) -> Body:
+        """The job's view, with ``offsets`` a slice of a stream's retained bytes, ``selection`` its parts;
+        raises JobNotFound."""
+        return await self._views.view(job_id, caller, offsets, selection)
+
+    async def ended_view(self, job_id: str, caller: Caller, selection: Selection = FULL) -> Body:
+        """The saved view of a job that is not live, as ``selection`` says; raises JobNotFound."""
+        return await self._views.view(job_id, caller, selection=selection)
 
     async def read_output(self, job_id: str, caller: Caller, stream: Stream, offset: int, length: int) -> bytes:
         """Raw retained bytes of a stream (at most ``SLICE_BYTES``); raises JobNotFound."""
@@ -251,9 +272,9 @@ class JobManager:
         """The retained bytes of a stream from ``offset``, as an open ``OutputRange``; raises JobNotFound."""
         return await self._views.output_range(job_id, caller, stream, offset, length)
 
-    async def wait(self, job_id: str, caller: Caller, timeout_s: float) -> Body:
+    async def wait(self, job_id: str, caller: Caller, timeout_s: float, selection: Selection = FULL) -> Body:
         """Block until the job ends, waits for the client, or ``timeout_s`` passes; returns its view then."""
-        return await self._views.wait(job_id, caller, timeout_s)
+        return await self._views.wait(job_id, caller, timeout_s, selection)
 
     async def page(self, query: JobQuery) -> tuple[list[JobSummary], str | None]:
         """A page of jobs (newest first) and the next cursor; raises InvalidCursor."""
@@ -263,6 +284,12 @@ class JobManager:
         """Jobs in the store."""
         return await self._views.count()
 
-    def events(self, job_id: str, caller: Caller) -> AsyncIterator[tuple[str, Any]]:
-        """Follow a job: ``(event, data)`` pairs until it has ended (``JobViews.events``)."""
-        return self._views.events(job_id, caller)
+    async def resume_point(self, job_id: str, caller: Caller, event_id: str, loc: tuple[str, ...]) -> Position:
+        """Where a follower that last received event ``event_id`` resumes; raises JobNotFound, InvalidField."""
+        return await self._views.resume_point(job_id, caller, event_id, loc)
+
+    def events(
+        self, job_id: str, caller: Caller, selection: Selection = FULL, start: Position | None = None
+    ) -> AsyncIterator[tuple[str, Any, str]]:
+        """Follow a job: ``(event, data, id)`` triples until it has ended (``JobViews.events``)."""
+        return self._views.events(job_id, caller, selection, start)

@@ -130,10 +130,11 @@ class Recovery:
                     f"{stream}_next_offset": max(view[f"{stream}_bytes"], size),
                 }
             )
-        calls = [c for c in view["calls"] if c["status"] != "pending"] + [
+        calls = [  # in arrival order, as every view keeps them: a record's seq tells its place
             {**c, "status": "error", "error": JobError(ErrorType.CANCELLED, "the service stopped").as_dict()}
-            for c in view["calls"]
             if c["status"] == "pending"
+            else c
+            for c in view["calls"]
         ]
         view.update(
             status=JobStatus.LOST.value,

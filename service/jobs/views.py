@@ -15,16 +15,19 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from service import views
 from service.auth import Caller
-from service.errors import JobNotFound
+from service.errors import InvalidField, JobNotFound
+from service.jobs import resume
 from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob, wait_for_end_or_client
 from service.jobs.model import FINAL
 from service.output import OutputRange, decode_slice, read_range
 from service.sandbox.base import Stream
 from service.schemas import JobSummary
 from service.store import JobQuery, JobStore
-from service.views import Body, EncodedView, render_head, snapshot
+from service.views import FULL, Body, EncodedView, Selection, render_head, snapshot, summary_record
 
 log = logging.getLogger(__name__)
 
@@ -98,25 +101,71 @@ class JobViews:
         stored = await self._store.get(job_id)
         if stored is None:
             raise JobNotFound(job_id)
+        summaries: list[bytes] = []
         async with self._scanning:
-            head, spans = await asyncio.to_thread(views.scan, stored.view)
-        encoded = EncodedView(head, stored.view, spans)
+            head, spans = await asyncio.to_thread(views.scan, stored.view, summaries)
+        encoded = EncodedView(head, stored.view, spans, summaries, views.head_end(stored.view, spans))
         if job_id not in self._live:  # a job saved as running may have ended meanwhile: its own save wins
             self._views.put(job_id, encoded)
         return encoded
 
-    def live_view(self, job: LiveJob) -> Body:
+    async def summaries(self, final: EncodedView) -> list[bytes]:
+        """The summaries of an ended view's records: kept beside it, or made once (decoding one record at a time,
+        off the event loop) for a view encoded from records that were already JSON (a callback's re-save)."""
+        if final.summaries is None:
+            body = final.body
+
+            def summarize() -> list[bytes]:
+                return [summary_record(orjson.loads(body[start:end])) for start, end in final.spans]
+
+            async with self._scanning:
+                if final.summaries is None:
+                    final.summaries = await asyncio.to_thread(summarize)
+        return final.summaries
+
+    def live_view(self, job: LiveJob, selection: Selection = FULL) -> Body:
         """A live job's view, rendered a batch of records at a time as it is sent."""
-        return self._render(job.view_dict())
+        return self._render(job.view_dict(), selection)
 
     @staticmethod
-    def _render(view: dict[str, Any]) -> Body:
-        records = snapshot(view["calls"])
-        return views.stream(render_head(view), view.get("pending_calls", []), records)
+    def _render(view: dict[str, Any], selection: Selection) -> Body:
+        head = render_head(view, selection)
+        pending = view.get("pending_calls", []) if selection.wants("pending_calls") else None
+        mode = selection.records
+        if mode == "none":
+            return views.join(head, pending, None)
+        if mode == "summary":
+            return views.join(head, pending, [summary_record(record) for record in view["calls"]])
+        return views.stream(head, pending, snapshot(view["calls"]))
 
-    async def view(self, job_id: str, caller: Caller, offsets: dict[Stream, int | None] | None = None) -> Body:
+    async def _ended(self, final: EncodedView, selection: Selection, head: dict[str, Any] | None = None) -> Body:
+        """An ended job's view as ``selection`` says; ``head``: fields that replace the saved head (a slice)."""
+        if head is None and selection.full:
+            return final.body
+        cut = final.head_bytes() if head is None and selection.fields is None else None
+        rendered = cut if cut is not None else render_head(final.head if head is None else head, selection)
+        pending: list[dict[str, Any]] | None = [] if selection.wants("pending_calls") else None
+        mode = selection.records
+        if mode == "none":
+            return views.join(rendered, pending, None)
+        if mode == "summary":
+            return views.join(rendered, pending, await self.summaries(final))
+        return views.stream(rendered, pending, final.records())
+
+    async def _ended_bytes(self, final: EncodedView, selection: Selection) -> bytes:
+        """``_ended`` as one piece (an events stream's ``end``)."""
+        body = await self._ended(final, selection)
+        return body if isinstance(body, bytes) else b"".join([part async for part in body])
+
+    async def view(
+        self,
+        job_id: str,
+        caller: Caller,
+        offsets: dict[Stream, int | None] | None = None,
+        selection: Selection = FULL,
+    ) -> Body:
         """The job's view (JSON bytes, or pieces of them); with ``offsets``, a stream's text holds its bytes from
-        that offset.
+        that offset; ``selection``: which fields and how call records are shown.
 
         Raises:
             JobNotFound: no such job, or another owner's.
@@ -127,14 +176,14 @@ class JobViews:
             view = job.view_dict()
             for stream, offset in wanted.items():
                 await self._slice(view, stream, offset)
-            return self._render(view)
+            return self._render(view, selection)
         final = await self.final(job_id, caller)
         if not wanted:
-            return final.body
+            return await self._ended(final, selection)
         head = dict(final.head)
         for stream, offset in wanted.items():
             await self._slice(head, stream, offset)
-        return views.stream(render_head(head), [], final.records())
+        return await self._ended(final, selection, head)
 
     async def _slice(self, view: dict[str, Any], stream: Stream, offset: int) -> None:
         """Put the stream's retained bytes from ``offset`` (at most ``SLICE_BYTES``) into ``view``.
@@ -170,7 +219,7 @@ class JobViews:
             await self.stored_view(job_id, caller)
         return await asyncio.to_thread(OutputRange.open, self._output_dir / job_id / stream, offset, length)
 
-    async def wait(self, job_id: str, caller: Caller, timeout_s: float) -> Body:
+    async def wait(self, job_id: str, caller: Caller, timeout_s: float, selection: Selection = FULL) -> Body:
         """Block until the job ends, waits for the client (a client-executed call), or ``timeout_s`` passes.
 
         Returns its view then. Raises JobNotFound (for another owner's job too, at once).
@@ -178,7 +227,7 @@ class JobViews:
         job = self.live(job_id, caller)
         if job is not None:
             await wait_for_end_or_client(job, timeout_s)
-        return await self.view(job_id, caller)
+        return await self.view(job_id, caller, selection=selection)
 
     async def page(self, query: JobQuery) -> tuple[list[JobSummary], str | None]:
         """A page of jobs (newest first; only ``query.owner``'s unless it is None) and the next cursor.
@@ -203,60 +252,95 @@ class JobViews:
         """Jobs in the store."""
         return await self._store.count()
 
-    async def events(self, job_id: str, caller: Caller) -> AsyncIterator[tuple[str, Any]]:
-        """Follow a job: yields ``(event, data)`` pairs, in order, until the job has ended.
+    async def resume_point(self, job_id: str, caller: Caller, event_id: str, loc: tuple[str, ...]) -> resume.Position:
+        """Where a follower that last received the event ``event_id`` of this job's stream resumes.
+
+        Raises:
+            JobNotFound: no such job, or another owner's (before the id is looked at).
+            InvalidField: ``event_id`` is not an event id of this job's stream, or claims more than the job has
+                (``loc`` names where it came from: the header or the query parameter).
+        """
+        job = self.live(job_id, caller)
+        if job is not None:
+            head, records = job.view_dict(), len(job.calls)
+        else:
+            final = await self.final(job_id, caller)
+            head, records = final.head, len(final.spans)
+        try:
+            position = resume.parse(event_id, job_id)
+            position.check(records, {stream: head[f"{stream}_retained_bytes"] for stream in STREAMS})
+        except resume.InvalidPosition as exc:
+            raise InvalidField(f"not an event id of this job's stream: {exc}", loc) from None
+        return position
+
+    async def events(
+        self, job_id: str, caller: Caller, selection: Selection = FULL, start: resume.Position | None = None
+    ) -> AsyncIterator[tuple[str, Any, str]]:
+        """Follow a job: yields ``(event, data, id)`` triples, in order, until the job has ended.
 
         Events: ``status`` ``{"status"}`` on each change; ``stdout``/``stderr``
         ``{"offset", "text"}`` for each new piece of output (retained bytes);
-        ``call`` with each call record (JSON bytes) once it has its outcome; finally ``end``
-        with the final view (JSON bytes). A follower that joins late first gets everything
-        so far. A job that is no longer live has ended: if its final save failed, the store holds an
+        ``call`` with each call record (JSON bytes; its summary with ``calls=summary``, none with ``calls=none``)
+        once it has its outcome; finally ``end`` with the final view (JSON bytes, as ``selection`` says). A
+        follower that joins late first gets everything so far. ``id`` is the stream's position after the event
+        (``resume``); ``start``: resume after such a position (only what was not sent, a status only if it
+        changed). A job that is no longer live has ended: if its final save failed, the store holds an
         earlier status, and ``end`` carries that saved view. Raises JobNotFound (for another owner's job too).
         """
         job = self.live(job_id, caller)
         final = await self.final(job_id, caller) if job is None else None
-        offsets = {"stdout": 0, "stderr": 0}
-        sent = 0  # records before this index have all been sent
-        sent_after: set[int] = set()  # indexes at or past ``sent`` already sent (they ended out of order)
-        last_status = None
+        at = start if start is not None else resume.Position()
+        calls = selection.calls
         while True:
             changed = job.changed() if job is not None else None
             records: list[Any]
-            encoded: list[Any]
             if job is not None:
                 head = job.view_dict()
-                records = encoded = head["calls"]
+                records = head["calls"]
             elif final is not None:
                 head = final.head
-                records = encoded = list(final.records())
+                records = list(final.records())
             else:  # not reachable: a job that is not live has its saved view
                 raise JobNotFound(job_id)
-            if head["status"] != last_status:
-                last_status = head["status"]
-                yield "status", {"status": last_status}
-            for index in range(sent, len(records)):
-                if index in sent_after or (job is not None and records[index]["status"] == "pending"):
-                    continue
-                sent_after.add(index)
-                record = encoded[index]
-                yield "call", views.encode_record(record) if isinstance(record, dict) else bytes(record)
-            while sent in sent_after:
-                sent_after.discard(sent)
-                sent += 1
+            if head["status"] != at.status:
+                at.status = head["status"]
+                yield "status", {"status": at.status}, at.token(job_id)
+            if calls != "none":
+                summaries = await self.summaries(final) if final is not None and calls == "summary" else None
+                for index in range(at.low, len(records)):
+                    record = records[index]
+                    if at.sent(index + 1) or (job is not None and record["status"] == "pending"):
+                        continue
+                    at.mark(index + 1)
+                    if summaries is not None:
+                        data = summaries[index]
+                    elif calls == "summary":
+                        data = summary_record(record)
+                    else:
+                        data = views.encode_record(record) if isinstance(record, dict) else bytes(record)
+                    yield "call", data, at.token(job_id)
             ended = job is None or (head["status"] in FINAL and job.done.is_set())
             for stream in STREAMS:
                 retained = head[f"{stream}_retained_bytes"]
-                while offsets[stream] < retained:
-                    data = await self.read_output(job_id, caller, stream, offsets[stream], 64 * 1024)
-                    text, consumed, _ = decode_slice(data, final=ended and offsets[stream] + len(data) >= retained)
+                offset = at.stdout if stream == "stdout" else at.stderr
+                while offset < retained:
+                    data = await self.read_output(job_id, caller, stream, offset, 64 * 1024)
+                    text, consumed, _ = decode_slice(data, final=ended and offset + len(data) >= retained)
                     if not consumed:
                         break
-                    yield stream, {"offset": offsets[stream], "text": text}
-                    offsets[stream] += consumed
+                    piece = {"offset": offset, "text": text}
+                    offset += consumed
+                    if stream == "stdout":
+                        at.stdout = offset
+                    else:
+                        at.stderr = offset
+                    yield stream, piece, at.token(job_id)
             if ended:
                 end = final if final is not None else await self.final(job_id, caller)
-                async with self._end_events.hold(len(end.body)):  # the end event is sent as one piece
-                    yield "end", end.body
+                body = await self._ended_bytes(end, selection)
+                at.ended = True
+                async with self._end_events.hold(len(body)):  # the end event is sent as one piece
+                    yield "end", body, at.token(job_id)
                 return
             if changed is not None:
                 with contextlib.suppress(TimeoutError):

@@ -136,6 +136,6 @@ class Webhooks:
 
     async def _put_view(self, stored: StoredJob, head: dict[str, Any], final: EncodedView) -> None:
         """Save an ended job's view with a new ``head`` (its call records as they were); keep it for reading."""
-        encoded = await views.encode(render_head(head), list(final.records()))
+        encoded = await views.encode(render_head(head), list(final.records()), final.summaries)
         await self._store.put(stored_job(encoded.head, len(encoded.spans), encoded.body, stored.instance_id))
         self._cache.put(stored.job_id, encoded)

@@ -93,3 +93,44 @@ def test_every_route_is_documented(spec: dict[str, Any]) -> None:
     for path, method, operation in operations(spec):
         assert operation.get("description") or operation.get("summary"), (method, path)
         assert any(code.startswith("2") for code in operation["responses"]), (method, path)
+
+
+def test_view_selection_event_resumption_and_location_are_documented(spec: dict[str, Any]) -> None:
+    paths = spec["paths"]
+    for path, method in (
+        ("/execute", "post"),
+        ("/jobs/{job_id}", "get"),
+        ("/jobs/{job_id}/wait", "post"),
+        ("/jobs/{job_id}/events", "get"),
+    ):
+        parameters = {(p["name"], p["in"]): p for p in paths[path][method]["parameters"]}
+        assert parameters[("calls", "query")]["schema"]["enum"] == ["full", "summary", "none"]
+        assert ("fields", "query") in parameters
+    events = {(p["name"], p["in"]) for p in paths["/jobs/{job_id}/events"]["get"]["parameters"]}
+    assert {("Last-Event-ID", "header"), ("last_event_id", "query")} <= events
+    assert "204" in paths["/jobs/{job_id}/events"]["get"]["responses"]
+    assert "Location" in paths["/execute"]["post"]["responses"]["202"]["headers"]
+    assert "Location" in paths["/sessions"]["post"]["responses"]["201"]["headers"]
+
+
+def test_a_selected_view_is_documented_as_one_answer(spec: dict[str, Any]) -> None:
+    """Under ``calls=summary|none`` or ``fields=`` a view lacks fields ``JobView`` requires: its answers are
+    documented as ``JobView`` or ``JobViewSelection`` (before: schemathesis found views violating the schema)."""
+    schemas = spec["components"]["schemas"]
+    assert schemas["JobViewSelection"]["required"] == ["job_id", "status"]
+    assert list(schemas["CallSummary"]["properties"]) == [
+        "seq",
+        "call_id",
+        "tool",
+        "status",
+        "error",
+        "duration_ms",
+        "approval",
+    ]
+    for path, method in (("/execute", "post"), ("/jobs/{job_id}", "get"), ("/jobs/{job_id}/wait", "post")):
+        for code in ("200", "202") if path == "/execute" else ("200",):
+            schema = spec["paths"][path][method]["responses"][code]["content"]["application/json"]["schema"]
+            assert schema["anyOf"] == [
+                {"$ref": "#/components/schemas/JobView"},
+                {"$ref": "#/components/schemas/JobViewSelection"},
+            ]

@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from typing import Annotated
 
 import orjson
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BeforeValidator
 from sse_starlette import EventSourceResponse
@@ -22,19 +22,61 @@ from service.errors import InvalidField, RequestLimitError
 from service.jobs.live import LiveJob, wait_for_end_or_client
 from service.limits import check_execute
 from service.sandbox.base import Stream
-from service.schemas import ApprovalDecision, ClientAnswer, ExecuteRequest, JobList, JobStatus, JobView
+from service.schemas import (
+    ApprovalDecision,
+    ClientAnswer,
+    ExecuteRequest,
+    JobList,
+    JobStatus,
+    JobView,
+    JobViewSelection,
+)
 from service.store import IdempotencyRecord, InvalidCursor, JobQuery
+from service.views import CallsMode, Selection, select
 
 router = APIRouter(route_class=ParsedOffLoop)
 
 _SSE_EVENT = {  # one event of GET /jobs/{id}/events; data is JSON text
     "type": "object",
     "properties": {
+        "id": {"type": "string", "description": "Opaque: send it back as Last-Event-ID to resume after this event."},
         "event": {"type": "string", "enum": ["status", "stdout", "stderr", "call", "end"]},
         "data": {"type": "string"},
     },
     "required": ["data"],
 }
+
+
+_LOCATION = {
+    "Location": {"schema": {"type": "string"}, "description": "The job's URL path: /jobs/{job_id}."},
+}
+
+
+def view_selection(
+    calls: Annotated[
+        CallsMode,
+        Query(
+            description="How the view shows call records: full (every field, the default), summary (seq, call_id, "
+            "tool, status, error, duration_ms: no arguments or results), none (no records; calls_total and "
+            "calls_by_status stay). pending_calls keep their args (the caller must answer them)."
+        ),
+    ] = "full",
+    fields: Annotated[
+        str | None,
+        Query(
+            description="Comma-separated top-level fields of the view to send (job_id and status are always "
+            "sent); an unknown name is a 422 that lists the allowed ones.",
+            max_length=4096,
+        ),
+    ] = None,
+) -> Selection:
+    """The view selection of ``?calls=`` and ``?fields=``; raises InvalidField for an unknown field."""
+    return select(calls, fields)
+
+
+ViewSelection = Annotated[Selection, Depends(view_selection)]
+ViewAnswer = JobView | JobViewSelection
+"""A view answer, as documented: the whole ``JobView``, or the parts ``?calls=`` and ``?fields=`` selected."""
 
 
 def _iso8601(value: object) -> object:
@@ -70,8 +112,8 @@ def utc(value: datetime | None, name: str) -> datetime | None:
 
 @router.post(
     "/execute",
-    response_model=JobView,
-    responses={202: {"model": JobView}, 404: {}, 409: {}, 422: {}, 429: {}, 503: {}},
+    response_model=ViewAnswer,
+    responses={202: {"model": ViewAnswer, "headers": _LOCATION}, 404: {}, 409: {}, 422: {}, 429: {}, 503: {}},
 )
 async def execute(
     body: ExecuteRequest,
@@ -81,12 +123,13 @@ async def execute(
     settings: AppSettings,
     key: Key,
     idempotency: Idempotency,
+    selection: ViewSelection,
     idempotency_key: Annotated[str | None, Header(alias=KEY_HEADER, description=KEY_DESCRIPTION)] = None,
 ) -> Response:
     """Run ``body.script`` in a new sandbox (or, with ``session_id``, in that session's sandbox).
 
     Answers 200 with the final view if the job ends within ``wait_s``, else 202
-    with the view so far (the job runs on until it ends or hits ``timeout_s``).
+    with the view so far (the job runs on until it ends or hits ``timeout_s``) and ``Location: /jobs/{id}``.
     A job that could not start because the engine is unreachable answers 503.
     With an ``Idempotency-Key`` already bound to a job of the same request, nothing runs: the answer is that
     job's, as this request would get it now (``Idempotent-Replayed: true``).
@@ -95,7 +138,7 @@ async def execute(
     claim = await claim_key(request, idempotency, who.owner, idempotency_key, "job", body)
     if isinstance(claim, IdempotencyRecord):
         job_id = request.state.job_id = claim.resource_id
-        return await replay(request, lambda: job_answer(job_id, jobs, who))
+        return await replay(request, lambda: job_answer(job_id, jobs, who, selection))
     try:
         job = await jobs.submit(body, who.owner, admin=who.admin)
     except BaseException:
@@ -105,12 +148,13 @@ async def execute(
     request.state.job_id = job.id  # for the request's log event
     if claim is not None:
         await claim.bind("job", job.id, job.created_at)
-    return await job_answer(job.id, jobs, who, job)
+    return await job_answer(job.id, jobs, who, selection, job)
 
 
-async def job_answer(job_id: str, jobs: Jobs, who: Who, job: LiveJob | None = None) -> Response:
+async def job_answer(job_id: str, jobs: Jobs, who: Who, selection: Selection, job: LiveJob | None = None) -> Response:
     """What ``POST /execute`` answers for a job now: its final view once it has ended within its ``wait_s``
-    (503 if the engine was unreachable), else 202 with its view so far.
+    (503 if the engine was unreachable), else 202 with its view so far and ``Location: /jobs/{id}``; both in
+    ``selection``.
 
     Args:
         job: the live job just submitted; None to look it up (a replay: live, or ended and saved).
@@ -123,12 +167,12 @@ async def job_answer(job_id: str, jobs: Jobs, who: Who, job: LiveJob | None = No
     if job is not None:
         await wait_for_end_or_client(job, job.limits.wait_s)  # a client call or an approval needs the caller
         if not job.done.is_set():
-            return view_response(jobs.live_view(job), 202)
+            return view_response(jobs.live_view(job, selection), 202, {"Location": f"/jobs/{job_id}"})
     final = await jobs.final(job_id, who)  # saved as served
     error = final.head.get("error") or {}
     if error.get("type") == "engine_unavailable":
         return ENGINE_UNAVAILABLE.response(str(error.get("message", "")), job_id=job_id)
-    return view_response(final.body)
+    return view_response(await jobs.ended_view(job_id, who, selection))
 
 
 @router.get("/jobs", response_model=JobList, responses={422: {}})
@@ -157,17 +201,19 @@ async def list_jobs(
     return JobList(jobs=page, next_cursor=next_cursor)
 
 
-@router.get("/jobs/{job_id}", response_model=JobView, responses={404: {}})
+@router.get("/jobs/{job_id}", response_model=ViewAnswer, responses={404: {}})
 async def get_job(
     job_id: str,
     jobs: Jobs,
     who: Who,
     stdout_offset: Annotated[int | None, Query(ge=0, description="Return stdout from this byte offset.")] = None,
     stderr_offset: Annotated[int | None, Query(ge=0, description="Return stderr from this byte offset.")] = None,
+    *,
+    selection: ViewSelection,
 ) -> Response:
     """The job's view: live while it runs, final after."""
     offsets: dict[Stream, int | None] = {"stdout": stdout_offset, "stderr": stderr_offset}
-    return view_response(await jobs.view(job_id, who, offsets))
+    return view_response(await jobs.view(job_id, who, offsets, selection))
 
 
 @router.get(
@@ -198,13 +244,15 @@ async def get_output(
     )
 
 
-@router.post("/jobs/{job_id}/wait", response_model=JobView, responses={404: {}})
+@router.post("/jobs/{job_id}/wait", response_model=ViewAnswer, responses={404: {}})
 async def wait_job(
     job_id: str,
     jobs: Jobs,
     who: Who,
     settings: AppSettings,
     timeout_s: Annotated[float | None, Query(ge=0, description="Seconds; default PTC_DEFAULT_WAIT_S.")] = None,
+    *,
+    selection: ViewSelection,
 ) -> Response:
     """Block until the job ends or ``timeout_s`` passes; answers the view then."""
     if timeout_s is None:
@@ -213,11 +261,13 @@ async def wait_job(
         raise RequestLimitError(
             f"{timeout_s} exceeds the server maximum of {settings.max_wait_s}", ("query", "timeout_s")
         )
-    return view_response(await jobs.wait(job_id, who, timeout_s))
+    return view_response(await jobs.wait(job_id, who, timeout_s, selection))
 
 
-@router.post("/jobs/{job_id}/calls/{call_id}", response_model=JobView, responses={404: {}, 409: {}, 422: {}})
-async def answer_call(job_id: str, call_id: str, body: ClientAnswer, jobs: Jobs, who: Who) -> Response:
+@router.post("/jobs/{job_id}/calls/{call_id}", response_model=ViewAnswer, responses={404: {}, 409: {}, 422: {}})
+async def answer_call(
+    job_id: str, call_id: str, body: ClientAnswer, jobs: Jobs, who: Who, selection: ViewSelection
+) -> Response:
     """Answer a client-executed tool call: ``{"result": ...}`` or ``{"error": {"type", "message"}}``."""
     has_result, has_error = "result" in body.model_fields_set, body.error is not None
     if has_result == has_error:
@@ -227,32 +277,34 @@ async def answer_call(job_id: str, call_id: str, body: ClientAnswer, jobs: Jobs,
         ok, value = False, body.error.model_dump()
     else:
         ok, value = True, body.result
-    return view_response(await jobs.answer_call(job_id, who, call_id, ok, value))
+    return view_response(await jobs.answer_call(job_id, who, call_id, ok, value, selection))
 
 
-@router.post("/jobs/{job_id}/calls/{call_id}/approve", response_model=JobView, responses={404: {}, 409: {}, 422: {}})
+@router.post("/jobs/{job_id}/calls/{call_id}/approve", response_model=ViewAnswer, responses={404: {}, 409: {}, 422: {}})
 async def approve_call(
-    job_id: str, call_id: str, jobs: Jobs, who: Who, body: ApprovalDecision | None = None
+    job_id: str, call_id: str, jobs: Jobs, who: Who, selection: ViewSelection, body: ApprovalDecision | None = None
 ) -> Response:
     """Approve a call awaiting approval: the broker sends it to its tool's endpoint. Body optional:
     ``{"reason": ...}``, kept in the call record's ``approval``."""
     reason = body.reason if body is not None else None
-    return view_response(await jobs.decide_approval(job_id, who, call_id, True, reason))
+    return view_response(await jobs.decide_approval(job_id, who, call_id, True, reason, selection))
 
 
-@router.post("/jobs/{job_id}/calls/{call_id}/deny", response_model=JobView, responses={404: {}, 409: {}, 422: {}})
-async def deny_call(job_id: str, call_id: str, jobs: Jobs, who: Who, body: ApprovalDecision | None = None) -> Response:
+@router.post("/jobs/{job_id}/calls/{call_id}/deny", response_model=ViewAnswer, responses={404: {}, 409: {}, 422: {}})
+async def deny_call(
+    job_id: str, call_id: str, jobs: Jobs, who: Who, selection: ViewSelection, body: ApprovalDecision | None = None
+) -> Response:
     """Deny a call awaiting approval: the script gets a ToolError of type ``denied`` with the reason, and the
     endpoint never sees the call. Body optional: ``{"reason": ...}``."""
     reason = body.reason if body is not None else None
-    return view_response(await jobs.decide_approval(job_id, who, call_id, False, reason))
+    return view_response(await jobs.decide_approval(job_id, who, call_id, False, reason, selection))
 
 
-@router.post("/jobs/{job_id}/stop", response_model=JobView, responses={404: {}})
-async def stop_job(job_id: str, jobs: Jobs, who: Who) -> Response:
+@router.post("/jobs/{job_id}/stop", response_model=ViewAnswer, responses={404: {}})
+async def stop_job(job_id: str, jobs: Jobs, who: Who, selection: ViewSelection) -> Response:
     """End the job: SIGTERM to the script's processes, SIGKILL after the grace; a script that exited by itself
     first keeps its own status. Answers with the final view. Idempotent."""
-    return view_response(await jobs.stop(job_id, who))
+    return view_response(await jobs.stop(job_id, who, selection))
 
 
 @router.get(
@@ -260,17 +312,47 @@ async def stop_job(job_id: str, jobs: Jobs, who: Who) -> Response:
     response_class=EventSourceResponse,
     responses={
         200: {"description": "An event stream.", "content": {"text/event-stream": {"schema": _SSE_EVENT}}},
+        204: {"description": "The event id given is that of the stream's end event: nothing follows."},
         404: {},
     },
 )
-async def job_events(job_id: str, jobs: Jobs, who: Who) -> EventSourceResponse:
-    """Server-Sent Events: ``status``, ``stdout``/``stderr``, ``call`` and a final ``end``."""
-    if jobs.live(job_id, who) is None:
-        await jobs.stored_view(job_id, who)  # 404 before the stream starts
+async def job_events(
+    job_id: str,
+    jobs: Jobs,
+    who: Who,
+    selection: ViewSelection,
+    last_event_id: Annotated[
+        str | None,
+        Query(description="For clients that cannot set headers: as the Last-Event-ID header (which wins)."),
+    ] = None,
+    last_event_id_header: Annotated[
+        str | None,
+        Header(
+            alias="Last-Event-ID",
+            description="The id of the last event received: the stream resumes right after it.",
+        ),
+    ] = None,
+) -> Response:
+    """Server-Sent Events: ``status``, ``stdout``/``stderr``, ``call`` and a final ``end``, each with an ``id``.
+
+    Reconnecting with ``Last-Event-ID`` (or ``?last_event_id=``) resumes right after that event: output from the
+    offset after the last piece received, each call record not yet sent (once), a status only if it changed;
+    after ``end``, 204.
+    """
+    if last_event_id_header:
+        start = await jobs.resume_point(job_id, who, last_event_id_header, ("header", "Last-Event-ID"))
+    elif last_event_id:
+        start = await jobs.resume_point(job_id, who, last_event_id, ("query", "last_event_id"))
+    else:
+        start = None
+        if jobs.live(job_id, who) is None:
+            await jobs.stored_view(job_id, who)  # 404 before the stream starts
+    if start is not None and start.ended:
+        return Response(status_code=204)
 
     async def stream() -> AsyncIterator[bytes]:
-        async for event, data in jobs.events(job_id, who):  # "call" and "end" come as JSON bytes
+        async for event, data, event_id in jobs.events(job_id, who, selection, start):  # "call", "end": bytes
             payload = data if isinstance(data, bytes) else orjson.dumps(data)
-            yield b"event: " + event.encode() + b"\r\ndata: " + payload + b"\r\n\r\n"
+            yield b"id: " + event_id.encode() + b"\r\nevent: " + event.encode() + b"\r\ndata: " + payload + b"\r\n\r\n"
 
     return EventSourceResponse(stream(), ping=15)

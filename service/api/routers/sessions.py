@@ -19,13 +19,24 @@ router = APIRouter(route_class=ParsedOffLoop)
 
 
 def json_session(view: dict[str, Any], status_code: int = 200) -> Response:
-    """A session's view as ``application/json``, validated by ``SessionView``."""
-    body = SessionView.model_validate(view).model_dump_json().encode()
-    return Response(body, status_code=status_code, media_type="application/json")
+    """A session's view as ``application/json``, validated by ``SessionView`` (a 201 with its ``Location``)."""
+    model = SessionView.model_validate(view)
+    headers = {"Location": f"/sessions/{model.session_id}"} if status_code == 201 else None
+    return Response(
+        model.model_dump_json().encode(), status_code=status_code, media_type="application/json", headers=headers
+    )
+
+
+_LOCATION = {
+    "Location": {"schema": {"type": "string"}, "description": "The session's URL path: /sessions/{session_id}."}
+}
 
 
 @router.post(
-    "/sessions", status_code=201, response_model=SessionView, responses={404: {}, 409: {}, 422: {}, 429: {}, 503: {}}
+    "/sessions",
+    status_code=201,
+    response_model=SessionView,
+    responses={201: {"headers": _LOCATION}, 404: {}, 409: {}, 422: {}, 429: {}, 503: {}},
 )
 async def create_session(
     body: SessionRequest,
@@ -39,8 +50,8 @@ async def create_session(
 ) -> Response:
     """Start a session: a sandbox kept for a conversation's scripts (``/execute`` with ``session_id``).
 
-    Answers 201 once the sandbox is ready. Its files under ``/tmp`` persist between scripts; it ends
-    after ``idle_timeout_s`` without a script, at ``max_lifetime_s``, or on DELETE.
+    Answers 201 (``Location: /sessions/{id}``) once the sandbox is ready. Its files under ``/tmp`` persist
+    between scripts; it ends after ``idle_timeout_s`` without a script, at ``max_lifetime_s``, or on DELETE.
     With an ``Idempotency-Key`` already bound to a session of the same request, no sandbox starts: the answer is
     that session's view (201 while it is open; once it has ended, what ``GET /sessions/{id}`` answers), with
     ``Idempotent-Replayed: true``.

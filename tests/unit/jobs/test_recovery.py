@@ -1,23 +1,31 @@
-"""Recovery at start-up without an engine: the work dir is locked once (a second instance is refused), and a job
-folder left behind that cannot be removed is logged (before: ``rmtree(..., ignore_errors=True)`` said nothing)."""
+"""Recovery at start-up without an engine: the work dir is locked once (a second instance is refused), a job
+folder left behind that cannot be removed is logged (before: ``rmtree(..., ignore_errors=True)`` said nothing),
+and a job marked lost keeps its call records in arrival order (before: its pending calls were moved last, so
+the seq of a record no longer told its place, which a resumed event stream counts on)."""
 
 from __future__ import annotations
 
 import logging
 import os
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
 
+import orjson
 import pytest
 
 from service import views
 from service.errors import WorkDirBusy
 from service.jobs.events import Events
+from service.jobs.live import stored_job
+from service.jobs.model import JobStatus
 from service.jobs.recovery import Recovery
 from service.quotas import HostCapacity, Quotas
 from service.sandbox.folders import SandboxFolders
 from service.settings import Settings
 from service.store import StoredJob
+from service.views import render_head
+from tests.unit.jobs.conftest import Parts
 
 
 class Backend:
@@ -26,16 +34,23 @@ class Backend:
 
 
 class Store:
+    def __init__(self, unfinished: list[StoredJob] | None = None) -> None:
+        self.left = unfinished or []
+        self.puts: list[StoredJob] = []
+
     async def unfinished(self, instance_id: str) -> list[StoredJob]:
-        return []
+        return self.left
+
+    async def put(self, job: StoredJob) -> None:
+        self.puts.append(job)
 
 
-def recovery(work_dir: Path) -> Recovery:
+def recovery(work_dir: Path, store: Store | None = None) -> Recovery:
     settings = Settings(work_dir=work_dir, sandbox_folders_tmpfs_mb=0)
     return Recovery(
         settings,
         cast(Any, Backend()),
-        cast(Any, Store()),
+        cast(Any, store or Store()),
         SandboxFolders(work_dir / "run", 0),
         Quotas(settings, HostCapacity(1024, 1)),
         Events(),
@@ -75,3 +90,26 @@ async def test_the_work_dir_is_locked_once(tmp_path: Path) -> None:
     second = recovery(tmp_path)
     await second.start()  # given back: the next instance takes it
     second.release()
+
+
+async def test_a_job_marked_lost_keeps_its_calls_in_arrival_order(tmp_path: Path, parts: Parts) -> None:
+    job = parts.new_job("alice")
+    job.move(JobStatus.RUNNING)
+    started = datetime.now(UTC)
+    job.calls = [
+        {"seq": seq, "call_id": f"call_{seq}", "tool": "t", "args": None, "status": status, "started_at": started}
+        for seq, status in ((1, "ok"), (2, "pending"), (3, "ok"))
+    ]
+    view = job.view_dict()
+    job.stdout.close()
+    job.stderr.close()
+    encoded = await views.encode(render_head(view), views.snapshot(view["calls"]))
+    store = Store([stored_job(encoded.head, 3, encoded.body, "test")])
+    work_dir = tmp_path / "work"
+    work_dir.mkdir()
+    started_recovery = recovery(work_dir, store)
+    await started_recovery.start()
+    started_recovery.release()
+    lost = orjson.loads(store.puts[-1].view)
+    assert lost["status"] == "lost"
+    assert [(call["seq"], call["status"]) for call in lost["calls"]] == [(1, "ok"), (2, "error"), (3, "ok")]

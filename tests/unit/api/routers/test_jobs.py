@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from service.api.deps import job_service
 from service.api.problems import LIMIT_EXCEEDED
 from service.auth import Caller
+from service.views import FULL, Selection
 
 
 @pytest.mark.parametrize(
@@ -30,16 +31,22 @@ class FakeJobs:
 
     def __init__(self) -> None:
         self.asked: list[tuple[Any, ...]] = []
+        self.selections: list[Selection] = []
 
-    async def view(self, job_id: str, caller: Caller, offsets: dict[str, int | None]) -> bytes:
+    async def view(
+        self, job_id: str, caller: Caller, offsets: dict[str, int | None], selection: Selection = FULL
+    ) -> bytes:
         self.asked.append(("view", job_id, caller.owner, offsets))
+        self.selections.append(selection)
         return b'{"job_id": "job_1"}'
 
-    async def wait(self, job_id: str, caller: Caller, timeout_s: float) -> bytes:
+    async def wait(self, job_id: str, caller: Caller, timeout_s: float, selection: Selection = FULL) -> bytes:
         self.asked.append(("wait", job_id, timeout_s))
         return b'{"job_id": "job_1"}'
 
-    async def answer_call(self, job_id: str, caller: Caller, call_id: str, ok: bool, value: Any) -> bytes:
+    async def answer_call(
+        self, job_id: str, caller: Caller, call_id: str, ok: bool, value: Any, selection: Selection = FULL
+    ) -> bytes:
         self.asked.append(("answer_call", job_id, call_id, ok, value))
         return b'{"job_id": "job_1"}'
 
@@ -56,6 +63,13 @@ async def test_a_view_passes_the_offsets_and_the_caller(client: httpx.AsyncClien
     assert (response.status_code, response.content) == (200, b'{"job_id": "job_1"}')
     assert response.headers["content-length"] == str(len(response.content))
     assert jobs.asked == [("view", "job_1", "unit", {"stdout": 5, "stderr": None})]
+    assert jobs.selections == [FULL]
+
+
+async def test_a_view_passes_the_selection(client: httpx.AsyncClient, jobs: FakeJobs) -> None:
+    response = await client.get("/jobs/job_1", params={"calls": "summary", "fields": "stdout, exit_code,,"})
+    assert response.status_code == 200
+    assert jobs.selections == [Selection("summary", frozenset({"job_id", "status", "stdout", "exit_code"}))]
 
 
 async def test_wait_defaults_to_the_setting_and_refuses_past_the_maximum(

@@ -1,0 +1,184 @@
+"""Where a follower of a job's event stream is: the ``id`` of each server-sent event, and resuming after it.
+
+A ``Position`` holds what the stream has sent so far: the offset after the last ``stdout`` and ``stderr`` piece
+(output is resumed by offset), which call records have been sent as ``call`` events (by ``seq``: calls end out of
+order, so a prefix ``low`` of seqs all sent and the set of later ones sent), the last ``status`` sent, and whether
+``end`` was sent. Each event's ``id`` is the position after it, as an opaque token; a follower that reconnects
+with it (``Last-Event-ID``) gets exactly the events it has not had: no output byte twice or never, each call once,
+a status only if it changed since.
+
+The token (URL-safe base64, no padding) is opaque to clients; inside, version 1::
+
+    0x01, tag (4 bytes: SHA-256 of the job id), flags (bit 0: end sent), status (1 byte of length, then ASCII),
+    stdout offset, stderr offset, low (LEB128 varints), bitmap of seqs low+1, low+2, ... sent (bit i of byte k:
+    seq low + 1 + 8k + i)
+
+It is not secret nor signed: it says only how far the caller's own stream of the caller's own job went, which
+the caller could choose anyway. ``parse`` refuses anything malformed, a token of another job (its tag), and
+``Position.check`` one that claims more than the job has (an offset past the retained bytes, a seq past the
+records): 422 each, never another job's data.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+from dataclasses import dataclass, field
+
+from service.jobs.model import JobStatus
+
+VERSION = 1
+MAX_TOKEN_CHARS = 16 * 1024  # longer than any token of a job within PTC_MAX_TOOL_CALLS' bound (10,000: ~1.7 KiB)
+_STATUSES = frozenset(status.value for status in JobStatus)
+_MAX_VARINT_BYTES = 10
+
+
+class InvalidPosition(ValueError):
+    """An event id that is not one of this job's stream (malformed, forged, or another job's)."""
+
+
+def _tag(job_id: str) -> bytes:
+    return hashlib.sha256(job_id.encode()).digest()[:4]
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+@dataclass
+class Position:
+    """How far a job's event stream has gone (see the module docstring).
+
+    Attributes:
+        stdout, stderr: byte offset after the last piece of that stream sent.
+        status: the last status sent (None: none yet).
+        low: seqs 1..low have all been sent as ``call`` events.
+        after: seqs past ``low`` sent too (calls that ended before an earlier one).
+        ended: ``end`` was sent.
+    """
+
+    stdout: int = 0
+    stderr: int = 0
+    status: str | None = None
+    low: int = 0
+    after: set[int] = field(default_factory=set)
+    ended: bool = False
+
+    def sent(self, seq: int) -> bool:
+        """Whether the call with this seq (1-based) was sent."""
+        return seq <= self.low or seq in self.after
+
+    def mark(self, seq: int) -> None:
+        """Count the call with this seq as sent."""
+        self.after.add(seq)
+        while self.low + 1 in self.after:
+            self.low += 1
+            self.after.discard(self.low)
+
+    def token(self, job_id: str) -> str:
+        """This position as an event id of ``job_id``'s stream."""
+        status = (self.status or "").encode()
+        bitmap = bytearray((max(self.after) - self.low + 7) // 8 if self.after else 0)
+        for seq in self.after:
+            bit = seq - self.low - 1
+            bitmap[bit // 8] |= 1 << (bit % 8)
+        raw = b"".join(
+            [
+                bytes([VERSION]),
+                _tag(job_id),
+                bytes([1 if self.ended else 0, len(status)]),
+                status,
+                _varint(self.stdout),
+                _varint(self.stderr),
+                _varint(self.low),
+                bytes(bitmap),
+            ]
+        )
+        return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+    def check(self, records: int, retained: dict[str, int]) -> None:
+        """Refuse a position past what the job has: ``records`` call records, ``retained`` bytes per stream.
+
+        Raises:
+            InvalidPosition: an offset past the stream's retained bytes, or a seq past the records.
+        """
+        for stream, offset in (("stdout", self.stdout), ("stderr", self.stderr)):
+            if offset > retained[stream]:
+                raise InvalidPosition(f"its {stream} offset is past the job's output")
+        if self.low > records or (self.after and max(self.after) > records):
+            raise InvalidPosition("it counts more tool calls than the job has")
+
+
+def parse(text: str, job_id: str) -> Position:
+    """The position an event id of ``job_id``'s stream stands for.
+
+    Raises:
+        InvalidPosition: not a token of this service's format, or of another job's stream.
+    """
+    if len(text) > MAX_TOKEN_CHARS:
+        raise InvalidPosition("too long")
+    try:
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except (binascii.Error, ValueError):
+        raise InvalidPosition("not an event id of this service") from None
+    reader = _Reader(raw)
+    if reader.byte() != VERSION:
+        raise InvalidPosition("not an event id of this service")
+    if reader.take(4) != _tag(job_id):
+        raise InvalidPosition("it is an event id of another job's stream")
+    flags = reader.byte()
+    if flags not in (0, 1):
+        raise InvalidPosition("not an event id of this service")
+    status_bytes = reader.take(reader.byte())
+    try:
+        status = status_bytes.decode("ascii")
+    except UnicodeDecodeError:
+        raise InvalidPosition("not an event id of this service") from None
+    if status and status not in _STATUSES:
+        raise InvalidPosition("not an event id of this service")
+    position = Position(reader.varint(), reader.varint(), status or None, ended=flags == 1)
+    low = reader.varint()
+    bitmap = reader.rest()
+    position.low = low
+    for k, byte in enumerate(bitmap):
+        for i in range(8):
+            if byte >> i & 1:
+                position.mark(low + 1 + 8 * k + i)
+    return position
+
+
+class _Reader:
+    def __init__(self, raw: bytes) -> None:
+        self._raw = raw
+        self._at = 0
+
+    def take(self, n: int) -> bytes:
+        if self._at + n > len(self._raw):
+            raise InvalidPosition("not an event id of this service")
+        chunk = self._raw[self._at : self._at + n]
+        self._at += n
+        return chunk
+
+    def byte(self) -> int:
+        return self.take(1)[0]
+
+    def varint(self) -> int:
+        value = shift = 0
+        for _ in range(_MAX_VARINT_BYTES):
+            byte = self.byte()
+            value |= (byte & 0x7F) << shift
+            if not byte & 0x80:
+                return value
+            shift += 7
+        raise InvalidPosition("not an event id of this service")
+
+    def rest(self) -> bytes:
+        chunk = self._raw[self._at :]
+        self._at = len(self._raw)
+        return chunk

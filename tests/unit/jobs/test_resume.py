@@ -1,0 +1,198 @@
+"""Resumable events without an engine: the event id (``service.jobs.resume``) and reconnecting after any event of a
+job's stream, mid-job and after its end, on the whole service with the fake backend. Whatever the cut, the
+output received concatenates to the job's output byte for byte, each call arrives once (they end out of order
+here: client-executed calls answered in another order), and a status is sent again only if it changed."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import itertools
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, cast
+
+import httpx
+import orjson
+import pytest
+from fastapi import FastAPI
+
+from service.auth import IMPLICIT_OWNER, Caller
+from service.errors import JobNotFound
+from service.jobs import JobManager
+from service.jobs.resume import InvalidPosition, Position, parse
+from service.views import FULL
+from tests.unit.test_view_modes import ARG, RESULT, SCRIPT, TOOLS, fake_service, parse_sse, run_job, wait_for_pending
+
+ANYONE = Caller(IMPLICIT_OWNER)
+
+
+@pytest.fixture
+async def app() -> AsyncIterator[FastAPI]:
+    async with fake_service() as application:
+        yield application
+
+
+@pytest.fixture
+async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://fake", timeout=60) as c:
+        yield c
+
+
+def test_a_position_round_trips_through_its_token() -> None:
+    position = Position(stdout=70_000, stderr=3, status="waiting", ended=False)
+    for seq in (1, 2, 3, 5, 9, 700):
+        position.mark(seq)
+    assert (position.low, position.after) == (3, {5, 9, 700})
+    back = parse(position.token("job_a"), "job_a")
+    assert back == position
+    assert parse(Position().token("job_a"), "job_a") == Position()
+    ended = Position(status="succeeded", ended=True, low=4)
+    assert parse(ended.token("job_a"), "job_a") == ended
+
+
+def _token(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+@pytest.mark.parametrize(
+    "token",
+    [
+        "",
+        "!!!not base64!!!",
+        "x" * 20_000,
+        "AQ",  # the version only
+        _token(b"\x02" + hashlib.sha256(b"job_a").digest()[:4] + b"\x00\x00\x00\x00\x00"),  # another version
+        _token(b"\x01" + hashlib.sha256(b"job_a").digest()[:4] + b"\x07\x00\x00\x00\x00"),  # unknown flags
+        _token(b"\x01" + hashlib.sha256(b"job_a").digest()[:4] + b"\x00\x05bogus\x00\x00\x00"),  # no such status
+        _token(b"\x01" + hashlib.sha256(b"job_a").digest()[:4] + b"\x00\x02\xff\xfe\x00\x00\x00"),  # not ASCII
+        _token(b"\x01" + hashlib.sha256(b"job_a").digest()[:4] + b"\x00\x00" + b"\xff" * 11),  # endless varint
+        _token(b"\x01" + hashlib.sha256(b"job_a").digest()[:4] + b"\x00\x00\x00\x00"),  # truncated
+        Position(stdout=5).token("job_b"),  # another job's
+    ],
+)
+def test_malformed_forged_or_foreign_tokens_are_refused(token: str) -> None:
+    with pytest.raises(InvalidPosition):
+        parse(token, "job_a")
+
+
+def test_a_position_past_what_the_job_has_is_refused() -> None:
+    retained = {"stdout": 10, "stderr": 0}
+    Position(stdout=10, low=2).check(2, retained)
+    with pytest.raises(InvalidPosition):
+        Position(stdout=11).check(2, retained)
+    with pytest.raises(InvalidPosition):
+        Position(stderr=1).check(2, retained)
+    with pytest.raises(InvalidPosition):
+        Position(low=3).check(2, retained)
+    position = Position()
+    position.mark(3)
+    with pytest.raises(InvalidPosition):
+        position.check(2, retained)
+
+
+def check_received(events: list[tuple[str, Any, str]], final: dict[str, Any]) -> None:
+    """What a follower received over its connections, as if one: nothing lost, nothing repeated."""
+    stdout = "".join(data["text"] for event, data, _ in events if event == "stdout")
+    assert stdout == final["stdout"]
+    offsets = [data["offset"] for event, data, _ in events if event == "stdout"]
+    assert offsets == sorted(set(offsets))
+    seqs = [orjson.loads(data)["seq"] for event, data, _ in events if event == "call"]
+    assert sorted(seqs) == [call["seq"] for call in final["calls"]], seqs
+    statuses = [data["status"] for event, data, _ in events if event == "status"]
+    assert all(a != b for a, b in itertools.pairwise(statuses)), statuses
+    assert [event for event, _, _ in events].count("end") == 1 and events[-1][0] == "end"
+
+
+async def test_reconnecting_mid_job_resumes_right_after_the_last_event(app: FastAPI, client: httpx.AsyncClient) -> None:
+    jobs: JobManager = app.state.jobs
+    answer = await client.post("/execute", json={"script": SCRIPT, "tools": TOOLS, "wait_s": 0})
+    job_id = answer.json()["job_id"]
+    pending = await wait_for_pending(client, job_id, 3)
+    by_arg = {call["args"]["q"]: call["call_id"] for call in pending}
+    received: list[tuple[str, Any, str]] = []
+
+    async def follow(until: Any, last_id: str | None) -> None:
+        start = await jobs.resume_point(job_id, ANYONE, last_id, ("header",)) if last_id else None
+        stream = cast(AsyncGenerator[tuple[str, Any, str]], jobs.events(job_id, ANYONE, FULL, start))
+        try:
+            async for event in stream:
+                received.append(event)
+                if until(event):
+                    return
+        finally:
+            await stream.aclose()  # the disconnect
+
+    await follow(lambda event: sum(e == "call" for e, _, _ in received) == 3, None)  # the echo calls
+    await client.post(f"/jobs/{job_id}/calls/{by_arg[f'{ARG}-ask-2']}", json={"result": f"{RESULT}-2"})
+    await follow(lambda event: event[0] == "call", received[-1][2])  # ask-2 (seq 6) ends first
+    assert orjson.loads(received[-1][1])["seq"] == 6
+    position = parse(received[-1][2], job_id)
+    assert (position.low, position.after) == (3, {6})  # the id keeps the call that ended out of order
+    await client.post(f"/jobs/{job_id}/calls/{by_arg[f'{ARG}-ask-0']}", json={"result": f"{RESULT}-0"})
+    await follow(lambda event: event[0] == "call", received[-1][2])
+    await client.post(f"/jobs/{job_id}/calls/{by_arg[f'{ARG}-ask-1']}", json={"result": f"{RESULT}-1"})
+    await follow(lambda event: event[0] == "stdout" and "line 3 " in event[1]["text"], received[-1][2])
+    await follow(lambda event: False, received[-1][2])  # to the end
+    final = (await client.get(f"/jobs/{job_id}")).json()
+    check_received(received, final)
+    assert [orjson.loads(data)["seq"] for event, data, _ in received if event == "call"] == [1, 2, 3, 6, 4, 5]
+
+
+async def test_reconnecting_after_any_event_of_an_ended_job(client: httpx.AsyncClient) -> None:
+    final = await run_job(client)
+    job_id = final["job_id"]
+    whole = parse_sse((await client.get(f"/jobs/{job_id}/events")).content)
+    assert all(event_id for _, _, event_id in whole)
+    decoded = [
+        (event, orjson.loads(data) if event in ("status", "stdout", "stderr") else data, i) for event, data, i in whole
+    ]
+    check_received(decoded, final)
+    for cut in range(1, len(whole)):
+        answer = await client.get(f"/jobs/{job_id}/events", headers={"Last-Event-ID": whole[cut - 1][2]})
+        assert answer.status_code == 200
+        assert parse_sse(answer.content) == whole[cut:], cut  # the same events, from the cut on
+    # after the end: nothing follows, and an EventSource stops reconnecting on 204
+    answer = await client.get(f"/jobs/{job_id}/events", headers={"Last-Event-ID": whole[-1][2]})
+    assert answer.status_code == 204 and answer.content == b""
+
+
+async def test_the_query_parameter_resumes_too_and_the_header_wins(client: httpx.AsyncClient) -> None:
+    final = await run_job(client)
+    job_id = final["job_id"]
+    whole = parse_sse((await client.get(f"/jobs/{job_id}/events")).content)
+    answer = await client.get(f"/jobs/{job_id}/events", params={"last_event_id": whole[2][2]})
+    assert parse_sse(answer.content) == whole[3:]
+    answer = await client.get(
+        f"/jobs/{job_id}/events", params={"last_event_id": whole[2][2]}, headers={"Last-Event-ID": whole[4][2]}
+    )
+    assert parse_sse(answer.content) == whole[5:]
+
+
+async def test_bad_event_ids_are_problems(client: httpx.AsyncClient) -> None:
+    first = (await run_job(client))["job_id"]
+    other = (await client.post("/execute", json={"script": "print(1)"})).json()["job_id"]
+    foreign = parse_sse((await client.get(f"/jobs/{other}/events")).content)[0][2]
+    too_far = Position(stdout=1 << 40).token(first)
+    for headers, params, loc in (
+        ({"Last-Event-ID": "garbage!"}, {}, ["header", "Last-Event-ID"]),
+        ({"Last-Event-ID": foreign}, {}, ["header", "Last-Event-ID"]),
+        ({"Last-Event-ID": too_far}, {}, ["header", "Last-Event-ID"]),
+        ({}, {"last_event_id": "AQAAAAAA"}, ["query", "last_event_id"]),
+    ):
+        answer = await client.get(f"/jobs/{first}/events", headers=headers, params=params)
+        assert answer.status_code == 422, answer.text
+        assert answer.headers["content-type"] == "application/problem+json"
+        assert answer.json()["errors"][0]["loc"] == loc
+    answer = await client.get("/jobs/job_000000000000000000000000/events", headers={"Last-Event-ID": "garbage!"})
+    assert answer.status_code == 404  # an unknown job first: the id is not even looked at
+
+
+async def test_another_owners_job_is_not_found_whatever_the_event_id(app: FastAPI, client: httpx.AsyncClient) -> None:
+    jobs: JobManager = app.state.jobs
+    job_id = (await client.post("/execute", json={"script": "print(1)"})).json()["job_id"]
+    token = Position(stdout=2).token(job_id)
+    assert (await jobs.resume_point(job_id, ANYONE, token, ("header",))).stdout == 2
+    with pytest.raises(JobNotFound):
+        await jobs.resume_point(job_id, Caller("mallory"), token, ("header",))
+    with pytest.raises(JobNotFound):
+        await jobs.resume_point(job_id, Caller("mallory"), "garbage", ("header",))
