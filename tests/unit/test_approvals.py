@@ -238,9 +238,14 @@ async def test_a_job_waits_for_approval_and_only_its_owner_decides() -> None:
         [call] = view["pending_calls"]
         assert call["args"] == {"path": "/etc/c"}
         denied = await client.post(
-            f"/jobs/{job_id}/calls/{call['call_id']}/deny", json={"reason": "not /etc"}, headers=auth(ALICE)
+            f"/jobs/{job_id}/calls/{call['call_id']}/deny",
+            json={"reason": "not /etc"},
+            headers=auth(ALICE),
+            params={"calls": "summary", "fields": "calls"},  # the answer in the caller's selection
         )
         assert denied.status_code == 200, denied.text
+        assert set(denied.json()) == {"job_id", "status", "calls"}
+        assert "/etc/a" not in denied.text and denied.json()["calls"][0]["approval"]["decision"] == "approved"
         final = await ended(client, job_id)
         assert final["status"] == "succeeded", final
         assert final["stdout"] == "/etc/a\n/tmp/b\ndenied write: denied: not /etc\n"

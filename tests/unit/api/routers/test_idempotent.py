@@ -142,6 +142,29 @@ async def test_a_repeat_of_a_running_job_gets_its_view_so_far(work_dir: Path) ->
     assert runs_of(runs) == 1
 
 
+async def test_a_replay_answers_in_its_own_view_selection(work_dir: Path) -> None:
+    # calls= and fields= shape the answer only: a replay asking for another selection is the same request
+    script, runs = counting(work_dir)
+    async with service(work_dir) as api:
+        body = {"script": script, "wait_s": 30}
+        first = await api["alice"].post("/execute", json=body, headers=key("sel"))
+        again = await api["alice"].post(
+            "/execute", json=body, headers=key("sel"), params={"calls": "none", "fields": "stdout"}
+        )
+        assert again.status_code == 200, again.text
+        assert again.headers["idempotent-replayed"] == "true"
+        assert again.json() == {"job_id": first.json()["job_id"], "status": "succeeded", "stdout": "done\n"}
+        slow = {"script": "import time\ntime.sleep(3)\n" + script, "wait_s": 0}
+        running = await api["alice"].post("/execute", json=slow, headers=key("slow-sel"))
+        replayed = await api["alice"].post("/execute", json=slow, headers=key("slow-sel"), params={"fields": "status"})
+        assert (running.status_code, replayed.status_code) == (202, 202)
+        job_id = running.json()["job_id"]
+        assert replayed.json() == {"job_id": job_id, "status": running.json()["status"]}
+        assert replayed.headers["location"] == running.headers["location"] == f"/jobs/{job_id}"
+        await api["alice"].post(f"/jobs/{job_id}/wait", params={"timeout_s": 30})
+    assert runs_of(runs) == 2
+
+
 async def test_another_body_with_the_same_key_is_refused(work_dir: Path) -> None:
     script, runs = counting(work_dir)
     async with service(work_dir) as api:
