@@ -173,7 +173,11 @@ def _answers() -> _Answers:
             ),
         },
         timed_out=raw_answer(REQUEST_TIMEOUT, "the request's headers did not arrive in time"),
-        bad_request=raw_answer(BAD_REQUEST, "not a valid HTTP/1.1 request"),
+        bad_request=raw_answer(
+            BAD_REQUEST,
+            "not a valid HTTP/1.1 request (a malformed request line, or a header name or value with a character"
+            " HTTP forbids there, such as a CR or LF)",
+        ),
     )
 
 

@@ -22,13 +22,13 @@ connection caps below the app (``service.connections``) answer with ``connection
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, TypeVar
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
@@ -204,11 +204,11 @@ def _manifest(exc: ManifestError) -> Answer:
 
 
 def _invalid(exc: InvalidField) -> Answer:
-    return _fields(exc.loc, str(exc), ("body", "query"), "request", "invalid")
+    return _fields(exc.loc, str(exc), ("body",), "request", "invalid")  # as FastAPI's: query.x, header.X
 
 
 def _limit(exc: RequestLimitError) -> Answer:
-    return _fields(exc.loc, str(exc), ("body", "query"), "request", "limit")
+    return _fields(exc.loc, str(exc), ("body",), "request", "limit")
 
 
 def _too_large(exc: PayloadTooLarge) -> Answer:
@@ -329,7 +329,7 @@ def raw_answer(type_: ProblemType, detail: str, retry_after_s: int | None = None
     """A complete HTTP/1.1 problem+json response of ``type_``, as bytes, with ``Connection: close`` (and
     ``Retry-After``, in seconds, if given): for what answers below the ASGI app (``service.connections``), where
     no response object exists."""
-    body = json.dumps({"type": type_.uri, "title": type_.title, "status": type_.status, "detail": detail}).encode()
+    body = orjson.dumps({"type": type_.uri, "title": type_.title, "status": type_.status, "detail": detail})
     head = [f"HTTP/1.1 {type_.status} {HTTPStatus(type_.status).phrase}", f"content-type: {PROBLEM}"]
     head.append("connection: close")
     if retry_after_s is not None:

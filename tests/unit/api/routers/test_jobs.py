@@ -22,7 +22,7 @@ async def test_a_date_outside_utc_names_its_own_parameter(client: httpx.AsyncCli
     response = await client.get("/jobs", params={name: value})
     assert response.status_code == 422, response.text
     problem = response.json()
-    assert problem["detail"].startswith(f"{name}: ") and "outside the range of UTC datetimes" in problem["detail"]
+    assert problem["detail"].startswith(f"query.{name}: ") and "outside the range of UTC datetimes" in problem["detail"]
     assert problem["errors"] == [{"loc": ["query", name], "msg": problem["errors"][0]["msg"], "type": "invalid"}]
 
 
@@ -78,7 +78,7 @@ async def test_wait_defaults_to_the_setting_and_refuses_past_the_maximum(
     assert (await client.post("/jobs/job_1/wait")).status_code == 200
     refused = await client.post("/jobs/job_1/wait", params={"timeout_s": 301})
     assert refused.status_code == 422 and refused.json()["type"] == LIMIT_EXCEEDED.uri
-    assert refused.json()["detail"] == "timeout_s: 301.0 exceeds the server maximum of 300.0"
+    assert refused.json()["detail"] == "query.timeout_s: 301.0 exceeds the server maximum of 300.0"
     assert jobs.asked == [("wait", "job_1", 30.0)]
 
 
