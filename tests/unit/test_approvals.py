@@ -312,3 +312,32 @@ def test_the_stub_of_a_gated_tool_says_a_call_may_be_denied() -> None:
     module = generate_stub_module([gated, free])
     assert module.count(APPROVAL_NOTE) == 1
     assert module.index(APPROVAL_NOTE) < module.index("def read(")
+
+
+async def test_a_flood_of_short_waits_does_not_save_the_view_at_each_flip(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each call waits 1 ms for an approval that never comes: the job flips running / waiting twice per call. A save
+    # per flip wrote the whole view each time (quadratic: gigabytes for a few thousand calls of a few KB).
+    from service.store import SQLiteJobStore, StoredJob
+
+    saves: list[str] = []
+    put = SQLiteJobStore.put
+
+    async def counted(self: SQLiteJobStore, job: StoredJob) -> None:
+        saves.append(job.status)
+        await put(self, job)
+
+    monkeypatch.setattr(SQLiteJobStore, "put", counted)
+    calls = 100
+    tools = [{"name": "w", "parameters": PARAMS, "approval": "always", "approval_timeout_s": 0.001, "endpoint": ECHO}]
+    script = (
+        f"import tools\nfor i in range({calls}):\n    try:\n        tools.w(path='x' * 1000)\n"
+        "    except tools.ToolError as e:\n        assert e.type == 'approval_timeout', e.type\nprint('done')\n"
+    )
+    async with service() as (client, _):
+        answer = await client.post("/execute", json={"script": script, "tools": tools}, headers=auth(ALICE))
+        final = await ended(client, answer.json()["job_id"])
+        assert (final["status"], final["stdout"], len(final["calls"])) == ("succeeded", "done\n", calls), final
+        [listed] = (await client.get("/jobs", params={"status": "succeeded"}, headers=auth(ALICE))).json()["jobs"]
+        assert listed["job_id"] == final["job_id"]  # no status save overtook the final one
+    assert saves[-1] == "succeeded"
+    assert len(saves) < calls // 2, saves  # 2 flips per call, once a save each
