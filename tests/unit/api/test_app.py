@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Message, Scope
 
 from service.api import problems
 from service.api.app import RESOURCES
@@ -115,19 +115,19 @@ async def test_a_client_that_leaves_mid_body_is_a_400_not_an_error(
 ) -> None:
     # ParsedOffLoop reads the body before FastAPI does: Starlette's ClientDisconnect went up as an unhandled
     # error (a 500 and two tracebacks in the log per request, at any client's will)
-    messages = [
+    messages: list[Message] = [
         {"type": "http.request", "body": b'{"scr', "more_body": True},
         {"type": "http.disconnect"},
     ]
-    sent: list[dict[str, Any]] = []
+    sent: list[Message] = []
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> Message:
         return messages.pop(0) if messages else {"type": "http.disconnect"}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         sent.append(message)
 
-    scope = {
+    scope: Scope = {
         "type": "http",
         "asgi": {"version": "3.0"},
         "http_version": "1.1",
