@@ -341,3 +341,33 @@ async def test_a_flood_of_short_waits_does_not_save_the_view_at_each_flip(monkey
         assert listed["job_id"] == final["job_id"]  # no status save overtook the final one
     assert saves[-1] == "succeeded"
     assert len(saves) < calls // 2, saves  # 2 flips per call, once a save each
+
+
+async def test_decisions_racing_each_other_and_a_stop_decide_once() -> None:
+    # Twenty approve/deny requests at once, from the owner, the admin role and another key, with a stop among them
+    tools = [{"name": "write", "parameters": PARAMS, "approval": "always", "endpoint": ECHO}]
+    script = SCRIPT.replace("('/etc/a', '/tmp/b', '/etc/c')", "('/etc/a',)")
+    async with service() as (client, _):
+        answer = await client.post("/execute", json={"script": script, "tools": tools}, headers=auth(ALICE))
+        job_id = answer.json()["job_id"]
+        [call] = (await pending(client, job_id, 1))["pending_calls"]
+        base = f"/jobs/{job_id}/calls/{call['call_id']}"
+        tokens = [ALICE, ROOT, BOB]
+        decisions = [
+            client.post(
+                f"{base}/{'approve' if i % 2 else 'deny'}", json={"reason": f"r{i}"}, headers=auth(tokens[i % 3])
+            )
+            for i in range(20)
+        ]
+        *decided, stopped = await asyncio.gather(*decisions, client.post(f"/jobs/{job_id}/stop", headers=auth(ALICE)))
+        assert stopped.status_code == 200, stopped.text
+        codes = [d.status_code for d in decided]
+        assert codes.count(200) <= 1 and set(codes) <= {200, 404, 409}, codes  # none if the stop came first
+        assert all(d.status_code == 404 for d, i in zip(decided, range(20), strict=True) if i % 3 == 2)  # bob's
+        final = await ended(client, job_id)
+        [record] = final["calls"]
+        if 200 in codes:
+            won = codes.index(200)
+            assert (record["approval"]["reason"], record["approval"]["by"]) == (f"r{won}", ["alice", "root"][won % 3])
+        else:
+            assert (record["approval"], record["error"]["type"]) == (None, "cancelled")
