@@ -628,6 +628,7 @@ def _approval(
     if problem is not None:
         raise ManifestError(f"when is not a valid JSON Schema at {problem[0] or 'top'}: {problem[1]}", (*where, "when"))
     _refuse_unbounded_patterns(rule, (*where, "when"))
+    _refuse_invalid_patterns(rule, (*where, "when"))
     return Approval(rule, Validator(rule, registry=_NO_RETRIEVAL), timeout_s)
 
 
@@ -666,6 +667,36 @@ def _refuse_unbounded_patterns(schema: JsonSchema, loc: tuple[str | int, ...]) -
     used = _keywords_used(schema)
     if "unevaluatedProperties" in used and "patternProperties" in used:
         raise ManifestError("a schema may not combine unevaluatedProperties with patternProperties", loc)
+
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # their values are data, not schemas
+
+
+def _refuse_invalid_patterns(schema: JsonSchema, loc: tuple[str | int, ...]) -> None:
+    """Refuse a ``pattern`` or ``patternProperties`` key that is not a valid pattern (``regex``, as ``_search``
+    compiles it). For an approval rule this must be decided here: at call time an invalid pattern is a failed
+    match, and a rule that never matches lets every call through unapproved.
+
+    Raises:
+        ManifestError: names the pattern (its first ``PATTERN_SHOWN`` characters) and the compiler's message.
+    """
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+        if isinstance(node.get("patternProperties"), dict):
+            patterns.extend(k for k in node["patternProperties"] if isinstance(k, str))
+        for pattern in patterns:
+            try:
+                regex.compile(pattern)
+            except regex.error as exc:
+                raise ManifestError(f"invalid pattern {pattern[:PATTERN_SHOWN]!r}: {exc}", loc) from None
+        stack.extend(value for key, value in node.items() if key not in _DATA_KEYWORDS)
 
 
 _HEADER_NAME = regex.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")

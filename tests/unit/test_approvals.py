@@ -68,6 +68,17 @@ def test_the_rule_decides_which_valid_calls_need_approval(approval: Any, needed:
             "approval.when",
             "may not combine",
         ),
+        # an invalid pattern fails to match at call time: the rule never matched and every call went unapproved
+        (
+            {"approval": {"when": {"properties": {"path": {"pattern": "^/etc/\\cA"}}}}},
+            "approval.when",
+            "invalid pattern",
+        ),
+        (
+            {"approval": {"when": {"anyOf": [{"patternProperties": {"a{2,1}": {}}}]}}},
+            "approval.when",
+            "invalid pattern",
+        ),
     ],
 )
 def test_bad_rules_are_refused_when_the_manifest_is_parsed(extra: dict[str, Any], where: str, message: str) -> None:
@@ -75,6 +86,12 @@ def test_bad_rules_are_refused_when_the_manifest_is_parsed(extra: dict[str, Any]
         parse_tool({"name": "write", "parameters": PARAMS, "endpoint": ECHO, **extra}, ("tools", 0))
     assert ".".join(map(str, caught.value.loc)) == f"tools.0.{where}"
     assert message in str(caught.value)
+
+
+def test_a_pattern_in_data_is_not_a_pattern() -> None:
+    rule = {"when": {"properties": {"path": {"const": {"pattern": "("}, "enum": [{"pattern": "("}], "pattern": "^/"}}}}
+    tool = parse_tool({"name": "write", "parameters": PARAMS, "endpoint": ECHO, "approval": rule}, ("tools", 0))
+    assert tool.approval is not None
 
 
 async def test_bad_rules_answer_422_problems() -> None:
