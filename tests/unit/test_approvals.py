@@ -388,3 +388,17 @@ async def test_decisions_racing_each_other_and_a_stop_decide_once() -> None:
             assert (record["approval"]["reason"], record["approval"]["by"]) == (f"r{won}", ["alice", "root"][won % 3])
         else:
             assert (record["approval"], record["error"]["type"]) == (None, "cancelled")
+
+
+async def test_a_pattern_too_costly_to_compile_answers_422_before_any_call() -> None:
+    bomb = {"properties": {"path": {"type": "string", "pattern": "(?:(?:a{1000}){1000}){100}"}}}
+    async with service() as (client, _):
+        for tools in (
+            [{"name": "w", "parameters": bomb, "endpoint": ECHO}],
+            [{"name": "w", "parameters": PARAMS, "approval": {"when": bomb}, "endpoint": ECHO}],
+        ):
+            for path, body in (("/execute", {"script": "1", "tools": tools}), ("/toolsets", {"tools": tools})):
+                answer = await client.post(path, json=body, headers=auth(ALICE))
+                assert answer.status_code == 422, answer.text
+                assert answer.json()["type"].endswith("/invalid-manifest")
+                assert "too costly to compile" in answer.json()["detail"]
