@@ -116,11 +116,22 @@ def parse_secret_list(value: str) -> Secrets:
     """The secrets of one setting's value, separated by whitespace (``new old`` while rotating).
 
     Raises:
-        ValueError: no secret, or one ``CallbackSecret.parse`` refuses (never echoes a secret).
+        ValueError: no secret, one ``CallbackSecret.parse`` refuses, or several free-form ones of which one is
+            shorter than ``MIN_KEY_BYTES`` (a passphrase with spaces, taken whole before rotation came); never
+            echoes a secret.
     """
     found = tuple(CallbackSecret.parse(part) for part in value.split())
     if not found:
         raise ValueError("an empty callback secret")
+    free_form = [s for s in found if s.text == s.key]
+    if len(free_form) > 1 and any(len(s.text) < MIN_KEY_BYTES for s in free_form):
+        # The releases before took a secret whole, spaces and all: a passphrase ("correct horse battery staple")
+        # would now sign with each word alone, its X-PTC-Signature no longer the one receivers check, and each
+        # word's HMAC in every callback an oracle for a dictionary search, word by word.
+        raise ValueError(
+            f"several free-form secrets separated by spaces, one shorter than {MIN_KEY_BYTES} bytes: a secret "
+            "holds no spaces (a passphrase would be split into words); rotate to a whsec_ secret"
+        )
     return found
 
 

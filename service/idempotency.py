@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -67,19 +68,43 @@ def parse_key(value: str | None) -> str | None:
 
 
 def canonical_json(value: Any) -> bytes:
-    """A parsed JSON value written one way: object keys sorted, no whitespace, UTF-8, integers exact.
+    """A parsed JSON value written one way: object keys sorted, no whitespace, UTF-8, integers exact, and the
+    stdlib's ``NaN``, ``Infinity`` and ``-Infinity`` (which its reader takes) written as such, never as ``null``.
 
     Raises:
         ValueError: not representable as JSON (cannot happen for a value parsed from a request body).
     """
     try:
-        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+        written = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
     except orjson.JSONEncodeError:  # an integer past 64 bits: the stdlib writes it exactly
-        try:
-            text = json.dumps(value, ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":"))
-        except (TypeError, RecursionError) as exc:
-            raise ValueError(f"not representable as JSON: {exc}") from None
-        return text.encode("utf-8", "surrogatepass")
+        return _stdlib_json(value)
+    if b"null" in written and _has_non_finite(value):  # orjson writes NaN and infinities as null
+        return _stdlib_json(value)
+    return written
+
+
+def _stdlib_json(value: Any) -> bytes:
+    """``canonical_json`` by the stdlib: exact integers, and non-finite floats apart from ``null`` and each other."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=True, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"not representable as JSON: {exc}") from None
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _has_non_finite(value: Any) -> bool:
+    """Whether a parsed JSON value holds a NaN or an infinity anywhere (iteratively: no recursion limit)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def canonical_digest(value: Any) -> bytes:

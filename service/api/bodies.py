@@ -13,6 +13,8 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import exactjson
@@ -169,7 +171,10 @@ class ParsedOffLoop(APIRoute):
 
         async def parse_first(request: Request) -> Response:
             if _json_content(request.headers.get("content-type")):
-                raw = await request.body()
+                try:
+                    raw = await request.body()
+                except ClientDisconnect:  # FastAPI's own reading answers 400 too (no error logged, no 500)
+                    raise HTTPException(400, "the client disconnected before sending the whole body") from None
                 if raw:
                     bodies: CheckScheduler = request.app.state.bodies
                     group = getattr(request.state, "key_name", None) or ""

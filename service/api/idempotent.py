@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from service.api import problems
-from service.errors import PtcError
+from service.errors import InvalidField, PtcError
 from service.idempotency import (
     FINGERPRINT_QUERY,
     KEY_HEADER,
@@ -40,9 +40,12 @@ async def claim_key(
     from its model here, off the event loop.
 
     Raises:
-        InvalidField: the header's value is not a key (``parse_key``).
+        InvalidField: the header's value is not a key (``parse_key``), or the header is sent more than once
+            (which one is the key would depend on the proxies between the client and the service).
         IdempotencyKeyReused / IdempotencyKeyInFlight: see ``IdempotencyKeys.claim``.
     """
+    if len(request.headers.getlist(KEY_HEADER)) > 1:
+        raise InvalidField("must be sent once", ("header", KEY_HEADER))
     key = parse_key(header)
     if key is None:
         return None

@@ -105,6 +105,8 @@ class LiveJob(Job):
     normalized: Normalized | None = None  # the script's normalization (no repairs when switched off)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     saving: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves reach the store in the order they began
+    status_save_queued: bool = False  # a status save waits to take its view: status changes meanwhile ride on it
+    status_saved_at: float = 0.0  # loop time of the last status save (``Runner._save_status``)
 
     def script(self, request: ExecuteRequest) -> str:
         """The script to run: the request's, as normalization left it."""

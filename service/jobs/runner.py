@@ -43,6 +43,7 @@ from service.views import render_head, snapshot
 log = logging.getLogger(__name__)
 
 KILL_WAIT_S = 30.0  # how long the sandbox may take to confirm the script's exit after its SIGKILL
+STATUS_SAVE_INTERVAL_S = 0.5  # least time between two saves of a live job's status (running / waiting flips)
 
 
 class Runner:
@@ -271,7 +272,27 @@ class Runner:
             job.notify()
             return
         job.notify()
-        self._tasks.spawn(self._save_and_tell(job), f"save {job.id}")
+        if not job.status_save_queued:  # else the save already queued takes this status with it
+            job.status_save_queued = True
+            self._tasks.spawn(self._save_status(job), f"save {job.id}")
+
+    async def _save_status(self, job: LiveJob) -> None:
+        """Save a live job's status once the saves begun before it have reached the store, with the view as it is
+        then: the status changes of that time ride on this one save. A script whose calls wait a millisecond each
+        (a 1 ms approval or client timeout) flips ``running``/``waiting`` thousands of times; a save per flip wrote
+        the whole view (up to the record budget) each time, gigabytes for one job. Nothing to do once the job has
+        ended: its final save follows. Saves of one job's status are ``STATUS_SAVE_INTERVAL_S`` apart at least (the
+        job's own view, live, is never late; its status in the store, which ``GET /jobs?status=`` filters by, is
+        at most that late)."""
+        async with job.saving:
+            pass
+        delay = job.status_saved_at + STATUS_SAVE_INTERVAL_S - job.loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        job.status_save_queued = False
+        if not job.ended:
+            job.status_saved_at = job.loop.time()
+            await self._save_and_tell(job)
 
     async def _cleanup(self, job: LiveJob, broker: Broker, ticket: Ticket, placement: Placement) -> None:
         """Save the final view, then tell waiters and subscribers, then give the sandbox back. Never raises.

@@ -43,6 +43,9 @@ MAX_SCHEMA_DEPTH = 64
 MAX_ERRORS_EXAMINED = 50
 PATTERN_TIMEOUT_S = 0.05  # one regex search (or what is left of the check's budget, if less)
 PATTERN_SHOWN = 100  # characters of a pattern or value an error message shows
+MAX_PATTERN_COST = 20_000  # a pattern's size with its counted repeats' mandatory copies unrolled (pattern_cost)
+MAX_PATTERNS_COST = 200_000  # the same, summed over a schema's patterns
+MAX_PATTERN_GROUPS_DEPTH = 100  # groups nested in a pattern (deeper: the compiler's recursion limit)
 ERROR_KEYS_SHOWN = 20  # unexpected keys an error message lists
 HINT_NAME_MAX = 64
 
@@ -73,6 +76,75 @@ def _search(pattern: str, text: str) -> bool:
         raise CheckTooCostly(
             limit, f"matching the pattern {shown!r} against one value took more than {limit:g} s"
         ) from None
+
+
+_QUANTIFIER = regex.compile(r"\{(\d*)(?:,(\d*))?\}")
+_BRACED_ESCAPES = frozenset("pPNxuUgo")  # \p{L}, \N{name}, \x{263a}...: the braces are the escape's, no repeat
+
+
+def pattern_cost(pattern: str) -> tuple[int, int]:
+    """What compiling ``pattern`` costs, bounded from above without compiling it: (size, groups depth).
+
+    ``size`` counts each atom once and multiplies a counted repeat's body (``{n}``, ``{n,m}``, ``{n,}``) by its
+    least count ``n``, nested repeats by each other: ``regex`` unrolls those copies when it compiles, so
+    ``(?:(?:a{1000}){1000}){10}`` (26 characters) took 8 s and 2.9 GB to compile on the review's machine and
+    ``{100}`` in place of ``{10}`` more than the memory there was; ``*``, ``+``, ``?`` and ranges from 0 or 1 are
+    not unrolled. Character classes and escapes count 1; the scan stops early past ``MAX_PATTERN_COST``.
+    """
+    frames: list[list[int]] = [[0, 0]]  # per open group: [size so far, size of its last atom]
+    depth = deepest = 0
+    i, end = 0, len(pattern)
+    while i < end:
+        frame = frames[-1]
+        char = pattern[i]
+        if char == "\\":
+            i += 2
+            if i - 1 < end and pattern[i - 1] in _BRACED_ESCAPES and i < end and pattern[i] == "{":
+                close = pattern.find("}", i)
+                i = end if close < 0 else close + 1
+            frame[0] += 1
+            frame[1] = 1
+            continue
+        if char == "[":
+            j = i + 1
+            if j < end and pattern[j] == "^":
+                j += 1
+            if j < end and pattern[j] == "]":
+                j += 1
+            while j < end and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            i = j + 1
+            frame[0] += 1
+            frame[1] = 1
+            continue
+        if char == "(":
+            frames.append([0, 0])
+            depth += 1
+            deepest = max(deepest, depth)
+            i += 1
+            continue
+        if char == ")" and len(frames) > 1:
+            inner = max(frames.pop()[0], 1)
+            depth -= 1
+            frames[-1][0] += inner
+            frames[-1][1] = inner
+            i += 1
+            continue
+        if char == "{" and (quantifier := _QUANTIFIER.match(pattern, i)) is not None:
+            least = max(int(quantifier.group(1) or 0), 1)
+            frame[0] += frame[1] * (least - 1)
+            frame[1] *= least
+            if frame[0] > MAX_PATTERN_COST:
+                return frame[0], deepest
+            i = quantifier.end()
+            continue
+        if char == "|":
+            frame[1] = 0
+        elif char not in "*+?":
+            frame[0] += 1
+            frame[1] = 1
+        i += 1
+    return sum(f[0] for f in frames), deepest
 
 
 def _bad_pattern(pattern: str, exc: regex.error) -> ValidationError:
@@ -628,6 +700,7 @@ def _approval(
     if problem is not None:
         raise ManifestError(f"when is not a valid JSON Schema at {problem[0] or 'top'}: {problem[1]}", (*where, "when"))
     _refuse_unbounded_patterns(rule, (*where, "when"))
+    _refuse_invalid_patterns(rule, (*where, "when"))
     return Approval(rule, Validator(rule, registry=_NO_RETRIEVAL), timeout_s)
 
 
@@ -662,10 +735,63 @@ def _keywords_used(schema: Any) -> set[str]:
 def _refuse_unbounded_patterns(schema: JsonSchema, loc: tuple[str | int, ...]) -> None:
     """jsonschema's ``unevaluatedProperties`` matches ``patternProperties`` with ``re``, which no time limit bounds
     (a pattern like ``^(a|a)+$`` would hold a check thread, and the GIL, for as long as the input makes it):
-    a schema may use one or the other, not both."""
+    a schema may use one or the other, not both. Nor may a pattern cost more to compile than ``pattern_cost``
+    allows: no time limit bounds compiling (``_search``'s timeout bounds matching), nor its memory."""
     used = _keywords_used(schema)
     if "unevaluatedProperties" in used and "patternProperties" in used:
         raise ManifestError("a schema may not combine unevaluatedProperties with patternProperties", loc)
+    total = 0
+    for pattern in _patterns(schema):
+        tick()
+        size, depth = pattern_cost(pattern)
+        total += size
+        if size > MAX_PATTERN_COST or depth > MAX_PATTERN_GROUPS_DEPTH:
+            raise ManifestError(
+                f"the pattern {pattern[:PATTERN_SHOWN]!r} is too costly to compile: more than {MAX_PATTERN_COST} "
+                f"atoms once its counted repeats are unrolled, or groups nested over {MAX_PATTERN_GROUPS_DEPTH} deep",
+                loc,
+            )
+        if total > MAX_PATTERNS_COST:
+            raise ManifestError(
+                f"the schema's patterns together are too costly to compile: more than {MAX_PATTERNS_COST} atoms", loc
+            )
+
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # their values are data, not schemas
+
+
+def _patterns(schema: JsonSchema) -> Iterator[str]:
+    """Every ``pattern`` and ``patternProperties`` key in ``schema`` (not in the data of ``_DATA_KEYWORDS``)."""
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        if isinstance(node.get("pattern"), str):
+            yield node["pattern"]
+        if isinstance(node.get("patternProperties"), dict):
+            yield from (k for k in node["patternProperties"] if isinstance(k, str))
+        stack.extend(value for key, value in node.items() if key not in _DATA_KEYWORDS)
+
+
+def _refuse_invalid_patterns(schema: JsonSchema, loc: tuple[str | int, ...]) -> None:
+    """Refuse a ``pattern`` or ``patternProperties`` key that is not a valid pattern (``regex``, as ``_search``
+    compiles it; costly ones were refused before, by ``_refuse_unbounded_patterns``). For an approval rule this
+    must be decided here: at call time an invalid pattern is a failed match, and a rule that never matches lets
+    every call through unapproved.
+
+    Raises:
+        ManifestError: names the pattern (its first ``PATTERN_SHOWN`` characters) and the compiler's message.
+    """
+    for pattern in _patterns(schema):
+        tick()
+        try:
+            regex.compile(pattern)
+        except (regex.error, RecursionError) as exc:
+            raise ManifestError(f"invalid pattern {pattern[:PATTERN_SHOWN]!r}: {exc}", loc) from None
 
 
 _HEADER_NAME = regex.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")

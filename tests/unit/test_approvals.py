@@ -68,6 +68,17 @@ def test_the_rule_decides_which_valid_calls_need_approval(approval: Any, needed:
             "approval.when",
             "may not combine",
         ),
+        # an invalid pattern fails to match at call time: the rule never matched and every call went unapproved
+        (
+            {"approval": {"when": {"properties": {"path": {"pattern": "^/etc/\\cA"}}}}},
+            "approval.when",
+            "invalid pattern",
+        ),
+        (
+            {"approval": {"when": {"anyOf": [{"patternProperties": {"a{2,1}": {}}}]}}},
+            "approval.when",
+            "invalid pattern",
+        ),
     ],
 )
 def test_bad_rules_are_refused_when_the_manifest_is_parsed(extra: dict[str, Any], where: str, message: str) -> None:
@@ -75,6 +86,12 @@ def test_bad_rules_are_refused_when_the_manifest_is_parsed(extra: dict[str, Any]
         parse_tool({"name": "write", "parameters": PARAMS, "endpoint": ECHO, **extra}, ("tools", 0))
     assert ".".join(map(str, caught.value.loc)) == f"tools.0.{where}"
     assert message in str(caught.value)
+
+
+def test_a_pattern_in_data_is_not_a_pattern() -> None:
+    rule = {"when": {"properties": {"path": {"const": {"pattern": "("}, "enum": [{"pattern": "("}], "pattern": "^/"}}}}
+    tool = parse_tool({"name": "write", "parameters": PARAMS, "endpoint": ECHO, "approval": rule}, ("tools", 0))
+    assert tool.approval is not None
 
 
 async def test_bad_rules_answer_422_problems() -> None:
@@ -317,3 +334,76 @@ def test_the_stub_of_a_gated_tool_says_a_call_may_be_denied() -> None:
     module = generate_stub_module([gated, free])
     assert module.count(APPROVAL_NOTE) == 1
     assert module.index(APPROVAL_NOTE) < module.index("def read(")
+
+
+async def test_a_flood_of_short_waits_does_not_save_the_view_at_each_flip(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each call waits 1 ms for an approval that never comes: the job flips running / waiting twice per call. A save
+    # per flip wrote the whole view each time (quadratic: gigabytes for a few thousand calls of a few KB).
+    from service.store import SQLiteJobStore, StoredJob
+
+    saves: list[str] = []
+    put = SQLiteJobStore.put
+
+    async def counted(self: SQLiteJobStore, job: StoredJob) -> None:
+        saves.append(job.status)
+        await put(self, job)
+
+    monkeypatch.setattr(SQLiteJobStore, "put", counted)
+    calls = 100
+    tools = [{"name": "w", "parameters": PARAMS, "approval": "always", "approval_timeout_s": 0.001, "endpoint": ECHO}]
+    script = (
+        f"import tools\nfor i in range({calls}):\n    try:\n        tools.w(path='x' * 1000)\n"
+        "    except tools.ToolError as e:\n        assert e.type == 'approval_timeout', e.type\nprint('done')\n"
+    )
+    async with service() as (client, _):
+        answer = await client.post("/execute", json={"script": script, "tools": tools}, headers=auth(ALICE))
+        final = await ended(client, answer.json()["job_id"])
+        assert (final["status"], final["stdout"], len(final["calls"])) == ("succeeded", "done\n", calls), final
+        [listed] = (await client.get("/jobs", params={"status": "succeeded"}, headers=auth(ALICE))).json()["jobs"]
+        assert listed["job_id"] == final["job_id"]  # no status save overtook the final one
+    assert saves[-1] == "succeeded"
+    assert len(saves) < calls // 2, saves  # 2 flips per call, once a save each
+
+
+async def test_decisions_racing_each_other_and_a_stop_decide_once() -> None:
+    # Twenty approve/deny requests at once, from the owner, the admin role and another key, with a stop among them
+    tools = [{"name": "write", "parameters": PARAMS, "approval": "always", "endpoint": ECHO}]
+    script = SCRIPT.replace("('/etc/a', '/tmp/b', '/etc/c')", "('/etc/a',)")
+    async with service() as (client, _):
+        answer = await client.post("/execute", json={"script": script, "tools": tools}, headers=auth(ALICE))
+        job_id = answer.json()["job_id"]
+        [call] = (await pending(client, job_id, 1))["pending_calls"]
+        base = f"/jobs/{job_id}/calls/{call['call_id']}"
+        tokens = [ALICE, ROOT, BOB]
+        decisions = [
+            client.post(
+                f"{base}/{'approve' if i % 2 else 'deny'}", json={"reason": f"r{i}"}, headers=auth(tokens[i % 3])
+            )
+            for i in range(20)
+        ]
+        *decided, stopped = await asyncio.gather(*decisions, client.post(f"/jobs/{job_id}/stop", headers=auth(ALICE)))
+        assert stopped.status_code == 200, stopped.text
+        codes = [d.status_code for d in decided]
+        assert codes.count(200) <= 1 and set(codes) <= {200, 404, 409}, codes  # none if the stop came first
+        assert all(d.status_code == 404 for d, i in zip(decided, range(20), strict=True) if i % 3 == 2)  # bob's
+        final = await ended(client, job_id)
+        [record] = final["calls"]
+        if 200 in codes:
+            won = codes.index(200)
+            assert (record["approval"]["reason"], record["approval"]["by"]) == (f"r{won}", ["alice", "root"][won % 3])
+        else:
+            assert (record["approval"], record["error"]["type"]) == (None, "cancelled")
+
+
+async def test_a_pattern_too_costly_to_compile_answers_422_before_any_call() -> None:
+    bomb = {"properties": {"path": {"type": "string", "pattern": "(?:(?:a{1000}){1000}){100}"}}}
+    async with service() as (client, _):
+        for tools in (
+            [{"name": "w", "parameters": bomb, "endpoint": ECHO}],
+            [{"name": "w", "parameters": PARAMS, "approval": {"when": bomb}, "endpoint": ECHO}],
+        ):
+            for path, body in (("/execute", {"script": "1", "tools": tools}), ("/toolsets", {"tools": tools})):
+                answer = await client.post(path, json=body, headers=auth(ALICE))
+                assert answer.status_code == 422, answer.text
+                assert answer.json()["type"].endswith("/invalid-manifest")
+                assert "too costly to compile" in answer.json()["detail"]

@@ -153,6 +153,9 @@ def test_a_key_with_its_own_secret_never_gets_another_keys(tmp_path: Path) -> No
         {"callback_secrets": "alice:ok whsec_TOPSECRET%"},  # the second of two
         {"callback_secret": "whsec_TOPSECRET*"},
         {"callback_secret": "   "},
+        # a passphrase (taken whole by the releases before): each word would sign alone, an oracle per word
+        {"callback_secret": "correct horse TOPSECRET staple"},
+        {"callback_secrets": "alice:my TOPSECRET phrase"},
     ],
 )
 def test_a_whsec_secret_that_is_not_one_refuses_to_start_without_echoing_it(
@@ -162,6 +165,15 @@ def test_a_whsec_secret_that_is_not_one_refuses_to_start_without_echoing_it(
         load_secrets(Settings(work_dir=tmp_path, **settings))  # type: ignore[arg-type]
     assert "TOPSECRET" not in str(caught.value) and "VE9QU0VDUkVU" not in str(caught.value)
     assert "TOPSECRET" not in repr(CallbackSecret.parse("TOPSECRET"))
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["whsec_" + base64.b64encode(b"n" * 32).decode() + " short-old", "a" * 24 + " " + "b" * 24, "one-secret"],
+)
+def test_rotation_from_a_free_form_secret_or_between_long_ones_still_starts(tmp_path: Path, value: str) -> None:
+    loaded = load_secrets(Settings(work_dir=tmp_path, callback_secret=value))
+    assert len(loaded.for_owner(None) or ()) == len(value.split())
 
 
 # -- the whole service on the fake backend, a real receiver ------------------------------------------------------

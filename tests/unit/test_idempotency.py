@@ -223,3 +223,13 @@ async def test_a_bound_key_with_another_fingerprint_or_kind_is_refused(store: SQ
     with pytest.raises(IdempotencyKeyReused):
         await keys.claim("alice", "k", FP, "session")
     assert keys.in_flight == {}
+
+
+def test_the_body_digest_keeps_nan_and_infinities_apart_from_null() -> None:
+    # The stdlib's reader (the fallback for what orjson cannot read) takes NaN and Infinity; orjson writes them null
+    nan, inf = float("nan"), float("inf")
+    written = {canonical_json(v) for v in ({"a": None}, {"a": nan}, {"a": inf}, {"a": -inf})}
+    assert len(written) == 4
+    assert canonical_json({"a": [1.5, None], "b": "null"}) == b'{"a":[1.5,null],"b":"null"}'  # no NaN: orjson's
+    # an integer past 64 bits beside a NaN: written, not refused (was a ValueError, a 500 with an Idempotency-Key)
+    assert canonical_json({"b": 2**70, "a": nan}) == b'{"a":NaN,"b":1180591620717411303424}'

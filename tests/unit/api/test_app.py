@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Message, Scope
 
 from service.api import problems
 from service.api.app import RESOURCES
@@ -14,6 +17,7 @@ from service.api.bodies import ParsedOffLoop
 from service.api.deps import NOT_STARTED
 from service.api.routers.docs import ASSETS
 from service.errors import PtcError
+from tests.unit.api.conftest import TOKEN
 from tests.unit.test_docs_links import ROOT, anchors
 
 ROUTES = {
@@ -104,3 +108,46 @@ async def test_an_unknown_route_or_method_answers_a_documented_problem_type(clie
         assert response.headers["content-type"] == "application/problem+json"
         name = response.json()["type"].removeprefix(problems.TYPE_PREFIX)
         assert name in anchors(page), name
+
+
+async def test_a_client_that_leaves_mid_body_is_a_400_not_an_error(
+    app: FastAPI, caplog: pytest.LogCaptureFixture
+) -> None:
+    # ParsedOffLoop reads the body before FastAPI does: Starlette's ClientDisconnect went up as an unhandled
+    # error (a 500 and two tracebacks in the log per request, at any client's will)
+    messages: list[Message] = [
+        {"type": "http.request", "body": b'{"scr', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope: Scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/execute",
+        "raw_path": b"/execute",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"host", b"test"),
+            (b"authorization", f"Bearer {TOKEN}".encode()),
+            (b"content-type", b"application/json"),
+            (b"content-length", b"100"),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    with caplog.at_level(logging.WARNING):
+        await app(scope, receive, send)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 400, sent
+    assert b"bad-request" in b"".join(m.get("body", b"") for m in sent)
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []

@@ -217,3 +217,46 @@ def test_members_count_even_under_an_empty_subschema(parameters: dict[str, Any],
 def test_unevaluated_properties_with_pattern_properties_is_refused() -> None:
     with pytest.raises(ManifestError, match="unevaluatedProperties"):
         _tool({"type": "object", "patternProperties": {REDOS: {}}, "unevaluatedProperties": False})
+
+
+# Compiling a pattern has no time limit (the search's timeout bounds matching) and `regex` unrolls counted repeats:
+# 26 characters took 8 s and 2.9 GB to compile, and with {100} for {10} more memory than the machine had, at the
+# first call of the tool. Such patterns are refused when the manifest is parsed, before anything compiles them.
+COMPILE_BOMB = "(?:(?:a{1000}){1000}){100}"
+
+
+@pytest.mark.parametrize(
+    ("entry", "where"),
+    [
+        ({"parameters": {"properties": {"s": {"type": "string", "pattern": COMPILE_BOMB}}}}, "parameters"),
+        ({"parameters": {"patternProperties": {COMPILE_BOMB: {}}}}, "parameters"),
+        ({"parameters": {"properties": {"s": {"propertyNames": {"pattern": "(" * 200 + ")" * 200}}}}}, "parameters"),
+        ({"parameters": {"properties": {"s": {"pattern": "a" * 30_000}}}}, "parameters"),
+        ({"parameters": {"properties": {f"s{i}": {"pattern": "a" * 15_000} for i in range(20)}}}, "parameters"),
+        ({"outputSchema": {"properties": {"s": {"pattern": COMPILE_BOMB}}}}, "outputSchema"),
+        ({"approval": {"when": {"properties": {"s": {"pattern": COMPILE_BOMB}}}}}, "approval.when"),
+        ({"approval": {"when": {"properties": {"s": {"pattern": "(" * 5000 + ")" * 5000}}}}}, "approval.when"),
+    ],
+)
+def test_patterns_too_costly_to_compile_are_refused_when_parsed(entry: dict[str, Any], where: str) -> None:
+    started = time.perf_counter()
+    with pytest.raises(ManifestError, match="too costly to compile") as caught:
+        parse_tool({"name": "t", "endpoint": {"kind": "echo"}, **entry}, ("tools", 0))
+    assert ".".join(map(str, caught.value.loc)) == f"tools.0.{where}"
+    assert time.perf_counter() - started < 5  # nothing compiled (the bomb alone takes minutes and gigabytes)
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        r"^(?:\d{1,3}\.){3}\d{1,3}$",
+        r"^[0-9a-f]{8}-(?:[0-9a-f]{4}-){3}[0-9a-f]{12}$",
+        r"^[a-z]{1,63}(?:\.[a-z]{1,63}){0,126}$",
+        r"^\p{L}{1,255}$",
+        r"^(?:a{100}){100}$",
+        "x{1000}[{}]\\{5000}",
+    ],
+)
+def test_ordinary_patterns_are_taken(pattern: str) -> None:
+    tool = _tool({"properties": {"s": {"type": "string", "pattern": pattern}}})
+    assert tool.check_arguments({"s": "!"}).problem is not None  # checked at call time, as before
