@@ -162,6 +162,16 @@ def labelled_containers(engine: docker.DockerClient, instance_id: str, include_p
     return [c for c in found if include_pool or LABEL_JOB in c.labels]
 
 
+def pool_ready(api: httpx.Client) -> int:
+    """Sandboxes of the service's warm pools ready for a job now (``ptc_sandbox_pool_size``, summed over
+    profiles): what a job is given from the pool. A container of the pool that the engine lists may still be
+    starting; a job that comes then starts cold."""
+    text = api.get("/metrics").raise_for_status().text
+    return sum(
+        int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines() if line.startswith("ptc_sandbox_pool_size{")
+    )
+
+
 def container_gone(engine: docker.DockerClient, container_id: str) -> bool:
     """Whether the engine no longer has the container."""
     try:

@@ -19,7 +19,7 @@ import docker
 import httpx
 import pytest
 
-from tests.conftest import Service, labelled_containers, start_service, wait_until
+from tests.conftest import Service, labelled_containers, pool_ready, start_service, wait_until
 
 ISSUE_INPUT = (
     "import sys, time\nprint('step 1 done')\nprint('step 2 done')\nsys.stderr.write('warn: slow path\\n')\n"
@@ -46,12 +46,8 @@ class Modes:
         elif mode == "cold":
             body["limits"] = {**body.get("limits", {}), "cpus": 0.99}  # no pool for this profile
         else:
-            wait_until(lambda: self.pool_stock() >= 1, 60)
+            wait_until(lambda: pool_ready(self.api) >= 1, 60)
         return body
-
-    def pool_stock(self) -> int:
-        found = labelled_containers(self.engine, self.service.instance_id, include_pool=True)
-        return sum("io.ptc-sandbox.pool" in c.labels and "io.ptc-sandbox.job" not in c.labels for c in found)
 
     def execute(self, mode: str, script: str, **extra: Any) -> dict[str, Any]:
         response = self.api.post("/execute", json=self.body(mode, script, **extra))

@@ -14,7 +14,7 @@ import docker
 import httpx
 import pytest
 
-from tests.conftest import container_gone, execute, labelled_containers, start_service, wait_until
+from tests.conftest import container_gone, execute, labelled_containers, pool_ready, start_service, wait_until
 
 RUN = secrets.token_hex(4)  # instance ids of this run: a concurrent run on the same engine removes its own only
 
@@ -133,16 +133,12 @@ def test_same_input_gives_the_same_view_in_a_session_warm_and_cold(engine: docke
     # One pool (the default profile's): a job with other limits is always cold.
     svc = start_service(instance, scratch / "same-view", PTC_WARM_POOL_SIZE="2", PTC_WARM_POOL_MAX_PROFILES="1")
 
-    def pool_stock() -> int:
-        found = labelled_containers(engine, instance, include_pool=True)
-        return sum("io.ptc-sandbox.pool" in c.labels for c in found)
-
     try:
         with svc.client() as api:
             sid = open_session(api, tools=ECHO)["session_id"]
             for name, script, extra in HOSTILE:
                 in_session = execute(api, script, session_id=sid, **extra)
-                wait_until(lambda: pool_stock() >= 1, 30)
+                wait_until(lambda: pool_ready(api) >= 1, 30)
                 warm = execute(api, script, ECHO, **extra)
                 cold = execute(api, script, ECHO, limits={"cpus": 0.99}, **extra)
                 starts = (in_session["sandbox_start"], warm["sandbox_start"], cold["sandbox_start"])
