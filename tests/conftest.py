@@ -162,14 +162,13 @@ def labelled_containers(engine: docker.DockerClient, instance_id: str, include_p
     return [c for c in found if include_pool or LABEL_JOB in c.labels]
 
 
-def pool_ready(api: httpx.Client) -> int:
-    """Sandboxes of the service's warm pools ready for a job now (``ptc_sandbox_pool_size``, summed over
-    profiles): what a job is given from the pool. A container of the pool that the engine lists may still be
-    starting; a job that comes then starts cold."""
+def pool_ready(api: httpx.Client, profile: str | None = None) -> int:
+    """Sandboxes of the service's warm pools (of ``profile``, e.g. ``default``; None: all) ready for a job now
+    (``ptc_sandbox_pool_size``): what a job is given from the pool. A container of the pool that the engine
+    lists may still be starting; a job that comes then starts cold."""
+    prefix = "ptc_sandbox_pool_size{" + (f'profile="{profile}"' if profile is not None else "")
     text = api.get("/metrics").raise_for_status().text
-    return sum(
-        int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines() if line.startswith("ptc_sandbox_pool_size{")
-    )
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines() if line.startswith(prefix))
 
 
 def container_gone(engine: docker.DockerClient, container_id: str) -> bool:

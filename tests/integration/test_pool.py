@@ -12,7 +12,16 @@ from typing import Any
 import docker
 import httpx
 
-from tests.conftest import IMAGE, Service, container_gone, execute, labelled_containers, start_service, wait_until
+from tests.conftest import (
+    IMAGE,
+    Service,
+    container_gone,
+    execute,
+    labelled_containers,
+    pool_ready,
+    start_service,
+    wait_until,
+)
 
 
 def pooled(engine: docker.DockerClient, instance: str, memory_mb: int | None = None) -> list[Any]:
@@ -27,6 +36,7 @@ def test_jobs_run_warm_from_their_profiles_pool(
     api: httpx.Client, engine: docker.DockerClient, service: Service
 ) -> None:
     wait_until(lambda: len(pooled(engine, service.instance_id)) == 4, 30)
+    wait_until(lambda: pool_ready(api, "default") >= 2, 30)  # listed is not ready: a job then starts cold
     first = execute(api, "import tools\nprint(tools.t()['tool'])", [{"name": "t", "endpoint": {"kind": "echo"}}])
     second = execute(api, "import os\nprint(os.environ['X'])", env={"X": "y"})  # env is the run's, not the profile's
     assert (first["sandbox_start"], first["stdout"]) == ("warm", "t\n")
@@ -48,6 +58,7 @@ def test_profiles_past_the_maximum_start_cold(engine: docker.DockerClient, scrat
             wait_until(lambda: len(pooled(engine, "pytest-pool-profiles", 100)) == 1, 30)
             time.sleep(1)
             assert pooled(engine, "pytest-pool-profiles", 110) == []  # default + 100 MiB: the maximum of 2
+            wait_until(lambda: pool_ready(api) == 2, 30)  # both pools' sandboxes ready, not only listed
             assert execute(api, "print(1)", limits={"memory_mb": 100})["sandbox_start"] == "warm"
             assert execute(api, "print(1)", limits={"memory_mb": 110})["sandbox_start"] == "cold"
     finally:
@@ -58,7 +69,7 @@ def test_profiles_past_the_maximum_start_cold(engine: docker.DockerClient, scrat
 def test_timeout_counts_from_the_job_not_the_pooled_start(
     api: httpx.Client, engine: docker.DockerClient, service: Service
 ) -> None:
-    wait_until(lambda: len(pooled(engine, service.instance_id)) >= 1, 30)
+    wait_until(lambda: pool_ready(api, "default") >= 1, 30)
     view = execute(api, "import time\ntime.sleep(1.5)\nprint('ok')", timeout_s=2)
     assert view["status"] == "succeeded" and view["sandbox_start"] == "warm"
 
