@@ -267,7 +267,7 @@ class JobViews:
             final = await self.final(job_id, caller)
             head, records = final.head, len(final.spans)
         try:
-            position = resume.parse(event_id, job_id)
+            position = resume.parse(event_id, job_id, records)
             position.check(records, {stream: head[f"{stream}_retained_bytes"] for stream in STREAMS})
         except resume.InvalidPosition as exc:
             raise InvalidField(f"not an event id of this job's stream: {exc}", loc) from None

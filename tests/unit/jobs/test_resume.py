@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import itertools
+import sys
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, cast
 
@@ -196,3 +197,57 @@ async def test_another_owners_job_is_not_found_whatever_the_event_id(app: FastAP
         await jobs.resume_point(job_id, Caller("mallory"), token, ("header",))
     with pytest.raises(JobNotFound):
         await jobs.resume_point(job_id, Caller("mallory"), "garbage", ("header",))
+
+
+def _lines_in_resume(action: Any) -> int:
+    """Python lines ``action()`` runs in ``service/jobs/resume.py`` (a cost that does not depend on the machine)."""
+    from service.jobs import resume
+
+    count = 0
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count
+        if event == "line":
+            count += 1
+        return local
+
+    def on_call(frame: Any, event: str, arg: Any) -> Any:
+        return local if frame.f_code.co_filename == resume.__file__ else None
+
+    sys.settrace(on_call)
+    try:
+        action()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def test_an_event_id_costs_the_same_however_many_calls_ended_out_of_order() -> None:
+    """10,000 calls that end before seq 1 (pending all along): each of their events gets an id; building one must
+    not walk the set of seqs sent in Python (it did: 10,000 ids then cost O(n^2), ~6 s of the event loop)."""
+    position = Position()
+    for seq in range(2, 10_002):
+        position.mark(seq)
+    few = Position()
+    few.mark(2)
+    assert _lines_in_resume(lambda: position.token("job_a")) <= _lines_in_resume(lambda: few.token("job_a")) + 5
+    back = parse(position.token("job_a"), "job_a", 10_001)
+    assert back == position and (back.low, len(back.after)) == (0, 10_000)
+    position.mark(1)
+    assert (position.low, position.after) == (10_001, set())
+    assert parse(position.token("job_a"), "job_a") == position
+
+
+def test_a_forged_id_counting_more_calls_than_the_job_has_is_refused_before_it_is_expanded() -> None:
+    """An id of MAX_TOKEN_CHARS whose bitmap claims ~96,000 calls, for a job of 3: refused without marking them."""
+    raw = b"\x01" + hashlib.sha256(b"job_a").digest()[:4] + b"\x00\x00\x00\x00\x00" + b"\xaa" * 12_000
+    forged = _token(raw)
+    with pytest.raises(InvalidPosition):
+        parse(forged, "job_a", 3)
+
+    def refuse() -> None:
+        with pytest.raises(InvalidPosition):
+            parse(forged, "job_a", 3)
+
+    lines = _lines_in_resume(refuse)
+    assert lines < 100, lines
