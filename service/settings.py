@@ -152,7 +152,7 @@ class Settings(BaseSettings):
         256 * 1024 * 1024,
         ge=0,
         description="Encoded views of ended jobs kept in memory for reading, and of events' end views being sent "
-        "at once (bytes).",
+        "at once (bytes; past it, a key whose end views are held up waits, other keys may still send one each).",
     )
     validation_threads: int = Field(
         4,

@@ -339,7 +339,7 @@ class JobViews:
                 end = final if final is not None else await self.final(job_id, caller)
                 body = await self._ended_bytes(end, selection)
                 at.ended = True
-                async with self._end_events.hold(len(body)):  # the end event is sent as one piece
+                async with self._end_events.hold(len(body), caller.owner):  # sent as one piece; per key
                     yield "end", body, at.token(job_id)
                 return
             if changed is not None:

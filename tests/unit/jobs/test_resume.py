@@ -5,11 +5,15 @@ here: client-executed calls answered in another order), and a status is sent aga
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import itertools
+import shutil
 import sys
+import tempfile
 from collections.abc import AsyncGenerator, AsyncIterator
+from pathlib import Path
 from typing import Any, cast
 
 import httpx
@@ -17,10 +21,14 @@ import orjson
 import pytest
 from fastapi import FastAPI
 
+from service.api import create_app
 from service.auth import IMPLICIT_OWNER, Caller
 from service.errors import JobNotFound
 from service.jobs import JobManager
 from service.jobs.resume import InvalidPosition, Position, parse
+from service.sandbox.fake import FakeBackend
+from service.schemas import ExecuteRequest
+from service.settings import Settings
 from service.views import FULL
 from tests.unit.test_view_modes import ARG, RESULT, SCRIPT, TOOLS, fake_service, parse_sse, run_job, wait_for_pending
 
@@ -251,3 +259,42 @@ def test_a_forged_id_counting_more_calls_than_the_job_has_is_refused_before_it_i
 
     lines = _lines_in_resume(refuse)
     assert lines < 100, lines
+
+
+async def test_an_owner_whose_end_events_are_not_read_holds_up_no_other_owner() -> None:
+    """The ``end`` events being sent share a byte budget (they are sent as one piece each). A client that stops
+    reading in the middle of one keeps its bytes held for as long as it likes; that must hold up only its own
+    key's streams, not another key's (it held up every stream whose end did not fit beside it)."""
+    work_dir = Path(tempfile.mkdtemp(prefix="ptcs", dir="/tmp"))
+    settings = Settings(
+        work_dir=work_dir, auth="disabled", sandbox_folders_tmpfs_mb=0, warm_pool_size=0, view_cache_bytes=4096
+    )
+    application = create_app(settings, FakeBackend())
+    try:
+        async with application.router.lifespan_context(application):
+            jobs: JobManager = application.state.jobs
+            alice, bob = Caller("alice"), Caller("bob")
+            request = ExecuteRequest(script='print("x" * 3000)')
+            ids: dict[str, list[str]] = {}
+            for who in (alice, bob, alice):
+                job = await jobs.submit(request, who.owner)
+                await jobs.wait(job.id, who, 30)
+                ids.setdefault(who.owner, []).append(job.id)
+            stuck = cast(AsyncGenerator[tuple[str, Any, str]], jobs.events(ids["alice"][0], alice))
+            try:
+                while (await anext(stuck))[0] != "end":  # alice's client stops reading in the end event
+                    pass
+                events = await asyncio.wait_for(_all(jobs.events(ids["bob"][0], bob)), 30)
+                assert events[-1][0] == "end" and b"x" * 3000 in events[-1][1]
+                # alice's own second stream still waits for her first: the memory stays bounded per key
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(_all(jobs.events(ids["alice"][1], alice)), 0.5)
+            finally:
+                await stuck.aclose()
+            assert (await asyncio.wait_for(_all(jobs.events(ids["alice"][1], alice)), 30))[-1][0] == "end"
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
+async def _all(events: AsyncIterator[tuple[str, Any, str]]) -> list[tuple[str, Any, str]]:
+    return [event async for event in events]
