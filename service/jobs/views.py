@@ -290,13 +290,19 @@ class JobViews:
         job = self.live(job_id, caller)
         final = await self.final(job_id, caller) if job is None else None
         at = start if start is not None else resume.Position()
+        looked = 0  # records before this index were each sent, or are in ``pending``
+        pending: list[int] = []  # indices of records that were pending (not sent) when last looked at
         calls = selection.calls
         while True:
             changed = job.changed() if job is not None else None
             records: list[Any]
-            if job is not None:
-                head = job.view_dict()
-                records = head["calls"]
+            if job is not None:  # what a wake needs, not the view (it counts every record, renders the output)
+                head = {
+                    "status": job.status.value,
+                    "stdout_retained_bytes": job.stdout.retained_bytes,
+                    "stderr_retained_bytes": job.stderr.retained_bytes,
+                }
+                records = job.calls
             elif final is not None:
                 head = final.head
                 records = list(final.records())
@@ -307,9 +313,16 @@ class JobViews:
                 yield "status", {"status": at.status}, at.token(job_id)
             if calls != "none":
                 summaries = await self.summaries(final) if final is not None and calls == "summary" else None
-                for index in range(at.low, len(records)):
+                # the records still pending at the last look, then the new ones (each record is looked at once
+                # more per wake only while it is pending: not the whole list each time, O(n^2) over a job)
+                candidates = [*pending, *range(max(looked, at.low), len(records))]
+                pending, looked = [], len(records)
+                for index in candidates:
                     record = records[index]
-                    if at.sent(index + 1) or (job is not None and record["status"] == "pending"):
+                    if at.sent(index + 1):
+                        continue
+                    if job is not None and record["status"] == "pending":
+                        pending.append(index)
                         continue
                     at.mark(index + 1)
                     if summaries is not None:

@@ -298,3 +298,41 @@ async def test_an_owner_whose_end_events_are_not_read_holds_up_no_other_owner() 
 
 async def _all(events: AsyncIterator[tuple[str, Any, str]]) -> list[tuple[str, Any, str]]:
     return [event async for event in events]
+
+
+async def test_following_a_job_looks_at_each_record_once_not_at_all_of_them_per_change(
+    app: FastAPI, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A follower woke on each change and looked at every record from the first one not sent: with seq 1 pending
+    (a client call) while 4,000 calls ended one by one, 8 million looks, ~3 s of the event loop per follower
+    (O(n^2)). Now it looks again only at the records it saw pending."""
+    count = 300
+    script = f"""
+import asyncio, tools
+first = asyncio.ensure_future(tools.aio.ask(q="first"))
+await asyncio.sleep(0.1)
+for i in range({count}):
+    tools.echo(text=str(i))
+await first
+"""
+    looks = 0
+    sent = Position.sent
+
+    def counted(self: Position, seq: int) -> bool:
+        nonlocal looks
+        looks += 1
+        return sent(self, seq)
+
+    monkeypatch.setattr(Position, "sent", counted)
+    jobs: JobManager = app.state.jobs
+    answer = await client.post("/execute", json={"script": script, "tools": TOOLS, "wait_s": 0})
+    job_id = answer.json()["job_id"]
+    received: list[tuple[str, Any, str]] = []
+    async for event in jobs.events(job_id, ANYONE):
+        received.append(event)
+        if event[0] == "call" and sum(e == "call" for e, _, _ in received) == count:  # every echo; the ask waits
+            (pending,) = await wait_for_pending(client, job_id, 1)
+            await client.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": 1})
+    seqs = [orjson.loads(data)["seq"] for event, data, _ in received if event == "call"]
+    assert seqs == [*range(2, count + 2), 1]
+    assert looks <= 4 * count, looks
