@@ -296,6 +296,7 @@ class JobViews:
         while True:
             changed = job.changed() if job is not None else None
             records: list[Any]
+            head: dict[str, Any]
             if job is not None:  # what a wake needs, not the view (it counts every record, renders the output)
                 head = {
                     "status": job.status.value,
