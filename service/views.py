@@ -17,7 +17,6 @@ a view read back from the store is indexed by ``scan``, one record at a time (ne
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Iterator
@@ -381,39 +380,6 @@ class ViewCache:
         old = self._views.pop(job_id, None)
         if old is not None:
             self._size -= old[1]
-
-
-class ByteBudget:
-    """At most ``max_bytes`` held at once by the holders of ``hold``, except that a holder that holds nothing yet
-    may always take its bytes: holders are keys (owners), so one key's holds, however long, never block another
-    key's; each key waits only on its own (memory: ``max_bytes`` plus one piece per key at most).
-
-    Bounds the memory of view bodies that must be copied whole to be sent (an events stream's ``end``). A client
-    that stops reading keeps its piece held as long as it likes: that must stall only its own key.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self._max = max_bytes
-        self._held = 0
-        self._by_holder: dict[str, int] = {}
-        self._freed = asyncio.Event()
-
-    @contextlib.asynccontextmanager
-    async def hold(self, size: int, holder: str = "") -> AsyncIterator[None]:
-        """Wait until ``size`` bytes fit (or ``holder`` holds nothing), hold them for the block."""
-        while self._by_holder.get(holder) and self._held + size > self._max:
-            self._freed.clear()
-            await self._freed.wait()
-        self._held += size
-        self._by_holder[holder] = self._by_holder.get(holder, 0) + size
-        try:
-            yield
-        finally:
-            self._held -= size
-            left = self._by_holder.pop(holder) - size
-            if left:
-                self._by_holder[holder] = left
-            self._freed.set()
 
 
 Body = bytes | AsyncIterator[bytes]

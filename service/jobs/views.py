@@ -9,7 +9,6 @@ another owner's job answers exactly like one that does not exist (its existence 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -31,6 +30,9 @@ from service.views import FULL, Body, EncodedView, Selection, render_head, snaps
 
 log = logging.getLogger(__name__)
 
+HEARTBEAT_S = 15.0
+"""Seconds without an event after which a follower of a live job gets a ``ping`` (a comment in the stream)."""
+
 
 class JobViews:
     """Views of live and ended jobs.
@@ -40,7 +42,6 @@ class JobViews:
         live: the live jobs (job id -> job).
         output_dir: ``work_dir/output``, one folder of retained output per job.
         cache: ended jobs' encoded views, kept for reading.
-        end_budget: bounds the memory of ``end`` events being sent (each is one piece).
     """
 
     def __init__(
@@ -49,13 +50,11 @@ class JobViews:
         live: dict[str, LiveJob],
         output_dir: Path,
         cache: views.ViewCache,
-        end_budget: views.ByteBudget,
     ) -> None:
         self._store = store
         self._live = live
         self._output_dir = output_dir
         self._views = cache
-        self._end_events = end_budget
         self._loading: dict[str, asyncio.Future[EncodedView]] = {}  # ended views being read back from the store
         self._scanning = asyncio.Lock()  # one stored view indexed at a time
 
@@ -151,11 +150,6 @@ class JobViews:
         if mode == "summary":
             return views.join(rendered, pending, await self.summaries(final))
         return views.stream(rendered, pending, final.records())
-
-    async def _ended_bytes(self, final: EncodedView, selection: Selection) -> bytes:
-        """``_ended`` as one piece (an events stream's ``end``)."""
-        body = await self._ended(final, selection)
-        return body if isinstance(body, bytes) else b"".join([part async for part in body])
 
     async def view(
         self,
@@ -280,9 +274,12 @@ class JobViews:
 
         Events: ``status`` ``{"status"}`` on each change; ``stdout``/``stderr``
         ``{"offset", "text"}`` for each new piece of output (retained bytes);
-        ``call`` with each call record (JSON bytes; its summary with ``calls=summary``, none with ``calls=none``)
-        once it has its outcome; finally ``end`` with the final view (JSON bytes, as ``selection`` says). A
-        follower that joins late first gets everything so far. ``id`` is the stream's position after the event
+        ``call`` with each call record (JSON bytes, or a view of a stored view's; its summary with
+        ``calls=summary``, none with ``calls=none``) once it has its outcome; finally ``end`` with the final view
+        (a ``views.Body``: the stored bytes themselves, or pieces rendered as they are sent; as ``selection``
+        says); ``ping`` (data None, id "") after ``HEARTBEAT_S`` without a change of a live job. Nothing is
+        copied whole per follower beyond one call record: the sender slices what it sends. A follower that
+        joins late first gets everything so far. ``id`` is the stream's position after the event
         (``resume``); ``start``: resume after such a position (only what was not sent, a status only if it
         changed). A job that is no longer live has ended: if its final save failed, the store holds an
         earlier status, and ``end`` carries that saved view. Raises JobNotFound (for another owner's job too).
@@ -331,7 +328,7 @@ class JobViews:
                     elif calls == "summary":
                         data = summary_record(record)
                     else:
-                        data = views.encode_record(record) if isinstance(record, dict) else bytes(record)
+                        data = views.encode_record(record) if isinstance(record, dict) else record
                     yield "call", data, at.token(job_id)
             ended = job is None or (head["status"] in FINAL and job.done.is_set())
             for stream in STREAMS:
@@ -351,14 +348,14 @@ class JobViews:
                     yield stream, piece, at.token(job_id)
             if ended:
                 end = final if final is not None else await self.final(job_id, caller)
-                body = await self._ended_bytes(end, selection)
                 at.ended = True
-                async with self._end_events.hold(len(body), caller.owner):  # sent as one piece; per key
-                    yield "end", body, at.token(job_id)
+                yield "end", await self._ended(end, selection), at.token(job_id)
                 return
             if changed is not None:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), 15)
+                try:
+                    await asyncio.wait_for(changed.wait(), HEARTBEAT_S)
+                except TimeoutError:
+                    yield "ping", None, ""
             if job is not None and job.done.is_set() and job_id not in self._live:
                 job = None  # saved as ended: read the final view from the store
                 final = await self.encoded(job_id)
