@@ -25,6 +25,7 @@ from service.api import create_app
 from service.auth import IMPLICIT_OWNER, Caller
 from service.errors import JobNotFound
 from service.jobs import JobManager
+from service.jobs import views as job_views
 from service.jobs.resume import InvalidPosition, Position, parse
 from service.sandbox.fake import FakeBackend
 from service.schemas import ExecuteRequest
@@ -336,10 +337,13 @@ await first
     assert looks <= 4 * count, looks
 
 
-async def _sse_sends(app: FastAPI, path: str, headers: dict[str, str] | None = None) -> list[bytes]:
-    """The body pieces the app hands the server for a GET of ``path`` (each ``send`` of the response), as the
-    server gets them: a server writes each piece whole and waits for the client only between pieces."""
-    pieces: list[bytes] = []
+async def _sse_sends(
+    app: FastAPI, path: str, headers: dict[str, str] | None = None, pieces: list[bytes] | None = None
+) -> list[bytes]:
+    """The body pieces the app hands the server for a GET of ``path`` (each ``send`` of the response, appended to
+    ``pieces`` as they come), as the server gets them: a server writes each piece whole and waits for the client
+    only between pieces."""
+    pieces = [] if pieces is None else pieces
     done = asyncio.Event()
     scope = {
         "type": "http",
@@ -389,3 +393,27 @@ async def test_a_large_end_event_is_handed_to_the_server_in_slices(app: FastAPI,
         assert max(map(len, pieces)) <= BATCH_BYTES + 1024, [len(p) for p in pieces]
         events = parse_sse(b"".join(pieces))
         assert events[-1][0] == "end" and events[-1][1] == final.content
+
+
+async def test_a_quiet_live_job_gets_heartbeats_between_events(
+    app: FastAPI, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stream's own pings (the library's are off: one could land inside a large event sent in slices) come as
+    comments between events while a live job is quiet, and the events around them are intact."""
+    monkeypatch.setattr(job_views, "HEARTBEAT_S", 0.05)
+    answer = await client.post("/execute", json={"script": SCRIPT, "tools": TOOLS, "wait_s": 0})
+    job_id = answer.json()["job_id"]
+    pending = await wait_for_pending(client, job_id, 3)
+    pieces: list[bytes] = []
+    sending = asyncio.ensure_future(_sse_sends(app, f"/jobs/{job_id}/events", None, pieces))
+    for _ in range(600):
+        if b": ping\r\n\r\n" in pieces:
+            break
+        await asyncio.sleep(0.05)
+    assert b": ping\r\n\r\n" in pieces
+    for call in pending:
+        await client.post(f"/jobs/{job_id}/calls/{call['call_id']}", json={"result": RESULT})
+    await sending
+    final = (await client.get(f"/jobs/{job_id}")).json()
+    events = parse_sse(b"".join(pieces))
+    check_received([(e, orjson.loads(d) if e in ("status", "stdout", "stderr") else d, i) for e, d, i in events], final)
