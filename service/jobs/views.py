@@ -9,6 +9,7 @@ another owner's job answers exactly like one that does not exist (its existence 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -289,6 +290,9 @@ class JobViews:
         at = start if start is not None else resume.Position()
         looked = 0  # records before this index were each sent, or are in ``pending``
         pending: list[int] = []  # indices of records that were pending (not sent) when last looked at
+        loop = asyncio.get_running_loop()
+        last_progress: tuple[Any, ...] = ()
+        quiet_since = loop.time()  # when an event was last sent (or the stream began)
         calls = selection.calls
         while True:
             changed = job.changed() if job is not None else None
@@ -352,10 +356,16 @@ class JobViews:
                 yield "end", await self._ended(end, selection), at.token(job_id)
                 return
             if changed is not None:
-                try:
-                    await asyncio.wait_for(changed.wait(), HEARTBEAT_S)
-                except TimeoutError:
+                # a ping after HEARTBEAT_S without an event, though the job changed meanwhile (output past its
+                # retention sends nothing): a proxy's idle timeout must not cut a stream that is alive
+                progress = (at.status, at.stdout, at.stderr, at.low, len(at.after))
+                if progress != last_progress:
+                    last_progress, quiet_since = progress, loop.time()
+                elif loop.time() - quiet_since >= HEARTBEAT_S:
+                    quiet_since = loop.time()
                     yield "ping", None, ""
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), max(0.0, quiet_since + HEARTBEAT_S - loop.time()))
             if job is not None and job.done.is_set() and job_id not in self._live:
                 job = None  # saved as ended: read the final view from the store
                 final = await self.encoded(job_id)

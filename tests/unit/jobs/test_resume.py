@@ -417,3 +417,41 @@ async def test_a_quiet_live_job_gets_heartbeats_between_events(
     final = (await client.get(f"/jobs/{job_id}")).json()
     events = parse_sse(b"".join(pieces))
     check_received([(e, orjson.loads(d) if e in ("status", "stdout", "stderr") else d, i) for e, d, i in events], final)
+
+
+async def test_a_job_that_changes_without_events_still_gets_heartbeats(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job whose changes send nothing (output past its retention: no output event) woke its followers again and
+    again, and a ping came only after a quiet ``HEARTBEAT_S``: never, and a proxy's idle timeout cut the stream."""
+    monkeypatch.setattr(job_views, "HEARTBEAT_S", 0.2)
+    work_dir = Path(tempfile.mkdtemp(prefix="ptcs", dir="/tmp"))
+    settings = Settings(
+        work_dir=work_dir, auth="disabled", sandbox_folders_tmpfs_mb=0, warm_pool_size=0, output_retention_bytes=0
+    )
+    application = create_app(settings, FakeBackend())
+    script = """
+import asyncio, tools
+answer = asyncio.ensure_future(tools.aio.ask(q="stop"))
+while not answer.done():
+    print("chatter", flush=True)
+    await asyncio.sleep(0.01)
+"""
+    try:
+        async with application.router.lifespan_context(application):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://f") as c:
+                jobs: JobManager = application.state.jobs
+                job_id = (await c.post("/execute", json={"script": script, "tools": TOOLS, "wait_s": 0})).json()[
+                    "job_id"
+                ]
+                (pending,) = await wait_for_pending(c, job_id, 1)
+                received: list[str] = []
+
+                async def follow() -> None:
+                    async for event, _, _ in jobs.events(job_id, ANYONE):
+                        received.append(event)
+                        if event == "ping" and received.count("ping") == 1:
+                            await c.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": 1})
+
+                await asyncio.wait_for(follow(), 30)  # no ping: the call is never answered, the job never ends
+                assert "ping" in received and received[-1] == "end"
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
