@@ -151,8 +151,7 @@ class Settings(BaseSettings):
     view_cache_bytes: int = Field(
         256 * 1024 * 1024,
         ge=0,
-        description="Encoded views of ended jobs kept in memory for reading, and of events' end views being sent "
-        "at once (bytes).",
+        description="Encoded views of ended jobs kept in memory for reading (bytes).",
     )
     validation_threads: int = Field(
         4,

@@ -17,7 +17,6 @@ a view read back from the store is indexed by ``scan``, one record at a time (ne
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Iterator
@@ -381,31 +380,6 @@ class ViewCache:
         old = self._views.pop(job_id, None)
         if old is not None:
             self._size -= old[1]
-
-
-class ByteBudget:
-    """At most ``max_bytes`` held at once by the holders of ``hold`` (one holder alone may hold more).
-
-    Bounds the memory of view bodies that must be copied whole to be sent (an events stream's ``end``).
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self._max = max_bytes
-        self._held = 0
-        self._freed = asyncio.Event()
-
-    @contextlib.asynccontextmanager
-    async def hold(self, size: int) -> AsyncIterator[None]:
-        """Wait until ``size`` bytes fit (or nothing is held), hold them for the block."""
-        while self._held and self._held + size > self._max:
-            self._freed.clear()
-            await self._freed.wait()
-        self._held += size
-        try:
-            yield
-        finally:
-            self._held -= size
-            self._freed.set()
 
 
 Body = bytes | AsyncIterator[bytes]

@@ -43,7 +43,7 @@ def build_jobs(
     from service.sessions import Session, SessionManager
     from service.toolkit.cache import ManifestCache
     from service.toolsets import Toolsets, installation_salt
-    from service.views import ByteBudget, ViewCache
+    from service.views import ViewCache
 
     instance = settings.instance()
     instance_labels = labels_of(instance)
@@ -83,7 +83,7 @@ def build_jobs(
     intake = Intake(settings, admission, toolsets, sessions, endpoints, secrets, output_dir, live)
     call_memory = CallMemory(settings.max_record_bytes_total, settings.max_call_bytes_in_flight_total)
     runner = Runner(settings, store, events, sandboxes, endpoints, call_memory, checks, live, cache, tasks, instance)
-    views = JobViews(store, live, output_dir, cache, ByteBudget(settings.view_cache_bytes))
+    views = JobViews(store, live, output_dir, cache)
     session_jobs = SessionJobs(settings, sessions, sandboxes, admission, toolsets, runner, live)
     recovery = Recovery(settings, backend, store, folders, quotas, events, cache, instance_labels, instance)
     webhooks = Webhooks(settings, store, views, cache, secrets, endpoints.egress, metrics, tasks, instance)

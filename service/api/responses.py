@@ -27,10 +27,30 @@ def view_response(body: Body, status_code: int = 200, headers: dict[str, str] | 
     return StreamingResponse(body, status_code=status_code, media_type="application/json", headers=headers)
 
 
-async def _slices(body: bytes) -> AsyncIterator[bytes]:
+async def _slices(body: bytes | memoryview) -> AsyncIterator[bytes]:
     view = memoryview(body)
     for start in range(0, len(body), BATCH_BYTES):
         yield bytes(view[start : start + BATCH_BYTES])
+
+
+async def event_pieces(head: bytes, data: Body | memoryview) -> AsyncIterator[bytes]:
+    """One server-sent event, ``head`` (its ``id:``, ``event:`` and ``data:`` up to the data) then ``data`` and
+    the blank line, in pieces of at most ``BATCH_BYTES``: the server writes a piece whole and waits for the
+    client between pieces, so a client that stops reading holds about one piece, not a copy of a whole view
+    (``data``: the shared bytes of a stored view, a view of them, or pieces rendered as they are sent)."""
+    if isinstance(data, bytes | memoryview):
+        if len(head) + len(data) <= BATCH_BYTES:
+            yield head + data + b"\r\n\r\n"
+            return
+        yield head
+        async for piece in _slices(data):
+            yield piece
+    else:
+        yield head
+        async for part in data:
+            async for piece in _slices(part):
+                yield piece
+    yield b"\r\n\r\n"
 
 
 async def output_slices(retained: OutputRange) -> AsyncIterator[bytes]:

@@ -61,6 +61,10 @@ class Position:
         low: seqs 1..low have all been sent as ``call`` events.
         after: seqs past ``low`` sent too (calls that ended before an earlier one).
         ended: ``end`` was sent.
+
+    ``after`` is also kept as an integer bitmap (bit i: seq ``low + 1 + i``), so that the id of each event costs
+    a copy of that bitmap, not a pass over ``after`` in Python: a stream of calls that end out of order (up to
+    ``PTC_MAX_TOOL_CALLS`` of them after one that stays pending) makes one id per call.
     """
 
     stdout: int = 0
@@ -69,25 +73,37 @@ class Position:
     low: int = 0
     after: set[int] = field(default_factory=set)
     ended: bool = False
+    _bits: int = field(default=0, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for seq in list(self.after):
+            self.after.discard(seq)
+            self.mark(seq)
 
     def sent(self, seq: int) -> bool:
         """Whether the call with this seq (1-based) was sent."""
         return seq <= self.low or seq in self.after
 
     def mark(self, seq: int) -> None:
-        """Count the call with this seq as sent."""
+        """Count the call with this seq as sent (each seq leaves ``after`` at most once: amortized O(1))."""
+        if self.sent(seq):
+            return
         self.after.add(seq)
-        while self.low + 1 in self.after:
-            self.low += 1
-            self.after.discard(self.low)
+        self._bits |= 1 << (seq - self.low - 1)
+        if seq == self.low + 1:
+            self._advance()
+
+    def _advance(self) -> None:
+        """Move ``low`` past the seqs right after it that were sent (the bitmap's trailing ones)."""
+        run = (~self._bits & (self._bits + 1)).bit_length() - 1
+        self.after.difference_update(range(self.low + 1, self.low + run + 1))
+        self.low += run
+        self._bits >>= run
 
     def token(self, job_id: str) -> str:
         """This position as an event id of ``job_id``'s stream."""
         status = (self.status or "").encode()
-        bitmap = bytearray((max(self.after) - self.low + 7) // 8 if self.after else 0)
-        for seq in self.after:
-            bit = seq - self.low - 1
-            bitmap[bit // 8] |= 1 << (bit % 8)
+        bitmap = self._bits.to_bytes((self._bits.bit_length() + 7) // 8, "little")
         raw = b"".join(
             [
                 bytes([VERSION]),
@@ -97,7 +113,7 @@ class Position:
                 _varint(self.stdout),
                 _varint(self.stderr),
                 _varint(self.low),
-                bytes(bitmap),
+                bitmap,
             ]
         )
         return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
@@ -111,15 +127,20 @@ class Position:
         for stream, offset in (("stdout", self.stdout), ("stderr", self.stderr)):
             if offset > retained[stream]:
                 raise InvalidPosition(f"its {stream} offset is past the job's output")
-        if self.low > records or (self.after and max(self.after) > records):
+        if self.low + self._bits.bit_length() > records:
             raise InvalidPosition("it counts more tool calls than the job has")
 
 
-def parse(text: str, job_id: str) -> Position:
+def parse(text: str, job_id: str, records: int | None = None) -> Position:
     """The position an event id of ``job_id``'s stream stands for.
 
+    Args:
+        records: the job's call records: an id whose bitmap counts more is refused before it is expanded (a
+            forged id of ``MAX_TOKEN_CHARS`` would otherwise mark ~96,000 seqs one by one).
+
     Raises:
-        InvalidPosition: not a token of this service's format, or of another job's stream.
+        InvalidPosition: not a token of this service's format, or of another job's stream, or (with ``records``)
+            one that counts more calls than that.
     """
     if len(text) > MAX_TOKEN_CHARS:
         raise InvalidPosition("too long")
@@ -144,12 +165,14 @@ def parse(text: str, job_id: str) -> Position:
         raise InvalidPosition("not an event id of this service")
     position = Position(reader.varint(), reader.varint(), status or None, ended=flags == 1)
     low = reader.varint()
-    bitmap = reader.rest()
-    position.low = low
-    for k, byte in enumerate(bitmap):
-        for i in range(8):
-            if byte >> i & 1:
-                position.mark(low + 1 + 8 * k + i)
+    bits = int.from_bytes(reader.rest(), "little")
+    if records is not None and low + bits.bit_length() > records:
+        raise InvalidPosition("it counts more tool calls than the job has")
+    position.low, position._bits = low, bits
+    for k, byte in enumerate(bits.to_bytes((bits.bit_length() + 7) // 8, "little")):
+        if byte:
+            position.after.update(low + 1 + 8 * k + i for i in range(8) if byte >> i & 1)
+    position._advance()
     return position
 
 

@@ -31,6 +31,9 @@ from service.views import FULL, Body, EncodedView, Selection, render_head, snaps
 
 log = logging.getLogger(__name__)
 
+HEARTBEAT_S = 15.0
+"""Seconds without an event after which a follower of a live job gets a ``ping`` (a comment in the stream)."""
+
 
 class JobViews:
     """Views of live and ended jobs.
@@ -40,7 +43,6 @@ class JobViews:
         live: the live jobs (job id -> job).
         output_dir: ``work_dir/output``, one folder of retained output per job.
         cache: ended jobs' encoded views, kept for reading.
-        end_budget: bounds the memory of ``end`` events being sent (each is one piece).
     """
 
     def __init__(
@@ -49,13 +51,11 @@ class JobViews:
         live: dict[str, LiveJob],
         output_dir: Path,
         cache: views.ViewCache,
-        end_budget: views.ByteBudget,
     ) -> None:
         self._store = store
         self._live = live
         self._output_dir = output_dir
         self._views = cache
-        self._end_events = end_budget
         self._loading: dict[str, asyncio.Future[EncodedView]] = {}  # ended views being read back from the store
         self._scanning = asyncio.Lock()  # one stored view indexed at a time
 
@@ -151,11 +151,6 @@ class JobViews:
         if mode == "summary":
             return views.join(rendered, pending, await self.summaries(final))
         return views.stream(rendered, pending, final.records())
-
-    async def _ended_bytes(self, final: EncodedView, selection: Selection) -> bytes:
-        """``_ended`` as one piece (an events stream's ``end``)."""
-        body = await self._ended(final, selection)
-        return body if isinstance(body, bytes) else b"".join([part async for part in body])
 
     async def view(
         self,
@@ -267,7 +262,7 @@ class JobViews:
             final = await self.final(job_id, caller)
             head, records = final.head, len(final.spans)
         try:
-            position = resume.parse(event_id, job_id)
+            position = resume.parse(event_id, job_id, records)
             position.check(records, {stream: head[f"{stream}_retained_bytes"] for stream in STREAMS})
         except resume.InvalidPosition as exc:
             raise InvalidField(f"not an event id of this job's stream: {exc}", loc) from None
@@ -280,9 +275,12 @@ class JobViews:
 
         Events: ``status`` ``{"status"}`` on each change; ``stdout``/``stderr``
         ``{"offset", "text"}`` for each new piece of output (retained bytes);
-        ``call`` with each call record (JSON bytes; its summary with ``calls=summary``, none with ``calls=none``)
-        once it has its outcome; finally ``end`` with the final view (JSON bytes, as ``selection`` says). A
-        follower that joins late first gets everything so far. ``id`` is the stream's position after the event
+        ``call`` with each call record (JSON bytes, or a view of a stored view's; its summary with
+        ``calls=summary``, none with ``calls=none``) once it has its outcome; finally ``end`` with the final view
+        (a ``views.Body``: the stored bytes themselves, or pieces rendered as they are sent; as ``selection``
+        says); ``ping`` (data None, id "") after ``HEARTBEAT_S`` without a change of a live job. Nothing is
+        copied whole per follower beyond one call record: the sender slices what it sends. A follower that
+        joins late first gets everything so far. ``id`` is the stream's position after the event
         (``resume``); ``start``: resume after such a position (only what was not sent, a status only if it
         changed). A job that is no longer live has ended: if its final save failed, the store holds an
         earlier status, and ``end`` carries that saved view. Raises JobNotFound (for another owner's job too).
@@ -290,13 +288,23 @@ class JobViews:
         job = self.live(job_id, caller)
         final = await self.final(job_id, caller) if job is None else None
         at = start if start is not None else resume.Position()
+        looked = 0  # records before this index were each sent, or are in ``pending``
+        pending: list[int] = []  # indices of records that were pending (not sent) when last looked at
+        loop = asyncio.get_running_loop()
+        last_progress: tuple[Any, ...] = ()
+        quiet_since = loop.time()  # when an event was last sent (or the stream began)
         calls = selection.calls
         while True:
             changed = job.changed() if job is not None else None
             records: list[Any]
-            if job is not None:
-                head = job.view_dict()
-                records = head["calls"]
+            head: dict[str, Any]
+            if job is not None:  # what a wake needs, not the view (it counts every record, renders the output)
+                head = {
+                    "status": job.status.value,
+                    "stdout_retained_bytes": job.stdout.retained_bytes,
+                    "stderr_retained_bytes": job.stderr.retained_bytes,
+                }
+                records = job.calls
             elif final is not None:
                 head = final.head
                 records = list(final.records())
@@ -307,9 +315,16 @@ class JobViews:
                 yield "status", {"status": at.status}, at.token(job_id)
             if calls != "none":
                 summaries = await self.summaries(final) if final is not None and calls == "summary" else None
-                for index in range(at.low, len(records)):
+                # the records still pending at the last look, then the new ones (each record is looked at once
+                # more per wake only while it is pending: not the whole list each time, O(n^2) over a job)
+                candidates = [*pending, *range(max(looked, at.low), len(records))]
+                pending, looked = [], len(records)
+                for index in candidates:
                     record = records[index]
-                    if at.sent(index + 1) or (job is not None and record["status"] == "pending"):
+                    if at.sent(index + 1):
+                        continue
+                    if job is not None and record["status"] == "pending":
+                        pending.append(index)
                         continue
                     at.mark(index + 1)
                     if summaries is not None:
@@ -317,7 +332,7 @@ class JobViews:
                     elif calls == "summary":
                         data = summary_record(record)
                     else:
-                        data = views.encode_record(record) if isinstance(record, dict) else bytes(record)
+                        data = views.encode_record(record) if isinstance(record, dict) else record
                     yield "call", data, at.token(job_id)
             ended = job is None or (head["status"] in FINAL and job.done.is_set())
             for stream in STREAMS:
@@ -337,14 +352,20 @@ class JobViews:
                     yield stream, piece, at.token(job_id)
             if ended:
                 end = final if final is not None else await self.final(job_id, caller)
-                body = await self._ended_bytes(end, selection)
                 at.ended = True
-                async with self._end_events.hold(len(body)):  # the end event is sent as one piece
-                    yield "end", body, at.token(job_id)
+                yield "end", await self._ended(end, selection), at.token(job_id)
                 return
             if changed is not None:
+                # a ping after HEARTBEAT_S without an event, though the job changed meanwhile (output past its
+                # retention sends nothing): a proxy's idle timeout must not cut a stream that is alive
+                progress = (at.status, at.stdout, at.stderr, at.low, len(at.after))
+                if progress != last_progress:
+                    last_progress, quiet_since = progress, loop.time()
+                elif loop.time() - quiet_since >= HEARTBEAT_S:
+                    quiet_since = loop.time()
+                    yield "ping", None, ""
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), 15)
+                    await asyncio.wait_for(changed.wait(), max(0.0, quiet_since + HEARTBEAT_S - loop.time()))
             if job is not None and job.done.is_set() and job_id not in self._live:
                 job = None  # saved as ended: read the final view from the store
                 final = await self.encoded(job_id)

@@ -17,7 +17,7 @@ from service.api.bodies import ParsedOffLoop
 from service.api.deps import AppSettings, Idempotency, Jobs, Key, Who
 from service.api.idempotent import KEY_DESCRIPTION, KEY_HEADER, claim_key, replay
 from service.api.problems import ENGINE_UNAVAILABLE
-from service.api.responses import output_slices, view_response
+from service.api.responses import event_pieces, output_slices, view_response
 from service.errors import InvalidField, RequestLimitError
 from service.jobs.live import LiveJob, wait_for_end_or_client
 from service.limits import check_execute
@@ -351,8 +351,14 @@ async def job_events(
         return Response(status_code=204)
 
     async def stream() -> AsyncIterator[bytes]:
-        async for event, data, event_id in jobs.events(job_id, who, selection, start):  # "call", "end": bytes
-            payload = data if isinstance(data, bytes) else orjson.dumps(data)
-            yield b"id: " + event_id.encode() + b"\r\nevent: " + event.encode() + b"\r\ndata: " + payload + b"\r\n\r\n"
+        async for event, data, event_id in jobs.events(job_id, who, selection, start):
+            if event == "ping":
+                yield b": ping\r\n\r\n"
+                continue
+            head = b"id: " + event_id.encode() + b"\r\nevent: " + event.encode() + b"\r\ndata: "
+            async for piece in event_pieces(head, orjson.dumps(data) if isinstance(data, dict) else data):
+                yield piece
 
-    return EventSourceResponse(stream(), ping=15)
+    # pings come from the stream itself (``ping`` events), between events: one of the library's could land
+    # between the pieces of a large event and break it
+    return EventSourceResponse(stream(), ping=0)

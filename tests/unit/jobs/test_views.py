@@ -25,9 +25,7 @@ async def test_late_follower_of_a_job_whose_final_save_failed(parts: Parts) -> N
     parts.live.pop(job.id)  # it ended (its cleanup closed its output files); its final save failed
     job.stdout.close()
     job.stderr.close()
-    job_views = JobViews(
-        cast(Any, parts.store), parts.live, job.output_dir.parent, views.ViewCache(1 << 20), views.ByteBudget(1 << 20)
-    )
+    job_views = JobViews(cast(Any, parts.store), parts.live, job.output_dir.parent, views.ViewCache(1 << 20))
 
     async def follow() -> list[tuple[str, Any]]:
         return [(event, data) async for event, data, _ in job_views.events(job.id, Caller("alice"))]
@@ -72,8 +70,6 @@ async def test_summaries_are_made_once_beside_the_encoded_view(parts: Parts) -> 
     assert kept.body == first.body and kept.summaries == first.summaries
     bare = await views.encode(head, list(first.records()))
     assert bare.summaries is None
-    job_views = JobViews(
-        cast(Any, parts.store), parts.live, job.output_dir.parent, views.ViewCache(1 << 20), views.ByteBudget(1 << 20)
-    )
+    job_views = JobViews(cast(Any, parts.store), parts.live, job.output_dir.parent, views.ViewCache(1 << 20))
     assert await job_views.summaries(bare) == first.summaries
     assert bare.summaries == first.summaries  # kept beside it from now on
