@@ -38,6 +38,7 @@ _VALUE_FIELDS = ("args", "result")  # a record's fields that hold what a script,
 CallsMode = Literal["full", "summary", "none"]
 """How a view shows its call records: ``full`` (every field), ``summary`` (``SUMMARY_FIELDS``), ``none``."""
 SUMMARY_FIELDS = ("seq", "call_id", "tool", "status", "error", "duration_ms", "approval")
+SUMMARY_MESSAGE_CHARS = 200  # a summary's error.message at most (a full record's: 2,000)
 """A call record's fields kept by ``calls=summary``: no arguments, no result, nothing about their bytes (``approval``:
 who decided a gated call, when, and the reason given)."""
 VIEW_FIELDS: tuple[str, ...] = tuple(JobView.model_fields)
@@ -108,8 +109,16 @@ def render_head(view: dict[str, Any], selection: Selection = FULL) -> bytes:
 
 
 def summary_record(record: dict[str, Any]) -> bytes:
-    """A call record's summary (``SUMMARY_FIELDS``) as JSON: no arguments or result, nor their sizes."""
-    return orjson.dumps({name: record.get(name) for name in SUMMARY_FIELDS}, option=OPTIONS)
+    """A call record's summary (``SUMMARY_FIELDS``) as JSON: no arguments or result, nor their sizes. Its
+    ``error.message`` is cut to ``SUMMARY_MESSAGE_CHARS`` characters (then ending in "…"): a refusal's message
+    may quote the argument it refused (up to 2,000 characters in the full record)."""
+    summary = {name: record.get(name) for name in SUMMARY_FIELDS}
+    error = summary["error"]
+    if isinstance(error, dict):
+        message = error.get("message")
+        if isinstance(message, str) and len(message) > SUMMARY_MESSAGE_CHARS:
+            summary["error"] = {**error, "message": message[:SUMMARY_MESSAGE_CHARS] + "…"}
+    return orjson.dumps(summary, option=OPTIONS)
 
 
 def encode_record(record: dict[str, Any]) -> bytes:

@@ -25,7 +25,7 @@ from service.api import create_app
 from service.jobs import JobManager
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
-from service.views import SUMMARY_FIELDS, VIEW_FIELDS
+from service.views import SUMMARY_FIELDS, SUMMARY_MESSAGE_CHARS, VIEW_FIELDS
 
 TOOLS = [
     {"name": "echo", "parameters": {"properties": {"text": {"type": "string"}}}, "endpoint": {"kind": "echo"}},
@@ -181,6 +181,22 @@ async def test_execute_with_a_selection_answers_it(client: httpx.AsyncClient) ->
         "/execute", params={"fields": "stdout,exit_code", "calls": "full"}, json={"script": "print(7)"}
     )
     assert list(answer.json()) == ["job_id", "status", "exit_code", "stdout"]  # the view's own order
+
+
+async def test_a_summary_cuts_a_refusals_message_that_quotes_the_argument(client: httpx.AsyncClient) -> None:
+    # A refused call's message quotes the value it refused (up to 2,000 characters): the summary keeps its start.
+    tools = [{"name": "n", "parameters": {"properties": {"x": {"type": "integer"}}}, "endpoint": {"kind": "echo"}}]
+    script = (
+        "import tools\ntry:\n    tools.n(x='" + ARG + "-" + "y" * 3000 + "')\nexcept tools.ToolError as e:\n    pass\n"
+    )
+    full = await client.post("/execute", json={"script": script, "tools": tools})
+    message = full.json()["calls"][0]["error"]["message"]
+    assert len(message) > 1000 and "y" * 1000 in message  # the full record's message quotes the argument
+    summary = await client.post("/execute", params={"calls": "summary"}, json={"script": script, "tools": tools})
+    error = summary.json()["calls"][0]["error"]
+    assert error["type"] == full.json()["calls"][0]["error"]["type"]
+    assert error["message"] == message[:SUMMARY_MESSAGE_CHARS] + "…"
+    assert len(summary.content) < 2000 + len(full.json()["stdout"]) + len(full.json()["stderr"]) * 2
 
 
 async def test_unknown_fields_are_a_problem_naming_the_allowed_ones_and_nothing_runs(
