@@ -5,7 +5,8 @@
     PtcError
     ├── ManifestError        a tool manifest entry is unusable          -> 422
     ├── InvalidField         a field the service cannot use             -> 422
-    │   └── RequestLimitError  a request asks past a server maximum     -> 422
+    │   ├── RequestLimitError  a request asks past a server maximum     -> 422
+    │   └── UnknownImage       an image name PTC_IMAGES does not offer    -> 422
     ├── PayloadTooLarge      a script or manifest over its size limit    -> 413
     ├── WorkDirBusy          another instance holds the work dir        (start-up)
     ├── InsecureConfig       settings that would expose the service     (start-up)
@@ -55,6 +56,17 @@ class InvalidField(PtcError):
 
 class RequestLimitError(InvalidField):
     """A request field exceeds what the server allows."""
+
+
+class UnknownImage(InvalidField):
+    """A request names an image that ``PTC_IMAGES`` does not offer; ``allowed`` are the names it does (sorted).
+
+    Only names: the image references behind them are the operator's and are never shown to callers.
+    """
+
+    def __init__(self, name: str, allowed: list[str], loc: tuple[str | int, ...] = ("body", "image")) -> None:
+        super().__init__(f"image {name!r} is not offered; ask for one of {allowed}", loc)
+        self.allowed = allowed
 
 
 class PayloadTooLarge(PtcError):

@@ -85,7 +85,9 @@ def check_execute(body: ExecuteRequest, settings: Settings, key_name: str | None
     Raises:
         PayloadTooLarge: the script is over ``max_script_bytes`` or the manifest over ``max_manifest_bytes``.
         RequestLimitError: a value, or the number of tools, over the key's or the server's maximum.
+        UnknownImage: ``image`` is not a name in ``PTC_IMAGES`` (checked first: before any sandbox starts).
     """
+    settings.image_name(body.image)
     script_bytes = len(body.script.encode("utf-8", "surrogatepass"))
     if script_bytes > settings.max_script_bytes:
         raise PayloadTooLarge(
@@ -93,6 +95,7 @@ def check_execute(body: ExecuteRequest, settings: Settings, key_name: str | None
             ("body", "script"),
             settings.max_script_bytes,
         )
+    settings.image_name(body.image)
     _check_manifest(body.tools, None, settings, key_name)
     _cap(body, settings, key_name)
 
@@ -104,16 +107,22 @@ def check_session(body: SessionRequest, settings: Settings, key_name: str | None
     Raises:
         PayloadTooLarge: the manifest is over ``max_manifest_bytes``.
         RequestLimitError: a value, or the number of tools, over the key's or the server's maximum.
+        UnknownImage: ``image`` is not a name in ``PTC_IMAGES``.
     """
+    settings.image_name(body.image)
     _check_manifest(body.tools, None, settings, key_name)
     _cap(body, settings, key_name)
 
 
 def _cap(body: ExecuteRequest | SessionRequest, settings: Settings, key_name: str | None) -> None:
-    """Apply the key's maxima to ``body``'s limits (and ``timeout_s``); raises RequestLimitError past one."""
+    """Apply the key's maxima to ``body``'s limits (and ``timeout_s``); raises RequestLimitError past one.
+
+    The defaults compared are those of ``body``'s image (``Settings.image_defaults_of``).
+    """
     key = _key_limits(settings, key_name)
     if key is None:
         return
+    defaults = settings.image_defaults_of(settings.image_name(body.image))
 
     def capped(value: Any, default: Any, maximum: Any, loc: tuple[str, ...]) -> Any:
         if maximum is None:
@@ -126,11 +135,11 @@ def _cap(body: ExecuteRequest | SessionRequest, settings: Settings, key_name: st
 
     limits = body.limits
     if isinstance(body, ExecuteRequest):
-        body.timeout_s = capped(body.timeout_s, settings.default_timeout_s, key.timeout_s, ("timeout_s",))
-    limits.memory_mb = capped(limits.memory_mb, settings.default_memory_mb, key.memory_mb, ("limits", "memory_mb"))
-    limits.cpus = capped(limits.cpus, settings.default_cpus, key.cpus, ("limits", "cpus"))
-    limits.pids = capped(limits.pids, settings.default_pids, key.pids, ("limits", "pids"))
+        body.timeout_s = capped(body.timeout_s, defaults["timeout_s"], key.timeout_s, ("timeout_s",))
+    limits.memory_mb = capped(limits.memory_mb, defaults["memory_mb"], key.memory_mb, ("limits", "memory_mb"))
+    limits.cpus = capped(limits.cpus, defaults["cpus"], key.cpus, ("limits", "cpus"))
+    limits.pids = capped(limits.pids, defaults["pids"], key.pids, ("limits", "pids"))
     limits.output_bytes = capped(
-        limits.output_bytes, settings.default_output_bytes, key.output_bytes, ("limits", "output_bytes")
+        limits.output_bytes, defaults["output_bytes"], key.output_bytes, ("limits", "output_bytes")
     )
-    limits.tmp_mb = capped(limits.tmp_mb, settings.default_tmp_mb, key.tmp_mb, ("limits", "tmp_mb"))
+    limits.tmp_mb = capped(limits.tmp_mb, defaults["tmp_mb"], key.tmp_mb, ("limits", "tmp_mb"))

@@ -11,7 +11,8 @@ event               fields
                     or the job a ``POST /execute`` created), ``key``
 ``job``             ``job_id``, ``status``, ``key``; when it ends also ``exit_code``, ``error_type``,
                     ``script_error_type`` (``error.script_report.type``: the script's claim), ``duration_ms``,
-                    ``queue_ms``, ``sandbox_start``, ``sandbox_id``, ``calls``, ``stdout_bytes``, ``stderr_bytes``
+                    ``queue_ms``, ``sandbox_start``, ``sandbox_id``, ``image`` (its name in PTC_IMAGES), ``calls``,
+                    ``stdout_bytes``, ``stderr_bytes``
 ``sandbox_start``   ``job_id``, ``sandbox_id``, ``mode`` (warm, cold, session), ``start_ms``; with ``job_id`` null,
                     a container started ahead of jobs: ``mode`` pool, or session (with ``session_id``)
 ``sandbox_stop``    ``job_id`` (null for pool and session sandboxes), ``sandbox_id``, ``reason``, ``stop_ms``
@@ -160,6 +161,7 @@ def job(job: LiveJob) -> None:
             queue_ms=_ms(job.created_at, job.started_at or job.ended_at),
             sandbox_start=job.sandbox_start,
             sandbox_id=job.sandbox_id,
+            image=job.image,
             calls=len(job.calls),
             stdout_bytes=job.stdout.inline.total_bytes,
             stderr_bytes=job.stderr.inline.total_bytes,

@@ -123,6 +123,12 @@ class ExecuteRequest(BaseModel):
         None, max_length=2048, description="Where to POST the final job view, signed (see docs/api.md, Callbacks)."
     )
     limits: Limits = Field(default_factory=Limits)
+    image: str | None = Field(
+        None,
+        max_length=64,
+        description="The sandbox image, by its name in PTC_IMAGES (GET /readyz lists them); default: default. With "
+        "session_id: the session's, or absent.",
+    )
     env: Env = Field(default_factory=dict, description="Extra environment variables for the script.")
     metadata: Metadata = Field(default_factory=dict, description="Opaque; returned in the job view.")
     session_id: str | None = Field(
@@ -167,6 +173,11 @@ class SessionRequest(BaseModel):
     runtime: str | None = Field(
         None, max_length=64, description="OCI runtime (e.g. runsc); one of PTC_SESSION_RUNTIMES; default: the server's."
     )
+    image: str | None = Field(
+        None,
+        max_length=64,
+        description="The session sandbox's image, by its name in PTC_IMAGES; default: default.",
+    )
     tools: list[dict[str, Any]] = Field(
         default_factory=list, max_length=MAX_TOOLS, description="Manifest for the session's scripts (default)."
     )
@@ -210,6 +221,7 @@ class SessionView(BaseModel):
     max_lifetime_s: float
     limits: SessionLimits
     runtime: str | None
+    image: str = Field("default", description="The name (in PTC_IMAGES) of the session sandbox's image.")
     executions: int = Field(description="Scripts that ran in it.")
     queued: int = Field(description="Scripts waiting for their turn.")
     current_job_id: str | None = Field(description="The job running now.")
@@ -449,6 +461,9 @@ class JobView(BaseModel):
         "session: in its session's sandbox.",
     )
     session_id: str | None = Field(None, description="The session the job ran in, if any.")
+    image: str | None = Field(
+        None, description="The name (in PTC_IMAGES) of the image the job ran in (null: saved before images were named)."
+    )
     sandbox_id: str | None = Field(None, description="The engine's id of the job's container (12 hex digits).")
     owner: str | None = Field(
         None,

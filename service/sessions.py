@@ -68,6 +68,7 @@ class Session:
     executions: int = 0
     queued: int = 0
     current_job_id: str | None = None
+    image: str = "default"  # the name (in PTC_IMAGES) of its sandbox's image; its scripts run in it
     stub_source: str | None = None  # the tools package now in the folder
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -101,6 +102,7 @@ class Session:
             "max_lifetime_s": self.max_lifetime_s,
             "limits": self.limits,
             "runtime": self.runtime,
+            "image": self.image,
             "executions": self.executions,
             "queued": self.queued,
             "current_job_id": self.current_job_id,
@@ -166,8 +168,10 @@ class SessionManager:
         max_lifetime_s: float,
         metadata: dict[str, Any],
         owner: str,
+        image: str = "default",
     ) -> Session:
-        """Start a session's sandbox (``spec.job_dir`` is replaced by the session's folder); ``owner`` owns it.
+        """Start a session's sandbox (``spec.job_dir`` is replaced by the session's folder); ``owner`` owns it;
+        ``image`` is the name (in PTC_IMAGES) of ``spec.image``, for its view and its scripts.
 
         Raises:
             TooManySessions: ``max_sessions`` are live (or starting) already.
@@ -196,6 +200,7 @@ class SessionManager:
             max_lifetime_s=max_lifetime_s,
             metadata=metadata,
             owner=owner,
+            image=image,
         )
         self._live[session_id] = session
         self._on_count(len(self._live))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Annotated, Literal
@@ -15,6 +16,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.connections import parse_networks
 from service.egress import LOOPBACK_RULES, EgressRule
+from service.errors import UnknownImage
 from service.schemas import MAX_SCRIPT_CHARS, MAX_TOOLS
 
 
@@ -53,11 +55,35 @@ class KeyQuotas(BaseModel):
     jobs_per_minute: int | None = Field(None, ge=0, description="Jobs admitted in any 60 s.")
 
 
+IMAGE_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,31}")  # a name in PTC_IMAGES (what requests send as image)
+DEFAULT_IMAGE = "default"  # the image of a request that names none
+
+
+class ImageDefaults(BaseModel):
+    """What a request of one image gets for each value it leaves unset (``PTC_IMAGE_DEFAULTS``); each replaces
+    the server's ``PTC_DEFAULT_<NAME>`` for that image and must not exceed the server's ``PTC_MAX_<NAME>``.
+
+    A request's explicit values still win; a key's maxima (``PTC_KEY_LIMITS``) still lower them.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    timeout_s: float | None = Field(None, gt=0, description="timeout_s of its jobs (s).")
+    memory_mb: int | None = Field(None, ge=16, description="limits.memory_mb (MiB).")
+    cpus: float | None = Field(None, gt=0, description="limits.cpus.")
+    pids: int | None = Field(None, ge=8, description="limits.pids.")
+    output_bytes: int | None = Field(None, ge=1024, description="limits.output_bytes (bytes).")
+    tmp_mb: int | None = Field(None, ge=1, description="limits.tmp_mb (MiB).")
+
+
 # Defaults whose maximum is not named max_<the default's name without default_>: default -> its maximum.
 CEILINGS_BY_MEANING = {
     "session_idle_timeout_s": "max_session_lifetime_s",
     "session_max_lifetime_s": "max_session_lifetime_s",
 }
+
+
+IMAGE_DEFAULT_FIELDS = ("timeout_s", "wait_s", "memory_mb", "cpus", "pids", "output_bytes", "tmp_mb")
 
 
 class Settings(BaseSettings):
@@ -81,7 +107,23 @@ class Settings(BaseSettings):
         None,
         description="Docker engine URL (e.g. unix:///var/run/docker.sock); default: DOCKER_HOST or the local socket.",
     )
-    sandbox_image: str = Field("ptc-sandbox-runtime:latest", description="Image every sandbox runs.")
+    sandbox_image: str = Field(
+        "ptc-sandbox-runtime:latest",
+        description="Image of the sandboxes of requests that name no image (the image named default; "
+        "PTC_IMAGES may name it instead).",
+    )
+    images: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description="Images a request may choose by name (its image field), comma-separated name=image pairs, "
+        "e.g. default=ptc-sandbox-runtime:latest,data=ptc-sandbox-data:latest; names: lower-case letters, digits, "
+        "._- (at most 32). default (requests that name none) is PTC_SANDBOX_IMAGE unless named here.",
+    )
+    image_defaults: dict[str, ImageDefaults] = Field(
+        default_factory=dict,
+        description='Per-image defaults as JSON, e.g. {"data": {"memory_mb": 1024, "timeout_s": 120}}: what a '
+        "request of that image gets for a value it leaves unset, instead of PTC_DEFAULT_*, within PTC_MAX_*; "
+        "fields: timeout_s, memory_mb, cpus, pids, output_bytes, tmp_mb.",
+    )
     runtime: str | None = Field(
         None, description="OCI runtime for sandboxes (e.g. runsc for gVisor); default: the engine's."
     )
@@ -420,6 +462,78 @@ class Settings(BaseSettings):
             )
         return self
 
+    @field_validator("images", mode="before")
+    @classmethod
+    def _parse_images(cls, value: object) -> object:
+        """``name=image,...`` -> {name: image}; a malformed pair, a bad or repeated name is refused (naming it)."""
+        if not isinstance(value, str):
+            return value
+        images: dict[str, str] = {}
+        for pair in (part.strip() for part in value.split(",")):
+            if not pair:
+                continue
+            name, equals, image = (piece.strip() for piece in pair.partition("="))
+            if not equals or not image or any(c.isspace() for c in image):
+                raise ValueError(f"{pair!r} is not name=image")
+            if name in images:
+                raise ValueError(f"image name {name!r} is named twice")
+            images[name] = image
+        return images
+
+    @model_validator(mode="after")
+    def _images(self) -> Settings:
+        """Check the image names and per-image defaults, and make ``images`` name ``default``.
+
+        ``images["default"]`` and ``sandbox_image`` are the same image afterwards (whichever was given; both given
+        and different is refused).
+        """
+        for name in self.images:
+            if not IMAGE_NAME.fullmatch(name):
+                raise ValueError(
+                    f"PTC_IMAGES: {name!r} is not an image name (lower-case letters, digits, '.', '_', '-'; at most 32)"
+                )
+        named = self.images.get(DEFAULT_IMAGE)
+        if named is not None and "sandbox_image" in self.model_fields_set and named != self.sandbox_image:
+            raise ValueError(
+                f"PTC_SANDBOX_IMAGE ({self.sandbox_image}) and PTC_IMAGES's default ({named}) differ: set one"
+            )
+        if named is not None:
+            self.sandbox_image = named
+        self.images = {DEFAULT_IMAGE: self.sandbox_image, **self.images}
+        for name, defaults in self.image_defaults.items():
+            if name not in self.images:
+                raise ValueError(
+                    f"PTC_IMAGE_DEFAULTS names image {name!r}, which PTC_IMAGES does not; images: {sorted(self.images)}"
+                )
+            above = [
+                f"{field} ({value}) is above PTC_MAX_{field.upper()} ({getattr(self, 'max_' + field)})"
+                for field, value in defaults.model_dump(exclude_none=True).items()
+                if value > getattr(self, "max_" + field)
+            ]
+            if above:
+                raise ValueError(f"PTC_IMAGE_DEFAULTS of image {name!r}: " + "; ".join(above))
+        return self
+
+    def image_name(self, asked: str | None, loc: tuple[str | int, ...] = ("body", "image")) -> str:
+        """The image name a request gets: ``asked``, or ``default`` when it asks none.
+
+        Raises:
+            UnknownImage: ``asked`` is not a name in ``images`` (the error lists the names, never the images).
+        """
+        if asked is None:
+            return DEFAULT_IMAGE
+        if asked not in self.images:
+            raise UnknownImage(asked, sorted(self.images), loc)
+        return asked
+
+    def image_defaults_of(self, image: str) -> dict[str, float]:
+        """What a request of ``image`` (a name in ``images``) gets for each value it leaves unset: ``timeout_s``,
+        ``wait_s``, ``memory_mb``, ``cpus``, ``pids``, ``output_bytes``, ``tmp_mb`` (units as the settings'):
+        its ``PTC_IMAGE_DEFAULTS`` entry over the ``PTC_DEFAULT_*`` settings."""
+        server = {name: getattr(self, "default_" + name) for name in IMAGE_DEFAULT_FIELDS}
+        own = self.image_defaults.get(image)
+        return {**server, **(own.model_dump(exclude_none=True) if own is not None else {})}
+
     @field_validator("trusted_proxies")
     @classmethod
     def _parse_proxies(cls, entries: list[str]) -> list[str]:
@@ -479,6 +593,8 @@ def settings_table() -> str:
             default = "—"
         elif name in ("egress_allow", "admin_keys", "metrics_keys", "trusted_proxies"):  # comma-separated lists
             default = f"`{','.join(value)}`" if value else "—"
+        elif name == "images":  # comma-separated name=image pairs
+            default = "—"
         elif isinstance(value, list | dict):  # read as JSON
             default = f"`{json.dumps(value, default=lambda v: v.model_dump(exclude_none=True))}`"
         else:

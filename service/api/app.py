@@ -26,12 +26,14 @@ from service.api.routers import sessions as sessions_router
 from service.api.routers import tools as tools_router
 from service.auth import BearerAuth, configure, open_paths
 from service.egress import EgressPolicy, OwnAddress
+from service.errors import SandboxError
 from service.idempotency import IdempotencyKeys
 from service.jobs import JobManager
 from service.metrics import HttpObserver, Metrics
 from service.openapi import document
 from service.sandbox.base import SandboxBackend
-from service.settings import Settings
+from service.sandbox.images import Images
+from service.settings import DEFAULT_IMAGE, Settings
 from service.store import SQLiteJobStore
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.validation import CheckScheduler
@@ -83,6 +85,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         ok, reason = await backend.ready(settings.sandbox_image)
         if not ok:
             log.warning("not ready yet: %s (GET /readyz answers 503 until this is fixed)", reason)
+        await _check_images(backend, settings)
         log.info(
             "ptc-sandbox %s ready: instance %s, image %s, store %s",
             __version__,
@@ -125,6 +128,23 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     for resource in RESOURCES:
         app.include_router(resource.router)
     return app
+
+
+async def _check_images(backend: SandboxBackend, settings: Settings) -> None:
+    """Log each image of ``PTC_IMAGES`` (the default one aside: checked with the engine) that cannot run scripts
+    now, and the names requests may choose. Never raises: a missing image is reported by ``GET /readyz`` and
+    refused per request (503) until it is built."""
+    others = {name: ref for name, ref in settings.images.items() if name != DEFAULT_IMAGE}
+    if not others:
+        return
+    try:
+        missing = await Images(backend, others).missing()
+    except SandboxError as exc:
+        log.warning("images of PTC_IMAGES not checked: %s", exc)
+        return
+    for name, problem in missing.items():
+        log.warning("%s: %s (GET /readyz answers 503 until this is fixed)", others[name], problem)
+    log.info("images requests may choose: %s", ", ".join(sorted(settings.images)))
 
 
 def _observed_routes(app: FastAPI) -> list[BaseRoute]:

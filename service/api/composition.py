@@ -36,6 +36,7 @@ def build_jobs(
     from service.jobs.webhooks import Webhooks
     from service.quotas import HostCapacity, Quotas, Slots
     from service.sandbox.folders import SandboxFolders
+    from service.sandbox.images import Images
     from service.sandbox.labels import instance_labels as labels_of
     from service.sandbox.pool import WarmPools
     from service.sandbox.spec import sandbox_spec
@@ -77,10 +78,11 @@ def build_jobs(
         backend, folders.path / "sessions", settings.max_sessions, before_end=before_end, on_count=metrics.set_sessions
     )
     admission = Admission(settings, quotas, Slots(settings.concurrency()), lambda: sessions.queued)
-    sandboxes = Sandboxes(backend, pool, capacity, admission, sessions, jobs_dir, instance_labels, set())
+    images = Images(backend, settings.images)
+    sandboxes = Sandboxes(backend, pool, capacity, admission, sessions, jobs_dir, instance_labels, set(), images)
     toolsets = Toolsets(store, manifests, endpoints, settings.max_tools)
     secrets = callbacks.load_secrets(settings)
-    intake = Intake(settings, admission, toolsets, sessions, endpoints, secrets, output_dir, live)
+    intake = Intake(settings, admission, toolsets, sessions, endpoints, secrets, output_dir, live, images)
     call_memory = CallMemory(settings.max_record_bytes_total, settings.max_call_bytes_in_flight_total)
     runner = Runner(settings, store, events, sandboxes, endpoints, call_memory, checks, live, cache, tasks, instance)
     views = JobViews(store, live, output_dir, cache)

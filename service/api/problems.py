@@ -53,6 +53,7 @@ from service.errors import (
     SessionClosed,
     SessionNotFound,
     TooManySessions,
+    UnknownImage,
 )
 from service.metrics import Metrics
 from service.openapi import PROBLEM
@@ -88,6 +89,7 @@ class ProblemType:
 
 INVALID_REQUEST = ProblemType("invalid-request", 422, "Invalid request")
 LIMIT_EXCEEDED = ProblemType("limit-exceeded", 422, "Limit exceeds the server maximum")
+UNKNOWN_IMAGE = ProblemType("unknown-image", 422, "Unknown image")
 INVALID_MANIFEST = ProblemType("invalid-manifest", 422, "Invalid tool manifest")
 PAYLOAD_TOO_LARGE = ProblemType("payload-too-large", 413, "Request body too large")
 UNAUTHORIZED = ProblemType("unauthorized", 401, "Unauthorized")
@@ -119,6 +121,7 @@ REQUEST_TIMEOUT = ProblemType("request-timeout", 408, "Request not received in t
 TYPES: tuple[ProblemType, ...] = (
     INVALID_REQUEST,
     LIMIT_EXCEEDED,
+    UNKNOWN_IMAGE,
     INVALID_MANIFEST,
     PAYLOAD_TOO_LARGE,
     UNAUTHORIZED,
@@ -211,6 +214,11 @@ def _limit(exc: RequestLimitError) -> Answer:
     return _fields(exc.loc, str(exc), ("body",), "request", "limit")
 
 
+def _unknown_image(exc: UnknownImage) -> Answer:
+    answer = _fields(exc.loc, str(exc), ("body",), "request", "unknown_image")
+    return Answer(answer.detail, {**answer.extra, "allowed_images": exc.allowed})
+
+
 def _too_large(exc: PayloadTooLarge) -> Answer:
     return _fields(exc.loc, str(exc), ("body",), "", "too_large")
 
@@ -248,6 +256,7 @@ RULES: dict[type[Exception], Rule] = dict(
         _rule(ManifestError, INVALID_MANIFEST, _manifest),
         _rule(InvalidField, INVALID_REQUEST, _invalid),
         _rule(RequestLimitError, LIMIT_EXCEEDED, _limit),
+        _rule(UnknownImage, UNKNOWN_IMAGE, _unknown_image),
         _rule(PayloadTooLarge, PAYLOAD_TOO_LARGE, _too_large),
         _rule(JobNotFound, JOB_NOT_FOUND, lambda exc: Answer(f"no job with id {exc}")),
         _rule(SessionNotFound, SESSION_NOT_FOUND, lambda exc: Answer(f"no session with id {exc}")),

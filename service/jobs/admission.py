@@ -10,6 +10,7 @@ the counts cannot leak. Script slots (one-shot jobs and session scripts share th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -19,14 +20,15 @@ from typing import Any, Protocol
 from service.auth import Caller
 from service.callbacks import CallbackSecrets
 from service.egress import EgressDenied
-from service.errors import InvalidField, QueueFull, SessionNotFound
+from service.errors import EngineUnavailable, InvalidField, QueueFull, SessionNotFound
 from service.jobs.live import OWNER_FILE, SANDBOX_LIMITS, LiveJob, ResolvedLimits, resolve_limits
 from service.normalize import prepare
 from service.output import OutputLog
 from service.quotas import OwnerSlot, Quotas, Slots
+from service.sandbox.images import Images
 from service.schemas import ExecuteRequest
 from service.sessions import Session, SessionManager
-from service.settings import Settings
+from service.settings import DEFAULT_IMAGE, Settings
 from service.toolkit.cache import CompiledManifest
 from service.toolkit.endpoints import EndpointClients
 from service.toolsets import Toolsets
@@ -140,6 +142,7 @@ class Intake:
         secrets: callback secrets (a callback needs one for its owner).
         output_dir: where each job's output folder is made.
         live: the live jobs (job id -> job): a new job joins it.
+        images: the images of ``PTC_IMAGES``; a one-shot job's must be usable (None: not checked).
     """
 
     def __init__(
@@ -152,7 +155,9 @@ class Intake:
         secrets_: CallbackSecrets,
         output_dir: Path,
         live: dict[str, LiveJob],
+        images: Images | None = None,
     ) -> None:
+        self._images = images
         self._settings = settings
         self._admission = admission
         self._toolsets = toolsets
@@ -171,9 +176,14 @@ class Intake:
             InvalidField: an unknown toolset (another owner's included), a callback that cannot be sent.
             SessionNotFound: an unknown session (another owner's included).
             QueueFull / QuotaExceeded: see ``Admission``.
+            UnknownImage: an image name ``PTC_IMAGES`` does not offer; InvalidField: with ``session_id``, an
+                image other than the session's.
+            ImageUnusable (a SandboxError, 503): a one-shot job's image is not present or cannot run scripts.
         """
         caller = Caller(owner, admin)
-        limits = resolve_limits(request, self._settings)
+        image = self._image(request, caller)
+        key = self._settings.key_limits.get(owner)
+        limits = resolve_limits(request.model_copy(update={"image": image}), self._settings, key)
         if request.callback_url and self._secrets.for_owner(owner) is None:
             raise InvalidField(
                 "callback_url needs the server setting PTC_CALLBACK_SECRET, or a PTC_CALLBACK_SECRETS entry for "
@@ -187,13 +197,36 @@ class Intake:
                 raise InvalidField(str(exc), ("body", "callback_url")) from exc
         if request.session_id is not None:
             return await self._admit_to_session(request, limits, caller, request.session_id)
+        if self._images is not None and image != DEFAULT_IMAGE:  # the default image: /readyz, as before images
+            with contextlib.suppress(EngineUnavailable):  # the job's start reports it, as any job's does
+                await self._images.require(image)  # before any sandbox or job: a 503 naming the image
         ticket = self._admission.one_shot(caller.owner)
         try:
             job, manifest = await self._new_job(limits, request, request.tools, request.toolset, caller)
         except BaseException:
             ticket.release()
             raise
+        job.image = image
         return Admitted(job, request, manifest, ticket, None)
+
+    def _image(self, request: ExecuteRequest, caller: Caller) -> str:
+        """The image name of ``request``'s job: with ``session_id``, the session's (``image`` must be absent or
+        equal to it); else ``image`` or ``default``.
+
+        Raises:
+            SessionNotFound: an unknown session, or another owner's (before its image is compared).
+            InvalidField: ``image`` is not the session's.
+            UnknownImage: ``image`` is not a name in ``PTC_IMAGES``.
+        """
+        if request.session_id is None:
+            return self._settings.image_name(request.image)
+        session = find_session(self._sessions, request.session_id, caller)
+        if request.image is not None and request.image != session.image:
+            raise InvalidField(
+                f"a session's scripts run in its sandbox: its image is {session.image!r}, not {request.image!r}",
+                ("body", "image"),
+            )
+        return session.image
 
     async def _admit_to_session(
         self, request: ExecuteRequest, limits: ResolvedLimits, caller: Caller, session_id: str
@@ -227,6 +260,7 @@ class Intake:
             ticket.release()
             raise
         job.session_id = session.id
+        job.image = session.image
         return Admitted(job, request, manifest, ticket, session)
 
     async def _new_job(

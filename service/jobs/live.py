@@ -21,7 +21,7 @@ from service.normalize import Normalized, view_fields
 from service.output import OutputLog
 from service.sandbox.base import Stream
 from service.schemas import ExecuteRequest, JobSummary, JobView
-from service.settings import Settings
+from service.settings import DEFAULT_IMAGE, KeyLimits, Settings
 from service.store import StoredJob
 
 STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
@@ -43,27 +43,34 @@ class ResolvedLimits:
     tmp_mb: int
 
 
-def resolve_limits(request: ExecuteRequest, settings: Settings) -> ResolvedLimits:
-    """Apply defaults; raises RequestLimitError naming the field that exceeds its server maximum."""
-    limits = request.limits
+def resolve_limits(request: ExecuteRequest, settings: Settings, key: KeyLimits | None = None) -> ResolvedLimits:
+    """Apply the defaults of the request's image (``Settings.image_defaults_of``: its ``PTC_IMAGE_DEFAULTS`` over
+    ``PTC_DEFAULT_*``), lowered to ``key``'s maxima (``PTC_KEY_LIMITS``) when given, and check the server maxima.
 
-    def pick(value: Any, default: Any, maximum: Any, loc: tuple[str, ...]) -> Any:
+    Raises:
+        UnknownImage: ``request.image`` is not a name in ``PTC_IMAGES``.
+        RequestLimitError: naming the field that exceeds its server maximum.
+    """
+    limits = request.limits
+    defaults = settings.image_defaults_of(settings.image_name(request.image))
+
+    def pick(value: Any, name: str, maximum: Any, loc: tuple[str, ...]) -> Any:
         if value is None:
-            return default
+            default = defaults[name]
+            ceiling = getattr(key, name, None) if key is not None else None
+            return default if ceiling is None else min(default, ceiling)
         if value > maximum:
             raise RequestLimitError(f"{value} exceeds the server maximum of {maximum}", ("body", *loc))
         return value
 
     return ResolvedLimits(
-        timeout_s=pick(request.timeout_s, settings.default_timeout_s, settings.max_timeout_s, ("timeout_s",)),
-        wait_s=pick(request.wait_s, settings.default_wait_s, settings.max_wait_s, ("wait_s",)),
-        memory_mb=pick(limits.memory_mb, settings.default_memory_mb, settings.max_memory_mb, ("limits", "memory_mb")),
-        cpus=pick(limits.cpus, settings.default_cpus, min(settings.max_cpus, os.cpu_count() or 1), ("limits", "cpus")),
-        pids=pick(limits.pids, settings.default_pids, settings.max_pids, ("limits", "pids")),
-        output_bytes=pick(
-            limits.output_bytes, settings.default_output_bytes, settings.max_output_bytes, ("limits", "output_bytes")
-        ),
-        tmp_mb=pick(limits.tmp_mb, settings.default_tmp_mb, settings.max_tmp_mb, ("limits", "tmp_mb")),
+        timeout_s=pick(request.timeout_s, "timeout_s", settings.max_timeout_s, ("timeout_s",)),
+        wait_s=pick(request.wait_s, "wait_s", settings.max_wait_s, ("wait_s",)),
+        memory_mb=pick(limits.memory_mb, "memory_mb", settings.max_memory_mb, ("limits", "memory_mb")),
+        cpus=pick(limits.cpus, "cpus", min(settings.max_cpus, os.cpu_count() or 1), ("limits", "cpus")),
+        pids=pick(limits.pids, "pids", settings.max_pids, ("limits", "pids")),
+        output_bytes=pick(limits.output_bytes, "output_bytes", settings.max_output_bytes, ("limits", "output_bytes")),
+        tmp_mb=pick(limits.tmp_mb, "tmp_mb", settings.max_tmp_mb, ("limits", "tmp_mb")),
     )
 
 
@@ -101,6 +108,7 @@ class LiveJob(Job):
     sandbox_start: str | None = None  # "warm" (from the pool), "cold" or "session"
     sandbox_id: str | None = None  # the engine's container id, once the job has one
     session_id: str | None = None  # the session it runs in (not counted in the admission of one-shot jobs)
+    image: str = DEFAULT_IMAGE  # the name (in PTC_IMAGES) of its sandbox's image
     stop_reason: str | None = None  # why a stop was asked, when not by POST /jobs/{id}/stop
     normalized: Normalized | None = None  # the script's normalization (no repairs when switched off)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -162,6 +170,7 @@ class LiveJob(Job):
             "sandbox_start": self.sandbox_start,
             "sandbox_id": self.sandbox_id,
             "session_id": self.session_id,
+            "image": self.image,
             "owner": self.owner,
             "ran_as_coroutine": self.ran_as_coroutine or (self.broker is not None and self.broker.ran_as_coroutine),
             **view_fields(self.normalized),

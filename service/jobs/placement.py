@@ -24,6 +24,7 @@ from service.jobs.model import JobStatus, session_closed, stopped_before_start
 from service.jobs.tasks import Tasks
 from service.quotas import HostCapacity, OwnerSlot
 from service.sandbox.base import SandboxBackend
+from service.sandbox.images import Images
 from service.sandbox.labels import LABEL_JOB
 from service.sandbox.pool import WarmPools
 from service.sandbox.resident import ResidentSandbox
@@ -66,7 +67,8 @@ class Sandboxes:
     """What placements take sandboxes and slots from.
 
     ``instance_labels`` go on every sandbox of this instance (the start-up sweep removes them);
-    ``jobs_dir`` holds one-shot jobs' folders; ``removals`` the removals of one-shot sandboxes under way.
+    ``jobs_dir`` holds one-shot jobs' folders; ``removals`` the removals of one-shot sandboxes under way;
+    ``images`` the images of ``PTC_IMAGES`` as the engine knows them (None: made from the settings when needed).
     """
 
     backend: SandboxBackend
@@ -77,6 +79,7 @@ class Sandboxes:
     jobs_dir: Path
     instance_labels: dict[str, str]
     removals: set[asyncio.Future[None]]
+    images: Images | None = None
 
 
 class Placement(Protocol):
@@ -112,7 +115,7 @@ class OneShot:
         self._sandboxes = sandboxes
         self._job = job
         labels = {**sandboxes.instance_labels, LABEL_JOB: job.id}
-        self._spec = sandbox_spec(settings, job.limits, {}, sandboxes.jobs_dir / job.id, labels)
+        self._spec = sandbox_spec(settings, job.limits, {}, sandboxes.jobs_dir / job.id, labels, job.image)
         self._slot: OwnerSlot | None = None
         self._sandbox: ResidentSandbox | None = None
         self.mode: str | None = None

@@ -11,12 +11,13 @@ from dataclasses import replace
 from typing import Any
 
 from service.auth import Caller
-from service.errors import InvalidField, RequestLimitError, SandboxError
+from service.errors import InvalidField, RequestLimitError
 from service.jobs.admission import Admission, find_session
 from service.jobs.live import SANDBOX_LIMITS, LiveJob, resolve_limits
 from service.jobs.placement import Sandboxes
 from service.jobs.runner import Runner
-from service.sandbox.labels import FEATURE_SESSION, LABEL_SESSION, features
+from service.sandbox.images import Images
+from service.sandbox.labels import LABEL_SESSION
 from service.sandbox.spec import sandbox_spec
 from service.schemas import ExecuteRequest, SessionRequest
 from service.sessions import Session, SessionManager
@@ -56,6 +57,7 @@ class SessionJobs:
         self._toolsets = toolsets
         self._runner = runner
         self._live = live
+        self._images = sandboxes.images or Images(sandboxes.backend, settings.images)
 
     async def create_session(self, request: SessionRequest, owner: str, *, admin: bool = False) -> dict[str, Any]:
         """Start a session's sandbox, owned by ``owner``, and return its view.
@@ -67,14 +69,16 @@ class SessionJobs:
 
         Raises:
             RequestLimitError / InvalidField: a limit past its maximum, an unknown runtime or toolset, a bad
-                manifest (checked now, not at the first script).
+                manifest (checked now, not at the first script); UnknownImage: an image PTC_IMAGES does not name.
             TooManySessions: ``max_sessions`` are open.
             QuotaExceeded: the owner is at a session quota, or the host has no room (``host_memory_mb``,
                 ``host_cpus``).
-            SandboxError: the image cannot run sessions, or the sandbox could not start.
+            SandboxError: the image is not present or cannot run sessions (``Images.require``), or the sandbox
+                could not start.
         """
         settings = self._settings
-        limits = resolve_limits(ExecuteRequest(script="", limits=request.limits), settings)
+        image = settings.image_name(request.image)
+        limits = resolve_limits(ExecuteRequest(script="", limits=request.limits, image=image), settings)
         lifetimes = {}
         for name, value, default in (
             ("idle_timeout_s", request.idle_timeout_s, settings.session_idle_timeout_s),
@@ -92,13 +96,9 @@ class SessionJobs:
                 ("body", "runtime"),
             )
         await self._toolsets.manifest(request.tools, request.toolset, Caller(owner, admin))  # a bad manifest fails now
-        if FEATURE_SESSION not in features(await self._sandboxes.backend.image_labels(settings.sandbox_image)):
-            raise SandboxError(
-                f"the sandbox image {settings.sandbox_image} cannot run sessions "
-                "(rebuild it with sandbox_image/build.sh)"
-            )
+        await self._images.require(image)
         labels = {**self._sandboxes.instance_labels, LABEL_SESSION: "1"}
-        spec = sandbox_spec(settings, limits, request.env, self._sandboxes.jobs_dir, labels)
+        spec = sandbox_spec(settings, limits, request.env, self._sandboxes.jobs_dir, labels, image)
         spec = replace(spec, runtime=None if runtime == "runc" else runtime)
         memory_mb, cpus, capacity = limits.memory_mb, limits.cpus, self._sandboxes.capacity
         self._admission.quotas.admit_session(owner, memory_mb, cpus)  # from here to the commitment: no await
@@ -119,6 +119,7 @@ class SessionJobs:
                     toolset=request.toolset,
                     metadata=request.metadata,
                     owner=owner,
+                    image=image,
                     **lifetimes,
                 )
             except BaseException:
@@ -129,7 +130,7 @@ class SessionJobs:
             self._admission.quotas.session_ended(owner, memory_mb, cpus)
             raise
         session.sandbox.commitment = commitment  # given back when its sandbox is removed
-        log.info("session %s started in sandbox %s", session.id, session.view()["sandbox_id"])
+        log.info("session %s started in sandbox %s (image %s)", session.id, session.view()["sandbox_id"], image)
         return session.view()
 
     def session_view(self, session_id: str, caller: Caller) -> dict[str, Any]:

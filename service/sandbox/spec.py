@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Protocol
 
 from service.sandbox.base import SandboxSpec
-from service.settings import Settings
+from service.settings import DEFAULT_IMAGE, Settings
 
 
 class SandboxLimits(Protocol):
@@ -31,16 +31,23 @@ class SandboxLimits(Protocol):
 
 
 def sandbox_spec(
-    settings: Settings, limits: SandboxLimits, env: Mapping[str, str], job_dir: Path, labels: Mapping[str, str]
+    settings: Settings,
+    limits: SandboxLimits,
+    env: Mapping[str, str],
+    job_dir: Path,
+    labels: Mapping[str, str],
+    image: str = DEFAULT_IMAGE,
 ) -> SandboxSpec:
     """The sandbox of a run (a job's, or a pooled or session sandbox) with ``limits`` and ``env``.
 
-    The image, runtime, ``file_size_mb`` and ``open_files`` are the settings'; ``env`` is the environment of each
+    ``image`` is a name in ``PTC_IMAGES`` (checked before: ``Settings.image_name``); the spec holds its image
+    reference, so that sandboxes of two images are never of one warm pool's profile (``pool.profile_key``).
+    The runtime, ``file_size_mb`` and ``open_files`` are the settings'; ``env`` is the environment of each
     run (``ResidentSandbox.run``), not the container's; ``labels`` are all of the sandbox's labels (the instance's,
     ``labels.instance_labels``, included: what the start-up sweep removes).
     """
     return SandboxSpec(
-        image=settings.sandbox_image,
+        image=settings.images[image],
         job_dir=job_dir,
         memory_mb=limits.memory_mb,
         cpus=limits.cpus,

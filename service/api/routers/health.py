@@ -9,7 +9,10 @@ from service.api.bodies import ParsedOffLoop
 from service.api.deps import AppMetrics, AppSettings, Backend, Key, Keys
 from service.api.problems import FORBIDDEN, NOT_READY
 from service.auth import may_scrape
+from service.errors import SandboxError
 from service.metrics import CONTENT_TYPE
+from service.sandbox.images import Images
+from service.settings import DEFAULT_IMAGE
 
 router = APIRouter(route_class=ParsedOffLoop)
 
@@ -37,8 +40,19 @@ async def metrics_route(metrics: AppMetrics, keys: Keys, key: Key) -> Response:
 
 @router.get("/readyz", responses={503: {}})
 async def readyz(backend: Backend, settings: AppSettings) -> Response:
-    """Readiness: the engine answers and the sandbox image is present."""
+    """Readiness: the engine answers, the sandbox image is present, and so is every other image of ``PTC_IMAGES``
+    (with the ``session`` feature); a 503 names each image that is not, by its name.
+
+    The answer lists the names requests may choose (``images``), and the default image's reference (``image``).
+    """
     ok, reason = await backend.ready(settings.sandbox_image)
     if not ok:
         return NOT_READY.response(reason)
-    return JSONResponse({"status": "ready", "image": settings.sandbox_image})
+    others = Images(backend, {name: ref for name, ref in settings.images.items() if name != DEFAULT_IMAGE})
+    try:
+        missing = await others.missing()
+    except SandboxError as exc:
+        return NOT_READY.response(str(exc))
+    if missing:
+        return NOT_READY.response("; ".join(missing.values()), missing_images=sorted(missing))
+    return JSONResponse({"status": "ready", "image": settings.sandbox_image, "images": sorted(settings.images)})

@@ -1,0 +1,89 @@
+"""The images requests may choose (``PTC_IMAGES``), and whether the engine can run each.
+
+Requests name an image (``image`` on ``/execute`` and ``POST /sessions``); ``Settings.image_name`` refuses a name
+``PTC_IMAGES`` does not offer (422 ``unknown-image``, listing the names). A name it offers may still be unusable:
+its image is not present on the engine (not built, or removed), or its runtime lacks the ``session`` feature
+(built before the resident interpreter). ``Images.require`` answers that before a job or session is created,
+as a ``SandboxError`` naming the image by its name (503 ``sandbox-failure``); ``Images.missing`` is what
+``GET /readyz`` and the start-up check report. Callers only ever see names, never image references.
+
+The labels of a usable image are kept (an image's labels do not change under its tag without a rebuild, and a
+rebuild keeps the features); a missing image is asked for again at each use, so building it later is enough.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from service.errors import EngineUnavailable, SandboxError
+from service.sandbox.base import SandboxBackend
+from service.sandbox.labels import FEATURE_SESSION, features
+
+log = logging.getLogger(__name__)
+
+
+class ImageUnusable(SandboxError):
+    """An image ``PTC_IMAGES`` offers cannot run scripts here (not present, or without the ``session`` feature)."""
+
+
+class Images:
+    """The images of ``PTC_IMAGES`` (name -> image reference) as the engine knows them.
+
+    Args:
+        backend: the sandbox backend (asked for an image's labels; off the event loop).
+        refs: name -> image reference (``Settings.images``: ``default`` included).
+    """
+
+    def __init__(self, backend: SandboxBackend, refs: Mapping[str, str]) -> None:
+        self._backend = backend
+        self._refs = dict(refs)
+        self._usable: dict[str, frozenset[str]] = {}  # name -> its runtime's features, once found usable
+
+    @property
+    def names(self) -> list[str]:
+        """The names requests may choose, sorted."""
+        return sorted(self._refs)
+
+    async def _problem(self, name: str) -> str | None:
+        """Why image ``name`` cannot run scripts now, None if it can. Raises EngineUnavailable."""
+        if name in self._usable:
+            return None
+        labels = await self._backend.image_labels(self._refs[name])
+        if not labels:
+            return f"image {name!r} is not present on the engine (build it, or remove it from PTC_IMAGES)"
+        found = features(labels)
+        if FEATURE_SESSION not in found:
+            return f"image {name!r} cannot run scripts: its runtime is older than the service (rebuild it)"
+        self._usable[name] = found
+        return None
+
+    async def require(self, name: str) -> None:
+        """Make sure image ``name`` (a name ``Settings.image_name`` accepted) can run scripts.
+
+        Raises:
+            ImageUnusable: it is not present, or its runtime lacks the ``session`` feature (names the image by
+                its name, never its reference).
+            EngineUnavailable: the engine cannot be asked.
+        """
+        problem = await self._problem(name)
+        if problem is not None:
+            raise ImageUnusable(problem)
+
+    async def missing(self) -> dict[str, str]:
+        """The images that cannot run scripts now: name -> why (empty when all can).
+
+        Raises:
+            EngineUnavailable: the engine cannot be asked.
+        """
+        problems: dict[str, str] = {}
+        for name in self.names:
+            try:
+                problem = await self._problem(name)
+            except EngineUnavailable:
+                raise
+            except SandboxError as exc:
+                problem = f"image {name!r} could not be inspected: {exc}"
+            if problem is not None:
+                problems[name] = problem
+        return problems
