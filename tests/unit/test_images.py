@@ -231,8 +231,11 @@ async def test_an_unknown_image_is_a_422_before_any_sandbox_starts(api: tuple[ht
 
 
 @ON_SERVICE_LOOP
-async def test_a_job_of_an_image_runs_in_it_with_its_defaults(api: tuple[httpx.AsyncClient, Recording]) -> None:
+async def test_a_job_of_an_image_runs_in_it_with_its_defaults(
+    api: tuple[httpx.AsyncClient, Recording], caplog: pytest.LogCaptureFixture
+) -> None:
     client, backend = api
+    caplog.set_level("INFO", logger="service.events")
     answer = await client.post("/execute", json={"script": "print(1)", "image": "alt"})
     view = answer.json()
     assert (answer.status_code, view["status"], view["image"]) == (200, "succeeded", "alt"), view
@@ -243,6 +246,10 @@ async def test_a_job_of_an_image_runs_in_it_with_its_defaults(api: tuple[httpx.A
     plain = (await client.post("/execute", json={"script": "print(1)"})).json()
     assert plain["image"] == "default" and backend.specs[plain["sandbox_id"]].image == "ptc-sandbox-runtime:latest"
     assert (await client.get(f"/jobs/{view['job_id']}")).json()["image"] == "alt"  # kept in the saved view
+    ended = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("job ") and "exit_code" in r.getMessage()
+    ]
+    assert any(view["job_id"] in line and 'image="alt"' in line for line in ended), ended
 
 
 @ON_SERVICE_LOOP
