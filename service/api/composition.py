@@ -61,6 +61,7 @@ def build_jobs(
         settings.warm_pool_max_age_s,
         settings.warm_pool_max_profiles,
         capacity=capacity,
+        image_names={ref: name for name, ref in settings.images.items()},
     )
     manifests = ManifestCache(
         installation_salt(settings.work_dir), threads=settings.manifest_threads, budget_s=settings.manifest_budget_s

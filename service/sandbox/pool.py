@@ -37,7 +37,7 @@ import secrets
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -84,7 +84,7 @@ class WarmPool:
         folder: host folder for the sandboxes' folders.
         size: sandboxes to keep waiting.
         max_age_s: a sandbox idle longer than this is replaced.
-        name: the profile's name (``default``, or a short hash) for logs and metrics.
+        name: the profile's name (``default``, a short hash, or ``<image name>-<hash>``) for logs and metrics.
         capacity: the host capacity its sandboxes commit to; None: not counted.
     """
 
@@ -209,6 +209,8 @@ class WarmPools:
         max_age_s: a sandbox idle longer than this is replaced; a pool unused this long is closed.
         max_profiles: pools at most (the default one included).
         capacity: the host capacity pooled sandboxes commit to; None: not counted.
+        image_names: image reference -> its name in ``PTC_IMAGES``: a pool of an image other than the default
+            one is named ``<name>-<hash>`` (in logs and the ``profile`` label of metrics), else ``<hash>``.
     """
 
     def __init__(
@@ -220,10 +222,12 @@ class WarmPools:
         max_age_s: float,
         max_profiles: int,
         capacity: HostCapacity | None = None,
+        image_names: Mapping[str, str] | None = None,
     ) -> None:
         self._backend = backend
         self._capacity = capacity
         self._default = default
+        self._image_names = {ref: name for ref, name in (image_names or {}).items() if ref != default.image}
         self._folder = folder
         self._size = size
         self._max_age_s = max_age_s
@@ -291,6 +295,8 @@ class WarmPools:
         if pool is None:
             if len(self._pools) < self._max_profiles:
                 name = hashlib.sha256(repr(key).encode()).hexdigest()[:8]
+                if spec.image in self._image_names:
+                    name = f"{self._image_names[spec.image]}-{name}"
                 self._pool_for(spec, name)
             return None
         return pool.take()

@@ -119,7 +119,8 @@ def test_each_image_has_its_own_warm_pool(
     wait_until(lambda: pooled(data_image), 60)
     data_pool = pooled(data_image)[0]
     assert data_pool.attrs["HostConfig"]["Memory"] == DATA_MEMORY_MB * 1024 * 1024
-    assert data_pool.labels[LABEL_POOL] != pooled(IMAGE)[0].labels[LABEL_POOL]
+    assert data_pool.labels[LABEL_POOL].startswith("data-")  # its profile, in metrics and logs, names the image
+    assert f'ptc_sandbox_pool_size{{profile="{data_pool.labels[LABEL_POOL]}"}}' in api.get("/metrics").text
 
     def warm() -> bool:
         view = api.post("/execute", json={"script": "print(2)", "image": "data"}).json()

@@ -275,6 +275,7 @@ async def test_each_image_gets_its_own_warm_pool_on_first_use(api: tuple[httpx.A
     second = (await client.post("/execute", json={"script": "print(2)", "image": "alt"})).json()
     assert (second["sandbox_start"], second["image"], second["stdout"]) == ("warm", "alt", "2\n")
     assert backend.specs[second["sandbox_id"]].image == ALT and backend.specs[second["sandbox_id"]].memory_mb == 512
+    assert backend.specs[second["sandbox_id"]].labels[LABEL_POOL].startswith("alt-")  # the pool's name: the image's
     default = (await client.post("/execute", json={"script": "print(3)"})).json()
     assert default["sandbox_start"] == "warm" and backend.specs[default["sandbox_id"]].image != ALT
 
