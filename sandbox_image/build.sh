@@ -21,7 +21,8 @@
 # label io.ptc-sandbox.preload). --data = --requirements sandbox_image/requirements-data.txt
 # --preload numpy,pandas,matplotlib,matplotlib.pyplot --tag ${PTC_DATA_IMAGE:-ptc-sandbox-data:latest}.
 # Prints the tag of the last image built.
-# Env: PTC_SANDBOX_IMAGE (minimal image's tag), PTC_DATA_IMAGE (--data's tag), PIP (host pip command,
+# Env: PTC_SANDBOX_IMAGE (minimal image's tag), PTC_DATA_IMAGE (--data's tag), PTC_OFFLINE_BASE (the offline
+#      base's tag, default ptc-sandbox-base:bookworm), PIP (host pip command,
 #      default: .venv/bin/python -m pip when present, else python3 -m pip).
 set -euo pipefail
 
@@ -32,7 +33,7 @@ tag=""
 requirements=""
 preload=""
 registry_base=python:3.12-slim
-offline_base=ptc-sandbox-base:bookworm
+offline_base=${PTC_OFFLINE_BASE:-ptc-sandbox-base:bookworm}
 data_preload=numpy,pandas,matplotlib,matplotlib.pyplot
 
 while [ $# -gt 0 ]; do
@@ -46,7 +47,7 @@ while [ $# -gt 0 ]; do
       preload=$data_preload
       tag=${PTC_DATA_IMAGE:-ptc-sandbox-data:latest}
       shift ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "build.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
