@@ -12,7 +12,8 @@ inside the script, ``--runs`` times each:
 
 It also reports the ``POST /execute`` round trip of the session and warm runs and the end-to-end time of the
 ``docker run``, and, for the cost of preloading, how long a cold sandbox of the service takes to answer (its
-resident interpreter imports the preload list before it says hello). Prints medians and minima (ms) and writes
+resident interpreter imports the preload list before it says hello) beside a cold sandbox of the minimal image
+(``$PTC_SANDBOX_IMAGE``, ``print(1)``). Prints medians and minima (ms) and writes
 every figure to ``--out`` (JSON) when given.
 """
 
@@ -106,6 +107,22 @@ def main() -> None:
     finally:
         svc.stop()
 
+    minimal = os.environ.get("PTC_SANDBOX_IMAGE", "ptc-sandbox-runtime:latest")
+    other = start_service(f"bench-preload-{secrets.token_hex(4)}", work / "minimal", PTC_WARM_POOL_MAX_PROFILES="1")
+    try:
+        with other.client(timeout=120) as api:
+            starts = []
+            for _ in range(min(args.runs, 3)):
+                started = time.perf_counter()
+                body = {"script": "print(1)", "tools": [], "limits": {"memory_mb": MEMORY_MB + 1}}
+                view = api.post("/execute", json=body).raise_for_status().json()
+                starts.append((time.perf_counter() - started) * 1000)
+                if view["sandbox_start"] != "cold" or view["stdout"] != "1\n":
+                    raise RuntimeError(f"unexpected run: {view}")
+            figures["minimal_cold_start"] = {"image": minimal, "http": summary(starts)}
+    finally:
+        other.stop()
+
     print(f"import pandas; print(1) in {args.image}, {args.runs} runs each (median / min, ms)")
     print(f"{'placement':<18} {'import (in script)':>20} {'end to end':>20}")
     for name, key, total in (
@@ -120,6 +137,10 @@ def main() -> None:
         )
     cold = figures["service_cold_start"]["http"]
     print(f"{'service cold start':<18} {'(preload in start)':>20} {cold['median_ms']:>11.1f} / {cold['min_ms']:<7.1f}")
+    cold = figures["minimal_cold_start"]["http"]
+    print(
+        f"{'minimal cold start':<18} {'(print(1))':>20} {cold['median_ms']:>11.1f} / {cold['min_ms']:<7.1f}  {minimal}"
+    )
     if args.out:
         args.out.write_text(json.dumps(figures, indent=2) + "\n")
 
