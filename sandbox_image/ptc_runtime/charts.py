@@ -14,7 +14,9 @@ at two moments:
 
 Each open figure (``Gcf``, pyplot's list) is written as ``OUTPUTS/figure-<n>.png``, n its place in the order pyplot
 created the script's figures (1 = the first; a figure closed before any save leaves its number unused). A figure
-already saved and not changed since (``Figure.stale`` false) is not written again. Bounds: at most
+already saved and not changed since (``Figure.stale`` false) is not written again. The files count against the
+sandbox's ``/tmp`` (tmpfs) like any file: a save that fails (``/tmp`` full: ``No space left on device``) is said on
+stderr and leaves no partial file. Bounds: at most
 ``MAX_FIGURES`` figures of at most ``MAX_PIXELS`` pixels each, within ``DEADLINE_S`` in all (a timer interrupts a
 longer save; the job's own timeout bounds the rest); what is skipped is said on stderr, never silently.
 
@@ -104,6 +106,13 @@ def _open_outputs() -> Optional[int]:
         return None
 
 
+def _remove(folder: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=folder)
+    except OSError:
+        pass
+
+
 def _alarm(signum: int, frame: Any) -> None:
     raise _Deadline()
 
@@ -148,8 +157,12 @@ def save_figures() -> List[str]:
                 fd = _open_file(folder, name)
                 if fd is None:
                     continue
-                with os.fdopen(fd, "wb") as f:
-                    fig.savefig(f, format="png")
+                try:
+                    with os.fdopen(fd, "wb") as f:
+                        fig.savefig(f, format="png")
+                except BaseException:
+                    _remove(folder, name)  # never a truncated PNG (a full /tmp, the deadline)
+                    raise
                 _saved[id(fig)] = fig
                 written.append(name)
             except _Deadline:

@@ -151,6 +151,26 @@ def test_a_symlinked_outputs_folder_is_not_followed(data_api: httpx.Client, data
     assert after["stdout"] == "[]\n"
 
 
+def test_a_full_tmp_is_said_and_leaves_no_partial_png(data_api: httpx.Client) -> None:
+    """Figures count against the sandbox's /tmp (tmpfs) like any file: when it is full the save fails clearly."""
+    response = data_api.post("/sessions", json={"tools": [], "limits": {"tmp_mb": 2}})
+    assert response.status_code == 201, response.text
+    sid = response.json()["session_id"]
+    try:
+        script = (
+            "import matplotlib.pyplot as plt\nplt.plot(range(1000))\ntry:\n"
+            "    with open('/tmp/fill', 'wb') as f:\n        f.write(b'x' * (4 << 20))\n"
+            "except OSError as exc:\n    print(exc.strerror)\n"
+        )
+        view = execute(data_api, script, session_id=sid)
+        assert view["stdout"] == "No space left on device\n", view
+        assert "figure-1.png not saved: OSError: [Errno 28] No space left on device" in view["stderr"], view
+        after = execute(data_api, "import os\nprint(os.listdir('/tmp/outputs'))", session_id=sid)
+        assert after["stdout"] == "[]\n", after
+    finally:
+        data_api.delete(f"/sessions/{sid}")
+
+
 def test_a_script_without_matplotlib_leaves_no_outputs(data_api: httpx.Client) -> None:
     view = execute(data_api, "import os\nprint(os.path.exists('/tmp/outputs'))")
     assert view["stdout"] == "False\n", view

@@ -154,3 +154,19 @@ def test_preload_imports_what_it_can_and_says_what_failed(capsys: pytest.Capture
     assert preload(" json , no_such_module_ptc ,,colorsys") == ["json", "colorsys"]
     assert "preload of no_such_module_ptc failed: ModuleNotFoundError" in capsys.readouterr().err
     assert preload("") == []
+
+
+class FailingFigure(FakeFigure):
+    def savefig(self, f: IO[bytes], format: str) -> None:
+        f.write(b"\x89PNG partial")
+        f.flush()
+        raise OSError(28, "No space left on device")
+
+
+def test_a_failed_save_is_said_and_leaves_no_partial_file(
+    managers: list[FakeManager], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    managers += [FakeManager(FailingFigure(), 1), FakeManager(FakeFigure(), 2)]
+    assert charts.save_figures() == ["figure-2.png"]
+    assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == ["figure-2.png"]
+    assert "figure-1.png not saved: OSError: [Errno 28] No space left on device" in capsys.readouterr().err
