@@ -110,11 +110,12 @@ wheels=${XDG_CACHE_HOME:-$HOME/.cache}/ptc-sandbox/wheels/cp${pyver/./}-$digest
 if [ ! -f "$wheels/.complete" ]; then
   echo "build.sh: downloading wheels of $requirements for CPython $pyver (manylinux x86_64) into $wheels" >&2
   mkdir -p "$wheels"
-  "${pip[@]}" download --quiet --disable-pip-version-check --only-binary=:all: --python-version "$pyver" \
-    --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
-    --platform manylinux_2_17_x86_64 -d "$wheels" -r "$requirements" pip 2>&1 | grep -v '^WARNING: Location' >&2 || true
-  ls "$wheels"/pip-*.whl >/dev/null 2>&1 || { echo "build.sh: wheel download failed" >&2; exit 1; }
-  touch "$wheels/.complete"
+  if ! out=$("${pip[@]}" download --quiet --disable-pip-version-check --only-binary=:all: --python-version "$pyver" \
+      --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+      --platform manylinux_2_17_x86_64 -d "$wheels" -r "$requirements" pip 2>&1); then
+    echo "$out" >&2; echo "build.sh: wheel download failed (wheels only: --only-binary=:all:)" >&2; exit 1
+  fi
+  touch "$wheels/.complete"  # all of them: later builds need no index
 fi
 context=$(mktemp -d)
 trap 'rm -rf "$context"' EXIT
