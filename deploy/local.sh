@@ -19,11 +19,12 @@
 #     without it (or with it but without --oci-seccomp) gets SIGHUP (a reload: no restart, its containers
 #     keep running); an engine that already has it so is left alone. Missing runsc fails under CI=true;
 #   - kernel.pid_max raised to 4194304 when lower (gVisor's threads count there: docs/operations.md);
-#   - the sandbox image (sandbox_image/build.sh; offline base when no registry);
+#   - the sandbox image (sandbox_image/build.sh; offline base when no registry); for the tests also the data image
+#     (numpy, pandas, matplotlib: sandbox_image/build.sh --data, wheels downloaded on the host once);
 #   - for the tests only: Debian's docker-compose when no `docker compose` works, Debian's
 #     prometheus (a real Prometheus scrapes the service in a test), and Debian's chromium
 #     (a headless browser renders /docs and /redoc with the network off in a test).
-# Env: PTC_SANDBOX_IMAGE (image tag), PYTHON (interpreter for the venv),
+# Env: PTC_SANDBOX_IMAGE (image tag), PTC_DATA_IMAGE (data image tag), PYTHON (interpreter for the venv),
 #      PTC_DOCKERD_LOG (default /var/log/ptc-dockerd.log),
 #      PTC_DOCKER_DAEMON_JSON (default /etc/docker/daemon.json),
 #      PTC_DOCKERD_PIDFILE (default /var/run/docker.pid: the dockerd that gets SIGHUP).
@@ -166,7 +167,11 @@ setup() {
   setup_venv "${1:-}"
   setup_engine
   setup_pid_max
-  sandbox_image/build.sh >/dev/null
+  if [ "${1:-}" = "[test]" ]; then
+    sandbox_image/build.sh --data >/dev/null  # the minimal image, then the data image on it (cached: seconds)
+  else
+    sandbox_image/build.sh >/dev/null
+  fi
   if [ "${1:-}" = "[test]" ]; then setup_prometheus; setup_compose; setup_chromium; fi
 }
 
@@ -194,5 +199,5 @@ case "${1:-}" in
   bench)
     setup "[test]"
     .venv/bin/python -m bench "${@:2}" ;;
-  *) sed -n "2,28p" "$0"; exit 2 ;;
+  *) sed -n "2,30p" "$0"; exit 2 ;;
 esac

@@ -310,15 +310,20 @@ def _regular_file_open() -> bool:
 
 
 def exit_fast(code: Any) -> None:
-    """End the process as the interpreter would (non-daemon threads joined, atexit handlers run, ``SystemExit``'s
-    code applied, streams flushed) but without tearing the interpreter down: with the stub library and asyncio
-    imported that costs ~10 ms per script for nothing, as the process (or the container) is gone right after."""
+    """End the process as the interpreter would (non-daemon threads joined, the script's open matplotlib figures
+    saved: ``ptc_runtime.charts``, atexit handlers run, ``SystemExit``'s code applied, streams flushed) but without
+    tearing the interpreter down: with the stub library and asyncio imported that costs ~10 ms per script for
+    nothing, as the process (or the container) is gone right after."""
     import atexit
     import threading
 
     shutdown = getattr(threading, "_shutdown", None)  # what the interpreter calls at exit to join threads
     if shutdown is not None:
         shutdown()
+    if "matplotlib.pyplot" in sys.modules:  # the open figures, as PNG files out, before pyplot's atexit closes them
+        from ptc_runtime.charts import save_figures
+
+        save_figures()
     atexit._run_exitfuncs()
     finalize_main()
     if code is None:

@@ -2,8 +2,8 @@
 the second image runs in it with that image's memory default (read inside the sandbox, and from the engine); each
 image has its own warm pool, made on first use; a session keeps its image.
 
-The second image is ``PTC_DATA_IMAGE`` when set (the data image); otherwise the minimal sandbox image under a tag
-of its own, made here and removed at the end (so the test needs no data image).
+The second image is the data image (``PTC_DATA_IMAGE``, default ``ptc-sandbox-data:latest``, which
+``deploy/local.sh setup`` builds for the tests: numpy, pandas, matplotlib).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from docker.models.containers import Container
 from service.sandbox.labels import LABEL_INSTANCE, LABEL_POOL, LABEL_SESSION
 from tests.conftest import IMAGE, Service, labelled_containers, start_service, wait_until
 
-DATA_MEMORY_MB = 384  # the data image's memory default here (not the server's 256)
+DATA_MEMORY_MB = 1024  # the data image's memory default here (pandas needs more than the server's 256)
 DATA_TIMEOUT_S = 90
 READ_MEMORY_LIMIT = """
 for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
@@ -36,19 +36,11 @@ else:
 
 
 @pytest.fixture(scope="module")
-def data_image(engine: docker.DockerClient) -> Iterator[str]:
-    """The image offered as ``data``: ``PTC_DATA_IMAGE``, or the minimal image tagged for this module."""
-    given = os.environ.get("PTC_DATA_IMAGE")
-    if given:
-        yield given
-        return
-    repository = IMAGE.rsplit(":", 1)[0]
-    tag = f"sel-alt-{secrets.token_hex(3)}"
-    engine.images.get(IMAGE).tag(repository, tag)
-    try:
-        yield f"{repository}:{tag}"
-    finally:
-        engine.images.remove(f"{repository}:{tag}")  # the tag only: the image keeps its other names
+def data_image(engine: docker.DockerClient) -> str:
+    """The image offered as ``data``: the data image the tests' set-up builds."""
+    image = os.environ.get("PTC_DATA_IMAGE", "ptc-sandbox-data:latest")
+    engine.images.get(image)  # present, or the test fails here naming it
+    return image
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,217 @@
+"""The data image (sandbox_image/build.sh --data): numpy, pandas and matplotlib from every placement, preloaded
+modules, charts saved as PNG files into the outputs folder, and the minimal image left as it was.
+
+The image under test is ``PTC_DATA_IMAGE`` (default: the tag ``deploy/local.sh setup`` builds); the minimal one is
+``PTC_SANDBOX_IMAGE`` (tests/conftest.py). A service of its own runs with the data image as its sandbox image.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import docker
+import httpx
+import pytest
+
+from tests.conftest import IMAGE, execute, in_ci, labelled_containers, pool_ready, start_service, wait_until
+
+DATA_IMAGE = os.environ.get("PTC_DATA_IMAGE", "ptc-sandbox-data:latest")
+PRELOAD = "numpy,pandas,matplotlib,matplotlib.pyplot"
+MEMORY_MB = 1024  # pandas and matplotlib need more than the default 256 MiB
+
+# A PNG's width and height, read from its IHDR chunk with the standard library only.
+PNG_SIZE = """
+import struct
+with open({path!r}, 'rb') as f:
+    head = f.read(24)
+assert head[:8] == b'\\x89PNG\\r\\n\\x1a\\n' and head[12:16] == b'IHDR', head
+print(*struct.unpack('>II', head[16:24]))
+"""
+
+
+@pytest.fixture(scope="module")
+def data_api(engine: docker.DockerClient, scratch: Path) -> Iterator[httpx.Client]:
+    """A service whose sandbox image is the data image (warm pool of 1), with 1 GiB sandboxes."""
+    try:
+        engine.images.get(DATA_IMAGE)
+    except docker.errors.ImageNotFound:
+        if in_ci():
+            pytest.fail(f"no data image {DATA_IMAGE} (deploy/local.sh setup builds it)")
+        pytest.skip(f"no data image {DATA_IMAGE} (sandbox_image/build.sh --data)")
+    svc = start_service(
+        f"pytest-data-{secrets.token_hex(4)}",
+        scratch / "data",
+        PTC_SANDBOX_IMAGE=DATA_IMAGE,
+        PTC_DEFAULT_MEMORY_MB=str(MEMORY_MB),
+        PTC_WARM_POOL_SIZE="1",
+    )
+    try:
+        with svc.client(timeout=120) as api:
+            yield api
+    finally:
+        svc.stop()
+        assert not labelled_containers(engine, svc.instance_id, include_pool=True)
+
+
+@pytest.fixture
+def data_session(data_api: httpx.Client) -> Iterator[str]:
+    response = data_api.post("/sessions", json={"tools": []})
+    assert response.status_code == 201, response.text
+    sid: str = response.json()["session_id"]
+    yield sid
+    data_api.delete(f"/sessions/{sid}")
+
+
+IMPORTS = "import pandas, numpy, matplotlib\nprint(pandas.DataFrame({'a': numpy.arange(4)})['a'].sum())"
+
+
+def test_data_libraries_import_cold_warm_and_in_a_session(data_api: httpx.Client, data_session: str) -> None:
+    cold = execute(data_api, IMPORTS, limits={"memory_mb": MEMORY_MB + 1})  # not the pool's profile: cold
+    wait_until(lambda: pool_ready(data_api, "default") >= 1, timeout_s=60)
+    warm = execute(data_api, IMPORTS)
+    in_session = execute(data_api, IMPORTS, session_id=data_session)
+    for view, mode in ((cold, "cold"), (warm, "warm"), (in_session, "session")):
+        assert (view["status"], view["stdout"], view["sandbox_start"]) == ("succeeded", "6\n", mode), view
+
+
+def test_preloaded_import_is_free_in_a_session(data_api: httpx.Client, data_session: str) -> None:
+    script = (
+        "import sys, time\nfresh = 'pandas' not in sys.modules\nt = time.perf_counter()\nimport pandas\n"
+        "print(fresh, round((time.perf_counter() - t) * 1000, 3))"
+    )
+    view = execute(data_api, script, session_id=data_session)
+    fresh, ms = view["stdout"].split()
+    print(f"import pandas in a session of {DATA_IMAGE}: {ms} ms")
+    assert fresh == "False"  # imported before the fork
+    assert float(ms) < 50  # a dictionary lookup (~0.01 ms); loose: timing is noisy (bench/preload.py measures)
+
+
+def test_a_script_changes_only_its_own_copy_of_a_preloaded_module(data_api: httpx.Client, data_session: str) -> None:
+    first = execute(
+        data_api,
+        "import pandas, numpy\npandas.set_option('display.max_rows', 3)\nnumpy.leaked = 1\n"
+        "numpy.seterr(all='raise')\nprint(pandas.get_option('display.max_rows'))",
+        session_id=data_session,
+    )
+    second = execute(
+        data_api,
+        "import pandas, numpy\nprint(pandas.get_option('display.max_rows'), hasattr(numpy, 'leaked'),"
+        " numpy.geterr()['divide'], float((numpy.ones((300, 300)) @ numpy.ones((300, 300)))[0, 0]))",
+        session_id=data_session,
+    )
+    assert first["stdout"] == "3\n"
+    assert second["stdout"] == "60 False warn 300.0\n", second
+
+
+def test_an_open_figure_is_saved_as_a_png_when_the_script_ends(data_api: httpx.Client, data_session: str) -> None:
+    chart = (
+        "import matplotlib.pyplot as plt\n"
+        "fig, ax = plt.subplots(figsize=(4, 3), dpi=100)\nax.plot([1, 2, 3], [2, 1, 3])\n"
+        "plt.figure(figsize=(2, 1), dpi=50)\nplt.show()\nprint('done')\n"
+    )
+    view = execute(data_api, chart, session_id=data_session)
+    assert (view["status"], view["stdout"], view["stderr"]) == ("succeeded", "done\n", ""), view
+    sizes = [
+        execute(data_api, PNG_SIZE.format(path=f"/tmp/outputs/figure-{n}.png"), session_id=data_session)["stdout"]
+        for n in (1, 2)
+    ]
+    assert sizes == ["400 300\n", "100 50\n"]
+
+
+def test_figures_are_saved_when_the_script_fails_and_after_show_then_close(
+    data_api: httpx.Client, data_session: str
+) -> None:
+    script = (
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.show()\nplt.close('all')\n"  # figure-1 at show
+        "plt.figure(figsize=(3, 2), dpi=100)\nraise ValueError('boom')\n"  # figure-2 at the end, despite the error
+    )
+    view = execute(data_api, script, session_id=data_session)
+    assert view["status"] == "failed" and "ValueError: boom" in view["stderr"], view
+    listing = execute(
+        data_api,
+        "import os\nprint(sorted(os.listdir('/tmp/outputs')))\n" + PNG_SIZE.format(path="/tmp/outputs/figure-2.png"),
+        session_id=data_session,
+    )
+    assert listing["stdout"] == "['figure-1.png', 'figure-2.png']\n300 200\n", listing
+
+
+def test_a_symlinked_outputs_folder_is_not_followed(data_api: httpx.Client, data_session: str) -> None:
+    script = (
+        "import os, shutil\nshutil.rmtree('/tmp/outputs', ignore_errors=True)\nos.makedirs('/tmp/elsewhere')\n"
+        "os.symlink('/tmp/elsewhere', '/tmp/outputs')\nimport matplotlib.pyplot as plt\nplt.plot([1])\n"
+    )
+    view = execute(data_api, script, session_id=data_session)
+    assert view["status"] == "succeeded" and "figures not saved" in view["stderr"], view
+    after = execute(data_api, "import os\nprint(os.listdir('/tmp/elsewhere'))", session_id=data_session)
+    assert after["stdout"] == "[]\n"
+
+
+def test_a_full_tmp_is_said_and_leaves_no_partial_png(data_api: httpx.Client) -> None:
+    """Figures count against the sandbox's /tmp (tmpfs) like any file: when it is full the save fails clearly."""
+    response = data_api.post("/sessions", json={"tools": [], "limits": {"tmp_mb": 2}})
+    assert response.status_code == 201, response.text
+    sid = response.json()["session_id"]
+    try:
+        script = (
+            "import matplotlib.pyplot as plt\nplt.plot(range(1000))\ntry:\n"
+            "    with open('/tmp/fill', 'wb') as f:\n        f.write(b'x' * (4 << 20))\n"
+            "except OSError as exc:\n    print(exc.strerror)\n"
+        )
+        view = execute(data_api, script, session_id=sid)
+        assert view["stdout"] == "No space left on device\n", view
+        assert "figure-1.png not saved: OSError: [Errno 28] No space left on device" in view["stderr"], view
+        after = execute(data_api, "import os\nprint(os.listdir('/tmp/outputs'))", session_id=sid)
+        assert after["stdout"] == "[]\n", after
+    finally:
+        data_api.delete(f"/sessions/{sid}")
+
+
+def test_a_script_without_matplotlib_leaves_no_outputs(data_api: httpx.Client) -> None:
+    view = execute(data_api, "import os\nprint(os.path.exists('/tmp/outputs'))")
+    assert view["stdout"] == "False\n", view
+
+
+def test_the_images_carry_their_preload_lists(engine: docker.DockerClient) -> None:
+    data = engine.images.get(DATA_IMAGE).attrs["Config"]
+    minimal = engine.images.get(IMAGE).attrs["Config"]
+    assert data["Labels"]["io.ptc-sandbox.preload"] == PRELOAD
+    assert f"PTC_PRELOAD={PRELOAD}" in data["Env"]
+    assert "io.ptc-sandbox.preload" not in (minimal["Labels"] or {})
+    assert not [e for e in minimal["Env"] if e.startswith(("PTC_PRELOAD=", "MPL"))]
+    probe = "import importlib.util, json, os; print(json.dumps([importlib.util.find_spec(m) is None for m in "
+    probe += "('numpy', 'pandas', 'matplotlib')]))"
+    out = engine.containers.run(IMAGE, ["-c", probe], entrypoint="python3", network_mode="none", remove=True)
+    assert json.loads(out) == [True, True, True]
+
+
+def test_a_preload_that_fails_is_skipped(engine: docker.DockerClient, scratch: Path) -> None:
+    """An image whose PTC_PRELOAD names a module that is not there still serves, with the others preloaded (the
+    failure goes to the resident interpreter's stderr: the sandbox's log, which the service does not keep)."""
+    tag = f"{DATA_IMAGE.rsplit(':', 1)[0]}:badpreload-{secrets.token_hex(3)}"
+    dockerfile = f"FROM {DATA_IMAGE}\nENV PTC_PRELOAD=no_such_module_x,numpy\n".encode()
+    engine.images.build(fileobj=io.BytesIO(dockerfile), tag=tag, network_mode="none", rm=True)
+    svc = start_service(
+        f"pytest-data-{secrets.token_hex(4)}",
+        scratch / "data-bad",
+        PTC_SANDBOX_IMAGE=tag,
+        PTC_DEFAULT_MEMORY_MB=str(MEMORY_MB),
+        PTC_WARM_POOL_SIZE="0",
+    )
+    try:
+        with svc.client(timeout=120) as api:
+            session = api.post("/sessions", json={"tools": []})
+            assert session.status_code == 201, session.text
+            sid = session.json()["session_id"]
+            view = execute(
+                api, "import sys\nprint('numpy' in sys.modules, 'no_such_module_x' in sys.modules)", session_id=sid
+            )
+            assert view["stdout"] == "True False\n", view
+            api.delete(f"/sessions/{sid}")
+    finally:
+        svc.stop()
+        engine.images.remove(tag, force=True)
