@@ -5,7 +5,8 @@ Standard library only; the service imports ``check_path`` (its rules, once) and 
 Every path is relative to the working directory and checked by ``check_path``: relative, at most ``MAX_DEPTH``
 components of at most ``MAX_NAME_BYTES`` bytes each (``MAX_PATH_BYTES`` in all), no NUL, no ``..``; ``.`` and empty
 components are dropped (``a//./b`` is ``a/b``). Every open walks from a descriptor of the working directory one
-component at a time with ``O_NOFOLLOW`` (``O_DIRECTORY`` for the folders): a symlink anywhere on the way (``/tmp/x ->
+component at a time with ``O_NOFOLLOW`` (``O_DIRECTORY`` for the folders), each open checked by ``open_at`` to have
+opened the entry itself (gVisor follows a folder symlink despite the flag): a symlink anywhere on the way (``/tmp/x ->
 /etc``, ``/tmp/x -> /run/ptc``) makes the open fail (``ELOOP``/``ENOTDIR``); a file that is not a regular file (a
 fifo, a device) is refused once opened (``O_NONBLOCK``: opening a fifo never waits). The resident interpreter does
 this as the sandbox user (``as_sandbox_user``: effective uid and gid 10001), so nothing it writes or reads is more
@@ -110,6 +111,34 @@ def _errno_error(exc: OSError, path: str) -> FileOpError:
     return FileOpError(FAILED, "%s: %s" % (path, os.strerror(exc.errno or 0)))
 
 
+def open_at(name: str, flags: int, dir_fd: int, mode: int = 0o644) -> int:
+    """``os.open(name, flags | O_NOFOLLOW, dir_fd=dir_fd)``, and a check that what was opened is the entry itself,
+    not what a symlink points to: its device and inode must be those ``lstat`` gave before the open. Needed under
+    gVisor, whose ``openat`` follows a symlink to a folder despite ``O_NOFOLLOW`` when ``O_DIRECTORY`` is set
+    (measured: runsc of Debian bookworm). Raises OSError (``ELOOP`` for a symlink, ``ENOENT`` when missing)."""
+    import errno
+
+    try:
+        before: Optional[os.stat_result] = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        if not flags & os.O_CREAT:
+            raise
+        before = None  # created by this open: checked below against a new lstat
+    if before is not None and stat.S_ISLNK(before.st_mode):
+        raise OSError(errno.ELOOP, "a symlink")
+    fd = os.open(name, flags | os.O_NOFOLLOW, mode, dir_fd=dir_fd)
+    try:
+        opened = os.fstat(fd)
+        if before is None:
+            before = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if (opened.st_dev, opened.st_ino) != (before.st_dev, before.st_ino):
+            raise OSError(errno.ELOOP, "not the entry itself")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _walk(root: int, parts: List[str], create: bool) -> int:
     """A new descriptor of the folder ``parts`` under ``root``, each component opened with ``O_NOFOLLOW``;
     ``create`` makes missing folders (mode 0755)."""
@@ -121,7 +150,7 @@ def _walk(root: int, parts: List[str], create: bool) -> int:
                     os.mkdir(part, 0o755, dir_fd=fd)
                 except FileExistsError:
                     pass
-            next_fd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            next_fd = open_at(part, _DIR_FLAGS, fd)
             os.close(fd)
             fd = next_fd
     except BaseException:
@@ -143,7 +172,7 @@ def write_file(root: int, path: str, source: IO[bytes]) -> int:
         folder = _walk(root, parts[:-1], create=True)
         try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-            fd = os.open(parts[-1], flags, 0o644, dir_fd=folder)
+            fd = open_at(parts[-1], flags, folder)
         finally:
             os.close(folder)
         try:
@@ -173,7 +202,7 @@ def open_file(root: int, path: str) -> Tuple[int, int]:
         folder = _walk(root, parts[:-1], create=False)
         try:
             flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-            fd = os.open(parts[-1], flags, dir_fd=folder)
+            fd = open_at(parts[-1], flags, folder)
         finally:
             os.close(folder)
     except OSError as exc:
@@ -215,7 +244,7 @@ def walk(root: int, prefix: str = "", depth: int = 0) -> Iterator[Tuple[str, Opt
                 yield path, None, "too deep"
                 continue
             try:
-                fd = os.open(name, _DIR_FLAGS, dir_fd=root)
+                fd = open_at(name, _DIR_FLAGS, root)
             except OSError:
                 yield path, None, "cannot be opened"
                 continue
@@ -245,7 +274,7 @@ def clear(root: int, name: str, depth: int = 0) -> None:
             os.unlink(name, dir_fd=root)
         return
     try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=root)
+        fd = open_at(name, _DIR_FLAGS, root)
     except OSError:
         return
     try:
@@ -365,7 +394,7 @@ def send_outputs(job_id: str, caps: Dict[str, Any], send: Send, workdir: str, sw
             root = open_root(workdir)
             try:
                 try:
-                    outputs = os.open(OUTPUTS, _DIR_FLAGS, dir_fd=root)
+                    outputs = open_at(OUTPUTS, _DIR_FLAGS, root)
                 except OSError:
                     return 0
                 try:
@@ -411,7 +440,7 @@ def send_outputs(job_id: str, caps: Dict[str, Any], send: Send, workdir: str, sw
 def _empty(root: int) -> None:
     """Empty the outputs folder under ``root`` (kept, so that a script can write into it at once)."""
     try:
-        fd = os.open(OUTPUTS, _DIR_FLAGS, dir_fd=root)
+        fd = open_at(OUTPUTS, _DIR_FLAGS, root)
     except OSError:
         return
     try:

@@ -5,7 +5,8 @@ the script reads it with the standard library's csv, prints a column's mean, wri
 PNG it makes by hand; both come back listed and byte for byte. A session takes a file with PUT and gives one
 with GET; another session and another key see nothing of it. Symlinks a script plants (to /etc, to /run/ptc) are
 never followed: not by PUT, GET, ``files`` nor the outputs' collection. Caps answer 413/422 before any sandbox
-starts; a full tmpfs is a clear error. Sandboxes started here: about ten.
+starts; a full tmpfs is a clear error. Everything runs under runc and under gVisor. Sandboxes started here:
+about ten per runtime.
 """
 
 from __future__ import annotations
@@ -25,17 +26,23 @@ import httpx
 import pytest
 
 from service.auth import hash_token
-from tests.conftest import Service, labelled_containers, start_service
+from tests.conftest import RUNTIMES, Service, labelled_containers, require_runtime, start_service
 
 OTHER_TOKEN = secrets.token_urlsafe(32)
 
 
-@pytest.fixture(scope="module")
-def files_service(engine: docker.DockerClient, scratch: Path) -> Iterator[Service]:
+@pytest.fixture(scope="module", params=RUNTIMES)
+def files_service(request: pytest.FixtureRequest, engine: docker.DockerClient, scratch: Path) -> Iterator[Service]:
+    """The module's service, once per runtime (gVisor's openat follows a symlink to a folder despite O_NOFOLLOW
+    when O_DIRECTORY is set: ptc_runtime.files.open_at checks what it opened)."""
+    runtime = request.param
+    if runtime != "runc":
+        require_runtime(engine, runtime)
     token = secrets.token_urlsafe(32)
     svc = start_service(
         f"pytest-{secrets.token_hex(4)}",
-        scratch / "files",
+        scratch / f"files-{runtime}",
+        PTC_RUNTIME=runtime,
         PTC_WARM_POOL_SIZE="0",
         PTC_API_KEYS=f"pytest:{hash_token(token)},other:{hash_token(OTHER_TOKEN)}",
         PTC_MAX_FILES="5",

@@ -140,3 +140,26 @@ def test_outputs_are_sent_and_emptied(tmp_path: Path) -> None:
     (work / "outputs").symlink_to(tmp_path)  # a planted outputs -> elsewhere is replaced, never followed
     files.prepare_outputs(str(work), switch_user=False)
     assert (work / "outputs").is_dir() and not (work / "outputs").is_symlink()
+
+
+def test_a_runtime_whose_openat_follows_folder_symlinks_is_caught(
+    root: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gVisor's openat follows a symlink to a folder despite O_NOFOLLOW when O_DIRECTORY is set (measured under
+    runsc): played here by an ``os.open`` that drops O_NOFOLLOW; ``open_at`` must still refuse the symlink."""
+    real_open = os.open
+
+    def gvisor_open(path: str, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        if flags & os.O_DIRECTORY:
+            flags &= ~os.O_NOFOLLOW
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "open", gvisor_open)
+    for path in ("dir/key", "dir/new"):
+        with pytest.raises(FileOpError) as caught:
+            files.write_file(root, path, io.BytesIO(b"evil"))
+        assert caught.value.code == files.NOT_A_FILE, path
+    with pytest.raises(FileOpError):
+        files.open_file(root, "dir/key")
+    assert (tmp_path / "secret" / "key").read_text() == "secret"
+    assert sorted(os.listdir(tmp_path / "secret")) == ["key"]
