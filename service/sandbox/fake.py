@@ -4,7 +4,9 @@
 ``ResidentSandbox`` asks for) starts a ``FakeInterpreter``: a task on the event loop that connects to the folder's
 ``control.sock`` and speaks the control protocol of ``ptc_runtime.protocol`` as the real resident interpreter does
 (``hello``; ``run`` -> ``out`` frames of at most ``MAX_FRAME_BYTES`` -> ``exit`` with ``exit_code``, ``signal``,
-``killed``, ``oom_killed`` and ``left``; ``signal``; ``ping``; ``error`` for a second ``run``). Each script runs
+``killed``, ``oom_killed`` and ``left``; ``signal``; ``ping``; ``error`` for a second ``run``; the file requests
+``put``/``get``/``list`` and a run's outputs, through the real runtime's ``ptc_runtime.files`` on its working
+directory, when its image's label lists ``files``, as the default one does). Each script runs
 in a subprocess of this host's Python through the real runtime's one-shot path (``ptc_runtime.__main__.main``:
 the script as ``__main__``, ``import tools`` from the folder, tool calls over the folder's ``tools.sock``), in its
 own process group, which the end of a run SIGKILLs as the real interpreter's ``kill(-1)`` does. Its working

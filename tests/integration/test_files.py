@@ -232,13 +232,18 @@ def test_symlinks_a_script_plants_are_never_followed(api: httpx.Client) -> None:
         api.delete(f"/sessions/{sid}")
 
 
-def test_outputs_are_collected_whatever_ends_the_script(api: httpx.Client) -> None:
+def test_outputs_are_collected_whatever_ends_the_script(api: httpx.Client, request: pytest.FixtureRequest) -> None:
     script = "open('outputs/partial.txt', 'w').write('so far')\nimport time\ntime.sleep(60)\n"
     view = run(api, script, timeout_s=2)
     assert view["status"] == "timed_out", view
     assert [(f["path"], f["bytes"]) for f in view["files"]] == [("outputs/partial.txt", 6)]
     crashed = run(api, "open('outputs/before.txt', 'w').write('x')\nimport os\nos.abort()\n")
     assert crashed["status"] == "failed" and [f["path"] for f in crashed["files"]] == ["outputs/before.txt"]
+    hungry = "open('outputs/before.txt', 'w').write('x')\nhog = bytearray(1024 ** 3)\n"
+    oom = run(api, hungry, limits={"memory_mb": 64})
+    assert oom["status"] == "oom_killed", oom
+    if request.node.callspec.params["files_service"] == "runc":  # gVisor's OOM kill ends the whole sandbox
+        assert [f["path"] for f in oom["files"]] == ["outputs/before.txt"], oom
 
 
 def test_outputs_past_the_caps_are_reported(api: httpx.Client) -> None:

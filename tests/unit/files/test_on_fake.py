@@ -192,3 +192,22 @@ async def test_an_old_runtime_refuses_files_clearly() -> None:
                 assert view["status"] == "failed" and "rebuild it" in view["error"]["message"], view
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
+
+
+async def test_files_that_cannot_be_written_end_the_job_or_the_session(
+    api: tuple[httpx.AsyncClient, httpx.AsyncClient],
+) -> None:
+    alice, _ = api
+    clash = [{"path": "a", "content": "x"}, {"path": "a/b", "content": "y"}]  # a is a file: a/b cannot be made
+    view = (await alice.post("/execute", json={"script": "print('never')", "files": clash})).json()
+    assert (view["status"], view["error"]["type"], view["stdout"]) == ("failed", "files_refused", ""), view
+    assert "a/b" in view["error"]["message"]
+    answer = await alice.post("/sessions", json={"files": clash})
+    assert answer.status_code == 422, answer.text
+    problem = answer.json()
+    assert (problem["type"].rsplit("/", 1)[1], problem["code"], problem["loc"]) == (
+        "file-refused",
+        "not_a_file",
+        ["body", "files", 1],
+    )
+    assert (await alice.get("/sessions")).json()["sessions"] == []  # ended, its sandbox removed
