@@ -15,11 +15,12 @@ content_type). ``GET /jobs/{id}/files/{path}`` serves it (``find``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mimetypes
 import os
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from ptc_runtime.files import OUTPUTS, check_path
 
@@ -31,6 +32,19 @@ FILES_FOLDER = "files"
 SKIPPED_SHOWN = 100
 """Most skipped entries a view lists by path (the rest are only counted in ``files_omitted``)."""
 DEFAULT_TYPE = "application/octet-stream"
+
+
+class FileBudget(Protocol):
+    """What an owner may still keep on disk (``service.quotas.OutputBudget``): output files count with its
+    retained output."""
+
+    def take(self, wanted: int) -> int:
+        """Of ``wanted`` bytes, how many may be kept (now counted as used)."""
+        ...
+
+    def give_back(self, count: int) -> None:
+        """``count`` bytes kept were deleted."""
+        ...
 
 
 def content_type(path: str) -> str:
@@ -64,6 +78,8 @@ class OutputFiles:
         folder: the job's output folder (``files/`` is made in it).
         max_files: most files accepted.
         max_bytes: most bytes accepted, all files together.
+        budget: what the job's owner may still keep on disk (None: no owner cap). A file it cannot hold whole is
+            not kept: it is counted in ``omitted`` and listed in ``skipped`` (reason ``output quota``).
 
     Attributes:
         files: one dict per file kept: path, bytes, sha256 (hex), content_type.
@@ -71,8 +87,11 @@ class OutputFiles:
             ``SKIPPED_SHOWN`` of them (path, reason).
     """
 
-    def __init__(self, folder: Path, max_files: int, max_bytes: int) -> None:
+    def __init__(self, folder: Path, max_files: int, max_bytes: int, budget: FileBudget | None = None) -> None:
         self.folder = folder / FILES_FOLDER
+        self.budget = budget
+        self._taken = 0  # bytes of the current file taken from the budget
+        self._dropped = False  # the current file did not fit in the budget: its further data is ignored
         self.max_files = max_files
         self.max_bytes = max_bytes
         self.files: list[dict[str, Any]] = []
@@ -95,6 +114,7 @@ class OutputFiles:
         if len(self.files) >= self.max_files:
             raise ValueError("more output files than the cap")
         self.end()
+        self._taken, self._dropped = 0, False
         self.folder.mkdir(mode=0o700, exist_ok=True)
         self._open = open(self.folder / str(len(self.files)), "wb")
         self._hash = hashlib.sha256()
@@ -102,14 +122,37 @@ class OutputFiles:
 
     def add(self, data: bytes) -> None:
         """A ``data`` frame of the current file. Raises ValueError when there is none or past the bytes cap."""
-        if self._open is None:
+        if self._open is None and not self._dropped:
             raise ValueError("output data outside a file")
         self.total += len(data)
         if self.total > self.max_bytes:
             raise ValueError("more output bytes than the cap")
+        if self._open is None:  # dropped: over the owner's quota
+            return
+        if self.budget is not None:
+            granted = self.budget.take(len(data))
+            self._taken += granted
+            if granted < len(data):
+                self._drop()
+                return
         self._open.write(data)
         self._hash.update(data)
         self.files[-1]["bytes"] += len(data)
+
+    def _drop(self) -> None:
+        """The current file does not fit in the owner's quota: delete it and give its bytes back."""
+        if self._open is not None:
+            self._open.close()
+            self._open = None
+        self._dropped = True
+        with contextlib.suppress(OSError):
+            os.unlink(self.folder / str(len(self.files) - 1))
+        if self.budget is not None:
+            self.budget.give_back(self._taken)
+        entry = self.files.pop()
+        self.omitted += 1
+        if len(self.skipped) < SKIPPED_SHOWN:
+            self.skipped.append({"path": entry["path"], "reason": "output quota"})
 
     def skip(self, path: object, reason: object) -> None:
         """A ``skipped`` frame."""

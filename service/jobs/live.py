@@ -16,7 +16,7 @@ from typing import Any
 
 from service.broker import Broker
 from service.errors import RequestLimitError
-from service.files import OutputFiles
+from service.files import FileBudget, OutputFiles
 from service.jobs.model import Job
 from service.normalize import Normalized, view_fields
 from service.output import OutputLog
@@ -105,6 +105,7 @@ class LiveJob(Job):
     stop_reason: str | None = None  # why a stop was asked, when not by POST /jobs/{id}/stop
     normalized: Normalized | None = None  # the script's normalization (no repairs when switched off)
     output_files: OutputFiles | None = None  # what the script left in outputs/, once its run began
+    output_budget: FileBudget | None = None  # what its owner may still keep on disk (output and files)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     saving: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves reach the store in the order they began
     status_save_queued: bool = False  # a status save waits to take its view: status changes meanwhile ride on it

@@ -135,7 +135,7 @@ class Runner:
                     await sandbox.put_files([(item.path, item.data()) for item in request.files])
                 settings = self._settings
                 job.output_files = OutputFiles(
-                    job.output_dir, settings.max_output_files, settings.max_output_files_bytes
+                    job.output_dir, settings.max_output_files, settings.max_output_files_bytes, job.output_budget
                 )
                 run = await sandbox.run(job.id, request.env, job.sink, job.output_files)
                 self._events.publish(SandboxStarted(job, time.monotonic() - begin))

@@ -202,3 +202,35 @@ async def test_an_old_runtime_is_refused_clearly(tmp_path: Path) -> None:
         await sandbox.put_files([("a", b"x")])
     await sandbox.destroy()
     await asyncio.gather(*backend.tasks, return_exceptions=True)
+
+
+def test_a_file_past_the_owners_quota_is_not_kept_and_its_bytes_given_back(tmp_path: Path) -> None:
+    from service.jobs.live import OWNER_FILE
+    from service.jobs.recovery import _retained
+    from service.quotas import OutputBudget
+
+    (tmp_path / OWNER_FILE).write_text("alice")
+    budget = OutputBudget(limit=10)
+    outputs = OutputFiles(tmp_path, max_files=5, max_bytes=100, budget=budget)
+    outputs.begin("outputs/a.txt")
+    outputs.add(b"x" * 6)
+    outputs.begin("outputs/b.txt")
+    outputs.add(b"y" * 3)
+    outputs.add(b"y" * 3)  # 12 > 10: b is dropped whole, its 3 bytes given back
+    outputs.add(b"y")  # and the rest of it ignored
+    outputs.begin("outputs/c.txt")
+    outputs.add(b"z" * 4)
+    outputs.end()
+    assert [(f["path"], f["bytes"]) for f in outputs.files] == [("outputs/a.txt", 6), ("outputs/c.txt", 4)]
+    assert (outputs.omitted, outputs.skipped) == (1, [{"path": "outputs/b.txt", "reason": "output quota"}])
+    assert budget.used == 10
+    assert sorted(p.name for p in (tmp_path / "files").iterdir()) == ["0", "1"]  # named by index in the list
+    assert files_find_all(tmp_path, outputs) == [b"x" * 6, b"z" * 4]
+    assert _retained(tmp_path) == ("alice", 10)  # at start-up and purge, output files count with the output
+
+
+def files_find_all(folder: Path, outputs: OutputFiles) -> list[bytes]:
+    from service.files import find
+
+    found = [find(folder, outputs.files, entry["path"]) for entry in outputs.files]
+    return [path.read_bytes() for path, _ in (f for f in found if f is not None)]
