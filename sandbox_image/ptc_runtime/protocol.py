@@ -59,8 +59,9 @@ SCRIPT = "script.py"
 """The script of the next run, in the run folder."""
 TOOLS_SOCKET = "tools.sock"
 """The broker's socket of the current run, in the run folder (``ptc_runtime.client``)."""
-FILES_DIR = "files"
-"""The folder of a ``PUT``'s sources in the run folder (written by the service, read by the sandbox)."""
+FILES_DIR = ".files-in"
+"""The folder of a ``PUT``'s sources in the run folder (written by the service, read by the sandbox; removed after;
+not a name ``import`` can reach, though the run folder is on a script's ``sys.path``)."""
 SESSION_ENV = "PTC_SESSION"
 """Set to ``"1"`` in the sandbox's environment: the runtime serves this protocol instead of running one script."""
 

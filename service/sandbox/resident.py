@@ -342,7 +342,7 @@ class ResidentSandbox:
 
     async def put_files(self, files: list[tuple[str, bytes]]) -> None:
         """Write ``files`` ((path, bytes): paths already checked) under the sandbox's working directory, as its
-        user, never following a symlink. The bytes go through the folder's ``files/`` (read-only in the sandbox),
+        user, never following a symlink. The bytes go through the folder's ``.files-in/`` (read-only in the sandbox),
         emptied after. No script may run meanwhile (the caller holds the sandbox's turn).
 
         Raises:
