@@ -27,6 +27,7 @@ OUTPUTS = "outputs"
 """The outputs folder under the working directory: what a script writes there is collected when it ends."""
 CHUNK_BYTES = 64 * 1024
 CLEAR_DEPTH = 100
+SKIPPED_FRAMES = 100  # entries left out of the outputs are all counted (``files_omitted``), the first these sent
 SANDBOX_UID = 10001
 SANDBOX_GID = 10001
 
@@ -384,7 +385,8 @@ def _list(root: int, request: Dict[str, Any], send: Send, rid: str, done: Dict[s
 def send_outputs(job_id: str, caps: Dict[str, Any], send: Send, workdir: str, switch_user: bool) -> int:
     """Send what is under ``OUTPUTS`` in ``workdir`` (``file``/``data``/``skipped`` frames), at most
     ``caps["max_files"]`` files and ``caps["max_bytes"]`` bytes in all, then empty the folder; returns how many
-    entries were left out (past a cap, or not regular files). Never raises: an error ends the collection."""
+    entries were left out (past a cap, or not regular files; a ``skipped`` frame for the first ``SKIPPED_FRAMES``
+    of them). Never raises: an error ends the collection."""
     from ptc_runtime import protocol
 
     max_files, max_bytes = _int(caps.get("max_files"), 0), _int(caps.get("max_bytes"), 0)
@@ -407,8 +409,9 @@ def send_outputs(job_id: str, caps: Dict[str, Any], send: Send, workdir: str, sw
                             reason = "cap"
                         if reason is not None:
                             omitted += 1
-                            skipped = {protocol.FIELD_OP: protocol.SKIPPED, "id": job_id, "path": shown}
-                            send({**skipped, "reason": reason})
+                            if omitted <= SKIPPED_FRAMES:
+                                skipped = {protocol.FIELD_OP: protocol.SKIPPED, "id": job_id, "path": shown}
+                                send({**skipped, "reason": reason})
                             continue
                         try:
                             fd, size = open_file(root, path)
@@ -418,7 +421,9 @@ def send_outputs(job_id: str, caps: Dict[str, Any], send: Send, workdir: str, sw
                         try:
                             if files >= max_files or total + size > max_bytes:
                                 omitted += 1
-                                send({protocol.FIELD_OP: protocol.SKIPPED, "id": job_id, "path": path, "reason": "cap"})
+                                if omitted <= SKIPPED_FRAMES:
+                                    skipped = {protocol.FIELD_OP: protocol.SKIPPED, "id": job_id, "path": path}
+                                    send({**skipped, "reason": "cap"})
                                 continue
                             send({protocol.FIELD_OP: protocol.FILE, "id": job_id, "path": path})
                             files += 1

@@ -256,6 +256,9 @@ class ResidentSandbox:
                     self._run = None
                     if run.outputs is not None:
                         run.outputs.end()
+                        omitted = message.get("files_omitted")
+                        if type(omitted) is int and 0 <= omitted <= 2**31:  # counted past the skipped frames too
+                            run.outputs.omitted = max(run.outputs.omitted, omitted)
                     oom = message["oom_killed"] is True
                     if "killed" in message:  # the runtime says whether the service's signal ended the script
                         killed = message["killed"] is True

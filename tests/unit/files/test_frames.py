@@ -234,3 +234,10 @@ def files_find_all(folder: Path, outputs: OutputFiles) -> list[bytes]:
 
     found = [find(folder, outputs.files, entry["path"]) for entry in outputs.files]
     return [path.read_bytes() for path, _ in (f for f in found if f is not None)]
+
+
+async def test_the_exits_count_of_omitted_entries_is_kept(tmp_path: Path) -> None:
+    exit_frame = EXIT.replace(b'"files_omitted": 0', b'"files_omitted": 5000')
+    frames = op({"op": "skipped", "id": "job_1", "path": "outputs/x", "reason": "cap"}) + exit_frame
+    _, outputs, broken, _ = await run_with_outputs(tmp_path, lambda _run: frames)
+    assert (broken, outputs.omitted, len(outputs.skipped)) == ("", 5000, 1)

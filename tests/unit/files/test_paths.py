@@ -163,3 +163,18 @@ def test_a_runtime_whose_openat_follows_folder_symlinks_is_caught(
         files.open_file(root, "dir/key")
     assert (tmp_path / "secret" / "key").read_text() == "secret"
     assert sorted(os.listdir(tmp_path / "secret")) == ["key"]
+
+
+def test_only_the_first_skipped_entries_are_sent_all_are_counted(tmp_path: Path) -> None:
+    work = tmp_path / "w"
+    work.mkdir()
+    files.prepare_outputs(str(work), switch_user=False)
+    for n in range(250):
+        (work / "outputs" / f"{n:03}").write_text("x")
+    sent: list[dict[str, object]] = []
+    omitted = files.send_outputs(
+        "j", {"max_files": 10, "max_bytes": 1000}, lambda m, p=b"": sent.append(m), str(work), False
+    )
+    assert omitted == 240
+    assert sum(m["op"] == "skipped" for m in sent) == files.SKIPPED_FRAMES
+    assert sum(m["op"] == "file" for m in sent) == 10
