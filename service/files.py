@@ -32,6 +32,9 @@ FILES_FOLDER = "files"
 SKIPPED_SHOWN = 100
 """Most skipped entries a view lists by path (the rest are only counted in ``files_omitted``)."""
 DEFAULT_TYPE = "application/octet-stream"
+DOWNLOAD_HEADERS = {"Content-Disposition": "attachment", "X-Content-Type-Options": "nosniff"}
+"""On every file served: a script's ``outputs/page.html`` is a download, never a page a browser renders from the
+service's origin."""
 
 
 class FileBudget(Protocol):

@@ -19,6 +19,7 @@ from service.api.idempotent import KEY_DESCRIPTION, KEY_HEADER, claim_key, repla
 from service.api.problems import ENGINE_UNAVAILABLE
 from service.api.responses import event_pieces, output_slices, view_response
 from service.errors import InvalidField, RequestLimitError
+from service.files import DOWNLOAD_HEADERS
 from service.jobs.live import LiveJob, wait_for_end_or_client
 from service.limits import check_execute
 from service.sandbox.base import Stream
@@ -262,7 +263,7 @@ async def get_output_file(job_id: str, path: str, jobs: Jobs, who: Who) -> Respo
     return FileResponse(
         host,
         media_type=str(entry.get("content_type") or "application/octet-stream"),
-        headers={"X-Content-SHA256": str(entry.get("sha256", ""))},
+        headers={"X-Content-SHA256": str(entry.get("sha256", "")), **DOWNLOAD_HEADERS},
     )
 
 

@@ -14,7 +14,7 @@ from service.api.bodies import ParsedOffLoop
 from service.api.deps import AppSettings, Idempotency, Key, Sessions, Who
 from service.api.idempotent import KEY_DESCRIPTION, KEY_HEADER, claim_key, replay
 from service.errors import InvalidField, PayloadTooLarge
-from service.files import content_type
+from service.files import DOWNLOAD_HEADERS, content_type
 from service.limits import check_session
 from service.schemas import SessionFile, SessionFileList, SessionList, SessionRequest, SessionView
 from service.store import IdempotencyRecord
@@ -154,7 +154,7 @@ async def get_session_file(session_id: str, path: str, sessions: Sessions, who: 
     at the session's turn; at most ``max_output_files_bytes`` (422 ``too_large``)."""
     name = _file_path(path, outputs=True)
     data = await sessions.get_session_file(session_id, who, name)
-    return Response(data, media_type=content_type(name))
+    return Response(data, media_type=content_type(name), headers=DOWNLOAD_HEADERS)
 
 
 @router.get("/sessions/{session_id}/files", response_model=SessionFileList, responses={404: {}, 409: {}})

@@ -91,6 +91,7 @@ async def test_files_in_and_out_of_a_job(api: tuple[httpx.AsyncClient, httpx.Asy
     assert view["files_skipped"] == [{"path": "outputs/link", "reason": "symlink"}]
     got = await alice.get(f"/jobs/{view['job_id']}/files/outputs/sub/out.txt")
     assert (got.status_code, got.content, got.headers["content-type"].split(";")[0]) == (200, out, "text/plain")
+    assert (got.headers["content-disposition"], got.headers["x-content-type-options"]) == ("attachment", "nosniff")
     assert (await alice.get(f"/jobs/{view['job_id']}/files/outputs/link")).status_code == 404
     assert (await alice.get(f"/jobs/{view['job_id']}/files/stdout")).status_code == 404
     assert (await alice.get(f"/jobs/{view['job_id']}/files/../owner")).status_code == 404
@@ -149,6 +150,7 @@ async def test_a_session_takes_and_gives_files(api: tuple[httpx.AsyncClient, htt
     assert [f["path"] for f in view["files"]] == ["outputs/o.txt"]
     got = await alice.get(f"/sessions/{sid}/files/made.txt")
     assert (got.status_code, got.content) == (200, b"made")
+    assert (got.headers["content-disposition"], got.headers["x-content-type-options"]) == ("attachment", "nosniff")
     listing = (await alice.get(f"/sessions/{sid}/files")).json()
     paths = {entry["path"]: entry for entry in listing["files"]}
     assert paths["made.txt"]["bytes"] == 4 and paths["dir/up.csv"]["bytes"] == 8
