@@ -82,6 +82,12 @@ collects them, and checks that ``/proc`` lists nothing but itself; what is
 still listed after ``KILL_DEADLINE_S`` is reported (``left``). Files under the
 working directory (``/tmp``) do outlive the script.
 
+Files (``ptc_runtime.files``; the hello lists ``files``): between runs the server answers ``put``, ``get`` and
+``list`` (files in, a session's files), and a run whose ``run`` frame carries ``outputs`` has its ``outputs/`` folder
+made before the fork and sent, after ``kill(-1)`` and its output, before ``exit`` (then emptied). All of it is done
+with the effective user switched to 10001 and with no symlink followed, while no script's process exists (a run
+that left processes behind has no outputs sent: the service ends that sandbox anyway).
+
 ``oom_killed`` says the kernel's OOM killer ended the script: its process died
 by SIGKILL, not one this server sent first, and the memory cgroup's
 ``oom_kill`` counter (``memory.events`` on cgroup v2,
