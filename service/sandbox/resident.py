@@ -12,9 +12,10 @@ sandbox starts, and writes each run's ``script.py`` and ``tools`` package there,
 ``tools.sock``. A run's output arrives as ``out`` frames on the control connection and reaches the run's
 ``OutputSink`` on the event loop; its end is the ``exit`` frame, preceded by the files it left in ``outputs/``
 (``file``/``data``/``skipped`` frames into the run's ``service.files.OutputFiles``). Between runs, ``put_files``,
-``get_file`` and ``list_files`` ask the sandbox for file I/O under its ``/tmp`` (docs/files.md). Nothing the sandbox says is trusted: a frame
-outside the protocol marks the sandbox broken and ends it. When the control connection ends (the interpreter died,
-the container was killed or lost), the running script ends ``lost`` with the engine's view of the exit.
+``get_file`` and ``list_files`` ask the sandbox for file I/O under its ``/tmp`` (docs/files.md). Nothing the
+sandbox says is trusted: a frame outside the protocol marks the sandbox broken and ends it. When the control
+connection ends (the interpreter died, the container was killed or lost), the running script ends ``lost`` with the
+engine's view of the exit.
 """
 
 from __future__ import annotations
