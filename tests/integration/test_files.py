@@ -224,8 +224,11 @@ def test_symlinks_a_script_plants_are_never_followed(api: httpx.Client) -> None:
             assert (answer.status_code, answer.json()["code"]) == (422, "not_a_file"), (path, answer.text)
         through = run(api, "print(1)", session_id=sid, files=[{"path": "etc/x", "content": "evil"}])
         assert through["status"] == "failed" and through["error"]["type"] == "files_refused", through
-        for path in ("%2E%2E/etc/passwd", "a/%2E%2E/%2E%2E/x"):
+        for path in ("%2E%2E/etc/passwd", "a/%2E%2E/%2E%2E/x", "%2Fetc%2Fpasswd", "x%00y"):
             assert api.get(f"/sessions/{sid}/files/{path}").status_code == 422, path
+            assert api.put(f"/sessions/{sid}/files/{path}", content=b"evil").status_code == 422, path
+        for files in ([{"path": "../x", "content": "evil"}], [{"path": "/etc/x", "content": "evil"}]):
+            assert api.post("/execute", json={"script": "pass", "session_id": sid, "files": files}).status_code == 422
         check = run(api, "print(open('/etc/passwd').read().count('evil'), open('passwd').read()[:4])", session_id=sid)
         assert check["stdout"] == "0 root\n", check  # /etc untouched; the link still points where it did
     finally:
