@@ -15,6 +15,8 @@
     │                        past its time limit): a tool error (limit_exceeded), never HTTP
     ├── JobNotFound          no job with that id                         -> 404
     ├── SessionNotFound      no session with that id                     -> 404
+    ├── NoSuchFile           no file at that path (a job's output, a session's /tmp) -> 404
+    ├── FileRefused          the sandbox could not write or read a file  -> 422
     ├── SessionClosed        the session has ended                       -> 409
     ├── TooManySessions      max_sessions are live                       -> 429
     ├── QueueFull            all sandbox slots busy and the queue full   -> 429
@@ -103,6 +105,25 @@ class JobNotFound(PtcError):
 
 class SessionNotFound(PtcError):
     """No session with the given id is known (never created, or ended long ago, or before a restart)."""
+
+
+class NoSuchFile(PtcError):
+    """No file at the path asked for: among a job's output files, or under a session's working directory."""
+
+
+class FileRefused(PtcError):
+    """The sandbox could not write or read a file (docs/files.md).
+
+    Attributes:
+        code: ``no_space`` (the tmpfs is full), ``not_a_file`` (a symlink or folder in the way), ``too_large``,
+            ``invalid_path`` or ``failed``.
+        index: the file's index in the request's ``files`` (None: a single file's request).
+    """
+
+    def __init__(self, code: str, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.index = index
 
 
 class SessionClosed(PtcError):

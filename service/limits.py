@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 
 from service.errors import PayloadTooLarge, RequestLimitError
+from service.files import check_files
 from service.schemas import ExecuteRequest, ManifestRequest, SessionRequest
 from service.settings import KeyLimits, Settings
 
@@ -83,7 +84,8 @@ def check_execute(body: ExecuteRequest, settings: Settings, key_name: str | None
     maximum in ``body``.
 
     Raises:
-        PayloadTooLarge: the script is over ``max_script_bytes`` or the manifest over ``max_manifest_bytes``.
+        PayloadTooLarge: the script is over ``max_script_bytes``, the manifest over ``max_manifest_bytes``, or
+            ``files`` past ``max_files`` / ``max_files_bytes``.
         RequestLimitError: a value, or the number of tools, over the key's or the server's maximum.
         UnknownImage: ``image`` is not a name in ``PTC_IMAGES`` (checked first: before any sandbox starts).
     """
@@ -97,6 +99,7 @@ def check_execute(body: ExecuteRequest, settings: Settings, key_name: str | None
         )
     settings.image_name(body.image)
     _check_manifest(body.tools, None, settings, key_name)
+    check_files(body.files, settings)
     _cap(body, settings, key_name)
 
 
@@ -105,12 +108,14 @@ def check_session(body: SessionRequest, settings: Settings, key_name: str | None
     the key's maxima of the sandbox limits; unset limits lowered to the key's maximum in ``body``).
 
     Raises:
-        PayloadTooLarge: the manifest is over ``max_manifest_bytes``.
+        PayloadTooLarge: the manifest is over ``max_manifest_bytes``, or ``files`` past ``max_files`` /
+            ``max_files_bytes``.
         RequestLimitError: a value, or the number of tools, over the key's or the server's maximum.
         UnknownImage: ``image`` is not a name in ``PTC_IMAGES``.
     """
     settings.image_name(body.image)
     _check_manifest(body.tools, None, settings, key_name)
+    check_files(body.files, settings)
     _cap(body, settings, key_name)
 
 

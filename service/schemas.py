@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator
+from ptc_runtime.files import check_path
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from service.egress import header_problem, url_problem
 from service.toolkit.schema import json_depth
@@ -100,6 +103,102 @@ class Limits(BaseModel):
     tmp_mb: int | None = Field(None, strict=True, ge=1, description="Size of the tmpfs /tmp in MiB.")
 
 
+class FileIn(BaseModel):
+    """One file written under the sandbox's working directory (/tmp) before the script starts (docs/files.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(
+        ...,
+        max_length=1024,
+        description="Relative to /tmp: no '..', not absolute, no NUL, not under outputs/ (at most 16 components).",
+    )
+    content: str | None = Field(None, description="The file as UTF-8 text (or content_base64).")
+    content_base64: str | None = Field(None, description="The file's bytes, base64 (standard alphabet, padded).")
+
+    @field_validator("path")
+    @classmethod
+    def _safe_path(cls, path: str) -> str:
+        return check_path(path)
+
+    @model_validator(mode="after")
+    def _one_content(self) -> FileIn:
+        if (self.content is None) == (self.content_base64 is None):
+            raise ValueError("give exactly one of content and content_base64")
+        if self.content_base64 is not None:
+            try:
+                base64.b64decode(self.content_base64, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise ValueError(f"content_base64 is not base64: {exc}") from None
+        if self.content is not None:
+            try:
+                self.content.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("content is not UTF-8 text (lone surrogates): send content_base64") from None
+        return self
+
+    def data(self) -> bytes:
+        """The file's bytes."""
+        if self.content is not None:
+            return self.content.encode("utf-8")
+        return base64.b64decode(self.content_base64 or "", validate=True)
+
+    def size(self) -> int:
+        """The file's size in bytes (decoded), without decoding it."""
+        if self.content is not None:
+            return len(self.content.encode("utf-8"))
+        text = (self.content_base64 or "").rstrip("=")
+        return len(text) * 3 // 4
+
+
+Files = Annotated[
+    list[FileIn],
+    Field(
+        description="Files written under /tmp before the script starts (docs/files.md); at most PTC_MAX_FILES files "
+        "and PTC_MAX_FILES_BYTES bytes (413)."
+    ),
+]
+
+
+class OutputFile(BaseModel):
+    """A file the script left in outputs/ (served by GET /jobs/{id}/files/{path})."""
+
+    path: str = Field(description="Relative to /tmp: outputs/...")
+    bytes: int
+    sha256: str = Field(description="Hex SHA-256 of the file's bytes.")
+    content_type: str = Field(description="Guessed from the file's extension.")
+
+
+class SkippedFile(BaseModel):
+    """An entry of outputs/ not collected: a symlink, a fifo, a device, past a cap (reason ``cap``)."""
+
+    path: str
+    reason: str
+
+
+class SessionFile(BaseModel):
+    """A file written by PUT /sessions/{id}/files/{path}."""
+
+    path: str
+    bytes: int
+    sha256: str = Field(description="Hex SHA-256 of the bytes written.")
+
+
+class SessionFileEntry(BaseModel):
+    """An entry under a session's /tmp."""
+
+    path: str
+    bytes: int | None = Field(description="Its size; null for an entry that is not a regular file.")
+    skipped: str | None = Field(None, description="Why it is not a regular file (symlink, not a regular file, ...).")
+
+
+class SessionFileList(BaseModel):
+    """Answer of GET /sessions/{id}/files."""
+
+    files: list[SessionFileEntry]
+    truncated: bool = Field(description="More entries than PTC_MAX_FILES_LISTED: the rest are not listed.")
+
+
 class ExecuteRequest(BaseModel):
     """Body of ``POST /execute``."""
 
@@ -130,6 +229,7 @@ class ExecuteRequest(BaseModel):
         "session_id: the session's, or absent.",
     )
     env: Env = Field(default_factory=dict, description="Extra environment variables for the script.")
+    files: Files = Field(default_factory=list)
     metadata: Metadata = Field(default_factory=dict, description="Opaque; returned in the job view.")
     session_id: str | None = Field(
         None,
@@ -183,6 +283,7 @@ class SessionRequest(BaseModel):
     )
     toolset: str | None = Field(None, max_length=64, description="Id of a manifest registered with POST /toolsets.")
     env: Env = Field(default_factory=dict, description="Environment variables of every script.")
+    files: Files = Field(default_factory=list)
     idle_timeout_s: float | None = Field(
         None, strict=True, gt=0, description="End the session after this long without a script (s; default 300)."
     )
@@ -485,6 +586,13 @@ class JobView(BaseModel):
     )
     original_script: str | None = Field(None, description="With repairs: the script as sent.")
     normalized_script: str | None = Field(None, description="With repairs: the script that ran.")
+    files: list[OutputFile] = Field(
+        default_factory=list, description="The files the script left in outputs/ (docs/files.md)."
+    )
+    files_omitted: int = Field(0, description="Entries of outputs/ not collected (past a cap, not regular files).")
+    files_skipped: list[SkippedFile] = Field(
+        default_factory=list, description="The first 100 entries not collected, with why."
+    )
 
 
 class CallSummary(BaseModel):

@@ -155,6 +155,25 @@ class Settings(BaseSettings):
     )
     max_output_bytes: int = Field(1024 * 1024, ge=1024, description="Largest output_bytes a request may ask for.")
     default_tmp_mb: int = Field(64, ge=1, description="Size of the sandbox's tmpfs /tmp (MiB).")
+    max_files: int = Field(
+        100, ge=0, description="Most files a request's files may hold (more: 413 before any sandbox starts)."
+    )
+    max_files_bytes: int = Field(
+        16 * 1024 * 1024,
+        ge=0,
+        description="Most bytes a request's files may hold in all, decoded, and a PUT of a session's file (more: 413; "
+        "bounded by max_body_bytes too).",
+    )
+    max_output_files: int = Field(
+        100, ge=0, description="Most files collected from a script's outputs/ folder (the rest counted in the view)."
+    )
+    max_output_files_bytes: int = Field(
+        32 * 1024 * 1024,
+        ge=0,
+        description="Most bytes collected from a script's outputs/ folder in all, and of a session's file read with "
+        "GET (bytes).",
+    )
+    max_files_listed: int = Field(1000, ge=1, description="Most entries GET /sessions/{id}/files lists.")
     max_tmp_mb: int = Field(1024, ge=1, description="Largest tmp_mb a request may ask for (MiB).")
     file_size_mb: int = Field(64, ge=1, description="RLIMIT_FSIZE of sandbox processes (MiB).")
     open_files: int = Field(1024, ge=16, description="RLIMIT_NOFILE of sandbox processes.")

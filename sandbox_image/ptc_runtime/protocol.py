@@ -8,7 +8,8 @@ The service creates the run folder (mounted read-only at ``RUN_DIR`` in the sand
 (``ptc_runtime.session.Server``) connects to it. Each message is one JSON object on one line (UTF-8, ``\\n``
 ended), in both directions; ``FIELD_OP`` names its kind:
 
-- sandbox -> service ``HELLO``: ``{"op": "hello", "pid": n}`` once connected;
+- sandbox -> service ``HELLO``: ``{"op": "hello", "pid": n, "features": [...]}`` once connected (``features``:
+  ``FEATURE_FILES`` when it serves the file requests below; older runtimes send none);
 - service -> sandbox ``RUN``: ``{"op": "run", "id": job_id, "env": {name: value}}``: run the ``SCRIPT`` now in
   the folder (one at a time);
 - sandbox -> service ``OUT``: ``{"op": "out", "id": job_id, "stream": "stdout"|"stderr", "n": n}`` followed by
@@ -25,6 +26,27 @@ ended), in both directions; ``FIELD_OP`` names its kind:
 - sandbox -> service ``ERROR``: ``{"op": "error", "message": text}`` for a request it cannot follow;
 - service -> sandbox ``PING``, answered by ``PONG`` (``{"op": "pong"}``).
 
+Files (``ptc_runtime.files``; images whose label lists ``files``), only while no script runs (the service holds the
+sandbox's turn); each answered by ``DONE`` ``{"op": "done", "id": rid, "error": null|code, "message": text}``
+(``error`` one of ``ptc_runtime.files.ERRORS``):
+
+- service -> sandbox ``PUT``: ``{"op": "put", "id": rid, "files": [{"path": p, "source": name}]}``: write each
+  file of ``FILES_DIR`` in the run folder named ``source`` to ``p`` under the working directory (in order; the
+  first failure ends it: ``"index": i`` in the answer);
+- service -> sandbox ``GET``: ``{"op": "get", "id": rid, "path": p, "max_bytes": n}``: ``DATA`` frames
+  ``{"op": "data", "id": rid, "n": n}`` + n raw bytes (``0 <= n <= MAX_FRAME_BYTES``) of that file, then ``DONE``
+  with ``"bytes": total`` (``too_large`` and no data past ``max_bytes``);
+- service -> sandbox ``LIST``: ``{"op": "list", "id": rid, "max_entries": n}``: one ``ENTRY`` frame
+  ``{"op": "entry", "id": rid, "path": p, "bytes": n|null, "skipped": reason|null}`` per entry of the working
+  directory (at most ``max_entries``), then ``DONE`` with ``"truncated": bool``.
+
+Outputs: a ``RUN`` with ``"outputs": {"max_files": n, "max_bytes": n}`` (images listing ``files``) has, once the
+script has ended and its output is all sent, and before ``EXIT``, everything under ``outputs/`` in the working
+directory sent: per regular file a ``FILE`` frame ``{"op": "file", "id": job_id, "path": p}`` then its bytes in
+``DATA`` frames; per entry left out a ``SKIPPED`` frame ``{"op": "skipped", "id": job_id, "path": p, "reason":
+text}`` (a symlink, a fifo, or past a cap: ``"cap"``); ``EXIT`` then carries ``"files_omitted": n``. The folder
+is emptied after (each script's outputs are its own).
+
 The service trusts none of it: a script may have taken the interpreter over (``service.sandbox.resident``
 checks every frame and ends the sandbox on anything outside this description).
 """
@@ -37,11 +59,17 @@ SCRIPT = "script.py"
 """The script of the next run, in the run folder."""
 TOOLS_SOCKET = "tools.sock"
 """The broker's socket of the current run, in the run folder (``ptc_runtime.client``)."""
+FILES_DIR = ".files-in"
+"""The folder of a ``PUT``'s sources in the run folder (written by the service, read by the sandbox; removed after;
+not a name ``import`` can reach, though the run folder is on a script's ``sys.path``)."""
 SESSION_ENV = "PTC_SESSION"
 """Set to ``"1"`` in the sandbox's environment: the runtime serves this protocol instead of running one script."""
 
 MAX_FRAME_BYTES = 64 * 1024
 """Most raw bytes one ``OUT`` frame carries."""
+
+FEATURE_FILES = "files"
+"""A ``HELLO``'s feature: the runtime serves ``PUT``/``GET``/``LIST`` and sends a run's outputs."""
 
 FIELD_OP = "op"
 HELLO = "hello"
@@ -52,6 +80,14 @@ EXIT = "exit"
 ERROR = "error"
 PING = "ping"
 PONG = "pong"
+PUT = "put"
+GET = "get"
+LIST = "list"
+DONE = "done"
+DATA = "data"
+ENTRY = "entry"
+FILE = "file"
+SKIPPED = "skipped"
 
 SIGTERM = "SIGTERM"
 SIGKILL = "SIGKILL"

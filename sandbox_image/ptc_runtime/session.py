@@ -82,6 +82,12 @@ collects them, and checks that ``/proc`` lists nothing but itself; what is
 still listed after ``KILL_DEADLINE_S`` is reported (``left``). Files under the
 working directory (``/tmp``) do outlive the script.
 
+Files (``ptc_runtime.files``; the hello lists ``files``): between runs the server answers ``put``, ``get`` and
+``list`` (files in, a session's files), and a run whose ``run`` frame carries ``outputs`` has its ``outputs/`` folder
+made before the fork and sent, after ``kill(-1)`` and its output, before ``exit`` (then emptied). All of it is done
+with the effective user switched to 10001 and with no symlink followed, while no script's process exists (a run
+that left processes behind has no outputs sent: the service ends that sandbox anyway).
+
 ``oom_killed`` says the kernel's OOM killer ended the script: its process died
 by SIGKILL, not one this server sent first, and the memory cgroup's
 ``oom_kill`` counter (``memory.events`` on cgroup v2,
@@ -104,7 +110,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from ptc_runtime import protocol
+from ptc_runtime import files, protocol
 from ptc_runtime.confine import drop, no_user_namespaces_filter, prepare, set_dumpable
 from ptc_runtime.ring import ASLEEP, STDERR_RING_BYTES, STDOUT_RING_BYTES, Ring, RingReader, install
 from ptc_runtime.stdio import UNBUFFERED_ENV
@@ -124,6 +130,8 @@ DRAIN_S = 2.0
 OOM_COUNTERS = ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control")
 PRELOAD_ENV = "PTC_PRELOAD"  # the image's modules to import before forking: "numpy,pandas" (``preload``)
 SIGNALS = {protocol.SIGTERM: signal.SIGTERM, protocol.SIGKILL: signal.SIGKILL}
+WORKDIR = "/tmp"  # the scripts' working directory (the image's WORKDIR): files in go there, outputs come from there
+FILE_OPS = (protocol.PUT, protocol.GET, protocol.LIST)
 
 
 def oom_kills() -> Optional[int]:
@@ -196,6 +204,7 @@ class _Run:
         self.oom_before = oom_before
         self.oom_at_kill: Optional[int] = None  # the counter when the service's SIGKILL was sent
         self.sent: List[int] = []  # signals sent at the service's request while the process was alive
+        self.outputs: Optional[Dict[str, Any]] = None  # the run's caps on files out (None: the service wants none)
         self.status: Optional[int] = None
 
     def ended(self) -> bool:
@@ -238,7 +247,7 @@ class Server:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.selector.register(self.control, selectors.EVENT_READ, "control")
         self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
-        self.send({protocol.FIELD_OP: protocol.HELLO, "pid": os.getpid()})
+        self.send({protocol.FIELD_OP: protocol.HELLO, "pid": os.getpid(), "features": [protocol.FEATURE_FILES]})
         while True:
             due = False
             for key, _ in self.selector.select(self.pass_timeout()):
@@ -279,7 +288,17 @@ class Server:
             if self.run is not None:
                 self.send({protocol.FIELD_OP: protocol.ERROR, "message": "a script is running already"})
                 return None
-            return self.start(str(request["id"]), dict(request.get("env") or {}))
+            outputs = request.get("outputs")
+            return self.start(
+                str(request["id"]), dict(request.get("env") or {}), outputs if isinstance(outputs, dict) else None
+            )
+        if op in FILE_OPS:
+            if self.run is not None:
+                message = {"error": files.FAILED, "message": "a script is running"}
+                self.send({protocol.FIELD_OP: protocol.DONE, "id": str(request.get("id")), **message})
+                return None
+            files.serve_request(request, self.send, WORKDIR, protocol.RUN_DIR, switch_user=os.geteuid() == 0)
+            return None
         if op == protocol.SIGNAL and self.run is not None and request.get("id") == self.run.job_id:
             self.send_signal(self.run, SIGNALS.get(request.get("signal"), signal.SIGKILL))
             return None
@@ -307,7 +326,11 @@ class Server:
         except OSError:
             pass
 
-    def start(self, job_id: str, env: Dict[str, str]) -> Optional[Tuple[Any, Dict[str, str]]]:
+    def start(
+        self, job_id: str, env: Dict[str, str], outputs: Optional[Dict[str, Any]] = None
+    ) -> Optional[Tuple[Any, Dict[str, str]]]:
+        if outputs is not None:  # before the fork: no script's process exists
+            files.prepare_outputs(WORKDIR, switch_user=os.geteuid() == 0)
         try:
             small = os.path.getsize(SCRIPT) <= PRECOMPILE_BYTES
         except OSError:
@@ -345,6 +368,7 @@ class Server:
                 pass
         self.selector.register(nudge_r, selectors.EVENT_READ, "nudge")
         self.run = _Run(job_id, pid, streams, nudge_r, ack_w, oom_before)
+        self.run.outputs = outputs
         self.watch(self.run, True)
         self.run.next_pass = time.monotonic() + IDLE_S
         self.reap()  # a child that ended before the handler was of interest
@@ -523,6 +547,9 @@ class Server:
         self.close_run(run)
         if hung_up:
             return
+        omitted = 0
+        if run.outputs is not None and not left:  # every process of the script is gone: nothing writes there
+            omitted = files.send_outputs(run.job_id, run.outputs, self.send, WORKDIR, switch_user=os.geteuid() == 0)
         status = run.status or 0
         number: Optional[int] = None
         if os.WIFSIGNALED(status):
@@ -547,7 +574,7 @@ class Server:
             "signal": number,
             "killed": killed,
         }
-        self.send({**message, "oom_killed": oom, "left": len(left)})
+        self.send({**message, "oom_killed": oom, "left": len(left), "files_omitted": omitted})
 
     def close_run(self, run: _Run) -> None:
         """Release the run's pipes and rings."""

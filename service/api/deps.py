@@ -50,6 +50,18 @@ class SessionService(Protocol):
         """End a session (idempotent); raises SessionNotFound."""
         ...
 
+    async def put_session_file(self, session_id: str, caller: Caller, path: str, data: bytes) -> dict[str, Any]:
+        """Write a file under the session's /tmp; raises SessionNotFound, SessionClosed, FileRefused."""
+        ...
+
+    async def get_session_file(self, session_id: str, caller: Caller, path: str) -> bytes:
+        """A file under the session's /tmp; raises SessionNotFound, SessionClosed, NoSuchFile, FileRefused."""
+        ...
+
+    async def list_session_files(self, session_id: str, caller: Caller) -> dict[str, Any]:
+        """What is under the session's /tmp; raises SessionNotFound, SessionClosed."""
+        ...
+
 
 class ToolsetService(Protocol):
     """What the tools routes ask of the toolsets resource."""

@@ -38,12 +38,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from service.errors import (
     CallNotPending,
     EngineUnavailable,
+    FileRefused,
     HostCapacityExceeded,
     IdempotencyKeyInFlight,
     IdempotencyKeyReused,
     InvalidField,
     JobNotFound,
     ManifestError,
+    NoSuchFile,
     PayloadTooLarge,
     PtcError,
     QueueFull,
@@ -96,6 +98,8 @@ UNAUTHORIZED = ProblemType("unauthorized", 401, "Unauthorized")
 FORBIDDEN = ProblemType("forbidden", 403, "Forbidden")
 JOB_NOT_FOUND = ProblemType("job-not-found", 404, "Job not found")
 SESSION_NOT_FOUND = ProblemType("session-not-found", 404, "Session not found")
+FILE_NOT_FOUND = ProblemType("file-not-found", 404, "File not found")
+FILE_REFUSED = ProblemType("file-refused", 422, "File refused")
 CALL_NOT_PENDING = ProblemType("call-not-pending", 409, "Call not waiting")
 SESSION_ENDED = ProblemType("session-ended", 409, "Session ended")
 IDEMPOTENCY_KEY_REUSED = ProblemType("idempotency-key-reused", 422, "Idempotency key reused")
@@ -128,6 +132,8 @@ TYPES: tuple[ProblemType, ...] = (
     FORBIDDEN,
     JOB_NOT_FOUND,
     SESSION_NOT_FOUND,
+    FILE_NOT_FOUND,
+    FILE_REFUSED,
     CALL_NOT_PENDING,
     SESSION_ENDED,
     IDEMPOTENCY_KEY_REUSED,
@@ -223,6 +229,11 @@ def _too_large(exc: PayloadTooLarge) -> Answer:
     return _fields(exc.loc, str(exc), ("body",), "", "too_large")
 
 
+def _file_refused(exc: FileRefused) -> Answer:
+    loc = ["body", "files", exc.index] if exc.index is not None else None
+    return Answer(str(exc), {"code": exc.code, "loc": loc})
+
+
 def _not_pending(exc: CallNotPending) -> Answer:
     return Answer(
         f"call {exc} is not waiting for this answer or decision (unknown, answered or decided, timed out, "
@@ -260,6 +271,8 @@ RULES: dict[type[Exception], Rule] = dict(
         _rule(PayloadTooLarge, PAYLOAD_TOO_LARGE, _too_large),
         _rule(JobNotFound, JOB_NOT_FOUND, lambda exc: Answer(f"no job with id {exc}")),
         _rule(SessionNotFound, SESSION_NOT_FOUND, lambda exc: Answer(f"no session with id {exc}")),
+        _rule(NoSuchFile, FILE_NOT_FOUND, _message),
+        _rule(FileRefused, FILE_REFUSED, _file_refused),
         _rule(CallNotPending, CALL_NOT_PENDING, _not_pending),
         _rule(SessionClosed, SESSION_ENDED, _session_ended),
         _rule(IdempotencyKeyReused, IDEMPOTENCY_KEY_REUSED, _message),

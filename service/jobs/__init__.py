@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service.errors import CallNotPending
@@ -231,7 +232,24 @@ class JobManager:
         """End a session (idempotent); raises SessionNotFound (another owner's too)."""
         return await self._sessions.delete_session(session_id, caller)
 
+    async def put_session_file(self, session_id: str, caller: Caller, path: str, data: bytes) -> dict[str, Any]:
+        """Write a file under the session's /tmp (``SessionJobs.put_file``)."""
+        return await self._sessions.put_file(session_id, caller, path, data)
+
+    async def get_session_file(self, session_id: str, caller: Caller, path: str) -> bytes:
+        """A file under the session's /tmp (``SessionJobs.get_file``)."""
+        return await self._sessions.get_file(session_id, caller, path)
+
+    async def list_session_files(self, session_id: str, caller: Caller) -> dict[str, Any]:
+        """What is under the session's /tmp (``SessionJobs.list_files``)."""
+        return await self._sessions.list_files(session_id, caller)
+
     # -- reading and waiting (``JobViews``) ----------------------------------------------------
+
+    async def output_file(self, job_id: str, caller: Caller, path: str) -> tuple[Path, dict[str, Any]]:
+        """(host file, entry) of an output file of the job (``JobViews.output_file``); raises JobNotFound,
+        NoSuchFile."""
+        return await self._views.output_file(job_id, caller, path)
 
     def live(self, job_id: str, caller: Caller) -> LiveJob | None:
         """The job if it has not been saved as ended yet; raises JobNotFound when it is another owner's."""

@@ -295,6 +295,7 @@ class Intake:
             loop=asyncio.get_running_loop(),
             owner=caller.owner,
             normalized=normalized,
+            output_budget=budget,
         )
         self._live[job.id] = job
         return job, manifest

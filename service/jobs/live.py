@@ -16,6 +16,7 @@ from typing import Any
 
 from service.broker import Broker
 from service.errors import RequestLimitError
+from service.files import FileBudget, OutputFiles
 from service.jobs.model import Job
 from service.normalize import Normalized, view_fields
 from service.output import OutputLog
@@ -111,6 +112,8 @@ class LiveJob(Job):
     image: str = DEFAULT_IMAGE  # the name (in PTC_IMAGES) of its sandbox's image
     stop_reason: str | None = None  # why a stop was asked, when not by POST /jobs/{id}/stop
     normalized: Normalized | None = None  # the script's normalization (no repairs when switched off)
+    output_files: OutputFiles | None = None  # what the script left in outputs/, once its run began
+    output_budget: FileBudget | None = None  # what its owner may still keep on disk (output and files)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     saving: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves reach the store in the order they began
     status_save_queued: bool = False  # a status save waits to take its view: status changes meanwhile ride on it
@@ -174,7 +177,16 @@ class LiveJob(Job):
             "owner": self.owner,
             "ran_as_coroutine": self.ran_as_coroutine or (self.broker is not None and self.broker.ran_as_coroutine),
             **view_fields(self.normalized),
+            **self.files_view(),
         }
+
+    def files_view(self) -> dict[str, Any]:
+        """The view's ``files``, ``files_omitted`` and ``files_skipped`` (only files complete so far)."""
+        collected = self.output_files
+        if collected is None:
+            return {"files": [], "files_omitted": 0, "files_skipped": []}
+        done = [dict(f) for f in collected.files if f["sha256"]]
+        return {"files": done, "files_omitted": collected.omitted, "files_skipped": list(collected.skipped)}
 
 
 async def wait_for_end_or_client(job: LiveJob, timeout_s: float) -> None:

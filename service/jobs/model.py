@@ -58,6 +58,7 @@ class ErrorType(enum.StrEnum):
     TIMEOUT = "timeout"
     OOM = "oom"
     SANDBOX_ERROR = "sandbox_error"  # the sandbox failed or was lost
+    FILES_REFUSED = "files_refused"  # the sandbox could not write the request's files (its /tmp is full, ...)
     ENGINE_UNAVAILABLE = "engine_unavailable"
     INTERNAL_ERROR = "internal_error"  # the service failed (details in its log only)
     SERVICE_STOPPED = "service_stopped"  # the service stopped while the job ran

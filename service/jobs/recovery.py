@@ -20,6 +20,7 @@ from typing import IO
 
 from service import exactjson, views, workdir
 from service.errors import SandboxError
+from service.files import FILES_FOLDER
 from service.jobs.events import Events, JobLost
 from service.jobs.live import OWNER_FILE, SLICE_BYTES, STREAMS, ms, now, stored_job
 from service.jobs.model import ErrorType, JobError, JobStatus
@@ -205,6 +206,8 @@ def _retained(folder: Path) -> tuple[str | None, int]:
     for stream in STREAMS:
         with contextlib.suppress(OSError):
             size += (folder / stream).stat().st_size
+    with contextlib.suppress(OSError):  # its output files (service.files) count too
+        size += sum(entry.stat().st_size for entry in (folder / FILES_FOLDER).iterdir())
     return owner, size
 
 

@@ -24,7 +24,8 @@ from typing import Any
 
 from service import verdict, views
 from service.broker import Broker, CallMemory
-from service.errors import CallNotPending, EngineUnavailable, SandboxError
+from service.errors import CallNotPending, EngineUnavailable, FileRefused, SandboxError
+from service.files import OutputFiles
 from service.jobs.admission import Admitted, Ticket
 from service.jobs.events import CallEnded, Events, JobEnded, SandboxStarted, StatusChanged
 from service.jobs.live import LiveJob, now, stored_job
@@ -130,7 +131,13 @@ class Runner:
                 stubs = placement.stubs(manifest.stub_source)
                 await asyncio.to_thread(write_run_files, sandbox.folder, job.script(request), stubs)
                 await broker.start(sandbox.folder / "tools.sock")
-                run = await sandbox.run(job.id, request.env, job.sink)
+                if request.files:  # before the script: written as the sandbox user, no symlink followed
+                    await sandbox.put_files([(item.path, item.data()) for item in request.files])
+                settings = self._settings
+                job.output_files = OutputFiles(
+                    job.output_dir, settings.max_output_files, settings.max_output_files_bytes, job.output_budget
+                )
+                run = await sandbox.run(job.id, request.env, job.sink, job.output_files)
                 self._events.publish(SandboxStarted(job, time.monotonic() - begin))
                 exit_status, ended_by = await self._supervise(job, run, started)
                 self._finish(job, exit_status, ended_by, broker)
@@ -200,6 +207,9 @@ class Runner:
         if isinstance(exc, asyncio.CancelledError):
             if not job.ended:
                 job.end(JobStatus.LOST, SERVICE_STOPPED)
+        elif isinstance(exc, FileRefused):
+            if not job.ended:
+                job.end(JobStatus.FAILED, JobError(ErrorType.FILES_REFUSED, str(exc)))
         elif isinstance(exc, SandboxError):
             log.error("job %s: sandbox failure: %s", job.id, exc)
             kind = ErrorType.ENGINE_UNAVAILABLE if isinstance(exc, EngineUnavailable) else ErrorType.SANDBOX_ERROR

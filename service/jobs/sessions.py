@@ -6,12 +6,14 @@ The sessions resource itself (owners, expiry, the resident sandbox) is ``service
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
 from service.auth import Caller
-from service.errors import InvalidField, RequestLimitError
+from service.errors import InvalidField, RequestLimitError, SessionClosed
 from service.jobs.admission import Admission, find_session
 from service.jobs.live import SANDBOX_LIMITS, LiveJob, resolve_limits
 from service.jobs.placement import Sandboxes
@@ -131,7 +133,65 @@ class SessionJobs:
             raise
         session.sandbox.commitment = commitment  # given back when its sandbox is removed
         log.info("session %s started in sandbox %s (image %s)", session.id, session.view()["sandbox_id"], image)
+        if request.files:
+            try:
+                async with session.turn:
+                    await session.sandbox.put_files([(item.path, item.data()) for item in request.files])
+            except BaseException:  # the session is of no use without its files: it ends, nothing is left
+                await self._sessions.end(session, "closed", None)
+                raise
         return session.view()
+
+    async def _file_turn(self, session_id: str, caller: Caller) -> Session:
+        """The caller's open session (SessionNotFound for another owner's, SessionClosed once ended)."""
+        session = find_session(self._sessions, session_id, caller)
+        if session.ended:
+            raise SessionClosed(session_id, session.status, (session.error or {}).get("message", ""))
+        return session
+
+    async def put_file(self, session_id: str, caller: Caller, path: str, data: bytes) -> dict[str, Any]:
+        """Write ``data`` to ``path`` (checked) under the session's /tmp, at the session's turn (after the scripts
+        running or queued); returns {path, bytes, sha256}.
+
+        Raises:
+            SessionNotFound, SessionClosed: as every session route.
+            FileRefused: the sandbox could not write it (no_space, not_a_file: a symlink or folder in the way).
+            SandboxError: the sandbox is gone.
+        """
+        session = await self._file_turn(session_id, caller)
+        async with session.turn:
+            if session.ended:
+                raise SessionClosed(session_id, session.status, (session.error or {}).get("message", ""))
+            await session.sandbox.put_files([(path, data)])
+            session.last_used_at = datetime.now(UTC)
+        return {"path": path, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    async def get_file(self, session_id: str, caller: Caller, path: str) -> bytes:
+        """The bytes of the regular file ``path`` (checked) under the session's /tmp, at the session's turn.
+
+        Raises:
+            SessionNotFound, SessionClosed: as every session route.
+            NoSuchFile: nothing there. FileRefused: not a regular file (a symlink: never followed), or past
+                ``max_output_files_bytes`` (``too_large``).
+            SandboxError: the sandbox is gone.
+        """
+        session = await self._file_turn(session_id, caller)
+        async with session.turn:
+            if session.ended:
+                raise SessionClosed(session_id, session.status, (session.error or {}).get("message", ""))
+            data = await session.sandbox.get_file(path, self._settings.max_output_files_bytes)
+            session.last_used_at = datetime.now(UTC)
+        return data
+
+    async def list_files(self, session_id: str, caller: Caller) -> dict[str, Any]:
+        """{files: [{path, bytes, skipped}], truncated}: what is under the session's /tmp (at most
+        ``max_files_listed`` entries), at the session's turn. Raises as ``get_file``."""
+        session = await self._file_turn(session_id, caller)
+        async with session.turn:
+            if session.ended:
+                raise SessionClosed(session_id, session.status, (session.error or {}).get("message", ""))
+            entries, truncated = await session.sandbox.list_files(self._settings.max_files_listed)
+        return {"files": entries, "truncated": truncated}
 
     def session_view(self, session_id: str, caller: Caller) -> dict[str, Any]:
         """A session's view; raises SessionNotFound (for another owner's session too)."""

@@ -17,9 +17,9 @@ from typing import Any
 
 import orjson
 
-from service import views
+from service import files, views
 from service.auth import Caller
-from service.errors import InvalidField, JobNotFound
+from service.errors import InvalidField, JobNotFound, NoSuchFile
 from service.jobs import resume
 from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob, wait_for_end_or_client
 from service.jobs.model import FINAL
@@ -194,6 +194,20 @@ class JobViews:
         view[f"{stream}_next_offset"] = offset + consumed
         view[f"{stream}_invalid_utf8"] = invalid
         view[f"{stream}_truncated"] = offset + consumed < view[f"{stream}_retained_bytes"]
+
+    async def output_file(self, job_id: str, caller: Caller, path: str) -> tuple[Path, dict[str, Any]]:
+        """(host file, entry of the view's ``files``) of the output file ``path`` of the job.
+
+        Raises:
+            JobNotFound: no such job (another owner's too).
+            NoSuchFile: the job has no output file at ``path`` (or it is not collected yet).
+        """
+        job = self.live(job_id, caller)
+        listed = job.files_view()["files"] if job is not None else (await self.final(job_id, caller)).head.get("files")
+        found = await asyncio.to_thread(files.find, self._output_dir / job_id, listed or [], path)
+        if found is None:
+            raise NoSuchFile(f"job {job_id} has no output file {path[:200]!r}")
+        return found
 
     async def read_output(self, job_id: str, caller: Caller, stream: Stream, offset: int, length: int) -> bytes:
         """Raw retained bytes of a stream, at most ``min(length, SLICE_BYTES)`` of them (bounded in memory:

@@ -4,7 +4,9 @@
 ``ResidentSandbox`` asks for) starts a ``FakeInterpreter``: a task on the event loop that connects to the folder's
 ``control.sock`` and speaks the control protocol of ``ptc_runtime.protocol`` as the real resident interpreter does
 (``hello``; ``run`` -> ``out`` frames of at most ``MAX_FRAME_BYTES`` -> ``exit`` with ``exit_code``, ``signal``,
-``killed``, ``oom_killed`` and ``left``; ``signal``; ``ping``; ``error`` for a second ``run``). Each script runs
+``killed``, ``oom_killed`` and ``left``; ``signal``; ``ping``; ``error`` for a second ``run``; the file requests
+``put``/``get``/``list`` and a run's outputs, through the real runtime's ``ptc_runtime.files`` on its working
+directory, when its image's label lists ``files``, as the default one does). Each script runs
 in a subprocess of this host's Python through the real runtime's one-shot path (``ptc_runtime.__main__.main``:
 the script as ``__main__``, ``import tools`` from the folder, tool calls over the folder's ``tools.sock``), in its
 own process group, which the end of a run SIGKILLs as the real interpreter's ``kill(-1)`` does. Its working
@@ -36,13 +38,14 @@ from pathlib import Path
 from typing import Any
 
 import ptc_runtime
-from ptc_runtime import protocol
+from ptc_runtime import files, protocol
 
 from service.errors import EngineUnavailable, SandboxError
 from service.sandbox.base import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec, Stream
-from service.sandbox.labels import FEATURE_PRIVSEP, FEATURE_SESSION, LABEL_RUNTIME
+from service.sandbox.labels import FEATURE_FILES, FEATURE_PRIVSEP, FEATURE_SESSION, LABEL_RUNTIME
+from service.sandbox.labels import features as labels_features
 
-RUNTIME_LABELS = {LABEL_RUNTIME: f"{FEATURE_SESSION},{FEATURE_PRIVSEP}"}
+RUNTIME_LABELS = {LABEL_RUNTIME: f"{FEATURE_SESSION},{FEATURE_PRIVSEP},{FEATURE_FILES}"}
 """The labels of every image of a ``FakeBackend`` made without ``images``: today's runtime's."""
 CONNECT_S = 10.0  # how long the fake interpreter tries to reach the control socket (the real one: 10 s)
 DRAIN_S = 2.0  # after the script's group is killed, how long its pipes are read to their end
@@ -94,8 +97,10 @@ class FakeSandbox:
 class FakeInterpreter:
     """The fake resident interpreter of one ``FakeSandbox`` (see the module docstring)."""
 
-    def __init__(self, sandbox: FakeSandbox) -> None:
+    def __init__(self, sandbox: FakeSandbox, files: bool = True) -> None:
         self.sandbox = sandbox
+        self.files = files  # whether it serves file requests and outputs (an image labelled ``files``)
+        self._outputs: dict[str, Any] | None = None
         self.folder = sandbox.spec.job_dir
         self._writer: asyncio.StreamWriter | None = None
         self._process: asyncio.subprocess.Process | None = None
@@ -107,7 +112,10 @@ class FakeInterpreter:
     async def serve(self) -> None:
         """Connect, say hello and follow the service until it hangs up; the sandbox then ends with 0."""
         reader, self._writer = await self._connect()
-        self._send({protocol.FIELD_OP: protocol.HELLO, "pid": os.getpid()})
+        hello: dict[str, Any] = {protocol.FIELD_OP: protocol.HELLO, "pid": os.getpid()}
+        if self.files:
+            hello["features"] = [protocol.FEATURE_FILES]
+        self._send(hello)
         try:
             while True:
                 line = await reader.readline()
@@ -120,7 +128,16 @@ class FakeInterpreter:
                     self._send({protocol.FIELD_OP: protocol.ERROR, "message": "unreadable request"})
                     continue
                 if op == protocol.RUN:
+                    outputs = request.get("outputs")
+                    self._outputs = outputs if self.files and isinstance(outputs, dict) else None
                     await self._start(str(request["id"]), dict(request.get("env") or {}))
+                elif op in (protocol.PUT, protocol.GET, protocol.LIST) and self.files:
+                    if self._process is not None:
+                        message = {"error": files.FAILED, "message": "a script is running"}
+                        self._send({protocol.FIELD_OP: protocol.DONE, "id": str(request.get("id")), **message})
+                    else:
+                        work_dir, run_dir = str(self.sandbox.work_dir), str(self.folder)
+                        files.serve_request(request, self._send, work_dir, run_dir, switch_user=False)
                 elif op == protocol.SIGNAL and request.get("id") == self._job_id:
                     self._signal(str(request.get("signal")))
                 elif op == protocol.PING:
@@ -148,6 +165,8 @@ class FakeInterpreter:
         if self._process is not None:
             self._send({protocol.FIELD_OP: protocol.ERROR, "message": "a script is running already"})
             return
+        if self._outputs is not None:
+            files.prepare_outputs(str(self.sandbox.work_dir), switch_user=False)
         environ = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "HOME": str(self.sandbox.work_dir),
@@ -189,6 +208,9 @@ class FakeInterpreter:
         oom = self._oom and number == signal.SIGKILL
         killed = number is not None and number in self._sent and not oom
         self._process, self._job_id = None, None
+        omitted = 0
+        if self._outputs is not None:
+            omitted = files.send_outputs(job_id, self._outputs, self._send, str(self.sandbox.work_dir), False)
         self._send(
             {
                 protocol.FIELD_OP: protocol.EXIT,
@@ -198,6 +220,7 @@ class FakeInterpreter:
                 "killed": killed,
                 "oom_killed": oom,
                 "left": 0,
+                "files_omitted": omitted,
             }
         )
 
@@ -294,7 +317,8 @@ class FakeBackend(SandboxBackend):
         self.sandboxes[sandbox_id] = sandbox
         self.starts += 1
         if spec.env.get(protocol.SESSION_ENV) == "1":
-            sandbox.interpreter = FakeInterpreter(sandbox)
+            features = labels_features(self._image(spec.image) or {})
+            sandbox.interpreter = FakeInterpreter(sandbox, files=FEATURE_FILES in features)
             sandbox.task = asyncio.create_task(
                 self._serve(sandbox, sandbox.interpreter), name=f"fake {sandbox_id[:12]}"
             )

@@ -13,7 +13,8 @@ Images (written by ``sandbox_image/Dockerfile`` and the service's ``Dockerfile``
 
 - ``LABEL_RUNTIME``: the runtime's features, comma-separated (``FEATURE_SESSION``: a resident interpreter that
   forks one process per script, used by every run; ``FEATURE_PRIVSEP``: started as root with three capabilities,
-  it runs every script as 10001 and ends each run with ``kill(-1)``).
+  it runs every script as 10001 and ends each run with ``kill(-1)``; ``FEATURE_FILES``: files in and out of
+  ``/tmp`` over the control protocol, ``ptc_runtime.files``; the runtime also says so in its hello).
 - ``LABEL_ROLE``: ``sandbox-image`` or ``service``.
 """
 
@@ -33,6 +34,7 @@ LABEL_ROLE = PREFIX + "role"
 
 FEATURE_SESSION = "session"
 FEATURE_PRIVSEP = "privsep"
+FEATURE_FILES = "files"
 
 
 def instance_labels(instance: str) -> dict[str, str]:

@@ -10,9 +10,12 @@ folder's ``control.sock``.
 The sandbox's folder is mounted read-only at ``/run/ptc``; the service listens on its ``control.sock`` before the
 sandbox starts, and writes each run's ``script.py`` and ``tools`` package there, with the run's broker on
 ``tools.sock``. A run's output arrives as ``out`` frames on the control connection and reaches the run's
-``OutputSink`` on the event loop; its end is the ``exit`` frame. Nothing the sandbox says is trusted: a frame
-outside the protocol marks the sandbox broken and ends it. When the control connection ends (the interpreter died,
-the container was killed or lost), the running script ends ``lost`` with the engine's view of the exit.
+``OutputSink`` on the event loop; its end is the ``exit`` frame, preceded by the files it left in ``outputs/``
+(``file``/``data``/``skipped`` frames into the run's ``service.files.OutputFiles``). Between runs, ``put_files``,
+``get_file`` and ``list_files`` ask the sandbox for file I/O under its ``/tmp`` (docs/files.md). Nothing the
+sandbox says is trusted: a frame outside the protocol marks the sandbox broken and ends it. When the control
+connection ends (the interpreter died, the container was killed or lost), the running script ends ``lost`` with the
+engine's view of the exit.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import orjson
 from ptc_runtime import protocol
 
 from service import logs
-from service.errors import SandboxError
+from service.errors import FileRefused, NoSuchFile, SandboxError
+from service.files import OutputFiles
 from service.quotas import Commitment
 from service.sandbox.base import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec, Stream
 from service.sandbox.labels import LABEL_SANDBOX
@@ -44,7 +48,21 @@ OOM_SETTLE_ROUNDS = 5  # x 0.2 s: how long a sandbox that died by SIGKILL is wat
 STRAY_LOG_LINES = 10  # log lines of a sandbox's output outside any script; the rest is counted, not logged
 STRAY_KEPT_BYTES = 2048  # of that output, kept for the error of a sandbox that never connected
 _STREAMS: dict[str, Stream] = {"stdout": "stdout", "stderr": "stderr"}
+_FILE_FRAMES = frozenset((protocol.DATA, protocol.FILE, protocol.SKIPPED, protocol.ENTRY, protocol.DONE))
 SIGNAL_NUMBERS = {protocol.SIGTERM: 15, protocol.SIGKILL: 9}  # the signals the service sends (Linux numbers)
+FILE_OP_TIMEOUT_S = 60.0  # how long a file request may take in the sandbox before the sandbox is given up
+_FILE_ERRORS = frozenset(("not_found", "not_a_file", "too_large", "invalid_path", "no_space", "failed"))
+
+
+class _FileRequest:
+    """A file request (``put``/``get``/``list``) waiting for its ``done``: its data and entries so far."""
+
+    def __init__(self, max_bytes: int = 0, max_entries: int = 0) -> None:
+        self.done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.data = bytearray()
+        self.max_bytes = max_bytes
+        self.entries: list[dict[str, Any]] = []
+        self.max_entries = max_entries
 
 
 class ResidentRun:
@@ -56,9 +74,12 @@ class ResidentRun:
         sink: receives the run's output, on the event loop.
     """
 
-    def __init__(self, sandbox: ResidentSandbox, job_id: str, sink: OutputSink) -> None:
+    def __init__(
+        self, sandbox: ResidentSandbox, job_id: str, sink: OutputSink, outputs: OutputFiles | None = None
+    ) -> None:
         self.job_id = job_id
         self.sink = sink
+        self.outputs = outputs
         self.exit: asyncio.Future[ExitStatus] = asyncio.get_running_loop().create_future()
         self.sent: set[int] = set()  # signal numbers asked for (for runtimes that do not report ``killed``)
         self._sandbox = sandbox
@@ -118,6 +139,9 @@ class ResidentSandbox:
         self._destroyed = False
         self._stray_lines = 0
         self._stray = bytearray()
+        self.features: frozenset[str] = frozenset()  # what the runtime said it serves (its hello)
+        self._requests: dict[str, _FileRequest] = {}
+        self._request_ids = 0
 
     async def start(self) -> None:
         """Create the folder, listen on its control socket, start the sandbox and wait until its interpreter has
@@ -202,7 +226,12 @@ class ResidentSandbox:
             op = message[protocol.FIELD_OP]
             if op == protocol.HELLO:
                 if not self._hello.done():
+                    said = message.get("features")
+                    if isinstance(said, list):
+                        self.features = frozenset(str(name)[:40] for name in said[:20])
                     self._hello.set_result(None)
+            elif op in _FILE_FRAMES:
+                await self._file_frame(op, message, reader)
             elif op == protocol.OUT:
                 size = message["n"]
                 if (
@@ -228,6 +257,11 @@ class ResidentSandbox:
                 run = self._run
                 if run is not None and message["id"] == run.job_id and not run.exit.done():
                     self._run = None
+                    if run.outputs is not None:
+                        run.outputs.end()
+                        omitted = message.get("files_omitted")
+                        if type(omitted) is int and 0 <= omitted <= 2**31:  # counted past the skipped frames too
+                            run.outputs.omitted = max(run.outputs.omitted, omitted)
                     oom = message["oom_killed"] is True
                     if "killed" in message:  # the runtime says whether the service's signal ended the script
                         killed = message["killed"] is True
@@ -237,9 +271,133 @@ class ResidentSandbox:
             elif op == protocol.ERROR:
                 self._stray_output("stderr", str(message.get("message"))[:500].encode())
 
+    async def _file_frame(self, op: str, message: dict[str, Any], reader: asyncio.StreamReader) -> None:
+        """A frame of a file request or of a run's outputs; raises ValueError for one outside the protocol."""
+        rid = message["id"]
+        run = self._run
+        if op == protocol.DATA:
+            size = message["n"]
+            if type(size) is not int or not 0 <= size <= protocol.MAX_FRAME_BYTES:
+                raise ValueError(f"a data frame of {str(size)[:20]} bytes")
+            data = await reader.readexactly(size)
+            request = self._requests.get(rid) if isinstance(rid, str) else None
+            if request is not None:
+                if len(request.data) + size > request.max_bytes:
+                    raise ValueError("more file bytes than asked for")
+                request.data += data
+            elif run is not None and rid == run.job_id and run.outputs is not None:
+                run.outputs.add(data)
+            else:
+                raise ValueError("a data frame of no request")
+        elif op in (protocol.FILE, protocol.SKIPPED):
+            if run is None or rid != run.job_id or run.outputs is None:
+                raise ValueError("an output file of no run")
+            if op == protocol.FILE:
+                run.outputs.begin(message["path"])
+            else:
+                run.outputs.skip(message["path"], message.get("reason"))
+        else:
+            request = self._requests.get(rid) if isinstance(rid, str) else None
+            if request is None:
+                raise ValueError(f"a {op} frame of no request")
+            if op == protocol.ENTRY:
+                size, skipped = message.get("bytes"), message.get("skipped")
+                if len(request.entries) >= request.max_entries or not isinstance(message["path"], str):
+                    raise ValueError("more entries than asked for")
+                if not (size is None or (type(size) is int and size >= 0)):
+                    raise ValueError("an entry's size")
+                entry = {"path": message["path"][:1024], "bytes": size}
+                request.entries.append({**entry, "skipped": None if skipped is None else str(skipped)[:100]})
+            else:  # done
+                error = message.get("error")
+                if error is not None and error not in _FILE_ERRORS:
+                    raise ValueError("an unknown file error")
+                self._requests.pop(rid, None)
+                if not request.done.done():
+                    request.done.set_result(message)
+
+    async def _file_request(self, message: dict[str, Any], request: _FileRequest) -> dict[str, Any]:
+        """Send a file request (between runs) and wait for its ``done``; raises SandboxError when the sandbox
+        cannot serve it (then it is given up), FileRefused / NoSuchFile for an error it reports."""
+        if protocol.FEATURE_FILES not in self.features:
+            raise SandboxError(
+                "the sandbox image cannot take or give files (an image older than the service? rebuild it with "
+                "sandbox_image/build.sh)"
+            )
+        self._request_ids += 1
+        rid = f"f{self._request_ids}"
+        self._requests[rid] = request
+        try:
+            await self.send({**message, "id": rid})
+            try:
+                done = await asyncio.wait_for(asyncio.shield(request.done), FILE_OP_TIMEOUT_S)
+            except TimeoutError:
+                await self.destroy(f"the sandbox did not answer a file request within {FILE_OP_TIMEOUT_S:g} s")
+                raise SandboxError(self.broken or "the sandbox did not answer") from None
+        finally:
+            self._requests.pop(rid, None)
+        error = done.get("error")
+        if error == "not_found":
+            raise NoSuchFile(str(done.get("message") or "no such file")[:500])
+        if error is not None:
+            index = done.get("index")
+            raise FileRefused(
+                str(error), str(done.get("message") or error)[:500], index if type(index) is int else None
+            )
+        return done
+
+    async def put_files(self, files: list[tuple[str, bytes]]) -> None:
+        """Write ``files`` ((path, bytes): paths already checked) under the sandbox's working directory, as its
+        user, never following a symlink. The bytes go through the folder's ``.files-in/`` (read-only in the sandbox),
+        emptied after. No script may run meanwhile (the caller holds the sandbox's turn).
+
+        Raises:
+            FileRefused: the sandbox could not write one (``index``: which; ``code``: no_space, not_a_file, ...).
+            SandboxError: the sandbox is gone, broken or too old.
+        """
+        if not files:
+            return
+        sources = self.folder / protocol.FILES_DIR
+
+        def lay_out() -> None:
+            sources.mkdir(mode=0o755, exist_ok=True)
+            os.chmod(sources, 0o755)
+            for index, (_, data) in enumerate(files):
+                target = sources / str(index)
+                target.write_bytes(data)
+                os.chmod(target, 0o644)
+
+        await asyncio.to_thread(lay_out)
+        try:
+            listed = [{"path": path, "source": str(index)} for index, (path, _) in enumerate(files)]
+            await self._file_request({protocol.FIELD_OP: protocol.PUT, "files": listed}, _FileRequest())
+        finally:
+            await asyncio.to_thread(shutil.rmtree, sources, True)
+
+    async def get_file(self, path: str, max_bytes: int) -> bytes:
+        """The bytes of the regular file ``path`` (checked) under the working directory, read as the sandbox user
+        without following a symlink. Raises NoSuchFile, FileRefused (``too_large`` past ``max_bytes``,
+        ``not_a_file``), SandboxError."""
+        request = _FileRequest(max_bytes=max_bytes)
+        await self._file_request({protocol.FIELD_OP: protocol.GET, "path": path, "max_bytes": max_bytes}, request)
+        return bytes(request.data)
+
+    async def list_files(self, max_entries: int) -> tuple[list[dict[str, Any]], bool]:
+        """(entries, truncated): what is under the working directory (path, bytes; ``skipped`` says why an entry
+        is not a regular file), at most ``max_entries``. Raises SandboxError."""
+        request = _FileRequest(max_entries=max_entries)
+        done = await self._file_request({protocol.FIELD_OP: protocol.LIST, "max_entries": max_entries}, request)
+        return request.entries, done.get("truncated") is True
+
     async def _lost(self) -> None:
         """The control connection ended: the sandbox cannot go on. End the running script from the engine's view."""
         run, self._run = self._run, None
+        for request in self._requests.values():
+            if not request.done.done():
+                request.done.set_exception(SandboxError(self.broken or "the sandbox went away"))
+        self._requests.clear()
+        if run is not None and run.outputs is not None:
+            run.outputs.discard()
         if self.broken is None:
             self.broken = "the session's sandbox stopped answering (its server exited or was killed)"
         status = ExitStatus(exit_code=137, oom_killed=False)
@@ -271,7 +429,9 @@ class ResidentSandbox:
         except ConnectionError as exc:
             raise SandboxError(f"the session's sandbox went away: {exc}") from exc
 
-    async def run(self, job_id: str, env: dict[str, str], sink: OutputSink) -> ResidentRun:
+    async def run(
+        self, job_id: str, env: dict[str, str], sink: OutputSink, outputs: OutputFiles | None = None
+    ) -> ResidentRun:
         """Start the script already written to the folder (``script.py``; one run at a time: a session's caller
         holds its turn). Returns the run; raises SandboxError when the sandbox is gone or broken.
 
@@ -279,11 +439,16 @@ class ResidentSandbox:
         in the container's own environment, so the interpreter's ``/proc/1/environ`` (readable from a script
         under gVisor) holds only the image's defaults and ``PTC_SESSION``.
         """
-        run = ResidentRun(self, job_id, sink)
+        if protocol.FEATURE_FILES not in self.features:
+            outputs = None  # an older runtime: no outputs (the view lists none)
+        run = ResidentRun(self, job_id, sink, outputs)
         self._run = run
         self.job_id = job_id
+        message = {protocol.FIELD_OP: protocol.RUN, "id": job_id, "env": {**self.spec.env, **env}}
+        if outputs is not None:
+            message["outputs"] = outputs.caps()
         try:
-            await self.send({protocol.FIELD_OP: protocol.RUN, "id": job_id, "env": {**self.spec.env, **env}})
+            await self.send(message)
         except BaseException:
             self._run = None
             raise

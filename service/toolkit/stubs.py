@@ -44,6 +44,8 @@ A failed call raises `tools.ToolError` with `.type` and `.message`; catch it to 
 Dotted tool names are namespaces (`tools.math.factorial`); parameter names that are not identifiers
 have a safe spelling shown in the signature (`from` -> `from_`), or pass the original via `**{"from": ...}`.
 Only what you print is returned to you: print the answer, not raw tool results.
+Files you were given are in the working directory (/tmp). To hand back files (tables, charts), write them under
+`outputs/` (e.g. `outputs/summary.csv`): they are collected when the script ends; nothing else in /tmp is.
 """
 
 RESERVED = frozenset({"aio", "ToolError", "Any", "Literal", "NotRequired", "TypedDict", "annotations", "_ptc_toolbox"})

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import orjson
 from fastapi import APIRouter, Depends, Header, Query, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import FileResponse, Response, StreamingResponse
 from pydantic import BeforeValidator
 from sse_starlette import EventSourceResponse
 
@@ -19,6 +19,7 @@ from service.api.idempotent import KEY_DESCRIPTION, KEY_HEADER, claim_key, repla
 from service.api.problems import ENGINE_UNAVAILABLE
 from service.api.responses import event_pieces, output_slices, view_response
 from service.errors import InvalidField, RequestLimitError
+from service.files import DOWNLOAD_HEADERS
 from service.jobs.live import LiveJob, wait_for_end_or_client
 from service.limits import check_execute
 from service.sandbox.base import Stream
@@ -241,6 +242,28 @@ async def get_output(
         output_slices(retained),
         media_type="application/octet-stream",
         headers={"X-Offset": str(offset), "content-length": str(retained.length)},
+    )
+
+
+@router.get(
+    "/jobs/{job_id}/files/{path:path}",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "The file's bytes (content type: the view's content_type).",
+            "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+        },
+        404: {},
+    },
+)
+async def get_output_file(job_id: str, path: str, jobs: Jobs, who: Who) -> Response:
+    """An output file of the job (one its view lists in ``files``: what the script left in ``outputs/``), as it was
+    collected when the script ended; kept as long as the job. 404 for an unknown job or path."""
+    host, entry = await jobs.output_file(job_id, who, path)
+    return FileResponse(
+        host,
+        media_type=str(entry.get("content_type") or "application/octet-stream"),
+        headers={"X-Content-SHA256": str(entry.get("sha256", "")), **DOWNLOAD_HEADERS},
     )
 
 

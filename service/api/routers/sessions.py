@@ -1,4 +1,5 @@
-"""The sessions resource: ``/sessions`` (create, list, view, delete)."""
+"""The sessions resource: ``/sessions`` (create, list, view, delete) and a session's files
+(``/sessions/{id}/files``: docs/files.md)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response
+from ptc_runtime.files import check_path
 
 from service.api.bodies import ParsedOffLoop
 from service.api.deps import AppSettings, Idempotency, Key, Sessions, Who
 from service.api.idempotent import KEY_DESCRIPTION, KEY_HEADER, claim_key, replay
+from service.errors import InvalidField, PayloadTooLarge
+from service.files import DOWNLOAD_HEADERS, content_type
 from service.limits import check_session
-from service.schemas import SessionList, SessionRequest, SessionView
+from service.schemas import SessionFile, SessionFileList, SessionList, SessionRequest, SessionView
 from service.store import IdempotencyRecord
 
 router = APIRouter(route_class=ParsedOffLoop)
@@ -102,3 +106,60 @@ async def delete_session(session_id: str, sessions: Sessions, who: Who) -> Respo
     Idempotent: deleting an ended session returns its view unchanged.
     """
     return json_session(await sessions.delete_session(session_id, who))
+
+
+def _file_path(path: str, outputs: bool) -> str:
+    """The URL's file path checked (``ptc_runtime.files.check_path``); raises InvalidField (422)."""
+    try:
+        return check_path(path, outputs=outputs)
+    except ValueError as exc:
+        raise InvalidField(str(exc), ("path", "path")) from None
+
+
+_RAW = {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
+
+
+@router.put(
+    "/sessions/{session_id}/files/{path:path}",
+    response_model=SessionFile,
+    responses={404: {}, 409: {}, 413: {}, 422: {}, 503: {}},
+    openapi_extra={"requestBody": {"required": True, **_RAW}},
+)
+async def put_session_file(
+    session_id: str, path: str, request: Request, sessions: Sessions, who: Who, settings: AppSettings
+) -> Response:
+    """Write the request body (raw bytes) to ``path`` under the session's /tmp, at the session's turn (after the
+    scripts running or queued there). The sandbox writes it as its user and never follows a symlink (a symlink or
+    folder in the way: 422 ``file-refused``, code ``not_a_file``; a full tmpfs: code ``no_space``). At most
+    ``max_files_bytes`` (413); paths as in ``files`` (422)."""
+    name = _file_path(path, outputs=False)
+    data = await request.body()
+    if len(data) > settings.max_files_bytes:
+        raise PayloadTooLarge(
+            f"the file has {len(data)} bytes, more than the limit of {settings.max_files_bytes} (PTC_MAX_FILES_BYTES)",
+            ("body",),
+            settings.max_files_bytes,
+        )
+    written = await sessions.put_session_file(session_id, who, name, data)
+    return Response(SessionFile.model_validate(written).model_dump_json().encode(), media_type="application/json")
+
+
+@router.get(
+    "/sessions/{session_id}/files/{path:path}",
+    response_class=Response,
+    responses={200: {"description": "The file's bytes (content type guessed from its name).", **_RAW}, 404: {}},
+)
+async def get_session_file(session_id: str, path: str, sessions: Sessions, who: Who) -> Response:
+    """The regular file ``path`` under the session's /tmp (a symlink is never followed: 422 ``file-refused``),
+    at the session's turn; at most ``max_output_files_bytes`` (422 ``too_large``)."""
+    name = _file_path(path, outputs=True)
+    data = await sessions.get_session_file(session_id, who, name)
+    return Response(data, media_type=content_type(name), headers=DOWNLOAD_HEADERS)
+
+
+@router.get("/sessions/{session_id}/files", response_model=SessionFileList, responses={404: {}, 409: {}})
+async def list_session_files(session_id: str, sessions: Sessions, who: Who) -> Response:
+    """What is under the session's /tmp (at most ``max_files_listed`` entries; folders are walked, symlinks and
+    other non-regular entries listed with ``skipped``), at the session's turn."""
+    listed = await sessions.list_session_files(session_id, who)
+    return Response(SessionFileList.model_validate(listed).model_dump_json().encode(), media_type="application/json")

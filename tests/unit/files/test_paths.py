@@ -1,0 +1,180 @@
+"""Path rules (``ptc_runtime.files.check_path``) and the runtime's file operations on a real folder: nothing is
+ever read or written through a symlink, whatever a script planted."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from ptc_runtime import files
+from ptc_runtime.files import FileOpError, check_path
+
+
+@pytest.mark.parametrize(
+    ("path", "normal"),
+    [
+        ("a.csv", "a.csv"),
+        ("./data//x.csv", "data/x.csv"),
+        ("data/./x/", "data/x"),
+        ("é/ü.txt", "é/ü.txt"),
+        ("a..", "a.."),
+        ("..a/b", "..a/b"),
+    ],
+)
+def test_paths_that_stay_in_the_working_directory(path: str, normal: str) -> None:
+    assert check_path(path) == normal
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "",
+        ".",
+        "./",
+        "..",
+        "../x",
+        "a/../../x",
+        "a/..",
+        "/etc/passwd",
+        "//x",
+        "a\x00b",
+        "x" * 256,
+        "a/" * 17 + "b",
+        "a" * 1025,
+        "outputs/x",
+        "./outputs/x",
+        "\udc80",
+        7,
+        None,
+    ],
+)
+def test_paths_that_are_refused(path: object) -> None:
+    with pytest.raises(ValueError):
+        check_path(path)
+
+
+def test_outputs_are_allowed_where_asked() -> None:
+    assert check_path("outputs/a.png", outputs=True) == "outputs/a.png"
+    assert check_path("a/" * 15 + "b") == "a/" * 15 + "b"
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Iterator[int]:
+    work = tmp_path / "work"
+    secret = tmp_path / "secret"
+    work.mkdir()
+    secret.mkdir()
+    (secret / "key").write_text("secret")
+    (work / "key").symlink_to(secret / "key")
+    (work / "dir").symlink_to(secret)
+    (work / "real").mkdir()
+    os.mkfifo(work / "fifo")
+    fd = files.open_root(str(work))
+    yield fd
+    os.close(fd)
+
+
+def test_writes_never_follow_a_symlink(root: int, tmp_path: Path) -> None:
+    for path in ("key", "dir/key", "dir/new", "fifo", "real"):
+        with pytest.raises(FileOpError) as caught:
+            files.write_file(root, path, io.BytesIO(b"evil"))
+        assert caught.value.code == files.NOT_A_FILE, path
+    assert (tmp_path / "secret" / "key").read_text() == "secret"
+    assert sorted(os.listdir(tmp_path / "secret")) == ["key"]
+    assert files.write_file(root, "real/deep/new.txt", io.BytesIO(b"ok")) == 2
+    assert (tmp_path / "work" / "real" / "deep" / "new.txt").read_bytes() == b"ok"
+    assert files.write_file(root, "real/deep/new.txt", io.BytesIO(b"!")) == 1  # replaced, not appended
+    assert (tmp_path / "work" / "real" / "deep" / "new.txt").read_bytes() == b"!"
+
+
+def test_reads_never_follow_a_symlink(root: int) -> None:
+    for path, code in (("key", files.NOT_A_FILE), ("dir/key", files.NOT_A_FILE), ("fifo", files.NOT_A_FILE)):
+        with pytest.raises(FileOpError) as caught:
+            files.open_file(root, path)
+        assert caught.value.code == code, path
+    with pytest.raises(FileOpError) as missing:
+        files.open_file(root, "nothing")
+    assert missing.value.code == files.NOT_FOUND
+
+
+def test_a_walk_lists_links_and_fifos_without_following_them(root: int) -> None:
+    files.write_file(root, "real/a.txt", io.BytesIO(b"abc"))
+    assert list(files.walk(root)) == [
+        ("dir", None, "symlink"),
+        ("fifo", None, "not a regular file"),
+        ("key", None, "symlink"),
+        ("real/a.txt", 3, None),
+    ]
+
+
+def test_outputs_are_sent_and_emptied(tmp_path: Path) -> None:
+    work = tmp_path / "w"
+    work.mkdir()
+    (tmp_path / "secret").write_text("s")
+    files.prepare_outputs(str(work), switch_user=False)
+    (work / "outputs" / "a.txt").write_text("aaa")
+    (work / "outputs" / "sub").mkdir()
+    (work / "outputs" / "sub" / "b.txt").write_text("bb")
+    (work / "outputs" / "c.txt").write_text("c" * 10)
+    (work / "outputs" / "link").symlink_to(tmp_path / "secret")
+    sent: list[tuple[dict[str, object], bytes]] = []
+    omitted = files.send_outputs(
+        "j", {"max_files": 5, "max_bytes": 6}, lambda m, p=b"": sent.append((m, p)), str(work), False
+    )
+    kinds = [(m["op"], m.get("path"), m.get("reason"), p) for m, p in sent]
+    assert kinds == [
+        ("file", "outputs/a.txt", None, b""),
+        ("data", None, None, b"aaa"),
+        ("skipped", "outputs/c.txt", "cap", b""),  # 3 + 10 > 6: left out whole, counted
+        ("skipped", "outputs/link", "symlink", b""),
+        ("file", "outputs/sub/b.txt", None, b""),
+        ("data", None, None, b"bb"),
+    ]
+    assert omitted == 2
+    assert os.listdir(work / "outputs") == []  # emptied; the symlink's target untouched
+    assert (tmp_path / "secret").read_text() == "s"
+    (work / "outputs").rmdir()
+    (work / "outputs").symlink_to(tmp_path)  # a planted outputs -> elsewhere is replaced, never followed
+    files.prepare_outputs(str(work), switch_user=False)
+    assert (work / "outputs").is_dir() and not (work / "outputs").is_symlink()
+
+
+def test_a_runtime_whose_openat_follows_folder_symlinks_is_caught(
+    root: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gVisor's openat follows a symlink to a folder despite O_NOFOLLOW when O_DIRECTORY is set (measured under
+    runsc): played here by an ``os.open`` that drops O_NOFOLLOW; ``open_at`` must still refuse the symlink."""
+    real_open = os.open
+
+    def gvisor_open(path: str, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        if flags & os.O_DIRECTORY:
+            flags &= ~os.O_NOFOLLOW
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "open", gvisor_open)
+    for path in ("dir/key", "dir/new"):
+        with pytest.raises(FileOpError) as caught:
+            files.write_file(root, path, io.BytesIO(b"evil"))
+        assert caught.value.code == files.NOT_A_FILE, path
+    with pytest.raises(FileOpError):
+        files.open_file(root, "dir/key")
+    assert (tmp_path / "secret" / "key").read_text() == "secret"
+    assert sorted(os.listdir(tmp_path / "secret")) == ["key"]
+
+
+def test_only_the_first_skipped_entries_are_sent_all_are_counted(tmp_path: Path) -> None:
+    work = tmp_path / "w"
+    work.mkdir()
+    files.prepare_outputs(str(work), switch_user=False)
+    for n in range(250):
+        (work / "outputs" / f"{n:03}").write_text("x")
+    sent: list[dict[str, object]] = []
+    omitted = files.send_outputs(
+        "j", {"max_files": 10, "max_bytes": 1000}, lambda m, p=b"": sent.append(m), str(work), False
+    )
+    assert omitted == 240
+    assert sum(m["op"] == "skipped" for m in sent) == files.SKIPPED_FRAMES
+    assert sum(m["op"] == "file" for m in sent) == 10
