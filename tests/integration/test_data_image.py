@@ -7,10 +7,12 @@ The image under test is ``PTC_DATA_IMAGE`` (default: the tag ``deploy/local.sh s
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import secrets
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,14 +26,23 @@ DATA_IMAGE = os.environ.get("PTC_DATA_IMAGE", "ptc-sandbox-data:latest")
 PRELOAD = "numpy,pandas,matplotlib,matplotlib.pyplot"
 MEMORY_MB = 1024  # pandas and matplotlib need more than the default 256 MiB
 
-# A PNG's width and height, read from its IHDR chunk with the standard library only.
-PNG_SIZE = """
-import struct
-with open({path!r}, 'rb') as f:
-    head = f.read(24)
-assert head[:8] == b'\\x89PNG\\r\\n\\x1a\\n' and head[12:16] == b'IHDR', head
-print(*struct.unpack('>II', head[16:24]))
-"""
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """A PNG's width and height, from its IHDR chunk (AssertionError if it is no PNG)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", data[:24]
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def figures(api: httpx.Client, view: dict[str, object]) -> dict[str, tuple[int, int]]:
+    """The job's output files (its view's ``files``), each downloaded: path -> PNG size; checks bytes and sha256."""
+    found = {}
+    for entry in view["files"]:  # type: ignore[attr-defined]
+        data = api.get(f"/jobs/{view['job_id']}/files/{entry['path']}").raise_for_status().content
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (entry["bytes"], entry["sha256"]), entry
+        assert entry["content_type"] == "image/png", entry
+        found[entry["path"]] = png_size(data)
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -116,11 +127,9 @@ def test_an_open_figure_is_saved_as_a_png_when_the_script_ends(data_api: httpx.C
     )
     view = execute(data_api, chart, session_id=data_session)
     assert (view["status"], view["stdout"], view["stderr"]) == ("succeeded", "done\n", ""), view
-    sizes = [
-        execute(data_api, PNG_SIZE.format(path=f"/tmp/outputs/figure-{n}.png"), session_id=data_session)["stdout"]
-        for n in (1, 2)
-    ]
-    assert sizes == ["400 300\n", "100 50\n"]
+    assert figures(data_api, view) == {"outputs/figure-1.png": (400, 300), "outputs/figure-2.png": (100, 50)}
+    cold = execute(data_api, chart)  # a one-shot job of the data image: the same files
+    assert figures(data_api, cold) == {"outputs/figure-1.png": (400, 300), "outputs/figure-2.png": (100, 50)}
 
 
 def test_figures_are_saved_when_the_script_fails_and_after_show_then_close(
@@ -132,12 +141,9 @@ def test_figures_are_saved_when_the_script_fails_and_after_show_then_close(
     )
     view = execute(data_api, script, session_id=data_session)
     assert view["status"] == "failed" and "ValueError: boom" in view["stderr"], view
-    listing = execute(
-        data_api,
-        "import os\nprint(sorted(os.listdir('/tmp/outputs')))\n" + PNG_SIZE.format(path="/tmp/outputs/figure-2.png"),
-        session_id=data_session,
-    )
-    assert listing["stdout"] == "['figure-1.png', 'figure-2.png']\n300 200\n", listing
+    sizes = figures(data_api, view)
+    assert sorted(sizes) == ["outputs/figure-1.png", "outputs/figure-2.png"], view
+    assert sizes["outputs/figure-2.png"] == (300, 200)
 
 
 def test_a_symlinked_outputs_folder_is_not_followed(data_api: httpx.Client, data_session: str) -> None:
@@ -165,15 +171,14 @@ def test_a_full_tmp_is_said_and_leaves_no_partial_png(data_api: httpx.Client) ->
         view = execute(data_api, script, session_id=sid)
         assert view["stdout"] == "No space left on device\n", view
         assert "figure-1.png not saved: OSError: [Errno 28] No space left on device" in view["stderr"], view
-        after = execute(data_api, "import os\nprint(os.listdir('/tmp/outputs'))", session_id=sid)
-        assert after["stdout"] == "[]\n", after
+        assert view["files"] == [], view  # no partial PNG was left to collect
     finally:
         data_api.delete(f"/sessions/{sid}")
 
 
 def test_a_script_without_matplotlib_leaves_no_outputs(data_api: httpx.Client) -> None:
-    view = execute(data_api, "import os\nprint(os.path.exists('/tmp/outputs'))")
-    assert view["stdout"] == "False\n", view
+    view = execute(data_api, "import os\nprint(os.listdir('/tmp/outputs'))")
+    assert (view["stdout"], view["files"]) == ("[]\n", []), view  # the folder is there (empty): no figure saved
 
 
 def test_the_images_carry_their_preload_lists(engine: docker.DockerClient) -> None:
