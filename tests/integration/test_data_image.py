@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+import random
 import secrets
 import struct
 from collections.abc import Iterator
@@ -220,3 +221,39 @@ def test_a_preload_that_fails_is_skipped(engine: docker.DockerClient, scratch: P
     finally:
         svc.stop()
         engine.images.remove(tag, force=True)
+
+
+PANDAS_SCRIPT = """
+import pandas as pd
+import matplotlib.pyplot as plt
+frame = pd.read_csv('data/measurements.csv')
+print(repr(float(frame['value'].mean())))
+frame[['value']].describe().to_csv('outputs/summary.csv')
+fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+frame['value'].plot.hist(ax=ax, bins=40)
+fig.savefig('outputs/chart.png')
+"""
+
+
+def test_a_csv_in_pandas_and_a_chart_out(data_api: httpx.Client) -> None:
+    """The issue's example on the data image: a 10,000-row CSV in, pandas' mean out, a table and a chart as files
+    (the chart saved by the script, and the figure it left open saved by the runtime)."""
+    rng = random.Random(15)
+    values = [round(rng.uniform(-50, 150), 3) for _ in range(10_000)]
+    csv_text = "id,value\n" + "".join(f"{n},{value}\n" for n, value in enumerate(values))
+    body = {"script": PANDAS_SCRIPT, "files": [{"path": "data/measurements.csv", "content": csv_text}], "wait_s": 120}
+    response = data_api.post("/execute", json=body)
+    assert response.status_code == 200, response.text
+    view = response.json()
+    assert view["status"] == "succeeded", (view["error"], view["stderr"])
+    assert float(view["stdout"]) == pytest.approx(sum(values) / len(values), rel=1e-9)
+    listed = {entry["path"]: entry for entry in view["files"]}
+    assert set(listed) == {"outputs/summary.csv", "outputs/chart.png", "outputs/figure-1.png"}, view["files"]
+    table = data_api.get(f"/jobs/{view['job_id']}/files/outputs/summary.csv").raise_for_status().content
+    assert (len(table), hashlib.sha256(table).hexdigest()) == (
+        listed["outputs/summary.csv"]["bytes"],
+        listed["outputs/summary.csv"]["sha256"],
+    )
+    assert table.decode().splitlines()[1] == "count,10000.0"  # pandas' describe(), as the script wrote it
+    sizes = figures(data_api, {**view, "files": [listed["outputs/chart.png"], listed["outputs/figure-1.png"]]})
+    assert sizes == {"outputs/chart.png": (600, 400), "outputs/figure-1.png": (600, 400)}
