@@ -4,7 +4,7 @@
 #   deploy/local.sh serve   set everything up, then run the service in the foreground (without
 #                           PTC_API_KEYS: with PTC_AUTH=disabled, on loopback only)
 #   deploy/local.sh test    set everything up, then run ruff, mypy --strict and the whole test suite
-#   deploy/local.sh setup   only set up: Python venv, Docker engine, gVisor, sandbox image
+#   deploy/local.sh setup   only set up: Python venv, Docker engine, gVisor, sandbox images (minimal and data)
 #   deploy/local.sh engine  only the Docker engine and gVisor steps
 #   deploy/local.sh register-runsc CONFIG   only write runsc into the daemon.json CONFIG (engine untouched)
 #   deploy/local.sh bench   set everything up, then run the benchmark (bench/; args passed on)
@@ -19,8 +19,9 @@
 #     without it (or with it but without --oci-seccomp) gets SIGHUP (a reload: no restart, its containers
 #     keep running); an engine that already has it so is left alone. Missing runsc fails under CI=true;
 #   - kernel.pid_max raised to 4194304 when lower (gVisor's threads count there: docs/operations.md);
-#   - the sandbox image (sandbox_image/build.sh; offline base when no registry); for the tests also the data image
-#     (numpy, pandas, matplotlib: sandbox_image/build.sh --data, wheels downloaded on the host once);
+#   - the sandbox image (sandbox_image/build.sh; offline base when no registry) and the data image on it
+#     (numpy, pandas, matplotlib: sandbox_image/build.sh --data, wheels downloaded on the host once); `serve`
+#     offers both (PTC_IMAGES default and data, data with 1 GiB of memory) unless PTC_IMAGES is set;
 #   - for the tests only: Debian's docker-compose when no `docker compose` works, Debian's
 #     prometheus (a real Prometheus scrapes the service in a test), and Debian's chromium
 #     (a headless browser renders /docs and /redoc with the network off in a test).
@@ -167,11 +168,7 @@ setup() {
   setup_venv "${1:-}"
   setup_engine
   setup_pid_max
-  if [ "${1:-}" = "[test]" ]; then
-    sandbox_image/build.sh --data >/dev/null  # the minimal image, then the data image on it (cached: seconds)
-  else
-    sandbox_image/build.sh >/dev/null
-  fi
+  sandbox_image/build.sh --data >/dev/null  # the minimal image, then the data image on it (cached: seconds)
   if [ "${1:-}" = "[test]" ]; then setup_prometheus; setup_compose; setup_chromium; fi
 }
 
@@ -188,6 +185,12 @@ case "${1:-}" in
       # Development default: no keys configured, so say so explicitly (the service refuses it off loopback).
       log "no PTC_API_KEYS: serving with PTC_AUTH=disabled (development only; see docs/operations.md, Authentication)"
       export PTC_AUTH=disabled
+    fi
+    if [ -z "${PTC_IMAGES:-}" ]; then
+      # Both images set-up built: a request chooses with "image": "data" (docs/sandbox.md, Images per request).
+      export PTC_IMAGES="default=${PTC_SANDBOX_IMAGE:-ptc-sandbox-runtime:latest},data=${PTC_DATA_IMAGE:-ptc-sandbox-data:latest}"
+      export PTC_IMAGE_DEFAULTS="${PTC_IMAGE_DEFAULTS:-{\"data\": {\"memory_mb\": 1024}}}"
+      log "offering the images default and data (PTC_IMAGES=$PTC_IMAGES)"
     fi
     exec .venv/bin/ptc-sandbox serve ;;
   test)
