@@ -73,7 +73,7 @@ class BodyLimit:
                 return
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = PAYLOAD_TOO_LARGE.response(f"the body exceeds {self.limit} bytes")
+        response = PAYLOAD_TOO_LARGE.response(f"the body exceeds {self.limit} bytes (PTC_MAX_BODY_BYTES)")
         await response(scope, receive, send)
 
 

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from service.auth import Caller
-from service.errors import InvalidField, RequestLimitError, SessionClosed
+from service.errors import FileRefused, InvalidField, RequestLimitError, SessionClosed
 from service.jobs.admission import Admission, find_session
 from service.jobs.live import SANDBOX_LIMITS, LiveJob, resolve_limits
 from service.jobs.placement import Sandboxes
@@ -162,7 +162,10 @@ class SessionJobs:
         async with session.turn:
             if session.ended:
                 raise SessionClosed(session_id, session.status, (session.error or {}).get("message", ""))
-            await session.sandbox.put_files([(path, data)])
+            try:
+                await session.sandbox.put_files([(path, data)])
+            except FileRefused as exc:  # the file of the URL's path: no index of a body's files to name
+                raise FileRefused(exc.code, str(exc)) from None
             session.last_used_at = datetime.now(UTC)
         return {"path": path, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 

@@ -160,6 +160,7 @@ async def test_a_session_takes_and_gives_files(api: tuple[httpx.AsyncClient, htt
     assert (link.status_code, link.json()["code"]) == (422, "not_a_file")
     through = await alice.put(f"/sessions/{sid}/files/link", content=b"x")  # never written through the symlink
     assert (through.status_code, through.json()["code"]) == (422, "not_a_file")
+    assert through.json()["loc"] is None  # a PUT has no body files to point at (as a GET)
     assert (await alice.get(f"/sessions/{sid}/files/missing")).status_code == 404
     assert (await alice.get(f"/sessions/{sid}/files/a/%2E%2E/%2E%2E/x")).status_code == 422
     assert (await alice.put(f"/sessions/{sid}/files/big", content=b"x" * 1001)).status_code == 413
