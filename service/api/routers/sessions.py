@@ -147,7 +147,13 @@ async def put_session_file(
 @router.get(
     "/sessions/{session_id}/files/{path:path}",
     response_class=Response,
-    responses={200: {"description": "The file's bytes (content type guessed from its name).", **_RAW}, 404: {}},
+    responses={
+        200: {"description": "The file's bytes (content type guessed from its name).", **_RAW},
+        404: {},
+        409: {},
+        422: {},
+        503: {},
+    },
 )
 async def get_session_file(session_id: str, path: str, sessions: Sessions, who: Who) -> Response:
     """The regular file ``path`` under the session's /tmp (a symlink is never followed: 422 ``file-refused``),
@@ -157,7 +163,7 @@ async def get_session_file(session_id: str, path: str, sessions: Sessions, who: 
     return Response(data, media_type=content_type(name), headers=DOWNLOAD_HEADERS)
 
 
-@router.get("/sessions/{session_id}/files", response_model=SessionFileList, responses={404: {}, 409: {}})
+@router.get("/sessions/{session_id}/files", response_model=SessionFileList, responses={404: {}, 409: {}, 503: {}})
 async def list_session_files(session_id: str, sessions: Sessions, who: Who) -> Response:
     """What is under the session's /tmp (at most ``max_files_listed`` entries; folders are walked, symlinks and
     other non-regular entries listed with ``skipped``), at the session's turn."""
