@@ -178,3 +178,46 @@ def test_only_the_first_skipped_entries_are_sent_all_are_counted(tmp_path: Path)
     assert omitted == 240
     assert sum(m["op"] == "skipped" for m in sent) == files.SKIPPED_FRAMES
     assert sum(m["op"] == "file" for m in sent) == 10
+
+
+def test_a_huge_outputs_folder_is_collected_and_emptied_in_bounded_memory(tmp_path: Path) -> None:
+    """A script can leave far more files in outputs/ than the sandbox's memory can hold the names of (measured:
+    180,000 files of 200-byte names OOM-killed the collection at 256 MiB, and the job that had exited 0 was reported
+    ``oom_killed``): the walk and the emptying hold at most ``MAX_DIR_ENTRIES`` names of a folder, and count the
+    rest."""
+    import tracemalloc
+
+    work = tmp_path / "w"
+    work.mkdir()
+    files.prepare_outputs(str(work), switch_user=False)
+    count = 16 * files.MAX_DIR_ENTRIES + 500
+    for n in range(count):
+        (work / "outputs" / f"{n:06}-{'x' * 200}").touch()
+    sent: list[dict[str, object]] = []
+    tracemalloc.start()
+    try:
+        omitted = files.send_outputs(
+            "j", {"max_files": 10, "max_bytes": 1000}, lambda m, p=b"": sent.append(m), str(work), False
+        )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert omitted == count - 10  # every entry counted, collected or not
+    assert sum(m["op"] == "file" for m in sent) == 10
+    assert os.listdir(work / "outputs") == []  # emptied all the same
+    assert peak < 4 * files.MAX_DIR_ENTRIES * 300, peak  # never every name at once (all: ~9 MB here)
+
+
+def test_a_walk_counts_what_a_huge_folder_holds_past_its_bound(tmp_path: Path) -> None:
+    (tmp_path / "big").mkdir()
+    for n in range(files.MAX_DIR_ENTRIES + 7):
+        (tmp_path / "big" / f"{n:05}").touch()
+    (tmp_path / "z").write_text("z")
+    fd = files.open_root(str(tmp_path))
+    try:
+        listed = list(files.walk(fd))
+    finally:
+        os.close(fd)
+    assert len(listed) == files.MAX_DIR_ENTRIES + 2
+    assert listed[-2] == ("big", 7, files.TOO_MANY)
+    assert listed[-1] == ("z", 1, None)
