@@ -68,6 +68,8 @@ def check_path(path: object, outputs: bool = False) -> str:
         raise ValueError("a path is a string")
     if "\0" in path:
         raise ValueError("a path must not contain NUL")
+    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in path):
+        raise ValueError("a path must not contain control characters (a newline, a tab, ...)")
     if path.startswith("/"):
         raise ValueError("a path must be relative (to the working directory /tmp)")
     try:
@@ -456,6 +458,8 @@ def send_outputs(job_id: str, caps: Dict[str, Any], send: Send, workdir: str, sw
                             continue
                         if shown != path:
                             reason = "name not UTF-8 or too long"
+                        elif reason is None and not _sendable(path):
+                            reason = "path not allowed (too deep, or control characters)"
                         elif reason is None and (files >= max_files or total + (size or 0) > max_bytes):
                             reason = "cap"
                         if reason is not None:
@@ -503,6 +507,17 @@ def _empty(root: int) -> None:
         _clear_all(fd, 0)
     finally:
         os.close(fd)
+
+
+def _sendable(path: str) -> bool:
+    """Whether ``path`` (under ``OUTPUTS``) passes ``check_path``, as the service checks every ``file`` frame: one
+    that does not (17 components: a file 15 folders deep in ``outputs/``; a newline in a name, which no URL of
+    ``GET /jobs/{id}/files/{path}`` could name) is skipped, never sent (the service would end the sandbox as broken
+    and the finished job would lose its result)."""
+    try:
+        return check_path(path, outputs=True) == path
+    except ValueError:
+        return False
 
 
 def _shown(path: str) -> str:

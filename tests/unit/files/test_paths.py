@@ -41,6 +41,10 @@ def test_paths_that_stay_in_the_working_directory(path: str, normal: str) -> Non
         "/etc/passwd",
         "//x",
         "a\x00b",
+        "a\nb",
+        "a\r\nSet-Cookie: x",
+        "tab\there",
+        "del\x7f",
         "x" * 256,
         "a/" * 17 + "b",
         "a" * 1025,
@@ -221,3 +225,36 @@ def test_a_walk_counts_what_a_huge_folder_holds_past_its_bound(tmp_path: Path) -
     assert len(listed) == files.MAX_DIR_ENTRIES + 2
     assert listed[-2] == ("big", 7, files.TOO_MANY)
     assert listed[-1] == ("z", 1, None)
+
+
+def test_outputs_the_service_would_refuse_are_skipped_not_sent(tmp_path: Path) -> None:
+    """A file 15 folders deep in outputs/ (17 path components) or a name with a newline: every ``file`` frame is
+    checked by the service (``OutputFiles.begin``), which ends a sandbox sending a path it refuses, and the
+    finished job then lost its result and was reported a sandbox error (measured, runc). Now skipped, counted."""
+    from service.files import OutputFiles
+
+    work = tmp_path / "w"
+    work.mkdir()
+    files.prepare_outputs(str(work), switch_user=False)
+    deep = work / "outputs" / "/".join(f"d{n}" for n in range(15))
+    deep.mkdir(parents=True)
+    (deep / "deep.txt").write_text("deep")
+    (work / "outputs" / "a\nb.txt").write_text("nl")
+    (work / "outputs" / "ok.txt").write_text("ok")
+    sent: list[tuple[dict[str, object], bytes]] = []
+    omitted = files.send_outputs(
+        "j", {"max_files": 10, "max_bytes": 1000}, lambda m, p=b"": sent.append((m, p)), str(work), False
+    )
+    outputs = OutputFiles(tmp_path / "kept", 10, 1000)
+    (tmp_path / "kept").mkdir()
+    for message, payload in sent:  # as the service takes them: none may break the protocol
+        if message["op"] == "file":
+            outputs.begin(message["path"])
+        elif message["op"] == "data":
+            outputs.add(payload)
+        else:
+            outputs.skip(message["path"], message["reason"])
+    outputs.end()
+    assert [entry["path"] for entry in outputs.files] == ["outputs/ok.txt"]
+    assert omitted == 2
+    assert sorted(str(item["reason"]).split(" (")[0] for item in outputs.skipped) == ["path not allowed"] * 2
