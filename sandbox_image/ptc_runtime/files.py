@@ -315,21 +315,16 @@ def clear(root: int, name: str, depth: int = 0) -> None:
 
 
 def _clear_all(fd: int, depth: int) -> None:
-    """Remove everything in the folder ``fd``, ``MAX_DIR_ENTRIES`` names at a time (never all its names in memory);
-    stops when a batch removed nothing (what cannot be removed stays)."""
-    previous: List[str] = []
-    while True:
-        try:
-            names, more = _names(fd, MAX_DIR_ENTRIES)
-        except OSError:
-            return
-        if not names or names == previous:
-            return
-        for child in names:
-            clear(fd, child, depth)
-        if not more:
-            return
-        previous = names
+    """Remove everything in the folder ``fd`` as its entries are read: one pass over a stream (never all its names
+    in memory; linear in the entries, whatever cannot be removed, e.g. a folder nested deeper than
+    ``CLEAR_DEPTH``, which stays). Removing entries already read does not hide the others from the stream (tmpfs,
+    Linux's and gVisor's)."""
+    try:
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                clear(fd, entry.name, depth)
+    except OSError:
+        return
 
 
 Send = Callable[..., None]

@@ -258,3 +258,19 @@ def test_outputs_the_service_would_refuse_are_skipped_not_sent(tmp_path: Path) -
     assert [entry["path"] for entry in outputs.files] == ["outputs/ok.txt"]
     assert omitted == 2
     assert sorted(str(item["reason"]).split(" (")[0] for item in outputs.skipped) == ["path not allowed"] * 2
+
+
+def test_emptying_removes_everything_removable_past_what_stays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Folders nested past ``CLEAR_DEPTH`` stay; everything else goes, in one pass over each folder however many
+    stay (emptying in batches of names stopped at a batch that removed nothing, and left the rest behind)."""
+    monkeypatch.setattr(files, "CLEAR_DEPTH", 1)
+    monkeypatch.setattr(files, "MAX_DIR_ENTRIES", 4)
+    work = tmp_path / "w"
+    work.mkdir()
+    files.prepare_outputs(str(work), switch_user=False)
+    for n in range(6):
+        (work / "outputs" / f"a{n}" / "b" / "c").mkdir(parents=True)  # deeper than CLEAR_DEPTH: stays
+    for n in range(50):
+        (work / "outputs" / f"f{n:02}").write_text("x")
+    files.send_outputs("j", {"max_files": 0, "max_bytes": 0}, lambda m, p=b"": None, str(work), False)
+    assert sorted(os.listdir(work / "outputs")) == [f"a{n}" for n in range(6)]
