@@ -274,3 +274,21 @@ def test_emptying_removes_everything_removable_past_what_stays(tmp_path: Path, m
         (work / "outputs" / f"f{n:02}").write_text("x")
     files.send_outputs("j", {"max_files": 0, "max_bytes": 0}, lambda m, p=b"": None, str(work), False)
     assert sorted(os.listdir(work / "outputs")) == [f"a{n}" for n in range(6)]
+
+
+def test_a_listing_says_what_a_huge_folder_holds_past_its_bound(tmp_path: Path) -> None:
+    (tmp_path / "big").mkdir()
+    for n in range(files.MAX_DIR_ENTRIES + 3):
+        (tmp_path / "big" / f"{n:05}").touch()
+    sent: list[dict[str, object]] = []
+    request = {"op": "list", "id": "r", "max_entries": 10_000}
+    files.serve_request(request, lambda m, p=b"": sent.append(m), str(tmp_path), str(tmp_path), False)
+    entries = [m for m in sent if m["op"] == "entry"]
+    assert len(entries) == files.MAX_DIR_ENTRIES + 1 and sent[-1]["error"] is None
+    assert entries[-1] == {
+        "op": "entry",
+        "id": "r",
+        "path": "big",
+        "bytes": None,
+        "skipped": "too many entries: 3 more not listed",
+    }
