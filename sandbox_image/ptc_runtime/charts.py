@@ -127,6 +127,20 @@ def _save_dpi(fig: Any) -> float:
     return float(fig.dpi)
 
 
+def _saved_size(fig: Any, dpi: float) -> Tuple[float, float]:
+    """(width, height) in pixels of ``fig`` saved at ``dpi``: with ``rcParams["savefig.bbox"] = "tight"`` the box
+    of what it draws (plus ``savefig.pad_inches``), which one text far outside the axes makes as large as Agg allows
+    (measured: 1 GiB OOM-killed the script that had ended well), else the figure's size."""
+    width, height = fig.get_size_inches() * dpi
+    params = getattr(sys.modules.get("matplotlib"), "rcParams", None)
+    if params is None or params.get("savefig.bbox") != "tight":
+        return width, height
+    tight = fig.get_tightbbox(fig.canvas.get_renderer())
+    pad = params.get("savefig.pad_inches")
+    pad = pad if isinstance(pad, (int, float)) and not isinstance(pad, bool) else 0.1
+    return (tight.width + 2 * pad) * dpi, (tight.height + 2 * pad) * dpi
+
+
 def _alarm(signum: int, frame: Any) -> None:
     raise _Deadline()
 
@@ -165,7 +179,7 @@ def save_figures() -> List[str]:
             name = "figure-%d.png" % n
             try:
                 dpi = _save_dpi(fig)
-                width, height = fig.get_size_inches() * dpi
+                width, height = _saved_size(fig, dpi)
                 if width * height > MAX_PIXELS:
                     _note("%s not saved: %d x %d pixels (at most %d)" % (name, width, height, MAX_PIXELS))
                     continue

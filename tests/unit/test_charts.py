@@ -191,3 +191,22 @@ def test_the_pixel_cap_counts_at_the_dpi_figures_are_saved_at(
     fine.stale = True
     assert charts.save_figures() == ["figure-1.png", "figure-2.png"]
     assert huge.saved_dpi == 100
+
+
+def test_the_pixel_cap_counts_the_tight_box_when_figures_are_saved_tight(
+    managers: list[FakeManager], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``savefig.bbox`` "tight" saves the box of what a figure draws: one text far outside the axes made a 4 x 3
+    inch figure as large as Agg allows (measured: the script that had ended well was OOM-killed at 1 GiB)."""
+    matplotlib = types.ModuleType("matplotlib")
+    matplotlib.rcParams = {"savefig.bbox": "tight", "savefig.pad_inches": 0.1}  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "matplotlib", matplotlib)
+    far, near = FakeFigure(4, 3, 100), FakeFigure(4, 3, 100)
+    for figure, inches in ((far, 600.0), (near, 3.8)):
+        box = types.SimpleNamespace(width=inches, height=inches)
+        figure.canvas = types.SimpleNamespace(get_renderer=lambda: None)  # type: ignore[attr-defined]
+        figure.get_tightbbox = lambda renderer, box=box: box  # type: ignore[attr-defined]
+    managers += [FakeManager(far, 1), FakeManager(near, 2)]
+    assert charts.save_figures() == ["figure-2.png"]
+    assert far.saves == 0
+    assert "figure-1.png not saved: 60020 x 60020 pixels" in capsys.readouterr().err
