@@ -71,6 +71,7 @@ class Session:
     image: str = "default"  # the name (in PTC_IMAGES) of its sandbox's image; its scripts run in it
     stub_source: str | None = None  # the tools package now in the folder
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)
+    put_bytes_waiting: int = 0  # bytes of PUT bodies waiting for the turn, held in the service's memory
 
     @property
     def ended(self) -> bool:

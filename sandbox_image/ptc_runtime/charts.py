@@ -16,9 +16,9 @@ Each open figure (``Gcf``, pyplot's list) is written as ``OUTPUTS/figure-<n>.png
 created the script's figures (1 = the first; a figure closed before any save leaves its number unused). A figure
 already saved and not changed since (``Figure.stale`` false) is not written again. The files count against the
 sandbox's ``/tmp`` (tmpfs) like any file: a save that fails (``/tmp`` full: ``No space left on device``) is said on
-stderr and leaves no partial file. Bounds: at most
-``MAX_FIGURES`` figures of at most ``MAX_PIXELS`` pixels each, within ``DEADLINE_S`` in all (a timer interrupts a
-longer save; the job's own timeout bounds the rest); what is skipped is said on stderr, never silently.
+stderr and leaves no partial file. Bounds: at most ``MAX_FIGURES`` figures of at most ``MAX_PIXELS`` pixels each
+(at the dpi they are saved at: ``savefig.dpi``), within ``DEADLINE_S`` in all (a timer interrupts a longer save;
+the job's own timeout bounds the rest); what is skipped is said on stderr, never silently.
 
 The folder is opened without following a symlink (``O_NOFOLLOW``) and each file is created in it relative to that
 descriptor, again without following one, and only if it is a regular file (``O_NONBLOCK``: a FIFO planted under the
@@ -113,6 +113,34 @@ def _remove(folder: int, name: str) -> None:
         pass
 
 
+def _save_dpi(fig: Any) -> float:
+    """The dpi ``fig`` is saved at: ``rcParams["savefig.dpi"]`` when the script set a number there (else the figure's
+    own), so that ``MAX_PIXELS`` bounds what is drawn (a 4 x 3 inch figure with ``savefig.dpi`` 10,000 is 1.2
+    billion pixels: gigabytes of Agg buffer at the script's end), and ``savefig`` is given it explicitly."""
+    wanted: Any = None
+    try:
+        wanted = sys.modules["matplotlib"].rcParams["savefig.dpi"]
+    except Exception:
+        pass
+    if isinstance(wanted, (int, float)) and not isinstance(wanted, bool) and wanted > 0:
+        return float(wanted)
+    return float(fig.dpi)
+
+
+def _saved_size(fig: Any, dpi: float) -> Tuple[float, float]:
+    """(width, height) in pixels of ``fig`` saved at ``dpi``: with ``rcParams["savefig.bbox"] = "tight"`` the box
+    of what it draws (plus ``savefig.pad_inches``), which one text far outside the axes makes as large as Agg allows
+    (measured: 1 GiB OOM-killed the script that had ended well), else the figure's size."""
+    width, height = fig.get_size_inches() * dpi
+    params = getattr(sys.modules.get("matplotlib"), "rcParams", None)
+    if params is None or params.get("savefig.bbox") != "tight":
+        return width, height
+    tight = fig.get_tightbbox(fig.canvas.get_renderer())
+    pad = params.get("savefig.pad_inches")
+    pad = pad if isinstance(pad, (int, float)) and not isinstance(pad, bool) else 0.1
+    return (tight.width + 2 * pad) * dpi, (tight.height + 2 * pad) * dpi
+
+
 def _alarm(signum: int, frame: Any) -> None:
     raise _Deadline()
 
@@ -150,7 +178,8 @@ def save_figures() -> List[str]:
         for n, fig in pending:
             name = "figure-%d.png" % n
             try:
-                width, height = fig.get_size_inches() * fig.dpi
+                dpi = _save_dpi(fig)
+                width, height = _saved_size(fig, dpi)
                 if width * height > MAX_PIXELS:
                     _note("%s not saved: %d x %d pixels (at most %d)" % (name, width, height, MAX_PIXELS))
                     continue
@@ -159,7 +188,7 @@ def save_figures() -> List[str]:
                     continue
                 try:
                     with os.fdopen(fd, "wb") as f:
-                        fig.savefig(f, format="png")
+                        fig.savefig(f, format="png", dpi=dpi)
                 except BaseException:
                     _remove(folder, name)  # never a truncated PNG (a full /tmp, the deadline)
                     raise

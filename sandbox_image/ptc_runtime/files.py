@@ -27,6 +27,14 @@ OUTPUTS = "outputs"
 """The outputs folder under the working directory: what a script writes there is collected when it ends."""
 CHUNK_BYTES = 64 * 1024
 CLEAR_DEPTH = 100
+MAX_DIR_ENTRIES = 2048
+"""Most names of one folder a walk holds (and sorts) at once: a script can leave hundreds of thousands of files
+(their inodes fill the sandbox's memory, not its tmpfs), whose names listed at once would run the resident
+interpreter out of the memory that is left (measured: 180,000 files of 200-byte names in ``outputs/``, 256 MiB, the
+collection OOM-killed and the job reported ``oom_killed`` though the script exited 0). Past it the walk takes the
+first ``MAX_DIR_ENTRIES`` the folder lists (in name order) and counts the rest (``TOO_MANY``)."""
+TOO_MANY = "too many entries"
+"""A walk's reason for the entries of a folder past ``MAX_DIR_ENTRIES`` (its size field: how many)."""
 SKIPPED_FRAMES = 100  # entries left out of the outputs are all counted (``files_omitted``), the first these sent
 SANDBOX_UID = 10001
 SANDBOX_GID = 10001
@@ -60,6 +68,8 @@ def check_path(path: object, outputs: bool = False) -> str:
         raise ValueError("a path is a string")
     if "\0" in path:
         raise ValueError("a path must not contain NUL")
+    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in path):
+        raise ValueError("a path must not contain control characters (a newline, a tab, ...)")
     if path.startswith("/"):
         raise ValueError("a path must be relative (to the working directory /tmp)")
     try:
@@ -226,12 +236,28 @@ def chunks(fd: int, size: int) -> Iterator[bytes]:
         yield data
 
 
+def _names(fd: int, most: int) -> Tuple[List[str], int]:
+    """(at most ``most`` names of the folder ``fd`` in name order, how many more it holds), read as a stream: never
+    more than ``most`` names in memory, however large the folder."""
+    names: List[str] = []
+    more = 0
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            if len(names) < most:
+                names.append(entry.name)
+            else:
+                more += 1
+    names.sort()
+    return names, more
+
+
 def walk(root: int, prefix: str = "", depth: int = 0) -> Iterator[Tuple[str, Optional[int], Optional[str]]]:
     """Every entry below ``root`` that is not a folder, depth first in name order: (path, size, None) for a
     regular file, (path, None, reason) for anything else (a symlink, a fifo, a device, a folder too deep or one
-    that cannot be opened). Symlinks are never followed."""
+    that cannot be opened). Symlinks are never followed. A folder of more than ``MAX_DIR_ENTRIES`` entries: the
+    first that many it lists, then (folder's path, how many more, ``TOO_MANY``)."""
     try:
-        names = sorted(os.listdir(root))
+        names, more = _names(root, MAX_DIR_ENTRIES)
     except OSError:
         return
     for name in names:
@@ -259,6 +285,8 @@ def walk(root: int, prefix: str = "", depth: int = 0) -> Iterator[Tuple[str, Opt
             yield path, None, "symlink"
         else:
             yield path, None, "not a regular file"
+    if more:
+        yield prefix.rstrip("/") or ".", more, TOO_MANY
 
 
 def clear(root: int, name: str, depth: int = 0) -> None:
@@ -279,12 +307,24 @@ def clear(root: int, name: str, depth: int = 0) -> None:
     except OSError:
         return
     try:
-        for child in os.listdir(fd):
-            clear(fd, child, depth + 1)
+        _clear_all(fd, depth + 1)
     finally:
         os.close(fd)
     with contextlib.suppress(OSError):
         os.rmdir(name, dir_fd=root)
+
+
+def _clear_all(fd: int, depth: int) -> None:
+    """Remove everything in the folder ``fd`` as its entries are read: one pass over a stream (never all its names
+    in memory; linear in the entries, whatever cannot be removed, e.g. a folder nested deeper than
+    ``CLEAR_DEPTH``, which stays). Removing entries already read does not hide the others from the stream (tmpfs,
+    Linux's and gVisor's)."""
+    try:
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                clear(fd, entry.name, depth)
+    except OSError:
+        return
 
 
 Send = Callable[..., None]
@@ -376,7 +416,9 @@ def _list(root: int, request: Dict[str, Any], send: Send, rid: str, done: Dict[s
             done["truncated"] = True
             break
         shown = _shown(path)
-        if shown != path:
+        if reason == TOO_MANY:
+            size, reason = None, "%s: %d more not listed" % (TOO_MANY, size or 0)
+        elif shown != path:
             size, reason = None, "name not UTF-8 or too long"
         send({protocol.FIELD_OP: protocol.ENTRY, "id": rid, "path": shown, "bytes": size, "skipped": reason})
         count += 1
@@ -403,8 +445,16 @@ def send_outputs(job_id: str, caps: Dict[str, Any], send: Send, workdir: str, sw
                     for path, size, reason in walk(outputs):
                         path = OUTPUTS + "/" + path
                         shown = _shown(path)
+                        if reason == TOO_MANY:  # size: how many entries of that folder were not examined
+                            if omitted < SKIPPED_FRAMES:
+                                skipped = {protocol.FIELD_OP: protocol.SKIPPED, "id": job_id, "path": shown}
+                                send({**skipped, "reason": "%s: %d not collected" % (TOO_MANY, size or 0)})
+                            omitted += size or 0
+                            continue
                         if shown != path:
                             reason = "name not UTF-8 or too long"
+                        elif reason is None and not _sendable(path):
+                            reason = "path not allowed (too deep, or control characters)"
                         elif reason is None and (files >= max_files or total + (size or 0) > max_bytes):
                             reason = "cap"
                         if reason is not None:
@@ -449,10 +499,20 @@ def _empty(root: int) -> None:
     except OSError:
         return
     try:
-        for name in os.listdir(fd):
-            clear(fd, name)
+        _clear_all(fd, 0)
     finally:
         os.close(fd)
+
+
+def _sendable(path: str) -> bool:
+    """Whether ``path`` (under ``OUTPUTS``) passes ``check_path``, as the service checks every ``file`` frame: one
+    that does not (17 components: a file 15 folders deep in ``outputs/``; a newline in a name, which no URL of
+    ``GET /jobs/{id}/files/{path}`` could name) is skipped, never sent (the service would end the sandbox as broken
+    and the finished job would lose its result)."""
+    try:
+        return check_path(path, outputs=True) == path
+    except ValueError:
+        return False
 
 
 def _shown(path: str) -> str:

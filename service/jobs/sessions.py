@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from service.auth import Caller
-from service.errors import FileRefused, InvalidField, RequestLimitError, SessionClosed
+from service.errors import FileRefused, InvalidField, QueueFull, RequestLimitError, SessionClosed
 from service.jobs.admission import Admission, find_session
 from service.jobs.live import SANDBOX_LIMITS, LiveJob, resolve_limits
 from service.jobs.placement import Sandboxes
@@ -153,20 +153,36 @@ class SessionJobs:
         """Write ``data`` to ``path`` (checked) under the session's /tmp, at the session's turn (after the scripts
         running or queued); returns {path, bytes, sha256}.
 
+        The bodies of the PUTs waiting for a session's turn are held in the service's memory while its scripts run
+        (up to ``max_timeout_s`` each): together they hold at most ``max_files_bytes`` per session, past it
+        QueueFull (429), as a request's ``files`` do; else one key could park ``max_files_bytes`` per concurrent
+        request for minutes.
+
         Raises:
             SessionNotFound, SessionClosed: as every session route.
+            QueueFull: the PUTs waiting for the session's turn hold ``max_files_bytes`` already.
             FileRefused: the sandbox could not write it (no_space, not_a_file: a symlink or folder in the way).
             SandboxError: the sandbox is gone.
         """
         session = await self._file_turn(session_id, caller)
-        async with session.turn:
-            if session.ended:
-                raise SessionClosed(session_id, session.status, (session.error or {}).get("message", ""))
-            try:
-                await session.sandbox.put_files([(path, data)])
-            except FileRefused as exc:  # the file of the URL's path: no index of a body's files to name
-                raise FileRefused(exc.code, str(exc)) from None
-            session.last_used_at = datetime.now(UTC)
+        if session.put_bytes_waiting + len(data) > self._settings.max_files_bytes:
+            raise QueueFull(self._settings.retry_after_s)
+        session.put_bytes_waiting += len(data)
+        data_waiting = True
+        try:
+            async with session.turn:
+                session.put_bytes_waiting -= len(data)
+                data_waiting = False
+                if session.ended:
+                    raise SessionClosed(session_id, session.status, (session.error or {}).get("message", ""))
+                try:
+                    await session.sandbox.put_files([(path, data)])
+                except FileRefused as exc:  # the file of the URL's path: no index of a body's files to name
+                    raise FileRefused(exc.code, str(exc)) from None
+                session.last_used_at = datetime.now(UTC)
+        finally:
+            if data_waiting:
+                session.put_bytes_waiting -= len(data)
         return {"path": path, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
     async def get_file(self, session_id: str, caller: Caller, path: str) -> bytes:

@@ -177,6 +177,33 @@ def test_a_full_tmp_is_said_and_leaves_no_partial_png(data_api: httpx.Client) ->
         data_api.delete(f"/sessions/{sid}")
 
 
+def test_a_huge_savefig_dpi_is_refused_at_the_pixel_cap(data_api: httpx.Client, data_session: str) -> None:
+    """``savefig.dpi`` 10,000 on a 4 x 3 inch figure: once checked at the figure's own 100 dpi and drawn at
+    40,000 x 30,000 pixels, the script that had ended well was OOM-killed at 1 GiB (measured, runc) with an empty
+    figure-1.png listed. Now the cap counts at the dpi the figure is saved at."""
+    script = (
+        "import matplotlib.pyplot as plt\nplt.rcParams['savefig.dpi'] = 10000\n"
+        "plt.figure(figsize=(4, 3))\nplt.plot([1, 2, 3])\nprint('end')\n"
+    )
+    view = execute(data_api, script, session_id=data_session)
+    assert (view["status"], view["stdout"], view["files"]) == ("succeeded", "end\n", []), view
+    assert "figure-1.png not saved: 40000 x 30000 pixels" in view["stderr"], view
+
+
+def test_a_far_text_under_a_tight_bbox_is_refused_at_the_pixel_cap(data_api: httpx.Client, data_session: str) -> None:
+    """``savefig.bbox`` "tight" and one text far outside the axes: once, drawn as large as Agg allows and the
+    script that had ended well was OOM-killed at 1 GiB. A tight figure of ordinary size is still saved."""
+    script = (
+        "import matplotlib.pyplot as plt\nplt.rcParams['savefig.bbox'] = 'tight'\nplt.plot([0, 1])\n"
+        "plt.xlim(0, 1)\nplt.ylim(0, 1)\nplt.text(100, 100, 'far')\nprint('end')\n"
+    )
+    view = execute(data_api, script, session_id=data_session)
+    assert (view["status"], view["stdout"], view["files"]) == ("succeeded", "end\n", []), view
+    assert "figure-1.png not saved: " in view["stderr"] and "(at most 25000000)" in view["stderr"], view
+    near = execute(data_api, script.replace("100, 100", "0.5, 0.5"), session_id=data_session)
+    assert [f["path"] for f in near["files"]] == ["outputs/figure-1.png"], near
+
+
 def test_a_script_without_matplotlib_leaves_no_outputs(data_api: httpx.Client) -> None:
     view = execute(data_api, "import os\nprint(os.listdir('/tmp/outputs'))")
     assert (view["stdout"], view["files"]) == ("[]\n", []), view  # the folder is there (empty): no figure saved

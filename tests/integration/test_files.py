@@ -258,6 +258,32 @@ def test_outputs_past_the_caps_are_reported(api: httpx.Client) -> None:
     assert big["files"] == [] and big["files_skipped"] == [{"path": "outputs/big.bin", "reason": "cap"}], big
 
 
+def test_outputs_the_service_would_refuse_leave_the_job_its_result(api: httpx.Client) -> None:
+    """A file 15 folders deep in outputs/ (17 path components) and a name with a newline: once, the sandbox sent
+    them, the service ended it as broken, and a script that exited 0 was a failed job (sandbox_error) with no
+    files. Now both are skipped and counted; a folder of more entries than a walk holds is counted too."""
+    script = (
+        "import os\n"
+        "deep = 'outputs/' + '/'.join('d%d' % n for n in range(15))\n"
+        "os.makedirs(deep)\n"
+        "open(deep + '/deep.txt', 'w').write('deep')\n"
+        "open('outputs/new\\nline.txt', 'w').write('nl')\n"
+        "open('outputs/ok.txt', 'w').write('ok')\n"
+        "os.mkdir('outputs/many')\n"
+        "for n in range(3000):\n"
+        "    open('outputs/many/%05d' % n, 'w').close()\n"
+        "print('done')\n"
+    )
+    view = run(api, script)
+    assert (view["status"], view["exit_code"], view["stdout"]) == ("succeeded", 0, "done\n"), view
+    collected = [f["path"] for f in view["files"]]  # the cap: 3, of the first 2,048 the folder lists, in name order
+    assert len(collected) == 3 and collected == sorted(collected), collected
+    assert all(path.startswith("outputs/many/") for path in collected), collected
+    assert view["files_omitted"] == 1 + 3000 + 1 + 1 - 3, view["files_omitted"]  # every entry counted
+    reasons = {s["path"]: s["reason"] for s in view["files_skipped"]}
+    assert reasons["outputs/d0/d1/d2/d3/d4/d5/d6/d7/d8/d9/d10/d11/d12/d13/d14/deep.txt"].startswith("path not allowed")
+
+
 def test_caps_refuse_before_any_sandbox_starts(api: httpx.Client) -> None:
     before = len(api.get("/jobs").json()["jobs"])
     six = [{"path": f"f{n}", "content": ""} for n in range(6)]

@@ -36,8 +36,9 @@ class FakeFigure:
 
         return Size(self.size)
 
-    def savefig(self, f: IO[bytes], format: str) -> None:
+    def savefig(self, f: IO[bytes], format: str, dpi: float | None = None) -> None:
         assert format == "png"
+        self.saved_dpi = dpi
         time.sleep(self.delay_s)
         f.write(b"PNG %d" % id(self))
         self.stale = False
@@ -157,7 +158,7 @@ def test_preload_imports_what_it_can_and_says_what_failed(capsys: pytest.Capture
 
 
 class FailingFigure(FakeFigure):
-    def savefig(self, f: IO[bytes], format: str) -> None:
+    def savefig(self, f: IO[bytes], format: str, dpi: float | None = None) -> None:
         f.write(b"\x89PNG partial")
         f.flush()
         raise OSError(28, "No space left on device")
@@ -170,3 +171,42 @@ def test_a_failed_save_is_said_and_leaves_no_partial_file(
     assert charts.save_figures() == ["figure-2.png"]
     assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == ["figure-2.png"]
     assert "figure-1.png not saved: OSError: [Errno 28] No space left on device" in capsys.readouterr().err
+
+
+def test_the_pixel_cap_counts_at_the_dpi_figures_are_saved_at(
+    managers: list[FakeManager], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``rcParams["savefig.dpi"]`` set by the script decides the saved size: a small figure at 10,000 dpi would
+    be 40,000 x 30,000 pixels (4.8 GB of Agg buffer at the script's end), yet passed the check made at the
+    figure's own dpi."""
+    matplotlib = types.ModuleType("matplotlib")
+    matplotlib.rcParams = {"savefig.dpi": 10_000}  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "matplotlib", matplotlib)
+    huge, fine = FakeFigure(4, 3, 100), FakeFigure(0.2, 0.2, 100)
+    managers += [FakeManager(huge, 1), FakeManager(fine, 2)]
+    assert charts.save_figures() == ["figure-2.png"]
+    assert huge.saves == 0 and fine.saved_dpi == 10_000
+    assert "figure-1.png not saved: 40000 x 30000 pixels" in capsys.readouterr().err
+    matplotlib.rcParams = {"savefig.dpi": "figure"}  # type: ignore[attr-defined]
+    fine.stale = True
+    assert charts.save_figures() == ["figure-1.png", "figure-2.png"]
+    assert huge.saved_dpi == 100
+
+
+def test_the_pixel_cap_counts_the_tight_box_when_figures_are_saved_tight(
+    managers: list[FakeManager], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``savefig.bbox`` "tight" saves the box of what a figure draws: one text far outside the axes made a 4 x 3
+    inch figure as large as Agg allows (measured: the script that had ended well was OOM-killed at 1 GiB)."""
+    matplotlib = types.ModuleType("matplotlib")
+    matplotlib.rcParams = {"savefig.bbox": "tight", "savefig.pad_inches": 0.1}  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "matplotlib", matplotlib)
+    far, near = FakeFigure(4, 3, 100), FakeFigure(4, 3, 100)
+    for figure, inches in ((far, 600.0), (near, 3.8)):
+        box = types.SimpleNamespace(width=inches, height=inches)
+        figure.canvas = types.SimpleNamespace(get_renderer=lambda: None)  # type: ignore[attr-defined]
+        figure.get_tightbbox = lambda renderer, box=box: box  # type: ignore[attr-defined]
+    managers += [FakeManager(far, 1), FakeManager(near, 2)]
+    assert charts.save_figures() == ["figure-2.png"]
+    assert far.saves == 0
+    assert "figure-1.png not saved: 60020 x 60020 pixels" in capsys.readouterr().err

@@ -214,3 +214,28 @@ async def test_files_that_cannot_be_written_end_the_job_or_the_session(
         ["body", "files", 1],
     )
     assert (await alice.get("/sessions")).json()["sessions"] == []  # ended, its sandbox removed
+
+
+async def test_puts_waiting_for_a_busy_session_hold_at_most_max_files_bytes(
+    api: tuple[httpx.AsyncClient, httpx.AsyncClient],
+) -> None:
+    """PUT bodies wait in the service's memory for the session's turn (a script may run for minutes): together at
+    most ``max_files_bytes`` (1,000 here) per session, past it 429; once the turn comes they are written."""
+    import asyncio
+
+    alice, _ = api
+    sid = (await alice.post("/sessions", json={})).json()["session_id"]
+    started = await alice.post(
+        "/execute", json={"script": "import time\ntime.sleep(2)\n", "session_id": sid, "wait_s": 0}
+    )
+    assert started.status_code in (200, 202), started.text
+    for _ in range(100):  # the script holds the turn
+        if (await alice.get(f"/sessions/{sid}")).json()["current_job_id"] is not None:
+            break
+        await asyncio.sleep(0.05)
+    puts = [alice.put(f"/sessions/{sid}/files/f{n}", content=b"x" * 400) for n in range(3)]
+    answers = await asyncio.gather(*puts)
+    assert sorted(answer.status_code for answer in answers) == [200, 200, 429], [a.text for a in answers]
+    refused = next(answer for answer in answers if answer.status_code == 429)
+    assert refused.headers["content-type"] == "application/problem+json"
+    assert (await alice.put(f"/sessions/{sid}/files/after", content=b"x" * 900)).status_code == 200  # all returned

@@ -41,6 +41,10 @@ def test_paths_that_stay_in_the_working_directory(path: str, normal: str) -> Non
         "/etc/passwd",
         "//x",
         "a\x00b",
+        "a\nb",
+        "a\r\nSet-Cookie: x",
+        "tab\there",
+        "del\x7f",
         "x" * 256,
         "a/" * 17 + "b",
         "a" * 1025,
@@ -178,3 +182,113 @@ def test_only_the_first_skipped_entries_are_sent_all_are_counted(tmp_path: Path)
     assert omitted == 240
     assert sum(m["op"] == "skipped" for m in sent) == files.SKIPPED_FRAMES
     assert sum(m["op"] == "file" for m in sent) == 10
+
+
+def test_a_huge_outputs_folder_is_collected_and_emptied_in_bounded_memory(tmp_path: Path) -> None:
+    """A script can leave far more files in outputs/ than the sandbox's memory can hold the names of (measured:
+    180,000 files of 200-byte names OOM-killed the collection at 256 MiB, and the job that had exited 0 was reported
+    ``oom_killed``): the walk and the emptying hold at most ``MAX_DIR_ENTRIES`` names of a folder, and count the
+    rest."""
+    import tracemalloc
+
+    work = tmp_path / "w"
+    work.mkdir()
+    files.prepare_outputs(str(work), switch_user=False)
+    count = 16 * files.MAX_DIR_ENTRIES + 500
+    for n in range(count):
+        (work / "outputs" / f"{n:06}-{'x' * 200}").touch()
+    sent: list[dict[str, object]] = []
+    tracemalloc.start()
+    try:
+        omitted = files.send_outputs(
+            "j", {"max_files": 10, "max_bytes": 1000}, lambda m, p=b"": sent.append(m), str(work), False
+        )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert omitted == count - 10  # every entry counted, collected or not
+    assert sum(m["op"] == "file" for m in sent) == 10
+    assert os.listdir(work / "outputs") == []  # emptied all the same
+    assert peak < 4 * files.MAX_DIR_ENTRIES * 300, peak  # never every name at once (all: ~9 MB here)
+
+
+def test_a_walk_counts_what_a_huge_folder_holds_past_its_bound(tmp_path: Path) -> None:
+    (tmp_path / "big").mkdir()
+    for n in range(files.MAX_DIR_ENTRIES + 7):
+        (tmp_path / "big" / f"{n:05}").touch()
+    (tmp_path / "z").write_text("z")
+    fd = files.open_root(str(tmp_path))
+    try:
+        listed = list(files.walk(fd))
+    finally:
+        os.close(fd)
+    assert len(listed) == files.MAX_DIR_ENTRIES + 2
+    assert listed[-2] == ("big", 7, files.TOO_MANY)
+    assert listed[-1] == ("z", 1, None)
+
+
+def test_outputs_the_service_would_refuse_are_skipped_not_sent(tmp_path: Path) -> None:
+    """A file 15 folders deep in outputs/ (17 path components) or a name with a newline: every ``file`` frame is
+    checked by the service (``OutputFiles.begin``), which ends a sandbox sending a path it refuses, and the
+    finished job then lost its result and was reported a sandbox error (measured, runc). Now skipped, counted."""
+    from service.files import OutputFiles
+
+    work = tmp_path / "w"
+    work.mkdir()
+    files.prepare_outputs(str(work), switch_user=False)
+    deep = work / "outputs" / "/".join(f"d{n}" for n in range(15))
+    deep.mkdir(parents=True)
+    (deep / "deep.txt").write_text("deep")
+    (work / "outputs" / "a\nb.txt").write_text("nl")
+    (work / "outputs" / "ok.txt").write_text("ok")
+    sent: list[tuple[dict[str, object], bytes]] = []
+    omitted = files.send_outputs(
+        "j", {"max_files": 10, "max_bytes": 1000}, lambda m, p=b"": sent.append((m, p)), str(work), False
+    )
+    outputs = OutputFiles(tmp_path / "kept", 10, 1000)
+    (tmp_path / "kept").mkdir()
+    for message, payload in sent:  # as the service takes them: none may break the protocol
+        if message["op"] == "file":
+            outputs.begin(message["path"])
+        elif message["op"] == "data":
+            outputs.add(payload)
+        else:
+            outputs.skip(message["path"], message["reason"])
+    outputs.end()
+    assert [entry["path"] for entry in outputs.files] == ["outputs/ok.txt"]
+    assert omitted == 2
+    assert sorted(str(item["reason"]).split(" (")[0] for item in outputs.skipped) == ["path not allowed"] * 2
+
+
+def test_emptying_removes_everything_removable_past_what_stays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Folders nested past ``CLEAR_DEPTH`` stay; everything else goes, in one pass over each folder however many
+    stay (emptying in batches of names stopped at a batch that removed nothing, and left the rest behind)."""
+    monkeypatch.setattr(files, "CLEAR_DEPTH", 1)
+    monkeypatch.setattr(files, "MAX_DIR_ENTRIES", 4)
+    work = tmp_path / "w"
+    work.mkdir()
+    files.prepare_outputs(str(work), switch_user=False)
+    for n in range(6):
+        (work / "outputs" / f"a{n}" / "b" / "c").mkdir(parents=True)  # deeper than CLEAR_DEPTH: stays
+    for n in range(50):
+        (work / "outputs" / f"f{n:02}").write_text("x")
+    files.send_outputs("j", {"max_files": 0, "max_bytes": 0}, lambda m, p=b"": None, str(work), False)
+    assert sorted(os.listdir(work / "outputs")) == [f"a{n}" for n in range(6)]
+
+
+def test_a_listing_says_what_a_huge_folder_holds_past_its_bound(tmp_path: Path) -> None:
+    (tmp_path / "big").mkdir()
+    for n in range(files.MAX_DIR_ENTRIES + 3):
+        (tmp_path / "big" / f"{n:05}").touch()
+    sent: list[dict[str, object]] = []
+    request = {"op": "list", "id": "r", "max_entries": 10_000}
+    files.serve_request(request, lambda m, p=b"": sent.append(m), str(tmp_path), str(tmp_path), False)
+    entries = [m for m in sent if m["op"] == "entry"]
+    assert len(entries) == files.MAX_DIR_ENTRIES + 1 and sent[-1]["error"] is None
+    assert entries[-1] == {
+        "op": "entry",
+        "id": "r",
+        "path": "big",
+        "bytes": None,
+        "skipped": "too many entries: 3 more not listed",
+    }
