@@ -171,6 +171,13 @@ def pool_ready(api: httpx.Client, profile: str | None = None) -> int:
     return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines() if line.startswith(prefix))
 
 
+def stop_clean(engine: docker.DockerClient, svc: Service) -> None:
+    """Stop ``svc``; then no container it labelled (pool included) may remain (AssertionError naming them)."""
+    svc.stop()
+    left = labelled_containers(engine, svc.instance_id, include_pool=True)
+    assert not left, f"containers left behind: {[c.name for c in left]}"
+
+
 def container_gone(engine: docker.DockerClient, container_id: str) -> bool:
     """Whether the engine no longer has the container."""
     try:
@@ -193,9 +200,7 @@ def service(engine: docker.DockerClient, scratch: Path) -> Iterator[Service]:
     """The shared service; at the end, no container it labelled may remain."""
     svc = start_service(f"pytest-{secrets.token_hex(4)}", scratch / "svc")
     yield svc
-    svc.stop()
-    left = labelled_containers(engine, svc.instance_id, include_pool=True)
-    assert not left, f"containers left behind: {[c.name for c in left]}"
+    stop_clean(engine, svc)
 
 
 SMALL_TOKEN = secrets.token_urlsafe(32)
@@ -224,9 +229,7 @@ def restricted_service(engine: docker.DockerClient, scratch: Path, tool_server: 
         PTC_CALLBACK_SECRET=secrets.token_hex(16),
     )
     yield svc
-    svc.stop()
-    left = labelled_containers(engine, svc.instance_id, include_pool=True)
-    assert not left, f"containers left behind: {[c.name for c in left]}"
+    stop_clean(engine, svc)
 
 
 @pytest.fixture(scope="session")
@@ -241,9 +244,7 @@ def runsc_service(engine: docker.DockerClient, scratch: Path) -> Iterator[Servic
     require_runtime(engine, "runsc")
     svc = start_service(f"pytest-runsc-{secrets.token_hex(4)}", scratch / "svc-runsc", PTC_RUNTIME="runsc")
     yield svc
-    svc.stop()
-    left = labelled_containers(engine, svc.instance_id, include_pool=True)
-    assert not left, f"containers left behind: {[c.name for c in left]}"
+    stop_clean(engine, svc)
 
 
 @pytest.fixture(params=RUNTIMES)

@@ -21,7 +21,7 @@ import docker
 import httpx
 import pytest
 
-from tests.conftest import IMAGE, execute, in_ci, labelled_containers, pool_ready, start_service, wait_until
+from tests.conftest import IMAGE, execute, in_ci, pool_ready, start_service, stop_clean, wait_until
 
 DATA_IMAGE = os.environ.get("PTC_DATA_IMAGE", "ptc-sandbox-data:latest")
 PRELOAD = "numpy,pandas,matplotlib,matplotlib.pyplot"
@@ -66,8 +66,7 @@ def data_api(engine: docker.DockerClient, scratch: Path) -> Iterator[httpx.Clien
         with svc.client(timeout=120) as api:
             yield api
     finally:
-        svc.stop()
-        assert not labelled_containers(engine, svc.instance_id, include_pool=True)
+        stop_clean(engine, svc)
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from service.auth import hash_token
-from tests.conftest import RUNTIMES, Service, labelled_containers, require_runtime, start_service
+from tests.conftest import RUNTIMES, Service, require_runtime, start_service, stop_clean
 
 OTHER_TOKEN = secrets.token_urlsafe(32)
 
@@ -52,9 +52,7 @@ def files_service(request: pytest.FixtureRequest, engine: docker.DockerClient, s
     )
     svc.token = token
     yield svc
-    svc.stop()
-    left = labelled_containers(engine, svc.instance_id, include_pool=True)
-    assert not left, f"containers left behind: {[c.name for c in left]}"
+    stop_clean(engine, svc)
 
 
 @pytest.fixture(scope="module")

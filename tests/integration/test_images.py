@@ -19,7 +19,7 @@ import pytest
 from docker.models.containers import Container
 
 from service.sandbox.labels import LABEL_INSTANCE, LABEL_POOL, LABEL_SESSION
-from tests.conftest import IMAGE, Service, labelled_containers, start_service, wait_until
+from tests.conftest import IMAGE, Service, start_service, stop_clean, wait_until
 
 DATA_MEMORY_MB = 1024  # the data image's memory default here (pandas needs more than the server's 256)
 DATA_TIMEOUT_S = 90
@@ -54,9 +54,7 @@ def images_service(engine: docker.DockerClient, scratch: Path, data_image: str) 
         probe="/healthz",  # /readyz is 503 here: the gone image is missing (tested below)
     )
     yield svc
-    svc.stop()
-    left = labelled_containers(engine, svc.instance_id, include_pool=True)
-    assert not left, f"containers left behind: {[c.name for c in left]}"
+    stop_clean(engine, svc)
 
 
 @pytest.fixture(scope="module")
