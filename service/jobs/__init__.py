@@ -121,6 +121,7 @@ class JobManager:
             await asyncio.gather(*parts.sandboxes.removals, return_exceptions=True)
         await parts.session_manager.close()
         await parts.pool.close()
+        await parts.recovery.sweep("still there at shutdown")
         await asyncio.to_thread(parts.folders.close)
         await parts.webhooks.close()
         parts.checks.close()

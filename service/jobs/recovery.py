@@ -81,6 +81,19 @@ class Recovery:
             self._lock.close()
             self._lock = None
 
+    async def sweep(self, which: str) -> int:
+        """Remove every sandbox labelled with this instance (at start-up, and at shutdown once every job, session
+        and pool has removed its own: none should remain then); returns how many. A removal logs a warning
+        naming ``which`` they were; an engine that cannot be asked is logged, not raised."""
+        try:
+            removed = await self._backend.remove_labelled(self._instance_labels)
+        except SandboxError as exc:
+            log.warning("could not sweep sandboxes of instance %s: %s", self._instance, exc)
+            return 0
+        if removed:
+            log.warning("removed %d sandbox(es) %s of instance %s", removed, which, self._instance)
+        return removed
+
     async def start(self) -> None:
         """Lock the work dir, then reconcile what a previous run left: sandboxes, job folders, unfinished jobs.
 
@@ -88,17 +101,7 @@ class Recovery:
             WorkDirBusy: another running instance holds the work dir.
         """
         self._lock = workdir.lock(self._settings.work_dir)
-        try:
-            removed = await self._backend.remove_labelled(self._instance_labels)
-        except SandboxError as exc:
-            log.warning("could not sweep sandboxes of instance %s: %s", self._instance, exc)
-            removed = 0
-        if removed:
-            log.warning(
-                "removed %d sandbox(es) left behind by an earlier run of instance %s",
-                removed,
-                self._instance,
-            )
+        await self.sweep("left behind by an earlier run")
         await asyncio.to_thread(self._folders.open)  # a tmpfs: sandboxes' mount tables show no host path
         if self.jobs_dir.exists():
             await asyncio.to_thread(shutil.rmtree, self.jobs_dir, False, _removal_failed)

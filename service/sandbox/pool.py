@@ -109,6 +109,7 @@ class WarmPool:
         self._starting = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._destroying: set[asyncio.Task[None]] = set()
         self.last_taken = time.monotonic()
 
     @property
@@ -130,7 +131,7 @@ class WarmPool:
             if time.monotonic() - candidate.started <= self._max_age_s and candidate.sandbox.broken is None:
                 sandbox = candidate.sandbox
             else:
-                asyncio.get_running_loop().create_task(candidate.sandbox.destroy())
+                self._discard(candidate.sandbox)
         self._wake.set()
         return sandbox
 
@@ -145,17 +146,27 @@ class WarmPool:
         if sandbox.commitment is not None:
             sandbox.commitment.release()
             sandbox.commitment = None
-        asyncio.get_running_loop().create_task(sandbox.destroy())
+        self._discard(sandbox)
         return True
 
+    def _discard(self, sandbox: ResidentSandbox) -> asyncio.Task[None]:
+        """Destroy ``sandbox`` in a task of its own: cancelling whoever awaits it does not stop the removal, and
+        ``close`` waits for it (a removal cut short would leave its container behind)."""
+        task = asyncio.get_running_loop().create_task(sandbox.destroy(), name=f"warm pool {self.name} removal")
+        self._destroying.add(task)
+        task.add_done_callback(self._destroying.discard)
+        return task
+
     async def close(self) -> None:
-        """Stop refilling and destroy every waiting sandbox."""
+        """Stop refilling and destroy every waiting sandbox; returns when every removal begun has ended."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         while self._ready:
-            await self._ready.popleft().sandbox.destroy()
+            self._discard(self._ready.popleft().sandbox)
+        while self._destroying:
+            await asyncio.gather(*self._destroying, return_exceptions=True)
 
     async def _refill(self) -> None:
         while True:
@@ -163,7 +174,7 @@ class WarmPool:
             now = time.monotonic()
             for pooled in [p for p in self._ready if now - p.started > self._max_age_s or p.sandbox.broken]:
                 self._ready.remove(pooled)
-                await pooled.sandbox.destroy()
+                await asyncio.shield(self._discard(pooled.sandbox))
             if len(self._ready) + self._starting < self._size:
                 if self._capacity is not None and (
                     self._capacity.waiting or self._capacity.shortfall(self._spec.memory_mb, self._spec.cpus)
@@ -191,7 +202,7 @@ class WarmPool:
         except asyncio.CancelledError:  # the pool is closing: let the start finish, then undo it
             with contextlib.suppress(Exception):
                 await starting
-            await sandbox.destroy()
+            await asyncio.shield(self._discard(sandbox))
             raise
         finally:
             self._starting -= 1
@@ -233,6 +244,7 @@ class WarmPools:
         self._max_age_s = max_age_s
         self._max_profiles = max_profiles
         self._pools: dict[tuple[object, ...], WarmPool] = {}
+        self._retiring: set[WarmPool] = set()  # closed for want of use, their removals perhaps not ended
         self._opened = False  # the image's label was read: the default pool runs (or pooling is off)
         self._opening: asyncio.Task[None] | None = None
         self._retire: asyncio.Task[None] | None = None
@@ -323,7 +335,8 @@ class WarmPools:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        await asyncio.gather(*(pool.close() for pool in self._pools.values()), return_exceptions=True)
+        pools = [*self._pools.values(), *self._retiring]
+        await asyncio.gather(*(pool.close() for pool in pools), return_exceptions=True)
         self._pools.clear()
 
     def _pool_for(self, spec: SandboxSpec, name: str) -> WarmPool:
@@ -348,5 +361,7 @@ class WarmPools:
             for key, pool in list(self._pools.items()):
                 if pool.name != DEFAULT_PROFILE and now - pool.last_taken > self._max_age_s:
                     del self._pools[key]
-                    await pool.close()
+                    self._retiring.add(pool)
+                    await pool.close()  # cancelled by ``close``: that closes it again, waiting for its removals
+                    self._retiring.discard(pool)
                     log.info("warm pool %s closed: unused for %g s", pool.name, self._max_age_s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import signal
 import threading
@@ -95,3 +96,18 @@ def test_default_instance_ids_differ_by_work_dir(engine: docker.DockerClient, sc
             assert (job["status"], job["exit_code"]) == ("succeeded", 0)
     finally:
         first.stop()
+
+
+def test_graceful_stop_sweeps_a_sandbox_nothing_tracks(engine: docker.DockerClient, scratch: Path) -> None:
+    """A container with the instance's label that no job, session or pool holds (a removal cut short) is removed at
+    shutdown, after everything has removed its own, and the log says so."""
+    instance = f"pytest-stray-{secrets.token_hex(4)}"
+    svc = start_service(instance, scratch / "stray", PTC_WARM_POOL_SIZE="0")
+    stray = engine.containers.create(IMAGE, labels={LABEL_INSTANCE: instance}, network_mode="none")
+    try:
+        svc.stop()
+        assert labelled_containers(engine, instance, include_pool=True) == []
+        assert "removed 1 sandbox(es) still there at shutdown" in svc.log()
+    finally:
+        with contextlib.suppress(docker.errors.NotFound):
+            stray.remove(force=True)

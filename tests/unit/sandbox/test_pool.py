@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from service.sandbox import pool as pool_module
-from service.sandbox.base import SandboxSpec
+from service.sandbox.base import SandboxHandle, SandboxSpec
 from service.sandbox.fake import RUNTIME_LABELS, FakeBackend
 from service.sandbox.pool import WarmPools
 
@@ -107,3 +107,26 @@ async def test_a_profile_of_its_own_gets_a_pool_on_first_demand(folder: Path) ->
         await pools.close()
         await backend.close()
     assert await backend.labelled({}) == []
+
+
+class SlowRemoval(FakeBackend):
+    """Each removal takes 0.3 s: long enough for a close that does not wait for it to return first."""
+
+    async def remove(self, handle: SandboxHandle) -> None:
+        await asyncio.sleep(0.3)
+        await super().remove(handle)
+
+
+async def test_close_waits_for_every_removal_begun(folder: Path) -> None:
+    """Sandboxes evicted (removed in the background) and a start cut short by ``close`` are all gone when it returns."""
+    backend = SlowRemoval()
+    pools = WarmPools(backend, spec(folder), folder / "pool", 2, 600, 2)
+    await pools.start()
+    try:
+        await ready(pools, "default", 2)
+        assert pools.evict(lambda: False) is False  # both given up; their removals run in the background
+        await asyncio.sleep(0)  # the refill begins starting a replacement
+    finally:
+        await pools.close()
+    assert await backend.labelled({}) == []
+    await backend.close()
