@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import secrets
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -150,3 +153,15 @@ def test_a_real_callback_verifies(engine: docker.DockerClient, scratch: Path) ->
     finally:
         svc.stop()
         receiver.close()
+
+
+def test_the_docs_program_runs(service: Service) -> None:
+    """docs/client.md's whole program, run as it is against the test service (its printed lines are its comments)."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "client.md").read_text()
+    program = text.split("```python\n", 1)[1].split("```", 1)[0]
+    env = {**os.environ, "PTC_URL": service.url, "PTC_TOKEN": service.token}
+    done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = [line.strip() for line in program.splitlines()]
+    expected = [line.split("# ", 1)[1] for line in lines if line.startswith("print") and "# " in line]
+    assert done.stdout.splitlines() == expected, done.stdout
