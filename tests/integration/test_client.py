@@ -46,6 +46,10 @@ def test_execute_get_output_and_typed_calls(client: Client) -> None:
     assert [(c.tool, c.status) for c in view.call_records] == [("echo_tool", "ok")]
     assert client.get(view.job_id, fields="job_id,status").status == "succeeded"
     assert client.output(view.job_id, "stdout", offset=0, length=3) == view.stdout.encode()[:3]
+    toolset = client.register_toolset([{"name": "echo_tool", "parameters": P, "endpoint": {"kind": "echo"}}])
+    assert "def echo_tool(" in client.stubs(toolset=toolset["toolset_id"])["module"]
+    again = client.execute("import tools\nprint(tools.echo_tool(x=2))", toolset=toolset["toolset_id"], wait_s=60)
+    assert again.status == "succeeded" and again.call_records[0].args == {"x": 2}, again
 
 
 def test_a_background_job_streamed_and_stopped(client: Client) -> None:

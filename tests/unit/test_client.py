@@ -226,3 +226,37 @@ async def test_the_async_client_answers_client_executed_calls_with_coroutines() 
         ("call_1", {"result": 2}),
         ("call_2", {"error": {"type": "KeyError", "message": "'no'"}}),
     ]
+
+
+def test_a_keyed_post_is_retried_while_its_first_request_is_in_flight() -> None:
+    answers = [_problem(409, "idempotency-key-in-flight", {"retry-after": "0"})]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return answers.pop() if answers else httpx.Response(200, json={"job_id": "job_1", "status": "succeeded"})
+
+    client = Client("http://t", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler)))
+    assert client.execute("print(1)", idempotency_key="k").status == "succeeded"
+    answers.append(_problem(409, "call-not-pending"))
+    with pytest.raises(ConflictError):  # another 409 is not retried
+        client.execute("print(1)", idempotency_key="k")
+
+
+def test_the_tools_helper_polls_a_job_waiting_on_something_else_and_passes_over_a_call_no_longer_pending() -> None:
+    requests: list[str] = []
+    approval = {"call_id": "call_a", "tool": "deploy", "args": {}, "awaiting": "approval"}
+    mine = {"call_id": "call_m", "tool": "mine", "args": {}, "awaiting": "client"}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        requests.append(f"{request.method} {request.url.path}")
+        if request.url.path == "/execute":
+            return httpx.Response(202, json={"job_id": "job_1", "status": "waiting", "pending_calls": [approval]})
+        if request.url.path == "/jobs/job_1/calls/call_m":
+            return _problem(409, "call-not-pending")
+        if len(requests) == 2:  # the approval was given; now a call of its own waits
+            return httpx.Response(200, json={"job_id": "job_1", "status": "waiting", "pending_calls": [mine]})
+        return httpx.Response(200, json={"job_id": "job_1", "status": "failed"})
+
+    client = Client("http://t", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler)))
+    view = client.run_with_tools("...", {"mine": lambda: 1}, poll_s=0)
+    assert view.status == "failed"
+    assert requests == ["POST /execute", "GET /jobs/job_1", "POST /jobs/job_1/calls/call_m", "GET /jobs/job_1"]

@@ -20,7 +20,7 @@ import httpx
 
 from ._sse import SSEParser
 from ._tools import call_error, client_manifest
-from .errors import problem_from_response, retry_after_s
+from .errors import ConflictError, problem_from_response, retry_after_s
 from .models import Event, JobView, SessionFile, SessionView, Stream
 
 _RETRY_STATUSES = frozenset({429, 503})
@@ -64,6 +64,13 @@ class _Base:
         if method == "POST" and url.endswith("/wait"):
             return True
         return method == "POST" and any(k.lower() == "idempotency-key" for k in headers or {})
+
+    @staticmethod
+    def _retry_status(response: httpx.Response) -> bool:
+        if response.status_code in _RETRY_STATUSES:
+            return True
+        # The first request with this Idempotency-Key is still being admitted: the repeat answers as it does.
+        return response.status_code == 409 and "idempotency-key-in-flight" in response.text[:300]
 
     def _delay(self, attempt: int, response: httpx.Response | None) -> float:
         after = retry_after_s(response) if response is not None else None
@@ -136,7 +143,7 @@ class Client(_Base):
                 time.sleep(self._delay(attempt, None))
                 attempt += 1
                 continue
-            if safe and response.status_code in _RETRY_STATUSES and attempt < self.max_retries:
+            if safe and self._retry_status(response) and attempt < self.max_retries:
                 time.sleep(self._delay(attempt, response))
                 attempt += 1
                 continue
@@ -273,12 +280,15 @@ class Client(_Base):
         other_tools: list[dict[str, Any]] | None = None,
         wait_s: float = 30.0,
         timeout_s: float | None = None,
+        poll_s: float = 0.5,
         **body: Any,
     ) -> JobView:
         """Runs ``script`` with ``tools`` (name → callable) as client-executed tools and answers each pending call
         with the callable's return value (``{"result": ...}``, JSON-serialisable) or, if it raises, an error
         (``{"type": <exception class>, "message": str(error)}``), until the job ends; the final view. Schemas come
-        from the signatures unless ``schemas`` gives them; ``other_tools`` are manifest entries added as they are."""
+        from the signatures unless ``schemas`` gives them; ``other_tools`` are manifest entries added as they are.
+        While the job waits on something else (an approval, a tool not in ``tools``) the view is polled every
+        ``poll_s`` seconds; a call that is no longer pending when answered (it timed out) is passed over."""
         manifest = client_manifest(tools, schemas) + list(other_tools or [])
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
@@ -286,7 +296,11 @@ class Client(_Base):
         while not view.ended:
             pending = [c for c in view.pending_calls if c.awaiting == "client" and c.tool in tools]
             if not pending:
-                view = self.wait(view.job_id, wait_s)
+                if view.status == "waiting":  # on an approval or another's tool: the server's wait answers at once
+                    time.sleep(poll_s)
+                    view = self.get(view.job_id)
+                else:
+                    view = self.wait(view.job_id, wait_s)
                 continue
             for call in pending:
                 try:
@@ -294,9 +308,26 @@ class Client(_Base):
                     answer: dict[str, Any] = {"result": tools[call.tool](**args)}
                 except Exception as error:  # the tool's failure goes to the script as a ToolError
                     answer = call_error(error)
-                view = self.answer_call(view.job_id, call.call_id, **answer)
-            view = self.wait(view.job_id, wait_s) if not view.ended and not view.pending_calls else view
+                try:
+                    view = self.answer_call(view.job_id, call.call_id, **answer)
+                except ConflictError:  # no longer pending (it timed out, or the job ended)
+                    view = self.get(view.job_id)
         return view
+
+    # Toolsets and stubs
+
+    def register_toolset(
+        self, tools: list[dict[str, Any]] | None = None, mcp_servers: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        """``POST /toolsets``: registers a manifest (and MCP servers' tools); ``{"toolset_id", "tools"}``."""
+        body = {k: v for k, v in (("tools", tools), ("mcp_servers", mcp_servers)) if v is not None}
+        return dict(self.request("POST", "/toolsets", json=body).json())
+
+    def stubs(self, tools: list[dict[str, Any]] | None = None, toolset: str | None = None) -> dict[str, Any]:
+        """``POST /stubs``: ``{"module", "usage", "toolset_id"}``, the ``tools`` module a script imports and the usage
+        text for a model's prompt."""
+        body = {k: v for k, v in (("tools", tools), ("toolset", toolset)) if v is not None}
+        return dict(self.request("POST", "/stubs", json=body).json())
 
     # Sessions
 
@@ -415,7 +446,7 @@ class AsyncClient(_Base):
                 await asyncio.sleep(self._delay(attempt, None))
                 attempt += 1
                 continue
-            if safe and response.status_code in _RETRY_STATUSES and attempt < self.max_retries:
+            if safe and self._retry_status(response) and attempt < self.max_retries:
                 await asyncio.sleep(self._delay(attempt, response))
                 attempt += 1
                 continue
@@ -542,6 +573,7 @@ class AsyncClient(_Base):
         other_tools: list[dict[str, Any]] | None = None,
         wait_s: float = 30.0,
         timeout_s: float | None = None,
+        poll_s: float = 0.5,
         **body: Any,
     ) -> JobView:
         """As :meth:`Client.run_with_tools`; a coroutine function's result is awaited, and the pending calls of one
@@ -561,13 +593,31 @@ class AsyncClient(_Base):
         while not view.ended:
             pending = [c for c in view.pending_calls if c.awaiting == "client" and c.tool in tools]
             if not pending:
-                view = await self.wait(view.job_id, wait_s)
+                if view.status == "waiting":  # on an approval or another's tool: the server's wait answers at once
+                    await asyncio.sleep(poll_s)
+                    view = await self.get(view.job_id)
+                else:
+                    view = await self.wait(view.job_id, wait_s)
                 continue
             answers = await asyncio.gather(*(run(c.tool, c.args) for c in pending))
             for call, answer in zip(pending, answers, strict=True):
-                view = await self.answer_call(view.job_id, call.call_id, **answer)
-            view = await self.wait(view.job_id, wait_s) if not view.ended and not view.pending_calls else view
+                try:
+                    view = await self.answer_call(view.job_id, call.call_id, **answer)
+                except ConflictError:  # no longer pending (it timed out, or the job ended)
+                    view = await self.get(view.job_id)
         return view
+
+    async def register_toolset(
+        self, tools: list[dict[str, Any]] | None = None, mcp_servers: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        """As :meth:`Client.register_toolset`."""
+        body = {k: v for k, v in (("tools", tools), ("mcp_servers", mcp_servers)) if v is not None}
+        return dict((await self.request("POST", "/toolsets", json=body)).json())
+
+    async def stubs(self, tools: list[dict[str, Any]] | None = None, toolset: str | None = None) -> dict[str, Any]:
+        """As :meth:`Client.stubs`."""
+        body = {k: v for k, v in (("tools", tools), ("toolset", toolset)) if v is not None}
+        return dict((await self.request("POST", "/stubs", json=body)).json())
 
     async def session(self, *, idempotency_key: str | None = None, **body: Any) -> AsyncSession:
         """As :meth:`Client.session`: ``async with await client.session(...) as s:``."""
