@@ -65,6 +65,10 @@ setup_venv() {
     # BFCL v4 data for the tests; its full dependency set is huge and not needed.
     .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps bfcl-eval==2026.3.23
   fi
+  if [ "$extras" = "[test]" ]; then
+    # The Python client (a second distribution: httpx and pydantic only), tested against the service and type-checked.
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e clients/python
+  fi
 }
 
 # gVisor's flags on these machines (measured on these machines): without --network=none runsc refuses to start in the

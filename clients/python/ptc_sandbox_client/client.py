@@ -1,0 +1,674 @@
+"""Sync and async clients of the ptc-sandbox HTTP API (docs/client.md).
+
+Every method raises :class:`~ptc_sandbox_client.errors.ProblemError` (or a subclass) for a problem+json answer and
+``httpx.HTTPError`` for a transport failure that retries did not overcome. Retries (``max_retries``, default 2) are
+made only where a second request cannot run anything twice: GETs, ``POST /jobs/{id}/wait`` (it only reads), and POSTs
+that carry an ``Idempotency-Key``; on a connection error, ``429`` or ``503``, after ``Retry-After`` (at most
+``max_retry_wait_s``) or an exponential back-off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+
+from ._sse import SSEParser
+from ._tools import call_error, client_manifest
+from .errors import ConflictError, problem_from_response, retry_after_s
+from .models import Event, JobView, SessionFile, SessionView, Stream
+
+_RETRY_STATUSES = frozenset({429, 503})
+_MAX_SERVER_WAIT_S = 300.0
+
+
+def _view_params(calls: str | None, fields: str | list[str] | None) -> dict[str, str]:
+    params: dict[str, str] = {}
+    if calls is not None:
+        params["calls"] = calls
+    if fields is not None:
+        params["fields"] = fields if isinstance(fields, str) else ",".join(fields)
+    return params
+
+
+def _execute_body(script: str, tools: Any, toolset: str | None, wait_s: float | None, body: dict[str, Any]) -> Any:
+    payload: dict[str, Any] = {"script": script, **{k: v for k, v in body.items() if v is not None}}
+    if tools is not None:
+        payload["tools"] = tools
+    if toolset is not None:
+        payload["toolset"] = toolset
+    if wait_s is not None:
+        payload["wait_s"] = wait_s
+    return payload
+
+
+class _Base:
+    def __init__(
+        self, base_url: str, token: str | None, timeout: float, max_retries: int, max_retry_wait_s: float
+    ) -> None:
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.max_retry_wait_s = max_retry_wait_s
+
+    @staticmethod
+    def _safe(method: str, url: str, headers: Mapping[str, str] | None) -> bool:
+        if method == "GET":
+            return True
+        if method == "POST" and url.endswith("/wait"):
+            return True
+        return method == "POST" and any(k.lower() == "idempotency-key" for k in headers or {})
+
+    @staticmethod
+    def _retry_status(response: httpx.Response) -> bool:
+        if response.status_code in _RETRY_STATUSES:
+            return True
+        # The first request with this Idempotency-Key is still being admitted: the repeat answers as it does.
+        return response.status_code == 409 and "idempotency-key-in-flight" in response.text[:300]
+
+    def _delay(self, attempt: int, response: httpx.Response | None) -> float:
+        after = retry_after_s(response) if response is not None else None
+        return min(after if after is not None else 0.5 * 2**attempt, self.max_retry_wait_s)
+
+    @staticmethod
+    def _check(response: httpx.Response) -> httpx.Response:
+        if response.status_code >= 400:
+            raise problem_from_response(response)
+        return response
+
+
+class Client(_Base):
+    """A synchronous client: ``Client("http://127.0.0.1:8080", token=...)``; use as a context manager or ``close()``.
+
+    ``timeout`` is httpx's per-operation timeout in seconds (a server-side wait adds its own length to it).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        timeout: float = 60.0,
+        max_retries: int = 2,
+        max_retry_wait_s: float = 30.0,
+        http: httpx.Client | None = None,
+    ) -> None:
+        super().__init__(base_url, token, timeout, max_retries, max_retry_wait_s)
+        self.http = http or httpx.Client(base_url=self.base_url, timeout=timeout, headers=self.headers)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self.http.close()
+
+    def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        json: Any = None,
+        content: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> httpx.Response:
+        """One request with safe retries; raises ``ProblemError`` for an error answer."""
+        attempt = 0
+        safe = self._safe(method, url, headers)
+        while True:
+            try:
+                response = self.http.request(
+                    method,
+                    url,
+                    params=params,
+                    json=json,
+                    content=content,
+                    headers=dict(headers or {}),
+                    timeout=timeout if timeout is not None else self.timeout,
+                )
+            except httpx.TransportError:
+                if not safe or attempt >= self.max_retries:
+                    raise
+                time.sleep(self._delay(attempt, None))
+                attempt += 1
+                continue
+            if safe and self._retry_status(response) and attempt < self.max_retries:
+                time.sleep(self._delay(attempt, response))
+                attempt += 1
+                continue
+            return self._check(response)
+
+    # Jobs
+
+    def execute(
+        self,
+        script: str,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        toolset: str | None = None,
+        wait_s: float | None = None,
+        idempotency_key: str | None = None,
+        calls: str | None = None,
+        fields: str | list[str] | None = None,
+        **body: Any,
+    ) -> JobView:
+        """``POST /execute``: the final view if the job ended within ``wait_s`` (server default 30), else the view so
+        far. ``body`` takes the other fields (``timeout_s``, ``limits``, ``image``, ``env``, ``metadata``,
+        ``callback_url``, ``session_id``, ``files``, ...)."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        timeout = self.timeout + (wait_s if wait_s is not None else 30.0)
+        response = self.request(
+            "POST",
+            "/execute",
+            json=_execute_body(script, tools, toolset, wait_s, body),
+            params=_view_params(calls, fields),
+            headers=headers,
+            timeout=timeout,
+        )
+        return JobView.model_validate(response.json())
+
+    def get(self, job_id: str, *, calls: str | None = None, fields: str | list[str] | None = None) -> JobView:
+        """``GET /jobs/{id}``: the job's view."""
+        return JobView.model_validate(self.request("GET", f"/jobs/{job_id}", params=_view_params(calls, fields)).json())
+
+    def wait(
+        self,
+        job_id: str,
+        timeout_s: float = 30.0,
+        *,
+        calls: str | None = None,
+        fields: str | list[str] | None = None,
+    ) -> JobView:
+        """``POST /jobs/{id}/wait`` (repeated past the server's 300 s): the view once the job ended, waits for the
+        caller (status ``waiting``), or ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            step = min(left, _MAX_SERVER_WAIT_S)
+            params = {**_view_params(calls, fields), "timeout_s": f"{step:.3f}"}
+            view = JobView.model_validate(
+                self.request("POST", f"/jobs/{job_id}/wait", params=params, timeout=self.timeout + step).json()
+            )
+            if view.ended or view.status == "waiting" or time.monotonic() >= deadline:
+                return view
+
+    def stop(self, job_id: str, *, calls: str | None = None, fields: str | list[str] | None = None) -> JobView:
+        """``POST /jobs/{id}/stop``: the view (final, unchanged, if the job had already ended)."""
+        return JobView.model_validate(
+            self.request("POST", f"/jobs/{job_id}/stop", params=_view_params(calls, fields)).json()
+        )
+
+    def output(self, job_id: str, stream: Stream = "stdout", offset: int = 0, length: int | None = None) -> bytes:
+        """``GET /jobs/{id}/output/{stream}``: the retained raw bytes from ``offset`` (``length`` of them, or all)."""
+        params: dict[str, Any] = {"offset": offset}
+        if length is not None:
+            params["length"] = length
+        return self.request("GET", f"/jobs/{job_id}/output/{stream}", params=params).content
+
+    def job_file(self, job_id: str, path: str) -> bytes:
+        """``GET /jobs/{id}/files/{path}``: an output file the view lists in ``files``."""
+        return self.request("GET", f"/jobs/{job_id}/files/{path}").content
+
+    def answer_call(
+        self, job_id: str, call_id: str, *, result: Any = None, error: Mapping[str, Any] | None = None
+    ) -> JobView:
+        """``POST /jobs/{id}/calls/{call_id}``: answers a client-executed call with ``result`` or ``error``
+        (``{"type", "message"}``); raises ``ConflictError`` (``call-not-pending``) when it does not wait."""
+        body = {"error": dict(error)} if error is not None else {"result": result}
+        return JobView.model_validate(self.request("POST", f"/jobs/{job_id}/calls/{call_id}", json=body).json())
+
+    def stream(
+        self,
+        job_id: str,
+        *,
+        last_event_id: str | None = None,
+        calls: str | None = None,
+        fields: str | list[str] | None = None,
+        max_reconnects: int = 5,
+    ) -> Iterator[Event]:
+        """``GET /jobs/{id}/events``: the events up to and including ``end``. A dropped connection is resumed with
+        ``Last-Event-ID`` (the last id received; no event twice, none missing), at most ``max_reconnects`` times in a
+        row without an event between."""
+        parser = SSEParser(last_id=last_event_id)
+        failures = 0
+        while True:
+            headers = {"Last-Event-ID": parser.last_id} if parser.last_id else {}
+            try:
+                with self.http.stream(
+                    "GET",
+                    f"/jobs/{job_id}/events",
+                    params=_view_params(calls, fields),
+                    headers=headers,
+                    timeout=httpx.Timeout(self.timeout, read=None),
+                ) as response:
+                    if response.status_code == 204:
+                        return
+                    if response.status_code >= 400:
+                        response.read()
+                        self._check(response)
+                    for line in response.iter_lines():
+                        event = parser.feed(line)
+                        if event is not None:
+                            failures = 0
+                            yield event
+                            if event.event == "end":
+                                return
+            except httpx.TransportError:
+                pass
+            failures += 1
+            if failures > max_reconnects:
+                raise httpx.ReadError(f"the event stream of {job_id} dropped {failures} times in a row")
+            time.sleep(self._delay(failures - 1, None))
+
+    def run_with_tools(
+        self,
+        script: str,
+        tools: Mapping[str, Callable[..., Any]],
+        *,
+        schemas: Mapping[str, dict[str, Any]] | None = None,
+        other_tools: list[dict[str, Any]] | None = None,
+        wait_s: float = 30.0,
+        timeout_s: float | None = None,
+        poll_s: float = 0.5,
+        **body: Any,
+    ) -> JobView:
+        """Runs ``script`` with ``tools`` (name → callable) as client-executed tools and answers each pending call
+        with the callable's return value (``{"result": ...}``, JSON-serialisable) or, if it raises, an error
+        (``{"type": <exception class>, "message": str(error)}``), until the job ends; the final view. Schemas come
+        from the signatures unless ``schemas`` gives them; ``other_tools`` are manifest entries added as they are.
+        While the job waits on something else (an approval, a tool not in ``tools``) the view is polled every
+        ``poll_s`` seconds; a call that is no longer pending when answered (it timed out) is passed over."""
+        manifest = client_manifest(tools, schemas) + list(other_tools or [])
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        view = self.execute(script, tools=manifest, wait_s=wait_s, **body)
+        while not view.ended:
+            pending = [c for c in view.pending_calls if c.awaiting == "client" and c.tool in tools]
+            if not pending:
+                if view.status == "waiting":  # on an approval or another's tool: the server's wait answers at once
+                    time.sleep(poll_s)
+                    view = self.get(view.job_id)
+                else:
+                    view = self.wait(view.job_id, wait_s)
+                continue
+            for call in pending:
+                try:
+                    args = call.args if isinstance(call.args, dict) else {}
+                    answer: dict[str, Any] = {"result": tools[call.tool](**args)}
+                except Exception as error:  # the tool's failure goes to the script as a ToolError
+                    answer = call_error(error)
+                try:
+                    view = self.answer_call(view.job_id, call.call_id, **answer)
+                except ConflictError:  # no longer pending (it timed out, or the job ended)
+                    view = self.get(view.job_id)
+        return view
+
+    # Toolsets and stubs
+
+    def register_toolset(
+        self, tools: list[dict[str, Any]] | None = None, mcp_servers: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        """``POST /toolsets``: registers a manifest (and MCP servers' tools); ``{"toolset_id", "tools"}``."""
+        body = {k: v for k, v in (("tools", tools), ("mcp_servers", mcp_servers)) if v is not None}
+        return dict(self.request("POST", "/toolsets", json=body).json())
+
+    def stubs(self, tools: list[dict[str, Any]] | None = None, toolset: str | None = None) -> dict[str, Any]:
+        """``POST /stubs``: ``{"module", "usage", "toolset_id"}``, the ``tools`` module a script imports and the usage
+        text for a model's prompt."""
+        body = {k: v for k, v in (("tools", tools), ("toolset", toolset)) if v is not None}
+        return dict(self.request("POST", "/stubs", json=body).json())
+
+    # Sessions
+
+    def session(self, *, idempotency_key: str | None = None, **body: Any) -> Session:
+        """``POST /sessions`` (``body``: ``limits``, ``image``, ``tools``, ``idle_timeout_s``, ``metadata``, ...);
+        a :class:`Session`, a context manager that deletes the session on exit."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        response = self.request("POST", "/sessions", json=body, headers=headers, timeout=self.timeout + 120)
+        return Session(self, SessionView.model_validate(response.json()))
+
+    def get_session(self, session_id: str) -> SessionView:
+        """``GET /sessions/{id}``."""
+        return SessionView.model_validate(self.request("GET", f"/sessions/{session_id}").json())
+
+    def delete_session(self, session_id: str) -> SessionView:
+        """``DELETE /sessions/{id}`` (idempotent)."""
+        return SessionView.model_validate(self.request("DELETE", f"/sessions/{session_id}").json())
+
+
+class Session:
+    """An open session: ``execute`` runs in it, files are put, got and listed; ``close()`` (or leaving the ``with``
+    block) deletes it."""
+
+    def __init__(self, client: Client, view: SessionView) -> None:
+        self.client = client
+        self.view = view
+        self.session_id = view.session_id
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> SessionView:
+        """Deletes the session (stops its running script)."""
+        self.view = self.client.delete_session(self.session_id)
+        return self.view
+
+    def execute(self, script: str, **kwargs: Any) -> JobView:
+        """``Client.execute`` with this session's ``session_id``."""
+        return self.client.execute(script, session_id=self.session_id, **kwargs)
+
+    def put_file(self, path: str, data: bytes | str) -> None:
+        """``PUT /sessions/{id}/files/{path}``: writes ``data`` under the session's ``/tmp``."""
+        content = data.encode() if isinstance(data, str) else data
+        self.client.request("PUT", f"/sessions/{self.session_id}/files/{path}", content=content)
+
+    def get_file(self, path: str) -> bytes:
+        """``GET /sessions/{id}/files/{path}``: the file's bytes."""
+        return self.client.request("GET", f"/sessions/{self.session_id}/files/{path}").content
+
+    def list_files(self) -> list[SessionFile]:
+        """``GET /sessions/{id}/files``: the files under ``/tmp``."""
+        body = self.client.request("GET", f"/sessions/{self.session_id}/files").json()
+        return [SessionFile.model_validate(f) for f in body.get("files", [])]
+
+
+class AsyncClient(_Base):
+    """The asynchronous twin of :class:`Client` (same methods, awaited; ``stream`` is an async iterator; the
+    callables of ``run_with_tools`` may be coroutine functions)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        timeout: float = 60.0,
+        max_retries: int = 2,
+        max_retry_wait_s: float = 30.0,
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
+        super().__init__(base_url, token, timeout, max_retries, max_retry_wait_s)
+        self.http = http or httpx.AsyncClient(base_url=self.base_url, timeout=timeout, headers=self.headers)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self.http.aclose()
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        json: Any = None,
+        content: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (httpx's per-request timeout)
+    ) -> httpx.Response:
+        """One request with safe retries; raises ``ProblemError`` for an error answer."""
+        attempt = 0
+        safe = self._safe(method, url, headers)
+        while True:
+            try:
+                response = await self.http.request(
+                    method,
+                    url,
+                    params=params,
+                    json=json,
+                    content=content,
+                    headers=dict(headers or {}),
+                    timeout=timeout if timeout is not None else self.timeout,
+                )
+            except httpx.TransportError:
+                if not safe or attempt >= self.max_retries:
+                    raise
+                await asyncio.sleep(self._delay(attempt, None))
+                attempt += 1
+                continue
+            if safe and self._retry_status(response) and attempt < self.max_retries:
+                await asyncio.sleep(self._delay(attempt, response))
+                attempt += 1
+                continue
+            return self._check(response)
+
+    async def execute(
+        self,
+        script: str,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        toolset: str | None = None,
+        wait_s: float | None = None,
+        idempotency_key: str | None = None,
+        calls: str | None = None,
+        fields: str | list[str] | None = None,
+        **body: Any,
+    ) -> JobView:
+        """As :meth:`Client.execute`."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        timeout = self.timeout + (wait_s if wait_s is not None else 30.0)
+        response = await self.request(
+            "POST",
+            "/execute",
+            json=_execute_body(script, tools, toolset, wait_s, body),
+            params=_view_params(calls, fields),
+            headers=headers,
+            timeout=timeout,
+        )
+        return JobView.model_validate(response.json())
+
+    async def get(self, job_id: str, *, calls: str | None = None, fields: str | list[str] | None = None) -> JobView:
+        """As :meth:`Client.get`."""
+        response = await self.request("GET", f"/jobs/{job_id}", params=_view_params(calls, fields))
+        return JobView.model_validate(response.json())
+
+    async def wait(
+        self,
+        job_id: str,
+        timeout_s: float = 30.0,
+        *,
+        calls: str | None = None,
+        fields: str | list[str] | None = None,
+    ) -> JobView:
+        """As :meth:`Client.wait`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            step = min(max(0.0, deadline - time.monotonic()), _MAX_SERVER_WAIT_S)
+            params = {**_view_params(calls, fields), "timeout_s": f"{step:.3f}"}
+            response = await self.request("POST", f"/jobs/{job_id}/wait", params=params, timeout=self.timeout + step)
+            view = JobView.model_validate(response.json())
+            if view.ended or view.status == "waiting" or time.monotonic() >= deadline:
+                return view
+
+    async def stop(self, job_id: str, *, calls: str | None = None, fields: str | list[str] | None = None) -> JobView:
+        """As :meth:`Client.stop`."""
+        response = await self.request("POST", f"/jobs/{job_id}/stop", params=_view_params(calls, fields))
+        return JobView.model_validate(response.json())
+
+    async def output(self, job_id: str, stream: Stream = "stdout", offset: int = 0, length: int | None = None) -> bytes:
+        """As :meth:`Client.output`."""
+        params: dict[str, Any] = {"offset": offset}
+        if length is not None:
+            params["length"] = length
+        return (await self.request("GET", f"/jobs/{job_id}/output/{stream}", params=params)).content
+
+    async def job_file(self, job_id: str, path: str) -> bytes:
+        """As :meth:`Client.job_file`."""
+        return (await self.request("GET", f"/jobs/{job_id}/files/{path}")).content
+
+    async def answer_call(
+        self, job_id: str, call_id: str, *, result: Any = None, error: Mapping[str, Any] | None = None
+    ) -> JobView:
+        """As :meth:`Client.answer_call`."""
+        body = {"error": dict(error)} if error is not None else {"result": result}
+        return JobView.model_validate((await self.request("POST", f"/jobs/{job_id}/calls/{call_id}", json=body)).json())
+
+    async def stream(
+        self,
+        job_id: str,
+        *,
+        last_event_id: str | None = None,
+        calls: str | None = None,
+        fields: str | list[str] | None = None,
+        max_reconnects: int = 5,
+    ) -> AsyncIterator[Event]:
+        """As :meth:`Client.stream`."""
+        parser = SSEParser(last_id=last_event_id)
+        failures = 0
+        while True:
+            headers = {"Last-Event-ID": parser.last_id} if parser.last_id else {}
+            try:
+                async with self.http.stream(
+                    "GET",
+                    f"/jobs/{job_id}/events",
+                    params=_view_params(calls, fields),
+                    headers=headers,
+                    timeout=httpx.Timeout(self.timeout, read=None),
+                ) as response:
+                    if response.status_code == 204:
+                        return
+                    if response.status_code >= 400:
+                        await response.aread()
+                        self._check(response)
+                    async for line in response.aiter_lines():
+                        event = parser.feed(line)
+                        if event is not None:
+                            failures = 0
+                            yield event
+                            if event.event == "end":
+                                return
+            except httpx.TransportError:
+                pass
+            failures += 1
+            if failures > max_reconnects:
+                raise httpx.ReadError(f"the event stream of {job_id} dropped {failures} times in a row")
+            await asyncio.sleep(self._delay(failures - 1, None))
+
+    async def run_with_tools(
+        self,
+        script: str,
+        tools: Mapping[str, Callable[..., Any] | Callable[..., Awaitable[Any]]],
+        *,
+        schemas: Mapping[str, dict[str, Any]] | None = None,
+        other_tools: list[dict[str, Any]] | None = None,
+        wait_s: float = 30.0,
+        timeout_s: float | None = None,
+        poll_s: float = 0.5,
+        **body: Any,
+    ) -> JobView:
+        """As :meth:`Client.run_with_tools`; a coroutine function's result is awaited, and the pending calls of one
+        view run concurrently."""
+        manifest = client_manifest(tools, schemas) + list(other_tools or [])
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        view = await self.execute(script, tools=manifest, wait_s=wait_s, **body)
+
+        async def run(name: str, args: Any) -> dict[str, Any]:
+            try:
+                value = tools[name](**(args if isinstance(args, dict) else {}))
+                return {"result": await value if inspect.isawaitable(value) else value}
+            except Exception as error:  # the tool's failure goes to the script as a ToolError
+                return call_error(error)
+
+        while not view.ended:
+            pending = [c for c in view.pending_calls if c.awaiting == "client" and c.tool in tools]
+            if not pending:
+                if view.status == "waiting":  # on an approval or another's tool: the server's wait answers at once
+                    await asyncio.sleep(poll_s)
+                    view = await self.get(view.job_id)
+                else:
+                    view = await self.wait(view.job_id, wait_s)
+                continue
+            answers = await asyncio.gather(*(run(c.tool, c.args) for c in pending))
+            for call, answer in zip(pending, answers, strict=True):
+                try:
+                    view = await self.answer_call(view.job_id, call.call_id, **answer)
+                except ConflictError:  # no longer pending (it timed out, or the job ended)
+                    view = await self.get(view.job_id)
+        return view
+
+    async def register_toolset(
+        self, tools: list[dict[str, Any]] | None = None, mcp_servers: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        """As :meth:`Client.register_toolset`."""
+        body = {k: v for k, v in (("tools", tools), ("mcp_servers", mcp_servers)) if v is not None}
+        return dict((await self.request("POST", "/toolsets", json=body)).json())
+
+    async def stubs(self, tools: list[dict[str, Any]] | None = None, toolset: str | None = None) -> dict[str, Any]:
+        """As :meth:`Client.stubs`."""
+        body = {k: v for k, v in (("tools", tools), ("toolset", toolset)) if v is not None}
+        return dict((await self.request("POST", "/stubs", json=body)).json())
+
+    async def session(self, *, idempotency_key: str | None = None, **body: Any) -> AsyncSession:
+        """As :meth:`Client.session`: ``async with await client.session(...) as s:``."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        response = await self.request("POST", "/sessions", json=body, headers=headers, timeout=self.timeout + 120)
+        return AsyncSession(self, SessionView.model_validate(response.json()))
+
+    async def get_session(self, session_id: str) -> SessionView:
+        """As :meth:`Client.get_session`."""
+        return SessionView.model_validate((await self.request("GET", f"/sessions/{session_id}")).json())
+
+    async def delete_session(self, session_id: str) -> SessionView:
+        """As :meth:`Client.delete_session`."""
+        return SessionView.model_validate((await self.request("DELETE", f"/sessions/{session_id}")).json())
+
+
+class AsyncSession:
+    """The asynchronous twin of :class:`Session`."""
+
+    def __init__(self, client: AsyncClient, view: SessionView) -> None:
+        self.client = client
+        self.view = view
+        self.session_id = view.session_id
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> SessionView:
+        """Deletes the session."""
+        self.view = await self.client.delete_session(self.session_id)
+        return self.view
+
+    async def execute(self, script: str, **kwargs: Any) -> JobView:
+        """``AsyncClient.execute`` with this session's ``session_id``."""
+        return await self.client.execute(script, session_id=self.session_id, **kwargs)
+
+    async def put_file(self, path: str, data: bytes | str) -> None:
+        """As :meth:`Session.put_file`."""
+        content = data.encode() if isinstance(data, str) else data
+        await self.client.request("PUT", f"/sessions/{self.session_id}/files/{path}", content=content)
+
+    async def get_file(self, path: str) -> bytes:
+        """As :meth:`Session.get_file`."""
+        return (await self.client.request("GET", f"/sessions/{self.session_id}/files/{path}")).content
+
+    async def list_files(self) -> list[SessionFile]:
+        """As :meth:`Session.list_files`."""
+        body = (await self.client.request("GET", f"/sessions/{self.session_id}/files")).json()
+        return [SessionFile.model_validate(f) for f in body.get("files", [])]

@@ -1,0 +1,262 @@
+"""The Python client (clients/python, ``ptc_sandbox_client``) against scripted answers (``httpx.MockTransport``):
+SSE parsing and resuming, problems as typed exceptions, safe retries, schemas from signatures, the callback verifier
+against the service's own signer, and the distribution importing nothing of the server."""
+
+from __future__ import annotations
+
+import ast
+import base64
+import json
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import pytest
+from ptc_sandbox_client import (
+    AsyncClient,
+    Client,
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    ProblemError,
+    RateLimitedError,
+    SSEParser,
+    schema_of,
+    verify_callback,
+)
+
+from service.callbacks import CallbackSecret, message_id, signed_headers
+
+PACKAGE = Path(__file__).resolve().parents[2] / "clients" / "python" / "ptc_sandbox_client"
+P = "tag:ptc-sandbox.dev,2026:problems/"
+
+
+def test_the_client_imports_only_httpx_pydantic_and_the_standard_library() -> None:
+    import sys
+
+    found: set[str] = set()
+    for path in PACKAGE.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+    assert found - set(sys.stdlib_module_names) == {"httpx", "pydantic"}
+
+
+def test_sse_lines_in_crlf_with_comments_ids_and_multi_line_data() -> None:
+    raw = 'id: 1\r\nevent: status\r\ndata: {"status": "running"}\r\n\r\n: ping\r\n\r\nid: 2\r\nevent: stdout\r\n'
+    raw += 'data: {"offset": 0,\r\ndata:  "text": "hi"}\r\n\r\n'
+    parser = SSEParser()
+    events = [e for line in raw.split("\r\n") if (e := parser.feed(line + "\r")) is not None]
+    assert [(e.event, e.id, e.data) for e in events] == [
+        ("status", "1", {"status": "running"}),
+        ("stdout", "2", {"offset": 0, "text": "hi"}),
+    ]
+    assert parser.last_id == "2"
+
+
+class _Dropping(httpx.SyncByteStream):
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self.chunks
+        raise httpx.RemoteProtocolError("peer closed connection")
+
+
+def test_a_dropped_stream_resumes_with_the_last_event_id() -> None:
+    seen: list[str | None] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("last-event-id"))
+        if len(seen) == 1:  # two events, then half of a third, then the connection drops
+            chunks = [
+                b"id: a\r\nevent: status\r\ndata: {}\r\n\r\n",
+                b'id: b\r\nevent: stdout\r\ndata: {"text": "x"}\r\n\r\n',
+                b"id: c\r\nevent: std",
+            ]
+            return httpx.Response(200, stream=_Dropping(chunks))
+        end = {"job_id": "job_1", "status": "succeeded", "stdout": "x"}
+        return httpx.Response(200, content=f"id: d\r\nevent: end\r\ndata: {json.dumps(end)}\r\n\r\n".encode())
+
+    client = Client("http://t", "tok", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler)))
+    client.max_retry_wait_s = 0
+    events = list(client.stream("job_1"))
+    assert [(e.event, e.id) for e in events] == [("status", "a"), ("stdout", "b"), ("end", "d")]
+    assert seen == [None, "b"]
+    assert events[-1].view is not None and events[-1].view.stdout == "x"
+
+
+def _problem(status: int, name: str, headers: dict[str, str] | None = None, **extra: Any) -> httpx.Response:
+    body = {"type": P + name, "title": name, "status": status, "detail": f"detail of {name}", **extra}
+    return httpx.Response(status, json=body, headers={"content-type": "application/problem+json", **(headers or {})})
+
+
+@pytest.mark.parametrize(
+    ("name", "status", "cls"),
+    [
+        ("job-not-found", 404, NotFoundError),
+        ("invalid-request", 422, InvalidRequestError),
+        ("call-not-pending", 409, ConflictError),
+        ("quota-exceeded", 429, RateLimitedError),
+        ("some-future-problem", 400, ProblemError),
+    ],
+)
+def test_problems_are_raised_as_typed_exceptions_with_their_members(
+    name: str, status: int, cls: type[ProblemError]
+) -> None:
+    transport = httpx.MockTransport(lambda r: _problem(status, name, {"retry-after": "7"}, reason="why"))
+    client = Client("http://t", http=httpx.Client(base_url="http://t", transport=transport), max_retries=0)
+    with pytest.raises(cls) as raised:
+        client.get("job_000000000000000000000000")
+    error = raised.value
+    assert type(error) is cls
+    assert (error.name, error.status, error.detail, error.extra) == (
+        name,
+        status,
+        f"detail of {name}",
+        {"reason": "why"},
+    )
+    assert error.type == P + name and error.retry_after == 7
+
+
+def test_retries_only_where_safe_honouring_retry_after() -> None:
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(f"{request.method} {request.url.path} {request.headers.get('idempotency-key')}")
+        if len(calls) % 2:
+            return _problem(429, "queue-full", {"retry-after": "0"}, reason="queue_full")
+        return httpx.Response(200, json={"job_id": "job_1", "status": "succeeded"})
+
+    client = Client("http://t", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler)))
+    assert client.get("job_1").status == "succeeded"  # a GET: retried
+    assert client.execute("print(1)", idempotency_key="k1").status == "succeeded"  # a keyed POST: retried
+    with pytest.raises(RateLimitedError) as raised:  # an unkeyed POST: not retried (it might run twice)
+        client.execute("print(1)")
+    assert raised.value.extra == {"reason": "queue_full"} and raised.value.retry_after == 0
+    assert calls == [
+        "GET /jobs/job_1 None",
+        "GET /jobs/job_1 None",
+        "POST /execute k1",
+        "POST /execute k1",
+        "POST /execute None",
+    ]
+
+
+def test_retries_are_bounded() -> None:
+    calls: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        return _problem(503, "engine-unavailable", {"retry-after": "0"})
+
+    client = Client("http://t", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler)))
+    with pytest.raises(ProblemError):
+        client.get("job_1")
+    assert len(calls) == 3
+
+
+def test_schemas_from_signatures() -> None:
+    def lookup(city: str, days: int = 3, unit: Literal["c", "f"] = "c", tags: list[str] | None = None) -> Any:
+        """Weather."""
+
+    assert schema_of(lookup) == {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "unit": {"enum": ["c", "f"]},
+            "tags": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]},
+        },
+        "required": ["city"],
+    }
+
+
+def test_the_verifier_accepts_what_the_service_signs_and_nothing_else() -> None:
+    newer = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+    older = "plain-older-secret"
+    body = b'{"job_id": "job_1", "status": "succeeded"}'
+    now = int(time.time())
+    keys = (CallbackSecret.parse(newer), CallbackSecret.parse(older))
+    headers = signed_headers(keys, message_id("job_1"), now, body)
+    assert verify_callback(body, headers, newer)
+    assert verify_callback(body, {k.upper(): v for k, v in headers.items()}, [older])
+    assert verify_callback(body, headers, ["whsec_" + base64.b64encode(b"x" * 32).decode(), older])
+    assert not verify_callback(body + b" ", headers, newer)
+    assert not verify_callback(body, headers, "another")
+    assert not verify_callback(body, headers, newer, now=now + 301)
+    assert not verify_callback(body, {k: v for k, v in headers.items() if k != "webhook-id"}, newer)
+    with pytest.raises(ValueError):
+        verify_callback(body, headers, "whsec_not base64!")
+
+
+async def test_the_async_client_answers_client_executed_calls_with_coroutines() -> None:
+    state: dict[str, Any] = {"answers": []}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/execute":
+            manifest = json.loads(request.content)["tools"]
+            assert manifest[0]["endpoint"] == {"kind": "client"} and manifest[0]["parameters"]["required"] == ["x"]
+            pending = [
+                {"call_id": f"call_{i}", "tool": "double", "args": {"x": i}, "awaiting": "client"} for i in (1, 2)
+            ]
+            return httpx.Response(202, json={"job_id": "job_1", "status": "waiting", "pending_calls": pending})
+        if request.url.path.startswith("/jobs/job_1/calls/"):
+            state["answers"].append((request.url.path.rsplit("/", 1)[1], json.loads(request.content)))
+            return httpx.Response(200, json={"job_id": "job_1", "status": "running", "pending_calls": []})
+        assert request.url.path == "/jobs/job_1/wait"
+        return httpx.Response(200, json={"job_id": "job_1", "status": "succeeded", "stdout": "2 4\n"})
+
+    async def double(x: int) -> int:
+        """Twice x."""
+        if x == 2:
+            raise KeyError("no")
+        return 2 * x
+
+    http = httpx.AsyncClient(base_url="http://t", transport=httpx.MockTransport(handler))
+    async with AsyncClient("http://t", http=http) as client:
+        view = await client.run_with_tools("...", {"double": double})
+    assert view.status == "succeeded"
+    assert state["answers"] == [
+        ("call_1", {"result": 2}),
+        ("call_2", {"error": {"type": "KeyError", "message": "'no'"}}),
+    ]
+
+
+def test_a_keyed_post_is_retried_while_its_first_request_is_in_flight() -> None:
+    answers = [_problem(409, "idempotency-key-in-flight", {"retry-after": "0"})]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return answers.pop() if answers else httpx.Response(200, json={"job_id": "job_1", "status": "succeeded"})
+
+    client = Client("http://t", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler)))
+    assert client.execute("print(1)", idempotency_key="k").status == "succeeded"
+    answers.append(_problem(409, "call-not-pending"))
+    with pytest.raises(ConflictError):  # another 409 is not retried
+        client.execute("print(1)", idempotency_key="k")
+
+
+def test_the_tools_helper_polls_a_job_waiting_on_something_else_and_passes_over_a_call_no_longer_pending() -> None:
+    requests: list[str] = []
+    approval = {"call_id": "call_a", "tool": "deploy", "args": {}, "awaiting": "approval"}
+    mine = {"call_id": "call_m", "tool": "mine", "args": {}, "awaiting": "client"}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        requests.append(f"{request.method} {request.url.path}")
+        if request.url.path == "/execute":
+            return httpx.Response(202, json={"job_id": "job_1", "status": "waiting", "pending_calls": [approval]})
+        if request.url.path == "/jobs/job_1/calls/call_m":
+            return _problem(409, "call-not-pending")
+        if len(requests) == 2:  # the approval was given; now a call of its own waits
+            return httpx.Response(200, json={"job_id": "job_1", "status": "waiting", "pending_calls": [mine]})
+        return httpx.Response(200, json={"job_id": "job_1", "status": "failed"})
+
+    client = Client("http://t", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler)))
+    view = client.run_with_tools("...", {"mine": lambda: 1}, poll_s=0)
+    assert view.status == "failed"
+    assert requests == ["POST /execute", "GET /jobs/job_1", "POST /jobs/job_1/calls/call_m", "GET /jobs/job_1"]
