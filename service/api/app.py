@@ -14,7 +14,7 @@ from starlette.datastructures import State
 from starlette.routing import BaseRoute
 
 from service import __version__, callbacks
-from service.api import problems
+from service.api import mcp_front, problems
 from service.api.bodies import BODY_THREADS, BodyLimit, ParsedOffLoop
 from service.api.composition import build_jobs
 from service.api.deps import NOT_STARTED, SessionService, ToolsetService
@@ -94,7 +94,8 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             settings.job_store_path(),
         )
         try:
-            yield
+            async with mcp_front.lifespan(app, mcp_endpoint, settings.mcp_toolset):
+                yield
         finally:
             await jobs.close()
             app.state.bodies.close()
@@ -127,6 +128,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     app.state.idempotency = NOT_STARTED
     for resource in RESOURCES:
         app.include_router(resource.router)
+    mcp_endpoint = mcp_front.mount(app)  # /mcp: the MCP server front, outside the OpenAPI document
     return app
 
 
