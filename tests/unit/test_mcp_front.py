@@ -164,3 +164,25 @@ async def test_mcp_is_not_in_the_openapi_document() -> None:
     async with service() as app, http(app, None) as client:
         document = (await client.get("/openapi.json")).json()
         assert not any(path.startswith("/mcp") for path in document["paths"])
+
+
+def test_cli_mcp_needs_a_url(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from service.__main__ import main
+
+    monkeypatch.delenv("PTC_URL", raising=False)
+    assert main(["mcp"]) == 2
+    assert "PTC_URL" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("job_id", ["../execute", "a/b", "x?y", ""])
+async def test_stdio_front_refuses_ids_that_are_not_one_path_segment(job_id: str) -> None:
+    from mcp.server.fastmcp.exceptions import ToolError
+
+    from service.mcp_stdio import OverHttp
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise AssertionError(f"no request may be sent: {request.url}")
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(refuse), base_url="http://test") as client:
+        with pytest.raises(ToolError, match="job-not-found"):
+            await OverHttp(client).get(None, job_id)  # type: ignore[arg-type]  # the context is not used
