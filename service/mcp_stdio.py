@@ -98,8 +98,9 @@ def _segment(job_id: str) -> str:
 
 
 async def serve(url: str, token: str | None, toolset: str | None) -> None:
-    """Serve MCP on stdin/stdout until stdin closes, forwarding to the service at ``url``."""
+    """Serve MCP on stdin/stdout until stdin closes, forwarding to the service at ``url`` (warnings and errors
+    only on stderr: no line per request)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout) as client:
-        await build_server(OverHttp(client), toolset).run_stdio_async()
+        await build_server(OverHttp(client), toolset, log_level="WARNING").run_stdio_async()

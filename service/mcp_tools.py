@@ -10,7 +10,7 @@ whose text is ``<problem type>: <message>``.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from mcp.server.fastmcp import Context, FastMCP
 from mcp.server.fastmcp.exceptions import ToolError as OperationFailed  # re-exported for the fronts
@@ -20,6 +20,7 @@ from service.toolkit.stubs import USAGE
 
 __all__ = ["EXECUTE_DESCRIPTION", "STUBS_URI", "OperationFailed", "Operations", "build_server", "compact"]
 
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 STUBS_URI = "ptc://toolsets/{toolset_id}/stubs"
 MAX_TEXT_CHARS = 100_000  # stdout or stderr in one MCP answer at most (the rest: get_job's full view over HTTP)
 EXECUTE_DESCRIPTION = """\
@@ -94,12 +95,16 @@ def compact(view: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def build_server(ops: Operations, default_toolset: str | None, *, name: str = "ptc-sandbox") -> FastMCP[Any]:
+def build_server(
+    ops: Operations, default_toolset: str | None, *, name: str = "ptc-sandbox", log_level: LogLevel = "INFO"
+) -> FastMCP[Any]:
     """A FastMCP server whose tools call ``ops``.
 
     Args:
         default_toolset: the toolset ``execute`` uses when the call names none (``PTC_MCP_TOOLSET``); None: a call
             with no ``toolset_id`` runs with no tools.
+        log_level: the SDK's logging level; it only applies when the root logger has no handler yet (the service's
+            own logging, configured first, is kept).
     """
     description = EXECUTE_DESCRIPTION
     if default_toolset:
@@ -112,6 +117,7 @@ def build_server(ops: Operations, default_toolset: str | None, *, name: str = "p
     server: FastMCP[Any] = FastMCP(
         name,
         instructions=USAGE,
+        log_level=log_level,
         # The HTTP front is behind the service's API keys, on whatever host it is deployed: no Host/Origin lists.
         transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
     )
