@@ -114,6 +114,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         redoc_url=None,
     )
     app.router.route_class = ParsedOffLoop
+    mcp_endpoint = mcp_front.mount(app)  # /mcp, outside the OpenAPI document; before HttpObserver takes the routes
     app.state.bodies = CheckScheduler(BODY_THREADS, budget_s=3600.0)  # parsing does not count ticks: no budget
     metrics = app.state.metrics = Metrics(settings)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
@@ -128,7 +129,6 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     app.state.idempotency = NOT_STARTED
     for resource in RESOURCES:
         app.include_router(resource.router)
-    mcp_endpoint = mcp_front.mount(app)  # /mcp: the MCP server front, outside the OpenAPI document
     return app
 
 

@@ -158,6 +158,9 @@ async def test_unauthenticated_requests_refused(token: str | None) -> None:
         assert response.status_code == 401
         assert response.headers["content-type"] == "application/problem+json"
         assert json.loads(response.content)["status"] == 401
+        labels = {"method": "POST", "route": "/mcp", "status": "401"}
+        value = app.state.metrics.registry.get_sample_value("ptc_http_requests_total", labels)
+        assert value == 1  # counted under its route, not "unmatched"
 
 
 async def test_mcp_is_not_in_the_openapi_document() -> None:
