@@ -2,13 +2,16 @@
 
 ``ptc-sandbox serve [--host H] [--port P]`` runs the service (settings come from ``PTC_*`` variables);
 ``ptc-sandbox hash-key NAME [--generate]`` prints the ``PTC_API_KEYS`` entry of a token (read from stdin,
-or a new one printed first).
+or a new one printed first); ``ptc-sandbox mcp [--url URL] [--token T] [--toolset ID]`` serves MCP over stdio,
+forwarding to a running service (``mcp_stdio``).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import os
 import resource
 import secrets
 import sys
@@ -41,7 +44,23 @@ def main(argv: list[str] | None = None) -> int:
     hash_key.add_argument(
         "--generate", action="store_true", help="make a new random token and print it on the line before the entry"
     )
+    mcp = commands.add_parser(
+        "mcp", help="serve MCP over stdio, forwarding to a running service (its /execute and /jobs routes)"
+    )
+    mcp.add_argument("--url", default=os.environ.get("PTC_URL"), help="the service's base URL (default: PTC_URL)")
+    mcp.add_argument(
+        "--token",
+        default=os.environ.get("PTC_TOKEN"),
+        help="the API key's bearer token (default: PTC_TOKEN; prefer the variable: arguments are visible to ps)",
+    )
+    mcp.add_argument(
+        "--toolset",
+        default=os.environ.get("PTC_MCP_TOOLSET"),
+        help="toolset execute uses when a call names none (default: PTC_MCP_TOOLSET)",
+    )
     args = parser.parse_args(argv)
+    if args.command == "mcp":
+        return _mcp(args.url, args.token, args.toolset)
     if args.command == "hash-key":
         return _hash_key(args.name, args.generate)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
@@ -104,6 +123,17 @@ def _hash_key(name: str, generate: bool) -> int:
             print("hash-key: no token on stdin", file=sys.stderr)
             return 2
     print(f"{name}:{hash_token(token)}")
+    return 0
+
+
+def _mcp(url: str | None, token: str | None, toolset: str | None) -> int:
+    """``mcp``: MCP over stdio until stdin closes (nothing but MCP messages on stdout)."""
+    if not url:
+        print("mcp: give the service's URL (--url or PTC_URL)", file=sys.stderr)
+        return 2
+    from service import mcp_stdio
+
+    asyncio.run(mcp_stdio.serve(url, token, toolset))
     return 0
 
 

@@ -257,6 +257,12 @@ class Settings(BaseSettings):
         24 * 3600, gt=0, description="How long ended jobs (view, output, calls) are kept before they are purged (s)."
     )
     purge_interval_s: float = Field(300, gt=0, description="How often expired jobs are purged (s).")
+    mcp_toolset: str | None = Field(
+        None,
+        max_length=64,
+        description="Toolset (POST /toolsets) the MCP tool execute uses when a call names none; it must be the "
+        "calling key's own. Default: none (a call without toolset_id runs with no tools).",
+    )
     default_wait_s: float = Field(
         30, ge=0, description="How long POST /execute waits for the end when wait_s is not given (s)."
     )

@@ -14,7 +14,7 @@ from starlette.datastructures import State
 from starlette.routing import BaseRoute
 
 from service import __version__, callbacks
-from service.api import problems
+from service.api import mcp_front, problems
 from service.api.bodies import BODY_THREADS, BodyLimit, ParsedOffLoop
 from service.api.composition import build_jobs
 from service.api.deps import NOT_STARTED, SessionService, ToolsetService
@@ -94,7 +94,8 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             settings.job_store_path(),
         )
         try:
-            yield
+            async with mcp_front.lifespan(app, mcp_endpoint, settings.mcp_toolset):
+                yield
         finally:
             await jobs.close()
             app.state.bodies.close()
@@ -113,6 +114,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         redoc_url=None,
     )
     app.router.route_class = ParsedOffLoop
+    mcp_endpoint = mcp_front.mount(app)  # /mcp, outside the OpenAPI document; before HttpObserver takes the routes
     app.state.bodies = CheckScheduler(BODY_THREADS, budget_s=3600.0)  # parsing does not count ticks: no budget
     metrics = app.state.metrics = Metrics(settings)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)

@@ -1,0 +1,184 @@
+"""The MCP server front of the service: ``/mcp`` over Streamable HTTP (stateless, JSON answers), behind the
+same ``BearerAuth`` as every route. Its tools (``mcp_tools``) run in-process on the app's job service as the
+request's API key: a job created through MCP belongs to that key, and another key's jobs are not found.
+
+``mount(app)`` adds the route (outside the OpenAPI document); ``lifespan(app)`` runs the MCP session manager
+while the app runs (the app's lifespan enters it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import FastAPI
+from mcp.server.fastmcp import Context
+from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from service.api.problems import INTERNAL_ERROR, INVALID_REQUEST, LIMIT_EXCEEDED, UNAUTHORIZED, rule_for
+from service.auth import Caller, caller
+from service.errors import PtcError
+from service.jobs import JobManager
+from service.jobs.live import wait_for_end_or_client
+from service.limits import check_execute
+from service.mcp_tools import OperationFailed, build_server
+from service.schemas import ExecuteRequest
+from service.settings import Settings
+from service.views import Body, select
+
+log = logging.getLogger(__name__)
+
+PATH = "/mcp"
+SUMMARY = select("summary")  # call records without arguments or results
+T = TypeVar("T")
+
+
+async def _json(body: Body) -> dict[str, Any]:
+    """A job view's body (bytes, or pieces as rendered) as a dict."""
+    if isinstance(body, bytes):
+        data = body
+    else:
+        data = b"".join([piece async for piece in body])
+    view: dict[str, Any] = json.loads(data)
+    return view
+
+
+class InProcess:
+    """``mcp_tools.Operations`` on the app's own services, as the MCP request's key."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self._app = app
+
+    def _who(self, ctx: Context[Any, Any, Any]) -> tuple[Caller, str | None]:
+        """The caller of the HTTP request carrying this MCP message, and its key's name."""
+        request = ctx.request_context.request
+        if not isinstance(request, Request):
+            raise OperationFailed(f"{UNAUTHORIZED.name}: no HTTP request carries this call")
+        key: str | None = request.state.key_name
+        return caller(self._app.state.keys, key), key
+
+    @property
+    def _jobs(self) -> JobManager:
+        jobs: JobManager = self._app.state.jobs
+        return jobs
+
+    @property
+    def _settings(self) -> Settings:
+        settings: Settings = self._app.state.settings
+        return settings
+
+    async def _guard(self, work: Callable[[], Awaitable[T]]) -> T:
+        """Run ``work``; a service error becomes ``OperationFailed`` with its problem type and message (anything
+        else is logged and reported as ``internal-error`` without its text)."""
+        try:
+            return await work()
+        except OperationFailed:
+            raise
+        except PtcError as exc:
+            rule = rule_for(type(exc))
+            name = (rule.type if rule is not None else INTERNAL_ERROR).name
+            raise OperationFailed(f"{name}: {exc}") from None
+        except ValidationError as exc:
+            errors = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise OperationFailed(f"{INVALID_REQUEST.name}: {errors}") from None
+        except Exception:
+            log.exception("MCP tool failed")
+            raise OperationFailed(f"{INTERNAL_ERROR.name}: the service failed; the error is in its log") from None
+
+    async def execute(
+        self,
+        ctx: Context[Any, Any, Any],
+        script: str,
+        toolset: str | None,
+        timeout_s: float | None,
+        wait_s: float | None,
+    ) -> dict[str, Any]:
+        """Submit a job as ``POST /execute`` would, wait up to ``wait_s`` (or until a client call waits), and
+        answer its view (raises OperationFailed)."""
+        who, key = self._who(ctx)
+
+        async def run() -> dict[str, Any]:
+            body = ExecuteRequest(script=script, toolset=toolset, timeout_s=timeout_s, wait_s=wait_s)
+            check_execute(body, self._settings, key)
+            job = await self._jobs.submit(body, who.owner, admin=who.admin)
+            await wait_for_end_or_client(job, job.limits.wait_s)
+            return await _json(await self._jobs.view(job.id, who, selection=SUMMARY))
+
+        return await self._guard(run)
+
+    async def get(self, ctx: Context[Any, Any, Any], job_id: str) -> dict[str, Any]:
+        """``GET /jobs/{id}`` (raises OperationFailed)."""
+        who, _ = self._who(ctx)
+        return await self._guard(lambda: self._view(self._jobs.view(job_id, who, selection=SUMMARY)))
+
+    async def wait(self, ctx: Context[Any, Any, Any], job_id: str, timeout_s: float | None) -> dict[str, Any]:
+        """``POST /jobs/{id}/wait`` (raises OperationFailed: also for a timeout above ``PTC_MAX_WAIT_S``)."""
+        who, _ = self._who(ctx)
+        settings = self._settings
+        seconds = settings.default_wait_s if timeout_s is None else timeout_s
+        if not 0 <= seconds <= settings.max_wait_s:
+            raise OperationFailed(f"{LIMIT_EXCEEDED.name}: timeout_s must be within 0 and {settings.max_wait_s}")
+        return await self._guard(lambda: self._view(self._jobs.wait(job_id, who, seconds, SUMMARY)))
+
+    async def stop(self, ctx: Context[Any, Any, Any], job_id: str) -> dict[str, Any]:
+        """``POST /jobs/{id}/stop`` (raises OperationFailed)."""
+        who, _ = self._who(ctx)
+        return await self._guard(lambda: self._view(self._jobs.stop(job_id, who, SUMMARY)))
+
+    async def stubs(self, ctx: Context[Any, Any, Any], toolset: str) -> str:
+        """The stub module of the caller's toolset (raises OperationFailed)."""
+        who, _ = self._who(ctx)
+
+        async def module() -> str:
+            compiled = await self._jobs.manifest([], toolset, who)
+            return compiled.stub_source
+
+        return await self._guard(module)
+
+    @staticmethod
+    async def _view(body: Awaitable[Body]) -> dict[str, Any]:
+        return await _json(await body)
+
+
+class McpEndpoint:
+    """The ASGI app of ``/mcp``: hands each request to the session manager the app's lifespan started."""
+
+    def __init__(self) -> None:
+        self.manager: StreamableHTTPSessionManager | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.manager is None:
+            raise RuntimeError("the MCP session manager is not started (the app's lifespan starts it)")
+        await self.manager.handle_request(scope, receive, send)
+
+
+def mount(app: FastAPI) -> McpEndpoint:
+    """Add ``/mcp`` to ``app`` (not in its OpenAPI document); returns its endpoint, for ``lifespan``."""
+    endpoint = McpEndpoint()
+    app.router.routes.append(Route(PATH, endpoint=endpoint, include_in_schema=False))
+    return endpoint
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI, endpoint: McpEndpoint, default_toolset: str | None) -> AsyncIterator[None]:
+    """Serve ``endpoint`` with a new MCP server and session manager while the context is open."""
+    server = build_server(InProcess(app), default_toolset)
+    manager = StreamableHTTPSessionManager(
+        app=server._mcp_server,  # FastMCP's own streamable_http_app does the same
+        json_response=True,
+        stateless=True,  # each POST stands alone: no MCP session another key could name
+        security_settings=server.settings.transport_security,
+    )
+    async with manager.run():
+        endpoint.manager = manager
+        try:
+            yield
+        finally:
+            endpoint.manager = None

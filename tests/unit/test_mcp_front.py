@@ -1,0 +1,191 @@
+"""The MCP server front at ``/mcp`` (issue 16, point 2), with the ``mcp`` SDK's own client over Streamable HTTP,
+in-process on the whole app with the fake backend (no engine): tools listed, a script calling two tools of a
+toolset, a background job waited on and stopped, the key acting (another key's job is not found), requests
+without a valid key refused with the 401 problem, and /mcp absent from the OpenAPI document."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from mcp import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+from mcp.types import CallToolResult, TextContent, TextResourceContents
+from pydantic import AnyUrl
+
+from service.api import create_app
+from service.auth import hash_token
+from service.sandbox.fake import FakeBackend
+from service.settings import Settings
+
+TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789"}
+TOOLS = [
+    {"name": "echo", "parameters": {"properties": {"text": {"type": "string"}}}, "endpoint": {"kind": "echo"}},
+    {"name": "shout", "parameters": {"properties": {"text": {"type": "string"}}}, "endpoint": {"kind": "echo"}},
+]
+TWO_CALLS = """
+import tools
+a = tools.echo(text="one")
+b = tools.shout(text="two")
+print(a, b)
+"""
+
+
+@contextlib.asynccontextmanager
+async def service(work_dir: Path | None = None, **overrides: Any) -> AsyncIterator[FastAPI]:
+    """The app on the fake backend, started, with keys alice and bob (a scratch work dir unless given: then kept)."""
+    scratch = work_dir is None
+    work_dir = work_dir or Path(tempfile.mkdtemp(prefix="ptcs", dir="/tmp"))
+    keys = ",".join(f"{name}:{hash_token(token)}" for name, token in TOKENS.items())
+    settings = Settings(work_dir=work_dir, api_keys=keys, sandbox_folders_tmpfs_mb=0, warm_pool_size=0, **overrides)
+    application = create_app(settings, FakeBackend())
+    try:
+        async with application.router.lifespan_context(application):
+            yield application
+    finally:
+        if scratch:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def http(app: FastAPI, token: str | None) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test", headers=headers, timeout=30
+    )
+
+
+@contextlib.asynccontextmanager
+async def mcp_session(app: FastAPI, name: str) -> AsyncIterator[ClientSession]:
+    async with (
+        http(app, TOKENS[name]) as client,
+        streamable_http_client("http://test/mcp", http_client=client) as (read, write, _),
+        ClientSession(read, write) as session,
+    ):
+        await session.initialize()
+        yield session
+
+
+def answer(result: CallToolResult) -> dict[str, Any]:
+    assert not result.isError, result.content
+    assert result.structuredContent is not None
+    return result.structuredContent
+
+
+def error_text(result: CallToolResult) -> str:
+    assert result.isError
+    content = result.content[0]
+    assert isinstance(content, TextContent)
+    return content.text
+
+
+async def toolset_of(app: FastAPI, name: str) -> str:
+    async with http(app, TOKENS[name]) as client:
+        response = await client.post("/toolsets", json={"tools": TOOLS})
+        assert response.status_code == 200, response.text
+        toolset: str = response.json()["toolset_id"]
+        return toolset
+
+
+async def test_tools_listed_and_a_script_calls_two_tools_of_a_toolset() -> None:
+    async with service() as app:
+        toolset = await toolset_of(app, "alice")
+        async with mcp_session(app, "alice") as session:
+            tools = {tool.name: tool for tool in (await session.list_tools()).tools}
+            assert set(tools) == {"execute", "get_job", "wait_job", "stop_job"}
+            assert "tools.ToolError" in (tools["execute"].description or "")  # the stub usage text
+            result = answer(await session.call_tool("execute", {"script": TWO_CALLS, "toolset_id": toolset}))
+            assert result["status"] == "succeeded"
+            assert result["error"] is None
+            assert [line.split()[1:3] for line in result["calls"]] == [["echo", "ok"], ["shout", "ok"]]
+            assert result["calls_total"] == 2
+            stubs = await session.read_resource(AnyUrl(f"ptc://toolsets/{toolset}/stubs"))
+            content = stubs.contents[0]
+            assert isinstance(content, TextResourceContents)
+            assert "def shout(" in content.text
+        async with http(app, TOKENS["alice"]) as client:  # the job is alice's
+            view = (await client.get(f"/jobs/{result['job_id']}")).json()
+            assert view["stdout"] == result["stdout"]
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A work dir with a short path (the sandboxes' unix sockets are under it)."""
+    path = Path(tempfile.mkdtemp(prefix="ptcs", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+async def test_default_toolset_and_a_background_job_waited_on(short_dir: Path) -> None:
+    async with service(short_dir) as app:
+        toolset = await toolset_of(app, "alice")
+    async with service(short_dir, mcp_toolset=toolset) as app:  # the same store: alice's toolset is kept
+        async with mcp_session(app, "alice") as session:
+            tools = {tool.name: tool for tool in (await session.list_tools()).tools}
+            assert toolset in (tools["execute"].description or "")
+            script = "import time\nimport tools\ntime.sleep(1.5)\nprint(tools.echo(text='late'))\n"
+            started = answer(await session.call_tool("execute", {"script": script, "wait_s": 0}))
+            assert started["status"] in ("queued", "running")
+            ended = answer(await session.call_tool("wait_job", {"job_id": started["job_id"], "timeout_s": 60}))
+            assert ended["status"] == "succeeded"
+            assert "late" in ended["stdout"]
+            assert answer(await session.call_tool("get_job", {"job_id": started["job_id"]}))["status"] == "succeeded"
+            running = answer(await session.call_tool("execute", {"script": "import time\ntime.sleep(60)", "wait_s": 0}))
+            stopped = answer(await session.call_tool("stop_job", {"job_id": running["job_id"]}))
+            assert stopped["status"] not in ("queued", "running")
+        async with mcp_session(app, "bob") as session:  # alice's job, seen by bob: not found
+            text = error_text(await session.call_tool("get_job", {"job_id": started["job_id"]}))
+            assert "job-not-found: " in text, text
+            text = error_text(await session.call_tool("execute", {"script": "print(1)"}))  # alice's toolset
+            assert "invalid-request: " in text and "toolset" in text, text
+
+
+@pytest.mark.parametrize("token", [None, "not-a-key"])
+async def test_unauthenticated_requests_refused(token: str | None) -> None:
+    async with service() as app, http(app, token) as client:
+        response = await client.post(
+            "/mcp",
+            json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+            headers={"Accept": "application/json, text/event-stream"},
+        )
+        assert response.status_code == 401
+        assert response.headers["content-type"] == "application/problem+json"
+        assert json.loads(response.content)["status"] == 401
+        labels = {"method": "POST", "route": "/mcp", "status": "401"}
+        value = app.state.metrics.registry.get_sample_value("ptc_http_requests_total", labels)
+        assert value == 1  # counted under its route, not "unmatched"
+
+
+async def test_mcp_is_not_in_the_openapi_document() -> None:
+    async with service() as app, http(app, None) as client:
+        document = (await client.get("/openapi.json")).json()
+        assert not any(path.startswith("/mcp") for path in document["paths"])
+
+
+def test_cli_mcp_needs_a_url(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from service.__main__ import main
+
+    monkeypatch.delenv("PTC_URL", raising=False)
+    assert main(["mcp"]) == 2
+    assert "PTC_URL" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("job_id", ["../execute", "a/b", "x?y", ""])
+async def test_stdio_front_refuses_ids_that_are_not_one_path_segment(job_id: str) -> None:
+    from mcp.server.fastmcp.exceptions import ToolError
+
+    from service.mcp_stdio import OverHttp
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise AssertionError(f"no request may be sent: {request.url}")
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(refuse), base_url="http://test") as client:
+        with pytest.raises(ToolError, match="job-not-found"):
+            await OverHttp(client).get(None, job_id)  # type: ignore[arg-type]  # the context is not used
