@@ -12,7 +12,7 @@ from pathlib import Path
 import docker
 import httpx
 
-from service.sandbox.labels import LABEL_INSTANCE
+from service.sandbox.labels import LABEL_INSTANCE, instance_labels
 from tests.conftest import IMAGE, labelled_containers, start_service, wait_until
 
 
@@ -103,7 +103,7 @@ def test_graceful_stop_sweeps_a_sandbox_nothing_tracks(engine: docker.DockerClie
     shutdown, after everything has removed its own, and the log says so."""
     instance = f"pytest-stray-{secrets.token_hex(4)}"
     svc = start_service(instance, scratch / "stray", PTC_WARM_POOL_SIZE="0")
-    stray = engine.containers.create(IMAGE, labels={LABEL_INSTANCE: instance}, network_mode="none")
+    stray = engine.containers.create(IMAGE, labels=instance_labels(instance), network_mode="none")
     try:
         svc.stop()
         assert labelled_containers(engine, instance, include_pool=True) == []
