@@ -22,6 +22,7 @@ from ptc_sandbox_client import AsyncClient, Client, JobView
 from ptc_sandbox_client.adapters.langchain import PtcCodeTool
 
 from tests.conftest import Service
+from tests.integration.client_examples import load_example
 
 SCRIPT = """import tools
 lines = []
@@ -165,3 +166,15 @@ async def test_an_agent_fans_out_over_three_tools_async(service: Service) -> Non
         job = await client.get(view.job_id)
     assert job.status == "succeeded" and job.stdout == STDOUT, job
     assert [(c.seq, c.tool, c.args, c.status, c.result) for c in job.call_records] == RECORDS
+
+
+def test_the_example_with_the_scripted_model(service: Service) -> None:
+    """clients/python/examples/langchain_example.py (the program of docs/adapters/langchain.md) with LangChain's
+    fake chat model in place of a real one."""
+    example = load_example("langchain_example")
+    model = scripted_model()
+    model.responses[-1] = AIMessage(content="{tool_output}")
+    with Client(service.url, service.token, timeout=120) as client:
+        agent = example.build_agent(client, model)
+        state = agent.invoke({"messages": [{"role": "user", "content": "Report Oslo and Lima."}]})
+    assert state["messages"][-1].content == STDOUT

@@ -15,6 +15,7 @@ from ptc_sandbox_client import AsyncClient, JobView
 from ptc_sandbox_client.adapters.openai_agents import code_tool
 
 from tests.conftest import Service
+from tests.integration.client_examples import load_example
 
 set_tracing_disabled(True)
 
@@ -110,3 +111,20 @@ async def test_an_agent_fans_out_over_three_tools_through_the_service(service: S
             "Lima: 19 C, 10092000 people",
         ),
     ]
+
+
+async def test_the_example_with_the_scripted_model(service: Service) -> None:
+    """clients/python/examples/openai_agents_example.py (the program of docs/adapters/openai-agents.md) with the
+    SDK's scripted model in place of a real one."""
+    example = load_example("openai_agents_example")
+    model = ScriptedModel(
+        [
+            [function_call("run_python", {"script": SCRIPT}, call_id="call_script")],
+            ModelStep.respond(lambda call: [assistant_message(tool_output(call, "call_script"))]),
+        ]
+    )
+    async with AsyncClient(service.url, service.token, timeout=120) as client:
+        agent = await example.build_agent(client, model)
+        result = await Runner.run(agent, "Report the weather and population of Oslo and Lima.")
+    model.assert_complete()
+    assert result.final_output == STDOUT
