@@ -6,6 +6,7 @@ a scripted service (``httpx.MockTransport``)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -172,3 +173,14 @@ def test_langchain_code_tool_answers_results_and_failures() -> None:
     }
     with pytest.raises(ValueError, match="needs client="):
         lc.PtcCodeTool(tools=[search])
+
+
+@pytest.mark.parametrize(
+    ("page", "example"), [("openai-agents.md", "openai_agents_example.py"), ("langchain.md", "langchain_example.py")]
+)
+def test_each_page_shows_its_example_program(page: str, example: str) -> None:
+    """The smallest working program of each adapter page is the example file the integration test runs."""
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "adapters" / page).read_text()
+    program = (root / "clients" / "python" / "examples" / example).read_text()
+    assert f"```python\n{program}```\n" in text
