@@ -15,10 +15,11 @@ from agents import FunctionTool, function_tool
 from agents.tool_context import ToolContext
 from langchain_core.tools import BaseTool, tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from ptc_sandbox_client import AsyncClient, Client, JobView
+from ptc_sandbox_client import AsyncClient, Client, JobView, UnauthorizedError
 from ptc_sandbox_client.adapters import langchain as lc
 from ptc_sandbox_client.adapters import openai_agents as oa
 from ptc_sandbox_client.adapters._common import TAIL_CHARS, describe, job_text
+from ptc_sandbox_client.errors import PROBLEM_PREFIX
 
 STUBS = {"module": "def lookup(key: str) -> Any: ...\n", "usage": "Call tools from Python: `import tools`.\n"}
 
@@ -184,3 +185,43 @@ def test_each_page_shows_its_example_program(page: str, example: str) -> None:
     text = (root / "docs" / "adapters" / page).read_text()
     program = (root / "clients" / "python" / "examples" / example).read_text()
     assert f"```python\n{program}```\n" in text
+
+
+def refusing(status: int, name: str) -> httpx.MockTransport:
+    """A service whose /stubs answers and whose /execute refuses with the problem ``name``."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/stubs":
+            return httpx.Response(200, json=STUBS)
+        body = {"type": PROBLEM_PREFIX + name, "title": name, "status": status, "detail": f"detail of {name}"}
+        return httpx.Response(status, json=body, headers={"content-type": "application/problem+json"})
+
+    return httpx.MockTransport(handler)
+
+
+async def test_a_refusal_the_model_can_act_on_is_told_and_others_raise() -> None:
+    ctx: ToolContext[Any] = ToolContext(None, tool_name="run_python", tool_call_id="c", tool_arguments="{}")
+    arguments = json.dumps({"script": "print(1)"})
+    http = httpx.AsyncClient(base_url="http://t", transport=refusing(422, "limit-exceeded"))
+    async with AsyncClient("http://t", "tok", http=http, max_retries=0) as client:
+        code = await oa.code_tool(client, [lookup])
+        told = await code.on_invoke_tool(ctx, arguments)
+        assert told == "The service did not run the script: 422 limit-exceeded: detail of limit-exceeded"
+        assert await code.on_invoke_tool(ctx, "[1]") == "The argument `script` (a string of Python code) is missing."
+    http = httpx.AsyncClient(base_url="http://t", transport=refusing(401, "unauthorized"))
+    async with AsyncClient("http://t", "tok", http=http, max_retries=0) as client:
+        code = await oa.code_tool(client, [lookup])
+        with pytest.raises(UnauthorizedError):
+            await code.on_invoke_tool(ctx, arguments)
+    sync_http = httpx.Client(base_url="http://t", transport=refusing(429, "quota-exceeded"))
+    with Client("http://t", "tok", http=sync_http, max_retries=0) as sync_client:
+        assert lc.PtcCodeTool(client=sync_client, tools=[search]).invoke({"script": "print(1)"}) == (
+            "The service did not run the script: 429 quota-exceeded: detail of quota-exceeded"
+        )
+
+
+def test_two_tools_of_one_name_are_refused() -> None:
+    with pytest.raises(ValueError, match="lookup: two tools with this name"):
+        oa.manifest_of([lookup, function_tool(lambda key: key, name_override="lookup")])
+    with pytest.raises(ValueError, match="search: two tools with this name"):
+        lc.manifest_of([search, search])

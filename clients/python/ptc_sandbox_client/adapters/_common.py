@@ -3,11 +3,13 @@ the script imports) and the text a finished job gives back to the model."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
 from pydantic_core import to_jsonable_python
 
+from ..errors import InvalidRequestError, ProblemError, RateLimitedError, UnavailableError
 from ..models import JobView
 
 SCRIPT_DESCRIPTION = "A complete Python 3 script. It may `import tools` and call the functions described above."
@@ -42,6 +44,35 @@ def job_text(view: JobView) -> str:
     if view.stderr:
         lines.append("stderr (tail):\n" + _tail(view.stderr))
     return "\n".join(lines)
+
+
+#: Problems a model can act on (shorten the script, try again later): told to the model rather than raised.
+TOLD_TO_THE_MODEL = (InvalidRequestError, RateLimitedError, UnavailableError)
+
+
+def problem_text(error: ProblemError) -> str:
+    """What the model sees when the service refused to run its script (``TOLD_TO_THE_MODEL``)."""
+    retry = f" Retry after {error.retry_after:g} s." if error.retry_after else ""
+    return f"The service did not run the script: {error.status} {error.name}: {error.detail}{retry}"
+
+
+def unique_names(names: list[str]) -> None:
+    """Raises ``ValueError`` when two tools share a name (the script could reach only one of them)."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(f"{name}: two tools with this name")
+        seen.add(name)
+
+
+def script_of(arguments: str) -> str | None:
+    """The ``script`` argument of a code tool's JSON arguments, or None when there is none."""
+    try:
+        parsed = json.loads(arguments or "{}")
+    except ValueError:
+        return None
+    script = parsed.get("script") if isinstance(parsed, dict) else None
+    return script if isinstance(script, str) else None
 
 
 def jsonable(value: Any) -> Any:

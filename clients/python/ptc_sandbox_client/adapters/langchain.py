@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .._tools import client_manifest
 from ..client import AsyncClient, Client
 from ..models import JobView
-from ._common import SCRIPT_DESCRIPTION, describe, job_text, jsonable
+from ._common import SCRIPT_DESCRIPTION, TOLD_TO_THE_MODEL, describe, job_text, jsonable, problem_text, unique_names
 
 __all__ = ["PtcCodeTool", "ScriptInput", "manifest_of"]
 
@@ -31,6 +31,7 @@ class ScriptInput(BaseModel):
 
 
 def _entries(tools: Sequence[BaseTool]) -> dict[str, dict[str, Any]]:
+    unique_names([getattr(t, "name", "") for t in tools])
     out: dict[str, dict[str, Any]] = {}
     for tool in tools:
         if not isinstance(tool, BaseTool):
@@ -59,6 +60,7 @@ def manifest_of(tools: Sequence[BaseTool]) -> list[dict[str, Any]]:
 
     Raises:
         TypeError: an entry is not a ``BaseTool``.
+        ValueError: two tools share a name.
     """
     entries = _entries(tools)
     return client_manifest(
@@ -77,7 +79,10 @@ class PtcCodeTool(BaseTool):
     (status, exit code, error, stdout and stderr tails). ``execute`` goes to each ``POST /execute`` (``timeout_s``,
     ``limits``, ``image``, ``metadata``, ...); ``on_view`` is called with each job's final view (its ``job_id``,
     status and call records: for logs). A tool that raises gives the script ``tools.ToolError`` (``type`` the
-    exception's class name); a tool with ``handle_tool_error`` returns its error text as the result instead.
+    exception's class name); a tool with ``handle_tool_error`` returns its error text as the result instead. A
+    problem the model can act on (``invalid-request``, ``limit-exceeded``, ``queue-full``, ``quota-exceeded``,
+    ``engine-unavailable``, ...) is returned as ``The service did not run the script: <status> <name>: <detail>``;
+    any other problem raises.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -121,13 +126,16 @@ class PtcCodeTool(BaseTool):
 
             return _with_doc(call, entries[tool.name]["description"])
 
-        view = self.client.run_with_tools(
-            script,
-            {t.name: answer(t) for t in self.tools},
-            schemas={name: e["parameters"] for name, e in entries.items()},
-            wait_s=self.wait_s,
-            **self.execute,
-        )
+        try:
+            view = self.client.run_with_tools(
+                script,
+                {t.name: answer(t) for t in self.tools},
+                schemas={name: e["parameters"] for name, e in entries.items()},
+                wait_s=self.wait_s,
+                **self.execute,
+            )
+        except TOLD_TO_THE_MODEL as error:
+            return problem_text(error)
         if self.on_view is not None:
             self.on_view(view)
         return job_text(view)
@@ -144,13 +152,16 @@ class PtcCodeTool(BaseTool):
 
             return _with_doc(call, entries[tool.name]["description"])
 
-        view = await self.async_client.run_with_tools(
-            script,
-            {t.name: answer(t) for t in self.tools},
-            schemas={name: e["parameters"] for name, e in entries.items()},
-            wait_s=self.wait_s,
-            **self.execute,
-        )
+        try:
+            view = await self.async_client.run_with_tools(
+                script,
+                {t.name: answer(t) for t in self.tools},
+                schemas={name: e["parameters"] for name, e in entries.items()},
+                wait_s=self.wait_s,
+                **self.execute,
+            )
+        except TOLD_TO_THE_MODEL as error:
+            return problem_text(error)
         if self.on_view is not None:
             self.on_view(view)
         return job_text(view)

@@ -19,7 +19,16 @@ from openai.types.responses import ResponseFunctionToolCall
 from .._tools import client_manifest
 from ..client import AsyncClient
 from ..models import JobView
-from ._common import SCRIPT_DESCRIPTION, describe, job_text, jsonable
+from ._common import (
+    SCRIPT_DESCRIPTION,
+    TOLD_TO_THE_MODEL,
+    describe,
+    job_text,
+    jsonable,
+    problem_text,
+    script_of,
+    unique_names,
+)
 
 __all__ = ["code_tool", "manifest_of"]
 
@@ -47,10 +56,11 @@ def manifest_of(tools: Sequence[FunctionTool]) -> list[dict[str, Any]]:
 
     Raises:
         TypeError: a tool is not a ``FunctionTool``.
-        ValueError: a tool has ``needs_approval`` or tool guardrails (the runner's, which a script's call would
-            bypass).
+        ValueError: two tools share a name, or a tool has ``needs_approval`` or tool guardrails (the runner's,
+            which a script's call would bypass).
     """
     checked = [_check(t) for t in tools]
+    unique_names([t.name for t in checked])
     return client_manifest({t.name: _placeholder(t) for t in checked}, {t.name: t.params_json_schema for t in checked})
 
 
@@ -80,6 +90,10 @@ async def code_tool(
     Raises:
         TypeError, ValueError: as :func:`manifest_of`.
         ProblemError: the service refused the manifest (``POST /stubs``).
+
+    When the service refuses a script with a problem the model can act on (``invalid-request``,
+    ``limit-exceeded``, ``queue-full``, ``quota-exceeded``, ``engine-unavailable``, ...), the model gets
+    ``The service did not run the script: <status> <name>: <detail>``; any other problem (a bad key, say) raises.
     """
     by_name = {t.name: t for t in tools}
     manifest = manifest_of(tools)
@@ -87,8 +101,8 @@ async def code_tool(
     counter = itertools.count(1)
 
     async def invoke(ctx: ToolContext[Any], arguments: str) -> str:
-        script = json.loads(arguments or "{}").get("script")
-        if not isinstance(script, str):
+        script = script_of(arguments)
+        if script is None:
             return "The argument `script` (a string of Python code) is missing."
 
         def answer(tool: FunctionTool) -> Callable[..., Awaitable[Any]]:
@@ -111,13 +125,16 @@ async def code_tool(
             call.__doc__ = tool.description or tool.name  # the manifest's description, as in manifest_of
             return call
 
-        view = await client.run_with_tools(
-            script,
-            {t.name: answer(t) for t in by_name.values()},
-            schemas={t.name: t.params_json_schema for t in by_name.values()},
-            wait_s=wait_s,
-            **execute,
-        )
+        try:
+            view = await client.run_with_tools(
+                script,
+                {t.name: answer(t) for t in by_name.values()},
+                schemas={t.name: t.params_json_schema for t in by_name.values()},
+                wait_s=wait_s,
+                **execute,
+            )
+        except TOLD_TO_THE_MODEL as error:
+            return problem_text(error)
         if on_view is not None:
             on_view(view)
         return job_text(view)
