@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from agents import FunctionTool, function_tool
+from agents import FunctionTool, function_tool, set_tracing_disabled
 from agents.tool_context import ToolContext
 from langchain_core.tools import BaseTool, tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
@@ -20,6 +20,8 @@ from ptc_sandbox_client.adapters import langchain as lc
 from ptc_sandbox_client.adapters import openai_agents as oa
 from ptc_sandbox_client.adapters._common import TAIL_CHARS, describe, job_text
 from ptc_sandbox_client.errors import PROBLEM_PREFIX
+
+set_tracing_disabled(True)  # the SDK never exports a trace from these tests (no network)
 
 STUBS = {"module": "def lookup(key: str) -> Any: ...\n", "usage": "Call tools from Python: `import tools`.\n"}
 
@@ -145,7 +147,7 @@ async def test_openai_agents_code_tool_answers_results_and_failures() -> None:
         ctx: ToolContext[Any] = ToolContext(None, tool_name="py", tool_call_id="call_x", tool_arguments="{}")
         text = await code.on_invoke_tool(ctx, json.dumps({"script": "import tools"}))
     assert text == "The script did not succeed: status failed, exit code 2.\nstderr (tail):\nSystemExit: 2\n"
-    assert [e["name"] for e in service.manifest] == ["lookup", "strict", "lenient"]
+    assert service.manifest == oa.manifest_of([lookup, strict, lenient])  # what the description's stubs were made of
     assert service.answers["c1"] == {"result": {"key": "a", "limit": 3}}
     assert service.answers["c2"] == {"error": {"type": "ValueError", "message": "no b"}}
     # The SDK's default failure handler turns the error into its text, which the script gets as the result.
@@ -168,6 +170,7 @@ def test_langchain_code_tool_answers_results_and_failures() -> None:
         code = lc.PtcCodeTool(client=client, tools=[search, broken])
         assert isinstance(code, BaseTool) and code.name == "run_python" and code.description == describe(STUBS)
         assert code.invoke({"script": "import tools"}) == "ok\n"
+    assert service.manifest == lc.manifest_of([search, broken])
     assert service.answers == {
         "c1": {"result": ["q", "q"]},
         "c2": {"error": {"type": "ValueError", "message": "no b"}},
