@@ -87,13 +87,13 @@ async def code_tool(
     the SDK's error text, which the script receives as the result; a tool built with
     ``failure_error_function=None`` raises, and the script gets ``tools.ToolError``).
 
-    Raises:
-        TypeError, ValueError: as :func:`manifest_of`.
-        ProblemError: the service refused the manifest (``POST /stubs``).
-
     When the service refuses a script with a problem the model can act on (``invalid-request``,
     ``limit-exceeded``, ``queue-full``, ``quota-exceeded``, ``engine-unavailable``, ...), the model gets
     ``The service did not run the script: <status> <name>: <detail>``; any other problem (a bad key, say) raises.
+
+    Raises:
+        TypeError, ValueError: as :func:`manifest_of`.
+        ProblemError: the service refused the manifest (``POST /stubs``).
     """
     by_name = {t.name: t for t in tools}
     manifest = manifest_of(tools)
