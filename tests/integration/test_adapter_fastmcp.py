@@ -6,6 +6,10 @@ the job's call records are exact."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import fastmcp
@@ -131,3 +135,15 @@ async def test_a_provider_without_a_catalog_offers_one_generic_call_tool(service
         assert [(r.tool, r.args) for r in records] == [
             ("call_tool", {"tool_name": "get_timezone", "params": {"city": "Oslo"}})
         ]
+
+
+def test_the_example_runs(service: Service) -> None:
+    """clients/python/examples/fastmcp_code_mode.py (docs/adapters/fastmcp.md's program) as it is: its printed lines
+    are its comments."""
+    path = Path(__file__).resolve().parents[2] / "clients" / "python" / "examples" / "fastmcp_code_mode.py"
+    env = {**os.environ, "PTC_URL": service.url, "PTC_TOKEN": service.token}
+    done = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = [line.strip() for line in path.read_text().splitlines()]
+    expected = [line.split("# ", 1)[1] for line in lines if line.startswith("print(") and "# " in line]
+    assert done.stdout.splitlines() == expected, done.stdout

@@ -6,7 +6,11 @@ tools run in this process, and the final answer, the tool calls made here and th
 from __future__ import annotations
 
 import datetime
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -164,3 +168,35 @@ def test_an_executor_error_carries_the_view(client: Client) -> None:
         assert out.output == ((1, 2), b"\x00\x01") and not out.is_final_answer
     finally:
         executor.cleanup()
+
+
+EXAMPLE_MODEL = """from smolagents.models import ChatMessage, MessageRole, Model
+
+
+class ScriptedModel(Model):
+    def generate(self, messages, **kwargs):
+        code = "temps = {c: get_weather(c)['temp_c'] for c in ['Oslo', 'Lima']}\\n"
+        code += "final_answer(max(temps, key=temps.get))"
+        return ChatMessage(role=MessageRole.ASSISTANT, content=f"<code>\\n{code}\\n</code>")
+
+
+model = ScriptedModel()
+"""
+
+
+def test_the_example_runs_with_a_scripted_model(service: Service, tmp_path: Path) -> None:
+    """clients/python/examples/smolagents_agent.py (docs/adapters/smolagents.md's program) with its model line replaced
+    by a scripted model: its printed lines are its comments."""
+    path = Path(__file__).resolve().parents[2] / "clients" / "python" / "examples" / "smolagents_agent.py"
+    source = path.read_text()
+    model_line = next(line for line in source.splitlines() if line.startswith("model = "))
+    program = source.replace(model_line + "\n", EXAMPLE_MODEL)
+    env = {**os.environ, "PTC_URL": service.url, "PTC_TOKEN": service.token}
+    (tmp_path / "example.py").write_text(program)  # smolagents' @tool reads its function's source from the file
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "example.py")], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [line.strip() for line in source.splitlines()]
+    expected = [line.split("  # ", 1)[1] for line in lines if line.startswith("print(") and "  # " in line]
+    assert done.stdout.splitlines() == expected, done.stdout

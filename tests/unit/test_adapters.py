@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar
 
 import fastmcp
@@ -174,3 +175,11 @@ async def test_fastmcp_provider_unbound_offers_a_generic_call_tool() -> None:
     assert [t["name"] for t in body["tools"]] == ["call_tool"]
     assert body["tools"][0]["parameters"] == fastmcp_adapter.CALL_TOOL_SCHEMA
     await client.aclose()
+
+
+def test_the_docs_pages_show_the_examples_as_they_are() -> None:
+    root = Path(__file__).resolve().parents[2]
+    for page, example in (("smolagents.md", "smolagents_agent.py"), ("fastmcp.md", "fastmcp_code_mode.py")):
+        text = (root / "docs" / "adapters" / page).read_text()
+        program = text.split("```python\n", 1)[1].split("```", 1)[0]
+        assert program == (root / "clients" / "python" / "examples" / example).read_text(), page
