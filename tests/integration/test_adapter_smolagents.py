@@ -166,6 +166,23 @@ def test_an_executor_error_carries_the_view(client: Client) -> None:
         executor.send_variables({"pair": (1, 2), "raw": b"\x00\x01"})
         out = executor("(pair, raw)")
         assert out.output == ((1, 2), b"\x00\x01") and not out.is_final_answer
+        # What the next step finds: modules, functions and classes defined, instances of them; not what does not
+        # pickle (a generator).
+        executor(
+            "import math as m\nfrom collections import Counter\nclass P:\n    def __init__(self, x):\n"
+            "        self.x = x\ndef double(v):\n    return 2 * v\np = P(3)\nc = Counter('aab')\n"
+            "gen = (i for i in range(3))"
+        )
+        out = executor("(m.sqrt(double(p.x) * 6), type(p).__name__, c['a'], 'gen' in globals(), pair)")
+        assert out.output == (6.0, "P", 2, False, (1, 2)), out
+        # A step cut short by its time limit: an error, and the state of the step before stays.
+        executor.timeout_s = 2
+        with pytest.raises(SandboxExecutionError) as raised:
+            executor("p.x = 100\nimport time\ntime.sleep(30)")
+        assert str(raised.value).startswith("the step's script ended "), raised.value
+        assert raised.value.view.status != "succeeded"
+        executor.timeout_s = 60
+        assert executor("p.x").output == 3
     finally:
         executor.cleanup()
 

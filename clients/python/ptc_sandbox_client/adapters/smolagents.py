@@ -160,7 +160,7 @@ class PtcExecutor(PythonExecutor):  # type: ignore[misc]  # smolagents ships no 
             outcome = json.loads(self.client.job_file(view.job_id, RESULT_PATH))
             if isinstance(outcome, dict):
                 return outcome
-        detail = (view.error or {}).get("message") or view.stderr.strip().splitlines()[-1:] or ""
+        detail = (view.error or {}).get("message") or "".join(view.stderr.strip().splitlines()[-1:])
         raise SandboxExecutionError(f"the step's script ended {view.status}: {detail}", view)
 
     def cleanup(self) -> None:
