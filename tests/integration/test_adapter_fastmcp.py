@@ -5,6 +5,7 @@ the job's call records are exact."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import fastmcp
+import pytest
 from fastmcp.experimental.transforms.code_mode import CodeMode
 from ptc_sandbox_client import AsyncClient
 from ptc_sandbox_client.adapters.fastmcp import PtcSandboxProvider, code_mode
@@ -147,3 +149,22 @@ def test_the_example_runs(service: Service) -> None:
     lines = [line.strip() for line in path.read_text().splitlines()]
     expected = [line.split("# ", 1)[1] for line in lines if line.startswith("print(") and "# " in line]
     assert done.stdout.splitlines() == expected, done.stdout
+
+
+async def test_a_cancelled_request_stops_its_job(service: Service) -> None:
+    async def call_tool(name: str, params: dict[str, Any]) -> Any:
+        raise AssertionError("no call expected")
+
+    async with AsyncClient(service.url, service.token, timeout=120) as client:
+        provider = PtcSandboxProvider(client, timeout_s=120, wait_s=5, metadata={"test": "cancel"})
+        code = "import time\nprint('started', flush=True)\ntime.sleep(100)"
+        run = asyncio.create_task(provider.run(code, external_functions={"call_tool": call_tool}))
+        await asyncio.sleep(3)
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        (stopping,) = provider.stopping
+        await stopping
+        # The job, found again by the same request (its Idempotency-Key), stopped.
+        (view,) = provider.views
+        assert view.status == "stopped" and view.metadata == {"test": "cancel"}, view

@@ -21,7 +21,10 @@ the manifest has one client-executed tool, ``call_tool(tool_name, params)``, ans
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -29,8 +32,11 @@ from fastmcp.exceptions import ToolError
 from fastmcp.experimental.transforms.code_mode import CodeMode
 from fastmcp.server.dependencies import get_context
 
+from .._tools import client_manifest
 from ..client import AsyncClient
 from ..models import JobView
+
+logger = logging.getLogger(__name__)
 
 RESULT_PATH = "outputs/ptc-code-mode-result.json"
 """Where the script leaves its outcome (it comes back with the job: docs/files.md)."""
@@ -47,7 +53,8 @@ class PtcSandboxProvider:
 
     ``client`` is an :class:`~ptc_sandbox_client.AsyncClient`; ``code_mode`` the transform whose catalog becomes the
     manifest (:func:`code_mode` sets it); ``timeout_s`` bounds each script; ``body`` takes other ``/execute`` fields
-    (``limits``, ``image``, ``env``, ``metadata``, ...). ``views`` keeps each job's final view, in order.
+    (``limits``, ``image``, ``env``, ``metadata``, ...). ``views`` keeps each job's final view, in order (a cancelled
+    request's job: the view its stop answered).
     """
 
     def __init__(
@@ -65,6 +72,14 @@ class PtcSandboxProvider:
         self.wait_s = wait_s
         self.body = body
         self.views: list[JobView] = []
+        self.stopping: set[asyncio.Task[None]] = set()  # stops of cancelled requests' jobs, under way
+
+    async def _stop(self, script: str, manifest: list[dict[str, Any]], body: dict[str, Any]) -> None:
+        try:
+            view = await self.client.execute(script, tools=manifest, wait_s=self.wait_s, **body)
+            self.views.append(view if view.ended else await self.client.stop(view.job_id))
+        except Exception:  # the job still ends at its timeout_s
+            logger.warning("could not stop the job of a cancelled code-mode request", exc_info=True)
 
     async def manifest(
         self, call_tool: Callable[..., Awaitable[Any]]
@@ -100,13 +115,18 @@ class PtcSandboxProvider:
         body = dict(self.body)
         if self.timeout_s is not None:
             body["timeout_s"] = self.timeout_s
-        view = await self.client.run_with_tools(
-            code_script(code, inputs or {}, generic="call_tool" in schemas and len(schemas) == 1),
-            functions,
-            schemas=schemas,
-            wait_s=self.wait_s,
-            **body,
-        )
+        # The key makes the job findable again: when the request is cancelled, the same request answers the job's
+        # view (docs/idempotency.md), and the job is stopped.
+        body["idempotency_key"] = f"ptc-code-mode-{uuid.uuid4().hex}"
+        script = code_script(code, inputs or {}, generic="call_tool" in schemas and len(schemas) == 1)
+        try:
+            view = await self.client.run_with_tools(script, functions, schemas=schemas, wait_s=self.wait_s, **body)
+        except asyncio.CancelledError:
+            manifest = client_manifest(functions, schemas)
+            task = asyncio.get_running_loop().create_task(self._stop(script, manifest, body))
+            self.stopping.add(task)
+            task.add_done_callback(self.stopping.discard)
+            raise
         self.views.append(view)
         if any(f.path == RESULT_PATH for f in view.files):
             outcome = json.loads(await self.client.job_file(view.job_id, RESULT_PATH))
