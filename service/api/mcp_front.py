@@ -8,6 +8,7 @@ while the app runs (the app's lifespan enters it).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -176,9 +177,28 @@ async def lifespan(app: FastAPI, endpoint: McpEndpoint, default_toolset: str | N
         stateless=True,  # each POST stands alone: no MCP session another key could name
         security_settings=server.settings.transport_security,
     )
-    async with manager.run():
-        endpoint.manager = manager
-        try:
-            yield
-        finally:
-            endpoint.manager = None
+    # The manager's task group is entered and left in a task of its own: a lifespan may be entered in one task and
+    # left in another (an async test fixture's set-up and tear-down), which an anyio cancel scope refuses.
+    started, stop = asyncio.Event(), asyncio.Event()
+
+    async def serve() -> None:
+        async with manager.run():
+            endpoint.manager = manager
+            started.set()
+            try:
+                await stop.wait()
+            finally:
+                endpoint.manager = None
+
+    serving = asyncio.create_task(serve(), name="mcp session manager")
+    ready = asyncio.ensure_future(started.wait())
+    await asyncio.wait({serving, ready}, return_when=asyncio.FIRST_COMPLETED)
+    ready.cancel()
+    if serving.done():
+        serving.result()  # it failed before serving: raise its error
+        raise RuntimeError("the MCP session manager ended before it started serving")
+    try:
+        yield
+    finally:
+        stop.set()
+        await serving
