@@ -49,6 +49,7 @@ import orjson
 from starlette.requests import Request
 from starlette.types import Scope
 
+from service import telemetry
 from service.jobs.model import FINAL
 
 if TYPE_CHECKING:
@@ -79,6 +80,8 @@ class JsonFormatter(logging.Formatter):
             line.update(fields)
         else:
             line["msg"] = record.getMessage()
+        if "trace_id" not in line and (trace_id := telemetry.trace_id()) is not None:
+            line["trace_id"] = trace_id  # emitted inside a traced request or job (tracing on)
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(line, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
@@ -149,6 +152,8 @@ def job(job: LiveJob) -> None:
         _job_keys[job.id] = KEY_NAME.get()
     key = _job_keys[job.id]
     fields: dict[str, Any] = {"job_id": job.id, "status": str(job.status), "key": key}
+    if job.trace_id is not None:
+        fields["trace_id"] = job.trace_id
     if job.started_at is not None and job.status == "running":
         fields["queue_ms"] = _ms(job.created_at, job.started_at)
     if job.status in FINAL:
