@@ -29,6 +29,9 @@ does appear), header values and secrets. With ``PTC_LOG_LEVEL=debug`` the
 (endpoint headers, the callback secret) never appear at any level. Requests
 of ``/healthz``, ``/readyz`` and ``/metrics`` are logged at debug level only.
 
+With traces on (``service.telemetry``), a line written inside a traced request has ``trace_id``, and every
+``job`` event its job's ``trace_id`` (32 hex digits).
+
 ``key`` is the name of the API key that made the request: whoever checks keys
 calls ``bind_key(request, name)``; jobs carry the key of the request that
 submitted them. Without authentication it is null. ``PTC_LOG_FORMAT=text``

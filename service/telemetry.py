@@ -25,7 +25,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -49,6 +49,7 @@ TRACER_NAME = "ptc-sandbox"
 QUIET_URLS = "/healthz,/readyz,/metrics"
 # Redacted should an operator capture request headers (OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_SERVER_REQUEST).
 SECRET_HEADERS = ["authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key"]
+FLUSH_S = 5.0  # at shutdown, the longest wait for the spans still queued to be exported
 ERROR_STATUSES = frozenset({"failed", "timed_out", "lost", "oom_killed"})
 
 
@@ -65,6 +66,7 @@ def _console() -> SpanExporter:
 # OTEL_TRACES_EXPORTER's names (the SDK's entry-point names for the exporters this service ships).
 EXPORTERS: dict[str, Callable[[], SpanExporter]] = {"otlp": _otlp, "otlp_proto_http": _otlp, "console": _console}
 
+_NOTHING = contextlib.nullcontext()
 _provider: TracerProvider | None = None
 _tracer: trace.Tracer | None = None
 
@@ -121,6 +123,14 @@ def install(provider: TracerProvider | None) -> None:
     global _provider, _tracer
     _provider = provider
     _tracer = provider.get_tracer(TRACER_NAME) if provider is not None else None
+
+
+def flush(timeout_s: float = FLUSH_S) -> None:
+    """Export the spans still queued, waiting at most ``timeout_s`` (blocking: call it off the event loop). The
+    service calls it when it stops: uvicorn ends the process by re-raising SIGTERM, so the SDK's exit hook does
+    not run."""
+    if _provider is not None:
+        _provider.force_flush(int(timeout_s * 1000))
 
 
 def enabled() -> bool:
@@ -219,14 +229,11 @@ def end_call(span: Span | None, record: Mapping[str, Any]) -> None:
     span.end()
 
 
-@contextlib.contextmanager
-def current(span: Span | None) -> Iterator[None]:
+def current(span: Span | None) -> contextlib.AbstractContextManager[Any]:
     """Make ``span`` the current span inside the block (so outgoing requests name it); nothing for None."""
     if span is None:
-        yield
-        return
-    with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
-        yield
+        return _NOTHING
+    return trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False)
 
 
 def inject(headers: dict[str, str], span: Span | None = None) -> None:

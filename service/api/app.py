@@ -5,6 +5,7 @@ the error handler (``problems``) and the served OpenAPI document, and includes o
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -99,6 +100,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
                 yield
         finally:
             await jobs.close()
+            await asyncio.to_thread(telemetry.flush)  # the spans of the jobs just ended too
             app.state.bodies.close()
             await endpoints.aclose()
             await store.close()

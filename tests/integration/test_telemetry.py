@@ -146,3 +146,25 @@ def test_a_real_jobs_trace_reaches_an_otlp_collector_and_the_endpoint_gets_the_c
             assert len(again["trace_id"]) == 32 and again["trace_id"] != INCOMING_TRACE
     finally:
         stop_clean(engine, svc)
+
+
+def test_the_spans_still_queued_are_exported_when_the_service_stops(
+    engine: docker.DockerClient, scratch: Path, collector: Collector
+) -> None:
+    # The batch processor's default delay is 5 s; the service stops well before it (uvicorn ends the process by
+    # re-raising SIGTERM, so the SDK's exit hook never runs: the lifespan flushes).
+    svc = start_service(
+        f"pytest-{secrets.token_hex(4)}",
+        scratch / "otel-stop",
+        PTC_WARM_POOL_SIZE="0",
+        OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=collector.url,
+        OTEL_BSP_SCHEDULE_DELAY="60000",
+    )
+    try:
+        with svc.client() as api:
+            view = execute(api, "print(1)")
+        assert not collector.spans
+    finally:
+        stop_clean(engine, svc)
+    names = sorted(s["name"] for s in collector.spans if s["trace_id"] == view["trace_id"])
+    assert names == ["POST /execute", "job", "queue wait", "sandbox start"]
