@@ -156,12 +156,23 @@ def instrument_app(app: Any) -> None:
 
 def instrument_client(client: Any) -> None:
     """A span per request of ``client`` (an ``httpx.AsyncClient``) that sends its own ``traceparent``, a child of
-    the current span. No-op when tracing is off."""
+    the current span; its URL attribute without the query (a tool's query may hold a key). No-op when tracing is
+    off."""
     if _provider is None:
         return
     from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
 
-    HTTPXClientInstrumentor.instrument_client(client, tracer_provider=_provider)
+    HTTPXClientInstrumentor.instrument_client(client, tracer_provider=_provider, request_hook=_url_without_query)
+
+
+async def _url_without_query(span: Span, request: Any) -> None:
+    """httpx instrumentation's request hook: the span's URL attributes lose their query and fragment."""
+    attributes = getattr(span, "attributes", None) or {}  # an SDK span's
+    url = request.url
+    plain = f"{url.scheme}://{url.netloc.decode('ascii', 'replace')}{url.path}"
+    for name in ("http.url", "url.full"):
+        if name in attributes:
+            span.set_attribute(name, plain)
 
 
 def _ns(at: datetime | None) -> int | None:

@@ -29,7 +29,7 @@ from service.sandbox.fake import FakeBackend
 from service.settings import Settings
 from tests.toolserver import ToolServer
 
-ALICE = "alice-token-0123456789"
+ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789"
 INCOMING_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 INCOMING = f"00-{INCOMING_TRACE}-00f067aa0ba902b7-01"
 SECRET_ARG = "s3cr3t-argument-7f1c"
@@ -76,9 +76,9 @@ def spans() -> Iterator[InMemorySpanExporter]:
 async def service(**overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
     """The service on a ``FakeBackend``, the key alice its one key (the client sends it)."""
     work_dir = Path(tempfile.mkdtemp(prefix="ptco", dir="/tmp"))
+    overrides.setdefault("api_keys", f"alice:{hash_token(ALICE)}")
     settings = Settings(
         work_dir=work_dir,
-        api_keys=f"alice:{hash_token(ALICE)}",
         sandbox_folders_tmpfs_mb=0,
         warm_pool_size=0,
         instance_id="fake-" + work_dir.name,
@@ -166,6 +166,51 @@ async def test_one_execute_with_two_tool_calls_makes_the_expected_tree(
     # Never an argument or a result in any span.
     dumped = "".join(s.to_json() for s in finished)
     assert SECRET_ARG not in dumped and "3.0" not in dumped and "6.28" not in dumped
+
+
+async def test_a_sessions_scripts_are_jobs_of_their_requests_traces(spans: InMemorySpanExporter) -> None:
+    async with service() as client:
+        created = await client.post("/sessions", json={})
+        assert created.status_code == 201, created.text
+        session_id = created.json()["session_id"]
+        views = [
+            (await client.post("/execute", json={"script": f"print({i})", "session_id": session_id})).json()
+            for i in range(2)
+        ]
+    finished = spans.get_finished_spans()
+    requests = [s for s in finished if s.name == "POST /execute"]
+    jobs = by_name(finished, "job")
+    assert [view["status"] for view in views] == ["succeeded"] * 2
+    assert [view["trace_id"] for view in views] == [hex_trace(job) for job in jobs]
+    assert len(set(hex_trace(job) for job in jobs)) == 2  # one trace per request
+    assert [parent_id(job) for job in jobs] == [span_id(request) for request in requests]
+    for job in jobs:
+        assert (job.attributes or {})["ptc.session.id"] == session_id
+    assert [(s.attributes or {})["ptc.sandbox.start"] for s in by_name(finished, "sandbox start")] == ["session"] * 2
+
+
+async def test_a_traceparent_of_another_tenants_trace_shows_nothing_of_its_job(spans: InMemorySpanExporter) -> None:
+    async with service(api_keys=f"alice:{hash_token(ALICE)},bob:{hash_token(BOB)}") as client:
+        alice = (await client.post("/execute", json={"script": "print(1)"})).json()
+        header = f"00-{alice['trace_id']}-00f067aa0ba902b7-01"
+        as_bob = {"authorization": f"Bearer {BOB}", "traceparent": header}
+        bob = (await client.post("/execute", json={"script": "print(2)"}, headers=as_bob)).json()
+        assert bob["trace_id"] == alice["trace_id"]  # bob's own job joins that trace, no more
+        assert (await client.get(f"/jobs/{alice['job_id']}", headers=as_bob)).status_code == 404
+        listed = (await client.get("/jobs", headers=as_bob)).json()
+        assert [job["job_id"] for job in listed["jobs"]] == [bob["job_id"]]
+
+
+async def test_no_query_of_an_endpoints_url_is_in_a_span(spans: InMemorySpanExporter, tool_server: ToolServer) -> None:
+    tools = [
+        {"name": "t", "parameters": {}, "endpoint": {"kind": "http", "url": tool_server.url("echo") + "?k=qsecret"}}
+    ]
+    async with service() as client:
+        view = (await client.post("/execute", json={"script": "import tools\ntools.t()", "tools": tools})).json()
+    assert len(view["calls"]) == 1, view
+    (post,) = [s for s in spans.get_finished_spans() if s.name == "POST"]
+    assert (post.attributes or {})["http.url"] == tool_server.url("echo")
+    assert "qsecret" not in "".join(s.to_json() for s in spans.get_finished_spans())
 
 
 async def test_an_incoming_traceparent_is_the_parent(spans: InMemorySpanExporter, tool_server: ToolServer) -> None:
