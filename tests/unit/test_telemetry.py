@@ -73,9 +73,11 @@ def spans() -> Iterator[InMemorySpanExporter]:
 
 
 @contextlib.asynccontextmanager
-async def service(**overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
-    """The service on a ``FakeBackend``, the key alice its one key (the client sends it)."""
-    work_dir = Path(tempfile.mkdtemp(prefix="ptco", dir="/tmp"))
+async def service(work_dir: Path | None = None, **overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The service on a ``FakeBackend``, the key alice its one key (the client sends it); on ``work_dir`` (kept)
+    or a new one (removed after)."""
+    keep = work_dir is not None
+    work_dir = work_dir or Path(tempfile.mkdtemp(prefix="ptco", dir="/tmp"))
     overrides.setdefault("api_keys", f"alice:{hash_token(ALICE)}")
     settings = Settings(
         work_dir=work_dir,
@@ -93,7 +95,8 @@ async def service(**overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
             ) as client:
                 yield client
     finally:
-        shutil.rmtree(work_dir, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(work_dir, ignore_errors=True)
 
 
 def by_name(finished: tuple[ReadableSpan, ...], name: str) -> list[ReadableSpan]:
@@ -215,10 +218,14 @@ async def test_no_query_of_an_endpoints_url_is_in_a_span(spans: InMemorySpanExpo
 
 async def test_an_incoming_traceparent_is_the_parent(spans: InMemorySpanExporter, tool_server: ToolServer) -> None:
     body = {"script": SCRIPT, "tools": http_tools(tool_server)}
-    async with service() as client:
-        view = (await client.post("/execute", json=body, headers={"traceparent": INCOMING})).json()
-        # Saved with the job: its view read back from the store still has it.
-        stored = (await client.get(f"/jobs/{view['job_id']}", params={"fields": "trace_id"})).json()
+    work_dir = Path(tempfile.mkdtemp(prefix="ptco", dir="/tmp"))
+    try:
+        async with service(work_dir) as client:
+            view = (await client.post("/execute", json=body, headers={"traceparent": INCOMING})).json()
+        async with service(work_dir) as client:  # saved with the job: the store's view, after a restart
+            stored = (await client.get(f"/jobs/{view['job_id']}", params={"fields": "trace_id"})).json()
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
     assert stored["trace_id"] == INCOMING_TRACE
     assert view["trace_id"] == INCOMING_TRACE
     finished = spans.get_finished_spans()
@@ -322,3 +329,21 @@ def test_the_default_service_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OTEL_SERVICE_NAME")
     monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.name=from-attributes")
     assert telemetry.resource().attributes["service.name"] == "from-attributes"
+
+
+def test_configure_from_env_installs_the_named_exporters_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    assert telemetry.configure_from_env() is False and not telemetry.enabled()
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")  # not shipped: logged, nothing installed
+    assert telemetry.configure_from_env() is False and not telemetry.enabled()
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp,console")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
+    try:
+        assert telemetry.configure_from_env() is True and telemetry.enabled()
+        provider = telemetry._provider
+        assert telemetry.configure_from_env() is True and telemetry._provider is provider  # once per process
+    finally:
+        if telemetry._provider is not None:
+            telemetry._provider.shutdown()
+        telemetry.install(None)
