@@ -109,6 +109,8 @@ class Runner:
             ticket.release()
             for output in (job.stdout, job.stderr):
                 output.close()
+            if job.span is not None and job.span.is_recording():  # its cleanup never ran
+                telemetry.end_job(job.span, job.status.value, (job.error or {}).get("type"))
 
         task.add_done_callback(ended)
         return task
