@@ -78,9 +78,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import orjson
+from opentelemetry.trace import Span
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from service import exactjson
+from service import exactjson, telemetry
 from service.collector import gc_paused
 from service.errors import CallNotPending, CheckTooCostly
 from service.toolkit.endpoints import EndpointClients, RawJson, ToolCallFailed
@@ -175,6 +176,7 @@ class Broker:
         checks: the service's scheduler of argument and result checks (shared by every job); None: one of the
             broker's own, with one thread (for a broker used alone, as in tests).
         check_group: the fairness group of this job's checks (the API key that owns the job).
+        trace_parent: the job's span: each call gets a child span (``service.telemetry``); None: no spans.
     """
 
     def __init__(
@@ -193,6 +195,7 @@ class Broker:
         checks: CheckScheduler | None = None,
         check_group: str = "",
         approval_timeout_s: float = 270.0,
+        trace_parent: Span | None = None,
     ) -> None:
         self._checks = checks or CheckScheduler(1, DEFAULT_CHECK_BUDGET_S)
         self._check_group = check_group
@@ -224,6 +227,7 @@ class Broker:
         self._connections: set[asyncio.StreamWriter] = set()
         self._in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
         self._reading = 0  # request lines of this job being parsed on the check threads
+        self._trace_parent = trace_parent
 
     async def start(self, path: Path) -> None:
         """Listen on ``path`` (a unix socket, mode 0666 so the sandbox user can connect)."""
@@ -386,6 +390,7 @@ class Broker:
         )
         reply = self._fail(record, "rejected", "limit_exceeded", message)
         record["duration_ms"] = 0.0
+        telemetry.end_call(telemetry.start_call(self._trace_parent, record), record)
         if self._on_call_end is not None:
             self._on_call_end(record)
         return reply
@@ -418,8 +423,10 @@ class Broker:
             self._keep(record, "args", request.args_json)
         self.records.append(record)
         started = time.perf_counter()
+        span = telemetry.start_call(self._trace_parent, record)
         try:
-            reply = await self._dispatch(tool_name, request, record)
+            with telemetry.current(span):  # the endpoint's request names the call's span
+                reply = await self._dispatch(tool_name, request, record)
         except asyncio.CancelledError:
             record.update(status="error", error=dict(_CANCELLED))
             raise
@@ -430,6 +437,7 @@ class Broker:
             )
         finally:
             record["duration_ms"] = round((time.perf_counter() - started) * 1000, 3)
+            telemetry.end_call(span, record)
             if self._on_call_end is not None:
                 self._on_call_end(record)
         return reply

@@ -49,7 +49,7 @@ import binascii
 import hashlib
 import hmac
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -285,12 +285,14 @@ async def deliver(
     timeout_s: float,
     on_attempt: Callable[[dict[str, Any]], None],
     owner: str | None = None,
+    trace_headers: Mapping[str, str] | None = None,
 ) -> bool:
     """POST ``body`` to ``url`` until a 2xx answer or ``max_attempts`` attempts; returns whether it was delivered.
 
     Every attempt carries ``msg_id`` in ``webhook-id`` and is signed anew with each of ``secrets``;
     ``on_attempt`` receives ``{"at", "status_code", "error", "duration_ms"}`` after every attempt;
-    ``owner`` (the job's, as in the body) is sent in ``X-PTC-Owner``.
+    ``owner`` (the job's, as in the body) is sent in ``X-PTC-Owner``; ``trace_headers`` (the job's W3C
+    ``traceparent``, ``service.telemetry.inject``) with every attempt.
     """
     retrying = AsyncRetrying(
         stop=stop_after_attempt(max_attempts),
@@ -300,7 +302,7 @@ async def deliver(
     try:
         async for attempt in retrying:
             with attempt:
-                await _attempt(client, url, body, secrets, msg_id, timeout_s, on_attempt, owner)
+                await _attempt(client, url, body, secrets, msg_id, timeout_s, on_attempt, owner, trace_headers or {})
     except RetryError:
         return False
     except EgressDenied:
@@ -317,8 +319,13 @@ async def _attempt(
     timeout_s: float,
     on_attempt: Callable[[dict[str, Any]], None],
     owner: str | None,
+    trace_headers: Mapping[str, str],
 ) -> None:
-    headers = {"content-type": "application/json", **signed_headers(secrets, msg_id, int(time.time()), body)}
+    headers = {
+        "content-type": "application/json",
+        **trace_headers,
+        **signed_headers(secrets, msg_id, int(time.time()), body),
+    }
     if owner is not None:
         headers[OWNER_HEADER] = owner
     record: dict[str, Any] = {"at": datetime.now(UTC), "status_code": None, "error": None}

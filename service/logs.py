@@ -29,6 +29,9 @@ does appear), header values and secrets. With ``PTC_LOG_LEVEL=debug`` the
 (endpoint headers, the callback secret) never appear at any level. Requests
 of ``/healthz``, ``/readyz`` and ``/metrics`` are logged at debug level only.
 
+With traces on (``service.telemetry``), a line written inside a traced request has ``trace_id``, and every
+``job`` event its job's ``trace_id`` (32 hex digits).
+
 ``key`` is the name of the API key that made the request: whoever checks keys
 calls ``bind_key(request, name)``; jobs carry the key of the request that
 submitted them. Without authentication it is null. ``PTC_LOG_FORMAT=text``
@@ -49,6 +52,7 @@ import orjson
 from starlette.requests import Request
 from starlette.types import Scope
 
+from service import telemetry
 from service.jobs.model import FINAL
 
 if TYPE_CHECKING:
@@ -79,6 +83,8 @@ class JsonFormatter(logging.Formatter):
             line.update(fields)
         else:
             line["msg"] = record.getMessage()
+        if "trace_id" not in line and (trace_id := telemetry.trace_id()) is not None:
+            line["trace_id"] = trace_id  # emitted inside a traced request or job (tracing on)
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(line, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
@@ -149,6 +155,8 @@ def job(job: LiveJob) -> None:
         _job_keys[job.id] = KEY_NAME.get()
     key = _job_keys[job.id]
     fields: dict[str, Any] = {"job_id": job.id, "status": str(job.status), "key": key}
+    if job.trace_id is not None:
+        fields["trace_id"] = job.trace_id
     if job.started_at is not None and job.status == "running":
         fields["queue_ms"] = _ms(job.created_at, job.started_at)
     if job.status in FINAL:

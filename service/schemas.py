@@ -571,6 +571,11 @@ class JobView(BaseModel):
         description="The API key name that created the job (anonymous without auth; null: saved before owners "
         "were recorded). A completion callback's body names it too.",
     )
+    trace_id: str | None = Field(
+        None,
+        description="The OpenTelemetry trace id of the job (32 hex digits): the trace of the POST /execute that "
+        "submitted it (of its traceparent header, when one came). Null when tracing is off (docs/telemetry.md).",
+    )
     pending_calls: list[PendingCall] = Field(
         default_factory=list,
         description="Calls waiting for the harness: client-executed calls and calls awaiting approval (status is "

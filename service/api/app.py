@@ -5,6 +5,7 @@ the error handler (``problems``) and the served OpenAPI document, and includes o
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -13,7 +14,7 @@ from fastapi import FastAPI
 from starlette.datastructures import State
 from starlette.routing import BaseRoute
 
-from service import __version__, callbacks
+from service import __version__, callbacks, telemetry
 from service.api import mcp_front, problems
 from service.api.bodies import BODY_THREADS, BodyLimit, ParsedOffLoop
 from service.api.composition import build_jobs
@@ -59,6 +60,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     """
     settings = settings or Settings()
     keys = configure(settings)
+    telemetry.configure_from_env()  # off unless the OTEL_* variables ask for traces (docs/telemetry.md)
     callbacks.load_secrets(settings)  # a malformed PTC_CALLBACK_SECRETS refuses the start now, not at the lifespan
 
     @asynccontextmanager
@@ -98,6 +100,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
                 yield
         finally:
             await jobs.close()
+            await asyncio.to_thread(telemetry.flush)  # the spans of the jobs just ended too
             app.state.bodies.close()
             await endpoints.aclose()
             await store.close()
@@ -124,6 +127,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     app.add_middleware(HttpObserver, metrics=metrics, routes=_observed_routes(app))  # outermost: sees every answer
     document(app, opened, authenticated=keys is not None)
     problems.install(app)
+    telemetry.instrument_app(app)  # a span per request, outermost (tracing on only)
     app.state.settings, app.state.keys = settings, keys
     app.state.jobs = app.state.sessions = app.state.toolsets = app.state.backend = NOT_STARTED  # deps.NotStarted
     app.state.idempotency = NOT_STARTED

@@ -14,6 +14,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from opentelemetry.trace import Span
+
 from service.broker import Broker
 from service.errors import RequestLimitError
 from service.files import FileBudget, OutputFiles
@@ -118,6 +120,8 @@ class LiveJob(Job):
     saving: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves reach the store in the order they began
     status_save_queued: bool = False  # a status save waits to take its view: status changes meanwhile ride on it
     status_saved_at: float = 0.0  # loop time of the last status save (``Runner._save_status``)
+    span: Span | None = None  # its trace span, from admission to its end (``service.telemetry``; None: tracing off)
+    trace_id: str | None = None  # the trace id of ``span`` (32 hex digits), kept in its view
 
     def script(self, request: ExecuteRequest) -> str:
         """The script to run: the request's, as normalization left it."""
@@ -175,6 +179,7 @@ class LiveJob(Job):
             "session_id": self.session_id,
             "image": self.image,
             "owner": self.owner,
+            "trace_id": self.trace_id,
             "ran_as_coroutine": self.ran_as_coroutine or (self.broker is not None and self.broker.ran_as_coroutine),
             **view_fields(self.normalized),
             **self.files_view(),

@@ -22,7 +22,7 @@ import logging
 import time
 from typing import Any
 
-from service import verdict, views
+from service import telemetry, verdict, views
 from service.broker import Broker, CallMemory
 from service.errors import CallNotPending, EngineUnavailable, FileRefused, SandboxError
 from service.files import OutputFiles
@@ -95,6 +95,9 @@ class Runner:
         ends, or when the task ends however it ends (cancelled before it began included: ``run`` and its
         cleanup then never run)."""
         job, ticket = admitted.job, admitted.ticket
+        # The job's span: a child of the current span (the request's that submitted it), kept on the job.
+        job.span = telemetry.start_job(job.id, job.created_at, job.session_id, job.image)
+        job.trace_id = telemetry.trace_id(job.span)
         placement: Placement
         if admitted.session is None:
             placement = OneShot(self._sandboxes, self._settings, job)
@@ -106,6 +109,8 @@ class Runner:
             ticket.release()
             for output in (job.stdout, job.stderr):
                 output.close()
+            if job.span is not None and job.span.is_recording():  # its cleanup never ran
+                telemetry.end_job(job.span, job.status.value, (job.error or {}).get("type"))
 
         task.add_done_callback(ended)
         return task
@@ -119,9 +124,10 @@ class Runner:
             try:
                 await self._save_and_tell(job)
                 sandbox = await placement.enter()
+                telemetry.interval(job.span, "queue wait", job.created_at, now())
                 if sandbox is None:
                     return  # ended before it started (placement set why)
-                begin = time.monotonic()
+                begin, begin_at = time.monotonic(), now()
                 job.sandbox_start = placement.mode
                 job.started_at = now()
                 await self._set_status(job, JobStatus.RUNNING)
@@ -139,6 +145,9 @@ class Runner:
                 )
                 run = await sandbox.run(job.id, request.env, job.sink, job.output_files)
                 self._events.publish(SandboxStarted(job, time.monotonic() - begin))
+                telemetry.interval(
+                    job.span, "sandbox start", begin_at, now(), **{"ptc.sandbox.start": placement.mode or ""}
+                )
                 exit_status, ended_by = await self._supervise(job, run, started)
                 self._finish(job, exit_status, ended_by, broker)
             finally:
@@ -167,6 +176,7 @@ class Runner:
             memory=self._call_memory,
             checks=self._checks,
             check_group=job.owner,
+            trace_parent=job.span,
         )
         job.calls = broker.records
         job.broker = broker
@@ -334,6 +344,7 @@ class Runner:
             self._live.pop(job.id, None)
             self._events.publish(JobEnded(job))
             placement.dispose(job.status)
+            telemetry.end_job(job.span, job.status.value, (job.error or {}).get("type"))
 
     # -- requests about a running job ----------------------------------------------------------
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from service import callbacks, views
+from service import callbacks, telemetry, views
 from service.callbacks import CallbackSecrets
 from service.egress import EgressPolicy
 from service.jobs.events import JobEnded
@@ -76,7 +76,9 @@ class Webhooks:
     def job_ended(self, event: JobEnded) -> None:
         """Subscriber of ``JobEnded``: deliver the job's callback, if it has one, in the background."""
         if event.job.callback_url:
-            self._tasks.spawn(self._deliver_callback(event.job.id), f"callback {event.job.id}")
+            trace_headers: dict[str, str] = {}
+            telemetry.inject(trace_headers, event.job.span)  # the job's traceparent, when tracing is on
+            self._tasks.spawn(self._deliver_callback(event.job.id, trace_headers), f"callback {event.job.id}")
 
     async def resume(self) -> None:
         """Deliver the callbacks an earlier run of this instance left pending (in the background)."""
@@ -87,12 +89,13 @@ class Webhooks:
         """Close the client (deliveries are cancelled by the owner of ``tasks`` first)."""
         await self._http.aclose()
 
-    async def _deliver_callback(self, job_id: str) -> None:
-        """Deliver the job's completion callback (at most ``CALLBACK_DELIVERIES`` at once), saving each attempt."""
+    async def _deliver_callback(self, job_id: str, trace_headers: dict[str, str] | None = None) -> None:
+        """Deliver the job's completion callback (at most ``CALLBACK_DELIVERIES`` at once), saving each attempt;
+        ``trace_headers``: its ``traceparent`` (none for callbacks resumed at start-up)."""
         async with self._callback_slots:
-            await self._deliver_callback_now(job_id)
+            await self._deliver_callback_now(job_id, trace_headers or {})
 
-    async def _deliver_callback_now(self, job_id: str) -> None:
+    async def _deliver_callback_now(self, job_id: str, trace_headers: dict[str, str]) -> None:
         stored = await self._store.get(job_id)
         if stored is None:
             return
@@ -122,6 +125,7 @@ class Webhooks:
             timeout_s=self._settings.callback_timeout_s,
             on_attempt=on_attempt,
             owner=stored.owner,
+            trace_headers=trace_headers,
         )
         callback["state"] = "delivered" if delivered else "failed"
         self._metrics.callback_done(delivered)

@@ -33,7 +33,7 @@ from mcp import ClientSession, McpError
 from mcp import types as mcp_types
 from mcp.client.streamable_http import streamable_http_client
 
-from service import exactjson
+from service import exactjson, telemetry
 from service.egress import EgressDenied, EgressPolicy
 from service.toolkit.manifest import Endpoint, ToolSpec
 
@@ -282,6 +282,7 @@ class EndpointClients:
             follow_redirects=False,
             transport=self.egress.transport(limits=httpx.Limits(max_connections=512)),
         )
+        telemetry.instrument_client(self._http)  # a span per http call, its traceparent sent (tracing on)
         self._mcp_sessions: dict[tuple[str, tuple[tuple[str, str], ...]], _McpSession] = {}  # oldest use first
         self._retiring: set[asyncio.Task[None]] = set()
         self._dispatch: dict[str, Callable[[ToolSpec, dict[str, Any]], Awaitable[Any]]] = {
@@ -323,6 +324,7 @@ class EndpointClients:
         assert endpoint.url is not None
         timeout = tool.timeout_s or endpoint.timeout_s or self._default_timeout_s
         headers = {"content-type": "application/json", **endpoint.headers}
+        telemetry.inject(headers)  # the current span's traceparent (the tool call's), when tracing is on
         try:
             self.egress.target(endpoint.url)  # refused at once, without resolving the name
             async with (
