@@ -256,3 +256,18 @@ async def test_a_get_stream_is_refused_not_held_open() -> None:
         assert response.headers["content-type"] == "application/problem+json"
         async with mcp_session(app, "alice") as session:  # the SDK's client takes the 405 in its stride
             assert {tool.name for tool in (await session.list_tools()).tools} >= {"execute"}
+
+
+async def test_the_call_lines_of_an_answer_are_capped() -> None:
+    from service.mcp_tools import MAX_CALL_LINES
+
+    # before: one line per call, up to PTC_MAX_TOOL_CALLS (10,000: 250 KB of lines, twice, in one tool result)
+    script = f"import tools\nfor i in range({MAX_CALL_LINES + 50}):\n    tools.echo(text='x')\nprint('done')\n"
+    async with service() as app:
+        toolset = await toolset_of(app, "alice")
+        async with mcp_session(app, "alice") as session:
+            result = answer(await session.call_tool("execute", {"script": script, "toolset_id": toolset}))
+            assert result["status"] == "succeeded", result
+            assert result["calls_total"] == MAX_CALL_LINES + 50
+            assert len(result["calls"]) == MAX_CALL_LINES
+            assert result["calls"][0].split()[:3] == ["1", "echo", "ok"]
