@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import base64
+import hashlib
+import hmac
 import json
 import secrets
 import time
@@ -260,3 +262,19 @@ def test_the_tools_helper_polls_a_job_waiting_on_something_else_and_passes_over_
     view = client.run_with_tools("...", {"mine": lambda: 1}, poll_s=0)
     assert view.status == "failed"
     assert requests == ["POST /execute", "GET /jobs/job_1", "POST /jobs/job_1/calls/call_m", "GET /jobs/job_1"]
+
+
+def test_the_verifier_refuses_forged_timestamps_and_empty_secrets() -> None:
+    body = b'{"job_id": "job_1"}'
+    now = int(time.time())
+    signed = signed_headers((CallbackSecret.parse("s3cret"),), message_id("job_1"), now, body)
+    assert verify_callback(body, signed, "s3cret", now=now)
+    for forged in ("9" * 400, "-" + "9" * 400, f" {now}", f"+{now}", f"{now:_}", "１２３"):
+        headers = {**signed, "webhook-timestamp": forged}
+        assert verify_callback(body, headers, "s3cret") is False  # before: OverflowError (400 digits vs the clock)
+    # An empty secret (an unset variable read as ""): anyone can sign with the empty key. Before: accepted.
+    mac = hmac.new(b"", f"{signed['webhook-id']}.{now}.".encode() + body, hashlib.sha256).digest()
+    headers = {**signed, "webhook-signature": "v1," + base64.b64encode(mac).decode()}
+    for empty in ("", "whsec_", ["", "s3cret"]):
+        with pytest.raises(ValueError, match="empty"):
+            verify_callback(body, headers, empty, now=now)
