@@ -278,3 +278,30 @@ def test_the_verifier_refuses_forged_timestamps_and_empty_secrets() -> None:
     for empty in ("", "whsec_", ["", "s3cret"]):
         with pytest.raises(ValueError, match="empty"):
             verify_callback(body, headers, empty, now=now)
+
+
+@pytest.mark.parametrize("status", ["500", None, 1e400, True, 99, {"a": 1}])
+def test_a_problem_with_odd_members_is_still_a_problem(status: Any) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = {"type": ["not", "text"], "title": {"x": 1}, "status": status, "detail": None, "extra": "kept"}
+        text = json.dumps(body).replace("Infinity", "1e400")
+        return httpx.Response(502, content=text, headers={"content-type": "application/problem+json"})
+
+    client = Client("http://t", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler)))
+    with pytest.raises(ProblemError) as raised:  # before: ValueError, TypeError or OverflowError from int()
+        client.stop("job_1")
+    assert raised.value.status == 502 and raised.value.extra == {"extra": "kept"}
+
+
+def test_a_redirect_is_an_error_and_is_not_followed() -> None:
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(f"{request.url.host} {request.headers.get('authorization')}")
+        return httpx.Response(307, headers={"location": "http://elsewhere.example/jobs/job_1"}, text="moved")
+
+    client = Client("http://t", "tok", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler)))
+    with pytest.raises(ProblemError) as raised:  # before: a JSONDecodeError from the redirect's body
+        client.get("job_1")
+    assert raised.value.status == 307
+    assert all(host.startswith("t ") for host in seen)

@@ -78,7 +78,8 @@ class _Base:
 
     @staticmethod
     def _check(response: httpx.Response) -> httpx.Response:
-        if response.status_code >= 400:
+        # A 3xx too: the API redirects nowhere, and following one could carry the token to another host.
+        if response.status_code >= 300:
             raise problem_from_response(response)
         return response
 
