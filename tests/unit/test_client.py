@@ -305,3 +305,43 @@ def test_a_redirect_is_an_error_and_is_not_followed() -> None:
         client.get("job_1")
     assert raised.value.status == 307
     assert all(host.startswith("t ") for host in seen)
+
+
+class _Stalled(httpx.SyncByteStream):
+    """An event stream that sends one event and then nothing: the transport's read timeout ends it."""
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield b"id: a\r\nevent: status\r\ndata: {}\r\n\r\n"
+        raise httpx.ReadTimeout("no byte within the read timeout")
+
+
+def test_a_silent_event_stream_times_out_and_is_resumed_not_waited_on_forever() -> None:
+    timeouts: list[Any] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        timeouts.append(request.extensions["timeout"]["read"])
+        if len(timeouts) == 1:
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Stalled())
+        return httpx.Response(200, content=b'id: b\r\nevent: end\r\ndata: {"status": "succeeded"}\r\n\r\n')
+
+    client = Client("http://t", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler)))
+    client._delay = lambda attempt, response: 0.0  # type: ignore[method-assign]
+    assert [e.event for e in client.stream("job_1")] == ["status", "end"]
+    assert timeouts[0] is not None and timeouts[0] >= 30  # before: None, a stalled server held the caller for ever
+
+
+def test_an_answer_to_a_call_named_wait_is_not_retried() -> None:
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        raise httpx.ReadError("the answer was lost after the request went out")
+
+    client = Client("http://t", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler)))
+    client._delay = lambda attempt, response: 0.0  # type: ignore[method-assign]
+    with pytest.raises(httpx.ReadError):
+        client.answer_call("job_1", "wait", result=1)
+    assert calls == ["/jobs/job_1/calls/wait"]  # before: sent 3 times (its path ends in /wait)
+    with pytest.raises(httpx.ReadError):
+        client.wait("job_1", timeout_s=1)
+    assert len(calls) == 4  # a wait only reads: retried

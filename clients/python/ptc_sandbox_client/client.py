@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from types import TracebackType
@@ -25,6 +26,8 @@ from .models import Event, JobView, SessionFile, SessionView, Stream
 
 _RETRY_STATUSES = frozenset({429, 503})
 _MAX_SERVER_WAIT_S = 300.0
+_STREAM_READ_S = 60.0  # an event stream silent this long is dead: the service pings every 15 s; resumed after
+_WAIT_PATH = re.compile(r"/jobs/[^/?#]+/wait")
 
 
 def _view_params(calls: str | None, fields: str | list[str] | None) -> dict[str, str]:
@@ -61,7 +64,7 @@ class _Base:
     def _safe(method: str, url: str, headers: Mapping[str, str] | None) -> bool:
         if method == "GET":
             return True
-        if method == "POST" and url.endswith("/wait"):
+        if method == "POST" and _WAIT_PATH.fullmatch(url):  # not /jobs/{id}/calls/wait, an answer
             return True
         return method == "POST" and any(k.lower() == "idempotency-key" for k in headers or {})
 
@@ -251,7 +254,7 @@ class Client(_Base):
                     f"/jobs/{job_id}/events",
                     params=_view_params(calls, fields),
                     headers=headers,
-                    timeout=httpx.Timeout(self.timeout, read=None),
+                    timeout=httpx.Timeout(self.timeout, read=max(self.timeout, _STREAM_READ_S)),
                 ) as response:
                     if response.status_code == 204:
                         return
@@ -544,7 +547,7 @@ class AsyncClient(_Base):
                     f"/jobs/{job_id}/events",
                     params=_view_params(calls, fields),
                     headers=headers,
-                    timeout=httpx.Timeout(self.timeout, read=None),
+                    timeout=httpx.Timeout(self.timeout, read=max(self.timeout, _STREAM_READ_S)),
                 ) as response:
                     if response.status_code == 204:
                         return
