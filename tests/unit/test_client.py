@@ -345,3 +345,23 @@ def test_an_answer_to_a_call_named_wait_is_not_retried() -> None:
     with pytest.raises(httpx.ReadError):
         client.wait("job_1", timeout_s=1)
     assert len(calls) == 4  # a wait only reads: retried
+
+
+def test_ids_from_elsewhere_stay_one_path_segment() -> None:
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(f"{request.method} {request.url.raw_path.decode()}")
+        return httpx.Response(200, json={"job_id": "job_1", "status": "succeeded", "session_id": "s"})
+
+    client = Client("http://t", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler)))
+    client.stop("../execute?x=")  # before: POST /execute?x=/stop
+    client.answer_call("job_1", "../../sessions", result=1)  # before: POST /sessions
+    client.get("a/b#c")
+    client.job_file("job_1", "outputs/../../../execute")  # before: GET /execute
+    assert seen == [
+        "POST /jobs/..%2Fexecute%3Fx%3D/stop",
+        "POST /jobs/job_1/calls/..%2F..%2Fsessions",
+        "GET /jobs/a%2Fb%23c",
+        "GET /jobs/job_1/files/outputs/%2E%2E/%2E%2E/%2E%2E/execute",
+    ]

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Self
+from urllib.parse import quote
 
 import httpx
 
@@ -28,6 +29,20 @@ _RETRY_STATUSES = frozenset({429, 503})
 _MAX_SERVER_WAIT_S = 300.0
 _STREAM_READ_S = 60.0  # an event stream silent this long is dead: the service pings every 15 s; resumed after
 _WAIT_PATH = re.compile(r"/jobs/[^/?#]+/wait")
+
+
+def _seg(value: str) -> str:
+    """An id as one path segment: ``/``, ``?``, ``#``, ``%`` and the rest percent-encoded, so an id from elsewhere
+    (a model's text) names no other route (``../execute``) and adds no query."""
+    return quote(value, safe="")
+
+
+def _path(value: str) -> str:
+    """A file path as path segments: each encoded as by ``_seg``, ``.`` and ``..`` too (httpx would resolve them
+    before sending: ``a/../../../execute``); the service refuses such a path itself."""
+    return "/".join(
+        quote(part, safe="") if part not in (".", "..") else part.replace(".", "%2E") for part in value.split("/")
+    )
 
 
 def _view_params(calls: str | None, fields: str | list[str] | None) -> dict[str, str]:
@@ -184,7 +199,9 @@ class Client(_Base):
 
     def get(self, job_id: str, *, calls: str | None = None, fields: str | list[str] | None = None) -> JobView:
         """``GET /jobs/{id}``: the job's view."""
-        return JobView.model_validate(self.request("GET", f"/jobs/{job_id}", params=_view_params(calls, fields)).json())
+        return JobView.model_validate(
+            self.request("GET", f"/jobs/{_seg(job_id)}", params=_view_params(calls, fields)).json()
+        )
 
     def wait(
         self,
@@ -202,7 +219,7 @@ class Client(_Base):
             step = min(left, _MAX_SERVER_WAIT_S)
             params = {**_view_params(calls, fields), "timeout_s": f"{step:.3f}"}
             view = JobView.model_validate(
-                self.request("POST", f"/jobs/{job_id}/wait", params=params, timeout=self.timeout + step).json()
+                self.request("POST", f"/jobs/{_seg(job_id)}/wait", params=params, timeout=self.timeout + step).json()
             )
             if view.ended or view.status == "waiting" or time.monotonic() >= deadline:
                 return view
@@ -210,7 +227,7 @@ class Client(_Base):
     def stop(self, job_id: str, *, calls: str | None = None, fields: str | list[str] | None = None) -> JobView:
         """``POST /jobs/{id}/stop``: the view (final, unchanged, if the job had already ended)."""
         return JobView.model_validate(
-            self.request("POST", f"/jobs/{job_id}/stop", params=_view_params(calls, fields)).json()
+            self.request("POST", f"/jobs/{_seg(job_id)}/stop", params=_view_params(calls, fields)).json()
         )
 
     def output(self, job_id: str, stream: Stream = "stdout", offset: int = 0, length: int | None = None) -> bytes:
@@ -218,11 +235,11 @@ class Client(_Base):
         params: dict[str, Any] = {"offset": offset}
         if length is not None:
             params["length"] = length
-        return self.request("GET", f"/jobs/{job_id}/output/{stream}", params=params).content
+        return self.request("GET", f"/jobs/{_seg(job_id)}/output/{_seg(stream)}", params=params).content
 
     def job_file(self, job_id: str, path: str) -> bytes:
         """``GET /jobs/{id}/files/{path}``: an output file the view lists in ``files``."""
-        return self.request("GET", f"/jobs/{job_id}/files/{path}").content
+        return self.request("GET", f"/jobs/{_seg(job_id)}/files/{_path(path)}").content
 
     def answer_call(
         self, job_id: str, call_id: str, *, result: Any = None, error: Mapping[str, Any] | None = None
@@ -230,7 +247,9 @@ class Client(_Base):
         """``POST /jobs/{id}/calls/{call_id}``: answers a client-executed call with ``result`` or ``error``
         (``{"type", "message"}``); raises ``ConflictError`` (``call-not-pending``) when it does not wait."""
         body = {"error": dict(error)} if error is not None else {"result": result}
-        return JobView.model_validate(self.request("POST", f"/jobs/{job_id}/calls/{call_id}", json=body).json())
+        return JobView.model_validate(
+            self.request("POST", f"/jobs/{_seg(job_id)}/calls/{_seg(call_id)}", json=body).json()
+        )
 
     def stream(
         self,
@@ -251,7 +270,7 @@ class Client(_Base):
             try:
                 with self.http.stream(
                     "GET",
-                    f"/jobs/{job_id}/events",
+                    f"/jobs/{_seg(job_id)}/events",
                     params=_view_params(calls, fields),
                     headers=headers,
                     timeout=httpx.Timeout(self.timeout, read=max(self.timeout, _STREAM_READ_S)),
@@ -344,11 +363,11 @@ class Client(_Base):
 
     def get_session(self, session_id: str) -> SessionView:
         """``GET /sessions/{id}``."""
-        return SessionView.model_validate(self.request("GET", f"/sessions/{session_id}").json())
+        return SessionView.model_validate(self.request("GET", f"/sessions/{_seg(session_id)}").json())
 
     def delete_session(self, session_id: str) -> SessionView:
         """``DELETE /sessions/{id}`` (idempotent)."""
-        return SessionView.model_validate(self.request("DELETE", f"/sessions/{session_id}").json())
+        return SessionView.model_validate(self.request("DELETE", f"/sessions/{_seg(session_id)}").json())
 
 
 class Session:
@@ -378,15 +397,15 @@ class Session:
     def put_file(self, path: str, data: bytes | str) -> None:
         """``PUT /sessions/{id}/files/{path}``: writes ``data`` under the session's ``/tmp``."""
         content = data.encode() if isinstance(data, str) else data
-        self.client.request("PUT", f"/sessions/{self.session_id}/files/{path}", content=content)
+        self.client.request("PUT", f"/sessions/{_seg(self.session_id)}/files/{_path(path)}", content=content)
 
     def get_file(self, path: str) -> bytes:
         """``GET /sessions/{id}/files/{path}``: the file's bytes."""
-        return self.client.request("GET", f"/sessions/{self.session_id}/files/{path}").content
+        return self.client.request("GET", f"/sessions/{_seg(self.session_id)}/files/{_path(path)}").content
 
     def list_files(self) -> list[SessionFile]:
         """``GET /sessions/{id}/files``: the files under ``/tmp``."""
-        body = self.client.request("GET", f"/sessions/{self.session_id}/files").json()
+        body = self.client.request("GET", f"/sessions/{_seg(self.session_id)}/files").json()
         return [SessionFile.model_validate(f) for f in body.get("files", [])]
 
 
@@ -483,7 +502,7 @@ class AsyncClient(_Base):
 
     async def get(self, job_id: str, *, calls: str | None = None, fields: str | list[str] | None = None) -> JobView:
         """As :meth:`Client.get`."""
-        response = await self.request("GET", f"/jobs/{job_id}", params=_view_params(calls, fields))
+        response = await self.request("GET", f"/jobs/{_seg(job_id)}", params=_view_params(calls, fields))
         return JobView.model_validate(response.json())
 
     async def wait(
@@ -499,14 +518,16 @@ class AsyncClient(_Base):
         while True:
             step = min(max(0.0, deadline - time.monotonic()), _MAX_SERVER_WAIT_S)
             params = {**_view_params(calls, fields), "timeout_s": f"{step:.3f}"}
-            response = await self.request("POST", f"/jobs/{job_id}/wait", params=params, timeout=self.timeout + step)
+            response = await self.request(
+                "POST", f"/jobs/{_seg(job_id)}/wait", params=params, timeout=self.timeout + step
+            )
             view = JobView.model_validate(response.json())
             if view.ended or view.status == "waiting" or time.monotonic() >= deadline:
                 return view
 
     async def stop(self, job_id: str, *, calls: str | None = None, fields: str | list[str] | None = None) -> JobView:
         """As :meth:`Client.stop`."""
-        response = await self.request("POST", f"/jobs/{job_id}/stop", params=_view_params(calls, fields))
+        response = await self.request("POST", f"/jobs/{_seg(job_id)}/stop", params=_view_params(calls, fields))
         return JobView.model_validate(response.json())
 
     async def output(self, job_id: str, stream: Stream = "stdout", offset: int = 0, length: int | None = None) -> bytes:
@@ -514,18 +535,20 @@ class AsyncClient(_Base):
         params: dict[str, Any] = {"offset": offset}
         if length is not None:
             params["length"] = length
-        return (await self.request("GET", f"/jobs/{job_id}/output/{stream}", params=params)).content
+        return (await self.request("GET", f"/jobs/{_seg(job_id)}/output/{_seg(stream)}", params=params)).content
 
     async def job_file(self, job_id: str, path: str) -> bytes:
         """As :meth:`Client.job_file`."""
-        return (await self.request("GET", f"/jobs/{job_id}/files/{path}")).content
+        return (await self.request("GET", f"/jobs/{_seg(job_id)}/files/{_path(path)}")).content
 
     async def answer_call(
         self, job_id: str, call_id: str, *, result: Any = None, error: Mapping[str, Any] | None = None
     ) -> JobView:
         """As :meth:`Client.answer_call`."""
         body = {"error": dict(error)} if error is not None else {"result": result}
-        return JobView.model_validate((await self.request("POST", f"/jobs/{job_id}/calls/{call_id}", json=body)).json())
+        return JobView.model_validate(
+            (await self.request("POST", f"/jobs/{_seg(job_id)}/calls/{_seg(call_id)}", json=body)).json()
+        )
 
     async def stream(
         self,
@@ -544,7 +567,7 @@ class AsyncClient(_Base):
             try:
                 async with self.http.stream(
                     "GET",
-                    f"/jobs/{job_id}/events",
+                    f"/jobs/{_seg(job_id)}/events",
                     params=_view_params(calls, fields),
                     headers=headers,
                     timeout=httpx.Timeout(self.timeout, read=max(self.timeout, _STREAM_READ_S)),
@@ -631,11 +654,11 @@ class AsyncClient(_Base):
 
     async def get_session(self, session_id: str) -> SessionView:
         """As :meth:`Client.get_session`."""
-        return SessionView.model_validate((await self.request("GET", f"/sessions/{session_id}")).json())
+        return SessionView.model_validate((await self.request("GET", f"/sessions/{_seg(session_id)}")).json())
 
     async def delete_session(self, session_id: str) -> SessionView:
         """As :meth:`Client.delete_session`."""
-        return SessionView.model_validate((await self.request("DELETE", f"/sessions/{session_id}")).json())
+        return SessionView.model_validate((await self.request("DELETE", f"/sessions/{_seg(session_id)}")).json())
 
 
 class AsyncSession:
@@ -666,13 +689,13 @@ class AsyncSession:
     async def put_file(self, path: str, data: bytes | str) -> None:
         """As :meth:`Session.put_file`."""
         content = data.encode() if isinstance(data, str) else data
-        await self.client.request("PUT", f"/sessions/{self.session_id}/files/{path}", content=content)
+        await self.client.request("PUT", f"/sessions/{_seg(self.session_id)}/files/{_path(path)}", content=content)
 
     async def get_file(self, path: str) -> bytes:
         """As :meth:`Session.get_file`."""
-        return (await self.client.request("GET", f"/sessions/{self.session_id}/files/{path}")).content
+        return (await self.client.request("GET", f"/sessions/{_seg(self.session_id)}/files/{_path(path)}")).content
 
     async def list_files(self) -> list[SessionFile]:
         """As :meth:`Session.list_files`."""
-        body = (await self.client.request("GET", f"/sessions/{self.session_id}/files")).json()
+        body = (await self.client.request("GET", f"/sessions/{_seg(self.session_id)}/files")).json()
         return [SessionFile.model_validate(f) for f in body.get("files", [])]
