@@ -11,7 +11,7 @@ import hmac
 import json
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -365,3 +365,47 @@ def test_ids_from_elsewhere_stay_one_path_segment() -> None:
         "GET /jobs/a%2Fb%23c",
         "GET /jobs/job_1/files/outputs/%2E%2E/%2E%2E/%2E%2E/execute",
     ]
+
+
+class _Endless(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """A body of ``chunks`` chunks of 1 MiB (a broken or hostile server's endless answer); ``clock`` advances by
+    ``step`` seconds a chunk."""
+
+    def __init__(self, chunks: int, clock: list[float] | None = None, step: float = 0.0) -> None:
+        self.chunks, self.clock, self.step, self.sent = chunks, clock, step, 0
+
+    def _next(self) -> bytes:
+        self.sent += 1
+        if self.clock is not None:
+            self.clock[0] += self.step
+        return b"x" * (1 << 20)
+
+    def __iter__(self) -> Iterator[bytes]:
+        for _ in range(self.chunks):
+            yield self._next()
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for _ in range(self.chunks):
+            yield self._next()
+
+
+def test_an_endless_answer_is_cut_at_the_size_cap() -> None:
+    body = _Endless(64)  # stands for "endless": before, read whole (here 64 MiB; for ever, from a real server)
+    transport = httpx.MockTransport(lambda r: httpx.Response(200, stream=body))
+    client = Client("http://t", max_retries=0, http=httpx.Client(base_url="http://t", transport=transport))
+    client.max_response_bytes = 4 << 20
+    with pytest.raises(httpx.ReadError, match="exceeds"):
+        client.get("job_1")
+    assert body.sent <= 5
+
+
+async def test_a_dripping_answer_is_cut_at_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr("ptc_sandbox_client.client.time.monotonic", lambda: clock[0])
+    body = _Endless(64, clock, step=59.0)  # each chunk within the read timeout, the whole never
+    transport = httpx.MockTransport(lambda r: httpx.Response(200, stream=body))
+    http = httpx.AsyncClient(base_url="http://t", transport=transport)
+    async with AsyncClient("http://t", max_retries=0, timeout=60, http=http) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            await client.get("job_1")
+    assert body.sent <= 5  # 4 x 60 s

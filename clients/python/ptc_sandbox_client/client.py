@@ -66,6 +66,12 @@ def _execute_body(script: str, tools: Any, toolset: str | None, wait_s: float | 
 
 
 class _Base:
+    max_response_bytes: int = 256 * 1024 * 1024
+    """Largest answer body read (bytes); a larger one raises ``httpx.ReadError`` (a broken or hostile server)."""
+    body_time_factor: float = 4.0
+    """An answer's body must be whole within this many times the request's timeout of its first byte, else
+    ``httpx.ReadTimeout`` (a server dripping bytes would never trip the timeout between two reads)."""
+
     def __init__(
         self, base_url: str, token: str | None, timeout: float, max_retries: int, max_retry_wait_s: float
     ) -> None:
@@ -93,6 +99,29 @@ class _Base:
     def _delay(self, attempt: int, response: httpx.Response | None) -> float:
         after = retry_after_s(response) if response is not None else None
         return min(after if after is not None else 0.5 * 2**attempt, self.max_retry_wait_s)
+
+    def _take(self, response: httpx.Response, size: int, deadline: float) -> None:
+        """Raise when the body read so far (``size`` bytes) is too large or late."""
+        if size > self.max_response_bytes:
+            raise httpx.ReadError(f"the answer exceeds {self.max_response_bytes} bytes", request=response.request)
+        if time.monotonic() > deadline:
+            raise httpx.ReadTimeout("the answer's body was not whole in time", request=response.request)
+
+    @staticmethod
+    def _whole(response: httpx.Response, body: bytes) -> httpx.Response:
+        """``response`` with the ``body`` read (decoded: its encoding headers dropped)."""
+        headers = [
+            (k, v)
+            for k, v in response.headers.multi_items()
+            if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")
+        ]
+        return httpx.Response(
+            response.status_code,
+            headers=headers,
+            content=body,
+            request=response.request,
+            extensions=response.extensions,
+        )
 
     @staticmethod
     def _check(response: httpx.Response) -> httpx.Response:
@@ -147,15 +176,7 @@ class Client(_Base):
         safe = self._safe(method, url, headers)
         while True:
             try:
-                response = self.http.request(
-                    method,
-                    url,
-                    params=params,
-                    json=json,
-                    content=content,
-                    headers=dict(headers or {}),
-                    timeout=timeout if timeout is not None else self.timeout,
-                )
+                response = self._send(method, url, params, json, content, headers, timeout)
             except httpx.TransportError:
                 if not safe or attempt >= self.max_retries:
                     raise
@@ -167,6 +188,33 @@ class Client(_Base):
                 attempt += 1
                 continue
             return self._check(response)
+
+    def _send(
+        self,
+        method: str,
+        url: str,
+        params: Mapping[str, Any] | None,
+        json: Any,
+        content: bytes | None,
+        headers: Mapping[str, str] | None,
+        timeout: float | None,
+    ) -> httpx.Response:
+        """One request; its answer read whole, at most ``max_response_bytes`` within ``body_time_factor`` times
+        its timeout (raises httpx.TransportError)."""
+        seconds = timeout if timeout is not None else self.timeout
+        request = self.http.build_request(
+            method, url, params=params, json=json, content=content, headers=dict(headers or {}), timeout=seconds
+        )
+        response = self.http.send(request, stream=True)
+        try:
+            deadline, parts, size = time.monotonic() + self.body_time_factor * seconds, [], 0
+            for chunk in response.iter_bytes():
+                size += len(chunk)
+                self._take(response, size, deadline)
+                parts.append(chunk)
+        finally:
+            response.close()
+        return self._whole(response, b"".join(parts))
 
     # Jobs
 
@@ -454,15 +502,7 @@ class AsyncClient(_Base):
         safe = self._safe(method, url, headers)
         while True:
             try:
-                response = await self.http.request(
-                    method,
-                    url,
-                    params=params,
-                    json=json,
-                    content=content,
-                    headers=dict(headers or {}),
-                    timeout=timeout if timeout is not None else self.timeout,
-                )
+                response = await self._send(method, url, params, json, content, headers, timeout)
             except httpx.TransportError:
                 if not safe or attempt >= self.max_retries:
                     raise
@@ -474,6 +514,32 @@ class AsyncClient(_Base):
                 attempt += 1
                 continue
             return self._check(response)
+
+    async def _send(
+        self,
+        method: str,
+        url: str,
+        params: Mapping[str, Any] | None,
+        json: Any,
+        content: bytes | None,
+        headers: Mapping[str, str] | None,
+        timeout: float | None,  # noqa: ASYNC109 (httpx's per-request timeout)
+    ) -> httpx.Response:
+        """As :meth:`Client._send`."""
+        seconds = timeout if timeout is not None else self.timeout
+        request = self.http.build_request(
+            method, url, params=params, json=json, content=content, headers=dict(headers or {}), timeout=seconds
+        )
+        response = await self.http.send(request, stream=True)
+        try:
+            deadline, parts, size = time.monotonic() + self.body_time_factor * seconds, [], 0
+            async for chunk in response.aiter_bytes():
+                size += len(chunk)
+                self._take(response, size, deadline)
+                parts.append(chunk)
+        finally:
+            await response.aclose()
+        return self._whole(response, b"".join(parts))
 
     async def execute(
         self,
