@@ -409,3 +409,43 @@ async def test_a_dripping_answer_is_cut_at_its_deadline(monkeypatch: pytest.Monk
         with pytest.raises(httpx.ReadTimeout):
             await client.get("job_1")
     assert body.sent <= 5  # 4 x 60 s
+
+
+def test_an_event_without_end_is_cut_at_the_size_cap() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=_Endless(64))  # one line of "x", never ended (a hostile server)
+
+    client = Client("http://t", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler)))
+    client.max_response_bytes = 4 << 20
+    with pytest.raises(httpx.DecodingError, match="exceeds"):  # before: the line was buffered whole, for ever
+        list(client.stream("job_1"))
+
+
+def test_an_event_cut_by_a_dropped_connection_is_not_glued_to_its_repeat() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.headers.get("last-event-id") is None:
+            chunks = [
+                b"id: a\r\nevent: status\r\ndata: {}\r\n\r\n",
+                b'id: b\r\nevent: stdout\r\ndata: {"text": "x"}\r\n',
+            ]
+            return httpx.Response(200, stream=_Dropping(chunks))  # b's data line came, its blank line did not
+        assert request.headers["last-event-id"] == "a"
+        body = b'id: b\r\nevent: stdout\r\ndata: {"text": "x"}\r\n\r\nid: c\r\nevent: end\r\ndata: {}\r\n\r\n'
+        return httpx.Response(200, content=body)
+
+    client = Client("http://t", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler)))
+    client._delay = lambda attempt, response: 0.0  # type: ignore[method-assign]
+    events = list(client.stream("job_1"))
+    assert [(e.event, e.data) for e in events] == [("status", {}), ("stdout", {"text": "x"}), ("end", {})]
+    # before: b's data twice, joined by a newline: not JSON, kept as text
+
+
+def test_lines_split_anywhere_between_pieces() -> None:
+    raw = 'id: 1\r\nevent: status\r\ndata: {"status": "running"}\r\n\r\n: ping\r\r\nid: 2\ndata: "x"\n\n'
+    for size in (1, 2, 3, 7):
+        parser = SSEParser()
+        events = [e for i in range(0, len(raw), size) for e in parser.feed_text(raw[i : i + size])]
+        assert [(e.event, e.id, e.data) for e in events] == [
+            ("status", "1", {"status": "running"}),
+            ("message", "2", "x"),
+        ]

@@ -124,6 +124,15 @@ class _Base:
         )
 
     @staticmethod
+    def _events(parser: SSEParser, text: str, response: httpx.Response) -> list[Event]:
+        """The events a piece of an event stream completes; raises httpx.DecodingError (not resumed) for an event
+        over the parser's ``max_event_chars``."""
+        try:
+            return parser.feed_text(text)
+        except ValueError as error:
+            raise httpx.DecodingError(str(error), request=response.request) from None
+
+    @staticmethod
     def _check(response: httpx.Response) -> httpx.Response:
         # A 3xx too: the API redirects nowhere, and following one could carry the token to another host.
         if response.status_code >= 300:
@@ -311,7 +320,7 @@ class Client(_Base):
         """``GET /jobs/{id}/events``: the events up to and including ``end``. A dropped connection is resumed with
         ``Last-Event-ID`` (the last id received; no event twice, none missing), at most ``max_reconnects`` times in a
         row without an event between."""
-        parser = SSEParser(last_id=last_event_id)
+        parser = SSEParser(last_id=last_event_id, max_event_chars=self.max_response_bytes)
         failures = 0
         while True:
             headers = {"Last-Event-ID": parser.last_id} if parser.last_id else {}
@@ -328,9 +337,9 @@ class Client(_Base):
                     if response.status_code >= 400:
                         response.read()
                         self._check(response)
-                    for line in response.iter_lines():
-                        event = parser.feed(line)
-                        if event is not None:
+                    parser.reset()  # an event cut by a dropped connection comes again whole
+                    for text in response.iter_text():
+                        for event in self._events(parser, text, response):
                             failures = 0
                             yield event
                             if event.event == "end":
@@ -626,7 +635,7 @@ class AsyncClient(_Base):
         max_reconnects: int = 5,
     ) -> AsyncIterator[Event]:
         """As :meth:`Client.stream`."""
-        parser = SSEParser(last_id=last_event_id)
+        parser = SSEParser(last_id=last_event_id, max_event_chars=self.max_response_bytes)
         failures = 0
         while True:
             headers = {"Last-Event-ID": parser.last_id} if parser.last_id else {}
@@ -643,9 +652,9 @@ class AsyncClient(_Base):
                     if response.status_code >= 400:
                         await response.aread()
                         self._check(response)
-                    async for line in response.aiter_lines():
-                        event = parser.feed(line)
-                        if event is not None:
+                    parser.reset()  # an event cut by a dropped connection comes again whole
+                    async for text in response.aiter_text():
+                        for event in self._events(parser, text, response):
                             failures = 0
                             yield event
                             if event.event == "end":
