@@ -23,6 +23,7 @@ __all__ = ["EXECUTE_DESCRIPTION", "STUBS_URI", "OperationFailed", "Operations", 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 STUBS_URI = "ptc://toolsets/{toolset_id}/stubs"
 MAX_TEXT_CHARS = 100_000  # stdout or stderr in one MCP answer at most (the rest: get_job's full view over HTTP)
+MAX_CALL_LINES = 200  # call lines in one MCP answer at most (the first ones; calls_total counts them all)
 EXECUTE_DESCRIPTION = """\
 Run a Python script in a sandbox of ptc-sandbox; the script calls the toolset's tools as Python functions.
 Answers the job's status, stdout, stderr, error and one line per tool call. A job still running after wait_s
@@ -74,9 +75,10 @@ def _text(value: object) -> str:
 def compact(view: dict[str, Any]) -> dict[str, Any]:
     """The MCP answer of a job view: ``job_id``, ``status``, ``exit_code``, ``stdout``, ``stderr``, ``error``
     (``{type, message}`` or None), ``calls`` (``"<seq> <tool> <status> <ms>ms[ <error type>]"`` each),
-    ``calls_total`` and ``pending_calls`` (the ids of calls waiting for a client or an approval)."""
+    ``calls_total`` and ``pending_calls`` (the ids of calls waiting for a client or an approval). Only the first
+    ``MAX_CALL_LINES`` calls have a line: a job may make ``PTC_MAX_TOOL_CALLS`` (10,000) calls."""
     calls = []
-    for record in view.get("calls") or []:
+    for record in (view.get("calls") or [])[:MAX_CALL_LINES]:
         line = f"{record.get('seq')} {record.get('tool')} {record.get('status')} {record.get('duration_ms')}ms"
         error = record.get("error")
         if isinstance(error, dict) and error.get("type"):
@@ -90,7 +92,7 @@ def compact(view: dict[str, Any]) -> dict[str, Any]:
         "stderr": _text(view.get("stderr")),
         "error": view.get("error"),
         "calls": calls,
-        "calls_total": view.get("calls_total", len(calls)),
+        "calls_total": view.get("calls_total", len(view.get("calls") or [])),
         "pending_calls": [call.get("call_id") for call in view.get("pending_calls") or []],
     }
 

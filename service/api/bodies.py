@@ -126,6 +126,9 @@ def parse_body(raw: bytes, validate: Callable[[Any], tuple[Any, list[Any]]], dig
             raise RequestValidationError([error]) from None
         except RecursionError:  # the stdlib's recursion limit; orjson's parser stops at 1,024 levels
             raise RequestValidationError([_TOO_DEEP]) from None
+        except ValueError:  # int() past sys.get_int_max_str_digits() (4,300 digits): no JSONDecodeError
+            error = {"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error: too many digits"}
+            raise RequestValidationError([error]) from None
     if raw.count(b"[") + raw.count(b"{") > MAX_BODY_DEPTH and _deeper_than(value):
         raise RequestValidationError([_TOO_DEEP])
     validated, errors = validate(value)

@@ -19,11 +19,19 @@ from fastapi import FastAPI
 from mcp.server.fastmcp import Context
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from pydantic import ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
-from service.api.problems import INTERNAL_ERROR, INVALID_REQUEST, LIMIT_EXCEEDED, UNAUTHORIZED, rule_for
+from service.api.bodies import parse_body
+from service.api.problems import (
+    INTERNAL_ERROR,
+    INVALID_REQUEST,
+    LIMIT_EXCEEDED,
+    METHOD_NOT_ALLOWED,
+    UNAUTHORIZED,
+    rule_for,
+)
 from service.auth import Caller, caller
 from service.errors import PtcError
 from service.jobs import JobManager
@@ -32,12 +40,17 @@ from service.limits import check_execute
 from service.mcp_tools import OperationFailed, build_server
 from service.schemas import ExecuteRequest
 from service.settings import Settings
+from service.toolkit.validation import CheckScheduler
 from service.views import Body, select
 
 log = logging.getLogger(__name__)
 
 PATH = "/mcp"
 SUMMARY = select("summary")  # call records without arguments or results
+MAX_MESSAGE_VALUES = 10_000
+"""JSON values (objects, arrays, keys, strings, numbers, ...) in one MCP message at most. The SDK parses and
+validates each message on the event loop: 4 MiB of empty arrays held it for a second. A tool call has a few dozen;
+its script is one string however long."""
 T = TypeVar("T")
 
 
@@ -148,8 +161,35 @@ class InProcess:
         return await _json(await body)
 
 
+def few_values(value: Any) -> tuple[Any, list[dict[str, Any]]]:
+    """``parse_body``'s check of an MCP message: no error while it holds at most ``MAX_MESSAGE_VALUES`` JSON
+    values (keys counted), else one ``too_many_values`` error (the walk stops there)."""
+    count, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        count += 1 + (len(item) if isinstance(item, dict) else 0)
+        if count > MAX_MESSAGE_VALUES:
+            msg = f"an MCP message holds at most {MAX_MESSAGE_VALUES} JSON values"
+            return value, [{"type": "too_many_values", "loc": ("body",), "msg": msg}]
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return value, []
+
+
 class McpEndpoint:
-    """The ASGI app of ``/mcp``: hands each request to the session manager the app's lifespan started."""
+    """The ASGI app of ``/mcp``: hands each request to the session manager the app's lifespan started.
+
+    A POST's body is parsed first on the app's body threads (``app.state.bodies``, round-robin between keys, as
+    every route's): not JSON, nested deeper than ``bodies.MAX_BODY_DEPTH`` or holding more than
+    ``MAX_MESSAGE_VALUES`` values is the ``422`` ``invalid-request`` problem, so what the SDK then parses again on
+    the event loop is small. A GET (the stream of server-initiated messages, which a stateless server never sends)
+    is the ``405`` ``method-not-allowed`` problem rather than a stream held open for nothing.
+
+    Raises:
+        RequestValidationError: the body is refused (the app's handler answers the problem).
+    """
 
     def __init__(self) -> None:
         self.manager: StreamableHTTPSessionManager | None = None
@@ -157,7 +197,37 @@ class McpEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.manager is None:
             raise RuntimeError("the MCP session manager is not started (the app's lifespan starts it)")
+        if scope["method"] == "GET":
+            response = METHOD_NOT_ALLOWED.response("a stateless MCP server sends nothing on a GET stream: POST")
+            response.headers["Allow"] = "POST"
+            await response(scope, receive, send)
+            return
+        if scope["method"] == "POST":
+            request = Request(scope, receive)
+            try:
+                raw = await request.body()
+            except ClientDisconnect:
+                return
+            if raw:
+                bodies: CheckScheduler = request.app.state.bodies
+                group = getattr(request.state, "key_name", None) or ""
+                await bodies.run(group, request, parse_body, raw, few_values)
+            receive = _replay(raw, receive)
         await self.manager.handle_request(scope, receive, send)
+
+
+def _replay(raw: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that gives the body already read once, then what ``receive`` gives (the disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def mount(app: FastAPI) -> McpEndpoint:
@@ -171,11 +241,15 @@ def mount(app: FastAPI) -> McpEndpoint:
 async def lifespan(app: FastAPI, endpoint: McpEndpoint, default_toolset: str | None) -> AsyncIterator[None]:
     """Serve ``endpoint`` with a new MCP server and session manager while the context is open."""
     server = build_server(InProcess(app), default_toolset)
+    settings: Settings = app.state.settings
     manager = StreamableHTTPSessionManager(
         app=server._mcp_server,  # FastMCP's own streamable_http_app does the same
         json_response=True,
         stateless=True,  # each POST stands alone: no MCP session another key could name
         security_settings=server.settings.transport_security,
+        # BodyLimit refuses larger bodies first (a problem); the SDK's own 4 MiB would refuse a script of 1 MiB
+        # in JSON escapes (up to 6 bytes a character) that POST /execute takes, in plain text.
+        max_request_body_size=settings.max_body_bytes,
     )
     # The manager's task group is entered and left in a task of its own: a lifespan may be entered in one task and
     # left in another (an async test fixture's set-up and tear-down), which an anyio cancel scope refuses.

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import ast
 import base64
+import hashlib
+import hmac
 import json
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -260,3 +262,190 @@ def test_the_tools_helper_polls_a_job_waiting_on_something_else_and_passes_over_
     view = client.run_with_tools("...", {"mine": lambda: 1}, poll_s=0)
     assert view.status == "failed"
     assert requests == ["POST /execute", "GET /jobs/job_1", "POST /jobs/job_1/calls/call_m", "GET /jobs/job_1"]
+
+
+def test_the_verifier_refuses_forged_timestamps_and_empty_secrets() -> None:
+    body = b'{"job_id": "job_1"}'
+    now = int(time.time())
+    signed = signed_headers((CallbackSecret.parse("s3cret"),), message_id("job_1"), now, body)
+    assert verify_callback(body, signed, "s3cret", now=now)
+    for forged in ("9" * 400, "-" + "9" * 400, f" {now}", f"+{now}", f"{now:_}", "１２３"):
+        headers = {**signed, "webhook-timestamp": forged}
+        assert verify_callback(body, headers, "s3cret") is False  # before: OverflowError (400 digits vs the clock)
+    # An empty secret (an unset variable read as ""): anyone can sign with the empty key. Before: accepted.
+    mac = hmac.new(b"", f"{signed['webhook-id']}.{now}.".encode() + body, hashlib.sha256).digest()
+    headers = {**signed, "webhook-signature": "v1," + base64.b64encode(mac).decode()}
+    for empty in ("", "whsec_", ["", "s3cret"]):
+        with pytest.raises(ValueError, match="empty"):
+            verify_callback(body, headers, empty, now=now)
+
+
+@pytest.mark.parametrize("status", ["500", None, 1e400, True, 99, {"a": 1}])
+def test_a_problem_with_odd_members_is_still_a_problem(status: Any) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = {"type": ["not", "text"], "title": {"x": 1}, "status": status, "detail": None, "extra": "kept"}
+        text = json.dumps(body).replace("Infinity", "1e400")
+        return httpx.Response(502, content=text, headers={"content-type": "application/problem+json"})
+
+    client = Client("http://t", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler)))
+    with pytest.raises(ProblemError) as raised:  # before: ValueError, TypeError or OverflowError from int()
+        client.stop("job_1")
+    assert raised.value.status == 502 and raised.value.extra == {"extra": "kept"}
+
+
+def test_a_redirect_is_an_error_and_is_not_followed() -> None:
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(f"{request.url.host} {request.headers.get('authorization')}")
+        return httpx.Response(307, headers={"location": "http://elsewhere.example/jobs/job_1"}, text="moved")
+
+    client = Client("http://t", "tok", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler)))
+    with pytest.raises(ProblemError) as raised:  # before: a JSONDecodeError from the redirect's body
+        client.get("job_1")
+    assert raised.value.status == 307
+    assert all(host.startswith("t ") for host in seen)
+
+
+class _Stalled(httpx.SyncByteStream):
+    """An event stream that sends one event and then nothing: the transport's read timeout ends it."""
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield b"id: a\r\nevent: status\r\ndata: {}\r\n\r\n"
+        raise httpx.ReadTimeout("no byte within the read timeout")
+
+
+def test_a_silent_event_stream_times_out_and_is_resumed_not_waited_on_forever() -> None:
+    timeouts: list[Any] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        timeouts.append(request.extensions["timeout"]["read"])
+        if len(timeouts) == 1:
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Stalled())
+        return httpx.Response(200, content=b'id: b\r\nevent: end\r\ndata: {"status": "succeeded"}\r\n\r\n')
+
+    client = Client("http://t", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler)))
+    client._delay = lambda attempt, response: 0.0  # type: ignore[method-assign]
+    assert [e.event for e in client.stream("job_1")] == ["status", "end"]
+    assert timeouts[0] is not None and timeouts[0] >= 30  # before: None, a stalled server held the caller for ever
+
+
+def test_an_answer_to_a_call_named_wait_is_not_retried() -> None:
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        raise httpx.ReadError("the answer was lost after the request went out")
+
+    client = Client("http://t", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler)))
+    client._delay = lambda attempt, response: 0.0  # type: ignore[method-assign]
+    with pytest.raises(httpx.ReadError):
+        client.answer_call("job_1", "wait", result=1)
+    assert calls == ["/jobs/job_1/calls/wait"]  # before: sent 3 times (its path ends in /wait)
+    with pytest.raises(httpx.ReadError):
+        client.wait("job_1", timeout_s=1)
+    assert len(calls) == 4  # a wait only reads: retried
+
+
+def test_ids_from_elsewhere_stay_one_path_segment() -> None:
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(f"{request.method} {request.url.raw_path.decode()}")
+        return httpx.Response(200, json={"job_id": "job_1", "status": "succeeded", "session_id": "s"})
+
+    client = Client("http://t", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler)))
+    client.stop("../execute?x=")  # before: POST /execute?x=/stop
+    client.answer_call("job_1", "../../sessions", result=1)  # before: POST /sessions
+    client.get("a/b#c")
+    client.job_file("job_1", "outputs/../../../execute")  # before: GET /execute
+    assert seen == [
+        "POST /jobs/..%2Fexecute%3Fx%3D/stop",
+        "POST /jobs/job_1/calls/..%2F..%2Fsessions",
+        "GET /jobs/a%2Fb%23c",
+        "GET /jobs/job_1/files/outputs/%2E%2E/%2E%2E/%2E%2E/execute",
+    ]
+
+
+class _Endless(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """A body of ``chunks`` chunks of 1 MiB (a broken or hostile server's endless answer); ``clock`` advances by
+    ``step`` seconds a chunk."""
+
+    def __init__(self, chunks: int, clock: list[float] | None = None, step: float = 0.0) -> None:
+        self.chunks, self.clock, self.step, self.sent = chunks, clock, step, 0
+
+    def _next(self) -> bytes:
+        self.sent += 1
+        if self.clock is not None:
+            self.clock[0] += self.step
+        return b"x" * (1 << 20)
+
+    def __iter__(self) -> Iterator[bytes]:
+        for _ in range(self.chunks):
+            yield self._next()
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for _ in range(self.chunks):
+            yield self._next()
+
+
+def test_an_endless_answer_is_cut_at_the_size_cap() -> None:
+    body = _Endless(64)  # stands for "endless": before, read whole (here 64 MiB; for ever, from a real server)
+    transport = httpx.MockTransport(lambda r: httpx.Response(200, stream=body))
+    client = Client("http://t", max_retries=0, http=httpx.Client(base_url="http://t", transport=transport))
+    client.max_response_bytes = 4 << 20
+    with pytest.raises(httpx.ReadError, match="exceeds"):
+        client.get("job_1")
+    assert body.sent <= 5
+
+
+async def test_a_dripping_answer_is_cut_at_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr("ptc_sandbox_client.client.time.monotonic", lambda: clock[0])
+    body = _Endless(64, clock, step=59.0)  # each chunk within the read timeout, the whole never
+    transport = httpx.MockTransport(lambda r: httpx.Response(200, stream=body))
+    http = httpx.AsyncClient(base_url="http://t", transport=transport)
+    async with AsyncClient("http://t", max_retries=0, timeout=60, http=http) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            await client.get("job_1")
+    assert body.sent <= 5  # 4 x 60 s
+
+
+def test_an_event_without_end_is_cut_at_the_size_cap() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=_Endless(64))  # one line of "x", never ended (a hostile server)
+
+    client = Client("http://t", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler)))
+    client.max_response_bytes = 4 << 20
+    with pytest.raises(httpx.DecodingError, match="exceeds"):  # before: the line was buffered whole, for ever
+        list(client.stream("job_1"))
+
+
+def test_an_event_cut_by_a_dropped_connection_is_not_glued_to_its_repeat() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.headers.get("last-event-id") is None:
+            chunks = [
+                b"id: a\r\nevent: status\r\ndata: {}\r\n\r\n",
+                b'id: b\r\nevent: stdout\r\ndata: {"text": "x"}\r\n',
+            ]
+            return httpx.Response(200, stream=_Dropping(chunks))  # b's data line came, its blank line did not
+        assert request.headers["last-event-id"] == "a"
+        body = b'id: b\r\nevent: stdout\r\ndata: {"text": "x"}\r\n\r\nid: c\r\nevent: end\r\ndata: {}\r\n\r\n'
+        return httpx.Response(200, content=body)
+
+    client = Client("http://t", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(handler)))
+    client._delay = lambda attempt, response: 0.0  # type: ignore[method-assign]
+    events = list(client.stream("job_1"))
+    assert [(e.event, e.data) for e in events] == [("status", {}), ("stdout", {"text": "x"}), ("end", {})]
+    # before: b's data twice, joined by a newline: not JSON, kept as text
+
+
+def test_lines_split_anywhere_between_pieces() -> None:
+    raw = 'id: 1\r\nevent: status\r\ndata: {"status": "running"}\r\n\r\n: ping\r\r\nid: 2\ndata: "x"\n\n'
+    for size in (1, 2, 3, 7):
+        parser = SSEParser()
+        events = [e for i in range(0, len(raw), size) for e in parser.feed_text(raw[i : i + size])]
+        assert [(e.event, e.id, e.data) for e in events] == [
+            ("status", "1", {"status": "running"}),
+            ("message", "2", "x"),
+        ]

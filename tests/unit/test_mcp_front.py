@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from fastapi import FastAPI
@@ -189,3 +190,84 @@ async def test_stdio_front_refuses_ids_that_are_not_one_path_segment(job_id: str
     async with httpx.AsyncClient(transport=httpx.MockTransport(refuse), base_url="http://test") as client:
         with pytest.raises(ToolError, match="job-not-found"):
             await OverHttp(client).get(None, job_id)  # type: ignore[arg-type]  # the context is not used
+
+
+MCP_HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+
+
+def _get_job_message(pad: str) -> bytes:
+    """A tools/call of get_job with an extra argument ``pad`` (raw JSON), which the tool ignores."""
+    return (
+        b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"get_job","arguments":'
+        b'{"job_id":"job_x","pad":' + pad.encode() + b"}}}"
+    )
+
+
+@pytest.mark.parametrize(
+    "pad",
+    [
+        "[" + ",".join(["[]"] * 20_000) + "]",  # many small values: the SDK parsed 4 MiB of them on the loop for 1 s
+        "[" * 5_000 + "]" * 5_000,  # deeper than the stdlib's recursion: a 500 from the SDK
+        "1" * 5_000,  # an integer past Python's digit limit: a 500 from the SDK
+    ],
+    ids=["many-values", "deep", "long-integer"],
+)
+async def test_a_costly_message_is_refused_before_the_sdk_parses_it_on_the_loop(pad: str) -> None:
+    from service.api import bodies
+
+    parsed_on_threads: list[bytes] = []
+    real = bodies.parse_body
+
+    def spy(raw: bytes, *args: Any) -> Any:
+        parsed_on_threads.append(raw)
+        return real(raw, *args)
+
+    async with service() as app, http(app, TOKENS["alice"]) as client:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("service.api.mcp_front.parse_body", spy)
+            response = await client.post("/mcp", content=_get_job_message(pad), headers=MCP_HEADERS)
+        assert response.status_code == 422, response.text
+        assert response.headers["content-type"] == "application/problem+json"
+        assert json.loads(response.content)["type"].endswith("/invalid-request")
+        assert len(parsed_on_threads) == 1
+
+
+async def test_an_ordinary_message_passes_the_check_and_a_large_string_is_not_refused_below_the_body_limit() -> None:
+    async with service() as app, http(app, TOKENS["alice"]) as client:
+        small = await client.post("/mcp", content=_get_job_message('"x"'), headers=MCP_HEADERS)
+        # 5 MiB: above the SDK's own 4 MiB default, below PTC_MAX_BODY_BYTES (8 MiB), as POST /execute takes it
+        large = await client.post("/mcp", content=_get_job_message('"' + "x" * (5 << 20) + '"'), headers=MCP_HEADERS)
+        for response in (small, large):
+            assert response.status_code == 200, response.text[:300]
+            result = response.json()["result"]
+            assert result["isError"] and "job-not-found" in result["content"][0]["text"]
+        over = _get_job_message('"' + "x" * (9 << 20) + '"')
+        too_large = await client.post("/mcp", content=over, headers=MCP_HEADERS)
+        assert too_large.status_code == 413
+        assert too_large.headers["content-type"] == "application/problem+json"
+
+
+async def test_a_get_stream_is_refused_not_held_open() -> None:
+    async with service() as app, http(app, TOKENS["alice"]) as client:
+        with anyio.fail_after(10):  # before: a stream of pings, never ending
+            response = await client.get("/mcp", headers={"Accept": "text/event-stream"})
+        assert response.status_code == 405
+        assert response.headers["allow"] == "POST"
+        assert response.headers["content-type"] == "application/problem+json"
+        async with mcp_session(app, "alice") as session:  # the SDK's client takes the 405 in its stride
+            assert {tool.name for tool in (await session.list_tools()).tools} >= {"execute"}
+
+
+async def test_the_call_lines_of_an_answer_are_capped() -> None:
+    from service.mcp_tools import MAX_CALL_LINES
+
+    # before: one line per call, up to PTC_MAX_TOOL_CALLS (10,000: 250 KB of lines, twice, in one tool result)
+    script = f"import tools\nfor i in range({MAX_CALL_LINES + 50}):\n    tools.echo(text='x')\nprint('done')\n"
+    async with service() as app:
+        toolset = await toolset_of(app, "alice")
+        async with mcp_session(app, "alice") as session:
+            result = answer(await session.call_tool("execute", {"script": script, "toolset_id": toolset}))
+            assert result["status"] == "succeeded", result
+            assert result["calls_total"] == MAX_CALL_LINES + 50
+            assert len(result["calls"]) == MAX_CALL_LINES
+            assert result["calls"][0].split()[:3] == ["1", "echo", "ok"]

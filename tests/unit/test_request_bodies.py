@@ -90,6 +90,16 @@ def test_bytes_that_are_not_utf8_are_invalid_json() -> None:
     assert caught.value.errors()[0]["type"] == "json_invalid"
 
 
+def test_an_integer_past_the_interpreters_digit_limit_is_invalid_json() -> None:
+    # Python refuses int() of more than 4,300 digits with a ValueError that is no JSONDecodeError: it was a 500
+    # (internal-error) for POST /execute with such a number anywhere in the body (metadata, env, ...).
+    with pytest.raises(RequestValidationError) as caught:
+        parse_body(b'{"a": ' + b"1" * 5000 + b"}", lambda v: (v, []))
+    error = caught.value.errors()[0]
+    assert error["type"] == "json_invalid" and error["loc"] == ("body",)
+    assert "1111" not in error["msg"]
+
+
 def test_lone_surrogates_are_still_read() -> None:
     assert parse_body(b'{"a": "\\ud800"}', lambda v: (v, [])) == {"a": "\ud800"}
 

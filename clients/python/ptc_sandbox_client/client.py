@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Self
+from urllib.parse import quote
 
 import httpx
 
@@ -25,6 +27,22 @@ from .models import Event, JobView, SessionFile, SessionView, Stream
 
 _RETRY_STATUSES = frozenset({429, 503})
 _MAX_SERVER_WAIT_S = 300.0
+_STREAM_READ_S = 60.0  # an event stream silent this long is dead: the service pings every 15 s; resumed after
+_WAIT_PATH = re.compile(r"/jobs/[^/?#]+/wait")
+
+
+def _seg(value: str) -> str:
+    """An id as one path segment: ``/``, ``?``, ``#``, ``%`` and the rest percent-encoded, so an id from elsewhere
+    (a model's text) names no other route (``../execute``) and adds no query."""
+    return quote(value, safe="")
+
+
+def _path(value: str) -> str:
+    """A file path as path segments: each encoded as by ``_seg``, ``.`` and ``..`` too (httpx would resolve them
+    before sending: ``a/../../../execute``); the service refuses such a path itself."""
+    return "/".join(
+        quote(part, safe="") if part not in (".", "..") else part.replace(".", "%2E") for part in value.split("/")
+    )
 
 
 def _view_params(calls: str | None, fields: str | list[str] | None) -> dict[str, str]:
@@ -48,6 +66,12 @@ def _execute_body(script: str, tools: Any, toolset: str | None, wait_s: float | 
 
 
 class _Base:
+    max_response_bytes: int = 256 * 1024 * 1024
+    """Largest answer body read (bytes); a larger one raises ``httpx.ReadError`` (a broken or hostile server)."""
+    body_time_factor: float = 4.0
+    """An answer's body must be whole within this many times the request's timeout of its first byte, else
+    ``httpx.ReadTimeout`` (a server dripping bytes would never trip the timeout between two reads)."""
+
     def __init__(
         self, base_url: str, token: str | None, timeout: float, max_retries: int, max_retry_wait_s: float
     ) -> None:
@@ -61,7 +85,7 @@ class _Base:
     def _safe(method: str, url: str, headers: Mapping[str, str] | None) -> bool:
         if method == "GET":
             return True
-        if method == "POST" and url.endswith("/wait"):
+        if method == "POST" and _WAIT_PATH.fullmatch(url):  # not /jobs/{id}/calls/wait, an answer
             return True
         return method == "POST" and any(k.lower() == "idempotency-key" for k in headers or {})
 
@@ -76,9 +100,42 @@ class _Base:
         after = retry_after_s(response) if response is not None else None
         return min(after if after is not None else 0.5 * 2**attempt, self.max_retry_wait_s)
 
+    def _take(self, response: httpx.Response, size: int, deadline: float) -> None:
+        """Raise when the body read so far (``size`` bytes) is too large or late."""
+        if size > self.max_response_bytes:
+            raise httpx.ReadError(f"the answer exceeds {self.max_response_bytes} bytes", request=response.request)
+        if time.monotonic() > deadline:
+            raise httpx.ReadTimeout("the answer's body was not whole in time", request=response.request)
+
+    @staticmethod
+    def _whole(response: httpx.Response, body: bytes) -> httpx.Response:
+        """``response`` with the ``body`` read (decoded: its encoding headers dropped)."""
+        headers = [
+            (k, v)
+            for k, v in response.headers.multi_items()
+            if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")
+        ]
+        return httpx.Response(
+            response.status_code,
+            headers=headers,
+            content=body,
+            request=response.request,
+            extensions=response.extensions,
+        )
+
+    @staticmethod
+    def _events(parser: SSEParser, text: str, response: httpx.Response) -> list[Event]:
+        """The events a piece of an event stream completes; raises httpx.DecodingError (not resumed) for an event
+        over the parser's ``max_event_chars``."""
+        try:
+            return parser.feed_text(text)
+        except ValueError as error:
+            raise httpx.DecodingError(str(error), request=response.request) from None
+
     @staticmethod
     def _check(response: httpx.Response) -> httpx.Response:
-        if response.status_code >= 400:
+        # A 3xx too: the API redirects nowhere, and following one could carry the token to another host.
+        if response.status_code >= 300:
             raise problem_from_response(response)
         return response
 
@@ -128,15 +185,7 @@ class Client(_Base):
         safe = self._safe(method, url, headers)
         while True:
             try:
-                response = self.http.request(
-                    method,
-                    url,
-                    params=params,
-                    json=json,
-                    content=content,
-                    headers=dict(headers or {}),
-                    timeout=timeout if timeout is not None else self.timeout,
-                )
+                response = self._send(method, url, params, json, content, headers, timeout)
             except httpx.TransportError:
                 if not safe or attempt >= self.max_retries:
                     raise
@@ -148,6 +197,33 @@ class Client(_Base):
                 attempt += 1
                 continue
             return self._check(response)
+
+    def _send(
+        self,
+        method: str,
+        url: str,
+        params: Mapping[str, Any] | None,
+        json: Any,
+        content: bytes | None,
+        headers: Mapping[str, str] | None,
+        timeout: float | None,
+    ) -> httpx.Response:
+        """One request; its answer read whole, at most ``max_response_bytes`` within ``body_time_factor`` times
+        its timeout (raises httpx.TransportError)."""
+        seconds = timeout if timeout is not None else self.timeout
+        request = self.http.build_request(
+            method, url, params=params, json=json, content=content, headers=dict(headers or {}), timeout=seconds
+        )
+        response = self.http.send(request, stream=True)
+        try:
+            deadline, parts, size = time.monotonic() + self.body_time_factor * seconds, [], 0
+            for chunk in response.iter_bytes():
+                size += len(chunk)
+                self._take(response, size, deadline)
+                parts.append(chunk)
+        finally:
+            response.close()
+        return self._whole(response, b"".join(parts))
 
     # Jobs
 
@@ -180,7 +256,9 @@ class Client(_Base):
 
     def get(self, job_id: str, *, calls: str | None = None, fields: str | list[str] | None = None) -> JobView:
         """``GET /jobs/{id}``: the job's view."""
-        return JobView.model_validate(self.request("GET", f"/jobs/{job_id}", params=_view_params(calls, fields)).json())
+        return JobView.model_validate(
+            self.request("GET", f"/jobs/{_seg(job_id)}", params=_view_params(calls, fields)).json()
+        )
 
     def wait(
         self,
@@ -198,7 +276,7 @@ class Client(_Base):
             step = min(left, _MAX_SERVER_WAIT_S)
             params = {**_view_params(calls, fields), "timeout_s": f"{step:.3f}"}
             view = JobView.model_validate(
-                self.request("POST", f"/jobs/{job_id}/wait", params=params, timeout=self.timeout + step).json()
+                self.request("POST", f"/jobs/{_seg(job_id)}/wait", params=params, timeout=self.timeout + step).json()
             )
             if view.ended or view.status == "waiting" or time.monotonic() >= deadline:
                 return view
@@ -206,7 +284,7 @@ class Client(_Base):
     def stop(self, job_id: str, *, calls: str | None = None, fields: str | list[str] | None = None) -> JobView:
         """``POST /jobs/{id}/stop``: the view (final, unchanged, if the job had already ended)."""
         return JobView.model_validate(
-            self.request("POST", f"/jobs/{job_id}/stop", params=_view_params(calls, fields)).json()
+            self.request("POST", f"/jobs/{_seg(job_id)}/stop", params=_view_params(calls, fields)).json()
         )
 
     def output(self, job_id: str, stream: Stream = "stdout", offset: int = 0, length: int | None = None) -> bytes:
@@ -214,11 +292,11 @@ class Client(_Base):
         params: dict[str, Any] = {"offset": offset}
         if length is not None:
             params["length"] = length
-        return self.request("GET", f"/jobs/{job_id}/output/{stream}", params=params).content
+        return self.request("GET", f"/jobs/{_seg(job_id)}/output/{_seg(stream)}", params=params).content
 
     def job_file(self, job_id: str, path: str) -> bytes:
         """``GET /jobs/{id}/files/{path}``: an output file the view lists in ``files``."""
-        return self.request("GET", f"/jobs/{job_id}/files/{path}").content
+        return self.request("GET", f"/jobs/{_seg(job_id)}/files/{_path(path)}").content
 
     def answer_call(
         self, job_id: str, call_id: str, *, result: Any = None, error: Mapping[str, Any] | None = None
@@ -226,7 +304,9 @@ class Client(_Base):
         """``POST /jobs/{id}/calls/{call_id}``: answers a client-executed call with ``result`` or ``error``
         (``{"type", "message"}``); raises ``ConflictError`` (``call-not-pending``) when it does not wait."""
         body = {"error": dict(error)} if error is not None else {"result": result}
-        return JobView.model_validate(self.request("POST", f"/jobs/{job_id}/calls/{call_id}", json=body).json())
+        return JobView.model_validate(
+            self.request("POST", f"/jobs/{_seg(job_id)}/calls/{_seg(call_id)}", json=body).json()
+        )
 
     def stream(
         self,
@@ -240,26 +320,26 @@ class Client(_Base):
         """``GET /jobs/{id}/events``: the events up to and including ``end``. A dropped connection is resumed with
         ``Last-Event-ID`` (the last id received; no event twice, none missing), at most ``max_reconnects`` times in a
         row without an event between."""
-        parser = SSEParser(last_id=last_event_id)
+        parser = SSEParser(last_id=last_event_id, max_event_chars=self.max_response_bytes)
         failures = 0
         while True:
             headers = {"Last-Event-ID": parser.last_id} if parser.last_id else {}
             try:
                 with self.http.stream(
                     "GET",
-                    f"/jobs/{job_id}/events",
+                    f"/jobs/{_seg(job_id)}/events",
                     params=_view_params(calls, fields),
                     headers=headers,
-                    timeout=httpx.Timeout(self.timeout, read=None),
+                    timeout=httpx.Timeout(self.timeout, read=max(self.timeout, _STREAM_READ_S)),
                 ) as response:
                     if response.status_code == 204:
                         return
                     if response.status_code >= 400:
                         response.read()
                         self._check(response)
-                    for line in response.iter_lines():
-                        event = parser.feed(line)
-                        if event is not None:
+                    parser.reset()  # an event cut by a dropped connection comes again whole
+                    for text in response.iter_text():
+                        for event in self._events(parser, text, response):
                             failures = 0
                             yield event
                             if event.event == "end":
@@ -340,11 +420,11 @@ class Client(_Base):
 
     def get_session(self, session_id: str) -> SessionView:
         """``GET /sessions/{id}``."""
-        return SessionView.model_validate(self.request("GET", f"/sessions/{session_id}").json())
+        return SessionView.model_validate(self.request("GET", f"/sessions/{_seg(session_id)}").json())
 
     def delete_session(self, session_id: str) -> SessionView:
         """``DELETE /sessions/{id}`` (idempotent)."""
-        return SessionView.model_validate(self.request("DELETE", f"/sessions/{session_id}").json())
+        return SessionView.model_validate(self.request("DELETE", f"/sessions/{_seg(session_id)}").json())
 
 
 class Session:
@@ -374,15 +454,15 @@ class Session:
     def put_file(self, path: str, data: bytes | str) -> None:
         """``PUT /sessions/{id}/files/{path}``: writes ``data`` under the session's ``/tmp``."""
         content = data.encode() if isinstance(data, str) else data
-        self.client.request("PUT", f"/sessions/{self.session_id}/files/{path}", content=content)
+        self.client.request("PUT", f"/sessions/{_seg(self.session_id)}/files/{_path(path)}", content=content)
 
     def get_file(self, path: str) -> bytes:
         """``GET /sessions/{id}/files/{path}``: the file's bytes."""
-        return self.client.request("GET", f"/sessions/{self.session_id}/files/{path}").content
+        return self.client.request("GET", f"/sessions/{_seg(self.session_id)}/files/{_path(path)}").content
 
     def list_files(self) -> list[SessionFile]:
         """``GET /sessions/{id}/files``: the files under ``/tmp``."""
-        body = self.client.request("GET", f"/sessions/{self.session_id}/files").json()
+        body = self.client.request("GET", f"/sessions/{_seg(self.session_id)}/files").json()
         return [SessionFile.model_validate(f) for f in body.get("files", [])]
 
 
@@ -431,15 +511,7 @@ class AsyncClient(_Base):
         safe = self._safe(method, url, headers)
         while True:
             try:
-                response = await self.http.request(
-                    method,
-                    url,
-                    params=params,
-                    json=json,
-                    content=content,
-                    headers=dict(headers or {}),
-                    timeout=timeout if timeout is not None else self.timeout,
-                )
+                response = await self._send(method, url, params, json, content, headers, timeout)
             except httpx.TransportError:
                 if not safe or attempt >= self.max_retries:
                     raise
@@ -451,6 +523,32 @@ class AsyncClient(_Base):
                 attempt += 1
                 continue
             return self._check(response)
+
+    async def _send(
+        self,
+        method: str,
+        url: str,
+        params: Mapping[str, Any] | None,
+        json: Any,
+        content: bytes | None,
+        headers: Mapping[str, str] | None,
+        timeout: float | None,  # noqa: ASYNC109 (httpx's per-request timeout)
+    ) -> httpx.Response:
+        """As :meth:`Client._send`."""
+        seconds = timeout if timeout is not None else self.timeout
+        request = self.http.build_request(
+            method, url, params=params, json=json, content=content, headers=dict(headers or {}), timeout=seconds
+        )
+        response = await self.http.send(request, stream=True)
+        try:
+            deadline, parts, size = time.monotonic() + self.body_time_factor * seconds, [], 0
+            async for chunk in response.aiter_bytes():
+                size += len(chunk)
+                self._take(response, size, deadline)
+                parts.append(chunk)
+        finally:
+            await response.aclose()
+        return self._whole(response, b"".join(parts))
 
     async def execute(
         self,
@@ -479,7 +577,7 @@ class AsyncClient(_Base):
 
     async def get(self, job_id: str, *, calls: str | None = None, fields: str | list[str] | None = None) -> JobView:
         """As :meth:`Client.get`."""
-        response = await self.request("GET", f"/jobs/{job_id}", params=_view_params(calls, fields))
+        response = await self.request("GET", f"/jobs/{_seg(job_id)}", params=_view_params(calls, fields))
         return JobView.model_validate(response.json())
 
     async def wait(
@@ -495,14 +593,16 @@ class AsyncClient(_Base):
         while True:
             step = min(max(0.0, deadline - time.monotonic()), _MAX_SERVER_WAIT_S)
             params = {**_view_params(calls, fields), "timeout_s": f"{step:.3f}"}
-            response = await self.request("POST", f"/jobs/{job_id}/wait", params=params, timeout=self.timeout + step)
+            response = await self.request(
+                "POST", f"/jobs/{_seg(job_id)}/wait", params=params, timeout=self.timeout + step
+            )
             view = JobView.model_validate(response.json())
             if view.ended or view.status == "waiting" or time.monotonic() >= deadline:
                 return view
 
     async def stop(self, job_id: str, *, calls: str | None = None, fields: str | list[str] | None = None) -> JobView:
         """As :meth:`Client.stop`."""
-        response = await self.request("POST", f"/jobs/{job_id}/stop", params=_view_params(calls, fields))
+        response = await self.request("POST", f"/jobs/{_seg(job_id)}/stop", params=_view_params(calls, fields))
         return JobView.model_validate(response.json())
 
     async def output(self, job_id: str, stream: Stream = "stdout", offset: int = 0, length: int | None = None) -> bytes:
@@ -510,18 +610,20 @@ class AsyncClient(_Base):
         params: dict[str, Any] = {"offset": offset}
         if length is not None:
             params["length"] = length
-        return (await self.request("GET", f"/jobs/{job_id}/output/{stream}", params=params)).content
+        return (await self.request("GET", f"/jobs/{_seg(job_id)}/output/{_seg(stream)}", params=params)).content
 
     async def job_file(self, job_id: str, path: str) -> bytes:
         """As :meth:`Client.job_file`."""
-        return (await self.request("GET", f"/jobs/{job_id}/files/{path}")).content
+        return (await self.request("GET", f"/jobs/{_seg(job_id)}/files/{_path(path)}")).content
 
     async def answer_call(
         self, job_id: str, call_id: str, *, result: Any = None, error: Mapping[str, Any] | None = None
     ) -> JobView:
         """As :meth:`Client.answer_call`."""
         body = {"error": dict(error)} if error is not None else {"result": result}
-        return JobView.model_validate((await self.request("POST", f"/jobs/{job_id}/calls/{call_id}", json=body)).json())
+        return JobView.model_validate(
+            (await self.request("POST", f"/jobs/{_seg(job_id)}/calls/{_seg(call_id)}", json=body)).json()
+        )
 
     async def stream(
         self,
@@ -533,26 +635,26 @@ class AsyncClient(_Base):
         max_reconnects: int = 5,
     ) -> AsyncIterator[Event]:
         """As :meth:`Client.stream`."""
-        parser = SSEParser(last_id=last_event_id)
+        parser = SSEParser(last_id=last_event_id, max_event_chars=self.max_response_bytes)
         failures = 0
         while True:
             headers = {"Last-Event-ID": parser.last_id} if parser.last_id else {}
             try:
                 async with self.http.stream(
                     "GET",
-                    f"/jobs/{job_id}/events",
+                    f"/jobs/{_seg(job_id)}/events",
                     params=_view_params(calls, fields),
                     headers=headers,
-                    timeout=httpx.Timeout(self.timeout, read=None),
+                    timeout=httpx.Timeout(self.timeout, read=max(self.timeout, _STREAM_READ_S)),
                 ) as response:
                     if response.status_code == 204:
                         return
                     if response.status_code >= 400:
                         await response.aread()
                         self._check(response)
-                    async for line in response.aiter_lines():
-                        event = parser.feed(line)
-                        if event is not None:
+                    parser.reset()  # an event cut by a dropped connection comes again whole
+                    async for text in response.aiter_text():
+                        for event in self._events(parser, text, response):
                             failures = 0
                             yield event
                             if event.event == "end":
@@ -627,11 +729,11 @@ class AsyncClient(_Base):
 
     async def get_session(self, session_id: str) -> SessionView:
         """As :meth:`Client.get_session`."""
-        return SessionView.model_validate((await self.request("GET", f"/sessions/{session_id}")).json())
+        return SessionView.model_validate((await self.request("GET", f"/sessions/{_seg(session_id)}")).json())
 
     async def delete_session(self, session_id: str) -> SessionView:
         """As :meth:`Client.delete_session`."""
-        return SessionView.model_validate((await self.request("DELETE", f"/sessions/{session_id}")).json())
+        return SessionView.model_validate((await self.request("DELETE", f"/sessions/{_seg(session_id)}")).json())
 
 
 class AsyncSession:
@@ -662,13 +764,13 @@ class AsyncSession:
     async def put_file(self, path: str, data: bytes | str) -> None:
         """As :meth:`Session.put_file`."""
         content = data.encode() if isinstance(data, str) else data
-        await self.client.request("PUT", f"/sessions/{self.session_id}/files/{path}", content=content)
+        await self.client.request("PUT", f"/sessions/{_seg(self.session_id)}/files/{_path(path)}", content=content)
 
     async def get_file(self, path: str) -> bytes:
         """As :meth:`Session.get_file`."""
-        return (await self.client.request("GET", f"/sessions/{self.session_id}/files/{path}")).content
+        return (await self.client.request("GET", f"/sessions/{_seg(self.session_id)}/files/{_path(path)}")).content
 
     async def list_files(self) -> list[SessionFile]:
         """As :meth:`Session.list_files`."""
-        body = (await self.client.request("GET", f"/sessions/{self.session_id}/files")).json()
+        body = (await self.client.request("GET", f"/sessions/{_seg(self.session_id)}/files")).json()
         return [SessionFile.model_validate(f) for f in body.get("files", [])]

@@ -103,7 +103,8 @@ def retry_after_s(response: httpx.Response) -> float | None:
 
 
 def problem_from_response(response: httpx.Response) -> ProblemError:
-    """The exception for a non-2xx ``response``: its problem+json body, or a generic one for any other body."""
+    """The exception for a non-2xx ``response``: its problem+json body, or a generic one for any other body (a
+    ``status`` member that is no HTTP status is replaced by the answer's)."""
     try:
         body = response.json()
     except ValueError:
@@ -113,10 +114,13 @@ def problem_from_response(response: httpx.Response) -> ProblemError:
     type_ = str(body.get("type", PROBLEM_PREFIX + "http-error"))
     extra = {k: v for k, v in body.items() if k not in {"type", "title", "status", "detail"}}
     cls = _BY_NAME.get(type_.removeprefix(PROBLEM_PREFIX), ProblemError)
+    status = body.get("status")
+    if not isinstance(status, int) or isinstance(status, bool) or not 100 <= status <= 599:
+        status = response.status_code  # a member that is no HTTP status ("500", null, 1e400) is not trusted
     return cls(
         type_,
         str(body.get("title", response.reason_phrase)),
-        int(body.get("status", response.status_code)),
+        status,
         str(body.get("detail", "")),
         extra,
         retry_after_s(response),
