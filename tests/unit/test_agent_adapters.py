@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 import pytest
 from agents import FunctionTool, function_tool, set_tracing_disabled
 from agents.tool_context import ToolContext
-from langchain_core.tools import BaseTool, tool
+from langchain_core.tools import BaseTool, InjectedToolArg, tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from ptc_sandbox_client import AsyncClient, Client, JobView, UnauthorizedError
 from ptc_sandbox_client.adapters import langchain as lc
@@ -228,3 +228,48 @@ def test_two_tools_of_one_name_are_refused() -> None:
         oa.manifest_of([lookup, function_tool(lambda key: key, name_override="lookup")])
     with pytest.raises(ValueError, match="search: two tools with this name"):
         lc.manifest_of([search, search])
+
+
+def test_langchain_a_script_cannot_set_an_injected_argument() -> None:
+    """An ``InjectedToolArg`` is the application's to set: it is not in the manifest's schema, and a script that
+    passes it anyway (the service lets a schema without ``additionalProperties`` take extra keys) gets a
+    ``ToolError``; the tool is not run."""
+    ran: list[str] = []
+
+    @tool
+    def transfer(amount: int, user_id: Annotated[str, InjectedToolArg]) -> str:
+        """Move money from the user's account."""
+        ran.append(user_id)
+        return f"{user_id} pays {amount}"
+
+    calls = [{"call_id": "c1", "tool": "transfer", "args": {"amount": 5, "user_id": "victim"}}]
+    service = ScriptedService(calls, {"status": "succeeded", "exit_code": 0, "stdout": "ok\n"})
+    http = httpx.Client(base_url="http://t", transport=httpx.MockTransport(service))
+    with Client("http://t", "tok", http=http) as client:
+        code = lc.PtcCodeTool(client=client, tools=[transfer])
+        assert set(service_parameters(code)["properties"]) == {"amount"}
+        assert code.invoke({"script": "import tools"}) == "ok\n"
+    assert ran == []
+    assert service.answers["c1"] == {
+        "error": {"type": "TypeError", "message": "transfer: unexpected argument(s) user_id"}
+    }
+
+
+async def test_langchain_async_a_script_cannot_set_an_injected_argument() -> None:
+    @tool
+    async def transfer(amount: int, user_id: Annotated[str, InjectedToolArg]) -> str:
+        """Move money from the user's account."""
+        return f"{user_id} pays {amount}"
+
+    calls = [{"call_id": "c1", "tool": "transfer", "args": {"amount": 5, "user_id": "victim"}}]
+    service = ScriptedService(calls, {"status": "succeeded", "exit_code": 0, "stdout": "ok\n"})
+    http = httpx.AsyncClient(base_url="http://t", transport=httpx.MockTransport(service))
+    async with AsyncClient("http://t", "tok", http=http) as client:
+        code = await lc.PtcCodeTool.acreate(async_client=client, tools=[transfer])
+        assert await code.ainvoke({"script": "import tools"}) == "ok\n"
+    assert service.answers["c1"]["error"]["type"] == "TypeError"
+
+
+def service_parameters(code: lc.PtcCodeTool) -> dict[str, Any]:
+    (entry,) = lc.manifest_of(code.tools)
+    return dict(entry["parameters"])

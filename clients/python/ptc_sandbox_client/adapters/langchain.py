@@ -46,6 +46,17 @@ def _with_doc(func: Callable[..., Any], doc: str) -> Callable[..., Any]:
     return func
 
 
+def _arguments(name: str, kwargs: dict[str, Any], parameters: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` (a script's arguments to tool ``name``) when each is a property of the tool's ``parameters`` (its
+    ``tool_call_schema``). Raises ``TypeError`` (the script gets ``tools.ToolError``) for any other: an injected
+    argument (``InjectedToolArg``, ``InjectedToolCallId``, ...) is left out of the schema because the application
+    sets it, never the model, and the service lets a schema without ``additionalProperties`` take extra keys."""
+    extra = sorted(set(kwargs) - set(parameters.get("properties") or {}))
+    if extra:
+        raise TypeError(f"{name}: unexpected argument(s) {', '.join(extra)}")
+    return kwargs
+
+
 def _placeholder(doc: str) -> Callable[..., Any]:
     def call(**kwargs: Any) -> Any:
         raise RuntimeError("answered by PtcCodeTool")
@@ -122,7 +133,7 @@ class PtcCodeTool(BaseTool):
 
         def answer(tool: BaseTool) -> Callable[..., Any]:
             def call(**kwargs: Any) -> Any:
-                return jsonable(tool.invoke(kwargs, config))
+                return jsonable(tool.invoke(_arguments(tool.name, kwargs, entries[tool.name]["parameters"]), config))
 
             return _with_doc(call, entries[tool.name]["description"])
 
@@ -148,7 +159,8 @@ class PtcCodeTool(BaseTool):
 
         def answer(tool: BaseTool) -> Callable[..., Awaitable[Any]]:
             async def call(**kwargs: Any) -> Any:
-                return jsonable(await tool.ainvoke(kwargs, config))
+                arguments = _arguments(tool.name, kwargs, entries[tool.name]["parameters"])
+                return jsonable(await tool.ainvoke(arguments, config))
 
             return _with_doc(call, entries[tool.name]["description"])
 
