@@ -273,3 +273,44 @@ async def test_langchain_async_a_script_cannot_set_an_injected_argument() -> Non
 def service_parameters(code: lc.PtcCodeTool) -> dict[str, Any]:
     (entry,) = lc.manifest_of(code.tools)
     return dict(entry["parameters"])
+
+
+class RefusingLargeAnswers(ScriptedService):
+    """A ScriptedService whose call answers larger than ``limit`` bytes get the service's ``413``."""
+
+    limit = 4096
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.startswith("/jobs/job_1/calls/") and len(request.content) > self.limit:
+            body = {"type": PROBLEM_PREFIX + "payload-too-large", "title": "Request body too large", "status": 413}
+            return httpx.Response(413, json=body, headers={"content-type": "application/problem+json"})
+        return super().__call__(request)
+
+
+async def test_a_tool_answer_the_service_refuses_reaches_the_script_as_an_error() -> None:
+    """A script that makes a tool return more than the service takes (``413``) neither crashes the agent's run nor
+    leaves its call pending until the job's timeout: the call is answered with an ``AnswerRefused`` error."""
+
+    @function_tool
+    def repeat(text: str, times: int) -> str:
+        """Repeat a text."""
+        return text * times
+
+    calls = [{"call_id": "c1", "tool": "repeat", "args": {"text": "x", "times": 100_000}}]
+    final = {"status": "succeeded", "exit_code": 0, "stdout": "handled\n"}
+    service = RefusingLargeAnswers(calls, final)
+    http = httpx.AsyncClient(base_url="http://t", transport=httpx.MockTransport(service))
+    async with AsyncClient("http://t", "tok", http=http, max_retries=0) as client:
+        code = await oa.code_tool(client, [repeat])
+        ctx: ToolContext[Any] = ToolContext(None, tool_name="run_python", tool_call_id="c", tool_arguments="{}")
+        assert await code.on_invoke_tool(ctx, json.dumps({"script": "import tools"})) == "handled\n"
+    assert service.answers["c1"] == {
+        "error": {"type": "AnswerRefused", "message": "the service refused this tool's answer: 413 payload-too-large"}
+    }
+    # The synchronous client (LangChain's invoke, smolagents) alike.
+    service = RefusingLargeAnswers(
+        [{"call_id": "c1", "tool": "search", "args": {"query": "q" * 100, "top_k": 100}}], final
+    )
+    with Client("http://t", "tok", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(service))) as c:
+        assert lc.PtcCodeTool(client=c, tools=[search]).invoke({"script": "import tools"}) == "handled\n"
+    assert service.answers["c1"]["error"]["type"] == "AnswerRefused"

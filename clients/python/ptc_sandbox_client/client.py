@@ -19,8 +19,8 @@ from typing import Any, Self
 import httpx
 
 from ._sse import SSEParser
-from ._tools import call_error, client_manifest
-from .errors import ConflictError, problem_from_response, retry_after_s
+from ._tools import call_error, client_manifest, refused_answer
+from .errors import ConflictError, ProblemError, problem_from_response, retry_after_s
 from .models import Event, JobView, SessionFile, SessionView, Stream
 
 _RETRY_STATUSES = frozenset({429, 503})
@@ -288,7 +288,9 @@ class Client(_Base):
         (``{"type": <exception class>, "message": str(error)}``), until the job ends; the final view. Schemas come
         from the signatures unless ``schemas`` gives them; ``other_tools`` are manifest entries added as they are.
         While the job waits on something else (an approval, a tool not in ``tools``) the view is polled every
-        ``poll_s`` seconds; a call that is no longer pending when answered (it timed out) is passed over."""
+        ``poll_s`` seconds; a call that is no longer pending when answered (it timed out) is passed over. An answer
+        the service refuses (``413``: larger than its body limit; ``422``) is replaced by the error ``{"type":
+        "AnswerRefused", ...}``, so the script gets ``tools.ToolError`` rather than this call raising mid-job."""
         manifest = client_manifest(tools, schemas) + list(other_tools or [])
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
@@ -309,7 +311,14 @@ class Client(_Base):
                 except Exception as error:  # the tool's failure goes to the script as a ToolError
                     answer = call_error(error)
                 try:
-                    view = self.answer_call(view.job_id, call.call_id, **answer)
+                    try:
+                        view = self.answer_call(view.job_id, call.call_id, **answer)
+                    except ConflictError:
+                        raise
+                    except ProblemError as error:  # the answer itself refused (too large, not JSON the service takes)
+                        if (refusal := refused_answer(error)) is None:
+                            raise
+                        view = self.answer_call(view.job_id, call.call_id, **refusal)
                 except ConflictError:  # no longer pending (it timed out, or the job ended)
                     view = self.get(view.job_id)
         return view
@@ -602,7 +611,14 @@ class AsyncClient(_Base):
             answers = await asyncio.gather(*(run(c.tool, c.args) for c in pending))
             for call, answer in zip(pending, answers, strict=True):
                 try:
-                    view = await self.answer_call(view.job_id, call.call_id, **answer)
+                    try:
+                        view = await self.answer_call(view.job_id, call.call_id, **answer)
+                    except ConflictError:
+                        raise
+                    except ProblemError as error:  # the answer itself refused (too large, not JSON the service takes)
+                        if (refusal := refused_answer(error)) is None:
+                            raise
+                        view = await self.answer_call(view.job_id, call.call_id, **refusal)
                 except ConflictError:  # no longer pending (it timed out, or the job ended)
                     view = await self.get(view.job_id)
         return view
