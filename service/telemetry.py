@@ -25,6 +25,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
@@ -125,12 +126,30 @@ def install(provider: TracerProvider | None) -> None:
     _tracer = provider.get_tracer(TRACER_NAME) if provider is not None else None
 
 
-def flush(timeout_s: float = FLUSH_S) -> None:
-    """Export the spans still queued, waiting at most ``timeout_s`` (blocking: call it off the event loop). The
-    service calls it when it stops: uvicorn ends the process by re-raising SIGTERM, so the SDK's exit hook does
-    not run."""
-    if _provider is not None:
-        _provider.force_flush(int(timeout_s * 1000))
+def flush(timeout_s: float = FLUSH_S) -> bool:
+    """Export the spans still queued, waiting at most ``timeout_s`` (blocking: call it off the event loop); whether
+    they were exported in that time. The service calls it when it stops: uvicorn ends the process by re-raising
+    SIGTERM, so the SDK's exit hook does not run.
+
+    The SDK's ``force_flush`` ignores its timeout (it exports every queued batch in the calling thread, each
+    bounded only by the exporter's own timeout, 10 s for OTLP, after the batch under way): it runs in a daemon
+    thread of its own, left behind when ``timeout_s`` passes, so a hung collector cannot hold up the stop."""
+    if _provider is None:
+        return True
+    provider = _provider
+    done = threading.Event()
+
+    def export() -> None:
+        try:
+            provider.force_flush(int(timeout_s * 1000))
+        finally:
+            done.set()
+
+    threading.Thread(target=export, name="otel-flush", daemon=True).start()
+    if not done.wait(timeout_s):
+        log.warning("traces: the spans still queued were not exported within %g s (collector slow or down)", timeout_s)
+        return False
+    return True
 
 
 def enabled() -> bool:

@@ -12,14 +12,15 @@ import json
 import logging
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from service import logs, telemetry
@@ -347,3 +348,32 @@ def test_configure_from_env_installs_the_named_exporters_once(monkeypatch: pytes
         if telemetry._provider is not None:
             telemetry._provider.shutdown()
         telemetry.install(None)
+
+
+def test_the_flush_at_shutdown_is_bounded_with_a_hung_collector() -> None:
+    """A collector that accepts and never answers cannot hold up the service's stop: ``flush`` returns (False) after
+    its timeout, though the SDK's ``force_flush`` ignores its own and waits for the exporter."""
+    release = threading.Event()
+
+    class Hung(SpanExporter):
+        def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+            release.wait()
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(Hung(), schedule_delay_millis=60_000))
+    telemetry.install(provider)
+    flushed: list[bool] = []
+    try:
+        tracer = provider.get_tracer("test")
+        for _ in range(10):
+            tracer.start_span("s").end()
+        flushing = threading.Thread(target=lambda: flushed.append(telemetry.flush(0.2)), daemon=True)
+        flushing.start()
+        flushing.join(30)  # far longer than the 0.2 s asked for: only a flush that never returns fails
+        assert not flushing.is_alive()
+        assert flushed == [False]
+    finally:
+        release.set()
+        telemetry.install(None)
+        provider.shutdown()
