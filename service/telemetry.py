@@ -50,6 +50,7 @@ TRACER_NAME = "ptc-sandbox"
 QUIET_URLS = "/healthz,/readyz,/metrics"
 # Redacted should an operator capture request headers (OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_SERVER_REQUEST).
 SECRET_HEADERS = ["authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key"]
+REDACTED = "[REDACTED]"
 FLUSH_S = 5.0  # at shutdown, the longest wait for the spans still queued to be exported
 ERROR_STATUSES = frozenset({"failed", "timed_out", "lost", "oom_killed"})
 
@@ -181,17 +182,35 @@ def instrument_client(client: Any) -> None:
         return
     from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
 
-    HTTPXClientInstrumentor.instrument_client(client, tracer_provider=_provider, request_hook=_url_without_query)
+    HTTPXClientInstrumentor.instrument_client(
+        client, tracer_provider=_provider, request_hook=_url_without_query, response_hook=_response_headers_redacted
+    )
+
+
+def _redact_headers(span: Span, prefix: str) -> None:
+    """Replace the value of each captured header attribute (``prefix`` + name) by ``[REDACTED]``: should an operator
+    capture client headers (``OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_CLIENT_*``), a tool request's headers are
+    its manifest's (the tenant's, any of them a credential) and its answer's may be too; the names stay."""
+    attributes = getattr(span, "attributes", None) or {}  # an SDK span's
+    for name in [name for name in attributes if name.startswith(prefix)]:
+        span.set_attribute(name, [REDACTED])
 
 
 async def _url_without_query(span: Span, request: Any) -> None:
-    """httpx instrumentation's request hook: the span's URL attributes lose their query and fragment."""
+    """httpx instrumentation's request hook: the span's URL attributes lose their query and fragment; captured
+    request headers are redacted."""
     attributes = getattr(span, "attributes", None) or {}  # an SDK span's
     url = request.url
     plain = f"{url.scheme}://{url.netloc.decode('ascii', 'replace')}{url.path}"
     for name in ("http.url", "url.full"):
         if name in attributes:
             span.set_attribute(name, plain)
+    _redact_headers(span, "http.request.header.")
+
+
+async def _response_headers_redacted(span: Span, request: Any, response: Any) -> None:
+    """httpx instrumentation's response hook: captured response headers are redacted."""
+    _redact_headers(span, "http.response.header.")
 
 
 def _ns(at: datetime | None) -> int | None:

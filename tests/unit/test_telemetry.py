@@ -377,3 +377,24 @@ def test_the_flush_at_shutdown_is_bounded_with_a_hung_collector() -> None:
         release.set()
         telemetry.install(None)
         provider.shutdown()
+
+
+async def test_captured_headers_of_a_tool_request_are_redacted(
+    spans: InMemorySpanExporter, tool_server: ToolServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator who captures client headers (the instrumentation's own variables) gets their names, never their
+    values: a manifest's endpoint headers are the tenant's and any of them may be a credential, and so may a header
+    the endpoint answers with."""
+    monkeypatch.setenv("OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_CLIENT_REQUEST", ".*")
+    monkeypatch.setenv("OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_CLIENT_RESPONSE", ".*")
+    headers = {"Authorization": "Bearer hsecret-1", "X-Vendor-Token": "hsecret-2"}
+    endpoint = {"kind": "http", "url": tool_server.url("echo"), "headers": headers}
+    tools = [{"name": "t", "parameters": {}, "endpoint": endpoint}]
+    async with service() as client:
+        view = (await client.post("/execute", json={"script": "import tools\ntools.t()", "tools": tools})).json()
+    assert len(view["calls"]) == 1, view
+    (post,) = [s for s in spans.get_finished_spans() if s.name == "POST"]
+    captured = {k: v for k, v in (post.attributes or {}).items() if ".header." in k}
+    assert captured["http.request.header.x_vendor_token"] == ("[REDACTED]",)
+    assert captured["http.response.header.content_type"] == ("[REDACTED]",)
+    assert "hsecret" not in "".join(s.to_json() for s in spans.get_finished_spans())
