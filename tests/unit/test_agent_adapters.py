@@ -5,6 +5,7 @@ a scripted service (``httpx.MockTransport``)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -314,3 +315,36 @@ async def test_a_tool_answer_the_service_refuses_reaches_the_script_as_an_error(
     with Client("http://t", "tok", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(service))) as c:
         assert lc.PtcCodeTool(client=c, tools=[search]).invoke({"script": "import tools"}) == "handled\n"
     assert service.answers["c1"]["error"]["type"] == "AnswerRefused"
+
+
+async def test_a_cancelled_agent_run_stops_its_job() -> None:
+    """Cancelling the agent's run while its script waits on a tool (the SDK cancels the code tool's task) stops the
+    job, instead of leaving it and its sandbox until its ``timeout_s``."""
+    started = asyncio.Event()
+
+    @function_tool
+    async def slow(key: str) -> str:
+        """Never answers."""
+        started.set()
+        await asyncio.Event().wait()
+        return key
+
+    service = ScriptedService([{"call_id": "c1", "tool": "slow", "args": {"key": "k"}}], {"status": "succeeded"})
+    stopped: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/jobs/job_1/stop":
+            stopped.append(request.method)
+            return httpx.Response(200, json={"job_id": "job_1", "status": "stopped"})
+        return service(request)
+
+    http = httpx.AsyncClient(base_url="http://t", transport=httpx.MockTransport(handler))
+    async with AsyncClient("http://t", "tok", http=http) as client:
+        code = await oa.code_tool(client, [slow])
+        ctx: ToolContext[Any] = ToolContext(None, tool_name="run_python", tool_call_id="c", tool_arguments="{}")
+        run = asyncio.create_task(code.on_invoke_tool(ctx, json.dumps({"script": "import tools"})))
+        await started.wait()
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+    assert stopped == ["POST"]
