@@ -228,3 +228,52 @@ def test_smolagents_a_steps_value_builds_no_image_and_no_array_of_the_sandboxs_s
     service.outcome = {"final": False, "value": {"__type__": "timedelta", "total_seconds": 1e300}}
     with pytest.raises(smolagents_adapter.SandboxExecutionError, match="the step's value could not be read"):
         executor("x")
+
+
+def test_smolagents_a_script_passes_a_tool_only_its_inputs() -> None:
+    """A call whose arguments name anything but the tool's ``inputs`` is refused (the script's ``ToolError``): the
+    schema lets extra keys through, and they would reach a managed agent's ``run`` (``max_steps``: a run without
+    end) or ``Tool.__call__``'s ``sanitize_inputs_outputs``."""
+    runs: list[dict[str, Any]] = []
+
+    class Helper:  # what CodeAgent hands the executor for a managed agent: name, description, inputs, __call__
+        name = "helper"
+        description = "A managed agent."
+        inputs: ClassVar[dict[str, Any]] = {
+            "task": {"type": "string", "description": "The task."},
+            "additional_args": {"type": "object", "description": "More.", "nullable": True},
+        }
+
+        def __call__(self, task: str, **kwargs: Any) -> str:
+            runs.append({"task": task, **kwargs})
+            return "done"
+
+    answers: dict[str, Any] = {}
+    calls = [
+        {"call_id": "c1", "tool": "helper", "args": {"task": "t", "max_steps": 10**9}, "awaiting": "client"},
+        {"call_id": "c2", "tool": "helper", "args": {"task": "ok"}, "awaiting": "client"},
+    ]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/sessions":
+            return httpx.Response(201, json={"session_id": "ses_1", "status": "ready"})
+        if path == "/execute":
+            return httpx.Response(202, json={"job_id": "job_1", "status": "waiting", "pending_calls": calls})
+        if path.startswith("/jobs/job_1/calls/"):
+            answers[path.rsplit("/", 1)[1]] = json.loads(request.content)
+            if len(answers) < len(calls):
+                return httpx.Response(200, json={"job_id": "job_1", "status": "waiting", "pending_calls": []})
+            files = [{"path": smolagents_adapter.RESULT_PATH, "bytes": 1}]
+            return httpx.Response(200, json={"job_id": "job_1", "status": "succeeded", "files": files})
+        if path == f"/jobs/job_1/files/{smolagents_adapter.RESULT_PATH}":
+            return httpx.Response(200, json={"final": False, "value": None})
+        raise AssertionError(f"unexpected {request.method} {path}")
+
+    client = Client("http://ptc", http=httpx.Client(base_url="http://ptc", transport=transport(handler)))
+    executor = smolagents_adapter.PtcExecutor(client)
+    executor.send_tools({"helper": Helper()})
+    executor("helper(task='t', max_steps=10**9)")
+    assert answers["c1"] == {"error": {"type": "TypeError", "message": "helper: unexpected argument(s) max_steps"}}
+    assert answers["c2"] == {"result": "done"}
+    assert runs == [{"task": "ok"}]

@@ -70,7 +70,16 @@ def input_schema(inputs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _tool_function(tool: Any) -> Callable[..., Any]:
+    """The callable answering ``tool``'s calls: only with the names of its ``inputs`` (others raise ``TypeError``,
+    the script's ``tools.ToolError``): the manifest's schema lets extra keys through, and they would reach
+    ``Tool.__call__``'s own options (``sanitize_inputs_outputs``) or a managed agent's ``run`` (``max_steps``,
+    ``reset``, ``stream``), which are the application's to set, not the script's."""
+    inputs = set(getattr(tool, "inputs", None) or {})
+
     def call(**kwargs: Any) -> Any:
+        extra = sorted(set(kwargs) - inputs)
+        if extra:
+            raise TypeError(f"{tool.name}: unexpected argument(s) {', '.join(extra)}")
         return _jsonable(tool(**kwargs))
 
     call.__doc__ = str(getattr(tool, "description", "") or tool.name)
