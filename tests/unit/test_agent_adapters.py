@@ -342,7 +342,11 @@ async def test_a_cancelled_agent_run_stops_its_job() -> None:
     async with AsyncClient("http://t", "tok", http=http) as client:
         code = await oa.code_tool(client, [slow])
         ctx: ToolContext[Any] = ToolContext(None, tool_name="run_python", tool_call_id="c", tool_arguments="{}")
-        run = asyncio.create_task(code.on_invoke_tool(ctx, json.dumps({"script": "import tools"})))
+
+        async def invoke() -> Any:
+            return await code.on_invoke_tool(ctx, json.dumps({"script": "import tools"}))
+
+        run = asyncio.create_task(invoke())
         await started.wait()
         run.cancel()
         with pytest.raises(asyncio.CancelledError):
