@@ -46,8 +46,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SERVICE_NAME = "ptc-sandbox"
 TRACER_NAME = "ptc-sandbox"
-# Not traced (regular expressions searched in the URL): probes and scrapes, a span each every few seconds.
-QUIET_URLS = "/healthz,/readyz,/metrics"
+# Not traced: probes and scrapes, a span each every few seconds. The instrumentation searches these regular expressions
+# in ``scheme://<Host header><path>``: anchored, so that neither a caller's Host header nor a path that merely
+# contains one (a session file named ``metrics``) takes a request out of the traces.
+QUIET_URLS = ",".join(f"^[a-z]+://[^/]*/{name}$" for name in ("healthz", "readyz", "metrics"))
 # Redacted should an operator capture request headers (OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_SERVER_REQUEST).
 SECRET_HEADERS = ["authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key"]
 REDACTED = "[REDACTED]"

@@ -398,3 +398,20 @@ async def test_captured_headers_of_a_tool_request_are_redacted(
     assert captured["http.request.header.x_vendor_token"] == ("[REDACTED]",)
     assert captured["http.response.header.content_type"] == ("[REDACTED]",)
     assert "hsecret" not in "".join(s.to_json() for s in spans.get_finished_spans())
+
+
+async def test_only_the_probes_and_scrapes_go_untraced(spans: InMemorySpanExporter) -> None:
+    """``/healthz``, ``/readyz`` and ``/metrics`` make no span, and nothing else does not: the instrumentation matches
+    its exclusions anywhere in ``scheme://<Host header><path>``, so a caller's ``Host`` header, or a file named
+    ``metrics``, would take a request out of the operator's traces."""
+    async with service(metrics_auth="open") as client:
+        assert (await client.get("/healthz")).status_code == 200
+        assert (await client.get("/metrics")).status_code == 200
+        answer = await client.post("/execute", json={"script": "print(1)"}, headers={"host": "fake/healthz"})
+        assert answer.status_code == 200, answer.text
+        session = (await client.post("/sessions", json={})).json()["session_id"]
+        assert (await client.put(f"/sessions/{session}/files/metrics", content=b"x")).status_code == 200
+        await client.delete(f"/sessions/{session}")
+    names = {s.name for s in spans.get_finished_spans()}
+    assert {"POST /execute", "PUT /sessions/{session_id}/files/{path:path}"} <= names
+    assert not any(name.startswith(("GET /healthz", "GET /metrics")) for name in names)
