@@ -231,9 +231,9 @@ def test_smolagents_a_steps_value_builds_no_image_and_no_array_of_the_sandboxs_s
 
 
 def test_smolagents_a_script_passes_a_tool_only_its_inputs() -> None:
-    """A call whose arguments name anything but the tool's ``inputs`` is refused (the script's ``ToolError``): the
-    schema lets extra keys through, and they would reach a managed agent's ``run`` (``max_steps``: a run without
-    end) or ``Tool.__call__``'s ``sanitize_inputs_outputs``."""
+    """A call whose arguments name anything but the tool's ``inputs`` is refused (the script's ``ToolError``) in the
+    agent process too (the broker refuses it first): they would reach a managed agent's ``run`` (``max_steps``: a run
+    without end) or ``Tool.__call__``'s ``sanitize_inputs_outputs``."""
     runs: list[dict[str, Any]] = []
 
     class Helper:  # what CodeAgent hands the executor for a managed agent: name, description, inputs, __call__

@@ -233,8 +233,8 @@ def test_two_tools_of_one_name_are_refused() -> None:
 
 def test_langchain_a_script_cannot_set_an_injected_argument() -> None:
     """An ``InjectedToolArg`` is the application's to set: it is not in the manifest's schema, and a script that
-    passes it anyway (the service lets a schema without ``additionalProperties`` take extra keys) gets a
-    ``ToolError``; the tool is not run."""
+    passes it anyway (the broker refuses it unless the schema sets ``additionalProperties``; the adapter holds
+    whatever the schema says) gets a ``ToolError``; the tool is not run."""
     ran: list[str] = []
 
     @tool

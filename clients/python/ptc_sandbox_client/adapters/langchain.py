@@ -50,7 +50,9 @@ def _arguments(name: str, kwargs: dict[str, Any], parameters: dict[str, Any]) ->
     """``kwargs`` (a script's arguments to tool ``name``) when each is a property of the tool's ``parameters`` (its
     ``tool_call_schema``). Raises ``TypeError`` (the script gets ``tools.ToolError``) for any other: an injected
     argument (``InjectedToolArg``, ``InjectedToolCallId``, ...) is left out of the schema because the application
-    sets it, never the model, and the service lets a schema without ``additionalProperties`` take extra keys."""
+    sets it, never the model. The service's broker refuses unknown keys too, unless the schema sets
+    ``additionalProperties`` (a pydantic ``args_schema`` with ``extra="allow"``): this check holds whatever the
+    schema says, in the process the injected argument protects."""
     extra = sorted(set(kwargs) - set(parameters.get("properties") or {}))
     if extra:
         raise TypeError(f"{name}: unexpected argument(s) {', '.join(extra)}")

@@ -71,9 +71,10 @@ def input_schema(inputs: Mapping[str, Any]) -> dict[str, Any]:
 
 def _tool_function(tool: Any) -> Callable[..., Any]:
     """The callable answering ``tool``'s calls: only with the names of its ``inputs`` (others raise ``TypeError``,
-    the script's ``tools.ToolError``): the manifest's schema lets extra keys through, and they would reach
-    ``Tool.__call__``'s own options (``sanitize_inputs_outputs``) or a managed agent's ``run`` (``max_steps``,
-    ``reset``, ``stream``), which are the application's to set, not the script's."""
+    the script's ``tools.ToolError``): extra keys would reach ``Tool.__call__``'s own options
+    (``sanitize_inputs_outputs``) or a managed agent's ``run`` (``max_steps``, ``reset``, ``stream``), which are the
+    application's to set, not the script's. The service's broker refuses them already (the schema sets no
+    ``additionalProperties``); this holds in the agent process whatever reaches it."""
     inputs = set(getattr(tool, "inputs", None) or {})
 
     def call(**kwargs: Any) -> Any:
