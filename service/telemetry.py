@@ -25,6 +25,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
@@ -45,10 +46,13 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SERVICE_NAME = "ptc-sandbox"
 TRACER_NAME = "ptc-sandbox"
-# Not traced (regular expressions searched in the URL): probes and scrapes, a span each every few seconds.
-QUIET_URLS = "/healthz,/readyz,/metrics"
+# Not traced: probes and scrapes, a span each every few seconds. The instrumentation searches these regular expressions
+# in ``scheme://<Host header><path>``: anchored, so that neither a caller's Host header nor a path that merely
+# contains one (a session file named ``metrics``) takes a request out of the traces.
+QUIET_URLS = ",".join(f"^[a-z]+://[^/]*/{name}$" for name in ("healthz", "readyz", "metrics"))
 # Redacted should an operator capture request headers (OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_SERVER_REQUEST).
 SECRET_HEADERS = ["authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key"]
+REDACTED = "[REDACTED]"
 FLUSH_S = 5.0  # at shutdown, the longest wait for the spans still queued to be exported
 ERROR_STATUSES = frozenset({"failed", "timed_out", "lost", "oom_killed"})
 
@@ -125,12 +129,30 @@ def install(provider: TracerProvider | None) -> None:
     _tracer = provider.get_tracer(TRACER_NAME) if provider is not None else None
 
 
-def flush(timeout_s: float = FLUSH_S) -> None:
-    """Export the spans still queued, waiting at most ``timeout_s`` (blocking: call it off the event loop). The
-    service calls it when it stops: uvicorn ends the process by re-raising SIGTERM, so the SDK's exit hook does
-    not run."""
-    if _provider is not None:
-        _provider.force_flush(int(timeout_s * 1000))
+def flush(timeout_s: float = FLUSH_S) -> bool:
+    """Export the spans still queued, waiting at most ``timeout_s`` (blocking: call it off the event loop); whether
+    they were exported in that time. The service calls it when it stops: uvicorn ends the process by re-raising
+    SIGTERM, so the SDK's exit hook does not run.
+
+    The SDK's ``force_flush`` ignores its timeout (it exports every queued batch in the calling thread, each
+    bounded only by the exporter's own timeout, 10 s for OTLP, after the batch under way): it runs in a daemon
+    thread of its own, left behind when ``timeout_s`` passes, so a hung collector cannot hold up the stop."""
+    if _provider is None:
+        return True
+    provider = _provider
+    done = threading.Event()
+
+    def export() -> None:
+        try:
+            provider.force_flush(int(timeout_s * 1000))
+        finally:
+            done.set()
+
+    threading.Thread(target=export, name="otel-flush", daemon=True).start()
+    if not done.wait(timeout_s):
+        log.warning("traces: the spans still queued were not exported within %g s (collector slow or down)", timeout_s)
+        return False
+    return True
 
 
 def enabled() -> bool:
@@ -162,17 +184,35 @@ def instrument_client(client: Any) -> None:
         return
     from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
 
-    HTTPXClientInstrumentor.instrument_client(client, tracer_provider=_provider, request_hook=_url_without_query)
+    HTTPXClientInstrumentor.instrument_client(
+        client, tracer_provider=_provider, request_hook=_url_without_query, response_hook=_response_headers_redacted
+    )
+
+
+def _redact_headers(span: Span, prefix: str) -> None:
+    """Replace the value of each captured header attribute (``prefix`` + name) by ``[REDACTED]``: should an operator
+    capture client headers (``OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_CLIENT_*``), a tool request's headers are
+    its manifest's (the tenant's, any of them a credential) and its answer's may be too; the names stay."""
+    attributes = getattr(span, "attributes", None) or {}  # an SDK span's
+    for name in [name for name in attributes if name.startswith(prefix)]:
+        span.set_attribute(name, [REDACTED])
 
 
 async def _url_without_query(span: Span, request: Any) -> None:
-    """httpx instrumentation's request hook: the span's URL attributes lose their query and fragment."""
+    """httpx instrumentation's request hook: the span's URL attributes lose their query and fragment; captured
+    request headers are redacted."""
     attributes = getattr(span, "attributes", None) or {}  # an SDK span's
     url = request.url
     plain = f"{url.scheme}://{url.netloc.decode('ascii', 'replace')}{url.path}"
     for name in ("http.url", "url.full"):
         if name in attributes:
             span.set_attribute(name, plain)
+    _redact_headers(span, "http.request.header.")
+
+
+async def _response_headers_redacted(span: Span, request: Any, response: Any) -> None:
+    """httpx instrumentation's response hook: captured response headers are redacted."""
+    _redact_headers(span, "http.response.header.")
 
 
 def _ns(at: datetime | None) -> int | None:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import ast
 import json
+import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
 import fastmcp
 import httpx
+import pytest
 from fastmcp.experimental.transforms.code_mode import CodeMode
 from ptc_sandbox_client import AsyncClient, Client
 from ptc_sandbox_client.adapters import fastmcp as fastmcp_adapter
@@ -183,3 +186,94 @@ def test_the_docs_pages_show_the_examples_as_they_are() -> None:
         text = (root / "docs" / "adapters" / page).read_text()
         program = text.split("```python\n", 1)[1].split("```", 1)[0]
         assert program == (root / "clients" / "python" / "examples" / example).read_text(), page
+
+
+def test_smolagents_a_steps_value_builds_no_image_and_no_array_of_the_sandboxs_size(monkeypatch: Any) -> None:
+    """The step's value comes from the (hostile) sandbox: a ``PIL.Image`` tag is not handed to an image decoder, and
+    an ``ndarray`` tag with a string dtype of the sandbox's size (``U1000000000``: 4 GB per item) is not built, even
+    nested where ``SafeSerializer.from_json_safe`` would reach them; a malformed tag is a step error, not a crash."""
+    made: list[tuple[str, Any]] = []
+    image = types.ModuleType("PIL.Image")
+    image.open = lambda data: made.append(("open", data))  # type: ignore[attr-defined]
+    pil = types.ModuleType("PIL")
+    pil.Image = image  # type: ignore[attr-defined]
+    numpy = types.ModuleType("numpy")
+
+    def array(data: Any, dtype: Any = None) -> Any:
+        made.append(("array", dtype))
+        return ("array", data, dtype)
+
+    numpy.array = array  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "PIL", pil)
+    monkeypatch.setitem(sys.modules, "PIL.Image", image)
+    monkeypatch.setitem(sys.modules, "numpy", numpy)
+    hostile = {
+        "__type__": "tuple",
+        "data": [
+            {"__type__": "PIL.Image", "data": "iVBORw0KGgo="},
+            {"__type__": "ndarray", "data": ["a"], "dtype": "U1000000000"},
+            {"__type__": "ndarray", "data": [1.5], "dtype": "float64"},
+        ],
+    }
+    service = FakeService(smolagents_adapter.RESULT_PATH, {"final": False, "value": hostile})
+    client = Client("http://ptc", http=httpx.Client(base_url="http://ptc", transport=transport(service)))
+    executor = smolagents_adapter.PtcExecutor(client)
+    out = executor("x")
+    assert out.output == (
+        {"__type__": "PIL.Image", "data": "iVBORw0KGgo="},
+        ["a"],
+        ("array", [1.5], "float64"),
+    )
+    assert made == [("array", "float64")]
+    service.outcome = {"final": False, "value": {"__type__": "timedelta", "total_seconds": 1e300}}
+    with pytest.raises(smolagents_adapter.SandboxExecutionError, match="the step's value could not be read"):
+        executor("x")
+
+
+def test_smolagents_a_script_passes_a_tool_only_its_inputs() -> None:
+    """A call whose arguments name anything but the tool's ``inputs`` is refused (the script's ``ToolError``) in the
+    agent process too (the broker refuses it first): they would reach a managed agent's ``run`` (``max_steps``: a run
+    without end) or ``Tool.__call__``'s ``sanitize_inputs_outputs``."""
+    runs: list[dict[str, Any]] = []
+
+    class Helper:  # what CodeAgent hands the executor for a managed agent: name, description, inputs, __call__
+        name = "helper"
+        description = "A managed agent."
+        inputs: ClassVar[dict[str, Any]] = {
+            "task": {"type": "string", "description": "The task."},
+            "additional_args": {"type": "object", "description": "More.", "nullable": True},
+        }
+
+        def __call__(self, task: str, **kwargs: Any) -> str:
+            runs.append({"task": task, **kwargs})
+            return "done"
+
+    answers: dict[str, Any] = {}
+    calls = [
+        {"call_id": "c1", "tool": "helper", "args": {"task": "t", "max_steps": 10**9}, "awaiting": "client"},
+        {"call_id": "c2", "tool": "helper", "args": {"task": "ok"}, "awaiting": "client"},
+    ]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/sessions":
+            return httpx.Response(201, json={"session_id": "ses_1", "status": "ready"})
+        if path == "/execute":
+            return httpx.Response(202, json={"job_id": "job_1", "status": "waiting", "pending_calls": calls})
+        if path.startswith("/jobs/job_1/calls/"):
+            answers[path.rsplit("/", 1)[1]] = json.loads(request.content)
+            if len(answers) < len(calls):
+                return httpx.Response(200, json={"job_id": "job_1", "status": "waiting", "pending_calls": []})
+            files = [{"path": smolagents_adapter.RESULT_PATH, "bytes": 1}]
+            return httpx.Response(200, json={"job_id": "job_1", "status": "succeeded", "files": files})
+        if path == f"/jobs/job_1/files/{smolagents_adapter.RESULT_PATH}":
+            return httpx.Response(200, json={"final": False, "value": None})
+        raise AssertionError(f"unexpected {request.method} {path}")
+
+    client = Client("http://ptc", http=httpx.Client(base_url="http://ptc", transport=transport(handler)))
+    executor = smolagents_adapter.PtcExecutor(client)
+    executor.send_tools({"helper": Helper()})
+    executor("helper(task='t', max_steps=10**9)")
+    assert answers["c1"] == {"error": {"type": "TypeError", "message": "helper: unexpected argument(s) max_steps"}}
+    assert answers["c2"] == {"result": "done"}
+    assert runs == [{"task": "ok"}]

@@ -5,15 +5,16 @@ a scripted service (``httpx.MockTransport``)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 import pytest
 from agents import FunctionTool, function_tool, set_tracing_disabled
 from agents.tool_context import ToolContext
-from langchain_core.tools import BaseTool, tool
+from langchain_core.tools import BaseTool, InjectedToolArg, tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from ptc_sandbox_client import AsyncClient, Client, JobView, UnauthorizedError
 from ptc_sandbox_client.adapters import langchain as lc
@@ -228,3 +229,126 @@ def test_two_tools_of_one_name_are_refused() -> None:
         oa.manifest_of([lookup, function_tool(lambda key: key, name_override="lookup")])
     with pytest.raises(ValueError, match="search: two tools with this name"):
         lc.manifest_of([search, search])
+
+
+def test_langchain_a_script_cannot_set_an_injected_argument() -> None:
+    """An ``InjectedToolArg`` is the application's to set: it is not in the manifest's schema, and a script that
+    passes it anyway (the broker refuses it unless the schema sets ``additionalProperties``; the adapter holds
+    whatever the schema says) gets a ``ToolError``; the tool is not run."""
+    ran: list[str] = []
+
+    @tool
+    def transfer(amount: int, user_id: Annotated[str, InjectedToolArg]) -> str:
+        """Move money from the user's account."""
+        ran.append(user_id)
+        return f"{user_id} pays {amount}"
+
+    calls = [{"call_id": "c1", "tool": "transfer", "args": {"amount": 5, "user_id": "victim"}}]
+    service = ScriptedService(calls, {"status": "succeeded", "exit_code": 0, "stdout": "ok\n"})
+    http = httpx.Client(base_url="http://t", transport=httpx.MockTransport(service))
+    with Client("http://t", "tok", http=http) as client:
+        code = lc.PtcCodeTool(client=client, tools=[transfer])
+        assert set(service_parameters(code)["properties"]) == {"amount"}
+        assert code.invoke({"script": "import tools"}) == "ok\n"
+    assert ran == []
+    assert service.answers["c1"] == {
+        "error": {"type": "TypeError", "message": "transfer: unexpected argument(s) user_id"}
+    }
+
+
+async def test_langchain_async_a_script_cannot_set_an_injected_argument() -> None:
+    @tool
+    async def transfer(amount: int, user_id: Annotated[str, InjectedToolArg]) -> str:
+        """Move money from the user's account."""
+        return f"{user_id} pays {amount}"
+
+    calls = [{"call_id": "c1", "tool": "transfer", "args": {"amount": 5, "user_id": "victim"}}]
+    service = ScriptedService(calls, {"status": "succeeded", "exit_code": 0, "stdout": "ok\n"})
+    http = httpx.AsyncClient(base_url="http://t", transport=httpx.MockTransport(service))
+    async with AsyncClient("http://t", "tok", http=http) as client:
+        code = await lc.PtcCodeTool.acreate(async_client=client, tools=[transfer])
+        assert await code.ainvoke({"script": "import tools"}) == "ok\n"
+    assert service.answers["c1"]["error"]["type"] == "TypeError"
+
+
+def service_parameters(code: lc.PtcCodeTool) -> dict[str, Any]:
+    (entry,) = lc.manifest_of(code.tools)
+    return dict(entry["parameters"])
+
+
+class RefusingLargeAnswers(ScriptedService):
+    """A ScriptedService whose call answers larger than ``limit`` bytes get the service's ``413``."""
+
+    limit = 4096
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.startswith("/jobs/job_1/calls/") and len(request.content) > self.limit:
+            body = {"type": PROBLEM_PREFIX + "payload-too-large", "title": "Request body too large", "status": 413}
+            return httpx.Response(413, json=body, headers={"content-type": "application/problem+json"})
+        return super().__call__(request)
+
+
+async def test_a_tool_answer_the_service_refuses_reaches_the_script_as_an_error() -> None:
+    """A script that makes a tool return more than the service takes (``413``) neither crashes the agent's run nor
+    leaves its call pending until the job's timeout: the call is answered with an ``AnswerRefused`` error."""
+
+    @function_tool
+    def repeat(text: str, times: int) -> str:
+        """Repeat a text."""
+        return text * times
+
+    calls = [{"call_id": "c1", "tool": "repeat", "args": {"text": "x", "times": 100_000}}]
+    final = {"status": "succeeded", "exit_code": 0, "stdout": "handled\n"}
+    service = RefusingLargeAnswers(calls, final)
+    http = httpx.AsyncClient(base_url="http://t", transport=httpx.MockTransport(service))
+    async with AsyncClient("http://t", "tok", http=http, max_retries=0) as client:
+        code = await oa.code_tool(client, [repeat])
+        ctx: ToolContext[Any] = ToolContext(None, tool_name="run_python", tool_call_id="c", tool_arguments="{}")
+        assert await code.on_invoke_tool(ctx, json.dumps({"script": "import tools"})) == "handled\n"
+    assert service.answers["c1"] == {
+        "error": {"type": "AnswerRefused", "message": "the service refused this tool's answer: 413 payload-too-large"}
+    }
+    # The synchronous client (LangChain's invoke, smolagents) alike.
+    service = RefusingLargeAnswers(
+        [{"call_id": "c1", "tool": "search", "args": {"query": "q" * 100, "top_k": 100}}], final
+    )
+    with Client("http://t", "tok", http=httpx.Client(base_url="http://t", transport=httpx.MockTransport(service))) as c:
+        assert lc.PtcCodeTool(client=c, tools=[search]).invoke({"script": "import tools"}) == "handled\n"
+    assert service.answers["c1"]["error"]["type"] == "AnswerRefused"
+
+
+async def test_a_cancelled_agent_run_stops_its_job() -> None:
+    """Cancelling the agent's run while its script waits on a tool (the SDK cancels the code tool's task) stops the
+    job, instead of leaving it and its sandbox until its ``timeout_s``."""
+    started = asyncio.Event()
+
+    @function_tool
+    async def slow(key: str) -> str:
+        """Never answers."""
+        started.set()
+        await asyncio.Event().wait()
+        return key
+
+    service = ScriptedService([{"call_id": "c1", "tool": "slow", "args": {"key": "k"}}], {"status": "succeeded"})
+    stopped: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/jobs/job_1/stop":
+            stopped.append(request.method)
+            return httpx.Response(200, json={"job_id": "job_1", "status": "stopped"})
+        return service(request)
+
+    http = httpx.AsyncClient(base_url="http://t", transport=httpx.MockTransport(handler))
+    async with AsyncClient("http://t", "tok", http=http) as client:
+        code = await oa.code_tool(client, [slow])
+        ctx: ToolContext[Any] = ToolContext(None, tool_name="run_python", tool_call_id="c", tool_arguments="{}")
+
+        async def invoke() -> Any:
+            return await code.on_invoke_tool(ctx, json.dumps({"script": "import tools"}))
+
+        run = asyncio.create_task(invoke())
+        await started.wait()
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+    assert stopped == ["POST"]

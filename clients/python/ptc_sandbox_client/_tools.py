@@ -8,6 +8,8 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .errors import ProblemError
+
 _SCALARS: dict[Any, str] = {int: "integer", float: "number", str: "string", bool: "boolean", type(None): "null"}
 
 
@@ -58,6 +60,16 @@ def client_manifest(
         }
         for name, func in tools.items()
     ]
+
+
+def refused_answer(error: ProblemError) -> dict[str, Any] | None:
+    """The error answer sent in place of a tool's answer the service refused as a request (``413`` too large,
+    ``422`` not valid), so the script gets ``tools.ToolError`` (``type`` ``AnswerRefused``) and runs on instead of
+    waiting on its call until the job's timeout; None for any other problem (raised by the caller)."""
+    if error.status not in (413, 422):
+        return None
+    message = f"the service refused this tool's answer: {error.status} {error.name}"
+    return {"error": {"type": "AnswerRefused", "message": message}}
 
 
 def call_error(error: BaseException) -> dict[str, Any]:

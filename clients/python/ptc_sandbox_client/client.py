@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
@@ -21,9 +22,11 @@ from urllib.parse import quote
 import httpx
 
 from ._sse import SSEParser
-from ._tools import call_error, client_manifest
-from .errors import ConflictError, problem_from_response, retry_after_s
+from ._tools import call_error, client_manifest, refused_answer
+from .errors import ConflictError, ProblemError, problem_from_response, retry_after_s
 from .models import Event, JobView, SessionFile, SessionView, Stream
+
+logger = logging.getLogger(__name__)
 
 _RETRY_STATUSES = frozenset({429, 503})
 _MAX_SERVER_WAIT_S = 300.0
@@ -368,7 +371,9 @@ class Client(_Base):
         (``{"type": <exception class>, "message": str(error)}``), until the job ends; the final view. Schemas come
         from the signatures unless ``schemas`` gives them; ``other_tools`` are manifest entries added as they are.
         While the job waits on something else (an approval, a tool not in ``tools``) the view is polled every
-        ``poll_s`` seconds; a call that is no longer pending when answered (it timed out) is passed over."""
+        ``poll_s`` seconds; a call that is no longer pending when answered (it timed out) is passed over. An answer
+        the service refuses (``413``: larger than its body limit; ``422``) is replaced by the error ``{"type":
+        "AnswerRefused", ...}``, so the script gets ``tools.ToolError`` rather than this call raising mid-job."""
         manifest = client_manifest(tools, schemas) + list(other_tools or [])
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
@@ -389,7 +394,14 @@ class Client(_Base):
                 except Exception as error:  # the tool's failure goes to the script as a ToolError
                     answer = call_error(error)
                 try:
-                    view = self.answer_call(view.job_id, call.call_id, **answer)
+                    try:
+                        view = self.answer_call(view.job_id, call.call_id, **answer)
+                    except ConflictError:
+                        raise
+                    except ProblemError as error:  # the answer itself refused (too large, not JSON the service takes)
+                        if (refusal := refused_answer(error)) is None:
+                            raise
+                        view = self.answer_call(view.job_id, call.call_id, **refusal)
                 except ConflictError:  # no longer pending (it timed out, or the job ended)
                     view = self.get(view.job_id)
         return view
@@ -482,6 +494,7 @@ class AsyncClient(_Base):
     ) -> None:
         super().__init__(base_url, token, timeout, max_retries, max_retry_wait_s)
         self.http = http or httpx.AsyncClient(base_url=self.base_url, timeout=timeout, headers=self.headers)
+        self.stopping: set[asyncio.Task[None]] = set()  # stops of the jobs of cancelled run_with_tools, under way
 
     async def __aenter__(self) -> Self:
         return self
@@ -492,8 +505,23 @@ class AsyncClient(_Base):
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close the connection pool."""
+        """Close the connection pool, after the stops of cancelled ``run_with_tools`` jobs (at most ``timeout`` s)."""
+        if self.stopping:
+            await asyncio.wait(set(self.stopping), timeout=self.timeout)
         await self.http.aclose()
+
+    def _stop_soon(self, job_id: str) -> None:
+        """Stop the job in a task of its own (``stopping``): its waiter was cancelled, and the task cannot wait."""
+
+        async def stop() -> None:
+            try:
+                await self.stop(job_id)
+            except Exception:  # the job still ends at its timeout_s
+                logger.warning("could not stop job %s of a cancelled run_with_tools", job_id, exc_info=True)
+
+        task = asyncio.get_running_loop().create_task(stop())
+        self.stopping.add(task)
+        task.add_done_callback(self.stopping.discard)
 
     async def request(
         self,
@@ -679,11 +707,27 @@ class AsyncClient(_Base):
         **body: Any,
     ) -> JobView:
         """As :meth:`Client.run_with_tools`; a coroutine function's result is awaited, and the pending calls of one
-        view run concurrently."""
+        view run concurrently. When this call is cancelled (an agent's run cancelled) after the job started, the job
+        is stopped in the background (``aclose`` waits for it) rather than left waiting on its calls until its
+        ``timeout_s``."""
         manifest = client_manifest(tools, schemas) + list(other_tools or [])
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
         view = await self.execute(script, tools=manifest, wait_s=wait_s, **body)
+        try:
+            return await self._answer_until_ended(view, tools, wait_s, poll_s)
+        except asyncio.CancelledError:
+            self._stop_soon(view.job_id)
+            raise
+
+    async def _answer_until_ended(
+        self,
+        view: JobView,
+        tools: Mapping[str, Callable[..., Any] | Callable[..., Awaitable[Any]]],
+        wait_s: float,
+        poll_s: float,
+    ) -> JobView:
+        """Answer ``view``'s pending calls with ``tools`` until the job ends; its final view."""
 
         async def run(name: str, args: Any) -> dict[str, Any]:
             try:
@@ -704,7 +748,14 @@ class AsyncClient(_Base):
             answers = await asyncio.gather(*(run(c.tool, c.args) for c in pending))
             for call, answer in zip(pending, answers, strict=True):
                 try:
-                    view = await self.answer_call(view.job_id, call.call_id, **answer)
+                    try:
+                        view = await self.answer_call(view.job_id, call.call_id, **answer)
+                    except ConflictError:
+                        raise
+                    except ProblemError as error:  # the answer itself refused (too large, not JSON the service takes)
+                        if (refusal := refused_answer(error)) is None:
+                            raise
+                        view = await self.answer_call(view.job_id, call.call_id, **refusal)
                 except ConflictError:  # no longer pending (it timed out, or the job ended)
                     view = await self.get(view.job_id)
         return view

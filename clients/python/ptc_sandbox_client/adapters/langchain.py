@@ -46,6 +46,19 @@ def _with_doc(func: Callable[..., Any], doc: str) -> Callable[..., Any]:
     return func
 
 
+def _arguments(name: str, kwargs: dict[str, Any], parameters: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` (a script's arguments to tool ``name``) when each is a property of the tool's ``parameters`` (its
+    ``tool_call_schema``). Raises ``TypeError`` (the script gets ``tools.ToolError``) for any other: an injected
+    argument (``InjectedToolArg``, ``InjectedToolCallId``, ...) is left out of the schema because the application
+    sets it, never the model. The service's broker refuses unknown keys too, unless the schema sets
+    ``additionalProperties`` (a pydantic ``args_schema`` with ``extra="allow"``): this check holds whatever the
+    schema says, in the process the injected argument protects."""
+    extra = sorted(set(kwargs) - set(parameters.get("properties") or {}))
+    if extra:
+        raise TypeError(f"{name}: unexpected argument(s) {', '.join(extra)}")
+    return kwargs
+
+
 def _placeholder(doc: str) -> Callable[..., Any]:
     def call(**kwargs: Any) -> Any:
         raise RuntimeError("answered by PtcCodeTool")
@@ -122,7 +135,7 @@ class PtcCodeTool(BaseTool):
 
         def answer(tool: BaseTool) -> Callable[..., Any]:
             def call(**kwargs: Any) -> Any:
-                return jsonable(tool.invoke(kwargs, config))
+                return jsonable(tool.invoke(_arguments(tool.name, kwargs, entries[tool.name]["parameters"]), config))
 
             return _with_doc(call, entries[tool.name]["description"])
 
@@ -148,7 +161,8 @@ class PtcCodeTool(BaseTool):
 
         def answer(tool: BaseTool) -> Callable[..., Awaitable[Any]]:
             async def call(**kwargs: Any) -> Any:
-                return jsonable(await tool.ainvoke(kwargs, config))
+                arguments = _arguments(tool.name, kwargs, entries[tool.name]["parameters"])
+                return jsonable(await tool.ainvoke(arguments, config))
 
             return _with_doc(call, entries[tool.name]["description"])
 

@@ -21,6 +21,7 @@ direction by ``SafeSerializer`` too (no pickle: one that does not serialize rais
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -69,7 +70,17 @@ def input_schema(inputs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _tool_function(tool: Any) -> Callable[..., Any]:
+    """The callable answering ``tool``'s calls: only with the names of its ``inputs`` (others raise ``TypeError``,
+    the script's ``tools.ToolError``): extra keys would reach ``Tool.__call__``'s own options
+    (``sanitize_inputs_outputs``) or a managed agent's ``run`` (``max_steps``, ``reset``, ``stream``), which are the
+    application's to set, not the script's. The service's broker refuses them already (the schema sets no
+    ``additionalProperties``); this holds in the agent process whatever reaches it."""
+    inputs = set(getattr(tool, "inputs", None) or {})
+
     def call(**kwargs: Any) -> Any:
+        extra = sorted(set(kwargs) - inputs)
+        if extra:
+            raise TypeError(f"{tool.name}: unexpected argument(s) {', '.join(extra)}")
         return _jsonable(tool(**kwargs))
 
     call.__doc__ = str(getattr(tool, "description", "") or tool.name)
@@ -148,7 +159,10 @@ class PtcExecutor(PythonExecutor):  # type: ignore[misc]  # smolagents ships no 
         outcome = self._outcome(view)
         if "error" in outcome:
             raise SandboxExecutionError(str(outcome["error"]), view)
-        value = SafeSerializer.from_json_safe(outcome.get("value"))
+        try:
+            value = from_json_safe(outcome.get("value"))
+        except (ArithmeticError, LookupError, TypeError, ValueError, RecursionError) as error:
+            raise SandboxExecutionError(f"the step's value could not be read: {error!r}"[:500], view) from error
         final = bool(outcome.get("final"))
         if final and self.final_answer_tool is not None:
             inputs = list(getattr(self.final_answer_tool, "inputs", None) or {"answer": None})
@@ -168,6 +182,53 @@ class PtcExecutor(PythonExecutor):  # type: ignore[misc]  # smolagents ships no 
         if self.session is not None:
             self.session.close()
             self.session = None
+
+
+# The tags whose value is one leaf (SafeSerializer builds it from strings and numbers only).
+_LEAF_TAGS = frozenset({"bytes", "complex", "datetime", "date", "time", "timedelta", "Decimal", "Path"})
+# numpy dtypes an array may come back as: fixed-size numbers (never a string, void or sub-array dtype, whose size the
+# sandbox would choose: ``"U1000000000"`` is 4 GB per element).
+NUMPY_DTYPES = frozenset(
+    {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"}
+    | {"float16", "float32", "float64", "complex64", "complex128"}
+)
+
+
+def from_json_safe(obj: Any) -> Any:
+    """A step's value from the sandbox (``SafeSerializer``'s tagged JSON, as ``_ptc_encode`` writes it): the types
+    the module's docstring lists and nothing else. The sandbox is hostile, so unlike ``SafeSerializer.from_json_safe``
+    a ``PIL.Image`` tag is not opened (no image decoder runs on the sandbox's bytes) and an ``ndarray`` is built only
+    with a dtype of ``NUMPY_DTYPES`` (any other: the list of its items); an unknown tag stays a dict.
+
+    Raises:
+        ValueError, TypeError, LookupError, ArithmeticError: a malformed tagged value (a bad date, an unhashable set
+            member, a missing field, a timedelta out of range).
+    """
+    if isinstance(obj, list):
+        return [from_json_safe(item) for item in obj]
+    if not isinstance(obj, dict):
+        return obj
+    kind = obj.get("__type__")
+    if kind in _LEAF_TAGS:
+        return SafeSerializer.from_json_safe(obj)
+    if kind in ("tuple", "set", "frozenset"):
+        items = [from_json_safe(item) for item in obj["data"]]
+        return tuple(items) if kind == "tuple" else set(items) if kind == "set" else frozenset(items)
+    if kind == "dict_with_complex_keys":
+        return {from_json_safe(k): from_json_safe(v) for k, v in obj["data"]}
+    if kind == "dataclass":
+        fields = {k: from_json_safe(v) for k, v in dict(obj["data"]).items()}
+        return {"__dataclass__": str(obj["class_name"]), "__module__": str(obj["module"]), **fields}
+    if kind == "ndarray":
+        items = from_json_safe(obj["data"])
+        if obj.get("dtype") not in NUMPY_DTYPES:
+            return items
+        try:
+            numpy = importlib.import_module("numpy")
+        except ImportError:
+            return items
+        return numpy.array(items, dtype=obj["dtype"])
+    return {k: from_json_safe(v) for k, v in obj.items()}
 
 
 def step_script(code: str, variables: str | None = None) -> str:
