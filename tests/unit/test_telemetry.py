@@ -12,14 +12,15 @@ import json
 import logging
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from service import logs, telemetry
@@ -166,9 +167,15 @@ async def test_one_execute_with_two_tool_calls_makes_the_expected_tree(
         trace_id, parent = traceparent_ids(received)
         assert trace_id == hex_trace(call)
         assert parent == span_id(call) or parent == span_id(children[span_id(call)])
-    # Never an argument or a result in any span.
-    dumped = "".join(s.to_json() for s in finished)
-    assert SECRET_ARG not in dumped and "3.0" not in dumped and "6.28" not in dumped
+    # Never an argument or a result in any span: no text holds one (the results are 3.0 and 6.283...), and the only
+    # numbers are counts, sizes, ports, statuses and durations (a duration may well read 3.0 or 6.28).
+    assert SECRET_ARG not in "".join(s.to_json() for s in finished)
+    for s in finished:
+        for name, value in (s.attributes or {}).items():
+            if isinstance(value, str):
+                assert "3.0" not in value and "6.28" not in value, (s.name, name, value)
+            elif isinstance(value, float):
+                assert name == "ptc.tool.duration_ms", (s.name, name, value)
 
 
 async def test_a_sessions_scripts_are_jobs_of_their_requests_traces(spans: InMemorySpanExporter) -> None:
@@ -347,3 +354,70 @@ def test_configure_from_env_installs_the_named_exporters_once(monkeypatch: pytes
         if telemetry._provider is not None:
             telemetry._provider.shutdown()
         telemetry.install(None)
+
+
+def test_the_flush_at_shutdown_is_bounded_with_a_hung_collector() -> None:
+    """A collector that accepts and never answers cannot hold up the service's stop: ``flush`` returns (False) after
+    its timeout, though the SDK's ``force_flush`` ignores its own and waits for the exporter."""
+    release = threading.Event()
+
+    class Hung(SpanExporter):
+        def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+            release.wait()
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(Hung(), schedule_delay_millis=60_000))
+    telemetry.install(provider)
+    flushed: list[bool] = []
+    try:
+        tracer = provider.get_tracer("test")
+        for _ in range(10):
+            tracer.start_span("s").end()
+        flushing = threading.Thread(target=lambda: flushed.append(telemetry.flush(0.2)), daemon=True)
+        flushing.start()
+        flushing.join(30)  # far longer than the 0.2 s asked for: only a flush that never returns fails
+        assert not flushing.is_alive()
+        assert flushed == [False]
+    finally:
+        release.set()
+        telemetry.install(None)
+        provider.shutdown()
+
+
+async def test_captured_headers_of_a_tool_request_are_redacted(
+    spans: InMemorySpanExporter, tool_server: ToolServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator who captures client headers (the instrumentation's own variables) gets their names, never their
+    values: a manifest's endpoint headers are the tenant's and any of them may be a credential, and so may a header
+    the endpoint answers with."""
+    monkeypatch.setenv("OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_CLIENT_REQUEST", ".*")
+    monkeypatch.setenv("OTEL_INSTRUMENTATION_HTTP_CAPTURE_HEADERS_CLIENT_RESPONSE", ".*")
+    headers = {"Authorization": "Bearer hsecret-1", "X-Vendor-Token": "hsecret-2"}
+    endpoint = {"kind": "http", "url": tool_server.url("echo"), "headers": headers}
+    tools = [{"name": "t", "parameters": {}, "endpoint": endpoint}]
+    async with service() as client:
+        view = (await client.post("/execute", json={"script": "import tools\ntools.t()", "tools": tools})).json()
+    assert len(view["calls"]) == 1, view
+    (post,) = [s for s in spans.get_finished_spans() if s.name == "POST"]
+    captured = {k: v for k, v in (post.attributes or {}).items() if ".header." in k}
+    assert captured["http.request.header.x_vendor_token"] == ("[REDACTED]",)
+    assert captured["http.response.header.content_type"] == ("[REDACTED]",)
+    assert "hsecret" not in "".join(s.to_json() for s in spans.get_finished_spans())
+
+
+async def test_only_the_probes_and_scrapes_go_untraced(spans: InMemorySpanExporter) -> None:
+    """``/healthz``, ``/readyz`` and ``/metrics`` make no span, and nothing else does not: the instrumentation matches
+    its exclusions anywhere in ``scheme://<Host header><path>``, so a caller's ``Host`` header, or a file named
+    ``metrics``, would take a request out of the operator's traces."""
+    async with service(metrics_auth="open") as client:
+        assert (await client.get("/healthz")).status_code == 200
+        assert (await client.get("/metrics")).status_code == 200
+        answer = await client.post("/execute", json={"script": "print(1)"}, headers={"host": "fake/healthz"})
+        assert answer.status_code == 200, answer.text
+        session = (await client.post("/sessions", json={})).json()["session_id"]
+        assert (await client.put(f"/sessions/{session}/files/metrics", content=b"x")).status_code == 200
+        await client.delete(f"/sessions/{session}")
+    names = {s.name for s in spans.get_finished_spans()}
+    assert {"POST /execute", "PUT /sessions/{session_id}/files/{path:path}"} <= names
+    assert not any(name.startswith(("GET /healthz", "GET /metrics")) for name in names)
