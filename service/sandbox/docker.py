@@ -26,6 +26,7 @@ import docker.errors
 import requests.exceptions
 from docker.types import LogConfig, Mount, Ulimit
 from docker.utils.socket import frames_iter
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from service.errors import EngineUnavailable, SandboxError
 from service.sandbox.base import RUN_DIR, ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec
@@ -49,6 +50,8 @@ GVISOR_HOST_TASKS_PER_PID = 24  # the host's pids cgroup: pids * this + base (96
 GVISOR_HOST_TASKS_BASE = 64
 OUTPUT_DRAIN_S = 5.0
 SWEEP_SETTLE_ROUNDS = 40  # x 0.25 s
+REMOVE_ATTEMPTS = 5  # a failed removal is tried again (the engine can leave an exiting container "dead"): ~3 s in all
+REMOVE_RETRY_S = 0.2
 _STREAMS = {1: "stdout", 2: "stderr"}
 FALLBACK_API_VERSION = "1.41"  # Docker 20.10's API; every later engine still serves it
 GVISOR_SECCOMP_FLAGS = frozenset({"--oci-seccomp", "--oci-seccomp=true", "-oci-seccomp", "-oci-seccomp=true"})
@@ -76,6 +79,13 @@ def runtime_problem(name: str, runtimes: Mapping[str, Any]) -> str | None:
             "profile would not apply (deploy/local.sh setup registers runsc with it)"
         )
     return None
+
+
+def _removal_may_succeed_later(exc: BaseException) -> bool:
+    """Whether a failed removal is worth trying again: the engine answered with an error (a 409 for a container
+    that exited under a forced removal, or a 500), not a client mistake (other 4xx) and not an engine that is
+    unreachable (that is ``EngineUnavailable``'s business)."""
+    return isinstance(exc, docker.errors.APIError) and (exc.status_code == 409 or (exc.status_code or 500) >= 500)
 
 
 class DockerBackend(SandboxBackend):
@@ -276,8 +286,28 @@ class DockerBackend(SandboxBackend):
         await self._run(self._unless_gone, self._api.kill, handle.id)
 
     def _remove_blocking(self, container_id: str) -> None:
+        """Remove the container (forced); gone already is not an error, nor is a removal already under way.
+
+        A forced removal that meets the container as it exits can fail (``Could not kill running container ...,
+        cannot remove - Container ... is not running``) and leave it ``dead``; a later removal succeeds. So a
+        failed removal is tried again, ``REMOVE_ATTEMPTS`` times in all, ``REMOVE_RETRY_S`` apart and more
+        (tenacity); then its ``docker.errors.APIError`` is raised.
+        """
         self._readers.pop(container_id, None)
-        self._unless_gone(lambda cid: self._api.remove_container(cid, force=True), container_id)
+        for attempt in Retrying(
+            retry=retry_if_exception(_removal_may_succeed_later),
+            stop=stop_after_attempt(REMOVE_ATTEMPTS),
+            wait=wait_exponential(multiplier=REMOVE_RETRY_S, max=2.0),
+            reraise=True,
+        ):
+            with attempt:
+                try:
+                    self._api.remove_container(container_id, force=True)
+                except docker.errors.NotFound:
+                    pass
+                except docker.errors.APIError as exc:
+                    if not (exc.status_code == 409 and "already in progress" in str(exc)):
+                        raise
 
     async def remove(self, handle: SandboxHandle) -> None:
         await self._run(self._remove_blocking, handle.id)
