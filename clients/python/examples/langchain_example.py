@@ -1,10 +1,10 @@
 """A LangChain agent whose one tool runs Python in ptc-sandbox: the script calls three LangChain tools (answered
 here, in this process) and only its output goes back to the model (docs/adapters/langchain.md).
 
-    pip install 'ptc-sandbox-client[langchain]' langchain langchain-openai
+    pip install -e 'clients/python[langchain]' langchain-openai
     PTC_URL=http://127.0.0.1:8080 PTC_TOKEN=... OPENAI_API_KEY=... python langchain_example.py
 
-tests/integration/test_langchain_adapter.py runs ``build_agent`` with LangChain's fake chat model instead.
+tests/integration/test_adapter_langchain.py runs ``build_agent`` with LangChain's fake chat model instead.
 """
 
 from __future__ import annotations

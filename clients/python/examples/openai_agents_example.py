@@ -1,10 +1,10 @@
 """An OpenAI Agents SDK agent whose one tool runs Python in ptc-sandbox: the script calls the agent's three function
 tools (answered here, in this process) and only its output goes back to the model (docs/adapters/openai-agents.md).
 
-    pip install 'ptc-sandbox-client[openai-agents]'
+    pip install -e 'clients/python[openai-agents]'
     PTC_URL=http://127.0.0.1:8080 PTC_TOKEN=... OPENAI_API_KEY=... python openai_agents_example.py
 
-tests/integration/test_openai_agents_adapter.py runs ``build_agent`` with the SDK's scripted model instead.
+tests/integration/test_adapter_openai_agents.py runs ``build_agent`` with the SDK's scripted model instead.
 """
 
 from __future__ import annotations
