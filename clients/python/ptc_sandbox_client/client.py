@@ -704,18 +704,20 @@ class AsyncClient(_Base):
         wait_s: float = 30.0,
         timeout_s: float | None = None,
         poll_s: float = 0.5,
+        max_concurrency: int = 16,
         **body: Any,
     ) -> JobView:
         """As :meth:`Client.run_with_tools`; a coroutine function's result is awaited, and the pending calls of one
-        view run concurrently. When this call is cancelled (an agent's run cancelled) after the job started, the job
-        is stopped in the background (``aclose`` waits for it) rather than left waiting on its calls until its
-        ``timeout_s``."""
+        view run concurrently, at most ``max_concurrency`` at once (a script that gathers thousands of calls does not
+        get thousands of tool runs at once in this process). When this call is cancelled (an agent's run cancelled)
+        after the job started, the job is stopped in the background (``aclose`` waits for it) rather than left
+        waiting on its calls until its ``timeout_s``."""
         manifest = client_manifest(tools, schemas) + list(other_tools or [])
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
         view = await self.execute(script, tools=manifest, wait_s=wait_s, **body)
         try:
-            return await self._answer_until_ended(view, tools, wait_s, poll_s)
+            return await self._answer_until_ended(view, tools, wait_s, poll_s, asyncio.Semaphore(max_concurrency))
         except asyncio.CancelledError:
             self._stop_soon(view.job_id)
             raise
@@ -726,15 +728,18 @@ class AsyncClient(_Base):
         tools: Mapping[str, Callable[..., Any] | Callable[..., Awaitable[Any]]],
         wait_s: float,
         poll_s: float,
+        slots: asyncio.Semaphore,
     ) -> JobView:
-        """Answer ``view``'s pending calls with ``tools`` until the job ends; its final view."""
+        """Answer ``view``'s pending calls with ``tools`` (as many at once as ``slots`` lets) until the job ends; its
+        final view."""
 
         async def run(name: str, args: Any) -> dict[str, Any]:
-            try:
-                value = tools[name](**(args if isinstance(args, dict) else {}))
-                return {"result": await value if inspect.isawaitable(value) else value}
-            except Exception as error:  # the tool's failure goes to the script as a ToolError
-                return call_error(error)
+            async with slots:
+                try:
+                    value = tools[name](**(args if isinstance(args, dict) else {}))
+                    return {"result": await value if inspect.isawaitable(value) else value}
+                except Exception as error:  # the tool's failure goes to the script as a ToolError
+                    return call_error(error)
 
         while not view.ended:
             pending = [c for c in view.pending_calls if c.awaiting == "client" and c.tool in tools]
