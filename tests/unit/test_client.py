@@ -481,3 +481,17 @@ def test_lines_split_anywhere_between_pieces() -> None:
             ("status", "1", {"status": "running"}),
             ("message", "2", "x"),
         ]
+
+
+def test_a_callers_own_http_client_gets_the_base_url_and_the_token() -> None:
+    """``http=`` a client of the caller's own (its proxies, its certificates), with no base URL and no headers:
+    each request still goes to ``base_url`` with the token."""
+    seen: list[tuple[str, str | None]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((str(request.url), request.headers.get("authorization")))
+        return httpx.Response(200, json={"job_id": "job_1", "status": "succeeded"})
+
+    client = Client("http://svc:8080/", "tok", http=httpx.Client(transport=httpx.MockTransport(handler)))
+    assert client.get("job_1").status == "succeeded"
+    assert seen == [("http://svc:8080/jobs/job_1", "Bearer tok")]

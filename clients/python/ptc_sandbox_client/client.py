@@ -84,6 +84,15 @@ class _Base:
         self.max_retries = max_retries
         self.max_retry_wait_s = max_retry_wait_s
 
+    def _url(self, path: str) -> str:
+        """``path`` on ``base_url``: absolute, so a caller's own ``http=`` client needs no base URL of its own."""
+        return self.base_url + path
+
+    def _headers(self, headers: Mapping[str, str] | None) -> dict[str, str]:
+        """The token's ``Authorization`` and ``headers``: every request carries the token, a caller's own ``http=``
+        client too."""
+        return {**self.headers, **dict(headers or {})}
+
     @staticmethod
     def _safe(method: str, url: str, headers: Mapping[str, str] | None) -> bool:
         if method == "GET":
@@ -215,7 +224,13 @@ class Client(_Base):
         its timeout (raises httpx.TransportError)."""
         seconds = timeout if timeout is not None else self.timeout
         request = self.http.build_request(
-            method, url, params=params, json=json, content=content, headers=dict(headers or {}), timeout=seconds
+            method,
+            self._url(url),
+            params=params,
+            json=json,
+            content=content,
+            headers=self._headers(headers),
+            timeout=seconds,
         )
         response = self.http.send(request, stream=True)
         try:
@@ -330,9 +345,9 @@ class Client(_Base):
             try:
                 with self.http.stream(
                     "GET",
-                    f"/jobs/{_seg(job_id)}/events",
+                    self._url(f"/jobs/{_seg(job_id)}/events"),
                     params=_view_params(calls, fields),
-                    headers=headers,
+                    headers=self._headers(headers),
                     timeout=httpx.Timeout(self.timeout, read=max(self.timeout, _STREAM_READ_S)),
                 ) as response:
                     if response.status_code == 204:
@@ -565,7 +580,13 @@ class AsyncClient(_Base):
         """As :meth:`Client._send`."""
         seconds = timeout if timeout is not None else self.timeout
         request = self.http.build_request(
-            method, url, params=params, json=json, content=content, headers=dict(headers or {}), timeout=seconds
+            method,
+            self._url(url),
+            params=params,
+            json=json,
+            content=content,
+            headers=self._headers(headers),
+            timeout=seconds,
         )
         response = await self.http.send(request, stream=True)
         try:
@@ -670,9 +691,9 @@ class AsyncClient(_Base):
             try:
                 async with self.http.stream(
                     "GET",
-                    f"/jobs/{_seg(job_id)}/events",
+                    self._url(f"/jobs/{_seg(job_id)}/events"),
                     params=_view_params(calls, fields),
-                    headers=headers,
+                    headers=self._headers(headers),
                     timeout=httpx.Timeout(self.timeout, read=max(self.timeout, _STREAM_READ_S)),
                 ) as response:
                     if response.status_code == 204:
