@@ -9,6 +9,7 @@ import contextlib
 import json
 import shutil
 import tempfile
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CallToolResult, TextContent, TextResourceContents
 from pydantic import AnyUrl
 
-from service.api import create_app
+from service.api import create_app, mcp_front
 from service.auth import hash_token
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
@@ -271,3 +272,19 @@ async def test_the_call_lines_of_an_answer_are_capped() -> None:
             assert result["calls_total"] == MAX_CALL_LINES + 50
             assert len(result["calls"]) == MAX_CALL_LINES
             assert result["calls"][0].split()[:3] == ["1", "echo", "ok"]
+
+
+async def test_a_large_view_is_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job's calls can make a view of megabytes: it is parsed on a worker thread, a small one in place."""
+    threads: list[str] = []
+    real = json.loads
+
+    def loads(data: bytes) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(data)
+
+    monkeypatch.setattr(json, "loads", loads)  # the module mcp_front parses with
+    small = b'{"job_id": "job_1", "calls": []}'
+    large = b'{"job_id": "job_1", "stdout": "' + b"x" * (mcp_front.INLINE_PARSE_BYTES + 1) + b'"}'
+    assert (await mcp_front._json(small))["job_id"] == (await mcp_front._json(large))["job_id"] == "job_1"
+    assert threads[0] == threading.main_thread().name != threads[1]
