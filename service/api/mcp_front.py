@@ -25,6 +25,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from service.api.bodies import parse_body
 from service.api.problems import (
+    BAD_REQUEST,
     INTERNAL_ERROR,
     INVALID_REQUEST,
     LIMIT_EXCEEDED,
@@ -192,7 +193,8 @@ class McpEndpoint:
     every route's): not JSON, nested deeper than ``bodies.MAX_BODY_DEPTH`` or holding more than
     ``MAX_MESSAGE_VALUES`` values is the ``422`` ``invalid-request`` problem, so what the SDK then parses again on
     the event loop is small. A GET (the stream of server-initiated messages, which a stateless server never sends)
-    is the ``405`` ``method-not-allowed`` problem rather than a stream held open for nothing.
+    is the ``405`` ``method-not-allowed`` problem rather than a stream held open for nothing, and a POST whose
+    ``Content-Type`` is not ``application/json`` the ``400`` ``bad-request`` problem.
 
     Raises:
         RequestValidationError: the body is refused (the app's handler answers the problem).
@@ -211,6 +213,12 @@ class McpEndpoint:
             return
         if scope["method"] == "POST":
             request = Request(scope, receive)
+            if request.headers.get("content-type", "").split(";", 1)[0].strip().lower() != "application/json":
+                # the SDK would answer this in plain text
+                await BAD_REQUEST.response("an MCP message is JSON: Content-Type: application/json")(
+                    scope, receive, send
+                )
+                return
             try:
                 raw = await request.body()
             except ClientDisconnect:

@@ -259,6 +259,19 @@ async def test_a_get_stream_is_refused_not_held_open() -> None:
             assert {tool.name for tool in (await session.list_tools()).tools} >= {"execute"}
 
 
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded", "application/jsonx"])
+async def test_a_message_that_is_not_sent_as_json_is_a_problem(content_type: str | None) -> None:
+    message = b'{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}'
+    headers = {"Accept": "application/json, text/event-stream"} | (
+        {"Content-Type": content_type} if content_type else {}
+    )
+    async with service() as app, http(app, TOKENS["alice"]) as client:
+        response = await client.post("/mcp", content=message, headers=headers)  # before: the SDK's plain-text 400
+        assert response.status_code == 400
+        assert response.headers["content-type"] == "application/problem+json"
+        assert response.json()["type"].endswith("/bad-request")
+
+
 async def test_the_call_lines_of_an_answer_are_capped() -> None:
     from service.mcp_tools import MAX_CALL_LINES
 
