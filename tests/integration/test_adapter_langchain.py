@@ -22,27 +22,7 @@ from ptc_sandbox_client import AsyncClient, Client, JobView
 from ptc_sandbox_client.adapters.langchain import PtcCodeTool
 
 from tests.conftest import Service
-from tests.integration.client_examples import load_example
-
-SCRIPT = """import tools
-lines = []
-for city in ["Oslo", "Lima"]:
-    weather = tools.get_weather(city=city)
-    people = tools.get_population(city=city)
-    lines.append(tools.format_report(city=city, temp_c=weather["temp_c"], population=people))
-print("\\n".join(lines))
-"""
-WEATHER = {"Oslo": 4, "Lima": 19}
-POPULATION = {"Oslo": 709_000, "Lima": 10_092_000}
-STDOUT = "Oslo: 4 C, 709000 people\nLima: 19 C, 10092000 people\n"
-RECORDS = [
-    (1, "get_weather", {"city": "Oslo"}, "ok", {"city": "Oslo", "temp_c": 4}),
-    (2, "get_population", {"city": "Oslo"}, "ok", 709_000),
-    (3, "format_report", {"city": "Oslo", "temp_c": 4, "population": 709_000}, "ok", "Oslo: 4 C, 709000 people"),
-    (4, "get_weather", {"city": "Lima"}, "ok", {"city": "Lima", "temp_c": 19}),
-    (5, "get_population", {"city": "Lima"}, "ok", 10_092_000),
-    (6, "format_report", {"city": "Lima", "temp_c": 19, "population": 10_092_000}, "ok", "Lima: 19 C, 10092000 people"),
-]
+from tests.integration.client_examples import POPULATION, RECORDS, SCRIPT, STDOUT, WEATHER, load_example
 
 
 class ScriptedChatModel(FakeMessagesListChatModel):

@@ -15,21 +15,9 @@ from ptc_sandbox_client import AsyncClient, JobView
 from ptc_sandbox_client.adapters.openai_agents import code_tool
 
 from tests.conftest import Service
-from tests.integration.client_examples import load_example
+from tests.integration.client_examples import POPULATION, RECORDS, SCRIPT, STDOUT, WEATHER, load_example
 
 set_tracing_disabled(True)
-
-SCRIPT = """import tools
-lines = []
-for city in ["Oslo", "Lima"]:
-    weather = tools.get_weather(city=city)
-    people = tools.get_population(city=city)
-    lines.append(tools.format_report(city=city, temp_c=weather["temp_c"], population=people))
-print("\\n".join(lines))
-"""
-WEATHER = {"Oslo": 4, "Lima": 19}
-POPULATION = {"Oslo": 709_000, "Lima": 10_092_000}
-STDOUT = "Oslo: 4 C, 709000 people\nLima: 19 C, 10092000 people\n"
 
 
 def tool_output(call: ModelCall, call_id: str) -> str:
@@ -97,20 +85,7 @@ async def test_an_agent_fans_out_over_three_tools_through_the_service(service: S
         (view,) = views
         job = await client.get(view.job_id)
     assert job.status == "succeeded" and job.stdout == STDOUT, job
-    assert [(c.seq, c.tool, c.args, c.status, c.result) for c in job.call_records] == [
-        (1, "get_weather", {"city": "Oslo"}, "ok", {"city": "Oslo", "temp_c": 4}),
-        (2, "get_population", {"city": "Oslo"}, "ok", 709_000),
-        (3, "format_report", {"city": "Oslo", "temp_c": 4, "population": 709_000}, "ok", "Oslo: 4 C, 709000 people"),
-        (4, "get_weather", {"city": "Lima"}, "ok", {"city": "Lima", "temp_c": 19}),
-        (5, "get_population", {"city": "Lima"}, "ok", 10_092_000),
-        (
-            6,
-            "format_report",
-            {"city": "Lima", "temp_c": 19, "population": 10_092_000},
-            "ok",
-            "Lima: 19 C, 10092000 people",
-        ),
-    ]
+    assert [(c.seq, c.tool, c.args, c.status, c.result) for c in job.call_records] == RECORDS
 
 
 async def test_the_example_with_the_scripted_model(service: Service) -> None:
