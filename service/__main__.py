@@ -24,7 +24,7 @@ from service import logs, workdir
 from service.api import create_app
 from service.auth import KEY_NAME, hash_token
 from service.connections import ConnectionGuard, guarded_protocol, parse_networks
-from service.errors import InsecureConfig, WorkDirBusy
+from service.errors import InsecureConfig, StoreUnavailable, WorkDirBusy
 from service.settings import Settings
 
 TOKEN_PREFIX = "ptc_"
@@ -58,17 +58,24 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("PTC_MCP_TOOLSET"),
         help="toolset execute uses when a call names none (default: PTC_MCP_TOOLSET)",
     )
+    commands.add_parser(
+        "migrate",
+        help="upgrade the job store (PTC_STORE_URL, else the SQLite file) to the newest schema; serve does it too",
+    )
     args = parser.parse_args(argv)
     if args.command == "mcp":
         return _mcp(args.url, args.token, args.toolset)
     if args.command == "hash-key":
         return _hash_key(args.name, args.generate)
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    pairs = (("host", getattr(args, "host", None)), ("port", getattr(args, "port", None)))
+    overrides = {k: v for k, v in pairs if v is not None}
     try:
         settings = Settings(**overrides)
     except ValidationError as exc:
         print(f"ptc-sandbox: refusing to start: {_settings_errors(exc)}", file=sys.stderr)
         return 2
+    if args.command == "migrate":
+        return _migrate(settings)
     _raise_open_files_limit()
     logs.configure(settings.log_level, settings.log_format)
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series
@@ -107,6 +114,27 @@ def _settings_errors(exc: ValidationError) -> str:
         names = ".".join(str(part) for part in error["loc"])
         lines.append(f"PTC_{names.upper()}: {error['msg']}" if names else error["msg"])
     return "\n".join(lines)
+
+
+def _migrate(settings: Settings) -> int:
+    """``ptc-sandbox migrate``: open the store chosen by the settings (which runs its migrations), then close it;
+    prints the store (never its password) and the revision. Exit 1 when the store cannot be reached."""
+    from service.migrations import HEAD
+    from service.store_pg import job_store
+
+    store = job_store(settings)
+
+    async def run() -> None:
+        await store.open()
+        await store.close()
+
+    try:
+        asyncio.run(run())
+    except StoreUnavailable as exc:
+        print(f"ptc-sandbox migrate: {store.describe()}: {exc}", file=sys.stderr)
+        return 1
+    print(f"{store.describe()}: at revision {HEAD}")
+    return 0
 
 
 def _hash_key(name: str, generate: bool) -> int:

@@ -25,6 +25,7 @@
     ├── CallNotPending       answer to a client call not waiting for one -> 409
     ├── IdempotencyKeyReused   an Idempotency-Key sent again with another request -> 422
     ├── IdempotencyKeyInFlight an Idempotency-Key whose first request is still being admitted -> 409
+    ├── StoreUnavailable     the job store (PostgreSQL) cannot be reached or did not answer in time -> 503
     └── SandboxError         the engine failed us (not the script)      -> 503
         └── EngineUnavailable  the engine cannot be reached             -> 503
 """
@@ -182,6 +183,18 @@ class SandboxError(PtcError):
 
 class EngineUnavailable(SandboxError):
     """The container engine cannot be reached."""
+
+
+class StoreUnavailable(PtcError):
+    """The job store cannot be reached, or did not answer within ``PTC_STORE_TIMEOUT_S``.
+
+    Its message never holds the store's URL nor the driver's text (which may name the server): it says what failed
+    (``operation``); the cause is chained and logged.
+    """
+
+    def __init__(self, operation: str) -> None:
+        super().__init__(f"the job store did not answer ({operation}); retry later")
+        self.operation = operation
 
 
 class QueueFull(PtcError):

@@ -250,6 +250,14 @@ class Settings(BaseSettings):
     )
 
     store_path: Path | None = Field(None, description="SQLite job store file; default: jobs.sqlite3 in the work dir.")
+    store_url: SecretStr | None = Field(
+        None,
+        description="PostgreSQL job store, postgresql://user:password@host:port/db (never logged); unset: "
+        "the SQLite store (store_path). docs/operations.md, Job store.",
+    )
+    store_timeout_s: float = Field(
+        5.0, gt=0, description="Longest wait for one job store operation (PostgreSQL); past it: 503 (s)."
+    )
     output_retention_bytes: int = Field(
         16 * 1024 * 1024, ge=0, description="Bytes of each stream kept on disk per job, readable by offset (bytes)."
     )
@@ -585,6 +593,16 @@ class Settings(BaseSettings):
             return self.instance_id
         digest = hashlib.sha256(str(self.work_dir.resolve()).encode()).hexdigest()[:8]
         return f"{socket.gethostname()}-{digest}"
+
+    @field_validator("store_url")
+    @classmethod
+    def _postgresql_url(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value():
+            return None
+        scheme = value.get_secret_value().split("://", 1)[0]
+        if scheme not in ("postgresql", "postgres", "postgresql+psycopg"):
+            raise ValueError("PTC_STORE_URL must be a postgresql://user:password@host:port/db URL")
+        return value
 
     def job_store_path(self) -> Path:
         """Where the SQLite store lives (``store_path`` or ``work_dir/jobs.sqlite3``)."""

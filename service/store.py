@@ -1,10 +1,13 @@
 """The job store: where jobs live once created, and where ended jobs outlive the process.
 
-``JobStore`` is the small interface a PostgreSQL or Redis store would
-implement; ``SQLiteJobStore`` is the embedded default. A stored job is its
-view as the API shows it (JSON bytes) plus the columns used to find it.
-Output bytes are not in the store: they are files beside it (see
-``service.output``).
+``JobStore`` is the small interface; ``SQLiteJobStore`` is the embedded default and ``service.store_pg``'s
+``PostgresJobStore`` the shared one (``PTC_STORE_URL``). A stored job is its view as the API shows it (JSON
+bytes) plus the columns used to find it. Output bytes of the SQLite store are files beside it (see
+``service.output``); the blob methods (``put_blobs``, ``read_blob``, ``blob_sizes``) keep an ended job's retained
+output and files in the store itself, for the PostgreSQL store (any replica serves them).
+
+Schema: versioned migrations (``service.migrate``, Alembic) make and upgrade both stores' tables at open; the
+tables are ``service.store_schema``.
 
 SQLite settings: WAL journal, ``synchronous=NORMAL`` (a committed job
 survives a crash of the process, including ``kill -9``; the last commits may
@@ -31,12 +34,14 @@ import asyncio
 import base64
 import os
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TypeVar
+
+from service.migrations import HEAD
 
 T = TypeVar("T")
 
@@ -199,57 +204,34 @@ class JobStore(abc.ABC):
     async def get_toolset(self, toolset_id: str, owner: str | None) -> bytes | None:
         """The manifest registered under ``toolset_id`` by ``owner`` (None: by anyone, or before owners), or None."""
 
+    @abc.abstractmethod
+    async def put_blobs(self, job_id: str, blobs: Mapping[str, bytes]) -> None:
+        """Keep an ended job's bytes under their names (``stdout``, ``stderr``, ``files/<index>``), replacing
+        earlier ones of the same names; they go with the job (``purge``).
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    job_id      TEXT PRIMARY KEY,
-    status      TEXT NOT NULL,
-    instance_id TEXT NOT NULL,
-    created_at  TEXT NOT NULL,
-    ended_at    TEXT,
-    view        BLOB NOT NULL,
-    summary     BLOB NOT NULL,
-    callback_pending INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS toolsets (
-    toolset_id  TEXT PRIMARY KEY,
-    manifest    BLOB NOT NULL,
-    created_at  TEXT NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))
-);
-CREATE TABLE IF NOT EXISTS toolset_owners (
-    toolset_id  TEXT NOT NULL,
-    owner       TEXT NOT NULL,
-    PRIMARY KEY (toolset_id, owner)
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS idempotency_keys (
-    owner       TEXT NOT NULL,
-    key         TEXT NOT NULL,
-    fingerprint TEXT NOT NULL,
-    kind        TEXT NOT NULL,
-    resource_id TEXT NOT NULL,
-    created_at  TEXT NOT NULL,
-    ends_by     TEXT,
-    PRIMARY KEY (owner, key)
-) WITHOUT ROWID;
-"""
+        The caller keeps each within its cap (``PTC_OUTPUT_RETENTION_BYTES`` per stream, the output files' caps).
+        """
 
-# Columns added after the first release of the table: (name, declaration), for stores made before them.
-# owner: NULL on rows saved before owners were recorded (legacy: only the admin role sees them).
-_ADDED_COLUMNS = (
-    ("summary", "BLOB NOT NULL DEFAULT x''"),
-    ("callback_pending", "INTEGER NOT NULL DEFAULT 0"),
-    ("owner", "TEXT"),
-)
+    @abc.abstractmethod
+    async def read_blob(self, job_id: str, name: str, offset: int = 0, length: int | None = None) -> bytes | None:
+        """Bytes ``[offset, offset + length)`` of a job's blob (``length`` None: to its end), or None without it."""
 
-_INDEXES = """
-CREATE INDEX IF NOT EXISTS jobs_by_created ON jobs (created_at DESC, job_id DESC);
-CREATE INDEX IF NOT EXISTS jobs_by_ended ON jobs (ended_at) WHERE ended_at IS NOT NULL;
-CREATE INDEX IF NOT EXISTS jobs_unfinished ON jobs (instance_id) WHERE ended_at IS NULL;
-CREATE INDEX IF NOT EXISTS jobs_callback_pending ON jobs (instance_id) WHERE callback_pending = 1;
-CREATE INDEX IF NOT EXISTS jobs_by_owner ON jobs (owner, created_at DESC, job_id DESC);
-CREATE INDEX IF NOT EXISTS idempotency_keys_by_resource ON idempotency_keys (resource_id);
-CREATE INDEX IF NOT EXISTS idempotency_keys_by_end ON idempotency_keys (ends_by) WHERE ends_by IS NOT NULL;
-"""
+    @abc.abstractmethod
+    async def blob_sizes(self, job_id: str) -> dict[str, int]:
+        """The names of a job's blobs and their sizes (bytes)."""
+
+    async def ping(self) -> None:
+        """Check that the store answers (``GET /readyz``).
+
+        Raises:
+            StoreUnavailable: it does not, or not in time.
+        """
+        return None  # an embedded store always answers
+
+    def describe(self) -> str:
+        """Where the store is, for logs: never a password."""
+        return type(self).__name__
+
 
 _KEY_COLUMNS = "owner, key, fingerprint, kind, resource_id, created_at, ends_by"
 
@@ -286,6 +268,15 @@ def _row(row: tuple[str, str, str, str, str | None, bytes, bytes, int, str | Non
     )
 
 
+def _revision(db: sqlite3.Connection) -> str | None:
+    """The migration revision of a SQLite store (None: never migrated)."""
+    try:
+        row = db.execute("SELECT version_num FROM alembic_version").fetchone()
+    except sqlite3.OperationalError:  # no such table
+        return None
+    return str(row[0]) if row else None
+
+
 class SQLiteJobStore(JobStore):
     """The embedded store: one SQLite file.
 
@@ -312,12 +303,10 @@ class SQLiteJobStore(JobStore):
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("PRAGMA busy_timeout=5000")
-            db.executescript(_SCHEMA)
-            present = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
-            for name, declaration in _ADDED_COLUMNS:
-                if name not in present:
-                    db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {declaration}")
-            db.executescript(_INDEXES)
+            if _revision(db) != HEAD:  # a new file, or one of an older schema: migrations (Alembic, imported then)
+                from service import migrate
+
+                migrate.upgrade(f"sqlite:///{self._path}")
             os.chmod(self._path, 0o600)  # outputs, arguments and results: for the service only
             self._db = db
 
@@ -412,6 +401,9 @@ class SQLiteJobStore(JobStore):
                     "(SELECT job_id FROM jobs WHERE ended_at < ?)",
                     (cutoff,),
                 )
+                db.execute(
+                    "DELETE FROM job_blobs WHERE job_id IN (SELECT job_id FROM jobs WHERE ended_at < ?)", (cutoff,)
+                )
                 db.execute("DELETE FROM jobs WHERE ended_at < ?", (cutoff,))
                 db.execute("DELETE FROM idempotency_keys WHERE kind = 'session' AND ends_by < ?", (cutoff,))
                 db.execute(
@@ -489,3 +481,25 @@ class SQLiteJobStore(JobStore):
             params = (toolset_id, owner)
         row = await self._run(lambda db: db.execute(sql, params).fetchone())
         return bytes(row[0]) if row else None
+
+    async def put_blobs(self, job_id: str, blobs: Mapping[str, bytes]) -> None:
+        rows = [(job_id, name, data) for name, data in blobs.items()]
+        await self._run(lambda db: db.executemany("INSERT OR REPLACE INTO job_blobs VALUES (?, ?, ?)", rows))
+
+    async def read_blob(self, job_id: str, name: str, offset: int = 0, length: int | None = None) -> bytes | None:
+        params: tuple[int, ...]
+        if length is None:  # substr counts from 1
+            sql, params = "SELECT substr(data, ?) FROM job_blobs WHERE job_id = ? AND name = ?", (offset + 1,)
+        else:
+            sql, params = "SELECT substr(data, ?, ?) FROM job_blobs WHERE job_id = ? AND name = ?", (offset + 1, length)
+        row = await self._run(lambda db: db.execute(sql, (*params, job_id, name)).fetchone())
+        return bytes(row[0] or b"") if row else None  # substr of an empty blob is NULL
+
+    async def blob_sizes(self, job_id: str) -> dict[str, int]:
+        rows = await self._run(
+            lambda db: db.execute("SELECT name, length(data) FROM job_blobs WHERE job_id = ?", (job_id,)).fetchall()
+        )
+        return {name: int(size) for name, size in rows}
+
+    def describe(self) -> str:
+        return f"sqlite {self._path}"

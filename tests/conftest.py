@@ -305,3 +305,46 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if integration in item.path.parents and item.get_closest_marker("integration") is None:
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def postgres() -> None:
+    """PostgreSQL for the store tests (``tests.pgstore``); skips (fails under CI=true) without one."""
+    from tests import pgstore
+
+    problem = pgstore.problem()
+    if problem:
+        if in_ci():
+            pytest.fail(problem)
+        pytest.skip(problem)
+
+
+@pytest.fixture
+def postgres_url(postgres: None) -> Iterator[str]:
+    """The URL of a fresh, empty PostgreSQL database for one test (dropped after it)."""
+    from tests import pgstore
+
+    with pgstore.fresh_database() as url:
+        yield url
+
+
+STORE_KINDS = ("sqlite", "postgresql")
+"""The job stores every store test runs against (``store_kind`` fixture)."""
+
+
+@pytest.fixture(params=STORE_KINDS)
+def store_kind(request: pytest.FixtureRequest) -> str:
+    """Each job store kind in turn: a test taking it (or ``make_store``) runs once per kind."""
+    return str(request.param)
+
+
+@pytest.fixture
+def make_store(store_kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Any]:
+    """A factory of (unopened) job stores of ``store_kind``, all on the same database or file for this test."""
+    from service.store import SQLiteJobStore
+    from service.store_pg import PostgresJobStore
+
+    if store_kind == "sqlite":
+        return lambda: SQLiteJobStore(tmp_path / "jobs.sqlite3")
+    url = request.getfixturevalue("postgres_url")
+    return lambda: PostgresJobStore(url, timeout_s=5.0)

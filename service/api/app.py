@@ -35,7 +35,7 @@ from service.openapi import document
 from service.sandbox.base import SandboxBackend
 from service.sandbox.images import Images
 from service.settings import DEFAULT_IMAGE, Settings
-from service.store import SQLiteJobStore
+from service.store_pg import job_store
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.validation import CheckScheduler
 
@@ -77,8 +77,9 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             settings.max_tool_result_bytes,
             EgressPolicy(settings.egress_allow, own=[OwnAddress.of(settings.host, settings.port)]),
         )
-        store = SQLiteJobStore(settings.job_store_path())
-        await store.open()
+        store = job_store(settings)
+        await store.open()  # migrations first (docs/operations.md, Job store); a PostgreSQL down refuses the start
+        app.state.store = store
         jobs = build_jobs(settings, backend, endpoints, store, metrics)
         await jobs.start()
         app.state.jobs, app.state.backend = jobs, backend
@@ -93,7 +94,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             __version__,
             settings.instance(),
             settings.sandbox_image,
-            settings.job_store_path(),
+            store.describe(),  # never the password
         )
         try:
             async with mcp_front.lifespan(app, mcp_endpoint, settings.mcp_toolset):
@@ -130,7 +131,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     telemetry.instrument_app(app)  # a span per request, outermost (tracing on only)
     app.state.settings, app.state.keys = settings, keys
     app.state.jobs = app.state.sessions = app.state.toolsets = app.state.backend = NOT_STARTED  # deps.NotStarted
-    app.state.idempotency = NOT_STARTED
+    app.state.idempotency = app.state.store = NOT_STARTED
     for resource in RESOURCES:
         app.include_router(resource.router)
     return app

@@ -28,6 +28,7 @@ from service.metrics import Metrics
 from service.sandbox.base import SandboxBackend
 from service.schemas import McpServer, SessionRequest
 from service.settings import Settings
+from service.store import JobStore
 from service.toolkit.cache import CompiledManifest
 
 
@@ -145,6 +146,12 @@ async def sandbox_backend(request: Request) -> SandboxBackend:
     return backend
 
 
+async def job_store(request: Request) -> JobStore:
+    """``app.state.store``: the job store, for ``GET /readyz``."""
+    store: JobStore = request.app.state.store
+    return store
+
+
 async def idempotency_keys(request: Request) -> IdempotencyKeys:
     """``app.state.idempotency``."""
     keys: IdempotencyKeys = request.app.state.idempotency
@@ -161,3 +168,4 @@ Who = Annotated[Caller, Depends(who)]
 AppMetrics = Annotated[Metrics, Depends(app_metrics)]
 Backend = Annotated[SandboxBackend, Depends(sandbox_backend)]
 Idempotency = Annotated[IdempotencyKeys, Depends(idempotency_keys)]
+Store = Annotated[JobStore, Depends(job_store)]

@@ -4,9 +4,8 @@ and its expiry, the in-memory claims under concurrency (``service/idempotency.py
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +19,7 @@ from service.idempotency import (
     fingerprint,
     parse_key,
 )
-from service.store import IdempotencyRecord, SQLiteJobStore, StoredJob
+from service.store import IdempotencyRecord, JobStore, StoredJob
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -79,8 +78,9 @@ def test_the_fingerprint_covers_route_query_and_body() -> None:
 
 
 @pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[SQLiteJobStore]:
-    opened = SQLiteJobStore(tmp_path / "jobs.sqlite3")
+async def store(make_store: Callable[[], JobStore]) -> AsyncIterator[JobStore]:
+    """Each job store kind in turn (SQLite, PostgreSQL: ``tests/conftest.py``'s ``make_store``)."""
+    opened = make_store()
     await opened.open()
     try:
         yield opened
@@ -98,7 +98,7 @@ def record(
     return IdempotencyRecord(owner, key, "f" * 64, kind, resource_id, T0, ends_by)
 
 
-async def test_a_binding_is_found_by_owner_and_key_only(store: SQLiteJobStore) -> None:
+async def test_a_binding_is_found_by_owner_and_key_only(store: JobStore) -> None:
     bound = record("alice", "k1", "job_a")
     assert await store.bind_idempotency_key(bound) == bound
     assert await store.idempotency_key("alice", "k1") == bound
@@ -108,21 +108,20 @@ async def test_a_binding_is_found_by_owner_and_key_only(store: SQLiteJobStore) -
     assert await store.bind_idempotency_key(bobs) == bobs  # bob's own binding, beside alice's
 
 
-async def test_a_key_keeps_its_first_binding(store: SQLiteJobStore) -> None:
+async def test_a_key_keeps_its_first_binding(store: JobStore) -> None:
     first = record("alice", "k", "job_first")
     await store.bind_idempotency_key(first)
     assert await store.bind_idempotency_key(record("alice", "k", "job_second")) == first
     assert await store.idempotency_key("alice", "k") == first
 
 
-async def test_bindings_survive_reopening_the_store(tmp_path: Path) -> None:
-    path = tmp_path / "jobs.sqlite3"
-    first = SQLiteJobStore(path)
+async def test_bindings_survive_reopening_the_store(make_store: Callable[[], JobStore]) -> None:
+    first = make_store()
     await first.open()
     bound = record("alice", "k", "ses_1", "session", T0 + timedelta(hours=1))
     await first.bind_idempotency_key(bound)
     await first.close()
-    second = SQLiteJobStore(path)
+    second = make_store()
     await second.open()
     try:
         assert await second.idempotency_key("alice", "k") == bound
@@ -130,7 +129,7 @@ async def test_bindings_survive_reopening_the_store(tmp_path: Path) -> None:
         await second.close()
 
 
-async def test_a_job_key_expires_with_the_job(store: SQLiteJobStore) -> None:
+async def test_a_job_key_expires_with_the_job(store: JobStore) -> None:
     await store.put(job("job_old", T0))
     await store.put(job("job_new", T0 + timedelta(hours=2)))
     await store.put(job("job_running", None))
@@ -142,7 +141,7 @@ async def test_a_job_key_expires_with_the_job(store: SQLiteJobStore) -> None:
     assert (await store.idempotency_key("alice", "running")) is not None
 
 
-async def test_a_session_key_expires_a_retention_after_its_session_can_last(store: SQLiteJobStore) -> None:
+async def test_a_session_key_expires_a_retention_after_its_session_can_last(store: JobStore) -> None:
     await store.bind_idempotency_key(record("alice", "s1", "ses_1", "session", T0 + timedelta(hours=1)))
     await store.bind_idempotency_key(record("alice", "s2", "ses_2", "session", T0 + timedelta(hours=3)))
     await store.purge(T0 + timedelta(hours=2))
@@ -150,7 +149,7 @@ async def test_a_session_key_expires_a_retention_after_its_session_can_last(stor
     assert await store.idempotency_key("alice", "s2") is not None
 
 
-async def test_a_key_whose_job_was_never_saved_expires_after_the_retention(store: SQLiteJobStore) -> None:
+async def test_a_key_whose_job_was_never_saved_expires_after_the_retention(store: JobStore) -> None:
     await store.bind_idempotency_key(record("alice", "orphan", "job_never_saved"))  # created at T0
     await store.purge(T0 - timedelta(seconds=1))
     assert await store.idempotency_key("alice", "orphan") is not None  # younger than the cutoff: kept
@@ -163,7 +162,7 @@ async def test_a_key_whose_job_was_never_saved_expires_after_the_retention(store
 FP = "a" * 64
 
 
-async def test_concurrent_claims_of_one_key_give_one_claim_then_its_binding(store: SQLiteJobStore) -> None:
+async def test_concurrent_claims_of_one_key_give_one_claim_then_its_binding(store: JobStore) -> None:
     keys = IdempotencyKeys(store)
     results = await asyncio.gather(*(keys.claim("alice", "k", FP, "job") for _ in range(10)), return_exceptions=True)
     claims = [r for r in results if isinstance(r, Claim)]
@@ -179,7 +178,7 @@ async def test_concurrent_claims_of_one_key_give_one_claim_then_its_binding(stor
     assert keys.in_flight == {}
 
 
-async def test_a_released_claim_lets_a_waiting_repeat_claim_the_key(store: SQLiteJobStore) -> None:
+async def test_a_released_claim_lets_a_waiting_repeat_claim_the_key(store: JobStore) -> None:
     keys = IdempotencyKeys(store)
     first = await keys.claim("alice", "k", FP, "job")
     assert isinstance(first, Claim)
@@ -192,7 +191,7 @@ async def test_a_released_claim_lets_a_waiting_repeat_claim_the_key(store: SQLit
     assert await store.idempotency_key("alice", "k") is None
 
 
-async def test_a_repeat_past_the_wait_answers_in_flight(store: SQLiteJobStore) -> None:
+async def test_a_repeat_past_the_wait_answers_in_flight(store: JobStore) -> None:
     keys = IdempotencyKeys(store, wait_s=0.05)
     first = await keys.claim("alice", "k", FP, "job")
     with pytest.raises(IdempotencyKeyInFlight) as busy:
@@ -202,7 +201,7 @@ async def test_a_repeat_past_the_wait_answers_in_flight(store: SQLiteJobStore) -
     first.release()
 
 
-async def test_another_owners_claim_of_the_same_key_does_not_wait(store: SQLiteJobStore) -> None:
+async def test_another_owners_claim_of_the_same_key_does_not_wait(store: JobStore) -> None:
     keys = IdempotencyKeys(store, wait_s=0.05)
     alices = await keys.claim("alice", "k", FP, "job")
     bobs = await keys.claim("bob", "k", FP, "job")
@@ -213,7 +212,7 @@ async def test_another_owners_claim_of_the_same_key_does_not_wait(store: SQLiteJ
     assert {(await keys.claim(o, "k", FP, "job")).resource_id for o in ("alice", "bob")} == {"job_a", "job_b"}  # type: ignore[union-attr]
 
 
-async def test_a_bound_key_with_another_fingerprint_or_kind_is_refused(store: SQLiteJobStore) -> None:
+async def test_a_bound_key_with_another_fingerprint_or_kind_is_refused(store: JobStore) -> None:
     keys = IdempotencyKeys(store)
     claim = await keys.claim("alice", "k", FP, "job")
     assert isinstance(claim, Claim)

@@ -6,10 +6,10 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from service.api.bodies import ParsedOffLoop
-from service.api.deps import AppMetrics, AppSettings, Backend, Key, Keys
+from service.api.deps import AppMetrics, AppSettings, Backend, Key, Keys, Store
 from service.api.problems import FORBIDDEN, NOT_READY
 from service.auth import may_scrape
-from service.errors import SandboxError
+from service.errors import SandboxError, StoreUnavailable
 from service.metrics import CONTENT_TYPE
 from service.sandbox.images import Images
 from service.settings import DEFAULT_IMAGE
@@ -39,12 +39,17 @@ async def metrics_route(metrics: AppMetrics, keys: Keys, key: Key) -> Response:
 
 
 @router.get("/readyz", responses={503: {}})
-async def readyz(backend: Backend, settings: AppSettings) -> Response:
-    """Readiness: the engine answers, the sandbox image is present, and so is every other image of ``PTC_IMAGES``
-    (with the ``session`` feature); a 503 names each image that is not, by its name.
+async def readyz(backend: Backend, settings: AppSettings, store: Store) -> Response:
+    """Readiness: the job store answers (PostgreSQL: within ``PTC_STORE_TIMEOUT_S``), the engine answers, the
+    sandbox image is present, and so is every other image of ``PTC_IMAGES`` (with the ``session`` feature); a 503
+    names each image that is not, by its name, and says when the store does not answer (never its URL).
 
     The answer lists the names requests may choose (``images``), and the default image's reference (``image``).
     """
+    try:
+        await store.ping()
+    except StoreUnavailable as exc:
+        return NOT_READY.response(str(exc))
     ok, reason = await backend.ready(settings.sandbox_image)
     if not ok:
         return NOT_READY.response(reason)

@@ -116,6 +116,13 @@ CASES: list[tuple[Exception, int, str, str, dict[str, Any]]] = [
     ),
     (errors.EngineUnavailable("down"), 503, "engine-unavailable", "Container engine unavailable", {"detail": "down"}),
     (errors.SandboxError("broke"), 503, "sandbox-failure", "Sandbox failure", {"detail": "broke"}),
+    (
+        errors.StoreUnavailable("get"),
+        503,
+        "store-unavailable",
+        "Job store unavailable",
+        {"detail": "the job store did not answer (get); retry later"},
+    ),
 ]
 
 

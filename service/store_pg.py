@@ -1,0 +1,392 @@
+"""The PostgreSQL job store (``PTC_STORE_URL``): the same ``JobStore`` as the SQLite one, on a database that
+several replicas can share (issue 17).
+
+SQLAlchemy 2 Core on psycopg 3's asyncio driver: no statement blocks the event loop. Every operation is bounded by
+``PTC_STORE_TIMEOUT_S`` (connect, pool wait, the server's ``statement_timeout``, and an overall deadline); a store
+that is down or slow raises ``StoreUnavailable`` (503 ``store-unavailable``), never hangs a request. The URL's
+password is never logged nor put in an error: ``describe`` hides it, and driver errors (whose text may name the
+server) are chained and logged, not shown.
+
+Tables: ``service.store_schema`` (times as ISO text, as in SQLite, so cursors compare the same); migrations run at
+``open`` under an advisory lock, so replicas starting together migrate once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from service import migrate
+from service.errors import StoreUnavailable
+from service.settings import Settings
+from service.store import (
+    IdempotencyRecord,
+    JobQuery,
+    JobStore,
+    SQLiteJobStore,
+    StoredJob,
+    decode_cursor,
+    encode_cursor,
+)
+from service.store_schema import idempotency_keys, job_blobs, jobs, toolset_owners, toolsets
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MIGRATION_LOCK = 0x70746317
+"""``pg_advisory_xact_lock`` key held while migrating (ASCII "ptc" and the issue's number)."""
+
+_JOB_COLUMNS = (
+    jobs.c.job_id,
+    jobs.c.status,
+    jobs.c.instance_id,
+    jobs.c.created_at,
+    jobs.c.ended_at,
+    jobs.c.view,
+    jobs.c.summary,
+    jobs.c.callback_pending,
+    jobs.c.owner,
+)
+_SUMMARY_COLUMNS = tuple(c for c in _JOB_COLUMNS if c is not jobs.c.view)
+_KEY_COLUMNS = (
+    idempotency_keys.c.owner,
+    idempotency_keys.c.key,
+    idempotency_keys.c.fingerprint,
+    idempotency_keys.c.kind,
+    idempotency_keys.c.resource_id,
+    idempotency_keys.c.created_at,
+    idempotency_keys.c.ends_by,
+)
+
+
+def async_url(url: str) -> sa.URL:
+    """``postgresql://…`` (or ``postgres://``) as SQLAlchemy's URL for psycopg 3."""
+    parsed = sa.make_url(url)
+    return parsed.set(drivername="postgresql+psycopg")
+
+
+def job_store(settings: Settings) -> JobStore:
+    """The store ``settings`` choose: PostgreSQL with ``PTC_STORE_URL``, else SQLite at ``job_store_path()``."""
+    if settings.store_url is not None:
+        return PostgresJobStore(settings.store_url.get_secret_value(), timeout_s=settings.store_timeout_s)
+    return SQLiteJobStore(settings.job_store_path())
+
+
+def safe_url(url: str) -> str:
+    """The URL for logs: the password replaced by ``***``; an unparsable URL is not shown at all."""
+    try:
+        return async_url(url).render_as_string(hide_password=True)
+    except (sa.exc.ArgumentError, ValueError):
+        return "postgresql (unparsable URL)"
+
+
+def _job(row: Any, with_view: bool = True) -> StoredJob:
+    return StoredJob(
+        row.job_id,
+        row.status,
+        row.instance_id,
+        datetime.fromisoformat(row.created_at),
+        datetime.fromisoformat(row.ended_at) if row.ended_at else None,
+        bytes(row.view) if with_view else b"",
+        bytes(row.summary),
+        bool(row.callback_pending),
+        row.owner,
+    )
+
+
+def _key(row: Any) -> IdempotencyRecord:
+    return IdempotencyRecord(
+        row.owner,
+        row.key,
+        row.fingerprint,
+        row.kind,
+        row.resource_id,
+        datetime.fromisoformat(row.created_at),
+        datetime.fromisoformat(row.ends_by) if row.ends_by else None,
+    )
+
+
+def _migrate(connection: sa.Connection) -> None:
+    connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})")  # one replica at a time
+    migrate.upgrade_connection(connection)
+
+
+class PostgresJobStore(JobStore):
+    """The shared store: one PostgreSQL database.
+
+    Args:
+        url: ``postgresql://user:password@host:port/db``.
+        timeout_s: longest wait for one operation (s): connecting, a pooled connection, a statement.
+        pool_size: connections kept open (more are opened up to twice this under load).
+    """
+
+    def __init__(self, url: str, timeout_s: float = 5.0, pool_size: int = 10) -> None:
+        self._url = url
+        self._timeout_s = timeout_s
+        self._pool_size = pool_size
+        self._engine: AsyncEngine | None = None
+
+    def describe(self) -> str:
+        return safe_url(self._url)
+
+    async def _call(self, operation: str, fn: Callable[[AsyncConnection], Awaitable[T]], write: bool = False) -> T:
+        """Run ``fn`` on a pooled connection (in a transaction when ``write``) within the timeout.
+
+        Raises:
+            StoreUnavailable: the database could not be reached, refused, or did not answer in time.
+        """
+        assert self._engine is not None, "the store is not open"
+        engine = self._engine
+        try:
+            async with asyncio.timeout(self._timeout_s + 1):  # the server's statement_timeout comes first
+                if write:
+                    async with engine.begin() as conn:
+                        return await fn(conn)
+                async with engine.connect() as conn:
+                    return await fn(conn)
+        except (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError, TimeoutError, OSError) as exc:
+            log.warning("job store %s: %s failed: %s", self.describe(), operation, type(exc).__name__, exc_info=exc)
+            raise StoreUnavailable(operation) from exc
+        except sa.exc.DBAPIError as exc:  # e.g. the server cancelled a statement past statement_timeout
+            if exc.connection_invalidated or "statement timeout" in str(exc.orig):
+                log.warning("job store %s: %s failed", self.describe(), operation, exc_info=exc)
+                raise StoreUnavailable(operation) from exc
+            raise
+
+    async def open(self) -> None:
+        timeout_ms = int(self._timeout_s * 1000)
+        self._engine = create_async_engine(
+            async_url(self._url),
+            pool_size=self._pool_size,
+            max_overflow=self._pool_size,
+            pool_timeout=self._timeout_s,
+            pool_pre_ping=True,
+            connect_args={
+                "connect_timeout": max(1, round(self._timeout_s)),
+                "options": f"-c statement_timeout={timeout_ms}",
+                "application_name": "ptc-sandbox",
+            },
+        )
+
+        async def upgrade(conn: AsyncConnection) -> None:
+            await conn.run_sync(_migrate)
+
+        try:
+            await self._call("migrate", upgrade)
+        except BaseException:
+            await self._engine.dispose()
+            self._engine = None
+            raise
+
+    async def close(self) -> None:
+        if self._engine is not None:
+            await self._engine.dispose()
+            self._engine = None
+
+    async def ping(self) -> None:
+        async def select(conn: AsyncConnection) -> None:
+            await conn.execute(sa.text("SELECT 1"))
+
+        await self._call("ping", select)
+
+    async def put(self, job: StoredJob) -> None:
+        values = {
+            "job_id": job.job_id,
+            "status": job.status,
+            "instance_id": job.instance_id,
+            "created_at": job.created_at.isoformat(),
+            "ended_at": job.ended_at.isoformat() if job.ended_at else None,
+            "view": job.view,
+            "summary": job.summary,
+            "callback_pending": int(job.callback_pending),
+            "owner": job.owner,
+        }
+        statement = insert(jobs).values(values)
+        statement = statement.on_conflict_do_update(
+            index_elements=[jobs.c.job_id], set_={k: statement.excluded[k] for k in values if k != "job_id"}
+        )
+
+        async def run(conn: AsyncConnection) -> None:
+            await conn.execute(statement)
+
+        await self._call("put", run, write=True)
+
+    async def get(self, job_id: str) -> StoredJob | None:
+        async def run(conn: AsyncConnection) -> StoredJob | None:
+            row = (await conn.execute(sa.select(*_JOB_COLUMNS).where(jobs.c.job_id == job_id))).first()
+            return _job(row) if row else None
+
+        return await self._call("get", run)
+
+    async def page(self, query: JobQuery) -> tuple[list[StoredJob], str | None]:
+        statement = sa.select(*_SUMMARY_COLUMNS)
+        if query.owner is not None:
+            statement = statement.where(jobs.c.owner == query.owner)
+        if query.statuses:
+            statement = statement.where(jobs.c.status.in_(list(query.statuses)))
+        if query.created_after is not None:
+            statement = statement.where(jobs.c.created_at > query.created_after.isoformat())
+        if query.created_before is not None:
+            statement = statement.where(jobs.c.created_at < query.created_before.isoformat())
+        if query.cursor:
+            created, job_id = decode_cursor(query.cursor)
+            after = sa.tuple_(sa.literal(created), sa.literal(job_id))
+            statement = statement.where(sa.tuple_(jobs.c.created_at, jobs.c.job_id) < after)
+        statement = statement.order_by(jobs.c.created_at.desc(), jobs.c.job_id.desc()).limit(query.limit + 1)
+
+        async def run(conn: AsyncConnection) -> list[StoredJob]:
+            return [_job(row, with_view=False) for row in await conn.execute(statement)]
+
+        rows = await self._call("page", run)
+        page = rows[: query.limit]
+        more = len(rows) > query.limit
+        return page, encode_cursor(page[-1].created_at, page[-1].job_id) if more and page else None
+
+    async def _jobs(self, operation: str, where: sa.ColumnElement[bool]) -> list[StoredJob]:
+        async def run(conn: AsyncConnection) -> list[StoredJob]:
+            return [_job(row) for row in await conn.execute(sa.select(*_JOB_COLUMNS).where(where))]
+
+        return await self._call(operation, run)
+
+    async def unfinished(self, instance_id: str) -> list[StoredJob]:
+        return await self._jobs("unfinished", sa.and_(jobs.c.instance_id == instance_id, jobs.c.ended_at.is_(None)))
+
+    async def callbacks_pending(self, instance_id: str) -> list[StoredJob]:
+        return await self._jobs(
+            "callbacks_pending", sa.and_(jobs.c.instance_id == instance_id, jobs.c.callback_pending == 1)
+        )
+
+    async def purge(self, ended_before: datetime) -> list[str]:
+        cutoff = ended_before.isoformat()
+        expired = sa.select(jobs.c.job_id).where(jobs.c.ended_at < cutoff)
+
+        async def run(conn: AsyncConnection) -> list[str]:  # one transaction, as in SQLite
+            ids = [row.job_id for row in await conn.execute(expired)]
+            keys = idempotency_keys.c
+            await conn.execute(sa.delete(idempotency_keys).where(keys.kind == "job", keys.resource_id.in_(expired)))
+            await conn.execute(sa.delete(job_blobs).where(job_blobs.c.job_id.in_(expired)))
+            await conn.execute(sa.delete(jobs).where(jobs.c.ended_at < cutoff))
+            await conn.execute(sa.delete(idempotency_keys).where(keys.kind == "session", keys.ends_by < cutoff))
+            await conn.execute(
+                sa.delete(idempotency_keys).where(
+                    keys.kind == "job",
+                    keys.created_at < cutoff,
+                    ~sa.exists().where(jobs.c.job_id == keys.resource_id),
+                )
+            )
+            return ids
+
+        return await self._call("purge", run, write=True)
+
+    async def count(self) -> int:
+        async def run(conn: AsyncConnection) -> int:
+            return int((await conn.execute(sa.select(sa.func.count()).select_from(jobs))).scalar_one())
+
+        return await self._call("count", run)
+
+    async def bind_idempotency_key(self, record: IdempotencyRecord) -> IdempotencyRecord:
+        statement = (
+            insert(idempotency_keys)
+            .values(
+                owner=record.owner,
+                key=record.key,
+                fingerprint=record.fingerprint,
+                kind=record.kind,
+                resource_id=record.resource_id,
+                created_at=record.created_at.isoformat(),
+                ends_by=record.ends_by.isoformat() if record.ends_by else None,
+            )
+            .on_conflict_do_nothing(index_elements=[idempotency_keys.c.owner, idempotency_keys.c.key])
+        )
+
+        async def run(conn: AsyncConnection) -> IdempotencyRecord:
+            await conn.execute(statement)
+            row = (await conn.execute(self._key_query(record.owner, record.key))).one()
+            return _key(row)
+
+        return await self._call("bind_idempotency_key", run, write=True)
+
+    @staticmethod
+    def _key_query(owner: str, key: str) -> sa.Select[Any]:
+        return sa.select(*_KEY_COLUMNS).where(idempotency_keys.c.owner == owner, idempotency_keys.c.key == key)
+
+    async def idempotency_key(self, owner: str, key: str) -> IdempotencyRecord | None:
+        async def run(conn: AsyncConnection) -> IdempotencyRecord | None:
+            row = (await conn.execute(self._key_query(owner, key))).first()
+            return _key(row) if row else None
+
+        return await self._call("idempotency_key", run)
+
+    async def put_toolset(self, toolset_id: str, manifest: bytes, owner: str) -> None:
+        created = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"  # as SQLite's default
+        add_toolset = (
+            insert(toolsets)
+            .values(toolset_id=toolset_id, manifest=manifest, created_at=created)
+            .on_conflict_do_nothing(index_elements=[toolsets.c.toolset_id])
+        )
+        add_owner = (
+            insert(toolset_owners)
+            .values(toolset_id=toolset_id, owner=owner)
+            .on_conflict_do_nothing(index_elements=[toolset_owners.c.toolset_id, toolset_owners.c.owner])
+        )
+
+        async def run(conn: AsyncConnection) -> None:  # one transaction: never a toolset without its owner
+            await conn.execute(add_toolset)
+            await conn.execute(add_owner)
+
+        await self._call("put_toolset", run, write=True)
+
+    async def get_toolset(self, toolset_id: str, owner: str | None) -> bytes | None:
+        statement = sa.select(toolsets.c.manifest).where(toolsets.c.toolset_id == toolset_id)
+        if owner is not None:
+            statement = statement.join(toolset_owners, toolset_owners.c.toolset_id == toolsets.c.toolset_id).where(
+                toolset_owners.c.owner == owner
+            )
+
+        async def run(conn: AsyncConnection) -> bytes | None:
+            value = (await conn.execute(statement)).scalar_one_or_none()
+            return bytes(value) if value is not None else None
+
+        return await self._call("get_toolset", run)
+
+    async def put_blobs(self, job_id: str, blobs: Mapping[str, bytes]) -> None:
+        if not blobs:
+            return
+        statement = insert(job_blobs).values([{"job_id": job_id, "name": n, "data": d} for n, d in blobs.items()])
+        statement = statement.on_conflict_do_update(
+            index_elements=[job_blobs.c.job_id, job_blobs.c.name], set_={"data": statement.excluded.data}
+        )
+
+        async def run(conn: AsyncConnection) -> None:
+            await conn.execute(statement)
+
+        await self._call("put_blobs", run, write=True)
+
+    async def read_blob(self, job_id: str, name: str, offset: int = 0, length: int | None = None) -> bytes | None:
+        part = (
+            sa.func.substring(job_blobs.c.data, offset + 1)
+            if length is None
+            else sa.func.substring(job_blobs.c.data, offset + 1, length)
+        )
+        statement = sa.select(part.label("data")).where(job_blobs.c.job_id == job_id, job_blobs.c.name == name)
+
+        async def run(conn: AsyncConnection) -> bytes | None:
+            value = (await conn.execute(statement)).scalar_one_or_none()
+            return bytes(value) if value is not None else None
+
+        return await self._call("read_blob", run)
+
+    async def blob_sizes(self, job_id: str) -> dict[str, int]:
+        statement = sa.select(job_blobs.c.name, sa.func.length(job_blobs.c.data)).where(job_blobs.c.job_id == job_id)
+
+        async def run(conn: AsyncConnection) -> dict[str, int]:
+            return {name: int(size) for name, size in await conn.execute(statement)}
+
+        return await self._call("blob_sizes", run)

@@ -1,0 +1,73 @@
+"""The job store's tables as SQLAlchemy Core metadata: the PostgreSQL store's queries use them, and a test checks
+that the migrations (``service/migrations/``) make exactly these tables on PostgreSQL.
+
+Times are ISO 8601 text (``datetime.isoformat()`` of UTC times), as in the SQLite store, so that both stores
+order and compare them the same way (cursors of ``GET /jobs`` are the same on both). Bytes are ``BLOB`` on
+SQLite and ``bytea`` on PostgreSQL.
+
+``job_blobs`` holds, for the PostgreSQL store, what the SQLite store keeps as files beside it: an ended job's
+retained output (``stdout``, ``stderr``) and its output files (``files/<index>``), so that any replica can serve
+them (issue 17). Its rows go with their job (``JobStore.purge``).
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+metadata = sa.MetaData()
+
+jobs = sa.Table(
+    "jobs",
+    metadata,
+    sa.Column("job_id", sa.Text, primary_key=True),
+    sa.Column("status", sa.Text, nullable=False),
+    sa.Column("instance_id", sa.Text, nullable=False),
+    sa.Column("created_at", sa.Text, nullable=False),
+    sa.Column("ended_at", sa.Text),
+    sa.Column("view", sa.LargeBinary, nullable=False),
+    sa.Column("summary", sa.LargeBinary, nullable=False),
+    sa.Column("callback_pending", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("owner", sa.Text),
+)
+sa.Index("jobs_by_created", jobs.c.created_at.desc(), jobs.c.job_id.desc())
+sa.Index("jobs_by_ended", jobs.c.ended_at, postgresql_where=jobs.c.ended_at.isnot(None))
+sa.Index("jobs_unfinished", jobs.c.instance_id, postgresql_where=jobs.c.ended_at.is_(None))
+sa.Index("jobs_callback_pending", jobs.c.instance_id, postgresql_where=jobs.c.callback_pending == 1)
+sa.Index("jobs_by_owner", jobs.c.owner, jobs.c.created_at.desc(), jobs.c.job_id.desc())
+
+toolsets = sa.Table(
+    "toolsets",
+    metadata,
+    sa.Column("toolset_id", sa.Text, primary_key=True),
+    sa.Column("manifest", sa.LargeBinary, nullable=False),
+    sa.Column("created_at", sa.Text, nullable=False),
+)
+
+toolset_owners = sa.Table(
+    "toolset_owners",
+    metadata,
+    sa.Column("toolset_id", sa.Text, primary_key=True),
+    sa.Column("owner", sa.Text, primary_key=True),
+)
+
+idempotency_keys = sa.Table(
+    "idempotency_keys",
+    metadata,
+    sa.Column("owner", sa.Text, primary_key=True),
+    sa.Column("key", sa.Text, primary_key=True),
+    sa.Column("fingerprint", sa.Text, nullable=False),
+    sa.Column("kind", sa.Text, nullable=False),
+    sa.Column("resource_id", sa.Text, nullable=False),
+    sa.Column("created_at", sa.Text, nullable=False),
+    sa.Column("ends_by", sa.Text),
+)
+sa.Index("idempotency_keys_by_resource", idempotency_keys.c.resource_id)
+sa.Index("idempotency_keys_by_end", idempotency_keys.c.ends_by, postgresql_where=idempotency_keys.c.ends_by.isnot(None))
+
+job_blobs = sa.Table(
+    "job_blobs",
+    metadata,
+    sa.Column("job_id", sa.Text, primary_key=True),
+    sa.Column("name", sa.Text, primary_key=True),
+    sa.Column("data", sa.LargeBinary, nullable=False),
+)

@@ -1,0 +1,102 @@
+"""The whole service on the fake backend with the PostgreSQL store (``PTC_STORE_URL``), no engine: a job's view,
+listing and calls come back from the store after a restart; a store that stops answering makes ``/readyz`` and
+the store's reads answer 503 problems (never a hang, never the URL's password). Issue 17, point 1."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+import sqlalchemy as sa
+
+from service.api import create_app
+from service.sandbox.fake import FakeBackend
+from service.settings import Settings
+
+TOOLS = [{"name": "t", "parameters": {"properties": {"x": {"type": "integer"}}}, "endpoint": {"kind": "echo"}}]
+
+
+@pytest.fixture
+def work_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="ptcs", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def service(work_dir: Path, url: str) -> Callable[[], AbstractAsyncContextManager[httpx.AsyncClient]]:
+    @asynccontextmanager
+    async def run() -> AsyncIterator[httpx.AsyncClient]:
+        settings = Settings(
+            work_dir=work_dir,
+            auth="disabled",
+            sandbox_folders_tmpfs_mb=0,
+            warm_pool_size=0,
+            instance_id="pg-" + work_dir.name,
+            store_url=url,
+            store_timeout_s=2,
+        )
+        app = create_app(settings, FakeBackend())
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://fake", timeout=60) as client:
+                yield client
+
+    return run
+
+
+def admin(url: str) -> psycopg.Connection:
+    return psycopg.connect(
+        sa.make_url(url).set(database="postgres").render_as_string(hide_password=False), autocommit=True
+    )
+
+
+async def test_a_job_is_served_from_postgresql_after_a_restart(work_dir: Path, postgres_url: str) -> None:
+    run = service(work_dir, postgres_url)
+    async with run() as client:
+        assert (await client.get("/readyz")).status_code == 200
+        view = (
+            await client.post("/execute", json={"script": "import tools\nprint(tools.t(x=1))", "tools": TOOLS})
+        ).json()
+        assert view["status"] == "succeeded", view
+    async with run() as client:
+        again = (await client.get(f"/jobs/{view['job_id']}")).json()
+        assert (again["status"], again["stdout"], len(again["calls"])) == ("succeeded", view["stdout"], 1)
+        listed = (await client.get("/jobs")).json()
+        assert [job["job_id"] for job in listed["jobs"]] == [view["job_id"]]
+
+
+async def test_a_store_that_stops_answering_is_a_503_not_a_hang(
+    work_dir: Path, postgres_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    name = sa.make_url(postgres_url).database
+    password = sa.make_url(postgres_url).password
+    assert password
+    run = service(work_dir, postgres_url)
+    async with run() as client:
+        view = (await client.post("/execute", json={"script": "print(1)"})).json()
+        with admin(postgres_url) as db:
+            db.execute(f"ALTER DATABASE {name} ALLOW_CONNECTIONS false")
+            db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
+        try:
+            ready = await client.get("/readyz")
+            assert ready.status_code == 503
+            assert ready.json()["type"].endswith("/not-ready")
+            assert "job store" in ready.json()["detail"]
+            answer = await client.get("/jobs")  # a listing reads the store (an ended job's view may be cached)
+            assert answer.status_code == 503
+            assert answer.headers["content-type"] == "application/problem+json"
+            assert answer.json()["type"].endswith("/store-unavailable")
+            assert answer.headers["retry-after"] == "5"
+            for text in (ready.text, answer.text, caplog.text):
+                assert password not in text
+        finally:
+            with admin(postgres_url) as db:
+                db.execute(f"ALTER DATABASE {name} ALLOW_CONNECTIONS true")
+        assert (await client.get("/readyz")).status_code == 200  # back once the store answers again
+        assert (await client.get("/jobs")).json()["jobs"][0]["job_id"] == view["job_id"]
