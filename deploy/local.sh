@@ -6,6 +6,7 @@
 #   deploy/local.sh test    set everything up, then run ruff, mypy --strict and the whole test suite
 #   deploy/local.sh setup   only set up: Python venv, Docker engine, gVisor, sandbox images (minimal and data)
 #   deploy/local.sh engine  only the Docker engine and gVisor steps
+#   deploy/local.sh postgres  only PostgreSQL for the tests (started, role and database made); prints its URL
 #   deploy/local.sh register-runsc CONFIG   only write runsc into the daemon.json CONFIG (engine untouched)
 #   deploy/local.sh bench   set everything up, then run the benchmark (bench/; args passed on)
 #
@@ -22,10 +23,13 @@
 #   - the sandbox image (sandbox_image/build.sh; offline base when no registry) and the data image on it
 #     (numpy, pandas, matplotlib: sandbox_image/build.sh --data, wheels downloaded on the host once); `serve`
 #     offers both (PTC_IMAGES default and data, data with 1 GiB of memory) unless PTC_IMAGES is set;
-#   - for the tests only: Debian's docker-compose when no `docker compose` works, Debian's
+#   - for the tests only: Debian's PostgreSQL (a cluster started with pg_ctlcluster, no systemd; a role and a
+#     database ptc_test; `test` exports PTC_TEST_STORE_URL for the store tests), Debian's docker-compose when no
+#     `docker compose` works, Debian's
 #     prometheus (a real Prometheus scrapes the service in a test), and Debian's chromium
 #     (a headless browser renders /docs and /redoc with the network off in a test).
-# Env: PTC_SANDBOX_IMAGE (image tag), PTC_DATA_IMAGE (data image tag), PYTHON (interpreter for the venv),
+# Env: PTC_TEST_STORE_URL (a PostgreSQL for the tests; default: the local cluster's ptc_test database),
+#      PTC_SANDBOX_IMAGE (image tag), PTC_DATA_IMAGE (data image tag), PYTHON (interpreter for the venv),
 #      PTC_DOCKERD_LOG (default /var/log/ptc-dockerd.log),
 #      PTC_DOCKER_DAEMON_JSON (default /etc/docker/daemon.json),
 #      PTC_DOCKERD_PIDFILE (default /var/run/docker.pid: the dockerd that gets SIGHUP).
@@ -152,6 +156,42 @@ setup_compose() {
   apt_install --no-install-recommends docker-compose
 }
 
+# PostgreSQL for the store tests (tests/pgstore.py): Debian's package, its cluster started with pg_ctlcluster (these
+# machines have no systemd), a role ptc_test that may create databases (each test makes its own) and a database
+# ptc_test. Idempotent: an installed, running cluster and an existing role are left as they are. Missing
+# PostgreSQL fails under CI=true (the store tests need it), else warns (those tests then skip).
+PG_TEST_PASSWORD=ptc-test-pw-4f2a  # a local test role on loopback only; never a production credential
+pg_test_url=""
+as_postgres() { if [ "$(id -u)" = 0 ]; then su postgres -s /bin/sh -c "$*"; else sudo -u postgres sh -c "$*"; fi; }
+setup_postgres() {
+  if [ -n "${PTC_TEST_STORE_URL:-}" ]; then pg_test_url=$PTC_TEST_STORE_URL; return; fi
+  if ! command -v pg_lsclusters >/dev/null || [ -z "$(pg_lsclusters -h 2>/dev/null)" ]; then
+    apt_install --no-install-recommends postgresql || true
+  fi
+  local line version cluster port status
+  line=$(pg_lsclusters -h 2>/dev/null | head -n 1 || true)
+  if [ -z "$line" ]; then
+    version=$(ls /usr/lib/postgresql 2>/dev/null | sort -n | tail -n 1)
+    if [ -n "$version" ]; then as_root pg_createcluster "$version" main >/dev/null; fi
+    line=$(pg_lsclusters -h 2>/dev/null | head -n 1 || true)
+  fi
+  if [ -z "$line" ]; then
+    if [ "${CI:-}" = true ]; then log "no PostgreSQL cluster could be made; CI needs it for the store tests"; exit 1; fi
+    log "warning: no PostgreSQL: the PostgreSQL store tests will skip"; return
+  fi
+  read -r version cluster port status _ <<<"$line"
+  if [ "$status" != online ]; then
+    log "starting PostgreSQL $version/$cluster on port $port (pg_ctlcluster)"
+    as_root pg_ctlcluster "$version" "$cluster" start
+  fi
+  for _ in $(seq 30); do pg_isready -q -h 127.0.0.1 -p "$port" && break; sleep 1; done
+  as_postgres "psql -p $port -qtAc \"SELECT 1 FROM pg_roles WHERE rolname = 'ptc_test'\" | grep -q 1 ||
+    psql -p $port -qc \"CREATE ROLE ptc_test LOGIN CREATEDB PASSWORD '$PG_TEST_PASSWORD'\""
+  as_postgres "psql -p $port -qtAc \"SELECT 1 FROM pg_database WHERE datname = 'ptc_test'\" | grep -q 1 ||
+    createdb -p $port -O ptc_test ptc_test"
+  pg_test_url="postgresql://ptc_test:$PG_TEST_PASSWORD@127.0.0.1:$port/ptc_test"
+}
+
 # A headless browser for the API documents' test (tests/integration/test_docs_ui.py).
 setup_chromium() {
   if command -v chromium >/dev/null; then return; fi
@@ -173,12 +213,13 @@ setup() {
   setup_engine
   setup_pid_max
   sandbox_image/build.sh --data >/dev/null  # the minimal image, then the data image on it (cached: seconds)
-  if [ "${1:-}" = "[test]" ]; then setup_prometheus; setup_compose; setup_chromium; fi
+  if [ "${1:-}" = "[test]" ]; then setup_prometheus; setup_compose; setup_chromium; setup_postgres; fi
 }
 
 case "${1:-}" in
   setup) setup "[test]" ;;
   engine) setup_engine ;;
+  postgres) setup_postgres; echo "$pg_test_url" ;;
   register-runsc)
     [ -n "${2:-}" ] || { log "usage: deploy/local.sh register-runsc CONFIG"; exit 2; }
     install_runsc
@@ -202,6 +243,7 @@ case "${1:-}" in
     .venv/bin/ruff check .
     .venv/bin/ruff format --check .
     .venv/bin/mypy
+    if [ -n "$pg_test_url" ]; then export PTC_TEST_STORE_URL=$pg_test_url; fi
     .venv/bin/pytest -q -p no:cacheprovider "${@:2}" ;;
   bench)
     setup "[test]"
