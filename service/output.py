@@ -230,6 +230,26 @@ class OutputRange:
                 self._fd = None
 
 
+class BytesRange(OutputRange):
+    """An ``OutputRange`` over bytes already read (an ended job's retained output from a shared job store)."""
+
+    def __init__(self, data: bytes, offset: int) -> None:
+        super().__init__(None, offset, len(data))
+        self._data = data
+
+    def read(self, most: int) -> bytes:
+        with self._lock:
+            start = self._position - self.offset
+            data = self._data[start : start + max(0, min(most, self.remaining))]
+            self._position += len(data)
+            return data
+
+    def close(self) -> None:
+        with self._lock:
+            self._data = b""
+            self._position = self.offset + self.length
+
+
 def read_range(path: Path, offset: int, length: int) -> bytes:
     """Up to ``length`` retained bytes of a stream from byte ``offset`` (b"" past the end or without a file)."""
     try:

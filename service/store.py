@@ -137,7 +137,14 @@ def decode_cursor(cursor: str) -> tuple[str, str]:
 
 
 class JobStore(abc.ABC):
-    """Persistence of jobs. All methods are coroutines and safe to call concurrently."""
+    """Persistence of jobs. All methods are coroutines and safe to call concurrently.
+
+    Attributes:
+        shares_output: the store keeps each ended job's retained output and output files (``put_blobs``), for
+            any replica to serve when the job's folder is not on its disk (True for PostgreSQL).
+    """
+
+    shares_output: bool = False
 
     @abc.abstractmethod
     async def open(self) -> None:

@@ -127,6 +127,8 @@ class PostgresJobStore(JobStore):
         pool_size: connections kept open (more are opened up to twice this under load).
     """
 
+    shares_output = True
+
     def __init__(self, url: str, timeout_s: float = 5.0, pool_size: int = 10) -> None:
         self._url = url
         self._timeout_s = timeout_s

@@ -247,9 +247,9 @@ class JobManager:
 
     # -- reading and waiting (``JobViews``) ----------------------------------------------------
 
-    async def output_file(self, job_id: str, caller: Caller, path: str) -> tuple[Path, dict[str, Any]]:
-        """(host file, entry) of an output file of the job (``JobViews.output_file``); raises JobNotFound,
-        NoSuchFile."""
+    async def output_file(self, job_id: str, caller: Caller, path: str) -> tuple[Path | bytes, dict[str, Any]]:
+        """(host file, or its bytes from the shared store, entry) of an output file of the job
+        (``JobViews.output_file``); raises JobNotFound, NoSuchFile."""
         return await self._views.output_file(job_id, caller, path)
 
     def live(self, job_id: str, caller: Caller) -> LiveJob | None:

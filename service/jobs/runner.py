@@ -31,6 +31,7 @@ from service.jobs.events import CallEnded, Events, JobEnded, SandboxStarted, Sta
 from service.jobs.live import LiveJob, now, stored_job
 from service.jobs.model import INTERNAL_ERROR, SERVICE_STOPPED, EndedBy, ErrorType, JobError, JobStatus, end_of_run
 from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
+from service.jobs.shared import collect
 from service.jobs.tasks import Tasks
 from service.sandbox.base import ExitStatus, write_run_files
 from service.sandbox.resident import KILL_CONFIRM_S, ResidentRun
@@ -201,6 +202,15 @@ class Runner:
         if final:
             self._final_views.put(job.id, encoded)
 
+    async def _share_output(self, job: LiveJob) -> None:
+        """Copy the ended job's retained output and output files into the shared store (``service.jobs.shared``).
+        Never raises: a store that fails leaves them on this replica's disk only (logged)."""
+        try:
+            blobs = await asyncio.to_thread(collect, job.output_dir, job.files_view()["files"])
+            await self._store.put_blobs(job.id, blobs)
+        except Exception:
+            log.exception("job %s: could not keep its output in the shared store", job.id)
+
     async def _set_status(self, job: LiveJob, status: JobStatus) -> None:
         job.move(status)
         job.notify()
@@ -332,6 +342,8 @@ class Runner:
             job.ended_at = now()
             if not job.ended:
                 job.end(JobStatus.LOST, job.error)
+            if self._store.shares_output:  # before the final view: a reader of an ended job finds its output
+                await self._share_output(job)
             try:
                 await self._save(job, final=True)
             except Exception:

@@ -20,10 +20,10 @@ import orjson
 from service import files, views
 from service.auth import Caller
 from service.errors import InvalidField, JobNotFound, NoSuchFile
-from service.jobs import resume
+from service.jobs import resume, shared
 from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob, wait_for_end_or_client
 from service.jobs.model import FINAL
-from service.output import OutputRange, decode_slice, read_range
+from service.output import BytesRange, OutputRange, decode_slice, read_range
 from service.sandbox.base import Stream
 from service.schemas import JobSummary
 from service.store import JobQuery, JobStore
@@ -185,8 +185,7 @@ class JobViews:
 
         ``<stream>_truncated`` then says whether retained bytes follow the slice.
         """
-        path = self._output_dir / view["job_id"] / stream
-        data = await asyncio.to_thread(read_range, path, offset, SLICE_BYTES)
+        data = await self._read(view["job_id"], stream, offset, SLICE_BYTES)
         at_end = view["status"] in FINAL and offset + len(data) >= view[f"{stream}_retained_bytes"]
         text, consumed, invalid = decode_slice(data, final=at_end)
         view[stream] = text
@@ -195,8 +194,9 @@ class JobViews:
         view[f"{stream}_invalid_utf8"] = invalid
         view[f"{stream}_truncated"] = offset + consumed < view[f"{stream}_retained_bytes"]
 
-    async def output_file(self, job_id: str, caller: Caller, path: str) -> tuple[Path, dict[str, Any]]:
-        """(host file, entry of the view's ``files``) of the output file ``path`` of the job.
+    async def output_file(self, job_id: str, caller: Caller, path: str) -> tuple[Path | bytes, dict[str, Any]]:
+        """(host file, or its bytes from the shared store, entry of the view's ``files``) of the output file
+        ``path`` of the job.
 
         Raises:
             JobNotFound: no such job (another owner's too).
@@ -204,18 +204,27 @@ class JobViews:
         """
         job = self.live(job_id, caller)
         listed = job.files_view()["files"] if job is not None else (await self.final(job_id, caller)).head.get("files")
+        found: tuple[Path | bytes, dict[str, Any]] | None
         found = await asyncio.to_thread(files.find, self._output_dir / job_id, listed or [], path)
+        if found is None and job is None and await shared.in_store(self._store, self._output_dir, job_id):
+            found = await shared.stored_file(self._store, job_id, listed or [], path)
         if found is None:
             raise NoSuchFile(f"job {job_id} has no output file {path[:200]!r}")
         return found
+
+    async def _read(self, job_id: str, stream: Stream, offset: int, length: int) -> bytes:
+        """Up to ``length`` retained bytes of a stream from ``offset``: from this replica's disk, or for an ended
+        job another replica ran, from the shared store (b"" past the end or without any)."""
+        if job_id not in self._live and await shared.in_store(self._store, self._output_dir, job_id):
+            return await self._store.read_blob(job_id, stream, offset, length) or b""
+        return await asyncio.to_thread(read_range, self._output_dir / job_id / stream, offset, length)
 
     async def read_output(self, job_id: str, caller: Caller, stream: Stream, offset: int, length: int) -> bytes:
         """Raw retained bytes of a stream, at most ``min(length, SLICE_BYTES)`` of them (bounded in memory:
         ``output_range`` serves longer reads); raises JobNotFound (for another owner's job too)."""
         if self.live(job_id, caller) is None:
             await self.stored_view(job_id, caller)
-        path = self._output_dir / job_id / stream
-        return await asyncio.to_thread(read_range, path, offset, min(length, SLICE_BYTES))
+        return await self._read(job_id, stream, offset, min(length, SLICE_BYTES))
 
     async def output_range(self, job_id: str, caller: Caller, stream: Stream, offset: int, length: int) -> OutputRange:
         """The retained bytes of a stream from ``offset``, up to ``length`` (those retained now), as an open
@@ -226,6 +235,8 @@ class JobViews:
         """
         if self.live(job_id, caller) is None:
             await self.stored_view(job_id, caller)
+            if await shared.in_store(self._store, self._output_dir, job_id):
+                return BytesRange(await self._store.read_blob(job_id, stream, offset, length) or b"", offset)
         return await asyncio.to_thread(OutputRange.open, self._output_dir / job_id / stream, offset, length)
 
     async def wait(self, job_id: str, caller: Caller, timeout_s: float, selection: Selection = FULL) -> Body:

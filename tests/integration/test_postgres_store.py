@@ -1,6 +1,7 @@
 """The real service on the real engine with the PostgreSQL job store (``PTC_STORE_URL``, issue 17 point 1): a job
-runs end to end; after a restart of the service its view, output and calls come back from PostgreSQL; the
-store's password appears nowhere in the log nor in ``/readyz``."""
+runs end to end; after a restart of the service its view, output and calls come back from PostgreSQL, and a
+service on another work dir (another replica) serves its output from PostgreSQL; the store's password appears
+nowhere in the log nor in ``/readyz``."""
 
 from __future__ import annotations
 
@@ -48,3 +49,11 @@ def test_a_job_on_postgresql_outlives_a_restart(engine: docker.DockerClient, scr
     log = svc.log()
     assert "***@127.0.0.1" in log  # the start line names the store, password hidden
     assert password not in log
+
+    other = start_service(f"{instance}-b", scratch / "pg-store-b", PTC_STORE_URL=postgres_url)  # another replica
+    try:
+        with other.client() as api:
+            assert api.get(f"/jobs/{view['job_id']}").json()["stdout"] == view["stdout"]
+            assert api.get(f"/jobs/{view['job_id']}/output/stdout").content == output  # from PostgreSQL
+    finally:
+        stop_clean(engine, other)

@@ -1,6 +1,7 @@
 """The whole service on the fake backend with the PostgreSQL store (``PTC_STORE_URL``), no engine: a job's view,
-listing and calls come back from the store after a restart; a store that stops answering makes ``/readyz`` and
-the store's reads answer 503 problems (never a hang, never the URL's password). Issue 17, point 1."""
+listing and calls come back from the store after a restart; an ended job's output ranges, slices and output files
+are served by a service on another work dir (another replica) from the store; a store that stops answering makes
+``/readyz`` and the store's reads answer 503 problems (never a hang, never the URL's password). Issue 17, point 1."""
 
 from __future__ import annotations
 
@@ -22,11 +23,14 @@ from service.settings import Settings
 TOOLS = [{"name": "t", "parameters": {"properties": {"x": {"type": "integer"}}}, "endpoint": {"kind": "echo"}}]
 
 
-@pytest.fixture
-def work_dir() -> Iterator[Path]:
+def scratch_dir() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="ptcs", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+work_dir = pytest.fixture(scratch_dir)
+other_work_dir = pytest.fixture(scratch_dir)
 
 
 def service(work_dir: Path, url: str) -> Callable[[], AbstractAsyncContextManager[httpx.AsyncClient]]:
@@ -100,3 +104,45 @@ async def test_a_store_that_stops_answering_is_a_503_not_a_hang(
                 db.execute(f"ALTER DATABASE {name} ALLOW_CONNECTIONS true")
         assert (await client.get("/readyz")).status_code == 200  # back once the store answers again
         assert (await client.get("/jobs")).json()["jobs"][0]["job_id"] == view["job_id"]
+
+
+OUTPUTS = """
+import os, sys
+os.makedirs("outputs", exist_ok=True)
+with open("outputs/report.bin", "wb") as f:
+    f.write(bytes(range(256)))
+for i in range(2000):
+    print("line", i)
+print("to stderr", file=sys.stderr)
+"""
+
+
+async def test_another_replica_serves_an_ended_jobs_output_and_files_from_the_store(
+    work_dir: Path, other_work_dir: Path, postgres_url: str
+) -> None:
+    async with service(work_dir, postgres_url)() as client:
+        view = (await client.post("/execute", json={"script": OUTPUTS})).json()
+        assert view["status"] == "succeeded", view
+        job_id = view["job_id"]
+        here = {
+            "stdout": (await client.get(f"/jobs/{job_id}/output/stdout")).content,
+            "range": (await client.get(f"/jobs/{job_id}/output/stdout", params={"offset": 100, "length": 50})).content,
+            "stderr": (await client.get(f"/jobs/{job_id}/output/stderr")).content,
+            "slice": (await client.get(f"/jobs/{job_id}", params={"stdout_offset": 9000})).json()["stdout"],
+            "file": (await client.get(f"/jobs/{job_id}/files/outputs/report.bin")).content,
+        }
+    assert here["file"] == bytes(range(256)) and len(here["stdout"]) > 9000 and here["slice"]
+    async with service(other_work_dir, postgres_url)() as other:  # no output/<job_id>/ on this one's disk
+        assert not (other_work_dir / "output" / job_id).exists()
+        there = {
+            "stdout": (await other.get(f"/jobs/{job_id}/output/stdout")).content,
+            "range": (await other.get(f"/jobs/{job_id}/output/stdout", params={"offset": 100, "length": 50})).content,
+            "stderr": (await other.get(f"/jobs/{job_id}/output/stderr")).content,
+            "slice": (await other.get(f"/jobs/{job_id}", params={"stdout_offset": 9000})).json()["stdout"],
+            "file": (await other.get(f"/jobs/{job_id}/files/outputs/report.bin")).content,
+        }
+        assert there == here
+        file = await other.get(f"/jobs/{job_id}/files/outputs/report.bin")
+        assert file.headers["x-content-sha256"] == view["files"][0]["sha256"]
+        assert (await other.get(f"/jobs/{job_id}/files/outputs/none.bin")).status_code == 404
+        assert (await other.get(f"/jobs/{job_id}/output/stdout", params={"offset": 10**9})).content == b""

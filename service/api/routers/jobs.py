@@ -260,11 +260,11 @@ async def get_output_file(job_id: str, path: str, jobs: Jobs, who: Who) -> Respo
     """An output file of the job (one its view lists in ``files``: what the script left in ``outputs/``), as it was
     collected when the script ended; kept as long as the job. 404 for an unknown job or path."""
     host, entry = await jobs.output_file(job_id, who, path)
-    return FileResponse(
-        host,
-        media_type=str(entry.get("content_type") or "application/octet-stream"),
-        headers={"X-Content-SHA256": str(entry.get("sha256", "")), **DOWNLOAD_HEADERS},
-    )
+    media_type = str(entry.get("content_type") or "application/octet-stream")
+    headers = {"X-Content-SHA256": str(entry.get("sha256", "")), **DOWNLOAD_HEADERS}
+    if isinstance(host, bytes):  # an ended job another replica ran: from the shared store
+        return Response(host, media_type=media_type, headers=headers)
+    return FileResponse(host, media_type=media_type, headers=headers)
 
 
 @router.post("/jobs/{job_id}/wait", response_model=ViewAnswer, responses={404: {}})

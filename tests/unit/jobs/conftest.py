@@ -39,6 +39,7 @@ class FakeStore:
     rows: dict[str, StoredJob] = field(default_factory=dict)
     failing: bool = False
     puts: int = 0
+    shares_output: bool = False
 
     async def put(self, job: StoredJob) -> None:
         self.puts += 1

@@ -1,0 +1,54 @@
+"""Ended jobs' retained output and output files in a shared job store (``JobStore.shares_output``: PostgreSQL).
+
+When a job ends, the runner copies what ``PTC_WORK_DIR/output/<job_id>/`` retained (``stdout``, ``stderr``, each at
+most ``PTC_OUTPUT_RETENTION_BYTES``, and the output files, at most ``PTC_MAX_OUTPUT_FILES_BYTES`` in all) into the
+store's ``job_blobs`` before it saves the final view, so a replica that does not have the folder serves them from
+the store (``JobViews``). The folder stays the first source: the replica that ran the job reads its own disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from service.files import FILES_FOLDER
+from service.jobs.live import STREAMS
+from service.store import JobStore
+
+
+def file_blob(index: int) -> str:
+    """The blob name of the output file at ``index`` of a view's ``files``."""
+    return f"{FILES_FOLDER}/{index}"
+
+
+def collect(folder: Path, listed: list[dict[str, Any]]) -> dict[str, bytes]:
+    """The blobs of an ended job: its retained streams and each output file its view lists (blocking: a thread).
+
+    Missing files are left out (a stream never written, a file not collected).
+    """
+    blobs: dict[str, bytes] = {}
+    for name in [*STREAMS, *(file_blob(i) for i in range(len(listed)))]:
+        try:
+            blobs[name] = (folder / name).read_bytes()
+        except OSError:
+            continue
+    return blobs
+
+
+async def in_store(store: JobStore, output_dir: Path, job_id: str) -> bool:
+    """Whether an ended job's output is read from the shared store: the store keeps it and this replica does not
+    hold the job's folder ``output_dir/<job_id>`` (another replica ran it)."""
+    return store.shares_output and not await asyncio.to_thread((output_dir / job_id).is_dir)
+
+
+async def stored_file(
+    store: JobStore, job_id: str, listed: list[dict[str, Any]], path: str
+) -> tuple[Path | bytes, dict[str, Any]] | None:
+    """(bytes, entry) of the output file ``path`` among an ended job's ``files`` (its view's), from the shared
+    store, or None."""
+    for index, entry in enumerate(listed):
+        if entry.get("path") == path:
+            data = await store.read_blob(job_id, file_blob(index))
+            return (data, entry) if data is not None else None
+    return None
