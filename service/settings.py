@@ -599,9 +599,15 @@ class Settings(BaseSettings):
     def _postgresql_url(cls, value: SecretStr | None) -> SecretStr | None:
         if value is None or not value.get_secret_value():
             return None
-        scheme = value.get_secret_value().split("://", 1)[0]
-        if scheme not in ("postgresql", "postgres", "postgresql+psycopg"):
-            raise ValueError("PTC_STORE_URL must be a postgresql://user:password@host:port/db URL")
+        import sqlalchemy  # only with a store URL: the SQLite default does not import it
+
+        problem = "PTC_STORE_URL must be a postgresql://user:password@host:port/db URL"  # never the value itself
+        try:
+            url = sqlalchemy.make_url(value.get_secret_value())
+        except (sqlalchemy.exc.ArgumentError, ValueError):
+            raise ValueError(problem) from None
+        if url.drivername not in ("postgresql", "postgres", "postgresql+psycopg") or not url.database:
+            raise ValueError(problem)
         return value
 
     def job_store_path(self) -> Path:

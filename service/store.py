@@ -311,9 +311,11 @@ class SQLiteJobStore(JobStore):
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("PRAGMA busy_timeout=5000")
             if _revision(db) != HEAD:  # a new file, or one of an older schema: migrations (Alembic, imported then)
+                import sqlalchemy
+
                 from service import migrate
 
-                migrate.upgrade(f"sqlite:///{self._path}")
+                migrate.upgrade(sqlalchemy.URL.create("sqlite", database=str(self._path)))
             os.chmod(self._path, 0o600)  # outputs, arguments and results: for the service only
             self._db = db
 

@@ -463,3 +463,45 @@ async def test_a_statement_held_by_a_lock_ends_at_the_timeout(postgres_url: str)
         assert await store.get("job_1") == job("job_1", 0, 1)  # and the store works again after
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"mysql://u:{SECRET}@h/db",
+        f"postgresql://u:{SECRET}@h:notaport/db",
+        f"postgresql://u:{SECRET}@h:5432",
+        f"http://u:{SECRET}@h/db",
+    ],
+)
+def test_a_bad_store_url_is_refused_without_showing_it(url: str) -> None:
+    from pydantic import ValidationError
+
+    from service.__main__ import _settings_errors
+    from service.settings import Settings
+
+    with pytest.raises(ValidationError) as caught:
+        Settings(store_url=url)
+    shown = _settings_errors(caught.value)  # what `ptc-sandbox serve` prints when it refuses to start
+    assert SECRET not in shown
+    assert "PTC_STORE_URL must be a postgresql://" in shown
+
+
+def test_an_empty_store_url_means_sqlite(tmp_path: Path) -> None:
+    from service.settings import Settings
+    from service.store_pg import job_store
+
+    assert isinstance(job_store(Settings(work_dir=tmp_path, store_url="")), SQLiteJobStore)
+    chosen = job_store(Settings(work_dir=tmp_path, store_url=f"postgresql://u:{SECRET}@h:5432/db"))
+    assert isinstance(chosen, PostgresJobStore) and SECRET not in chosen.describe()
+
+
+async def test_a_sqlite_path_with_url_characters_is_migrated(tmp_path: Path) -> None:
+    path = tmp_path / "odd ?name#1" / "jobs.sqlite3"
+    store = SQLiteJobStore(path)
+    await store.open()
+    try:
+        await store.put(job("job_1", 0, 1))
+    finally:
+        await store.close()
+    assert migrate.current(sa.URL.create("sqlite", database=str(path))) == HEAD
