@@ -166,7 +166,15 @@ as_postgres() { if [ "$(id -u)" = 0 ]; then su postgres -s /bin/sh -c "$*"; else
 setup_postgres() {
   if [ -n "${PTC_TEST_STORE_URL:-}" ]; then pg_test_url=$PTC_TEST_STORE_URL; return; fi
   if ! command -v pg_lsclusters >/dev/null || [ -z "$(pg_lsclusters -h 2>/dev/null)" ]; then
+    # The package's postinst would start the cluster through invoke-rc.d (no systemd here): policy-rc.d forbids
+    # it, and pg_ctlcluster starts it below.
+    local policy=/usr/sbin/policy-rc.d added=""
+    if [ ! -e "$policy" ]; then
+      as_root sh -c "printf '#!/bin/sh\nexit 101\n' >'$policy' && chmod 755 '$policy'"
+      added=1
+    fi
     apt_install --no-install-recommends postgresql || true
+    if [ -n "$added" ]; then as_root rm -f "$policy"; fi
   fi
   local line version cluster port status
   line=$(pg_lsclusters -h 2>/dev/null | head -n 1 || true)
