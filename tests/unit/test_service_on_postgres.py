@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psycopg
@@ -17,6 +18,7 @@ import pytest
 import sqlalchemy as sa
 
 from service.api import create_app
+from service.auth import hash_token
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
 
@@ -33,12 +35,23 @@ work_dir = pytest.fixture(scratch_dir)
 other_work_dir = pytest.fixture(scratch_dir)
 
 
-def service(work_dir: Path, url: str) -> Callable[[], AbstractAsyncContextManager[httpx.AsyncClient]]:
+ALICE, BOB = "alice-token-0123456789abcdef", "bob-token-0123456789abcdefgh"
+KEYS = f"alice:{hash_token(ALICE)},bob:{hash_token(BOB)}"
+
+
+def service(
+    work_dir: Path, url: str, token: str | None = None
+) -> Callable[[], AbstractAsyncContextManager[httpx.AsyncClient]]:
+    """The service on ``work_dir`` and the store at ``url``; with ``token``, authentication is on (alice and bob)
+    and the client sends that token."""
+
     @asynccontextmanager
     async def run() -> AsyncIterator[httpx.AsyncClient]:
+        auth: dict[str, Any] = {"api_keys": KEYS} if token else {"auth": "disabled"}
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
         settings = Settings(
+            **auth,
             work_dir=work_dir,
-            auth="disabled",
             sandbox_folders_tmpfs_mb=0,
             warm_pool_size=0,
             instance_id="pg-" + work_dir.name,
@@ -48,7 +61,9 @@ def service(work_dir: Path, url: str) -> Callable[[], AbstractAsyncContextManage
         app = create_app(settings, FakeBackend())
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-            async with httpx.AsyncClient(transport=transport, base_url="http://fake", timeout=60) as client:
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://fake", timeout=60, headers=headers
+            ) as client:
                 yield client
 
     return run
@@ -146,3 +161,18 @@ async def test_another_replica_serves_an_ended_jobs_output_and_files_from_the_st
         assert file.headers["x-content-sha256"] == view["files"][0]["sha256"]
         assert (await other.get(f"/jobs/{job_id}/files/outputs/none.bin")).status_code == 404
         assert (await other.get(f"/jobs/{job_id}/output/stdout", params={"offset": 10**9})).content == b""
+
+
+async def test_another_owners_job_output_is_not_found_on_another_replica(
+    work_dir: Path, other_work_dir: Path, postgres_url: str
+) -> None:
+    async with service(work_dir, postgres_url, ALICE)() as alice:
+        view = (await alice.post("/execute", json={"script": OUTPUTS})).json()
+        assert view["status"] == "succeeded", view
+    job_id = view["job_id"]
+    async with service(other_work_dir, postgres_url, BOB)() as bob:
+        for path in (f"/jobs/{job_id}/output/stdout", f"/jobs/{job_id}/files/outputs/report.bin", f"/jobs/{job_id}"):
+            answer = await bob.get(path)
+            assert answer.status_code == 404 and answer.json()["type"].endswith("/job-not-found"), path
+    async with service(other_work_dir, postgres_url, ALICE)() as alice:
+        assert (await alice.get(f"/jobs/{job_id}/files/outputs/report.bin")).content == bytes(range(256))
