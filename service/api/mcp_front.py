@@ -25,6 +25,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from service.api.bodies import parse_body
 from service.api.problems import (
+    BAD_REQUEST,
     INTERNAL_ERROR,
     INVALID_REQUEST,
     LIMIT_EXCEEDED,
@@ -54,13 +55,20 @@ its script is one string however long."""
 T = TypeVar("T")
 
 
+INLINE_PARSE_BYTES = 64 * 1024
+"""A view up to this size is parsed on the event loop (well under a millisecond); a larger one (a job's calls can
+make megabytes: 11 ms for 3 MB) on a worker thread, so one key's reads of large views do not stall the loop."""
+
+
 async def _json(body: Body) -> dict[str, Any]:
     """A job view's body (bytes, or pieces as rendered) as a dict."""
     if isinstance(body, bytes):
         data = body
     else:
         data = b"".join([piece async for piece in body])
-    view: dict[str, Any] = json.loads(data)
+    view: dict[str, Any] = (
+        json.loads(data) if len(data) <= INLINE_PARSE_BYTES else await asyncio.to_thread(json.loads, data)
+    )
     return view
 
 
@@ -185,7 +193,8 @@ class McpEndpoint:
     every route's): not JSON, nested deeper than ``bodies.MAX_BODY_DEPTH`` or holding more than
     ``MAX_MESSAGE_VALUES`` values is the ``422`` ``invalid-request`` problem, so what the SDK then parses again on
     the event loop is small. A GET (the stream of server-initiated messages, which a stateless server never sends)
-    is the ``405`` ``method-not-allowed`` problem rather than a stream held open for nothing.
+    is the ``405`` ``method-not-allowed`` problem rather than a stream held open for nothing, and a POST whose
+    ``Content-Type`` is not ``application/json`` the ``400`` ``bad-request`` problem.
 
     Raises:
         RequestValidationError: the body is refused (the app's handler answers the problem).
@@ -204,6 +213,12 @@ class McpEndpoint:
             return
         if scope["method"] == "POST":
             request = Request(scope, receive)
+            if request.headers.get("content-type", "").split(";", 1)[0].strip().lower() != "application/json":
+                # the SDK would answer this in plain text
+                await BAD_REQUEST.response("an MCP message is JSON: Content-Type: application/json")(
+                    scope, receive, send
+                )
+                return
             try:
                 raw = await request.body()
             except ClientDisconnect:

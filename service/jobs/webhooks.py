@@ -2,7 +2,8 @@
 
 Signing (Standard Webhooks: ``webhook-id`` is ``msg_<job id>``, the same in every attempt and after a restart),
 retries and the wire format are ``service.callbacks``. Delivery uses a client of its own (at most
-``CALLBACK_DELIVERIES`` connections, through the egress rules of tool endpoints, no redirects); each attempt is
+``CALLBACK_DELIVERIES`` connections, ``CALLBACK_DELIVERIES_PER_OWNER`` of them for one owner's callbacks, through
+the egress rules of tool endpoints, no redirects); each attempt is
 saved into the job's view as it happens. Deliveries still pending when the service stopped are resumed at
 start-up. ``Webhooks.job_ended`` is the subscriber of ``events.JobEnded``.
 """
@@ -30,6 +31,9 @@ from service.views import EncodedView, render_head
 log = logging.getLogger(__name__)
 
 CALLBACK_DELIVERIES = 32  # deliveries (and connections) at once
+# One owner's deliveries at once: a key whose receivers hang (each delivery then holds its slot for its attempts,
+# timeouts and backoff) takes at most this many of the slots; the rest stay for other keys' callbacks.
+CALLBACK_DELIVERIES_PER_OWNER = 8
 
 
 class Webhooks:
@@ -72,27 +76,32 @@ class Webhooks:
             transport=egress.transport(limits=httpx.Limits(max_connections=CALLBACK_DELIVERIES)),
         )
         self._callback_slots = asyncio.Semaphore(CALLBACK_DELIVERIES)
+        self._owner_slots: dict[str, asyncio.Semaphore] = {}  # one per owner (API key name): as many as keys
 
     def job_ended(self, event: JobEnded) -> None:
         """Subscriber of ``JobEnded``: deliver the job's callback, if it has one, in the background."""
         if event.job.callback_url:
             trace_headers: dict[str, str] = {}
             telemetry.inject(trace_headers, event.job.span)  # the job's traceparent, when tracing is on
-            self._tasks.spawn(self._deliver_callback(event.job.id, trace_headers), f"callback {event.job.id}")
+            delivery = self._deliver_callback(event.job.id, event.job.owner, trace_headers)
+            self._tasks.spawn(delivery, f"callback {event.job.id}")
 
     async def resume(self) -> None:
         """Deliver the callbacks an earlier run of this instance left pending (in the background)."""
         for stored in await self._store.callbacks_pending(self._instance):
-            self._tasks.spawn(self._deliver_callback(stored.job_id), f"callback {stored.job_id}")
+            owner = stored.owner or ""  # a job stored before owners were recorded: one bucket for them all
+            self._tasks.spawn(self._deliver_callback(stored.job_id, owner), f"callback {stored.job_id}")
 
     async def close(self) -> None:
         """Close the client (deliveries are cancelled by the owner of ``tasks`` first)."""
         await self._http.aclose()
 
-    async def _deliver_callback(self, job_id: str, trace_headers: dict[str, str] | None = None) -> None:
-        """Deliver the job's completion callback (at most ``CALLBACK_DELIVERIES`` at once), saving each attempt;
-        ``trace_headers``: its ``traceparent`` (none for callbacks resumed at start-up)."""
-        async with self._callback_slots:
+    async def _deliver_callback(self, job_id: str, owner: str, trace_headers: dict[str, str] | None = None) -> None:
+        """Deliver the job's completion callback (at most ``CALLBACK_DELIVERIES`` at once, and
+        ``CALLBACK_DELIVERIES_PER_OWNER`` of ``owner``'s), saving each attempt; ``trace_headers``: its
+        ``traceparent`` (none for callbacks resumed at start-up)."""
+        owner_slots = self._owner_slots.setdefault(owner, asyncio.Semaphore(CALLBACK_DELIVERIES_PER_OWNER))
+        async with owner_slots, self._callback_slots:  # the owner's slot first: waiting for it takes no shared one
             await self._deliver_callback_now(job_id, trace_headers or {})
 
     async def _deliver_callback_now(self, job_id: str, trace_headers: dict[str, str]) -> None:

@@ -47,6 +47,7 @@ from service.callbacks import (
     verify,
 )
 from service.errors import InsecureConfig
+from service.jobs import webhooks
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
 
@@ -184,6 +185,8 @@ class Receiver:
 
     def __init__(self) -> None:
         self.deliveries: list[tuple[int, dict[str, str], bytes]] = []
+        self.hung: list[bytes] = []  # deliveries to /hang, held open
+        self.release = threading.Event()
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -192,6 +195,10 @@ class Receiver:
 
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["content-length"]))
+                if self.path == "/hang":  # a receiver that never answers in time (until the test releases it)
+                    receiver.hung.append(body)
+                    receiver.release.wait(30)
+                    return
                 seen = [h for _, h, _ in receiver.deliveries if h.get(WEBHOOK_ID_HEADER) == self.headers["webhook-id"]]
                 status = 204 if seen else 500
                 receiver.deliveries.append((status, {k.lower(): v for k, v in self.headers.items()}, body))
@@ -207,6 +214,7 @@ class Receiver:
         return [d for d in self.deliveries if json.loads(d[2])["job_id"] == job_id]
 
     def close(self) -> None:
+        self.release.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -304,6 +312,30 @@ async def test_another_keys_secret_does_not_verify_a_callback(tenants: Tenants) 
     assert not library_verifies(ALICE_NEW, raw, headers)
     assert not library_verifies(ALICE_OLD, raw, headers)
     assert not verify(ALICE_NEW, headers[SIGNATURE_HEADER.lower()], raw)
+
+
+@pytest.fixture
+def few_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 callback deliveries at once, 2 per owner (read when the service builds its webhooks: before ``tenants``)."""
+    monkeypatch.setattr(webhooks, "CALLBACK_DELIVERIES", 4)
+    monkeypatch.setattr(webhooks, "CALLBACK_DELIVERIES_PER_OWNER", 2)
+
+
+async def test_one_keys_hanging_receivers_leave_callback_slots_for_another_key(
+    few_slots: None, tenants: Tenants
+) -> None:
+    """Alice's callbacks go to a receiver that never answers: each holds its delivery slot. Bob's callback is
+    still delivered at once, while every one of hers is still hanging (without a per-owner share, hers took all the
+    slots and his waited for her timeouts)."""
+    hang = {"script": "print('x')", "callback_url": tenants.receiver.origin + "/hang"}
+    for _ in range(2 * webhooks.CALLBACK_DELIVERIES):
+        assert (await tenants.alice.post("/execute", json=hang)).json()["status"] == "succeeded"
+    await until(lambda: len(tenants.receiver.hung) >= 2)
+    his = {"script": "print('y')", "callback_url": tenants.receiver.origin + "/hook"}
+    job_id = (await tenants.bob.post("/execute", json=his)).json()["job_id"]
+    await until(lambda: len(tenants.receiver.of(job_id)) >= 1, timeout_s=10)
+    assert len(tenants.receiver.hung) == 2  # hers: her share of the slots, all still held open
+    tenants.receiver.release.set()
 
 
 def test_the_by_hand_check_of_the_docs_verifies_and_refuses() -> None:

@@ -5,6 +5,7 @@ against the service's own signer, and the distribution importing nothing of the 
 from __future__ import annotations
 
 import ast
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -230,6 +231,37 @@ async def test_the_async_client_answers_client_executed_calls_with_coroutines() 
     ]
 
 
+async def test_the_async_helper_runs_at_most_max_concurrency_tools_at_once() -> None:
+    """A script that gathers 40 calls gets them answered, at most 4 tool runs at a time in this process."""
+    pending = [{"call_id": f"call_{i}", "tool": "slow", "args": {"x": i}, "awaiting": "client"} for i in range(40)]
+    answered: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/execute":
+            return httpx.Response(202, json={"job_id": "job_1", "status": "waiting", "pending_calls": pending})
+        if request.url.path.startswith("/jobs/job_1/calls/"):
+            answered.append(request.url.path.rsplit("/", 1)[1])
+            return httpx.Response(200, json={"job_id": "job_1", "status": "running", "pending_calls": []})
+        return httpx.Response(200, json={"job_id": "job_1", "status": "succeeded"})
+
+    running, most = 0, 0
+
+    async def slow(x: int) -> int:
+        """x, after a pause."""
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        await asyncio.sleep(0.005)
+        running -= 1
+        return x
+
+    http = httpx.AsyncClient(base_url="http://t", transport=httpx.MockTransport(handler))
+    async with AsyncClient("http://t", http=http) as client:
+        view = await client.run_with_tools("...", {"slow": slow}, max_concurrency=4)
+    assert view.status == "succeeded" and len(answered) == 40
+    assert most == 4
+
+
 def test_a_keyed_post_is_retried_while_its_first_request_is_in_flight() -> None:
     answers = [_problem(409, "idempotency-key-in-flight", {"retry-after": "0"})]
 
@@ -449,3 +481,17 @@ def test_lines_split_anywhere_between_pieces() -> None:
             ("status", "1", {"status": "running"}),
             ("message", "2", "x"),
         ]
+
+
+def test_a_callers_own_http_client_gets_the_base_url_and_the_token() -> None:
+    """``http=`` a client of the caller's own (its proxies, its certificates), with no base URL and no headers:
+    each request still goes to ``base_url`` with the token."""
+    seen: list[tuple[str, str | None]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((str(request.url), request.headers.get("authorization")))
+        return httpx.Response(200, json={"job_id": "job_1", "status": "succeeded"})
+
+    client = Client("http://svc:8080/", "tok", http=httpx.Client(transport=httpx.MockTransport(handler)))
+    assert client.get("job_1").status == "succeeded"
+    assert seen == [("http://svc:8080/jobs/job_1", "Bearer tok")]

@@ -9,6 +9,7 @@ import contextlib
 import json
 import shutil
 import tempfile
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CallToolResult, TextContent, TextResourceContents
 from pydantic import AnyUrl
 
-from service.api import create_app
+from service.api import create_app, mcp_front
 from service.auth import hash_token
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
@@ -258,6 +259,19 @@ async def test_a_get_stream_is_refused_not_held_open() -> None:
             assert {tool.name for tool in (await session.list_tools()).tools} >= {"execute"}
 
 
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded", "application/jsonx"])
+async def test_a_message_that_is_not_sent_as_json_is_a_problem(content_type: str | None) -> None:
+    message = b'{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}'
+    headers = {"Accept": "application/json, text/event-stream"} | (
+        {"Content-Type": content_type} if content_type else {}
+    )
+    async with service() as app, http(app, TOKENS["alice"]) as client:
+        response = await client.post("/mcp", content=message, headers=headers)  # before: the SDK's plain-text 400
+        assert response.status_code == 400
+        assert response.headers["content-type"] == "application/problem+json"
+        assert response.json()["type"].endswith("/bad-request")
+
+
 async def test_the_call_lines_of_an_answer_are_capped() -> None:
     from service.mcp_tools import MAX_CALL_LINES
 
@@ -271,3 +285,19 @@ async def test_the_call_lines_of_an_answer_are_capped() -> None:
             assert result["calls_total"] == MAX_CALL_LINES + 50
             assert len(result["calls"]) == MAX_CALL_LINES
             assert result["calls"][0].split()[:3] == ["1", "echo", "ok"]
+
+
+async def test_a_large_view_is_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job's calls can make a view of megabytes: it is parsed on a worker thread, a small one in place."""
+    threads: list[str] = []
+    real = json.loads
+
+    def loads(data: bytes) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(data)
+
+    monkeypatch.setattr(json, "loads", loads)  # the module mcp_front parses with
+    small = b'{"job_id": "job_1", "calls": []}'
+    large = b'{"job_id": "job_1", "stdout": "' + b"x" * (mcp_front.INLINE_PARSE_BYTES + 1) + b'"}'
+    assert (await mcp_front._json(small))["job_id"] == (await mcp_front._json(large))["job_id"] == "job_1"
+    assert threads[0] == threading.main_thread().name != threads[1]

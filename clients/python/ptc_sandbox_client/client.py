@@ -84,6 +84,15 @@ class _Base:
         self.max_retries = max_retries
         self.max_retry_wait_s = max_retry_wait_s
 
+    def _url(self, path: str) -> str:
+        """``path`` on ``base_url``: absolute, so a caller's own ``http=`` client needs no base URL of its own."""
+        return self.base_url + path
+
+    def _headers(self, headers: Mapping[str, str] | None) -> dict[str, str]:
+        """The token's ``Authorization`` and ``headers``: every request carries the token, a caller's own ``http=``
+        client too."""
+        return {**self.headers, **dict(headers or {})}
+
     @staticmethod
     def _safe(method: str, url: str, headers: Mapping[str, str] | None) -> bool:
         if method == "GET":
@@ -215,7 +224,13 @@ class Client(_Base):
         its timeout (raises httpx.TransportError)."""
         seconds = timeout if timeout is not None else self.timeout
         request = self.http.build_request(
-            method, url, params=params, json=json, content=content, headers=dict(headers or {}), timeout=seconds
+            method,
+            self._url(url),
+            params=params,
+            json=json,
+            content=content,
+            headers=self._headers(headers),
+            timeout=seconds,
         )
         response = self.http.send(request, stream=True)
         try:
@@ -330,9 +345,9 @@ class Client(_Base):
             try:
                 with self.http.stream(
                     "GET",
-                    f"/jobs/{_seg(job_id)}/events",
+                    self._url(f"/jobs/{_seg(job_id)}/events"),
                     params=_view_params(calls, fields),
-                    headers=headers,
+                    headers=self._headers(headers),
                     timeout=httpx.Timeout(self.timeout, read=max(self.timeout, _STREAM_READ_S)),
                 ) as response:
                     if response.status_code == 204:
@@ -565,7 +580,13 @@ class AsyncClient(_Base):
         """As :meth:`Client._send`."""
         seconds = timeout if timeout is not None else self.timeout
         request = self.http.build_request(
-            method, url, params=params, json=json, content=content, headers=dict(headers or {}), timeout=seconds
+            method,
+            self._url(url),
+            params=params,
+            json=json,
+            content=content,
+            headers=self._headers(headers),
+            timeout=seconds,
         )
         response = await self.http.send(request, stream=True)
         try:
@@ -670,9 +691,9 @@ class AsyncClient(_Base):
             try:
                 async with self.http.stream(
                     "GET",
-                    f"/jobs/{_seg(job_id)}/events",
+                    self._url(f"/jobs/{_seg(job_id)}/events"),
                     params=_view_params(calls, fields),
-                    headers=headers,
+                    headers=self._headers(headers),
                     timeout=httpx.Timeout(self.timeout, read=max(self.timeout, _STREAM_READ_S)),
                 ) as response:
                     if response.status_code == 204:
@@ -704,18 +725,20 @@ class AsyncClient(_Base):
         wait_s: float = 30.0,
         timeout_s: float | None = None,
         poll_s: float = 0.5,
+        max_concurrency: int = 16,
         **body: Any,
     ) -> JobView:
         """As :meth:`Client.run_with_tools`; a coroutine function's result is awaited, and the pending calls of one
-        view run concurrently. When this call is cancelled (an agent's run cancelled) after the job started, the job
-        is stopped in the background (``aclose`` waits for it) rather than left waiting on its calls until its
-        ``timeout_s``."""
+        view run concurrently, at most ``max_concurrency`` at once (a script that gathers thousands of calls does not
+        get thousands of tool runs at once in this process). When this call is cancelled (an agent's run cancelled)
+        after the job started, the job is stopped in the background (``aclose`` waits for it) rather than left
+        waiting on its calls until its ``timeout_s``."""
         manifest = client_manifest(tools, schemas) + list(other_tools or [])
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
         view = await self.execute(script, tools=manifest, wait_s=wait_s, **body)
         try:
-            return await self._answer_until_ended(view, tools, wait_s, poll_s)
+            return await self._answer_until_ended(view, tools, wait_s, poll_s, asyncio.Semaphore(max_concurrency))
         except asyncio.CancelledError:
             self._stop_soon(view.job_id)
             raise
@@ -726,15 +749,18 @@ class AsyncClient(_Base):
         tools: Mapping[str, Callable[..., Any] | Callable[..., Awaitable[Any]]],
         wait_s: float,
         poll_s: float,
+        slots: asyncio.Semaphore,
     ) -> JobView:
-        """Answer ``view``'s pending calls with ``tools`` until the job ends; its final view."""
+        """Answer ``view``'s pending calls with ``tools`` (as many at once as ``slots`` lets) until the job ends; its
+        final view."""
 
         async def run(name: str, args: Any) -> dict[str, Any]:
-            try:
-                value = tools[name](**(args if isinstance(args, dict) else {}))
-                return {"result": await value if inspect.isawaitable(value) else value}
-            except Exception as error:  # the tool's failure goes to the script as a ToolError
-                return call_error(error)
+            async with slots:
+                try:
+                    value = tools[name](**(args if isinstance(args, dict) else {}))
+                    return {"result": await value if inspect.isawaitable(value) else value}
+                except Exception as error:  # the tool's failure goes to the script as a ToolError
+                    return call_error(error)
 
         while not view.ended:
             pending = [c for c in view.pending_calls if c.awaiting == "client" and c.tool in tools]
