@@ -100,6 +100,36 @@ class WorkDirBusy(PtcError):
         super().__init__(f"another ptc-sandbox instance is using {work_dir}; give this one its own PTC_WORK_DIR")
 
 
+class InstanceIdInUse(PtcError):
+    """A live replica with another work dir holds this instance id in the store's registry (its lease holding), or,
+    on a SQLite store (one replica), another instance id is live on the same file (docs/scaling.md)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+
+
+class LeaseLost(PtcError):
+    """A fenced write matched no row: this replica's incarnation is no longer the job's owner (another replica
+    expired it, or the job was ended by someone else). Internal: never an HTTP answer; the replica fences itself
+    (``service.replicas.Replicas.fence``)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"lease lost: {what}")
+
+
+class OwnerUnavailable(PtcError):
+    """The job runs on another replica, and this one cannot serve it now (503 ``owner-unavailable``): no
+    forwarding yet, or the owner's lease has passed and the job is not marked ``lost`` yet.
+
+    Attributes:
+        retry_after_s: whole seconds after which asking again may succeed (at least 1).
+    """
+
+    def __init__(self, job_id: str, retry_after_s: int) -> None:
+        super().__init__(f"job {job_id} runs on another replica, which cannot be reached from here; retry later")
+        self.retry_after_s = max(1, retry_after_s)
+
+
 class JobNotFound(PtcError):
     """No job with the given id is known."""
 

@@ -120,6 +120,13 @@ class Metrics:
             registry=reg,
         )
         self.sessions = Gauge("ptc_sessions", "Open sessions.", registry=reg)
+        self.replicas = Gauge(
+            "ptc_replicas",
+            "Replicas in the store's registry holding their lease at this replica's last read, by state (the "
+            "same on every replica: aggregate with max).",
+            ["state"],
+            registry=reg,
+        )
         self.output_truncated = Counter(
             "ptc_output_truncated",
             "Jobs whose inline output of a stream exceeded its cap (head and tail kept).",
@@ -160,6 +167,8 @@ class Metrics:
             self.sandbox_start.labels(mode=mode)
         for stream in STREAMS:
             self.output_truncated.labels(stream=stream)
+        for state in ("live", "draining"):
+            self.replicas.labels(state=state)
 
     # -- state read at scrape time -------------------------------------------------------------
 
@@ -175,6 +184,11 @@ class Metrics:
     def set_sessions(self, count: int) -> None:
         """Set ``ptc_sessions`` (call it whenever a session opens or closes)."""
         self.sessions.set(count)
+
+    def set_replicas(self, counts: Mapping[str, int]) -> None:
+        """Set ``ptc_replicas{state}`` (``live``, ``draining``) from the registry's last read."""
+        for state, count in counts.items():
+            self.replicas.labels(state=state).set(count)
 
     # -- events --------------------------------------------------------------------------------
 

@@ -2,8 +2,9 @@
 ``ptc-sandbox migrate``.
 
 Both stores run the same revisions: ``0001`` makes today's tables (on SQLite it adopts a ``jobs.sqlite3`` made
-before migrations: its rows stay, and what it lacks is added), ``0002`` adds ``job_blobs``. Upgrading a store at
-``HEAD`` changes nothing. Blocking: call it from a thread, never on the event loop.
+before migrations: its rows stay, and what it lacks is added), ``0002`` adds ``job_blobs``, ``0003`` the
+replicas' registry. Upgrading a store at ``HEAD`` changes nothing. Blocking: call it from a thread, never on
+the event loop.
 """
 
 from __future__ import annotations

@@ -258,6 +258,21 @@ class Settings(BaseSettings):
     store_timeout_s: float = Field(
         5.0, gt=0, description="Longest wait for one job store operation (PostgreSQL); past it: 503 (s)."
     )
+    internal_url: str | None = Field(
+        None,
+        pattern=r"^https?://[^/?#\s]+/?$",
+        description="Where the other replicas reach this one (http://host:port, no path); default: http://PTC_HOST:"
+        "PTC_PORT unless the host is a wildcard, else the host name's first non-loopback address. docs/scaling.md.",
+    )
+    replica_heartbeat_s: float = Field(
+        2.0, gt=0, description="How often this replica renews its lease in the store's registry (s)."
+    )
+    replica_lease_s: float = Field(
+        10.0,
+        gt=0,
+        description="Lease length from each renewal (s); at least 3 times PTC_REPLICA_HEARTBEAT_S. A replica whose "
+        "lease passed is dead for the others (docs/scaling.md).",
+    )
     output_retention_bytes: int = Field(
         16 * 1024 * 1024, ge=0, description="Bytes of each stream kept on disk per job, readable by offset (bytes)."
     )
@@ -492,6 +507,17 @@ class Settings(BaseSettings):
                 "{above}: a default applies to every request that does not set the value, so it must not exceed "
                 "the maximum a request may ask for; lower the default or raise the maximum",
                 {"above": "; ".join(above)},
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lease_outlasts_heartbeats(self) -> Settings:
+        """Refuse a lease shorter than three heartbeats: one late renewal would cost the replica its jobs."""
+        if self.replica_lease_s < 3 * self.replica_heartbeat_s:
+            raise PydanticCustomError(
+                "lease_too_short",
+                "PTC_REPLICA_LEASE_S ({lease}) must be at least 3 times PTC_REPLICA_HEARTBEAT_S ({beat})",
+                {"lease": self.replica_lease_s, "beat": self.replica_heartbeat_s},
             )
         return self
 

@@ -37,10 +37,11 @@ import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TypeVar
 
+from service.errors import InstanceIdInUse
 from service.migrations import HEAD
 
 T = TypeVar("T")
@@ -71,6 +72,72 @@ class StoredJob:
     summary: bytes
     callback_pending: bool = False
     owner: str | None = None
+
+
+LIVE_STATES = ("live", "draining")
+"""Registry states of an incarnation that may own and write jobs."""
+
+
+@dataclass(frozen=True)
+class Incarnation:
+    """One start of one replica: ``(instance_id, epoch)``; every job write of the process carries it.
+
+    Attributes:
+        instance_id: ``PTC_INSTANCE_ID`` (or its default).
+        epoch: how many times this instance id has registered, this start included (1 for the first).
+    """
+
+    instance_id: str
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a replica registers at start-up (``JobStore.register``).
+
+    Attributes:
+        instance_id: its instance id.
+        internal_url: where the other replicas reach it (``http://host:port``).
+        work_dir_token: SHA-256 (hex) of its work dir's ``replica.token``: the same work dir restarting.
+        version: the service's version.
+        lease_s: the lease's length from the registration (s).
+    """
+
+    instance_id: str
+    internal_url: str
+    work_dir_token: str
+    version: str
+    lease_s: float
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One row of the registry (``JobStore.replicas``).
+
+    Attributes:
+        instance_id / epoch: its newest incarnation.
+        internal_url: where it is reached.
+        version: its service version.
+        state: ``live``, ``draining``, ``left`` or ``expired``.
+        lease_left_s: seconds until its lease passes, by the store's clock at the read (negative: passed).
+    """
+
+    instance_id: str
+    epoch: int
+    internal_url: str
+    version: str
+    state: str
+    lease_left_s: float
+
+    @property
+    def incarnation(self) -> Incarnation:
+        """``(instance_id, epoch)``."""
+        return Incarnation(self.instance_id, self.epoch)
+
+    @property
+    def holds_lease(self) -> bool:
+        """It is live or draining and its lease has not passed."""
+        return self.state in LIVE_STATES and self.lease_left_s > 0
 
 
 @dataclass(frozen=True)
@@ -227,6 +294,42 @@ class JobStore(abc.ABC):
     async def blob_sizes(self, job_id: str) -> dict[str, int]:
         """The names of a job's blobs and their sizes (bytes)."""
 
+    @abc.abstractmethod
+    async def save(self, job: StoredJob, incarnation: Incarnation) -> bool:
+        """Save a job its owner runs, fenced (docs/scaling.md, The store is the fencing point): the first save
+        inserts the row only while ``incarnation`` is ``live`` or ``draining`` in the registry; later ones replace
+        it only while it is still this incarnation's and not ended. The row's ``instance_epoch`` is the epoch.
+        With PostgreSQL, a save of an ended job (or of one waiting for its client) notifies ``ptc_jobs``
+        (``<job_id> ended``, ``<job_id> waiting``) in the same transaction.
+
+        Returns:
+            whether a row was written (False: fenced; the caller raises ``LeaseLost``).
+        """
+
+    @abc.abstractmethod
+    async def register(self, registration: Registration) -> int:
+        """Register a start of ``registration.instance_id`` in the registry (one transaction, its row locked);
+        returns its epoch: 1 for a new instance id, else one more than the row's.
+
+        Raises:
+            InstanceIdInUse: the row is live, its lease holding, with another work dir's token (two replicas were
+                given one instance id); or, on SQLite, another instance id is live on the same file.
+        """
+
+    @abc.abstractmethod
+    async def renew(self, incarnation: Incarnation, lease_s: float) -> bool:
+        """Extend the incarnation's lease to ``lease_s`` from now (the store's clock); False when no row matched:
+        the incarnation was expired (or has left), and the replica is fenced."""
+
+    @abc.abstractmethod
+    async def set_replica_state(self, incarnation: Incarnation, state: str) -> bool:
+        """Move a live incarnation to ``draining`` or ``left`` (``left`` also sets ``ended_at``); False when it
+        is no longer live or draining."""
+
+    @abc.abstractmethod
+    async def replicas(self) -> list[Replica]:
+        """Every row of the registry, newest incarnation per instance id."""
+
     async def ping(self) -> None:
         """Check that the store answers (``GET /readyz``).
 
@@ -272,6 +375,25 @@ def _row(row: tuple[str, str, str, str, str | None, bytes, bytes, int, str | Non
         bytes(summary),
         bool(pending),
         owner,
+    )
+
+
+_FENCED_SAVE = f"""INSERT INTO jobs ({_COLUMNS}, instance_epoch)
+SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ? WHERE EXISTS (
+    SELECT 1 FROM replicas WHERE instance_id = ? AND epoch = ? AND state IN ('live', 'draining'))
+ON CONFLICT (job_id) DO UPDATE SET status = excluded.status, ended_at = excluded.ended_at, view = excluded.view,
+    summary = excluded.summary, callback_pending = excluded.callback_pending
+WHERE jobs.instance_id = excluded.instance_id AND jobs.instance_epoch = excluded.instance_epoch
+    AND jobs.ended_at IS NULL"""
+"""A job's save by its owning incarnation (``JobStore.save``): inserted while the incarnation is live, replaced
+while the row is still its and not ended."""
+
+
+def in_use_message(instance_id: str) -> str:
+    """``InstanceIdInUse``'s message for an instance id held by another work dir."""
+    return (
+        f"instance id {instance_id} is held by a live replica with another work dir; give each replica its own "
+        "PTC_INSTANCE_ID"
     )
 
 
@@ -509,6 +631,107 @@ class SQLiteJobStore(JobStore):
             lambda db: db.execute("SELECT name, length(data) FROM job_blobs WHERE job_id = ?", (job_id,)).fetchall()
         )
         return {name: int(size) for name, size in rows}
+
+    async def save(self, job: StoredJob, incarnation: Incarnation) -> bool:
+        values = (
+            job.job_id,
+            job.status,
+            incarnation.instance_id,  # the owner's, whatever ``job`` says
+            job.created_at.isoformat(),
+            job.ended_at.isoformat() if job.ended_at else None,
+            job.view,
+            job.summary,
+            int(job.callback_pending),
+            job.owner,
+            incarnation.epoch,
+            incarnation.instance_id,
+            incarnation.epoch,
+        )
+        cursor = await self._run(lambda db: db.execute(_FENCED_SAVE, values))
+        return cursor.rowcount > 0
+
+    async def register(self, registration: Registration) -> int:
+        def register(db: sqlite3.Connection) -> int:
+            now = datetime.now(UTC)
+            lease = (now + timedelta(seconds=registration.lease_s)).isoformat()
+            db.execute("BEGIN IMMEDIATE")  # the file's write lock: one registration at a time
+            try:
+                for other, state, until in db.execute(
+                    "SELECT instance_id, state, lease_until FROM replicas WHERE instance_id != ?",
+                    (registration.instance_id,),
+                ):
+                    if state in LIVE_STATES and datetime.fromisoformat(until) > now:
+                        raise InstanceIdInUse(
+                            f"instance {other} is live on this SQLite store, which serves one replica; give this "
+                            "one its own PTC_WORK_DIR, or PostgreSQL (PTC_STORE_URL)"
+                        )
+                row = db.execute(
+                    "SELECT epoch, work_dir_token, state, lease_until FROM replicas WHERE instance_id = ?",
+                    (registration.instance_id,),
+                ).fetchone()
+                if row is not None:
+                    epoch, token, state, until = row
+                    holding = state in LIVE_STATES and datetime.fromisoformat(until) > now
+                    if holding and token != registration.work_dir_token:
+                        raise InstanceIdInUse(in_use_message(registration.instance_id))
+                epoch = 1 if row is None else int(row[0]) + 1
+                db.execute(
+                    "INSERT OR REPLACE INTO replicas (instance_id, epoch, internal_url, work_dir_token, version, "
+                    "state, started_at, heartbeat_at, lease_until, ended_at, expired_by) "
+                    "VALUES (?, ?, ?, ?, ?, 'live', ?, ?, ?, NULL, NULL)",
+                    (
+                        registration.instance_id,
+                        epoch,
+                        registration.internal_url,
+                        registration.work_dir_token,
+                        registration.version,
+                        now.isoformat(),
+                        now.isoformat(),
+                        lease,
+                    ),
+                )
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+            return epoch
+
+        return await self._run(register)
+
+    async def renew(self, incarnation: Incarnation, lease_s: float) -> bool:
+        now = datetime.now(UTC)
+        until = (now + timedelta(seconds=lease_s)).isoformat()
+        cursor = await self._run(
+            lambda db: db.execute(
+                "UPDATE replicas SET heartbeat_at = ?, lease_until = ? "
+                "WHERE instance_id = ? AND epoch = ? AND state IN ('live', 'draining')",
+                (now.isoformat(), until, incarnation.instance_id, incarnation.epoch),
+            )
+        )
+        return cursor.rowcount > 0
+
+    async def set_replica_state(self, incarnation: Incarnation, state: str) -> bool:
+        ended = datetime.now(UTC).isoformat() if state == "left" else None
+        cursor = await self._run(
+            lambda db: db.execute(
+                "UPDATE replicas SET state = ?, ended_at = ? "
+                "WHERE instance_id = ? AND epoch = ? AND state IN ('live', 'draining')",
+                (state, ended, incarnation.instance_id, incarnation.epoch),
+            )
+        )
+        return cursor.rowcount > 0
+
+    async def replicas(self) -> list[Replica]:
+        rows = await self._run(
+            lambda db: db.execute(
+                "SELECT instance_id, epoch, internal_url, version, state, lease_until FROM replicas"
+            ).fetchall()
+        )
+        now = datetime.now(UTC)
+        return [
+            Replica(i, int(e), url, v, state, (datetime.fromisoformat(until) - now).total_seconds())
+            for i, e, url, v, state, until in rows
+        ]
 
     def describe(self) -> str:
         return f"sqlite {self._path}"

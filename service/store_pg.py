@@ -24,21 +24,31 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from service import migrate
-from service.errors import StoreUnavailable
+from service.errors import InstanceIdInUse, StoreUnavailable
 from service.settings import Settings
 from service.store import (
+    LIVE_STATES,
     IdempotencyRecord,
+    Incarnation,
     JobQuery,
     JobStore,
+    Registration,
+    Replica,
     SQLiteJobStore,
     StoredJob,
     decode_cursor,
     encode_cursor,
+    in_use_message,
 )
-from service.store_schema import idempotency_keys, job_blobs, jobs, toolset_owners, toolsets
+from service.store_schema import idempotency_keys, job_blobs, jobs, replicas, toolset_owners, toolsets
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+JOBS_CHANNEL = "ptc_jobs"
+"""``NOTIFY`` channel of job ends (``<job_id> ended``) and client waits (``<job_id> waiting``): docs/scaling.md."""
+REPLICAS_CHANNEL = "ptc_replicas"
+"""``NOTIFY`` channel of registry changes (``<instance_id> <state>``)."""
 
 MIGRATION_LOCK = 0x70746317
 """``pg_advisory_xact_lock`` key held while migrating (ASCII "ptc" and the issue's number)."""
@@ -111,6 +121,16 @@ def _key(row: Any) -> IdempotencyRecord:
         datetime.fromisoformat(row.created_at),
         datetime.fromisoformat(row.ends_by) if row.ends_by else None,
     )
+
+
+def _seconds(value: float) -> sa.ColumnElement[Any]:
+    """``value`` seconds as a PostgreSQL interval."""
+    return sa.func.make_interval(0, 0, 0, 0, 0, 0, sa.literal(float(value), sa.Float))
+
+
+async def _notify(conn: AsyncConnection, channel: str, payload: str) -> None:
+    """``NOTIFY channel, payload`` in ``conn``'s transaction (sent when it commits)."""
+    await conn.execute(sa.select(sa.func.pg_notify(channel, payload)))
 
 
 def _migrate(connection: sa.Connection) -> None:
@@ -392,3 +412,136 @@ class PostgresJobStore(JobStore):
             return {name: int(size) for name, size in await conn.execute(statement)}
 
         return await self._call("blob_sizes", run)
+
+    async def save(self, job: StoredJob, incarnation: Incarnation) -> bool:
+        values: dict[str, Any] = {
+            "job_id": job.job_id,
+            "status": job.status,
+            "instance_id": incarnation.instance_id,  # the owner's, whatever ``job`` says
+            "created_at": job.created_at.isoformat(),
+            "ended_at": job.ended_at.isoformat() if job.ended_at else None,
+            "view": job.view,
+            "summary": job.summary,
+            "callback_pending": int(job.callback_pending),
+            "owner": job.owner,
+            "instance_epoch": incarnation.epoch,
+        }
+        live = sa.exists().where(
+            replicas.c.instance_id == incarnation.instance_id,
+            replicas.c.epoch == incarnation.epoch,
+            replicas.c.state.in_(LIVE_STATES),
+        )
+        source = sa.select(*(sa.literal(value, jobs.c[name].type).label(name) for name, value in values.items()))
+        upsert = insert(jobs).from_select(list(values), source.where(live))
+        statement = upsert.on_conflict_do_update(
+            index_elements=[jobs.c.job_id],
+            set_={k: upsert.excluded[k] for k in ("status", "ended_at", "view", "summary", "callback_pending")},
+            where=sa.and_(
+                jobs.c.instance_id == upsert.excluded.instance_id,
+                jobs.c.instance_epoch == upsert.excluded.instance_epoch,
+                jobs.c.ended_at.is_(None),
+            ),
+        ).returning(jobs.c.job_id)
+        word = "ended" if job.ended_at is not None else "waiting" if job.status == "waiting" else None
+
+        async def run(conn: AsyncConnection) -> bool:
+            if (await conn.execute(statement)).first() is None:  # the driver gives no rowcount for this insert
+                return False
+            if word is not None:  # in the transaction: delivered only once the row is committed
+                await _notify(conn, JOBS_CHANNEL, f"{job.job_id} {word}")
+            return True
+
+        return await self._call("save", run, write=True)
+
+    async def register(self, registration: Registration) -> int:
+        r = replicas.c
+        lease = sa.func.now() + _seconds(registration.lease_s)
+        placeholder = (
+            insert(replicas)
+            .values(
+                instance_id=registration.instance_id,
+                epoch=0,
+                internal_url=registration.internal_url,
+                work_dir_token=registration.work_dir_token,
+                version=registration.version,
+                state="left",
+                started_at=sa.func.now(),
+                heartbeat_at=sa.func.now(),
+                lease_until=sa.func.now(),
+            )
+            .on_conflict_do_nothing(index_elements=[r.instance_id])
+        )
+        locked = (
+            sa.select(r.epoch, r.work_dir_token, r.state, (r.lease_until > sa.func.now()).label("holding"))
+            .where(r.instance_id == registration.instance_id)
+            .with_for_update()
+        )
+
+        async def run(conn: AsyncConnection) -> int:
+            await conn.execute(placeholder)  # a first start: a row to lock (racing starts meet on it)
+            row = (await conn.execute(locked)).one()
+            if row.state in LIVE_STATES and row.holding and row.work_dir_token != registration.work_dir_token:
+                raise InstanceIdInUse(in_use_message(registration.instance_id))
+            epoch = int(row.epoch) + 1
+            await conn.execute(
+                sa.update(replicas)
+                .where(r.instance_id == registration.instance_id)
+                .values(
+                    epoch=epoch,
+                    internal_url=registration.internal_url,
+                    work_dir_token=registration.work_dir_token,
+                    version=registration.version,
+                    state="live",
+                    started_at=sa.func.now(),
+                    heartbeat_at=sa.func.now(),
+                    lease_until=lease,
+                    ended_at=None,
+                    expired_by=None,
+                )
+            )
+            await _notify(conn, REPLICAS_CHANNEL, f"{registration.instance_id} live")
+            return epoch
+
+        return await self._call("register", run, write=True)
+
+    async def renew(self, incarnation: Incarnation, lease_s: float) -> bool:
+        r = replicas.c
+        statement = (
+            sa.update(replicas)
+            .where(r.instance_id == incarnation.instance_id, r.epoch == incarnation.epoch, r.state.in_(LIVE_STATES))
+            .values(heartbeat_at=sa.func.now(), lease_until=sa.func.now() + _seconds(lease_s))
+        )
+
+        async def run(conn: AsyncConnection) -> bool:
+            return bool((await conn.execute(statement)).rowcount)
+
+        return await self._call("renew", run, write=True)
+
+    async def set_replica_state(self, incarnation: Incarnation, state: str) -> bool:
+        r = replicas.c
+        statement = (
+            sa.update(replicas)
+            .where(r.instance_id == incarnation.instance_id, r.epoch == incarnation.epoch, r.state.in_(LIVE_STATES))
+            .values(state=state, ended_at=sa.func.now() if state == "left" else None)
+        )
+
+        async def run(conn: AsyncConnection) -> bool:
+            if not (await conn.execute(statement)).rowcount:
+                return False
+            await _notify(conn, REPLICAS_CHANNEL, f"{incarnation.instance_id} {state}")
+            return True
+
+        return await self._call("set_replica_state", run, write=True)
+
+    async def replicas(self) -> list[Replica]:
+        r = replicas.c
+        left = sa.func.extract("epoch", r.lease_until - sa.func.now()).label("left")
+        statement = sa.select(r.instance_id, r.epoch, r.internal_url, r.version, r.state, left)
+
+        async def run(conn: AsyncConnection) -> list[Replica]:
+            return [
+                Replica(row.instance_id, int(row.epoch), row.internal_url, row.version, row.state, float(row.left))
+                for row in await conn.execute(statement)
+            ]
+
+        return await self._call("replicas", run)

@@ -8,6 +8,12 @@ SQLite and ``bytea`` on PostgreSQL.
 ``job_blobs`` holds, for the PostgreSQL store, what the SQLite store keeps as files beside it: an ended job's
 retained output (``stdout``, ``stderr``) and its output files (``files/<index>``), so that any replica can serve
 them (issue 17). Its rows go with their job (``JobStore.purge``).
+
+``replicas`` is the registry of service processes sharing the store (docs/scaling.md, Replicas and leases): one
+row per instance id, its ``epoch`` counting its starts; ``jobs.instance_epoch`` says which incarnation of its
+``instance_id`` owns an unfinished job (NULL on rows saved before replicas were registered). The lease columns
+are ``timestamptz`` on PostgreSQL, set and compared with the database's ``now()`` (no replica's clock); on SQLite
+(one replica) ISO text of the service's UTC clock.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ jobs = sa.Table(
     sa.Column("summary", sa.LargeBinary, nullable=False),
     sa.Column("callback_pending", sa.Integer, nullable=False, server_default="0"),
     sa.Column("owner", sa.Text),
+    sa.Column("instance_epoch", sa.BigInteger),
 )
 sa.Index("jobs_by_created", jobs.c.created_at.desc(), jobs.c.job_id.desc())
 sa.Index("jobs_by_ended", jobs.c.ended_at, postgresql_where=jobs.c.ended_at.isnot(None))
@@ -70,4 +77,20 @@ job_blobs = sa.Table(
     sa.Column("job_id", sa.Text, primary_key=True),
     sa.Column("name", sa.Text, primary_key=True),
     sa.Column("data", sa.LargeBinary, nullable=False),
+)
+
+replicas = sa.Table(
+    "replicas",
+    metadata,
+    sa.Column("instance_id", sa.Text, primary_key=True),
+    sa.Column("epoch", sa.BigInteger, nullable=False),
+    sa.Column("internal_url", sa.Text, nullable=False),
+    sa.Column("work_dir_token", sa.Text, nullable=False),
+    sa.Column("version", sa.Text, nullable=False),
+    sa.Column("state", sa.Text, nullable=False),
+    sa.Column("started_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("lease_until", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("ended_at", sa.DateTime(timezone=True)),
+    sa.Column("expired_by", sa.Text),
 )

@@ -32,6 +32,7 @@ from service.idempotency import IdempotencyKeys
 from service.jobs import JobManager
 from service.metrics import HttpObserver, Metrics
 from service.openapi import document
+from service.replicas import Replicas
 from service.sandbox.base import SandboxBackend
 from service.sandbox.images import Images
 from service.settings import DEFAULT_IMAGE, Settings
@@ -80,8 +81,10 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         store = job_store(settings)
         await store.open()  # migrations first (docs/operations.md, Job store); a PostgreSQL down refuses the start
         app.state.store = store
-        jobs = build_jobs(settings, backend, endpoints, store, metrics)
-        await jobs.start()
+        replicas = app.state.replicas = Replicas(settings, store, on_count=metrics.set_replicas)
+        jobs = build_jobs(settings, backend, endpoints, store, metrics, replicas)
+        await jobs.start()  # registers this replica (after the work-dir lock, before the sweep)
+        replicas.start()
         app.state.jobs, app.state.backend = jobs, backend
         app.state.idempotency = IdempotencyKeys(store)
         _serve(app.state, jobs)
@@ -101,6 +104,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
                 yield
         finally:
             await jobs.close()
+            await replicas.close()  # after its jobs' last saves: ``left``
             await asyncio.to_thread(telemetry.flush)  # the spans of the jobs just ended too
             app.state.bodies.close()
             await endpoints.aclose()
@@ -131,7 +135,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     telemetry.instrument_app(app)  # a span per request, outermost (tracing on only)
     app.state.settings, app.state.keys = settings, keys
     app.state.jobs = app.state.sessions = app.state.toolsets = app.state.backend = NOT_STARTED  # deps.NotStarted
-    app.state.idempotency = app.state.store = NOT_STARTED
+    app.state.idempotency = app.state.store = app.state.replicas = NOT_STARTED
     for resource in RESOURCES:
         app.include_router(resource.router)
     return app

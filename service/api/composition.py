@@ -5,6 +5,7 @@ from __future__ import annotations
 from service import callbacks
 from service.jobs import JobManager
 from service.metrics import Metrics
+from service.replicas import Replicas
 from service.sandbox.base import SandboxBackend
 from service.settings import Settings
 from service.store import JobStore
@@ -13,7 +14,12 @@ from service.toolkit.validation import CheckScheduler
 
 
 def build_jobs(
-    settings: Settings, backend: SandboxBackend, endpoints: EndpointClients, store: JobStore, metrics: Metrics
+    settings: Settings,
+    backend: SandboxBackend,
+    endpoints: EndpointClients,
+    store: JobStore,
+    metrics: Metrics,
+    replicas: Replicas,
 ) -> JobManager:
     """The job service and its parts (the composition of ``service.jobs``), with metrics, logs and webhooks
     subscribed to its lifecycle events. Nothing is started: ``JobManager.start`` does that.
@@ -85,10 +91,12 @@ def build_jobs(
     secrets = callbacks.load_secrets(settings)
     intake = Intake(settings, admission, toolsets, sessions, endpoints, secrets, output_dir, live, images)
     call_memory = CallMemory(settings.max_record_bytes_total, settings.max_call_bytes_in_flight_total)
-    runner = Runner(settings, store, events, sandboxes, endpoints, call_memory, checks, live, cache, tasks, instance)
+    runner = Runner(
+        settings, store, events, sandboxes, endpoints, call_memory, checks, live, cache, tasks, instance, replicas
+    )
     views = JobViews(store, live, output_dir, cache)
     session_jobs = SessionJobs(settings, sessions, sandboxes, admission, toolsets, runner, live)
-    recovery = Recovery(settings, backend, store, folders, quotas, events, cache, instance_labels, instance)
+    recovery = Recovery(settings, backend, store, folders, quotas, events, cache, instance_labels, instance, replicas)
     webhooks = Webhooks(settings, store, views, cache, secrets, endpoints.egress, metrics, tasks, instance)
 
     def sandbox_started(event: SandboxStarted) -> None:

@@ -46,6 +46,7 @@ from service.errors import (
     JobNotFound,
     ManifestError,
     NoSuchFile,
+    OwnerUnavailable,
     PayloadTooLarge,
     PtcError,
     QueueFull,
@@ -111,6 +112,7 @@ HOST_CAPACITY_EXCEEDED = ProblemType("host-capacity-exceeded", 429, "Host capaci
 TOO_MANY_SESSIONS = ProblemType("too-many-sessions", 429, "Too many sessions")
 ENGINE_UNAVAILABLE = ProblemType("engine-unavailable", 503, "Container engine unavailable")
 STORE_UNAVAILABLE = ProblemType("store-unavailable", 503, "Job store unavailable")
+OWNER_UNAVAILABLE = ProblemType("owner-unavailable", 503, "Job owner unavailable")
 SANDBOX_FAILURE = ProblemType("sandbox-failure", 503, "Sandbox failure")
 NOT_READY = ProblemType("not-ready", 503, "Not ready")
 INTERNAL_ERROR = ProblemType("internal-error", 500, "Internal error")
@@ -146,6 +148,7 @@ TYPES: tuple[ProblemType, ...] = (
     TOO_MANY_SESSIONS,
     ENGINE_UNAVAILABLE,
     STORE_UNAVAILABLE,
+    OWNER_UNAVAILABLE,
     SANDBOX_FAILURE,
     NOT_READY,
     INTERNAL_ERROR,
@@ -290,6 +293,11 @@ RULES: dict[type[Exception], Rule] = dict(
         _rule(HostCapacityExceeded, HOST_CAPACITY_EXCEEDED, _over_quota),
         _rule(EngineUnavailable, ENGINE_UNAVAILABLE, _message),
         _rule(StoreUnavailable, STORE_UNAVAILABLE, lambda exc: Answer(str(exc), headers={"Retry-After": "5"})),
+        _rule(
+            OwnerUnavailable,
+            OWNER_UNAVAILABLE,
+            lambda exc: Answer(str(exc), headers={"Retry-After": str(exc.retry_after_s)}),
+        ),
         _rule(SandboxError, SANDBOX_FAILURE, _message),
     ]
 )

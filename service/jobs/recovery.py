@@ -26,6 +26,7 @@ from service.jobs.live import OWNER_FILE, SLICE_BYTES, STREAMS, ms, now, stored_
 from service.jobs.model import ErrorType, JobError, JobStatus
 from service.output import CappedStream, read_range
 from service.quotas import Quotas
+from service.replicas import Replicas
 from service.sandbox.base import SandboxBackend
 from service.sandbox.folders import SandboxFolders
 from service.settings import Settings
@@ -48,6 +49,8 @@ class Recovery:
         cache: ended jobs' views kept for reading (a purged job leaves it).
         instance_labels: the labels of this instance's sandboxes.
         instance: this instance's id.
+        replicas: registered in the store once the work dir is locked, before anything is swept (None: not, for
+            tests of the sweep alone).
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class Recovery:
         cache: views.ViewCache,
         instance_labels: dict[str, str],
         instance: str,
+        replicas: Replicas | None = None,
     ) -> None:
         self._settings = settings
         self._backend = backend
@@ -71,6 +75,7 @@ class Recovery:
         self._views = cache
         self._instance_labels = instance_labels
         self._instance = instance
+        self._replicas = replicas
         self.jobs_dir = folders.path / "jobs"
         self.output_dir = settings.work_dir / "output"
         self._lock: IO[str] | None = None
@@ -99,8 +104,15 @@ class Recovery:
 
         Raises:
             WorkDirBusy: another running instance holds the work dir.
+            InstanceIdInUse: another live replica holds this instance id (``Replicas.register``).
         """
         self._lock = workdir.lock(self._settings.work_dir)
+        if self._replicas is not None:
+            try:
+                await self._replicas.register()  # before the sweep: a second replica of this id must not sweep
+            except BaseException:
+                self.release()
+                raise
         await self.sweep("left behind by an earlier run")
         await asyncio.to_thread(self._folders.open)  # a tmpfs: sandboxes' mount tables show no host path
         if self.jobs_dir.exists():

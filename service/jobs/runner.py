@@ -33,6 +33,7 @@ from service.jobs.model import INTERNAL_ERROR, SERVICE_STOPPED, EndedBy, ErrorTy
 from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
 from service.jobs.shared import collect
 from service.jobs.tasks import Tasks
+from service.replicas import Replicas
 from service.sandbox.base import ExitStatus, write_run_files
 from service.sandbox.resident import KILL_CONFIRM_S, ResidentRun
 from service.settings import Settings
@@ -63,6 +64,7 @@ class Runner:
         final_views: where a job's final encoded view is kept for reading (``views.ViewCache``).
         tasks: where run tasks and other background work are held.
         instance: this instance's id, saved with each job.
+        replicas: this replica's incarnation, which every save carries (a save that matches no row fences it).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class Runner:
         final_views: views.ViewCache,
         tasks: Tasks,
         instance: str,
+        replicas: Replicas,
     ) -> None:
         self._settings = settings
         self._store = store
@@ -90,6 +93,7 @@ class Runner:
         self._final_views = final_views
         self._tasks = tasks
         self._instance = instance
+        self._replicas = replicas
 
     def start(self, admitted: Admitted) -> asyncio.Task[Any]:
         """Run the admitted job as a task; its ticket is given back and its output files closed when the job
@@ -184,10 +188,8 @@ class Runner:
         return broker
 
     async def _save(self, job: LiveJob, final: bool = False) -> None:
-        """Save the job's view (encoded a batch of records at a time); ``final``: also keep it for reading.
-
-        Raises what the store raises (the caller decides: a failed first save ends the run).
-        """
+        """Save the job's view (encoded a batch of records at a time, fenced: ``Replicas.save``); ``final``: also
+        keep it for reading. Raises what the store raises (a failed first save ends the run), LeaseLost."""
         view = job.view_dict()
         records = snapshot(view["calls"])
         async with job.saving:  # encoding gives the loop back: a later save must not overtake an earlier one
@@ -198,7 +200,7 @@ class Runner:
                 view.update(views.unencodable(view))
                 records = []
                 encoded = await views.encode(render_head(view), records)
-            await self._store.put(stored_job(encoded.head, len(records), encoded.body, self._instance))
+            await self._replicas.save(stored_job(encoded.head, len(records), encoded.body, self._instance))
         if final:
             self._final_views.put(job.id, encoded)
 

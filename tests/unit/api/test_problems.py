@@ -27,7 +27,14 @@ from tests.unit.test_docs_links import anchors
 ROOT = Path(__file__).resolve().parents[3]
 
 # Errors that never reach a route: start-up refusals, and failures that become a tool's error inside the script.
-NEVER_HTTP = {errors.WorkDirBusy, errors.InsecureConfig, errors.CheckTooCostly, EgressDenied}
+NEVER_HTTP = {
+    errors.WorkDirBusy,
+    errors.InsecureConfig,
+    errors.CheckTooCostly,
+    EgressDenied,
+    errors.InstanceIdInUse,
+    errors.LeaseLost,
+}
 
 
 def subclasses(cls: type[Exception]) -> set[type[Exception]]:

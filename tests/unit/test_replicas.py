@@ -1,0 +1,178 @@
+"""Replicas on one store (docs/scaling.md, steps 1 and 2; issue 17, point 2), on both stores where it applies:
+registration with epochs, the lease's renewal, the registry read, fenced job saves; a replica whose saves are
+fenced stops; on PostgreSQL, two in-process services on one database: an ended job is served by either, a running
+job elsewhere answers 503 ``owner-unavailable``, and ``wait`` on the other replica returns when the job ends
+(``LISTEN/NOTIFY``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from service.errors import InstanceIdInUse
+from service.replicas import Replicas, internal_url, work_dir_token
+from service.settings import Settings
+from service.store import Incarnation, JobStore, Registration, StoredJob
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+@pytest.fixture
+async def store(make_store: Callable[[], JobStore]) -> AsyncIterator[JobStore]:
+    opened = make_store()
+    await opened.open()
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
+def registration(instance: str = "r1", token: str = "a" * 64, lease_s: float = 10.0) -> Registration:
+    return Registration(instance, f"http://127.0.0.1:80{len(instance)}", token, "0.test", lease_s)
+
+
+def job(job_id: str, *, ended: bool = False, status: str = "running", instance: str = "r1") -> StoredJob:
+    return StoredJob(
+        job_id,
+        "succeeded" if ended else status,
+        instance,
+        T0,
+        T0 if ended else None,
+        f'{{"job_id": "{job_id}"}}'.encode(),
+        b"{}",
+        False,
+        "alice",
+    )
+
+
+async def test_a_new_instance_registers_at_epoch_one_and_each_start_adds_one(store: JobStore) -> None:
+    assert await store.register(registration()) == 1
+    assert await store.register(registration()) == 2  # the same work dir, its lease holding: a restart
+    (row,) = await store.replicas()
+    assert (row.instance_id, row.epoch, row.state, row.version) == ("r1", 2, "live", "0.test")
+    assert row.holds_lease and 0 < row.lease_left_s <= 10
+
+
+async def test_a_live_instance_id_of_another_work_dir_is_refused(store: JobStore) -> None:
+    await store.register(registration(token="a" * 64))
+    with pytest.raises(InstanceIdInUse, match="PTC_INSTANCE_ID"):
+        await store.register(registration(token="b" * 64))
+    assert [r.epoch for r in await store.replicas()] == [1]  # nothing changed
+
+
+async def test_a_left_or_lapsed_instance_id_may_start_from_another_work_dir(store: JobStore) -> None:
+    await store.register(registration(token="a" * 64))
+    assert await store.set_replica_state(Incarnation("r1", 1), "left")
+    assert await store.register(registration(token="b" * 64)) == 2
+    assert await store.renew(Incarnation("r1", 2), 0.05)
+    await asyncio.sleep(0.2)  # its lease passes (an expired replica, not marked yet)
+    assert await store.register(registration(token="c" * 64)) == 3
+
+
+async def test_renewals_and_state_changes_match_only_the_current_live_incarnation(store: JobStore) -> None:
+    await store.register(registration())
+    await store.register(registration())  # epoch 2: epoch 1 is fenced
+    assert not await store.renew(Incarnation("r1", 1), 10)
+    assert await store.renew(Incarnation("r1", 2), 10)
+    assert not await store.set_replica_state(Incarnation("r1", 1), "left")
+    assert await store.set_replica_state(Incarnation("r1", 2), "draining")
+    assert await store.renew(Incarnation("r1", 2), 10)  # a draining replica keeps its lease
+    assert await store.set_replica_state(Incarnation("r1", 2), "left")
+    assert not await store.renew(Incarnation("r1", 2), 10)  # it left: no renewal brings it back
+    (row,) = await store.replicas()
+    assert (row.state, row.holds_lease) == ("left", False)
+
+
+async def test_job_saves_are_fenced_by_incarnation(store: JobStore) -> None:
+    await store.register(registration())
+    first = Incarnation("r1", 1)
+    assert await store.save(job("j1"), first)
+    assert await store.save(job("j1", status="waiting"), first)
+    assert (await store.get("j1")).status == "waiting"  # type: ignore[union-attr]
+    await store.register(registration())  # a restart: epoch 2 (the previous process is dead)
+    assert not await store.save(job("j1", ended=True), first)  # the old incarnation writes nothing more
+    assert not await store.save(job("j2"), first)  # nor a new job
+    assert await store.get("j2") is None
+    second = Incarnation("r1", 2)
+    assert not await store.save(job("j1", ended=True), second)  # another incarnation's job: not this one's
+    assert await store.save(job("j3"), second)
+    assert await store.save(job("j3", ended=True), second)
+    assert not await store.save(job("j3", status="running"), second)  # an ended row never changes again
+    stored = await store.get("j3")
+    assert stored is not None and stored.status == "succeeded"
+
+
+async def test_the_save_records_the_owner_of_the_incarnation(store: JobStore) -> None:
+    await store.register(registration())
+    assert await store.save(job("j1", instance="someone-else"), Incarnation("r1", 1))
+    stored = await store.get("j1")
+    assert stored is not None and stored.instance_id == "r1"
+    assert [j.job_id for j in await store.unfinished("r1")] == ["j1"]
+
+
+async def test_a_sqlite_store_serves_one_live_replica(tmp_path: Path) -> None:
+    from service.store import SQLiteJobStore
+
+    store = SQLiteJobStore(tmp_path / "jobs.sqlite3")
+    await store.open()
+    try:
+        await store.register(registration("r1"))
+        with pytest.raises(InstanceIdInUse, match="one replica"):
+            await store.register(registration("r2", token="b" * 64))
+        assert await store.set_replica_state(Incarnation("r1", 1), "left")
+        assert await store.register(registration("r2", token="b" * 64)) == 1
+    finally:
+        await store.close()
+
+
+def settings(work_dir: Path, **extra: object) -> Settings:
+    return Settings(work_dir=work_dir, instance_id="r1", replica_heartbeat_s=0.05, replica_lease_s=0.5, **extra)  # type: ignore[arg-type]
+
+
+async def test_a_replica_registers_renews_and_leaves(store: JobStore, tmp_path: Path) -> None:
+    counts: list[dict[str, int]] = []
+    replicas = Replicas(settings(tmp_path), store, on_count=counts.append)
+    assert await replicas.register() == Incarnation("r1", 1)
+    assert counts[-1] == {"live": 1, "draining": 0}
+    replicas.start()
+    await asyncio.sleep(0.3)
+    assert replicas.renewals["ok"] >= 2 and not replicas.fenced
+    assert replicas.ready() is None
+    await replicas.close()
+    assert [(r.state, r.epoch) for r in await store.replicas()] == [("left", 1)]
+    again = Replicas(settings(tmp_path), store)
+    assert (await again.register()).epoch == 2  # the same work dir's token: a restart
+
+
+async def test_a_replica_whose_incarnation_was_taken_over_fences_itself(store: JobStore, tmp_path: Path) -> None:
+    fenced: list[bool] = []
+    old = Replicas(settings(tmp_path), store)
+    await old.register()
+    old.on_fenced.append(lambda: fenced.append(True))
+    await Replicas(settings(tmp_path), store).register()  # the same work dir started again: epoch 2
+    await old.renew()
+    assert old.fenced and fenced == [True] and old.renewals["fenced"] == 1
+    assert old.ready() == "this replica lost its lease"
+    await old.close()  # a fenced replica does not mark the row: it is no longer its
+    assert [(r.state, r.epoch) for r in await store.replicas()] == [("live", 2)]
+
+
+def test_the_work_dir_token_is_made_once_and_private(tmp_path: Path) -> None:
+    first = work_dir_token(tmp_path)
+    assert work_dir_token(tmp_path) == first and len(first) == 64
+    assert (tmp_path / "replica.token").stat().st_mode & 0o777 == 0o600
+
+
+def test_the_internal_url_comes_from_the_setting_or_the_bound_host(tmp_path: Path) -> None:
+    assert internal_url(Settings(work_dir=tmp_path, internal_url="http://10.0.0.5:8080/")) == "http://10.0.0.5:8080"
+    assert internal_url(Settings(work_dir=tmp_path, host="10.0.0.7", port=81)) == "http://10.0.0.7:81"
+    assert internal_url(Settings(work_dir=tmp_path, host="fd00::1", port=81)) == "http://[fd00::1]:81"
+
+
+def test_a_lease_shorter_than_three_heartbeats_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="PTC_REPLICA_LEASE_S"):
+        Settings(work_dir=tmp_path, replica_heartbeat_s=2, replica_lease_s=5)
