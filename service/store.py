@@ -61,6 +61,8 @@ class StoredJob:
         summary: the job's listing entry as JSON bytes (small: no output, no calls).
         callback_pending: the job has ended and its completion callback is not yet delivered or given up.
         owner: the API key name that created it; None for a job saved before owners were recorded.
+        instance_epoch: the epoch of the incarnation of ``instance_id`` that saved it (``JobStore.save``); None
+            for a row saved otherwise (``put``: before replicas, a job marked lost, a callback's re-save).
     """
 
     job_id: str
@@ -72,6 +74,7 @@ class StoredJob:
     summary: bytes
     callback_pending: bool = False
     owner: str | None = None
+    instance_epoch: int | None = None
 
 
 LIVE_STATES = ("live", "draining")
@@ -360,11 +363,14 @@ def _key_row(row: tuple[str, str, str, str, str, str, str | None]) -> Idempotenc
 
 
 _COLUMNS = "job_id, status, instance_id, created_at, ended_at, view, summary, callback_pending, owner"
-_SUMMARY_COLUMNS = "job_id, status, instance_id, created_at, ended_at, x'', summary, callback_pending, owner"
+_READ_COLUMNS = _COLUMNS + ", instance_epoch"
+_SUMMARY_COLUMNS = (
+    "job_id, status, instance_id, created_at, ended_at, x'', summary, callback_pending, owner, instance_epoch"
+)
 
 
-def _row(row: tuple[str, str, str, str, str | None, bytes, bytes, int, str | None]) -> StoredJob:
-    job_id, status, instance_id, created, ended, view, summary, pending, owner = row
+def _row(row: tuple[str, str, str, str, str | None, bytes, bytes, int, str | None, int | None]) -> StoredJob:
+    job_id, status, instance_id, created, ended, view, summary, pending, owner, epoch = row
     return StoredJob(
         job_id,
         status,
@@ -375,6 +381,7 @@ def _row(row: tuple[str, str, str, str, str | None, bytes, bytes, int, str | Non
         bytes(summary),
         bool(pending),
         owner,
+        epoch,
     )
 
 
@@ -472,7 +479,7 @@ class SQLiteJobStore(JobStore):
 
     async def get(self, job_id: str) -> StoredJob | None:
         row = await self._run(
-            lambda db: db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+            lambda db: db.execute(f"SELECT {_READ_COLUMNS} FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
         )
         return _row(row) if row else None
 
@@ -508,7 +515,7 @@ class SQLiteJobStore(JobStore):
     async def unfinished(self, instance_id: str) -> list[StoredJob]:
         rows = await self._run(
             lambda db: db.execute(
-                f"SELECT {_COLUMNS} FROM jobs WHERE instance_id = ? AND ended_at IS NULL", (instance_id,)
+                f"SELECT {_READ_COLUMNS} FROM jobs WHERE instance_id = ? AND ended_at IS NULL", (instance_id,)
             ).fetchall()
         )
         return [_row(r) for r in rows]
@@ -516,7 +523,7 @@ class SQLiteJobStore(JobStore):
     async def callbacks_pending(self, instance_id: str) -> list[StoredJob]:
         rows = await self._run(
             lambda db: db.execute(
-                f"SELECT {_COLUMNS} FROM jobs WHERE instance_id = ? AND callback_pending = 1", (instance_id,)
+                f"SELECT {_READ_COLUMNS} FROM jobs WHERE instance_id = ? AND callback_pending = 1", (instance_id,)
             ).fetchall()
         )
         return [_row(r) for r in rows]

@@ -63,6 +63,7 @@ _JOB_COLUMNS = (
     jobs.c.summary,
     jobs.c.callback_pending,
     jobs.c.owner,
+    jobs.c.instance_epoch,
 )
 _SUMMARY_COLUMNS = tuple(c for c in _JOB_COLUMNS if c is not jobs.c.view)
 _KEY_COLUMNS = (
@@ -108,6 +109,7 @@ def _job(row: Any, with_view: bool = True) -> StoredJob:
         bytes(row.summary),
         bool(row.callback_pending),
         row.owner,
+        row.instance_epoch,
     )
 
 

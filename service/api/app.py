@@ -30,6 +30,7 @@ from service.egress import EgressPolicy, OwnAddress
 from service.errors import SandboxError
 from service.idempotency import IdempotencyKeys
 from service.jobs import JobManager
+from service.jobs.notify import Listener, Waiters
 from service.metrics import HttpObserver, Metrics
 from service.openapi import document
 from service.replicas import Replicas
@@ -82,9 +83,18 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         await store.open()  # migrations first (docs/operations.md, Job store); a PostgreSQL down refuses the start
         app.state.store = store
         replicas = app.state.replicas = Replicas(settings, store, on_count=metrics.set_replicas)
-        jobs = build_jobs(settings, backend, endpoints, store, metrics, replicas)
+        waiters = Waiters() if settings.store_url is not None else None
+        jobs = build_jobs(settings, backend, endpoints, store, metrics, replicas, waiters)
         await jobs.start()  # registers this replica (after the work-dir lock, before the sweep)
         replicas.start()
+        listener = None
+        if waiters is not None and settings.store_url is not None:  # LISTEN: wait on other replicas' jobs
+            listener = Listener(settings.store_url.get_secret_value(), waiters, settings.store_timeout_s)
+            listener.start()
+            try:  # a wait must not miss an end for want of a listener; a slow store only delays it
+                await asyncio.wait_for(listener.listening.wait(), settings.store_timeout_s)
+            except TimeoutError:
+                log.warning("the store's notifications are not received yet: waits on other replicas' jobs lag")
         app.state.jobs, app.state.backend = jobs, backend
         app.state.idempotency = IdempotencyKeys(store)
         _serve(app.state, jobs)
@@ -103,6 +113,8 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             async with mcp_front.lifespan(app, mcp_endpoint, settings.mcp_toolset):
                 yield
         finally:
+            if listener is not None:
+                await listener.close()
             await jobs.close()
             await replicas.close()  # after its jobs' last saves: ``left``
             await asyncio.to_thread(telemetry.flush)  # the spans of the jobs just ended too

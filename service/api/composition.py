@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from service import callbacks
 from service.jobs import JobManager
+from service.jobs.notify import Elsewhere, Waiters
 from service.metrics import Metrics
 from service.replicas import Replicas
 from service.sandbox.base import SandboxBackend
@@ -20,9 +21,12 @@ def build_jobs(
     store: JobStore,
     metrics: Metrics,
     replicas: Replicas,
+    waiters: Waiters | None = None,
 ) -> JobManager:
     """The job service and its parts (the composition of ``service.jobs``), with metrics, logs and webhooks
     subscribed to its lifecycle events. Nothing is started: ``JobManager.start`` does that.
+
+    ``waiters``: the store listener's (PostgreSQL), which ``wait`` on another replica's job uses.
 
     Raises:
         InsecureConfig: a malformed ``PTC_CALLBACK_SECRETS``.
@@ -94,7 +98,9 @@ def build_jobs(
     runner = Runner(
         settings, store, events, sandboxes, endpoints, call_memory, checks, live, cache, tasks, instance, replicas
     )
-    views = JobViews(store, live, output_dir, cache)
+    if waiters is not None:
+        waiters.on_ended = cache.drop
+    views = JobViews(store, live, output_dir, cache, Elsewhere(store, replicas, waiters))
     session_jobs = SessionJobs(settings, sessions, sandboxes, admission, toolsets, runner, live)
     recovery = Recovery(settings, backend, store, folders, quotas, events, cache, instance_labels, instance, replicas)
     webhooks = Webhooks(settings, store, views, cache, secrets, endpoints.egress, metrics, tasks, instance)

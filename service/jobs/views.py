@@ -23,6 +23,7 @@ from service.errors import InvalidField, JobNotFound, NoSuchFile
 from service.jobs import resume, shared
 from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob, wait_for_end_or_client
 from service.jobs.model import FINAL
+from service.jobs.notify import Elsewhere
 from service.output import BytesRange, OutputRange, decode_slice, read_range
 from service.sandbox.base import Stream
 from service.schemas import JobSummary
@@ -43,6 +44,7 @@ class JobViews:
         live: the live jobs (job id -> job).
         output_dir: ``work_dir/output``, one folder of retained output per job.
         cache: ended jobs' encoded views, kept for reading.
+        elsewhere: jobs of other replicas (``notify.Elsewhere``): 503 while running, ``wait`` on notifications.
     """
 
     def __init__(
@@ -51,20 +53,18 @@ class JobViews:
         live: dict[str, LiveJob],
         output_dir: Path,
         cache: views.ViewCache,
+        elsewhere: Elsewhere | None = None,
     ) -> None:
         self._store = store
         self._live = live
         self._output_dir = output_dir
-        self._views = cache
+        self._views, self._elsewhere = cache, elsewhere
         self._loading: dict[str, asyncio.Future[EncodedView]] = {}  # ended views being read back from the store
         self._scanning = asyncio.Lock()  # one stored view indexed at a time
 
     def live(self, job_id: str, caller: Caller) -> LiveJob | None:
-        """The job if it has not been saved as ended yet; raises JobNotFound when it is another owner's.
-
-        Every job a caller names goes through here or ``final``: another owner's job answers
-        exactly like one that does not exist (its existence is not revealed).
-        """
+        """The job if it has not been saved as ended yet; raises JobNotFound when it is another owner's (answered
+        like a job that does not exist: see the module's docstring)."""
         job = self._live.get(job_id)
         if job is not None and not caller.may_access(job.owner):
             raise JobNotFound(job_id)
@@ -84,6 +84,8 @@ class JobViews:
         encoded = await self.encoded(job_id)
         if not caller.may_access(encoded.head.get("owner")):  # None: saved before owners were (admin only)
             raise JobNotFound(job_id)
+        if encoded.head.get("ended_at") is None and self._elsewhere is not None:  # saved running, not live here
+            await self._elsewhere.check(job_id)  # OwnerUnavailable: another replica runs it
         return encoded
 
     async def encoded(self, job_id: str) -> EncodedView:
@@ -105,7 +107,7 @@ class JobViews:
         async with self._scanning:
             head, spans = await asyncio.to_thread(views.scan, stored.view, summaries)
         encoded = EncodedView(head, stored.view, spans, summaries, views.head_end(stored.view, spans))
-        if job_id not in self._live:  # a job saved as running may have ended meanwhile: its own save wins
+        if job_id not in self._live and stored.ended_at is not None:  # a running view would go stale: not kept
             self._views.put(job_id, encoded)
         return encoded
 
@@ -247,6 +249,8 @@ class JobViews:
         job = self.live(job_id, caller)
         if job is not None:
             await wait_for_end_or_client(job, timeout_s)
+        elif self._elsewhere is not None:  # woken by the store's notifications
+            await self._elsewhere.wait(job_id, caller, timeout_s)
         return await self.view(job_id, caller, selection=selection)
 
     async def page(self, query: JobQuery) -> tuple[list[JobSummary], str | None]:

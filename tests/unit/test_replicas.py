@@ -7,14 +7,23 @@ job elsewhere answers 503 ``owner-unavailable``, and ``wait`` on the other repli
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
+from fastapi import FastAPI
 
-from service.errors import InstanceIdInUse
+from service.api import create_app
+from service.auth import hash_token
+from service.errors import InstanceIdInUse, LeaseLost
 from service.replicas import Replicas, internal_url, work_dir_token
+from service.sandbox.fake import FakeBackend
 from service.settings import Settings
 from service.store import Incarnation, JobStore, Registration, StoredJob
 
@@ -176,3 +185,138 @@ def test_the_internal_url_comes_from_the_setting_or_the_bound_host(tmp_path: Pat
 def test_a_lease_shorter_than_three_heartbeats_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="PTC_REPLICA_LEASE_S"):
         Settings(work_dir=tmp_path, replica_heartbeat_s=2, replica_lease_s=5)
+
+
+# -- two replicas in-process on one PostgreSQL database ---------------------------------------------------------
+
+
+ALICE, BOB = "alice-token-0123456789abcdef", "bob-token-0123456789abcdefgh"
+
+
+@pytest.fixture
+def short() -> Iterator[Path]:
+    """A scratch folder with a short path (the sandboxes' unix sockets live under the work dirs)."""
+    path = Path(tempfile.mkdtemp(prefix="ptcr", dir="/tmp"))
+    (path / "w1").mkdir()
+    (path / "w2").mkdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@asynccontextmanager
+async def replica(
+    work_dir: Path, url: str, name: str
+) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient, httpx.AsyncClient]]:
+    """A service (``name``) on ``work_dir`` and the store at ``url``, FakeBackend; clients of alice and bob."""
+    keys = f"alice:{hash_token(ALICE)},bob:{hash_token(BOB)}"
+    app = create_app(
+        Settings(
+            api_keys=keys,
+            work_dir=work_dir,
+            sandbox_folders_tmpfs_mb=0,
+            warm_pool_size=0,
+            instance_id=name,
+            store_url=url,
+            store_timeout_s=2,
+            replica_heartbeat_s=0.2,
+            replica_lease_s=1,
+        ),
+        FakeBackend(),
+    )
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with (
+            httpx.AsyncClient(transport=transport, base_url="http://fake", timeout=60, headers=bearer(ALICE)) as a,
+            httpx.AsyncClient(transport=transport, base_url="http://fake", timeout=60, headers=bearer(BOB)) as b,
+        ):
+            yield app, a, b
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def held_until(flag: Path) -> str:
+    """A script that prints, then runs until ``flag`` exists."""
+    return (
+        "import os, time\nprint('started', flush=True)\n"
+        f"while not os.path.exists({str(flag)!r}):\n    time.sleep(0.02)\nprint('done')\n"
+    )
+
+
+async def test_any_replica_serves_an_ended_job_and_waits_for_a_running_one(postgres_url: str, short: Path) -> None:
+    flag = short / "flag"
+    async with (
+        replica(short / "w1", postgres_url, "t1") as (_, alice1, _bob1),
+        replica(short / "w2", postgres_url, "t2") as (app2, alice2, bob2),
+    ):
+        started = await alice1.post("/execute", json={"script": held_until(flag), "wait_s": 0})
+        assert started.status_code == 202, started.text
+        job_id = started.json()["job_id"]
+        answer = await alice2.get(f"/jobs/{job_id}")  # running on t1: no forwarding yet
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["type"].endswith("/owner-unavailable")
+        assert 1 <= int(answer.headers["retry-after"]) <= 3
+        assert (await bob2.get(f"/jobs/{job_id}")).status_code == 404  # another tenant: as unknown, first
+        assert (await bob2.post(f"/jobs/{job_id}/wait", params={"timeout_s": 5})).status_code == 404
+
+        store = app2.state.store
+        reads: list[str] = []
+        get = store.get
+
+        async def counted(job: str) -> Any:
+            reads.append(job)
+            return await get(job)
+
+        store.get = counted
+        waiting = asyncio.create_task(alice2.post(f"/jobs/{job_id}/wait", params={"timeout_s": 30}))
+        await asyncio.sleep(0.5)
+        before = len(reads)
+        await asyncio.sleep(0.5)
+        assert len(reads) == before and not waiting.done()  # asleep: no reads while it waits (no polling)
+        flag.touch()
+        ended = await asyncio.wait_for(waiting, 20)  # woken by t1's final save (NOTIFY)
+        assert ended.status_code == 200, ended.text
+        view = ended.json()
+        assert (view["status"], view["stdout"]) == ("succeeded", "started\ndone\n")
+        assert len(reads) <= before + 3  # one read when woken, then the view's
+        for client in (alice1, alice2):  # the same view, output and listing from either replica
+            again = await client.get(f"/jobs/{job_id}")
+            assert again.status_code == 200 and again.json()["stdout"] == view["stdout"]
+            output = await client.get(f"/jobs/{job_id}/output/stdout")
+            assert output.status_code == 200 and output.content == b"started\ndone\n"
+        assert (await bob2.get(f"/jobs/{job_id}")).status_code == 404
+
+
+async def test_a_wait_elsewhere_times_out_with_the_owner_unavailable(postgres_url: str, short: Path) -> None:
+    flag = short / "flag"
+    async with (
+        replica(short / "w1", postgres_url, "t1") as (_, alice1, _a),
+        replica(short / "w2", postgres_url, "t2") as (_, alice2, _b),
+    ):
+        job_id = (await alice1.post("/execute", json={"script": held_until(flag), "wait_s": 0})).json()["job_id"]
+        answer = await alice2.post(f"/jobs/{job_id}/wait", params={"timeout_s": 0.3})
+        assert answer.status_code == 503 and answer.json()["type"].endswith("/owner-unavailable")
+        flag.touch()
+        assert (await alice1.post(f"/jobs/{job_id}/wait", params={"timeout_s": 20})).json()["status"] == "succeeded"
+
+
+async def test_both_replicas_are_in_the_registry_and_the_gauge(postgres_url: str, short: Path) -> None:
+    async with replica(short / "w1", postgres_url, "t1") as (app1, _a, _b):
+        async with replica(short / "w2", postgres_url, "t2"):
+            await asyncio.sleep(0.5)  # a heartbeat reads the registry again
+            rows = {r.instance_id: r for r in await app1.state.store.replicas()}
+            assert {i: (r.state, r.epoch) for i, r in rows.items()} == {"t1": ("live", 1), "t2": ("live", 1)}
+            text = app1.state.metrics.exposition().decode()
+            assert 'ptc_replicas{state="live"} 2.0' in text
+        rows = {r.instance_id: r for r in await app1.state.store.replicas()}
+        assert rows["t2"].state == "left"  # a clean shutdown leaves the registry
+
+
+async def test_a_fenced_save_fences_the_replica(store: JobStore, tmp_path: Path) -> None:
+    old = Replicas(settings(tmp_path), store)
+    await old.register()
+    await Replicas(settings(tmp_path), store).register()  # epoch 2 took over
+    with pytest.raises(LeaseLost):
+        await old.save(job("j1"))
+    assert old.fenced and await store.get("j1") is None

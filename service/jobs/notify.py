@@ -1,0 +1,188 @@
+"""Jobs of other replicas: ``wait`` woken by PostgreSQL notifications, and the answer for a running job that another
+replica owns (docs/scaling.md, Serving any job from any replica; step 2, without forwarding).
+
+- ``Listener``: one extra connection per replica that ``LISTEN``s on ``ptc_jobs``. Each save of an ended job (or
+  of one waiting for its client) sends ``<job_id> ended`` (``waiting``) in the transaction that writes it
+  (``PostgresJobStore.save``), so a notification arrives only once the row is committed. A notification with no
+  local waiter costs one dictionary lookup; ``ended`` also drops the job's cached view. A lost connection is
+  re-opened (backoff up to 5 s) and wakes every waiter, which then reads the row again: nothing is missed.
+- ``Elsewhere``: ``wait`` on a job that is not live here registers a waiter, then reads the row (closing the race
+  with a notification sent before the waiter existed), then sleeps until a notification, its timeout, or a
+  reconnection: no query while it waits, no polling. ``check`` answers 503 ``owner-unavailable`` for a job saved
+  as running by another incarnation (its live view is on its owner; forwarding is step 3).
+
+With SQLite there is no listener: every job is this replica's, ``wait`` uses the job's in-process events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+
+import psycopg
+import sqlalchemy as sa
+
+from service.auth import Caller
+from service.errors import JobNotFound, OwnerUnavailable
+from service.replicas import Replicas
+from service.store import JobStore, StoredJob
+from service.store_pg import JOBS_CHANNEL
+
+log = logging.getLogger(__name__)
+
+RECONNECT_MAX_S = 5.0
+"""Longest pause between two attempts to re-open the listening connection (s)."""
+
+
+class Waiters:
+    """Local waiters per job id: events set when the job's notification arrives (or on ``wake_all``).
+
+    Attributes:
+        on_ended: told the id of each job a notification says ended (drops its cached view).
+    """
+
+    def __init__(self) -> None:
+        self._events: dict[str, set[asyncio.Event]] = {}
+        self.on_ended: Callable[[str], None] = lambda _: None
+
+    def received(self, payload: str) -> None:
+        """A ``ptc_jobs`` notification: ``<job_id> <word>``."""
+        job_id, _, word = payload.partition(" ")
+        if word in ("ended", "saved"):
+            self.on_ended(job_id)
+        self.wake(job_id)
+
+    @contextlib.contextmanager
+    def waiting(self, job_id: str) -> Iterator[asyncio.Event]:
+        """A waiter for ``job_id`` (an ``asyncio.Event``) while the block runs."""
+        event = asyncio.Event()
+        self._events.setdefault(job_id, set()).add(event)
+        try:
+            yield event
+        finally:
+            waiting = self._events.get(job_id)
+            if waiting is not None:
+                waiting.discard(event)
+                if not waiting:
+                    del self._events[job_id]
+
+    def wake(self, job_id: str) -> None:
+        """Wake the waiters of ``job_id`` (none: nothing to do)."""
+        for event in self._events.get(job_id, ()):
+            event.set()
+
+    def wake_all(self) -> None:
+        """Wake every waiter (the listener re-connected: notifications may have been missed)."""
+        for events in self._events.values():
+            for event in events:
+                event.set()
+
+    def __len__(self) -> int:
+        return sum(len(events) for events in self._events.values())
+
+
+class Listener:
+    """The ``LISTEN`` connection of this replica (PostgreSQL store only).
+
+    Args:
+        url: the store's ``postgresql://`` URL (never logged).
+        waiters: given the notifications.
+        timeout_s: connect timeout (s).
+    """
+
+    def __init__(self, url: str, waiters: Waiters, timeout_s: float = 5.0) -> None:
+        self._conninfo = sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+        self._waiters = waiters
+        self._timeout_s = timeout_s
+        self._task: asyncio.Task[None] | None = None
+        self.listening = asyncio.Event()
+        self.reconnects = 0
+
+    def start(self) -> None:
+        """Start listening (a task; returns at once)."""
+        self._task = asyncio.create_task(self._run(), name="store listener")
+
+    async def close(self) -> None:
+        """Stop listening."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        pause = 0.1
+        first = True
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                    self._conninfo, autocommit=True, connect_timeout=max(1, round(self._timeout_s))
+                ) as conn:
+                    await conn.execute(f"LISTEN {JOBS_CHANNEL}")
+                    if not first:
+                        self.reconnects += 1
+                        self._waiters.wake_all()  # notifications may have been missed meanwhile
+                    first, pause = False, 0.1
+                    self.listening.set()
+                    async for note in conn.notifies():
+                        self._waiters.received(note.payload)
+            except (psycopg.Error, OSError) as exc:
+                log.warning("store listener: connection lost (%s); re-opening", type(exc).__name__)
+            self.listening.clear()
+            await asyncio.sleep(pause)
+            pause = min(RECONNECT_MAX_S, pause * 2)
+
+
+class Elsewhere:
+    """Jobs this replica does not hold in memory: ``wait`` on notifications, 503 for running ones of others.
+
+    Args:
+        store: the job store.
+        replicas: this replica (its incarnation, the registry cache).
+        waiters: the listener's waiters (None: no listener, a SQLite store).
+    """
+
+    def __init__(self, store: JobStore, replicas: Replicas, waiters: Waiters | None) -> None:
+        self._store = store
+        self._replicas = replicas
+        self._waiters = waiters
+
+    def _running_elsewhere(self, stored: StoredJob) -> bool:
+        return (
+            stored.ended_at is None
+            and self._store.shares_output
+            and not self._replicas.owner_here(stored.instance_id, stored.instance_epoch)
+        )
+
+    async def check(self, job_id: str) -> None:
+        """Raise OwnerUnavailable when the job (saved as running, not live here, the caller's access checked)
+        runs on another replica; return when it is this incarnation's (served from its saved view)."""
+        stored = await self._store.get(job_id)
+        if stored is not None and self._running_elsewhere(stored):
+            raise OwnerUnavailable(job_id, self._replicas.retry_after_s(stored.instance_id))
+
+    async def wait(self, job_id: str, caller: Caller, timeout_s: float) -> None:
+        """Return when the job (not live here) has ended or waits for its client, or after ``timeout_s``.
+
+        Raises:
+            JobNotFound: no such job, or another owner's (at once, before any wait).
+        """
+        if self._waiters is None:
+            return  # one replica: a job not live here has ended
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        with self._waiters.waiting(job_id) as woken:
+            while True:
+                stored = await self._store.get(job_id)
+                if stored is None or not caller.may_access(stored.owner):
+                    raise JobNotFound(job_id)
+                if not self._running_elsewhere(stored) or stored.status == "waiting":
+                    return
+                left = deadline - loop.time()
+                if left <= 0:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(woken.wait(), left)
+                woken.clear()
