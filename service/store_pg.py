@@ -239,6 +239,8 @@ class PostgresJobStore(JobStore):
 
         async def run(conn: AsyncConnection) -> None:
             await conn.execute(statement)
+            if job.ended_at is not None:  # an ended job re-saved (marked lost, a callback's state): caches drop it
+                await _notify(conn, JOBS_CHANNEL, f"{job.job_id} saved")
 
         await self._call("put", run, write=True)
 

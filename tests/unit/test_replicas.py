@@ -7,6 +7,7 @@ job elsewhere answers 503 ``owner-unavailable``, and ``wait`` on the other repli
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -320,3 +321,33 @@ async def test_a_fenced_save_fences_the_replica(store: JobStore, tmp_path: Path)
     with pytest.raises(LeaseLost):
         await old.save(job("j1"))
     assert old.fenced and await store.get("j1") is None
+
+
+async def test_a_re_saved_ended_job_is_dropped_from_the_other_replicas_cache(postgres_url: str, short: Path) -> None:
+    async with (
+        replica(short / "w1", postgres_url, "t1") as (app1, alice1, _a),
+        replica(short / "w2", postgres_url, "t2") as (_, alice2, _b),
+    ):
+        view = (await alice1.post("/execute", json={"script": "print(1)"})).json()
+        assert (await alice2.get(f"/jobs/{view['job_id']}")).json()["metadata"] == {}  # read: cached on t2
+        stored = await app1.state.store.get(view["job_id"])
+        changed = stored.view.replace(b'"metadata":{}', b'"metadata":{"re":"saved"}')
+        assert changed != stored.view
+        await app1.state.store.put(dataclasses.replace(stored, view=changed))  # as a callback's re-save does
+        for _ in range(100):  # the notification arrives after the commit
+            if (await alice2.get(f"/jobs/{view['job_id']}")).json()["metadata"]:
+                break
+            await asyncio.sleep(0.05)
+        assert (await alice2.get(f"/jobs/{view['job_id']}")).json()["metadata"] == {"re": "saved"}
+
+
+async def test_a_fenced_replica_is_not_ready(short: Path) -> None:
+    app = create_app(Settings(auth="disabled", work_dir=short / "w1", sandbox_folders_tmpfs_mb=0), FakeBackend())
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fake") as client:
+            assert (await client.get("/readyz")).status_code == 200  # SQLite: registered, epoch 1
+            assert app.state.replicas.incarnation.epoch == 1
+            app.state.replicas.fence("a test")
+            answer = await client.get("/readyz")
+            assert answer.status_code == 503 and "lost its lease" in answer.json()["detail"]

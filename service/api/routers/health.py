@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from service.api.bodies import ParsedOffLoop
@@ -11,6 +11,7 @@ from service.api.problems import FORBIDDEN, NOT_READY
 from service.auth import may_scrape
 from service.errors import SandboxError, StoreUnavailable
 from service.metrics import CONTENT_TYPE
+from service.replicas import Replicas
 from service.sandbox.images import Images
 from service.settings import DEFAULT_IMAGE
 
@@ -39,13 +40,18 @@ async def metrics_route(metrics: AppMetrics, keys: Keys, key: Key) -> Response:
 
 
 @router.get("/readyz", responses={503: {}})
-async def readyz(backend: Backend, settings: AppSettings, store: Store) -> Response:
-    """Readiness: the job store answers (PostgreSQL: within ``PTC_STORE_TIMEOUT_S``), the engine answers, the
+async def readyz(request: Request, backend: Backend, settings: AppSettings, store: Store) -> Response:
+    """Readiness: this replica holds its lease (``Replicas.ready``: not fenced, not within a heartbeat of its
+    deadline), the job store answers (PostgreSQL: within ``PTC_STORE_TIMEOUT_S``), the engine answers, the
     sandbox image is present, and so is every other image of ``PTC_IMAGES`` (with the ``session`` feature); a 503
     names each image that is not, by its name, and says when the store does not answer (never its URL).
 
     The answer lists the names requests may choose (``images``), and the default image's reference (``image``).
     """
+    replicas = request.app.state.replicas
+    lease = replicas.ready() if isinstance(replicas, Replicas) else None
+    if lease is not None:
+        return NOT_READY.response(lease)
     try:
         await store.ping()
     except StoreUnavailable as exc:
