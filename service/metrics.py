@@ -127,6 +127,14 @@ class Metrics:
             ["state"],
             registry=reg,
         )
+        self.lease_renewals = Counter(
+            "ptc_lease_renewals", "Heartbeats of this replica's lease, by outcome.", ["outcome"], registry=reg
+        )
+        self.lease_remaining = Gauge(
+            "ptc_lease_remaining_seconds",
+            "This replica's lease left at its last renewal (s; alert below one heartbeat).",
+            registry=reg,
+        )
         self.output_truncated = Counter(
             "ptc_output_truncated",
             "Jobs whose inline output of a stream exceeded its cap (head and tail kept).",
@@ -169,6 +177,8 @@ class Metrics:
             self.output_truncated.labels(stream=stream)
         for state in ("live", "draining"):
             self.replicas.labels(state=state)
+        for outcome in ("ok", "error", "fenced"):
+            self.lease_renewals.labels(outcome=outcome)
 
     # -- state read at scrape time -------------------------------------------------------------
 
@@ -184,6 +194,11 @@ class Metrics:
     def set_sessions(self, count: int) -> None:
         """Set ``ptc_sessions`` (call it whenever a session opens or closes)."""
         self.sessions.set(count)
+
+    def lease_renewal(self, outcome: str, remaining_s: float) -> None:
+        """Count a heartbeat (``ok``, ``error``, ``fenced``) and set the lease left after it (s)."""
+        self.lease_renewals.labels(outcome=outcome).inc()
+        self.lease_remaining.set(max(0.0, remaining_s))
 
     def set_replicas(self, counts: Mapping[str, int]) -> None:
         """Set ``ptc_replicas{state}`` (``live``, ``draining``) from the registry's last read."""

@@ -89,14 +89,20 @@ class Replicas:
         settings: ``instance()``, ``work_dir``, ``replica_heartbeat_s``, ``replica_lease_s``, the internal URL.
         store: the job store holding the registry.
         on_count: told the registry's counts by state (``live``, ``draining``) after each read (metrics).
+        on_renewal: told each heartbeat's outcome (``ok``, ``error``, ``fenced``) and the lease left then (s).
     """
 
     def __init__(
-        self, settings: Settings, store: JobStore, on_count: Callable[[dict[str, int]], None] | None = None
+        self,
+        settings: Settings,
+        store: JobStore,
+        on_count: Callable[[dict[str, int]], None] | None = None,
+        on_renewal: Callable[[str, float], None] | None = None,
     ) -> None:
         self._settings = settings
         self._store = store
         self._on_count = on_count
+        self._on_renewal = on_renewal
         self._incarnation: Incarnation | None = None
         self._deadline = 0.0  # CLOCK_BOOTTIME seconds
         self._task: asyncio.Task[None] | None = None
@@ -181,18 +187,23 @@ class Replicas:
         try:
             renewed = await self._store.renew(self.incarnation, self._settings.replica_lease_s)
         except StoreUnavailable:
-            self.renewals["error"] += 1
+            self._renewed("error")
             if boottime() >= self._deadline:
                 self.fence("the lease passed while the store did not answer")
             return
         if not renewed:
-            self.renewals["fenced"] += 1
+            self._renewed("fenced")
             self.fence("the registry no longer holds this incarnation as live")
             return
-        self.renewals["ok"] += 1
         self._deadline = sent + self._settings.replica_lease_s
+        self._renewed("ok")
         with contextlib.suppress(StoreUnavailable):
             await self.refresh()
+
+    def _renewed(self, outcome: str) -> None:
+        self.renewals[outcome] += 1
+        if self._on_renewal is not None:
+            self._on_renewal(outcome, self.lease_left_s())
 
     async def refresh(self) -> None:
         """Read the registry into ``registry``, and give its counts to ``on_count``.

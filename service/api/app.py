@@ -82,7 +82,9 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         store = job_store(settings)
         await store.open()  # migrations first (docs/operations.md, Job store); a PostgreSQL down refuses the start
         app.state.store = store
-        replicas = app.state.replicas = Replicas(settings, store, on_count=metrics.set_replicas)
+        replicas = app.state.replicas = Replicas(
+            settings, store, on_count=metrics.set_replicas, on_renewal=metrics.lease_renewal
+        )
         waiters = Waiters() if settings.store_url is not None else None
         jobs = build_jobs(settings, backend, endpoints, store, metrics, replicas, waiters)
         await jobs.start()  # registers this replica (after the work-dir lock, before the sweep)

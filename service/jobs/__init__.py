@@ -146,10 +146,14 @@ class JobManager:
             SessionNotFound: an unknown session (another owner's included).
             QueueFull: ``concurrency`` jobs run and ``max_queue`` wait already.
             QuotaExceeded: the owner is at one of its job quotas (``Quotas.admit_job``).
+
+        Returns once the job's first save is done (or its run ended without one).
         """
         admitted = await self._intake.admit(request, owner, admin)
-        self._runner.start(admitted)
-        return admitted.job
+        job = admitted.job
+        self._runner.start(admitted).add_done_callback(lambda _: job.stored.set())
+        await job.stored.wait()  # saved before it is answered: any replica finds the job its id names
+        return job
 
     async def answer_call(
         self, job_id: str, caller: Caller, call_id: str, ok: bool, value: Any, selection: Selection = FULL

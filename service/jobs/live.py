@@ -105,6 +105,7 @@ class LiveJob(Job):
     calls_over_limit: int = 0
     ran_as_coroutine: bool = False  # the runtime's report: the script had top-level await
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    stored: asyncio.Event = field(default_factory=asyncio.Event)  # its first save is done (or its run ended)
     stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
     waiting: asyncio.Event = field(default_factory=asyncio.Event)  # set while client calls wait for answers
     broker: Broker | None = None

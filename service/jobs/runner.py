@@ -221,6 +221,7 @@ class Runner:
     async def _save_and_tell(self, job: LiveJob) -> None:
         """Save the job's status, then tell subscribers (``StatusChanged``); raises what the store raises."""
         await self._save(job)
+        job.stored.set()
         self._events.publish(StatusChanged(job))
 
     @staticmethod

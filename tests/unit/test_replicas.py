@@ -238,7 +238,8 @@ def bearer(token: str) -> dict[str, str]:
 
 
 def held_until(flag: Path) -> str:
-    """A script that prints, then runs until ``flag`` exists."""
+    """A script that prints, then runs until ``flag`` exists (the tests give it a 30 s time limit: a failing test
+    does not wait for it at the services' shutdown)."""
     return (
         "import os, time\nprint('started', flush=True)\n"
         f"while not os.path.exists({str(flag)!r}):\n    time.sleep(0.02)\nprint('done')\n"
@@ -251,7 +252,7 @@ async def test_any_replica_serves_an_ended_job_and_waits_for_a_running_one(postg
         replica(short / "w1", postgres_url, "t1") as (_, alice1, _bob1),
         replica(short / "w2", postgres_url, "t2") as (app2, alice2, bob2),
     ):
-        started = await alice1.post("/execute", json={"script": held_until(flag), "wait_s": 0})
+        started = await alice1.post("/execute", json={"script": held_until(flag), "wait_s": 0, "timeout_s": 30})
         assert started.status_code == 202, started.text
         job_id = started.json()["job_id"]
         answer = await alice2.get(f"/jobs/{job_id}")  # running on t1: no forwarding yet
@@ -295,7 +296,9 @@ async def test_a_wait_elsewhere_times_out_with_the_owner_unavailable(postgres_ur
         replica(short / "w1", postgres_url, "t1") as (_, alice1, _a),
         replica(short / "w2", postgres_url, "t2") as (_, alice2, _b),
     ):
-        job_id = (await alice1.post("/execute", json={"script": held_until(flag), "wait_s": 0})).json()["job_id"]
+        job_id = (
+            await alice1.post("/execute", json={"script": held_until(flag), "wait_s": 0, "timeout_s": 30})
+        ).json()["job_id"]
         answer = await alice2.post(f"/jobs/{job_id}/wait", params={"timeout_s": 0.3})
         assert answer.status_code == 503 and answer.json()["type"].endswith("/owner-unavailable")
         flag.touch()
@@ -310,6 +313,9 @@ async def test_both_replicas_are_in_the_registry_and_the_gauge(postgres_url: str
             assert {i: (r.state, r.epoch) for i, r in rows.items()} == {"t1": ("live", 1), "t2": ("live", 1)}
             text = app1.state.metrics.exposition().decode()
             assert 'ptc_replicas{state="live"} 2.0' in text
+            assert 'ptc_lease_renewals_total{outcome="fenced"} 0.0' in text
+            assert 'ptc_lease_renewals_total{outcome="ok"} 0.0' not in text  # renewed every 0.2 s
+            assert "ptc_lease_remaining_seconds 0.0" not in text
         rows = {r.instance_id: r for r in await app1.state.store.replicas()}
         assert rows["t2"].state == "left"  # a clean shutdown leaves the registry
 
@@ -351,3 +357,22 @@ async def test_a_fenced_replica_is_not_ready(short: Path) -> None:
             app.state.replicas.fence("a test")
             answer = await client.get("/readyz")
             assert answer.status_code == 503 and "lost its lease" in answer.json()["detail"]
+
+
+async def test_a_job_is_saved_before_its_id_is_answered(short: Path) -> None:
+    app = create_app(Settings(auth="disabled", work_dir=short / "w1", sandbox_folders_tmpfs_mb=0), FakeBackend())
+    async with app.router.lifespan_context(app):
+        store = app.state.store
+        save = store.save
+
+        async def slow(job: StoredJob, incarnation: Incarnation) -> bool:
+            await asyncio.sleep(0.2)  # a store farther away than this test's
+            return bool(await save(job, incarnation))
+
+        store.save = slow
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fake") as client:
+            answer = await client.post("/execute", json={"script": "print(1)", "wait_s": 0})
+            assert answer.status_code == 202
+            assert await store.get(answer.json()["job_id"]) is not None  # another replica would find it
+            await client.post(f"/jobs/{answer.json()['job_id']}/wait", params={"timeout_s": 20})
