@@ -7,7 +7,8 @@ cache, and fencing (docs/scaling.md, Replicas and leases; issue 17, point 2).
   (which may take over its own live row at once) from a second replica given the same ``PTC_INSTANCE_ID``
   (refused: ``InstanceIdInUse``).
 - **Heartbeat** (``start``): every ``PTC_REPLICA_HEARTBEAT_S`` the lease is renewed to ``PTC_REPLICA_LEASE_S``
-  from the store's ``now()``, and the registry is read again (the cache ``registry``). The **local deadline** is
+  from the store's ``now()``, and the registry is read again (the cache ``registry``; also at once on a
+  ``ptc_replicas`` notification: ``refresh_soon``). The **local deadline** is
   the time the last successful renewal was sent plus the lease, on ``CLOCK_BOOTTIME`` (it runs while the machine
   is suspended): it passes no later than the lease in the store.
 - **Fencing** (``fence``): a renewal that matches no row, a save that matches no row (``LeaseLost``), or the
@@ -106,6 +107,7 @@ class Replicas:
         self._incarnation: Incarnation | None = None
         self._deadline = 0.0  # CLOCK_BOOTTIME seconds
         self._task: asyncio.Task[None] | None = None
+        self._refreshing: asyncio.Task[None] | None = None
         self.fenced = False
         self.on_fenced: list[Callable[[], None]] = []
         self.registry: dict[str, Replica] = {}
@@ -160,11 +162,12 @@ class Replicas:
 
     async def close(self) -> None:
         """Stop the heartbeat and leave the registry (``left``); a store that does not answer is logged."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        for task in (self._task, self._refreshing):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._refreshing = None
         if self._incarnation is not None and not self.fenced:
             try:
                 await self._store.set_replica_state(self._incarnation, "left")
@@ -219,6 +222,17 @@ class Replicas:
                 if row.holds_lease:
                     counts[row.state] += 1
             self._on_count(counts)
+
+    def refresh_soon(self) -> None:
+        """Read the registry again in the background (a ``ptc_replicas`` notification); one read at a time."""
+        if self._refreshing is not None and not self._refreshing.done():
+            return
+
+        async def refresh() -> None:
+            with contextlib.suppress(StoreUnavailable):
+                await self.refresh()
+
+        self._refreshing = asyncio.create_task(refresh(), name="registry refresh")
 
     def lease_left_s(self) -> float:
         """Seconds until the local deadline (negative: passed)."""

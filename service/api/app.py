@@ -86,6 +86,8 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             settings, store, on_count=metrics.set_replicas, on_renewal=metrics.lease_renewal
         )
         waiters = Waiters() if settings.store_url is not None else None
+        if waiters is not None:
+            waiters.on_replicas = replicas.refresh_soon
         jobs = build_jobs(settings, backend, endpoints, store, metrics, replicas, waiters)
         await jobs.start()  # registers this replica (after the work-dir lock, before the sweep)
         replicas.start()

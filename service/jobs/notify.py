@@ -1,7 +1,8 @@
 """Jobs of other replicas: ``wait`` woken by PostgreSQL notifications, and the answer for a running job that another
 replica owns (docs/scaling.md, Serving any job from any replica; step 2, without forwarding).
 
-- ``Listener``: one extra connection per replica that ``LISTEN``s on ``ptc_jobs``. Each save of an ended job (or
+- ``Listener``: one extra connection per replica that ``LISTEN``s on ``ptc_jobs`` (and ``ptc_replicas``: the
+  registry cache is read again at once when a replica registers, drains or leaves). Each save of an ended job (or
   of one waiting for its client) sends ``<job_id> ended`` (``waiting``) in the transaction that writes it
   (``PostgresJobStore.save``), so a notification arrives only once the row is committed. A notification with no
   local waiter costs one dictionary lookup; ``ended`` also drops the job's cached view. A lost connection is
@@ -28,7 +29,7 @@ from service.auth import Caller
 from service.errors import JobNotFound, OwnerUnavailable
 from service.replicas import Replicas
 from service.store import JobStore, StoredJob
-from service.store_pg import JOBS_CHANNEL
+from service.store_pg import JOBS_CHANNEL, REPLICAS_CHANNEL
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +42,13 @@ class Waiters:
 
     Attributes:
         on_ended: told the id of each job a notification says ended (drops its cached view).
+        on_replicas: called on each ``ptc_replicas`` notification (the registry changed: read it again).
     """
 
     def __init__(self) -> None:
         self._events: dict[str, set[asyncio.Event]] = {}
         self.on_ended: Callable[[str], None] = lambda _: None
+        self.on_replicas: Callable[[], None] = lambda: None
 
     def received(self, payload: str) -> None:
         """A ``ptc_jobs`` notification: ``<job_id> <word>``."""
@@ -121,13 +124,17 @@ class Listener:
                     self._conninfo, autocommit=True, connect_timeout=max(1, round(self._timeout_s))
                 ) as conn:
                     await conn.execute(f"LISTEN {JOBS_CHANNEL}")
+                    await conn.execute(f"LISTEN {REPLICAS_CHANNEL}")
                     if not first:
                         self.reconnects += 1
                         self._waiters.wake_all()  # notifications may have been missed meanwhile
                     first, pause = False, 0.1
                     self.listening.set()
                     async for note in conn.notifies():
-                        self._waiters.received(note.payload)
+                        if note.channel == REPLICAS_CHANNEL:
+                            self._waiters.on_replicas()
+                        else:
+                            self._waiters.received(note.payload)
             except (psycopg.Error, OSError) as exc:
                 log.warning("store listener: connection lost (%s); re-opening", type(exc).__name__)
             self.listening.clear()

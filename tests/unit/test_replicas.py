@@ -194,6 +194,9 @@ def test_a_lease_shorter_than_three_heartbeats_is_refused(tmp_path: Path) -> Non
 ALICE, BOB = "alice-token-0123456789abcdef", "bob-token-0123456789abcdefgh"
 
 
+Clients = tuple[FastAPI, httpx.AsyncClient, httpx.AsyncClient]
+
+
 @pytest.fixture
 def short() -> Iterator[Path]:
     """A scratch folder with a short path (the sandboxes' unix sockets live under the work dirs)."""
@@ -205,9 +208,7 @@ def short() -> Iterator[Path]:
 
 
 @asynccontextmanager
-async def replica(
-    work_dir: Path, url: str, name: str
-) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient, httpx.AsyncClient]]:
+async def replica(work_dir: Path, url: str, name: str, heartbeat_s: float = 0.2) -> AsyncIterator[Clients]:
     """A service (``name``) on ``work_dir`` and the store at ``url``, FakeBackend; clients of alice and bob."""
     keys = f"alice:{hash_token(ALICE)},bob:{hash_token(BOB)}"
     app = create_app(
@@ -219,8 +220,8 @@ async def replica(
             instance_id=name,
             store_url=url,
             store_timeout_s=2,
-            replica_heartbeat_s=0.2,
-            replica_lease_s=1,
+            replica_heartbeat_s=heartbeat_s,
+            replica_lease_s=5 * heartbeat_s,
         ),
         FakeBackend(),
     )
@@ -376,3 +377,21 @@ async def test_a_job_is_saved_before_its_id_is_answered(short: Path) -> None:
             assert answer.status_code == 202
             assert await store.get(answer.json()["job_id"]) is not None  # another replica would find it
             await client.post(f"/jobs/{answer.json()['job_id']}/wait", params={"timeout_s": 20})
+
+
+async def test_a_new_replica_is_in_the_others_registry_cache_without_a_heartbeat(
+    postgres_url: str, short: Path
+) -> None:
+    async with replica(short / "w1", postgres_url, "t1", heartbeat_s=30) as (app1, _a, _b):
+        assert set(app1.state.replicas.registry) == {"t1"}
+        async with replica(short / "w2", postgres_url, "t2", heartbeat_s=30):
+            for _ in range(100):  # the ptc_replicas notification, well before t1's next heartbeat
+                if "t2" in app1.state.replicas.registry:
+                    break
+                await asyncio.sleep(0.05)
+            assert app1.state.replicas.registry["t2"].state == "live"
+        for _ in range(100):
+            if app1.state.replicas.registry["t2"].state == "left":
+                break
+            await asyncio.sleep(0.05)
+        assert app1.state.replicas.registry["t2"].state == "left"
