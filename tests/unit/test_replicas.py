@@ -261,6 +261,17 @@ async def test_any_replica_serves_an_ended_job_and_waits_for_a_running_one(postg
         assert answer.json()["type"].endswith("/owner-unavailable")
         assert 1 <= int(answer.headers["retry-after"]) <= 3
         assert (await bob2.get(f"/jobs/{job_id}")).status_code == 404  # another tenant: as unknown, first
+        for method, path in (
+            ("GET", f"/jobs/{job_id}/events"),
+            ("GET", f"/jobs/{job_id}/output/stdout"),
+            ("GET", f"/jobs/{job_id}/files/x.txt"),
+            ("POST", f"/jobs/{job_id}/stop"),
+        ):
+            elsewhere = await alice2.request(method, path)
+            assert elsewhere.status_code == 503 and elsewhere.json()["type"].endswith("/owner-unavailable"), path
+            assert (await bob2.request(method, path)).status_code == 404, path
+        [listed] = (await alice2.get("/jobs")).json()["jobs"]  # the listing: the store's rows of every replica
+        assert listed["job_id"] == job_id and listed["status"] in ("queued", "running")  # as last saved
         assert (await bob2.post(f"/jobs/{job_id}/wait", params={"timeout_s": 5})).status_code == 404
 
         store = app2.state.store
