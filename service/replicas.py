@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from service import __version__, logs
-from service.errors import LeaseLost, StoreUnavailable
+from service.errors import InsecureConfig, LeaseLost, StoreUnavailable
 from service.settings import Settings
 from service.store import Incarnation, JobStore, Registration, Replica, StoredJob
 
@@ -139,8 +139,6 @@ class Replicas:
         url = internal_url(settings)
         if url is None:
             if self._store.shares_output:
-                from service.errors import InsecureConfig
-
                 raise InsecureConfig(
                     "no address where the other replicas reach this one: set PTC_INTERNAL_URL (http://host:port)"
                 )

@@ -166,6 +166,8 @@ class Elsewhere:
     async def check(self, job_id: str) -> None:
         """Raise OwnerUnavailable when the job (saved as running, not live here, the caller's access checked)
         runs on another replica; return when it is this incarnation's (served from its saved view)."""
+        if not self._store.shares_output:
+            return  # one replica (SQLite): every job is this one's
         stored = await self._store.get(job_id)
         if stored is not None and self._running_elsewhere(stored):
             raise OwnerUnavailable(job_id, self._replicas.retry_after_s(stored.instance_id))
