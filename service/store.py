@@ -133,7 +133,22 @@ def decode_cursor(cursor: str) -> tuple[str, str]:
         datetime.fromisoformat(created)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidCursor("cursor is not one this service produced") from exc
+    if not storable(job_id):
+        raise InvalidCursor("cursor is not one this service produced")
     return created, job_id
+
+
+def storable(*values: str) -> bool:
+    """Whether every value can be a text column's value in both stores (no NUL, which PostgreSQL refuses, and
+    no lone surrogate, which neither can encode). Lookups by a user-given value that is not find nothing."""
+    for value in values:
+        if "\x00" in value:
+            return False
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return False
+    return True
 
 
 class JobStore(abc.ABC):
@@ -349,6 +364,8 @@ class SQLiteJobStore(JobStore):
         )
 
     async def get(self, job_id: str) -> StoredJob | None:
+        if not storable(job_id):
+            return None
         row = await self._run(
             lambda db: db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
         )
@@ -454,6 +471,8 @@ class SQLiteJobStore(JobStore):
         return await self._run(bind)
 
     async def idempotency_key(self, owner: str, key: str) -> IdempotencyRecord | None:
+        if not storable(owner, key):
+            return None
         row = await self._run(
             lambda db: db.execute(
                 f"SELECT {_KEY_COLUMNS} FROM idempotency_keys WHERE owner = ? AND key = ?", (owner, key)
@@ -479,6 +498,8 @@ class SQLiteJobStore(JobStore):
         await self._run(insert)
 
     async def get_toolset(self, toolset_id: str, owner: str | None) -> bytes | None:
+        if not storable(toolset_id):
+            return None
         params: tuple[str, ...]
         if owner is None:
             sql, params = "SELECT manifest FROM toolsets WHERE toolset_id = ?", (toolset_id,)
@@ -496,6 +517,8 @@ class SQLiteJobStore(JobStore):
         await self._run(lambda db: db.executemany("INSERT OR REPLACE INTO job_blobs VALUES (?, ?, ?)", rows))
 
     async def read_blob(self, job_id: str, name: str, offset: int = 0, length: int | None = None) -> bytes | None:
+        if not storable(job_id, name):
+            return None
         params: tuple[int, ...]
         if length is None:  # substr counts from 1
             sql, params = "SELECT substr(data, ?) FROM job_blobs WHERE job_id = ? AND name = ?", (offset + 1,)
@@ -505,6 +528,8 @@ class SQLiteJobStore(JobStore):
         return bytes(row[0] or b"") if row else None  # substr of an empty blob is NULL
 
     async def blob_sizes(self, job_id: str) -> dict[str, int]:
+        if not storable(job_id):
+            return {}
         rows = await self._run(
             lambda db: db.execute("SELECT name, length(data) FROM job_blobs WHERE job_id = ?", (job_id,)).fetchall()
         )

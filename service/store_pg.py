@@ -34,6 +34,7 @@ from service.store import (
     StoredJob,
     decode_cursor,
     encode_cursor,
+    storable,
 )
 from service.store_schema import idempotency_keys, job_blobs, jobs, toolset_owners, toolsets
 
@@ -221,6 +222,9 @@ class PostgresJobStore(JobStore):
         await self._call("put", run, write=True)
 
     async def get(self, job_id: str) -> StoredJob | None:
+        if not storable(job_id):  # NUL or a lone surrogate: no row holds it (a driver error otherwise)
+            return None
+
         async def run(conn: AsyncConnection) -> StoredJob | None:
             row = (await conn.execute(sa.select(*_JOB_COLUMNS).where(jobs.c.job_id == job_id))).first()
             return _job(row) if row else None
@@ -320,6 +324,9 @@ class PostgresJobStore(JobStore):
         return sa.select(*_KEY_COLUMNS).where(idempotency_keys.c.owner == owner, idempotency_keys.c.key == key)
 
     async def idempotency_key(self, owner: str, key: str) -> IdempotencyRecord | None:
+        if not storable(owner, key):  # NUL or a lone surrogate: no row holds it (a driver error otherwise)
+            return None
+
         async def run(conn: AsyncConnection) -> IdempotencyRecord | None:
             row = (await conn.execute(self._key_query(owner, key))).first()
             return _key(row) if row else None
@@ -346,6 +353,8 @@ class PostgresJobStore(JobStore):
         await self._call("put_toolset", run, write=True)
 
     async def get_toolset(self, toolset_id: str, owner: str | None) -> bytes | None:
+        if not storable(toolset_id):  # NUL or a lone surrogate: no row holds it (a driver error otherwise)
+            return None
         statement = sa.select(toolsets.c.manifest).where(toolsets.c.toolset_id == toolset_id)
         if owner is not None:
             statement = statement.join(toolset_owners, toolset_owners.c.toolset_id == toolsets.c.toolset_id).where(
@@ -372,6 +381,8 @@ class PostgresJobStore(JobStore):
         await self._call("put_blobs", run, write=True)
 
     async def read_blob(self, job_id: str, name: str, offset: int = 0, length: int | None = None) -> bytes | None:
+        if not storable(job_id, name):  # NUL or a lone surrogate: no row holds it (a driver error otherwise)
+            return None
         part = (
             sa.func.substring(job_blobs.c.data, offset + 1)
             if length is None
@@ -386,6 +397,8 @@ class PostgresJobStore(JobStore):
         return await self._call("read_blob", run)
 
     async def blob_sizes(self, job_id: str) -> dict[str, int]:
+        if not storable(job_id):  # NUL or a lone surrogate: no row holds it (a driver error otherwise)
+            return {}
         statement = sa.select(job_blobs.c.name, sa.func.length(job_blobs.c.data)).where(job_blobs.c.job_id == job_id)
 
         async def run(conn: AsyncConnection) -> dict[str, int]:

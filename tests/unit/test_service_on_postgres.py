@@ -176,3 +176,20 @@ async def test_another_owners_job_output_is_not_found_on_another_replica(
             assert answer.status_code == 404 and answer.json()["type"].endswith("/job-not-found"), path
     async with service(other_work_dir, postgres_url, ALICE)() as alice:
         assert (await alice.get(f"/jobs/{job_id}/files/outputs/report.bin")).content == bytes(range(256))
+
+
+async def test_ids_no_row_can_hold_are_not_found_not_a_500(work_dir: Path, postgres_url: str) -> None:
+    """A NUL in a job id (path), a cursor or a toolset id: PostgreSQL's text refuses it; the answer is the one for
+    an unknown id (404, 422), as on SQLite, never a 500."""
+    import base64
+
+    async with service(work_dir, postgres_url, ALICE)() as client:
+        for path in ("/jobs/job_%00x", "/jobs/job_%00x/output/stdout", "/jobs/job_%00x/files/a"):
+            answer = await client.get(path)
+            assert answer.status_code == 404, (path, answer.text)
+        assert (await client.post("/jobs/job_%00x/stop")).status_code == 404
+        cursor = base64.urlsafe_b64encode(b"2026-01-01T00:00:00+00:00|job_\x00").decode()
+        answer = await client.get("/jobs", params={"cursor": cursor})
+        assert answer.status_code == 422, answer.text
+        answer = await client.post("/execute", json={"script": "print(1)", "toolset": "ts_\x00"})
+        assert answer.status_code == 422, answer.text

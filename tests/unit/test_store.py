@@ -21,7 +21,15 @@ import sqlalchemy as sa
 from service import migrate
 from service.errors import StoreUnavailable
 from service.migrations import HEAD
-from service.store import IdempotencyRecord, InvalidCursor, JobQuery, JobStore, SQLiteJobStore, StoredJob
+from service.store import (
+    IdempotencyRecord,
+    InvalidCursor,
+    JobQuery,
+    JobStore,
+    SQLiteJobStore,
+    StoredJob,
+    encode_cursor,
+)
 from service.store_pg import PostgresJobStore, async_url, safe_url
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -505,3 +513,20 @@ async def test_a_sqlite_path_with_url_characters_is_migrated(tmp_path: Path) -> 
     finally:
         await store.close()
     assert migrate.current(sa.URL.create("sqlite", database=str(path))) == HEAD
+
+
+@pytest.mark.parametrize("odd", ["job_\x00x", "job_\ud800"])
+async def test_a_value_no_row_can_hold_finds_nothing(store: JobStore, odd: str) -> None:
+    """User-controlled text (a job id in a path, an id in a cursor, a toolset id, an idempotency key) that no
+    text column can hold (NUL, a lone surrogate) is simply not found, on both stores: never a driver error."""
+    await store.put(job("job_1", 0, 1))
+    assert await store.get(odd) is None
+    assert await store.get_toolset(odd, "alice") is None
+    assert await store.get_toolset(odd, None) is None
+    assert await store.idempotency_key("alice", odd) is None
+    assert await store.read_blob(odd, "stdout") is None
+    assert await store.blob_sizes(odd) == {}
+    if "\x00" in odd:  # a cursor decodes as strict UTF-8: only NUL can be in it
+        with pytest.raises(InvalidCursor):
+            await store.page(JobQuery(cursor=encode_cursor(T0, odd)))
+
