@@ -81,9 +81,12 @@ def job_store(settings: Settings) -> JobStore:
 
 
 def safe_url(url: str) -> str:
-    """The URL for logs: the password replaced by ``***``; an unparsable URL is not shown at all."""
+    """The URL for logs: the password (also one given as a query parameter, ``?password=``, ``?sslpassword=``)
+    replaced by ``***``; an unparsable URL is not shown at all."""
     try:
-        return async_url(url).render_as_string(hide_password=True)
+        parsed = async_url(url)
+        hidden = {k: "***" for k in parsed.query if "password" in k.lower()}  # libpq's password, sslpassword
+        return parsed.update_query_dict(hidden).render_as_string(hide_password=True)
     except (sa.exc.ArgumentError, ValueError):
         return "postgresql (unparsable URL)"
 

@@ -530,3 +530,11 @@ async def test_a_value_no_row_can_hold_finds_nothing(store: JobStore, odd: str) 
         with pytest.raises(InvalidCursor):
             await store.page(JobQuery(cursor=encode_cursor(T0, odd)))
 
+
+@pytest.mark.parametrize("secret_param", ["password", "sslpassword"])
+def test_a_password_given_as_a_query_parameter_is_hidden(secret_param: str) -> None:
+    url = f"postgresql://ptc@db.internal:5432/ptc?{secret_param}={SECRET}&sslmode=require"
+    shown = safe_url(url)
+    assert SECRET not in shown
+    assert "sslmode=require" in shown and "db.internal" in shown
+    assert SECRET not in PostgresJobStore(url).describe()
