@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 KILL_WAIT_S = 30.0  # how long the sandbox may take to confirm the script's exit after its SIGKILL
 STATUS_SAVE_INTERVAL_S = 0.5  # least time between two saves of a live job's status (running / waiting flips)
+FINAL_SAVE_RETRY_MAX_S = 30.0  # longest pause between two attempts to save a final view the store refused
 
 
 class Runner:
@@ -198,9 +199,25 @@ class Runner:
                 view.update(views.unencodable(view))
                 records = []
                 encoded = await views.encode(render_head(view), records)
+            if final:  # first: this replica serves the end even while the store refuses it (saved again later)
+                self._final_views.put(job.id, encoded)
             await self._store.put(stored_job(encoded.head, len(records), encoded.body, self._instance))
-        if final:
-            self._final_views.put(job.id, encoded)
+
+    async def _save_final_later(self, job: LiveJob) -> None:
+        """Save an ended job's final view that the store refused (down, slow, pool full), again and again (1 s,
+        then twice as long each time, at most ``FINAL_SAVE_RETRY_MAX_S``) until the store takes it or the service
+        stops: a finished result is never lost to a blip. Meanwhile this replica serves it from its view cache."""
+        delay = 1.0
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                await self._save(job, final=True)
+            except Exception:
+                log.warning("job %s: the store still refuses its final view", job.id, exc_info=True)
+                delay = min(delay * 2, FINAL_SAVE_RETRY_MAX_S)
+                continue
+            log.info("job %s: its final view is saved", job.id)
+            return
 
     async def _share_output(self, job: LiveJob) -> None:
         """Copy the ended job's retained output and output files into the shared store (``service.jobs.shared``).
@@ -347,7 +364,8 @@ class Runner:
             try:
                 await self._save(job, final=True)
             except Exception:
-                log.exception("job %s: could not save its final view", job.id)
+                log.exception("job %s: could not save its final view; saving it again later", job.id)
+                self._tasks.spawn(self._save_final_later(job), f"final save {job.id}")
         finally:
             broker.release()
             ticket.release()

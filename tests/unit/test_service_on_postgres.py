@@ -193,3 +193,46 @@ async def test_ids_no_row_can_hold_are_not_found_not_a_500(work_dir: Path, postg
         assert answer.status_code == 422, answer.text
         answer = await client.post("/execute", json={"script": "print(1)", "toolset": "ts_\x00"})
         assert answer.status_code == 422, answer.text
+
+
+async def test_a_final_view_the_store_refuses_is_served_and_saved_once_it_answers(
+    work_dir: Path, postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store fails (a blip, a full pool) just when a job ends: the finished result is not lost. This replica
+    serves the final view meanwhile, and saves it again until the store takes it (then any replica serves it)."""
+    import asyncio
+
+    from service.errors import StoreUnavailable
+    from service.store import StoredJob
+    from service.store_pg import PostgresJobStore
+
+    put = PostgresJobStore.put
+    refused: list[str] = []
+
+    async def flaky_put(self: PostgresJobStore, job: StoredJob) -> None:
+        if job.ended_at is not None and len(refused) < 2:
+            refused.append(job.job_id)
+            raise StoreUnavailable("put")
+        await put(self, job)
+
+    monkeypatch.setattr(PostgresJobStore, "put", flaky_put)
+    run = service(work_dir, postgres_url)
+    async with run() as client:
+        view = (await client.post("/execute", json={"script": "print(1)"})).json()
+        assert view["status"] == "succeeded", view
+        assert refused == [view["job_id"]]
+        again = (await client.get(f"/jobs/{view['job_id']}")).json()
+        assert again["status"] == "succeeded", again  # not the last status the store took ("running")
+        store = PostgresJobStore(postgres_url)
+        await store.open()
+        try:
+            for _ in range(600):  # saved again once the store answers (every few seconds at first)
+                stored = await store.get(view["job_id"])
+                if stored is not None and stored.ended_at is not None:
+                    break
+                await asyncio.sleep(0.1)
+            assert stored is not None and stored.status == "succeeded"
+        finally:
+            await store.close()
+    async with run() as client:  # another process: only the store has it
+        assert (await client.get(f"/jobs/{view['job_id']}")).json()["status"] == "succeeded"
