@@ -138,6 +138,7 @@ class PostgresJobStore(JobStore):
         self._timeout_s = timeout_s
         self._pool_size = pool_size
         self._engine: AsyncEngine | None = None
+        self._abandoned: set[asyncio.Future[Any]] = set()  # operations past their deadline, still ending
 
     def describe(self) -> str:
         return safe_url(self._url)
@@ -145,18 +146,29 @@ class PostgresJobStore(JobStore):
     async def _call(self, operation: str, fn: Callable[[AsyncConnection], Awaitable[T]], write: bool = False) -> T:
         """Run ``fn`` on a pooled connection (in a transaction when ``write``) within the timeout.
 
+        The operation runs as a task of its own: past the deadline the caller gets its answer at once, and the task
+        is cancelled and left to end in the background (``_abandoned``). Cancelling in place is not enough: on a
+        connection whose server stopped answering, the driver's cancel request times out and SQLAlchemy's clean-up
+        then waits on the same silent socket, with no deadline left (a hang, then a driver error). Such a task
+        holds its pooled connection until the socket answers or fails; the pool's wait is bounded, so the worst is
+        more 503s, never a hang.
+
         Raises:
             StoreUnavailable: the database could not be reached, refused, or did not answer in time.
         """
         assert self._engine is not None, "the store is not open"
-        engine = self._engine
+        task = asyncio.ensure_future(self._run(self._engine, fn, write))
         try:
-            async with asyncio.timeout(self._timeout_s + 1):  # the server's statement_timeout comes first
-                if write:
-                    async with engine.begin() as conn:
-                        return await fn(conn)
-                async with engine.connect() as conn:
-                    return await fn(conn)
+            done, _ = await asyncio.wait({task}, timeout=self._timeout_s + 1)  # statement_timeout comes first
+        except asyncio.CancelledError:  # the caller went away: so does its statement
+            self._abandon(task)
+            raise
+        if not done:
+            self._abandon(task)
+            log.warning("job store %s: %s did not answer within %.1f s", self.describe(), operation, self._timeout_s)
+            raise StoreUnavailable(operation)
+        try:
+            return task.result()
         except (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError, TimeoutError, OSError) as exc:
             log.warning("job store %s: %s failed: %s", self.describe(), operation, type(exc).__name__, exc_info=exc)
             raise StoreUnavailable(operation) from exc
@@ -165,6 +177,26 @@ class PostgresJobStore(JobStore):
                 log.warning("job store %s: %s failed", self.describe(), operation, exc_info=exc)
                 raise StoreUnavailable(operation) from exc
             raise
+
+    @staticmethod
+    async def _run(engine: AsyncEngine, fn: Callable[[AsyncConnection], Awaitable[T]], write: bool) -> T:
+        if write:
+            async with engine.begin() as conn:
+                return await fn(conn)
+        async with engine.connect() as conn:
+            return await fn(conn)
+
+    def _abandon(self, task: asyncio.Future[Any]) -> None:
+        """Cancel an operation nobody waits for any more; keep it referenced until it ends, its error logged."""
+        task.cancel()
+        self._abandoned.add(task)
+
+        def ended(done: asyncio.Future[Any]) -> None:
+            self._abandoned.discard(done)
+            if not done.cancelled() and done.exception() is not None:
+                log.info("job store %s: an abandoned operation ended: %r", self.describe(), done.exception())
+
+        task.add_done_callback(ended)
 
     async def open(self) -> None:
         timeout_ms = int(self._timeout_s * 1000)

@@ -538,3 +538,65 @@ def test_a_password_given_as_a_query_parameter_is_hidden(secret_param: str) -> N
     assert SECRET not in shown
     assert "sslmode=require" in shown and "db.internal" in shown
     assert SECRET not in PostgresJobStore(url).describe()
+
+
+class FreezingProxy:
+    """A TCP proxy in front of PostgreSQL that can stop passing bytes on (a server or network that stops answering
+    mid-request while its connections stay open: a paused VM, a partition the kernel has not noticed yet)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.flowing = asyncio.Event()
+        self.flowing.set()
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self.writers += [writer, up_writer]
+
+        async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(65536):
+                    await self.flowing.wait()
+                    sink.write(data)
+                    await sink.drain()
+            except (OSError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                sink.close()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+
+async def test_a_server_that_stops_answering_mid_request_is_unavailable_not_a_hang(postgres_url: str) -> None:
+    """Pooled connections stay open but nothing comes back: every operation ends within about the timeout with
+    StoreUnavailable (never a hang, never a driver error), and the store answers again once the server does."""
+    url = sa.make_url(postgres_url)
+    proxy = FreezingProxy(int(url.port or 5432))
+    server = await asyncio.start_server(proxy.handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    store = PostgresJobStore(url.set(port=port).render_as_string(hide_password=False), timeout_s=1.0)
+    await store.open()
+    try:
+        await store.put(job("job_1", 0, 1))
+        assert await store.get("job_1") is not None
+        proxy.flowing.clear()
+        for _ in range(3):
+            with pytest.raises(StoreUnavailable):
+                await asyncio.wait_for(store.get("job_1"), 20)  # TimeoutError here: a hang
+        with pytest.raises(StoreUnavailable):
+            await asyncio.wait_for(store.put(job("job_2", 0, 1)), 20)
+        proxy.flowing.set()
+        for _ in range(100):  # back once the server answers (connections left mid-statement are dropped)
+            try:
+                found = await asyncio.wait_for(store.get("job_1"), 20)
+                break
+            except StoreUnavailable:
+                await asyncio.sleep(0.2)
+        assert found is not None
+    finally:
+        proxy.flowing.set()
+        await asyncio.wait_for(store.close(), 30)
+        server.close()
+        for writer in proxy.writers:
+            writer.close()
