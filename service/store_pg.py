@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+import psycopg
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -173,7 +174,8 @@ class PostgresJobStore(JobStore):
             log.warning("job store %s: %s failed: %s", self.describe(), operation, type(exc).__name__, exc_info=exc)
             raise StoreUnavailable(operation) from exc
         except sa.exc.DBAPIError as exc:  # e.g. the server cancelled a statement past statement_timeout
-            if exc.connection_invalidated or "statement timeout" in str(exc.orig):
+            read_only = isinstance(exc.orig, psycopg.errors.ReadOnlySqlTransaction)  # a standby, after a fail-over
+            if exc.connection_invalidated or read_only or "statement timeout" in str(exc.orig):
                 log.warning("job store %s: %s failed", self.describe(), operation, exc_info=exc)
                 raise StoreUnavailable(operation) from exc
             raise

@@ -600,3 +600,30 @@ async def test_a_server_that_stops_answering_mid_request_is_unavailable_not_a_ha
         server.close()
         for writer in proxy.writers:
             writer.close()
+
+
+async def test_a_read_only_server_is_unavailable_for_writes(postgres_url: str) -> None:
+    """A server that takes no writes (a standby after a fail-over, default_transaction_read_only) is a store that
+    cannot do its work now: StoreUnavailable (503), not a driver error (500); reads still answer."""
+    import psycopg
+
+    store = PostgresJobStore(postgres_url, timeout_s=2.0)
+    await store.open()
+    name = sa.make_url(postgres_url).database
+    admin_url = sa.make_url(postgres_url).set(database="postgres").render_as_string(hide_password=False)
+    try:
+        await store.put(job("job_1", 0, 1))
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(f"ALTER DATABASE {name} SET default_transaction_read_only = on")
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
+        assert await store.get("job_1") is not None
+        with pytest.raises(StoreUnavailable):
+            await store.put(job("job_2", 0, 1))
+        with pytest.raises(StoreUnavailable):
+            await store.put_toolset("ts_1", b"[]", "alice")
+        with pytest.raises(StoreUnavailable):
+            await store.bind_idempotency_key(key("alice", "k", "job_2"))
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(f"ALTER DATABASE {name} RESET default_transaction_read_only")
+        await store.close()
