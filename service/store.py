@@ -514,7 +514,13 @@ class SQLiteJobStore(JobStore):
 
     async def put_blobs(self, job_id: str, blobs: Mapping[str, bytes]) -> None:
         rows = [(job_id, name, data) for name, data in blobs.items()]
-        await self._run(lambda db: db.executemany("INSERT OR REPLACE INTO job_blobs VALUES (?, ?, ?)", rows))
+
+        def insert(db: sqlite3.Connection) -> None:  # the cursor stays on the store's thread (see below)
+            db.executemany("INSERT OR REPLACE INTO job_blobs VALUES (?, ?, ?)", rows).close()
+
+        # An executemany cursor handed back to the event loop is finalized there, while the store's thread runs the
+        # next statement: concurrent calls then failed with "bad parameter or other API misuse".
+        await self._run(insert)
 
     async def read_blob(self, job_id: str, name: str, offset: int = 0, length: int | None = None) -> bytes | None:
         if not storable(job_id, name):

@@ -627,3 +627,10 @@ async def test_a_read_only_server_is_unavailable_for_writes(postgres_url: str) -
         with psycopg.connect(admin_url, autocommit=True) as admin:
             admin.execute(f"ALTER DATABASE {name} RESET default_transaction_read_only")
         await store.close()
+
+
+async def test_concurrent_blob_writes(store: JobStore) -> None:
+    """``put_blobs`` from many tasks at once (jobs ending together), as every method: safe concurrently."""
+    for round_ in range(5):
+        await asyncio.gather(*(store.put_blobs(f"job_{round_}_{n}", {"stdout": b"x" * n}) for n in range(12)))
+    assert await store.blob_sizes("job_4_11") == {"stdout": 11}
