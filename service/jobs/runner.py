@@ -31,7 +31,7 @@ from service.jobs.events import CallEnded, Events, JobEnded, SandboxStarted, Sta
 from service.jobs.live import LiveJob, now, stored_job
 from service.jobs.model import INTERNAL_ERROR, SERVICE_STOPPED, EndedBy, ErrorType, JobError, JobStatus, end_of_run
 from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
-from service.jobs.shared import collect
+from service.jobs.shared import SHARE_AT_ONCE, share
 from service.jobs.tasks import Tasks
 from service.sandbox.base import ExitStatus, write_run_files
 from service.sandbox.resident import KILL_CONFIRM_S, ResidentRun
@@ -89,6 +89,7 @@ class Runner:
         self._checks = checks
         self._live = live
         self._final_views = final_views
+        self._share_slots = asyncio.Semaphore(SHARE_AT_ONCE)  # ended jobs' blobs copied into the store at once
         self._tasks = tasks
         self._instance = instance
 
@@ -223,8 +224,7 @@ class Runner:
         """Copy the ended job's retained output and output files into the shared store (``service.jobs.shared``).
         Never raises: a store that fails leaves them on this replica's disk only (logged)."""
         try:
-            blobs = await asyncio.to_thread(collect, job.output_dir, job.files_view()["files"])
-            await self._store.put_blobs(job.id, blobs)
+            await share(self._store, job.output_dir, job.files_view()["files"], job.id, self._share_slots)
         except Exception:
             log.exception("job %s: could not keep its output in the shared store", job.id)
 

@@ -22,18 +22,31 @@ def file_blob(index: int) -> str:
     return f"{FILES_FOLDER}/{index}"
 
 
-def collect(folder: Path, listed: list[dict[str, Any]]) -> dict[str, bytes]:
-    """The blobs of an ended job: its retained streams and each output file its view lists (blocking: a thread).
+SHARE_AT_ONCE = 4
+"""Blobs being copied into the store at once, across all jobs of this replica: the bytes held for copying stay
+below this many blobs (each at most ``PTC_OUTPUT_RETENTION_BYTES`` or ``PTC_MAX_OUTPUT_FILES_BYTES``), however many
+jobs end together."""
 
-    Missing files are left out (a stream never written, a file not collected).
+
+async def share(
+    store: JobStore, folder: Path, listed: list[dict[str, Any]], job_id: str, slots: asyncio.Semaphore
+) -> None:
+    """Copy an ended job's retained streams and each output file its view lists from ``folder`` into the store,
+    one blob at a time under one of ``slots`` (``SHARE_AT_ONCE`` of the runner), read off the event loop.
+
+    Missing files are left out (a stream never written, a file not collected). The first refusal ends the copy.
+
+    Raises:
+        StoreUnavailable: the store did not take a blob (the rest are not tried).
     """
-    blobs: dict[str, bytes] = {}
     for name in [*STREAMS, *(file_blob(i) for i in range(len(listed)))]:
-        try:
-            blobs[name] = (folder / name).read_bytes()
-        except OSError:
-            continue
-    return blobs
+        async with slots:
+            try:
+                data = await asyncio.to_thread((folder / name).read_bytes)
+            except OSError:
+                continue
+            await store.put_blobs(job_id, {name: data})
+            del data
 
 
 async def in_store(store: JobStore, output_dir: Path, job_id: str) -> bool:
