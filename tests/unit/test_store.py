@@ -634,3 +634,44 @@ async def test_concurrent_blob_writes(store: JobStore) -> None:
     for round_ in range(5):
         await asyncio.gather(*(store.put_blobs(f"job_{round_}_{n}", {"stdout": b"x" * n}) for n in range(12)))
     assert await store.blob_sizes("job_4_11") == {"stdout": 11}
+
+
+async def test_a_downgrade_refuses_to_drop_what_holds_rows(make_store: Callable[[], JobStore], store_kind: str) -> None:
+    """Alembic's downgrade of a store that holds jobs (or their blobs) stops with an error instead of dropping
+    them; an empty store goes down (and up again) cleanly."""
+    from alembic import command
+    from alembic.util import CommandError
+
+    store = make_store()
+    await store.open()
+    await store.put(job("job_1", 0, 1))
+    await store.put_blobs("job_1", {"stdout": b"kept"})
+    url = (
+        sa.URL.create("sqlite", database=str(store._path))  # type: ignore[attr-defined]
+        if store_kind == "sqlite"
+        else async_url(store._url)  # type: ignore[attr-defined]
+    )
+    await store.close()
+
+    def downgrade(target: str) -> None:
+        engine = sa.create_engine(url, poolclass=sa.NullPool)
+        try:
+            with engine.connect() as connection:
+                command.downgrade(migrate._config(connection), target)
+                connection.commit()
+        finally:
+            engine.dispose()
+
+    for target in ("0001", "base"):
+        with pytest.raises((CommandError, RuntimeError)):
+            await asyncio.to_thread(downgrade, target)
+    again = make_store()
+    await again.open()
+    try:
+        assert await again.get("job_1") is not None
+        assert await again.read_blob("job_1", "stdout") == b"kept"
+        assert await again.purge(T0 + timedelta(days=1)) == ["job_1"]
+    finally:
+        await again.close()
+    await asyncio.to_thread(downgrade, "base")  # nothing left to lose
+    assert await asyncio.to_thread(migrate.current, url) is None
