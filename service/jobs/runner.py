@@ -31,8 +31,8 @@ from service.jobs.events import CallEnded, Events, JobEnded, SandboxStarted, Sta
 from service.jobs.live import LiveJob, now, stored_job
 from service.jobs.model import INTERNAL_ERROR, SERVICE_STOPPED, EndedBy, ErrorType, JobError, JobStatus, end_of_run
 from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
-from service.jobs.shared import SHARE_AT_ONCE, share
-from service.jobs.tasks import Tasks
+from service.jobs.shared import SHARE_AT_ONCE, keep_output
+from service.jobs.tasks import Tasks, until_done
 from service.sandbox.base import ExitStatus, write_run_files
 from service.sandbox.resident import KILL_CONFIRM_S, ResidentRun
 from service.settings import Settings
@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 
 KILL_WAIT_S = 30.0  # how long the sandbox may take to confirm the script's exit after its SIGKILL
 STATUS_SAVE_INTERVAL_S = 0.5  # least time between two saves of a live job's status (running / waiting flips)
-FINAL_SAVE_RETRY_MAX_S = 30.0  # longest pause between two attempts to save a final view the store refused
 
 
 class Runner:
@@ -204,30 +203,6 @@ class Runner:
                 self._final_views.put(job.id, encoded)
             await self._store.put(stored_job(encoded.head, len(records), encoded.body, self._instance))
 
-    async def _save_final_later(self, job: LiveJob) -> None:
-        """Save an ended job's final view that the store refused (down, slow, pool full), again and again (1 s,
-        then twice as long each time, at most ``FINAL_SAVE_RETRY_MAX_S``) until the store takes it or the service
-        stops: a finished result is never lost to a blip. Meanwhile this replica serves it from its view cache."""
-        delay = 1.0
-        while True:
-            await asyncio.sleep(delay)
-            try:
-                await self._save(job, final=True)
-            except Exception:
-                log.warning("job %s: the store still refuses its final view", job.id, exc_info=True)
-                delay = min(delay * 2, FINAL_SAVE_RETRY_MAX_S)
-                continue
-            log.info("job %s: its final view is saved", job.id)
-            return
-
-    async def _share_output(self, job: LiveJob) -> None:
-        """Copy the ended job's retained output and output files into the shared store (``service.jobs.shared``).
-        Never raises: a store that fails leaves them on this replica's disk only (logged)."""
-        try:
-            await share(self._store, job.output_dir, job.files_view()["files"], job.id, self._share_slots)
-        except Exception:
-            log.exception("job %s: could not keep its output in the shared store", job.id)
-
     async def _set_status(self, job: LiveJob, status: JobStatus) -> None:
         job.move(status)
         job.notify()
@@ -360,12 +335,13 @@ class Runner:
             if not job.ended:
                 job.end(JobStatus.LOST, job.error)
             if self._store.shares_output:  # before the final view: a reader of an ended job finds its output
-                await self._share_output(job)
+                await keep_output(self._store, job, self._share_slots)
             try:
                 await self._save(job, final=True)
             except Exception:
                 log.exception("job %s: could not save its final view; saving it again later", job.id)
-                self._tasks.spawn(self._save_final_later(job), f"final save {job.id}")
+                again = until_done(lambda: self._save(job, final=True), f"job {job.id}: saving its final view")
+                self._tasks.spawn(again, f"final save {job.id}")  # meanwhile served from the view cache
         finally:
             broker.release()
             ticket.release()

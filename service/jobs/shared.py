@@ -9,12 +9,15 @@ the store (``JobViews``). The folder stays the first source: the replica that ra
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
 from service.files import FILES_FOLDER
-from service.jobs.live import STREAMS
+from service.jobs.live import STREAMS, LiveJob
 from service.store import JobStore
+
+log = logging.getLogger(__name__)
 
 
 def file_blob(index: int) -> str:
@@ -47,6 +50,14 @@ async def share(
                 continue
             await store.put_blobs(job_id, {name: data})
             del data
+
+
+async def keep_output(store: JobStore, job: LiveJob, slots: asyncio.Semaphore) -> None:
+    """``share`` an ended job's output; never raises: a store that fails leaves it on this replica's disk only."""
+    try:
+        await share(store, job.output_dir, job.files_view()["files"], job.id, slots)
+    except Exception:
+        log.exception("job %s: could not keep its output in the shared store", job.id)
 
 
 async def in_store(store: JobStore, output_dir: Path, job_id: str) -> bool:
