@@ -15,6 +15,7 @@ from typing import Any
 
 from service.files import FILES_FOLDER
 from service.jobs.live import STREAMS, LiveJob
+from service.output import StoredRange
 from service.store import JobStore
 
 log = logging.getLogger(__name__)
@@ -66,13 +67,25 @@ async def in_store(store: JobStore, output_dir: Path, job_id: str) -> bool:
     return store.shares_output and not await asyncio.to_thread((output_dir / job_id).is_dir)
 
 
+async def stored_range(store: JobStore, job_id: str, name: str, offset: int, length: int) -> StoredRange:
+    """Up to ``length`` bytes from ``offset`` of a job's blob in the shared store, as a range read a slice at a
+    time (empty past its end or without the blob)."""
+    size = (await store.blob_sizes(job_id)).get(name, 0)
+    return StoredRange(
+        lambda position, most: store.read_blob(job_id, name, position, most), offset, max(0, min(length, size - offset))
+    )
+
+
 async def stored_file(
     store: JobStore, job_id: str, listed: list[dict[str, Any]], path: str
-) -> tuple[Path | bytes, dict[str, Any]] | None:
-    """(bytes, entry) of the output file ``path`` among an ended job's ``files`` (its view's), from the shared
-    store, or None."""
+) -> tuple[StoredRange, dict[str, Any]] | None:
+    """(range of the whole file, entry) of the output file ``path`` among an ended job's ``files`` (its view's),
+    from the shared store, or None."""
     for index, entry in enumerate(listed):
         if entry.get("path") == path:
-            data = await store.read_blob(job_id, file_blob(index))
-            return (data, entry) if data is not None else None
+            name = file_blob(index)
+            sizes = await store.blob_sizes(job_id)
+            if name not in sizes:
+                return None
+            return await stored_range(store, job_id, name, 0, sizes[name]), entry
     return None

@@ -236,3 +236,51 @@ async def test_a_final_view_the_store_refuses_is_served_and_saved_once_it_answer
             await store.close()
     async with run() as client:  # another process: only the store has it
         assert (await client.get(f"/jobs/{view['job_id']}")).json()["status"] == "succeeded"
+
+
+BIG = """
+import os, sys
+os.makedirs("outputs", exist_ok=True)
+with open("outputs/big.bin", "wb") as f:
+    f.write(os.urandom(3 * 1024 * 1024))
+sys.stdout.write("y" * (3 * 1024 * 1024))
+"""
+
+
+async def test_another_replica_reads_stored_output_a_slice_at_a_time(
+    work_dir: Path, other_work_dir: Path, postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ended job's output and files served from the store are read a slice at a time as the client takes
+    them, as from disk: a request (or a client that stops reading) never holds a whole 16 MiB range or 32 MiB file
+    in memory."""
+    import hashlib
+
+    from service.api.responses import OUTPUT_SLICE_BYTES
+    from service.store_pg import PostgresJobStore
+
+    async with service(work_dir, postgres_url)() as client:
+        view = (await client.post("/execute", json={"script": BIG})).json()
+        assert view["status"] == "succeeded", view
+    job_id = view["job_id"]
+    read_blob = PostgresJobStore.read_blob
+    asked: list[int | None] = []
+
+    async def recording(
+        self: PostgresJobStore, job_id: str, name: str, offset: int = 0, length: int | None = None
+    ) -> bytes | None:
+        asked.append(length)
+        return await read_blob(self, job_id, name, offset, length)
+
+    monkeypatch.setattr(PostgresJobStore, "read_blob", recording)
+    async with service(other_work_dir, postgres_url)() as other:
+        answer = await other.get(f"/jobs/{job_id}/output/stdout", params={"length": 16 * 1024 * 1024})
+        assert answer.status_code == 200 and answer.content == b"y" * (3 * 1024 * 1024)
+        answer = await other.get(f"/jobs/{job_id}/output/stdout", params={"offset": 3 * 1024 * 1024 - 5})
+        assert answer.content == b"yyyyy" and answer.headers["content-length"] == "5"
+        assert (await other.get(f"/jobs/{job_id}/output/stderr")).content == b""
+        entry = view["files"][0]
+        answer = await other.get(f"/jobs/{job_id}/files/{entry['path']}")
+        assert answer.status_code == 200
+        assert hashlib.sha256(answer.content).hexdigest() == entry["sha256"] == answer.headers["x-content-sha256"]
+        assert answer.headers["content-length"] == str(3 * 1024 * 1024)
+    assert asked and all(length is not None and length <= OUTPUT_SLICE_BYTES for length in asked), asked
