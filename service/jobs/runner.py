@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from functools import partial
 from typing import Any
 
 from service import telemetry, verdict, views
@@ -28,7 +29,7 @@ from service.errors import CallNotPending, EngineUnavailable, FileRefused, Sandb
 from service.files import OutputFiles
 from service.jobs.admission import Admitted, Ticket
 from service.jobs.events import CallEnded, Events, JobEnded, SandboxStarted, StatusChanged
-from service.jobs.live import LiveJob, now, stored_job
+from service.jobs.live import LiveJob, now, save_final_again, stored_job
 from service.jobs.model import INTERNAL_ERROR, SERVICE_STOPPED, EndedBy, ErrorType, JobError, JobStatus, end_of_run
 from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
 from service.jobs.shared import SHARE_AT_ONCE, keep_output
@@ -340,7 +341,10 @@ class Runner:
                 await self._save(job, final=True)
             except Exception:
                 log.exception("job %s: could not save its final view; saving it again later", job.id)
-                again = until_done(lambda: self._save(job, final=True), f"job {job.id}: saving its final view")
+                retry = partial(save_final_again, self._store, self._final_views, job.id, self._instance)
+                again = until_done(
+                    lambda: retry(lambda: self._save(job, final=True)), f"job {job.id}: saving its final view"
+                )
                 self._tasks.spawn(again, f"final save {job.id}")  # meanwhile served from the view cache
         finally:
             broker.release()

@@ -284,3 +284,50 @@ async def test_another_replica_reads_stored_output_a_slice_at_a_time(
         assert hashlib.sha256(answer.content).hexdigest() == entry["sha256"] == answer.headers["x-content-sha256"]
         assert answer.headers["content-length"] == str(3 * 1024 * 1024)
     assert asked and all(length is not None and length <= OUTPUT_SLICE_BYTES for length in asked), asked
+
+
+async def test_saving_a_refused_final_view_again_never_undoes_a_later_save(
+    work_dir: Path, postgres_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While a refused final view waits to be saved again, a later save of the ended job (its callback's delivery,
+    which updates the view) reaches the store first: the retry must not overwrite it with the older view."""
+    import asyncio
+    import logging
+
+    from service.errors import StoreUnavailable
+    from service.store import StoredJob
+    from service.store_pg import PostgresJobStore
+
+    put = PostgresJobStore.put
+    refused: list[str] = []
+
+    async def flaky_put(self: PostgresJobStore, job: StoredJob) -> None:
+        if job.ended_at is not None and not refused:
+            refused.append(job.job_id)
+            raise StoreUnavailable("put")
+        await put(self, job)
+
+    monkeypatch.setattr(PostgresJobStore, "put", flaky_put)
+    caplog.set_level(logging.INFO, logger="service.jobs.tasks")
+    async with service(work_dir, postgres_url)() as client:
+        view = (await client.post("/execute", json={"script": "print(1)"})).json()
+        assert refused == [view["job_id"]]
+        store = PostgresJobStore(postgres_url)
+        await store.open()
+        try:
+            first = await store.get(view["job_id"])
+            assert first is not None and first.ended_at is None
+            later = StoredJob(
+                first.job_id, "succeeded", first.instance_id, first.created_at, first.created_at,
+                b'{"later": true}', first.summary, False, first.owner,
+            )  # fmt: skip
+            await store.put(later)  # e.g. the callback's delivery saved the view (delivered) meanwhile
+            for _ in range(600):
+                if "saving its final view: done" in caplog.text:
+                    break
+                await asyncio.sleep(0.1)
+            assert "saving its final view: done" in caplog.text
+            stored = await store.get(view["job_id"])
+            assert stored is not None and stored.view == b'{"later": true}'
+        finally:
+            await store.close()
