@@ -194,8 +194,10 @@ class JobStore(abc.ABC):
         """Ended jobs of ``instance_id`` whose completion callback still has to be delivered."""
 
     @abc.abstractmethod
-    async def purge(self, ended_before: datetime) -> list[str]:
-        """Delete jobs that ended before ``ended_before``; returns their ids.
+    async def purge(self, ended_before: datetime, instance_id: str | None = None) -> list[str]:
+        """Delete jobs that ended before ``ended_before`` (only those ``instance_id`` ran, when given: in a store
+        shared by replicas each purges its own, whose output folders and quotas only it can free); returns their
+        ids.
 
         The idempotency keys of those jobs go with them, in the same transaction, and so do session keys whose
         session ended (at the latest) before ``ended_before``, and job keys older than it whose job was never
@@ -416,21 +418,17 @@ class SQLiteJobStore(JobStore):
         )
         return [_row(r) for r in rows]
 
-    async def purge(self, ended_before: datetime) -> list[str]:
+    async def purge(self, ended_before: datetime, instance_id: str | None = None) -> list[str]:
         def delete(db: sqlite3.Connection) -> list[str]:
             cutoff = ended_before.isoformat()
+            expired = "SELECT job_id FROM jobs WHERE ended_at < ? AND (? IS NULL OR instance_id = ?)"
+            given = (cutoff, instance_id, instance_id)
             db.execute("BEGIN")  # one transaction: a job never goes without its idempotency key, nor the reverse
             try:
-                ids = [r[0] for r in db.execute("SELECT job_id FROM jobs WHERE ended_at < ?", (cutoff,))]
-                db.execute(
-                    "DELETE FROM idempotency_keys WHERE kind = 'job' AND resource_id IN "
-                    "(SELECT job_id FROM jobs WHERE ended_at < ?)",
-                    (cutoff,),
-                )
-                db.execute(
-                    "DELETE FROM job_blobs WHERE job_id IN (SELECT job_id FROM jobs WHERE ended_at < ?)", (cutoff,)
-                )
-                db.execute("DELETE FROM jobs WHERE ended_at < ?", (cutoff,))
+                ids = [r[0] for r in db.execute(expired, given)]
+                db.execute(f"DELETE FROM idempotency_keys WHERE kind = 'job' AND resource_id IN ({expired})", given)
+                db.execute(f"DELETE FROM job_blobs WHERE job_id IN ({expired})", given)
+                db.execute(f"DELETE FROM jobs WHERE job_id IN ({expired})", given)
                 db.execute("DELETE FROM idempotency_keys WHERE kind = 'session' AND ends_by < ?", (cutoff,))
                 db.execute(
                     "DELETE FROM idempotency_keys WHERE kind = 'job' AND created_at < ? AND NOT EXISTS "

@@ -306,16 +306,18 @@ class PostgresJobStore(JobStore):
             "callbacks_pending", sa.and_(jobs.c.instance_id == instance_id, jobs.c.callback_pending == 1)
         )
 
-    async def purge(self, ended_before: datetime) -> list[str]:
+    async def purge(self, ended_before: datetime, instance_id: str | None = None) -> list[str]:
         cutoff = ended_before.isoformat()
         expired = sa.select(jobs.c.job_id).where(jobs.c.ended_at < cutoff)
+        if instance_id is not None:  # each replica its own (see JobStore.purge)
+            expired = expired.where(jobs.c.instance_id == instance_id)
 
         async def run(conn: AsyncConnection) -> list[str]:  # one transaction, as in SQLite
             ids = [row.job_id for row in await conn.execute(expired)]
             keys = idempotency_keys.c
             await conn.execute(sa.delete(idempotency_keys).where(keys.kind == "job", keys.resource_id.in_(expired)))
             await conn.execute(sa.delete(job_blobs).where(job_blobs.c.job_id.in_(expired)))
-            await conn.execute(sa.delete(jobs).where(jobs.c.ended_at < cutoff))
+            await conn.execute(sa.delete(jobs).where(jobs.c.job_id.in_(expired)))
             await conn.execute(sa.delete(idempotency_keys).where(keys.kind == "session", keys.ends_by < cutoff))
             await conn.execute(
                 sa.delete(idempotency_keys).where(

@@ -331,3 +331,41 @@ async def test_saving_a_refused_final_view_again_never_undoes_a_later_save(
             assert stored is not None and stored.view == b'{"later": true}'
         finally:
             await store.close()
+
+
+async def test_each_replica_purges_its_own_ended_jobs(work_dir: Path, other_work_dir: Path, postgres_url: str) -> None:
+    """Two instances on one store: the retention purge of one must not take the other's jobs, whose output folder
+    (and the owner's output quota it counts against) only that other instance can free: it would never hear of
+    them again, and keep both for ever."""
+    from datetime import UTC, datetime, timedelta
+
+    def settings(folder: Path) -> Settings:
+        return Settings(
+            auth="disabled",
+            work_dir=folder,
+            sandbox_folders_tmpfs_mb=0,
+            warm_pool_size=0,
+            instance_id="pg-" + folder.name,
+            store_url=postgres_url,
+            store_timeout_s=2,
+            job_retention_s=60,
+        )
+
+    first, second = create_app(settings(work_dir), FakeBackend()), create_app(settings(other_work_dir), FakeBackend())
+    async with first.router.lifespan_context(first), second.router.lifespan_context(second):
+        transport = httpx.ASGITransport(app=first, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fake", timeout=60) as client:
+            view = (await client.post("/execute", json={"script": "print(1)"})).json()
+        assert view["status"] == "succeeded", view
+        folder = work_dir / "output" / view["job_id"]
+        assert folder.is_dir()
+        store = first.state.store
+        stored = await store.get(view["job_id"])
+        assert stored is not None and stored.ended_at is not None
+        old = datetime.now(UTC) - timedelta(hours=1)  # ended long ago: past the retention
+        await store.put(type(stored)(**{**stored.__dict__, "ended_at": old, "created_at": old}))
+        assert await second.state.jobs.purge_expired() == 0  # not its job
+        assert await store.get(view["job_id"]) is not None
+        assert await first.state.jobs.purge_expired() == 1  # its own: the row, and its folder
+        assert await store.get(view["job_id"]) is None
+        assert not folder.exists()

@@ -675,3 +675,15 @@ async def test_a_downgrade_refuses_to_drop_what_holds_rows(make_store: Callable[
         await again.close()
     await asyncio.to_thread(downgrade, "base")  # nothing left to lose
     assert await asyncio.to_thread(migrate.current, url) is None
+
+
+async def test_a_purge_for_one_instance_takes_only_its_jobs(store: JobStore) -> None:
+    await store.put(job("job_mine", 0, 10, instance="i1"))
+    await store.put(job("job_theirs", 0, 10, instance="i2"))
+    await store.bind_idempotency_key(key("alice", "theirs", "job_theirs"))
+    await store.put_blobs("job_theirs", {"stdout": b"kept"})
+    assert await store.purge(T0 + timedelta(hours=1), "i1") == ["job_mine"]
+    assert await store.get("job_theirs") is not None
+    assert await store.idempotency_key("alice", "theirs") is not None
+    assert await store.read_blob("job_theirs", "stdout") == b"kept"
+    assert await store.purge(T0 + timedelta(hours=1)) == ["job_theirs"]  # every instance's (no instance given)
