@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -230,24 +231,39 @@ class OutputRange:
                 self._fd = None
 
 
-class BytesRange(OutputRange):
-    """An ``OutputRange`` over bytes already read (an ended job's retained output from a shared job store)."""
+class StoredRange(OutputRange):
+    """An ``OutputRange`` over a blob of a shared job store (an ended job another replica ran): read a slice at a
+    time with ``aread`` as the client takes it (``service.api.responses.output_slices``), never held whole, as the
+    file of an ``OutputRange`` is never read whole.
 
-    def __init__(self, data: bytes, offset: int) -> None:
-        super().__init__(None, offset, len(data))
-        self._data = data
+    Args:
+        reader: ``(offset, length) -> bytes`` of the blob (``JobStore.read_blob`` of one job and name).
+        offset / length: the range (``length`` already within the blob's size).
+    """
+
+    def __init__(self, reader: Callable[[int, int], Awaitable[bytes | None]], offset: int, length: int) -> None:
+        super().__init__(None, offset, length)
+        self._reader = reader
+
+    async def aread(self, most: int) -> bytes:
+        """The next at most ``most`` bytes of the range (b"" once all are read).
+
+        Raises:
+            OSError: the blob ended before the range (it was purged meanwhile).
+            StoreUnavailable: the store did not answer.
+        """
+        wanted = min(most, self.remaining)
+        if wanted <= 0:
+            return b""
+        data = await self._reader(self._position, wanted)
+        if not data:
+            raise OSError(f"stored output ended {self.remaining} bytes before its range")
+        self._position += len(data)
+        return data
 
     def read(self, most: int) -> bytes:
-        with self._lock:
-            start = self._position - self.offset
-            data = self._data[start : start + max(0, min(most, self.remaining))]
-            self._position += len(data)
-            return data
-
-    def close(self) -> None:
-        with self._lock:
-            self._data = b""
-            self._position = self.offset + self.length
+        """Not for a stored range: ``aread``."""
+        raise NotImplementedError("a StoredRange is read with aread")
 
 
 def read_range(path: Path, offset: int, length: int) -> bytes:

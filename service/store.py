@@ -203,7 +203,22 @@ def decode_cursor(cursor: str) -> tuple[str, str]:
         datetime.fromisoformat(created)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidCursor("cursor is not one this service produced") from exc
+    if not storable(job_id):
+        raise InvalidCursor("cursor is not one this service produced")
     return created, job_id
+
+
+def storable(*values: str) -> bool:
+    """Whether every value can be a text column's value in both stores (no NUL, which PostgreSQL refuses, and
+    no lone surrogate, which neither can encode). Lookups by a user-given value that is not find nothing."""
+    for value in values:
+        if "\x00" in value:
+            return False
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return False
+    return True
 
 
 class JobStore(abc.ABC):
@@ -249,8 +264,10 @@ class JobStore(abc.ABC):
         """Ended jobs of ``instance_id`` whose completion callback still has to be delivered."""
 
     @abc.abstractmethod
-    async def purge(self, ended_before: datetime) -> list[str]:
-        """Delete jobs that ended before ``ended_before``; returns their ids.
+    async def purge(self, ended_before: datetime, instance_id: str | None = None) -> list[str]:
+        """Delete jobs that ended before ``ended_before`` (only those ``instance_id`` ran, when given: in a store
+        shared by replicas each purges its own, whose output folders and quotas only it can free); returns their
+        ids.
 
         The idempotency keys of those jobs go with them, in the same transaction, and so do session keys whose
         session ended (at the latest) before ``ended_before``, and job keys older than it whose job was never
@@ -478,6 +495,8 @@ class SQLiteJobStore(JobStore):
         )
 
     async def get(self, job_id: str) -> StoredJob | None:
+        if not storable(job_id):
+            return None
         row = await self._run(
             lambda db: db.execute(f"SELECT {_READ_COLUMNS} FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
         )
@@ -528,21 +547,17 @@ class SQLiteJobStore(JobStore):
         )
         return [_row(r) for r in rows]
 
-    async def purge(self, ended_before: datetime) -> list[str]:
+    async def purge(self, ended_before: datetime, instance_id: str | None = None) -> list[str]:
         def delete(db: sqlite3.Connection) -> list[str]:
             cutoff = ended_before.isoformat()
+            expired = "SELECT job_id FROM jobs WHERE ended_at < ? AND (? IS NULL OR instance_id = ?)"
+            given = (cutoff, instance_id, instance_id)
             db.execute("BEGIN")  # one transaction: a job never goes without its idempotency key, nor the reverse
             try:
-                ids = [r[0] for r in db.execute("SELECT job_id FROM jobs WHERE ended_at < ?", (cutoff,))]
-                db.execute(
-                    "DELETE FROM idempotency_keys WHERE kind = 'job' AND resource_id IN "
-                    "(SELECT job_id FROM jobs WHERE ended_at < ?)",
-                    (cutoff,),
-                )
-                db.execute(
-                    "DELETE FROM job_blobs WHERE job_id IN (SELECT job_id FROM jobs WHERE ended_at < ?)", (cutoff,)
-                )
-                db.execute("DELETE FROM jobs WHERE ended_at < ?", (cutoff,))
+                ids = [r[0] for r in db.execute(expired, given)]
+                db.execute(f"DELETE FROM idempotency_keys WHERE kind = 'job' AND resource_id IN ({expired})", given)
+                db.execute(f"DELETE FROM job_blobs WHERE job_id IN ({expired})", given)
+                db.execute(f"DELETE FROM jobs WHERE job_id IN ({expired})", given)
                 db.execute("DELETE FROM idempotency_keys WHERE kind = 'session' AND ends_by < ?", (cutoff,))
                 db.execute(
                     "DELETE FROM idempotency_keys WHERE kind = 'job' AND created_at < ? AND NOT EXISTS "
@@ -583,6 +598,8 @@ class SQLiteJobStore(JobStore):
         return await self._run(bind)
 
     async def idempotency_key(self, owner: str, key: str) -> IdempotencyRecord | None:
+        if not storable(owner, key):
+            return None
         row = await self._run(
             lambda db: db.execute(
                 f"SELECT {_KEY_COLUMNS} FROM idempotency_keys WHERE owner = ? AND key = ?", (owner, key)
@@ -608,6 +625,8 @@ class SQLiteJobStore(JobStore):
         await self._run(insert)
 
     async def get_toolset(self, toolset_id: str, owner: str | None) -> bytes | None:
+        if not storable(toolset_id):
+            return None
         params: tuple[str, ...]
         if owner is None:
             sql, params = "SELECT manifest FROM toolsets WHERE toolset_id = ?", (toolset_id,)
@@ -622,9 +641,17 @@ class SQLiteJobStore(JobStore):
 
     async def put_blobs(self, job_id: str, blobs: Mapping[str, bytes]) -> None:
         rows = [(job_id, name, data) for name, data in blobs.items()]
-        await self._run(lambda db: db.executemany("INSERT OR REPLACE INTO job_blobs VALUES (?, ?, ?)", rows))
+
+        def insert(db: sqlite3.Connection) -> None:  # the cursor stays on the store's thread (see below)
+            db.executemany("INSERT OR REPLACE INTO job_blobs VALUES (?, ?, ?)", rows).close()
+
+        # An executemany cursor handed back to the event loop is finalized there, while the store's thread runs the
+        # next statement: concurrent calls then failed with "bad parameter or other API misuse".
+        await self._run(insert)
 
     async def read_blob(self, job_id: str, name: str, offset: int = 0, length: int | None = None) -> bytes | None:
+        if not storable(job_id, name):
+            return None
         params: tuple[int, ...]
         if length is None:  # substr counts from 1
             sql, params = "SELECT substr(data, ?) FROM job_blobs WHERE job_id = ? AND name = ?", (offset + 1,)
@@ -634,6 +661,8 @@ class SQLiteJobStore(JobStore):
         return bytes(row[0] or b"") if row else None  # substr of an empty blob is NULL
 
     async def blob_sizes(self, job_id: str) -> dict[str, int]:
+        if not storable(job_id):
+            return {}
         rows = await self._run(
             lambda db: db.execute("SELECT name, length(data) FROM job_blobs WHERE job_id = ?", (job_id,)).fetchall()
         )

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+import psycopg
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -39,6 +40,7 @@ from service.store import (
     decode_cursor,
     encode_cursor,
     in_use_message,
+    storable,
 )
 from service.store_schema import idempotency_keys, job_blobs, jobs, replicas, toolset_owners, toolsets
 
@@ -91,9 +93,12 @@ def job_store(settings: Settings) -> JobStore:
 
 
 def safe_url(url: str) -> str:
-    """The URL for logs: the password replaced by ``***``; an unparsable URL is not shown at all."""
+    """The URL for logs: the password (also one given as a query parameter, ``?password=``, ``?sslpassword=``)
+    replaced by ``***``; an unparsable URL is not shown at all."""
     try:
-        return async_url(url).render_as_string(hide_password=True)
+        parsed = async_url(url)
+        hidden = {k: "***" for k in parsed.query if "password" in k.lower()}  # libpq's password, sslpassword
+        return parsed.update_query_dict(hidden).render_as_string(hide_password=True)
     except (sa.exc.ArgumentError, ValueError):
         return "postgresql (unparsable URL)"
 
@@ -156,6 +161,7 @@ class PostgresJobStore(JobStore):
         self._timeout_s = timeout_s
         self._pool_size = pool_size
         self._engine: AsyncEngine | None = None
+        self._abandoned: set[asyncio.Future[Any]] = set()  # operations past their deadline, still ending
 
     def describe(self) -> str:
         return safe_url(self._url)
@@ -163,26 +169,58 @@ class PostgresJobStore(JobStore):
     async def _call(self, operation: str, fn: Callable[[AsyncConnection], Awaitable[T]], write: bool = False) -> T:
         """Run ``fn`` on a pooled connection (in a transaction when ``write``) within the timeout.
 
+        The operation runs as a task of its own: past the deadline the caller gets its answer at once, and the task
+        is cancelled and left to end in the background (``_abandoned``). Cancelling in place is not enough: on a
+        connection whose server stopped answering, the driver's cancel request times out and SQLAlchemy's clean-up
+        then waits on the same silent socket, with no deadline left (a hang, then a driver error). Such a task
+        holds its pooled connection until the socket answers or fails; the pool's wait is bounded, so the worst is
+        more 503s, never a hang.
+
         Raises:
             StoreUnavailable: the database could not be reached, refused, or did not answer in time.
         """
         assert self._engine is not None, "the store is not open"
-        engine = self._engine
+        task = asyncio.ensure_future(self._run(self._engine, fn, write))
         try:
-            async with asyncio.timeout(self._timeout_s + 1):  # the server's statement_timeout comes first
-                if write:
-                    async with engine.begin() as conn:
-                        return await fn(conn)
-                async with engine.connect() as conn:
-                    return await fn(conn)
+            done, _ = await asyncio.wait({task}, timeout=self._timeout_s + 1)  # statement_timeout comes first
+        except asyncio.CancelledError:  # the caller went away: so does its statement
+            self._abandon(task)
+            raise
+        if not done:
+            self._abandon(task)
+            log.warning("job store %s: %s did not answer within %.1f s", self.describe(), operation, self._timeout_s)
+            raise StoreUnavailable(operation)
+        try:
+            return task.result()
         except (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError, TimeoutError, OSError) as exc:
             log.warning("job store %s: %s failed: %s", self.describe(), operation, type(exc).__name__, exc_info=exc)
             raise StoreUnavailable(operation) from exc
         except sa.exc.DBAPIError as exc:  # e.g. the server cancelled a statement past statement_timeout
-            if exc.connection_invalidated or "statement timeout" in str(exc.orig):
+            read_only = isinstance(exc.orig, psycopg.errors.ReadOnlySqlTransaction)  # a standby, after a fail-over
+            if exc.connection_invalidated or read_only or "statement timeout" in str(exc.orig):
                 log.warning("job store %s: %s failed", self.describe(), operation, exc_info=exc)
                 raise StoreUnavailable(operation) from exc
             raise
+
+    @staticmethod
+    async def _run(engine: AsyncEngine, fn: Callable[[AsyncConnection], Awaitable[T]], write: bool) -> T:
+        if write:
+            async with engine.begin() as conn:
+                return await fn(conn)
+        async with engine.connect() as conn:
+            return await fn(conn)
+
+    def _abandon(self, task: asyncio.Future[Any]) -> None:
+        """Cancel an operation nobody waits for any more; keep it referenced until it ends, its error logged."""
+        task.cancel()
+        self._abandoned.add(task)
+
+        def ended(done: asyncio.Future[Any]) -> None:
+            self._abandoned.discard(done)
+            if not done.cancelled() and done.exception() is not None:
+                log.info("job store %s: an abandoned operation ended: %r", self.describe(), done.exception())
+
+        task.add_done_callback(ended)
 
     async def open(self) -> None:
         timeout_ms = int(self._timeout_s * 1000)
@@ -245,6 +283,9 @@ class PostgresJobStore(JobStore):
         await self._call("put", run, write=True)
 
     async def get(self, job_id: str) -> StoredJob | None:
+        if not storable(job_id):  # NUL or a lone surrogate: no row holds it (a driver error otherwise)
+            return None
+
         async def run(conn: AsyncConnection) -> StoredJob | None:
             row = (await conn.execute(sa.select(*_JOB_COLUMNS).where(jobs.c.job_id == job_id))).first()
             return _job(row) if row else None
@@ -289,16 +330,18 @@ class PostgresJobStore(JobStore):
             "callbacks_pending", sa.and_(jobs.c.instance_id == instance_id, jobs.c.callback_pending == 1)
         )
 
-    async def purge(self, ended_before: datetime) -> list[str]:
+    async def purge(self, ended_before: datetime, instance_id: str | None = None) -> list[str]:
         cutoff = ended_before.isoformat()
         expired = sa.select(jobs.c.job_id).where(jobs.c.ended_at < cutoff)
+        if instance_id is not None:  # each replica its own (see JobStore.purge)
+            expired = expired.where(jobs.c.instance_id == instance_id)
 
         async def run(conn: AsyncConnection) -> list[str]:  # one transaction, as in SQLite
             ids = [row.job_id for row in await conn.execute(expired)]
             keys = idempotency_keys.c
             await conn.execute(sa.delete(idempotency_keys).where(keys.kind == "job", keys.resource_id.in_(expired)))
             await conn.execute(sa.delete(job_blobs).where(job_blobs.c.job_id.in_(expired)))
-            await conn.execute(sa.delete(jobs).where(jobs.c.ended_at < cutoff))
+            await conn.execute(sa.delete(jobs).where(jobs.c.job_id.in_(expired)))
             await conn.execute(sa.delete(idempotency_keys).where(keys.kind == "session", keys.ends_by < cutoff))
             await conn.execute(
                 sa.delete(idempotency_keys).where(
@@ -344,6 +387,9 @@ class PostgresJobStore(JobStore):
         return sa.select(*_KEY_COLUMNS).where(idempotency_keys.c.owner == owner, idempotency_keys.c.key == key)
 
     async def idempotency_key(self, owner: str, key: str) -> IdempotencyRecord | None:
+        if not storable(owner, key):  # NUL or a lone surrogate: no row holds it (a driver error otherwise)
+            return None
+
         async def run(conn: AsyncConnection) -> IdempotencyRecord | None:
             row = (await conn.execute(self._key_query(owner, key))).first()
             return _key(row) if row else None
@@ -370,6 +416,8 @@ class PostgresJobStore(JobStore):
         await self._call("put_toolset", run, write=True)
 
     async def get_toolset(self, toolset_id: str, owner: str | None) -> bytes | None:
+        if not storable(toolset_id):  # NUL or a lone surrogate: no row holds it (a driver error otherwise)
+            return None
         statement = sa.select(toolsets.c.manifest).where(toolsets.c.toolset_id == toolset_id)
         if owner is not None:
             statement = statement.join(toolset_owners, toolset_owners.c.toolset_id == toolsets.c.toolset_id).where(
@@ -396,6 +444,8 @@ class PostgresJobStore(JobStore):
         await self._call("put_blobs", run, write=True)
 
     async def read_blob(self, job_id: str, name: str, offset: int = 0, length: int | None = None) -> bytes | None:
+        if not storable(job_id, name):  # NUL or a lone surrogate: no row holds it (a driver error otherwise)
+            return None
         part = (
             sa.func.substring(job_blobs.c.data, offset + 1)
             if length is None
@@ -410,6 +460,8 @@ class PostgresJobStore(JobStore):
         return await self._call("read_blob", run)
 
     async def blob_sizes(self, job_id: str) -> dict[str, int]:
+        if not storable(job_id):  # NUL or a lone surrogate: no row holds it (a driver error otherwise)
+            return {}
         statement = sa.select(job_blobs.c.name, sa.func.length(job_blobs.c.data)).where(job_blobs.c.job_id == job_id)
 
         async def run(conn: AsyncConnection) -> dict[str, int]:

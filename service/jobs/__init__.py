@@ -251,8 +251,8 @@ class JobManager:
 
     # -- reading and waiting (``JobViews``) ----------------------------------------------------
 
-    async def output_file(self, job_id: str, caller: Caller, path: str) -> tuple[Path | bytes, dict[str, Any]]:
-        """(host file, or its bytes from the shared store, entry) of an output file of the job
+    async def output_file(self, job_id: str, caller: Caller, path: str) -> tuple[Path | OutputRange, dict[str, Any]]:
+        """(host file, or its range in the shared store, entry) of an output file of the job
         (``JobViews.output_file``); raises JobNotFound, NoSuchFile."""
         return await self._views.output_file(job_id, caller, path)
 

@@ -195,7 +195,7 @@ class Recovery:
     async def purge_expired(self) -> int:
         """Delete ended jobs older than the retention, with their output files; returns how many."""
         cutoff = now() - timedelta(seconds=self._settings.job_retention_s)
-        ids = await self._store.purge(cutoff)
+        ids = await self._store.purge(cutoff, self._instance)  # a shared store: another replica's are its own
         for job_id in ids:
             self._views.drop(job_id)
             owner, retained = await asyncio.to_thread(_remove_output, self.output_dir / job_id)

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from functools import partial
 from typing import Any
 
 from service import telemetry, verdict, views
@@ -28,11 +29,11 @@ from service.errors import CallNotPending, EngineUnavailable, FileRefused, Sandb
 from service.files import OutputFiles
 from service.jobs.admission import Admitted, Ticket
 from service.jobs.events import CallEnded, Events, JobEnded, SandboxStarted, StatusChanged
-from service.jobs.live import LiveJob, now, stored_job
+from service.jobs.live import LiveJob, now, save_final_again, stored_job
 from service.jobs.model import INTERNAL_ERROR, SERVICE_STOPPED, EndedBy, ErrorType, JobError, JobStatus, end_of_run
 from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
-from service.jobs.shared import collect
-from service.jobs.tasks import Tasks
+from service.jobs.shared import SHARE_AT_ONCE, keep_output
+from service.jobs.tasks import Tasks, until_done
 from service.replicas import Replicas
 from service.sandbox.base import ExitStatus, write_run_files
 from service.sandbox.resident import KILL_CONFIRM_S, ResidentRun
@@ -91,6 +92,7 @@ class Runner:
         self._checks = checks
         self._live = live
         self._final_views = final_views
+        self._share_slots = asyncio.Semaphore(SHARE_AT_ONCE)  # ended jobs' blobs copied into the store at once
         self._tasks = tasks
         self._instance = instance
         self._replicas = replicas
@@ -200,18 +202,9 @@ class Runner:
                 view.update(views.unencodable(view))
                 records = []
                 encoded = await views.encode(render_head(view), records)
+            if final:  # first: this replica serves the end even while the store refuses it (saved again later)
+                self._final_views.put(job.id, encoded)
             await self._replicas.save(stored_job(encoded.head, len(records), encoded.body, self._instance))
-        if final:
-            self._final_views.put(job.id, encoded)
-
-    async def _share_output(self, job: LiveJob) -> None:
-        """Copy the ended job's retained output and output files into the shared store (``service.jobs.shared``).
-        Never raises: a store that fails leaves them on this replica's disk only (logged)."""
-        try:
-            blobs = await asyncio.to_thread(collect, job.output_dir, job.files_view()["files"])
-            await self._store.put_blobs(job.id, blobs)
-        except Exception:
-            log.exception("job %s: could not keep its output in the shared store", job.id)
 
     async def _set_status(self, job: LiveJob, status: JobStatus) -> None:
         job.move(status)
@@ -346,11 +339,18 @@ class Runner:
             if not job.ended:
                 job.end(JobStatus.LOST, job.error)
             if self._store.shares_output:  # before the final view: a reader of an ended job finds its output
-                await self._share_output(job)
+                await keep_output(self._store, job, self._share_slots)
             try:
                 await self._save(job, final=True)
             except Exception:
-                log.exception("job %s: could not save its final view", job.id)
+                log.exception("job %s: could not save its final view; saving it again later", job.id)
+                retry = partial(
+                    save_final_again, self._store, self._replicas.save, self._final_views, job.id, self._instance
+                )
+                again = until_done(
+                    lambda: retry(lambda: self._save(job, final=True)), f"job {job.id}: saving its final view"
+                )
+                self._tasks.spawn(again, f"final save {job.id}")  # meanwhile served from the view cache
         finally:
             broker.release()
             ticket.release()

@@ -9,12 +9,16 @@ the store (``JobViews``). The folder stays the first source: the replica that ra
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
 from service.files import FILES_FOLDER
-from service.jobs.live import STREAMS
+from service.jobs.live import STREAMS, LiveJob
+from service.output import StoredRange
 from service.store import JobStore
+
+log = logging.getLogger(__name__)
 
 
 def file_blob(index: int) -> str:
@@ -22,18 +26,39 @@ def file_blob(index: int) -> str:
     return f"{FILES_FOLDER}/{index}"
 
 
-def collect(folder: Path, listed: list[dict[str, Any]]) -> dict[str, bytes]:
-    """The blobs of an ended job: its retained streams and each output file its view lists (blocking: a thread).
+SHARE_AT_ONCE = 4
+"""Blobs being copied into the store at once, across all jobs of this replica: the bytes held for copying stay
+below this many blobs (each at most ``PTC_OUTPUT_RETENTION_BYTES`` or ``PTC_MAX_OUTPUT_FILES_BYTES``), however many
+jobs end together."""
 
-    Missing files are left out (a stream never written, a file not collected).
+
+async def share(
+    store: JobStore, folder: Path, listed: list[dict[str, Any]], job_id: str, slots: asyncio.Semaphore
+) -> None:
+    """Copy an ended job's retained streams and each output file its view lists from ``folder`` into the store,
+    one blob at a time under one of ``slots`` (``SHARE_AT_ONCE`` of the runner), read off the event loop.
+
+    Missing files are left out (a stream never written, a file not collected). The first refusal ends the copy.
+
+    Raises:
+        StoreUnavailable: the store did not take a blob (the rest are not tried).
     """
-    blobs: dict[str, bytes] = {}
     for name in [*STREAMS, *(file_blob(i) for i in range(len(listed)))]:
-        try:
-            blobs[name] = (folder / name).read_bytes()
-        except OSError:
-            continue
-    return blobs
+        async with slots:
+            try:
+                data = await asyncio.to_thread((folder / name).read_bytes)
+            except OSError:
+                continue
+            await store.put_blobs(job_id, {name: data})
+            del data
+
+
+async def keep_output(store: JobStore, job: LiveJob, slots: asyncio.Semaphore) -> None:
+    """``share`` an ended job's output; never raises: a store that fails leaves it on this replica's disk only."""
+    try:
+        await share(store, job.output_dir, job.files_view()["files"], job.id, slots)
+    except Exception:
+        log.exception("job %s: could not keep its output in the shared store", job.id)
 
 
 async def in_store(store: JobStore, output_dir: Path, job_id: str) -> bool:
@@ -42,13 +67,25 @@ async def in_store(store: JobStore, output_dir: Path, job_id: str) -> bool:
     return store.shares_output and not await asyncio.to_thread((output_dir / job_id).is_dir)
 
 
+async def stored_range(store: JobStore, job_id: str, name: str, offset: int, length: int) -> StoredRange:
+    """Up to ``length`` bytes from ``offset`` of a job's blob in the shared store, as a range read a slice at a
+    time (empty past its end or without the blob)."""
+    size = (await store.blob_sizes(job_id)).get(name, 0)
+    return StoredRange(
+        lambda position, most: store.read_blob(job_id, name, position, most), offset, max(0, min(length, size - offset))
+    )
+
+
 async def stored_file(
     store: JobStore, job_id: str, listed: list[dict[str, Any]], path: str
-) -> tuple[Path | bytes, dict[str, Any]] | None:
-    """(bytes, entry) of the output file ``path`` among an ended job's ``files`` (its view's), from the shared
-    store, or None."""
+) -> tuple[StoredRange, dict[str, Any]] | None:
+    """(range of the whole file, entry) of the output file ``path`` among an ended job's ``files`` (its view's),
+    from the shared store, or None."""
     for index, entry in enumerate(listed):
         if entry.get("path") == path:
-            data = await store.read_blob(job_id, file_blob(index))
-            return (data, entry) if data is not None else None
+            name = file_blob(index)
+            sizes = await store.blob_sizes(job_id)
+            if name not in sizes:
+                return None
+            return await stored_range(store, job_id, name, 0, sizes[name]), entry
     return None

@@ -24,7 +24,7 @@ from service.jobs import resume, shared
 from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob, wait_for_end_or_client
 from service.jobs.model import FINAL
 from service.jobs.notify import Elsewhere
-from service.output import BytesRange, OutputRange, decode_slice, read_range
+from service.output import OutputRange, decode_slice, read_range
 from service.sandbox.base import Stream
 from service.schemas import JobSummary
 from service.store import JobQuery, JobStore
@@ -196,8 +196,8 @@ class JobViews:
         view[f"{stream}_invalid_utf8"] = invalid
         view[f"{stream}_truncated"] = offset + consumed < view[f"{stream}_retained_bytes"]
 
-    async def output_file(self, job_id: str, caller: Caller, path: str) -> tuple[Path | bytes, dict[str, Any]]:
-        """(host file, or its bytes from the shared store, entry of the view's ``files``) of the output file
+    async def output_file(self, job_id: str, caller: Caller, path: str) -> tuple[Path | OutputRange, dict[str, Any]]:
+        """(host file, or its range in the shared store, entry of the view's ``files``) of the output file
         ``path`` of the job.
 
         Raises:
@@ -206,7 +206,7 @@ class JobViews:
         """
         job = self.live(job_id, caller)
         listed = job.files_view()["files"] if job is not None else (await self.final(job_id, caller)).head.get("files")
-        found: tuple[Path | bytes, dict[str, Any]] | None
+        found: tuple[Path | OutputRange, dict[str, Any]] | None
         found = await asyncio.to_thread(files.find, self._output_dir / job_id, listed or [], path)
         if found is None and job is None and await shared.in_store(self._store, self._output_dir, job_id):
             found = await shared.stored_file(self._store, job_id, listed or [], path)
@@ -238,7 +238,7 @@ class JobViews:
         if self.live(job_id, caller) is None:
             await self.stored_view(job_id, caller)
             if await shared.in_store(self._store, self._output_dir, job_id):
-                return BytesRange(await self._store.read_blob(job_id, stream, offset, length) or b"", offset)
+                return await shared.stored_range(self._store, job_id, stream, offset, length)
         return await asyncio.to_thread(OutputRange.open, self._output_dir / job_id / stream, offset, length)
 
     async def wait(self, job_id: str, caller: Caller, timeout_s: float, selection: Selection = FULL) -> Body:

@@ -21,7 +21,15 @@ import sqlalchemy as sa
 from service import migrate
 from service.errors import StoreUnavailable
 from service.migrations import HEAD
-from service.store import IdempotencyRecord, InvalidCursor, JobQuery, JobStore, SQLiteJobStore, StoredJob
+from service.store import (
+    IdempotencyRecord,
+    InvalidCursor,
+    JobQuery,
+    JobStore,
+    SQLiteJobStore,
+    StoredJob,
+    encode_cursor,
+)
 from service.store_pg import PostgresJobStore, async_url, safe_url
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -505,3 +513,177 @@ async def test_a_sqlite_path_with_url_characters_is_migrated(tmp_path: Path) -> 
     finally:
         await store.close()
     assert migrate.current(sa.URL.create("sqlite", database=str(path))) == HEAD
+
+
+@pytest.mark.parametrize("odd", ["job_\x00x", "job_\ud800"])
+async def test_a_value_no_row_can_hold_finds_nothing(store: JobStore, odd: str) -> None:
+    """User-controlled text (a job id in a path, an id in a cursor, a toolset id, an idempotency key) that no
+    text column can hold (NUL, a lone surrogate) is simply not found, on both stores: never a driver error."""
+    await store.put(job("job_1", 0, 1))
+    assert await store.get(odd) is None
+    assert await store.get_toolset(odd, "alice") is None
+    assert await store.get_toolset(odd, None) is None
+    assert await store.idempotency_key("alice", odd) is None
+    assert await store.read_blob(odd, "stdout") is None
+    assert await store.blob_sizes(odd) == {}
+    if "\x00" in odd:  # a cursor decodes as strict UTF-8: only NUL can be in it
+        with pytest.raises(InvalidCursor):
+            await store.page(JobQuery(cursor=encode_cursor(T0, odd)))
+
+
+@pytest.mark.parametrize("secret_param", ["password", "sslpassword"])
+def test_a_password_given_as_a_query_parameter_is_hidden(secret_param: str) -> None:
+    url = f"postgresql://ptc@db.internal:5432/ptc?{secret_param}={SECRET}&sslmode=require"
+    shown = safe_url(url)
+    assert SECRET not in shown
+    assert "sslmode=require" in shown and "db.internal" in shown
+    assert SECRET not in PostgresJobStore(url).describe()
+
+
+class FreezingProxy:
+    """A TCP proxy in front of PostgreSQL that can stop passing bytes on (a server or network that stops answering
+    mid-request while its connections stay open: a paused VM, a partition the kernel has not noticed yet)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.flowing = asyncio.Event()
+        self.flowing.set()
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self.writers += [writer, up_writer]
+
+        async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(65536):
+                    await self.flowing.wait()
+                    sink.write(data)
+                    await sink.drain()
+            except (OSError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                sink.close()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+
+async def test_a_server_that_stops_answering_mid_request_is_unavailable_not_a_hang(postgres_url: str) -> None:
+    """Pooled connections stay open but nothing comes back: every operation ends within about the timeout with
+    StoreUnavailable (never a hang, never a driver error), and the store answers again once the server does."""
+    url = sa.make_url(postgres_url)
+    proxy = FreezingProxy(int(url.port or 5432))
+    server = await asyncio.start_server(proxy.handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    store = PostgresJobStore(url.set(port=port).render_as_string(hide_password=False), timeout_s=1.0)
+    await store.open()
+    try:
+        await store.put(job("job_1", 0, 1))
+        assert await store.get("job_1") is not None
+        proxy.flowing.clear()
+        for _ in range(3):
+            with pytest.raises(StoreUnavailable):
+                await asyncio.wait_for(store.get("job_1"), 20)  # TimeoutError here: a hang
+        with pytest.raises(StoreUnavailable):
+            await asyncio.wait_for(store.put(job("job_2", 0, 1)), 20)
+        proxy.flowing.set()
+        for _ in range(100):  # back once the server answers (connections left mid-statement are dropped)
+            try:
+                found = await asyncio.wait_for(store.get("job_1"), 20)
+                break
+            except StoreUnavailable:
+                await asyncio.sleep(0.2)
+        assert found is not None
+    finally:
+        proxy.flowing.set()
+        await asyncio.wait_for(store.close(), 30)
+        server.close()
+        for writer in proxy.writers:
+            writer.close()
+
+
+async def test_a_read_only_server_is_unavailable_for_writes(postgres_url: str) -> None:
+    """A server that takes no writes (a standby after a fail-over, default_transaction_read_only) is a store that
+    cannot do its work now: StoreUnavailable (503), not a driver error (500); reads still answer."""
+    import psycopg
+
+    store = PostgresJobStore(postgres_url, timeout_s=2.0)
+    await store.open()
+    name = sa.make_url(postgres_url).database
+    admin_url = sa.make_url(postgres_url).set(database="postgres").render_as_string(hide_password=False)
+    try:
+        await store.put(job("job_1", 0, 1))
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(f"ALTER DATABASE {name} SET default_transaction_read_only = on")
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
+        assert await store.get("job_1") is not None
+        with pytest.raises(StoreUnavailable):
+            await store.put(job("job_2", 0, 1))
+        with pytest.raises(StoreUnavailable):
+            await store.put_toolset("ts_1", b"[]", "alice")
+        with pytest.raises(StoreUnavailable):
+            await store.bind_idempotency_key(key("alice", "k", "job_2"))
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            admin.execute(f"ALTER DATABASE {name} RESET default_transaction_read_only")
+        await store.close()
+
+
+async def test_concurrent_blob_writes(store: JobStore) -> None:
+    """``put_blobs`` from many tasks at once (jobs ending together), as every method: safe concurrently."""
+    for round_ in range(5):
+        await asyncio.gather(*(store.put_blobs(f"job_{round_}_{n}", {"stdout": b"x" * n}) for n in range(12)))
+    assert await store.blob_sizes("job_4_11") == {"stdout": 11}
+
+
+async def test_a_downgrade_refuses_to_drop_what_holds_rows(make_store: Callable[[], JobStore], store_kind: str) -> None:
+    """Alembic's downgrade of a store that holds jobs (or their blobs) stops with an error instead of dropping
+    them; an empty store goes down (and up again) cleanly."""
+    from alembic import command
+    from alembic.util import CommandError
+
+    store = make_store()
+    await store.open()
+    await store.put(job("job_1", 0, 1))
+    await store.put_blobs("job_1", {"stdout": b"kept"})
+    url = (
+        sa.URL.create("sqlite", database=str(store._path))  # type: ignore[attr-defined]
+        if store_kind == "sqlite"
+        else async_url(store._url)  # type: ignore[attr-defined]
+    )
+    await store.close()
+
+    def downgrade(target: str) -> None:
+        engine = sa.create_engine(url, poolclass=sa.NullPool)
+        try:
+            with engine.connect() as connection:
+                command.downgrade(migrate._config(connection), target)
+                connection.commit()
+        finally:
+            engine.dispose()
+
+    for target in ("0001", "base"):
+        with pytest.raises((CommandError, RuntimeError)):
+            await asyncio.to_thread(downgrade, target)
+    again = make_store()
+    await again.open()
+    try:
+        assert await again.get("job_1") is not None
+        assert await again.read_blob("job_1", "stdout") == b"kept"
+        assert await again.purge(T0 + timedelta(days=1)) == ["job_1"]
+    finally:
+        await again.close()
+    await asyncio.to_thread(downgrade, "base")  # nothing left to lose
+    assert await asyncio.to_thread(migrate.current, url) is None
+
+
+async def test_a_purge_for_one_instance_takes_only_its_jobs(store: JobStore) -> None:
+    await store.put(job("job_mine", 0, 10, instance="i1"))
+    await store.put(job("job_theirs", 0, 10, instance="i2"))
+    await store.bind_idempotency_key(key("alice", "theirs", "job_theirs"))
+    await store.put_blobs("job_theirs", {"stdout": b"kept"})
+    assert await store.purge(T0 + timedelta(hours=1), "i1") == ["job_mine"]
+    assert await store.get("job_theirs") is not None
+    assert await store.idempotency_key("alice", "theirs") is not None
+    assert await store.read_blob("job_theirs", "stdout") == b"kept"
+    assert await store.purge(T0 + timedelta(hours=1)) == ["job_theirs"]  # every instance's (no instance given)

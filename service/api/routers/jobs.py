@@ -22,6 +22,7 @@ from service.errors import InvalidField, RequestLimitError
 from service.files import DOWNLOAD_HEADERS
 from service.jobs.live import LiveJob, wait_for_end_or_client
 from service.limits import check_execute
+from service.output import OutputRange
 from service.sandbox.base import Stream
 from service.schemas import (
     ApprovalDecision,
@@ -262,8 +263,9 @@ async def get_output_file(job_id: str, path: str, jobs: Jobs, who: Who) -> Respo
     host, entry = await jobs.output_file(job_id, who, path)
     media_type = str(entry.get("content_type") or "application/octet-stream")
     headers = {"X-Content-SHA256": str(entry.get("sha256", "")), **DOWNLOAD_HEADERS}
-    if isinstance(host, bytes):  # an ended job another replica ran: from the shared store
-        return Response(host, media_type=media_type, headers=headers)
+    if isinstance(host, OutputRange):  # an ended job another replica ran: from the shared store, a slice at a time
+        headers["content-length"] = str(host.length)
+        return StreamingResponse(output_slices(host), media_type=media_type, headers=headers)
     return FileResponse(host, media_type=media_type, headers=headers)
 
 

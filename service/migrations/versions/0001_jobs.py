@@ -13,6 +13,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from service.migrations import refuse_to_drop_rows
+
 revision = "0001"
 down_revision = None
 branch_labels = None
@@ -134,5 +136,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    for table in ("idempotency_keys", "toolset_owners", "toolsets", "jobs"):
+    tables = ("idempotency_keys", "toolset_owners", "toolsets", "jobs")
+    refuse_to_drop_rows(*tables)
+    for table in tables:
         op.drop_table(table)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from service.migrations import refuse_to_drop_rows
+
 revision = "0002"
 down_revision = "0001"
 branch_labels = None
@@ -25,4 +27,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    refuse_to_drop_rows("job_blobs")
     op.drop_table("job_blobs")
