@@ -6,6 +6,7 @@
 #   deploy/local.sh test    set everything up, then run ruff, mypy --strict and the whole test suite
 #   deploy/local.sh setup   only set up: Python venv, Docker engine, gVisor, sandbox images (minimal and data)
 #   deploy/local.sh engine  only the Docker engine and gVisor steps
+#   deploy/local.sh haproxy   only HAProxy for the tests (installed, never started as a service)
 #   deploy/local.sh postgres  only PostgreSQL for the tests (started, role and database made); prints its URL
 #   deploy/local.sh register-runsc CONFIG   only write runsc into the daemon.json CONFIG (engine untouched)
 #   deploy/local.sh bench   set everything up, then run the benchmark (bench/; args passed on)
@@ -23,7 +24,7 @@
 #   - the sandbox image (sandbox_image/build.sh; offline base when no registry) and the data image on it
 #     (numpy, pandas, matplotlib: sandbox_image/build.sh --data, wheels downloaded on the host once); `serve`
 #     offers both (PTC_IMAGES default and data, data with 1 GiB of memory) unless PTC_IMAGES is set;
-#   - for the tests only: Debian's PostgreSQL (a cluster started with pg_ctlcluster, no systemd; a role and a
+#   - for the tests only: Debian's haproxy (the replicas' tests run their own balancer), Debian's PostgreSQL (a cluster started with pg_ctlcluster, no systemd; a role and a
 #     database ptc_test; `test` exports PTC_TEST_STORE_URL for the store tests), Debian's docker-compose when no
 #     `docker compose` works, Debian's
 #     prometheus (a real Prometheus scrapes the service in a test), and Debian's chromium
@@ -150,6 +151,22 @@ setup_prometheus() {
   return "$status"
 }
 
+# HAProxy for the replicas' tests (tests/integration/replicas.py runs its own, in the foreground with a generated
+# config): the package's postinst would start a daemon through invoke-rc.d unless policy-rc.d forbids it.
+setup_haproxy() {
+  if command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ]; then return; fi
+  local policy=/usr/sbin/policy-rc.d added=""
+  if [ ! -e "$policy" ]; then
+    as_root sh -c "printf '#!/bin/sh\nexit 101\n' >'$policy' && chmod 755 '$policy'"
+    added=1
+  fi
+  local status=0
+  apt_install --no-install-recommends haproxy || status=$?
+  if [ -n "$added" ]; then as_root rm -f "$policy"; fi
+  if [ "$status" != 0 ] && [ "${CI:-}" = true ]; then log "could not install haproxy; CI needs it for the replicas' tests"; exit 1; fi
+  if [ "$status" != 0 ]; then log "warning: no haproxy: the replicas' tests will skip"; fi
+}
+
 # Compose for the deployment tests: the plugin (`docker compose`) when it works, else Debian's docker-compose.
 setup_compose() {
   if docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null; then return; fi
@@ -221,13 +238,14 @@ setup() {
   setup_engine
   setup_pid_max
   sandbox_image/build.sh --data >/dev/null  # the minimal image, then the data image on it (cached: seconds)
-  if [ "${1:-}" = "[test]" ]; then setup_prometheus; setup_compose; setup_chromium; setup_postgres; fi
+  if [ "${1:-}" = "[test]" ]; then setup_prometheus; setup_compose; setup_chromium; setup_haproxy; setup_postgres; fi
 }
 
 case "${1:-}" in
   setup) setup "[test]" ;;
   engine) setup_engine ;;
   postgres) setup_postgres; echo "$pg_test_url" ;;
+  haproxy) setup_haproxy ;;
   register-runsc)
     [ -n "${2:-}" ] || { log "usage: deploy/local.sh register-runsc CONFIG"; exit 2; }
     install_runsc
@@ -256,5 +274,5 @@ case "${1:-}" in
   bench)
     setup "[test]"
     .venv/bin/python -m bench "${@:2}" ;;
-  *) sed -n "2,30p" "$0"; exit 2 ;;
+  *) sed -n "2,36p" "$0"; exit 2 ;;
 esac
