@@ -32,6 +32,8 @@ from __future__ import annotations
 import abc
 import asyncio
 import base64
+import hashlib
+import json
 import os
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
@@ -39,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from service.errors import InstanceIdInUse
 from service.migrations import HEAD
@@ -168,6 +170,32 @@ class IdempotencyRecord:
 
 
 @dataclass(frozen=True)
+class KeyClaim:
+    """An ``Idempotency-Key`` claimed by the request being admitted with it (``JobStore.claim_idempotency_key``):
+    the ``claimed`` row of ``idempotency_keys`` (docs/scaling.md, Idempotency keys).
+
+    Attributes:
+        owner / key / fingerprint / kind: as in ``IdempotencyRecord``.
+        claim_token: 32 random hex digits naming this claim: only its holder binds or releases it.
+        claimed_by: the incarnation admitting the request; a claim of an incarnation no longer live (or whose
+            lease passed) is taken over by the next claim of the key.
+    """
+
+    owner: str
+    key: str
+    fingerprint: str
+    kind: str
+    claim_token: str
+    claimed_by: Incarnation
+
+
+def key_digest(owner: str, key: str) -> str:
+    """The ``ptc_keys`` notification's payload for ``key`` of ``owner``: 16 hex digits of SHA-256 over both
+    (JSON, so no two pairs write alike); neither the key nor its owner can be read from it."""
+    return hashlib.sha256(json.dumps([owner, key]).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
 class JobQuery:
     """A page of ``GET /jobs``: newest first.
 
@@ -271,7 +299,8 @@ class JobStore(abc.ABC):
 
         The idempotency keys of those jobs go with them, in the same transaction, and so do session keys whose
         session ended (at the latest) before ``ended_before``, and job keys older than it whose job was never
-        saved (the service stopped between the binding and the job's first save).
+        saved (the service stopped between the binding and the job's first save), and claims made before it
+        (their requests are long gone).
         """
 
     @abc.abstractmethod
@@ -281,7 +310,30 @@ class JobStore(abc.ABC):
 
     @abc.abstractmethod
     async def idempotency_key(self, owner: str, key: str) -> IdempotencyRecord | None:
-        """The binding of ``key`` sent by ``owner``, or None (another owner's binding of the same key is None)."""
+        """The binding of ``key`` sent by ``owner``, or None (another owner's binding of the same key is None;
+        so is a key only claimed)."""
+
+    @abc.abstractmethod
+    async def claim_idempotency_key(self, claim: KeyClaim, created_at: datetime) -> IdempotencyRecord | KeyClaim:
+        """Claim ``claim.key`` of ``claim.owner`` in one transaction: insert the row ``claimed`` unless the key has
+        a row; or take over a ``claimed`` row whose incarnation is not live or draining, or whose lease passed
+        (its request died with it, having created nothing it could bind).
+
+        Returns:
+            ``claim`` itself (claimed: the caller binds or releases it), the claim that holds the key (another
+            request, of a live incarnation, is being admitted with it), or the key's binding.
+        """
+
+    @abc.abstractmethod
+    async def bind_claim(self, record: IdempotencyRecord, claim_token: str) -> bool:
+        """Bind the key claimed with ``claim_token`` to ``record`` (``bound``, its ``resource_id``); with
+        PostgreSQL notify ``ptc_keys`` (``key_digest``) in the same transaction. False: the claim is not held any
+        more (taken over after this incarnation's lease passed), nothing written."""
+
+    @abc.abstractmethod
+    async def release_claim(self, owner: str, key: str, claim_token: str) -> bool:
+        """Delete the key's row while it is ``claimed`` with ``claim_token`` (the request created nothing); notify
+        as ``bind_claim``. False: no such claim."""
 
     @abc.abstractmethod
     async def count(self) -> int:
@@ -364,6 +416,15 @@ class JobStore(abc.ABC):
 
 
 _KEY_COLUMNS = "owner, key, fingerprint, kind, resource_id, created_at, ends_by"
+_CLAIM_COLUMNS = _KEY_COLUMNS + ", state, claim_token, claimed_by, claimed_epoch"
+
+
+def _claim_row(row: tuple[Any, ...]) -> IdempotencyRecord | KeyClaim:
+    """A row of ``_CLAIM_COLUMNS``: its binding, or its claim."""
+    owner, key, fingerprint, kind, resource_id, created, ends_by, state, token, by, epoch = row
+    if state == "bound":
+        return _key_row((owner, key, fingerprint, kind, resource_id, created, ends_by))
+    return KeyClaim(owner, key, fingerprint, kind, token, Incarnation(by, int(epoch)))
 
 
 def _key_row(row: tuple[str, str, str, str, str, str, str | None]) -> IdempotencyRecord:
@@ -411,6 +472,15 @@ WHERE jobs.instance_id = excluded.instance_id AND jobs.instance_epoch = excluded
     AND jobs.ended_at IS NULL"""
 """A job's save by its owning incarnation (``JobStore.save``): inserted while the incarnation is live, replaced
 while the row is still its and not ended."""
+
+
+def _live(db: sqlite3.Connection, incarnation: Incarnation) -> bool:
+    """Whether ``incarnation`` is live or draining in the SQLite store's registry, its lease holding."""
+    row = db.execute(
+        "SELECT state, lease_until FROM replicas WHERE instance_id = ? AND epoch = ?",
+        (incarnation.instance_id, incarnation.epoch),
+    ).fetchone()
+    return row is not None and row[0] in LIVE_STATES and datetime.fromisoformat(row[1]) > datetime.now(UTC)
 
 
 def in_use_message(instance_id: str) -> str:
@@ -559,6 +629,7 @@ class SQLiteJobStore(JobStore):
                 db.execute(f"DELETE FROM job_blobs WHERE job_id IN ({expired})", given)
                 db.execute(f"DELETE FROM jobs WHERE job_id IN ({expired})", given)
                 db.execute("DELETE FROM idempotency_keys WHERE kind = 'session' AND ends_by < ?", (cutoff,))
+                db.execute("DELETE FROM idempotency_keys WHERE state = 'claimed' AND created_at < ?", (cutoff,))
                 db.execute(
                     "DELETE FROM idempotency_keys WHERE kind = 'job' AND created_at < ? AND NOT EXISTS "
                     "(SELECT 1 FROM jobs WHERE jobs.job_id = idempotency_keys.resource_id)",
@@ -591,18 +662,81 @@ class SQLiteJobStore(JobStore):
                 ),
             )
             row = db.execute(
-                f"SELECT {_KEY_COLUMNS} FROM idempotency_keys WHERE owner = ? AND key = ?", (record.owner, record.key)
+                f"SELECT {_KEY_COLUMNS} FROM idempotency_keys WHERE owner = ? AND key = ? AND state = 'bound'",
+                (record.owner, record.key),
             ).fetchone()
             return _key_row(row)
 
         return await self._run(bind)
+
+    async def claim_idempotency_key(self, claim: KeyClaim, created_at: datetime) -> IdempotencyRecord | KeyClaim:
+        def take(db: sqlite3.Connection) -> IdempotencyRecord | KeyClaim:
+            db.execute("BEGIN IMMEDIATE")  # the file's write lock: the read and the write below are one step
+            try:
+                row = db.execute(
+                    f"SELECT {_CLAIM_COLUMNS} FROM idempotency_keys WHERE owner = ? AND key = ?",
+                    (claim.owner, claim.key),
+                ).fetchone()
+                held = None if row is None else _claim_row(row)
+                claimer = (claim.claim_token, claim.claimed_by.instance_id, claim.claimed_by.epoch)
+                if held is None:
+                    db.execute(
+                        "INSERT INTO idempotency_keys (owner, key, fingerprint, kind, resource_id, created_at, "
+                        "ends_by, state, claim_token, claimed_by, claimed_epoch) "
+                        "VALUES (?, ?, ?, ?, NULL, ?, NULL, 'claimed', ?, ?, ?)",
+                        (claim.owner, claim.key, claim.fingerprint, claim.kind, created_at.isoformat(), *claimer),
+                    )
+                    held = claim
+                elif isinstance(held, KeyClaim) and not _live(db, held.claimed_by):
+                    db.execute(
+                        "UPDATE idempotency_keys SET fingerprint = ?, kind = ?, created_at = ?, claim_token = ?, "
+                        "claimed_by = ?, claimed_epoch = ? WHERE owner = ? AND key = ? AND state = 'claimed'",
+                        (claim.fingerprint, claim.kind, created_at.isoformat(), *claimer, claim.owner, claim.key),
+                    )
+                    held = claim
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+            return held
+
+        return await self._run(take)
+
+    async def bind_claim(self, record: IdempotencyRecord, claim_token: str) -> bool:
+        cursor = await self._run(
+            lambda db: db.execute(
+                "UPDATE idempotency_keys SET state = 'bound', resource_id = ?, created_at = ?, ends_by = ?, "
+                "fingerprint = ?, kind = ? WHERE owner = ? AND key = ? AND state = 'claimed' AND claim_token = ?",
+                (
+                    record.resource_id,
+                    record.created_at.isoformat(),
+                    record.ends_by.isoformat() if record.ends_by else None,
+                    record.fingerprint,
+                    record.kind,
+                    record.owner,
+                    record.key,
+                    claim_token,
+                ),
+            )
+        )
+        return cursor.rowcount > 0
+
+    async def release_claim(self, owner: str, key: str, claim_token: str) -> bool:
+        cursor = await self._run(
+            lambda db: db.execute(
+                "DELETE FROM idempotency_keys WHERE owner = ? AND key = ? AND state = 'claimed' AND claim_token = ?",
+                (owner, key, claim_token),
+            )
+        )
+        return cursor.rowcount > 0
 
     async def idempotency_key(self, owner: str, key: str) -> IdempotencyRecord | None:
         if not storable(owner, key):
             return None
         row = await self._run(
             lambda db: db.execute(
-                f"SELECT {_KEY_COLUMNS} FROM idempotency_keys WHERE owner = ? AND key = ?", (owner, key)
+                f"SELECT {_KEY_COLUMNS} FROM idempotency_keys WHERE owner = ? AND key = ? AND state = 'bound'",
+                (owner, key),
             ).fetchone()
         )
         return _key_row(row) if row else None

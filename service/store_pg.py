@@ -33,6 +33,7 @@ from service.store import (
     Incarnation,
     JobQuery,
     JobStore,
+    KeyClaim,
     Registration,
     Replica,
     SQLiteJobStore,
@@ -40,6 +41,7 @@ from service.store import (
     decode_cursor,
     encode_cursor,
     in_use_message,
+    key_digest,
     storable,
 )
 from service.store_schema import idempotency_keys, job_blobs, jobs, replicas, toolset_owners, toolsets
@@ -51,6 +53,8 @@ JOBS_CHANNEL = "ptc_jobs"
 """``NOTIFY`` channel of job ends (``<job_id> ended``) and client waits (``<job_id> waiting``): docs/scaling.md."""
 REPLICAS_CHANNEL = "ptc_replicas"
 """``NOTIFY`` channel of registry changes (``<instance_id> <state>``)."""
+KEYS_CHANNEL = "ptc_keys"
+"""``NOTIFY`` channel of idempotency claims bound or released (``store.key_digest``: 16 hex digits)."""
 
 MIGRATION_LOCK = 0x70746317
 """``pg_advisory_xact_lock`` key held while migrating (ASCII "ptc" and the issue's number)."""
@@ -76,6 +80,13 @@ _KEY_COLUMNS = (
     idempotency_keys.c.resource_id,
     idempotency_keys.c.created_at,
     idempotency_keys.c.ends_by,
+)
+_CLAIM_COLUMNS = (
+    *_KEY_COLUMNS,
+    idempotency_keys.c.state,
+    idempotency_keys.c.claim_token,
+    idempotency_keys.c.claimed_by,
+    idempotency_keys.c.claimed_epoch,
 )
 
 
@@ -128,6 +139,14 @@ def _key(row: Any) -> IdempotencyRecord:
         datetime.fromisoformat(row.created_at),
         datetime.fromisoformat(row.ends_by) if row.ends_by else None,
     )
+
+
+def _held(row: Any) -> IdempotencyRecord | KeyClaim:
+    """A row of ``_CLAIM_COLUMNS``: its binding, or its claim."""
+    if row.state == "bound":
+        return _key(row)
+    incarnation = Incarnation(row.claimed_by, int(row.claimed_epoch))
+    return KeyClaim(row.owner, row.key, row.fingerprint, row.kind, row.claim_token, incarnation)
 
 
 def _seconds(value: float) -> sa.ColumnElement[Any]:
@@ -343,6 +362,7 @@ class PostgresJobStore(JobStore):
             await conn.execute(sa.delete(job_blobs).where(job_blobs.c.job_id.in_(expired)))
             await conn.execute(sa.delete(jobs).where(jobs.c.job_id.in_(expired)))
             await conn.execute(sa.delete(idempotency_keys).where(keys.kind == "session", keys.ends_by < cutoff))
+            await conn.execute(sa.delete(idempotency_keys).where(keys.state == "claimed", keys.created_at < cutoff))
             await conn.execute(
                 sa.delete(idempotency_keys).where(
                     keys.kind == "job",
@@ -384,7 +404,87 @@ class PostgresJobStore(JobStore):
 
     @staticmethod
     def _key_query(owner: str, key: str) -> sa.Select[Any]:
-        return sa.select(*_KEY_COLUMNS).where(idempotency_keys.c.owner == owner, idempotency_keys.c.key == key)
+        k = idempotency_keys.c
+        return sa.select(*_KEY_COLUMNS).where(k.owner == owner, k.key == key, k.state == "bound")
+
+    async def claim_idempotency_key(self, claim: KeyClaim, created_at: datetime) -> IdempotencyRecord | KeyClaim:
+        k = idempotency_keys.c
+        claimer = {
+            "fingerprint": claim.fingerprint,
+            "kind": claim.kind,
+            "created_at": created_at.isoformat(),
+            "claim_token": claim.claim_token,
+            "claimed_by": claim.claimed_by.instance_id,
+            "claimed_epoch": claim.claimed_by.epoch,
+        }
+        new = (
+            insert(idempotency_keys)
+            .values(owner=claim.owner, key=claim.key, state="claimed", resource_id=None, ends_by=None, **claimer)
+            .on_conflict_do_nothing(index_elements=[k.owner, k.key])
+            .returning(k.owner)
+        )
+        live = sa.exists().where(
+            replicas.c.instance_id == k.claimed_by,
+            replicas.c.epoch == k.claimed_epoch,
+            replicas.c.state.in_(LIVE_STATES),
+            replicas.c.lease_until > sa.func.now(),
+        )
+        take_over = (
+            sa.update(idempotency_keys)
+            .where(k.owner == claim.owner, k.key == claim.key, k.state == "claimed", ~live)
+            .values(**claimer)
+            .returning(k.owner)
+        )
+        held = sa.select(*_CLAIM_COLUMNS).where(k.owner == claim.owner, k.key == claim.key)
+
+        async def run(conn: AsyncConnection) -> IdempotencyRecord | KeyClaim:
+            while True:  # a row released between the insert and the read: insert again
+                if (await conn.execute(new)).first() is not None:  # waits for a racing insert to commit
+                    return claim
+                if (await conn.execute(take_over)).first() is not None:  # its claimer died
+                    return claim
+                row = (await conn.execute(held)).first()
+                if row is not None:
+                    return _held(row)
+
+        return await self._call("claim_idempotency_key", run, write=True)
+
+    async def bind_claim(self, record: IdempotencyRecord, claim_token: str) -> bool:
+        k = idempotency_keys.c
+        statement = (
+            sa.update(idempotency_keys)
+            .where(k.owner == record.owner, k.key == record.key, k.state == "claimed", k.claim_token == claim_token)
+            .values(
+                state="bound",
+                resource_id=record.resource_id,
+                created_at=record.created_at.isoformat(),
+                ends_by=record.ends_by.isoformat() if record.ends_by else None,
+                fingerprint=record.fingerprint,
+                kind=record.kind,
+            )
+            .returning(k.owner)
+        )
+        return await self._claim_ended("bind_claim", statement, record.owner, record.key)
+
+    async def release_claim(self, owner: str, key: str, claim_token: str) -> bool:
+        k = idempotency_keys.c
+        statement = (
+            sa.delete(idempotency_keys)
+            .where(k.owner == owner, k.key == key, k.state == "claimed", k.claim_token == claim_token)
+            .returning(k.owner)
+        )
+        return await self._claim_ended("release_claim", statement, owner, key)
+
+    async def _claim_ended(self, operation: str, statement: Any, owner: str, key: str) -> bool:
+        """Run ``bind_claim``'s or ``release_claim``'s statement; notify ``ptc_keys`` when it matched a row."""
+
+        async def run(conn: AsyncConnection) -> bool:
+            if (await conn.execute(statement)).first() is None:
+                return False
+            await _notify(conn, KEYS_CHANNEL, key_digest(owner, key))  # delivered once the change is committed
+            return True
+
+        return await self._call(operation, run, write=True)
 
     async def idempotency_key(self, owner: str, key: str) -> IdempotencyRecord | None:
         if not storable(owner, key):  # NUL or a lone surrogate: no row holds it (a driver error otherwise)

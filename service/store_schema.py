@@ -14,6 +14,10 @@ row per instance id, its ``epoch`` counting its starts; ``jobs.instance_epoch`` 
 ``instance_id`` owns an unfinished job (NULL on rows saved before replicas were registered). The lease columns
 are ``timestamptz`` on PostgreSQL, set and compared with the database's ``now()`` (no replica's clock); on SQLite
 (one replica) ISO text of the service's UTC clock.
+
+``idempotency_keys`` rows are ``claimed`` (``claim_token``, ``claimed_by``/``claimed_epoch``: the incarnation
+admitting the key's first request; ``resource_id`` NULL) and then ``bound`` to the job or session it created
+(``service.idempotency``).
 """
 
 from __future__ import annotations
@@ -64,9 +68,13 @@ idempotency_keys = sa.Table(
     sa.Column("key", sa.Text, primary_key=True),
     sa.Column("fingerprint", sa.Text, nullable=False),
     sa.Column("kind", sa.Text, nullable=False),
-    sa.Column("resource_id", sa.Text, nullable=False),
+    sa.Column("resource_id", sa.Text),
     sa.Column("created_at", sa.Text, nullable=False),
     sa.Column("ends_by", sa.Text),
+    sa.Column("state", sa.Text, nullable=False, server_default="bound"),
+    sa.Column("claim_token", sa.Text),
+    sa.Column("claimed_by", sa.Text),
+    sa.Column("claimed_epoch", sa.BigInteger),
 )
 sa.Index("idempotency_keys_by_resource", idempotency_keys.c.resource_id)
 sa.Index("idempotency_keys_by_end", idempotency_keys.c.ends_by, postgresql_where=idempotency_keys.c.ends_by.isnot(None))

@@ -91,6 +91,9 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         jobs = build_jobs(settings, backend, endpoints, store, metrics, replicas, waiters)
         await jobs.start()  # registers this replica (after the work-dir lock, before the sweep)
         replicas.start()
+        idempotency = IdempotencyKeys(store, replicas.incarnation)  # claims carry this incarnation
+        if waiters is not None:
+            waiters.on_keys = idempotency.wake_digest  # ptc_keys: another replica bound or released a claim
         listener = None
         if waiters is not None and settings.store_url is not None:  # LISTEN: wait on other replicas' jobs
             listener = Listener(settings.store_url.get_secret_value(), waiters, settings.store_timeout_s)
@@ -100,7 +103,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             except TimeoutError:
                 log.warning("the store's notifications are not received yet: waits on other replicas' jobs lag")
         app.state.jobs, app.state.backend = jobs, backend
-        app.state.idempotency = IdempotencyKeys(store)
+        app.state.idempotency = idempotency
         _serve(app.state, jobs)
         ok, reason = await backend.ready(settings.sandbox_image)
         if not ok:
@@ -120,6 +123,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             if listener is not None:
                 await listener.close()
             await jobs.close()
+            await idempotency.drain()  # claims of requests that failed: released before the store closes
             await replicas.close()  # after its jobs' last saves: ``left``
             await asyncio.to_thread(telemetry.flush)  # the spans of the jobs just ended too
             app.state.bodies.close()
