@@ -179,9 +179,10 @@ async def keys_of(store: JobStore, instance: str = "r1", wait_s: float = IN_FLIG
 
 
 async def test_concurrent_claims_of_one_key_give_one_claim_then_its_binding(store: JobStore) -> None:
-    keys = await keys_of(store)
+    keys = await keys_of(store, wait_s=60)
     first = [asyncio.ensure_future(keys.claim("alice", "k", FP, "job")) for _ in range(10)]
-    await asyncio.sleep(0.3)
+    await asyncio.wait(first, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.sleep(0.2)
     claims = [f.result() for f in first if f.done()]
     assert len(claims) == 1 and isinstance(claims[0], Claim), claims
     # the other nine wait: nothing is returned to them before the claim is bound
@@ -289,18 +290,75 @@ async def test_claims_and_bindings_of_jobs_go_with_the_retention(store: JobStore
     assert isinstance(await keys.claim("alice", "stale", FP, "job"), Claim)  # an ancient claim went too
 
 
+async def test_the_migration_keeps_bindings_both_ways_and_drops_claims_going_down(
+    make_store: Callable[[], JobStore], store_kind: str
+) -> None:
+    """0007 up from 0003 keeps the bindings (as ``bound``); down again it keeps them and drops the claims."""
+    import sqlalchemy as sa
+    from alembic import command
+
+    from service import migrate
+    from service.store_pg import async_url
+
+    store = make_store()
+    await store.open()
+    url = (
+        sa.URL.create("sqlite", database=str(store._path))  # type: ignore[attr-defined]
+        if store_kind == "sqlite"
+        else async_url(store._url)  # type: ignore[attr-defined]
+    )
+    await store.close()
+
+    def migrate_to(target: str, down: bool) -> None:
+        engine = sa.create_engine(url, poolclass=sa.NullPool)
+        try:
+            with engine.connect() as connection:
+                (command.downgrade if down else command.upgrade)(migrate._config(connection), target)
+                connection.commit()
+        finally:
+            engine.dispose()
+
+    await asyncio.to_thread(migrate_to, "0003", True)
+    engine = sa.create_engine(url, poolclass=sa.NullPool)
+    with engine.begin() as connection:  # a binding made before 0007
+        connection.exec_driver_sql(
+            "INSERT INTO idempotency_keys (owner, key, fingerprint, kind, resource_id, created_at, ends_by) "
+            f"VALUES ('alice', 'old', '{FP}', 'job', 'job_old', '{T0.isoformat()}', NULL)"
+        )
+    engine.dispose()
+    opened = make_store()
+    await opened.open()  # upgrades to HEAD
+    try:
+        assert (await opened.idempotency_key("alice", "old")) == IdempotencyRecord(
+            "alice", "old", FP, "job", "job_old", T0
+        )
+        keys = await keys_of(opened)
+        assert isinstance(await keys.claim("alice", "new", FP, "job"), Claim)
+        assert isinstance(await keys.claim("alice", "old", FP, "job"), IdempotencyRecord)
+    finally:
+        await opened.close()
+    await asyncio.to_thread(migrate_to, "0003", True)
+    engine = sa.create_engine(url, poolclass=sa.NullPool)
+    with engine.connect() as connection:
+        rows = connection.exec_driver_sql("SELECT key, resource_id FROM idempotency_keys").all()
+    engine.dispose()
+    assert [tuple(r) for r in rows] == [("old", "job_old")]
+
+
 async def test_two_replicas_given_one_key_at_once_claim_it_once(postgres_url: str) -> None:
     stores = [PostgresJobStore(postgres_url), PostgresJobStore(postgres_url)]
     for opened in stores:
         await opened.open()
     try:
-        one, two = await keys_of(stores[0], "t1"), await keys_of(stores[1], "t2")
+        one, two = await keys_of(stores[0], "t1", wait_s=120), await keys_of(stores[1], "t2", wait_s=120)
         tasks = {
             (i, n): asyncio.ensure_future((one, two)[n % 2].claim("alice", f"k{i}", FP, "job"))
             for i in range(20)
             for n in range(4)
         }
-        await asyncio.sleep(1.0)
+        for i in range(20):  # each key's first claim answered (the others wait: 2 minutes at most)
+            await asyncio.wait([t for (k, _), t in tasks.items() if k == i], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.sleep(0.2)
         for i in range(20):
             done = [t.result() for (k, _), t in tasks.items() if k == i and t.done()]
             assert len(done) == 1 and isinstance(done[0], Claim), (i, done)  # one claim per key, replicas aside
