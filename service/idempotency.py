@@ -161,6 +161,9 @@ class Claim:
             bound = await asyncio.shield(self._keys.store.bind_claim(record, self.token))
         finally:
             self._keys.wake(self.owner, self.key)  # this replica's waiters; the others' by ptc_keys
+        # Not bound for an error: the token stays held, so the claim blocks the key (409) until this incarnation
+        # ends: a retry must not make a second job beside the one created.
+        self._keys.held.discard(self.token)
         if not bound:
             log.warning("an idempotency claim was taken over before its %s %s was bound", kind, resource_id)
 
@@ -193,6 +196,9 @@ class IdempotencyKeys:
         self.poll_s = poll_s
         self._waiting: dict[str, set[asyncio.Event]] = {}
         self._releases: set[asyncio.Task[None]] = set()
+        self.held: set[str] = set()
+        """Tokens of the claims this process's requests hold or are making: a claim of this incarnation whose
+        token is not here is an orphan (its write answered too late, or its release failed) and is taken over."""
 
     async def claim(self, owner: str, key: str, fingerprint_: str, kind: Kind) -> Claim | IdempotencyRecord:
         """Claim ``key`` of ``owner`` for a request of this fingerprint, or find its binding.
@@ -218,8 +224,12 @@ class IdempotencyKeys:
                 woken.clear()
                 mine = KeyClaim(owner, key, fingerprint_, kind, secrets.token_hex(16), self.incarnation)
                 held = await self._claim(mine)
+                if isinstance(held, KeyClaim) and held.claimed_by == self.incarnation and held != mine:
+                    if held.claim_token not in self.held:  # an orphan of this process: nobody binds it
+                        held = await self._claim(mine, orphan=held.claim_token)
                 if held == mine:
                     return Claim(owner, key, fingerprint_, mine.claim_token, self)
+                self.held.discard(mine.claim_token)
                 if isinstance(held, IdempotencyRecord):
                     if held.fingerprint != fingerprint_ or held.kind != kind:
                         raise IdempotencyKeyReused(key)
@@ -230,10 +240,12 @@ class IdempotencyKeys:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(woken.wait(), min(remaining, self.poll_s))
 
-    async def _claim(self, mine: KeyClaim) -> IdempotencyRecord | KeyClaim:
+    async def _claim(self, mine: KeyClaim, orphan: str | None = None) -> IdempotencyRecord | KeyClaim:
         """``store.claim_idempotency_key``, shielded: when the caller is cancelled meanwhile (its client left), a
-        claim the store made is released once its answer comes (a claim nobody holds would block the key)."""
-        task = asyncio.ensure_future(self.store.claim_idempotency_key(mine, datetime.now(UTC)))
+        claim the store made is released once its answer comes (a claim nobody holds would block the key). Its
+        token is ``held`` from before the write until the claim ends (or the write failed)."""
+        self.held.add(mine.claim_token)
+        task = asyncio.ensure_future(self.store.claim_idempotency_key(mine, datetime.now(UTC), orphan))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -241,8 +253,13 @@ class IdempotencyKeys:
             def made(done: asyncio.Future[IdempotencyRecord | KeyClaim]) -> None:
                 if not done.cancelled() and done.exception() is None and done.result() == mine:
                     self.release_later(mine.owner, mine.key, mine.claim_token)
+                else:
+                    self.held.discard(mine.claim_token)
 
             task.add_done_callback(made)
+            raise
+        except BaseException:  # the write may still land (a store timeout): an orphan then, taken over
+            self.held.discard(mine.claim_token)
             raise
 
     def release_later(self, owner: str, key: str, token: str) -> None:
@@ -252,9 +269,10 @@ class IdempotencyKeys:
         async def release() -> None:
             try:
                 await self.store.release_claim(owner, key, token)
-            except Exception:  # logged: the claim then lasts until this incarnation ends
+            except Exception:  # logged: an orphan then, taken over by this replica's next request with the key
                 log.warning("an idempotency claim could not be released", exc_info=True)
             finally:
+                self.held.discard(token)
                 self.wake(owner, key)
 
         task = asyncio.get_running_loop().create_task(release())

@@ -314,10 +314,13 @@ class JobStore(abc.ABC):
         so is a key only claimed)."""
 
     @abc.abstractmethod
-    async def claim_idempotency_key(self, claim: KeyClaim, created_at: datetime) -> IdempotencyRecord | KeyClaim:
+    async def claim_idempotency_key(
+        self, claim: KeyClaim, created_at: datetime, orphan: str | None = None
+    ) -> IdempotencyRecord | KeyClaim:
         """Claim ``claim.key`` of ``claim.owner`` in one transaction: insert the row ``claimed`` unless the key has
         a row; or take over a ``claimed`` row whose incarnation is not live or draining, or whose lease passed
-        (its request died with it, having created nothing it could bind).
+        (its request died with it, having created nothing it could bind), or whose token is ``orphan`` (a claim
+        of this incarnation that no request of it holds: ``IdempotencyKeys.held``).
 
         Returns:
             ``claim`` itself (claimed: the caller binds or releases it), the claim that holds the key (another
@@ -669,7 +672,9 @@ class SQLiteJobStore(JobStore):
 
         return await self._run(bind)
 
-    async def claim_idempotency_key(self, claim: KeyClaim, created_at: datetime) -> IdempotencyRecord | KeyClaim:
+    async def claim_idempotency_key(
+        self, claim: KeyClaim, created_at: datetime, orphan: str | None = None
+    ) -> IdempotencyRecord | KeyClaim:
         def take(db: sqlite3.Connection) -> IdempotencyRecord | KeyClaim:
             db.execute("BEGIN IMMEDIATE")  # the file's write lock: the read and the write below are one step
             try:
@@ -687,7 +692,7 @@ class SQLiteJobStore(JobStore):
                         (claim.owner, claim.key, claim.fingerprint, claim.kind, created_at.isoformat(), *claimer),
                     )
                     held = claim
-                elif isinstance(held, KeyClaim) and not _live(db, held.claimed_by):
+                elif isinstance(held, KeyClaim) and (held.claim_token == orphan or not _live(db, held.claimed_by)):
                     db.execute(
                         "UPDATE idempotency_keys SET fingerprint = ?, kind = ?, created_at = ?, claim_token = ?, "
                         "claimed_by = ?, claimed_epoch = ? WHERE owner = ? AND key = ? AND state = 'claimed'",

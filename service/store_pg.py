@@ -407,7 +407,9 @@ class PostgresJobStore(JobStore):
         k = idempotency_keys.c
         return sa.select(*_KEY_COLUMNS).where(k.owner == owner, k.key == key, k.state == "bound")
 
-    async def claim_idempotency_key(self, claim: KeyClaim, created_at: datetime) -> IdempotencyRecord | KeyClaim:
+    async def claim_idempotency_key(
+        self, claim: KeyClaim, created_at: datetime, orphan: str | None = None
+    ) -> IdempotencyRecord | KeyClaim:
         k = idempotency_keys.c
         claimer = {
             "fingerprint": claim.fingerprint,
@@ -431,7 +433,12 @@ class PostgresJobStore(JobStore):
         )
         take_over = (
             sa.update(idempotency_keys)
-            .where(k.owner == claim.owner, k.key == claim.key, k.state == "claimed", ~live)
+            .where(
+                k.owner == claim.owner,
+                k.key == claim.key,
+                k.state == "claimed",
+                sa.or_(~live, k.claim_token == orphan) if orphan is not None else ~live,
+            )
             .values(**claimer)
             .returning(k.owner)
         )

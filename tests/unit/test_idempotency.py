@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
-from service.errors import IdempotencyKeyInFlight, IdempotencyKeyReused, InvalidField
+from service.errors import IdempotencyKeyInFlight, IdempotencyKeyReused, InvalidField, StoreUnavailable
 from service.idempotency import (
     IN_FLIGHT_WAIT_S,
     MAX_KEY_LENGTH,
@@ -24,7 +24,7 @@ from service.idempotency import (
     fingerprint,
     parse_key,
 )
-from service.store import IdempotencyRecord, Incarnation, JobStore, Registration, StoredJob
+from service.store import IdempotencyRecord, Incarnation, JobStore, KeyClaim, Registration, StoredJob
 from service.store_pg import PostgresJobStore
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -276,6 +276,39 @@ async def test_a_request_whose_claimer_died_does_not_wait_forever(store: JobStor
     await store.set_replica_state(dying.incarnation, "left")  # it dies (no bind, no release, no notification)
     claim = await asyncio.wait_for(waiting, 10)  # its next read of the row takes the claim over
     assert isinstance(claim, Claim)
+
+
+async def test_an_orphan_claim_of_this_replica_is_taken_over_but_not_one_whose_bind_failed(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = await keys_of(store, wait_s=0.05)
+    # a claim this incarnation wrote but no request holds (its write answered past the store's timeout)
+    late = KeyClaim("alice", "late", FP, "job", "0" * 32, keys.incarnation)
+    assert await store.claim_idempotency_key(late, T0) == late
+    assert isinstance(await keys.claim("alice", "late", FP, "job"), Claim)  # at once: no wait, no 409
+
+    def unavailable(operation: str) -> Callable[..., Awaitable[bool]]:
+        async def fail(*_: object) -> bool:
+            raise StoreUnavailable(operation)
+
+        return fail
+
+    failed = await keys.claim("alice", "unreleased", FP, "job")
+    assert isinstance(failed, Claim)
+    with monkeypatch.context() as patched:
+        patched.setattr(store, "release_claim", unavailable("release_claim"))
+        failed.release()
+        await keys.drain()  # logged; the claim stays in the store
+    assert isinstance(await keys.claim("alice", "unreleased", FP, "job"), Claim)  # nothing was made: taken over
+
+    made = await keys.claim("alice", "unbound", FP, "job")
+    assert isinstance(made, Claim)
+    with monkeypatch.context() as patched:
+        patched.setattr(store, "bind_claim", unavailable("bind_claim"))
+        with pytest.raises(StoreUnavailable):
+            await made.bind("job", "job_1", T0)
+    with pytest.raises(IdempotencyKeyInFlight):  # a job exists: a retry must not make a second one
+        await keys.claim("alice", "unbound", FP, "job")
 
 
 async def test_claims_and_bindings_of_jobs_go_with_the_retention(store: JobStore) -> None:
