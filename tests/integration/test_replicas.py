@@ -4,6 +4,7 @@ the replica that does not own a job returns when the job ends (``LISTEN/NOTIFY``
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 import psycopg
@@ -85,3 +86,29 @@ def test_replicas_round_robin(cluster: Cluster, tool_server: ToolServer) -> None
             outputs = [c.get(f"/jobs/{job_id}/output/stdout") for c in (c1, c2, lb)]
             assert all(o.status_code == 200 for o in outputs)
             assert outputs[0].content == outputs[1].content == outputs[2].content == body["stdout"].encode()
+
+
+def test_replicas_one_job_per_idempotency_key(cluster: Cluster) -> None:
+    """One Idempotency-Key sent at once through the balancer (a client retrying): one job, whichever replica each
+    request reached (docs/scaling.md, Idempotency keys: claims in the store)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    key = {"Idempotency-Key": f"retry-{secrets.token_hex(8)}"}
+    body = {"script": "import time\nprint('once', flush=True)\ntime.sleep(1)\n", "wait_s": 60}
+    before = set(owners(cluster))
+    with cluster.balancer() as lb, ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: lb.post("/execute", json=body, headers=key), range(8)))
+        made = set(owners(cluster)) - before
+        assert len(made) == 1, made  # one job in the store
+        [job_id] = made
+        first = [a for a in answers if "idempotent-replayed" not in a.headers]
+        assert len(first) == 1 and first[0].json()["job_id"] == job_id, [a.text for a in answers]
+        for answer in answers:  # a replay on the replica not running it: 503 while it runs (no forwarding yet)
+            assert answer.status_code in (200, 503), answer.text
+            if answer.status_code == 200:
+                assert (answer.json()["job_id"], answer.json()["stdout"]) == (job_id, "once\n")
+        for _ in range(2):  # ended: both replicas replay it
+            again = lb.post("/execute", json=body, headers=key)
+            assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true", again.text
+            assert again.json()["job_id"] == job_id
+    assert set(owners(cluster)) - before == {job_id}
