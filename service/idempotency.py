@@ -169,8 +169,8 @@ class Claim:
 
     def release(self) -> None:
         """Let the key go without a binding (the request failed before creating anything); idempotent. The
-        store's row is deleted in the background (its failure is logged: the claim then ends with this
-        incarnation)."""
+        store's row is deleted in the background (a failure is logged: the row is then an orphan, which this
+        replica's next request with the key takes over)."""
         if self._ended:
             return
         self._ended = True
