@@ -283,3 +283,25 @@ async def test_sweep_removes_an_instance_whose_lease_passed(store: JobStore) -> 
     await asyncio.sleep(0.3)
     assert await sweep_instance(store, backend, "r1") == 2
     assert backend.removals == [instance_labels("r1")]
+
+
+async def test_a_lost_listener_is_counted_and_not_ready_until_it_reconnects(postgres_url: str, short: Path) -> None:
+    import psycopg
+    import sqlalchemy as sa
+
+    async with replica(short / "w1", postgres_url, "t1") as (app, alice, _):
+        listener = app.state.listener
+        assert listener.listening.is_set() and (await alice.get("/readyz")).status_code == 200
+        conninfo = sa.make_url(postgres_url).set(drivername="postgresql").render_as_string(hide_password=False)
+        async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as admin:
+            await admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND query LIKE 'LISTEN%' AND pid != pg_backend_pid()"
+            )
+        for _ in range(200):
+            if listener.reconnects:
+                break
+            await asyncio.sleep(0.05)
+        assert listener.reconnects == 1
+        assert (await alice.get("/readyz")).status_code == 200  # listening again
+        assert b"ptc_store_listener_reconnects_total 1.0" in app.state.metrics.exposition()
