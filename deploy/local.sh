@@ -276,7 +276,7 @@ case "${1:-}" in
   bench)
     setup "[test]"
     case " ${*:2} " in
-      *" --replicas "*)  # the replicas' cluster (bench/replicas.py): PostgreSQL and HAProxy as for the tests
+      *" --replicas "* | *" --replicas="*)  # the replicas' cluster (bench/replicas.py): PostgreSQL and HAProxy as for the tests
         setup_postgres
         setup_haproxy
         export PTC_TEST_STORE_URL=$pg_test_url
