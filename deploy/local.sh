@@ -10,6 +10,8 @@
 #   deploy/local.sh postgres  only PostgreSQL for the tests (started, role and database made); prints its URL
 #   deploy/local.sh register-runsc CONFIG   only write runsc into the daemon.json CONFIG (engine untouched)
 #   deploy/local.sh bench   set everything up, then run the benchmark (bench/; args passed on)
+#   deploy/local.sh bench --replicas 1|2   the same through HAProxy with 1 or 2 replicas on PostgreSQL
+#                           (bench/replicas.py; args passed on)
 #
 # Set-up is idempotent and skips what is already there:
 #   - a venv in .venv (Python >= 3.11) with the project installed (editable);
@@ -273,6 +275,13 @@ case "${1:-}" in
     .venv/bin/pytest -q -p no:cacheprovider "${@:2}" ;;
   bench)
     setup "[test]"
-    .venv/bin/python -m bench "${@:2}" ;;
-  *) sed -n "2,36p" "$0"; exit 2 ;;
+    case " ${*:2} " in
+      *" --replicas "* | *" --replicas="*)  # the replicas' cluster (bench/replicas.py): PostgreSQL and HAProxy as for the tests
+        setup_postgres
+        setup_haproxy
+        export PTC_TEST_STORE_URL=$pg_test_url
+        .venv/bin/python -m bench.replicas "${@:2}" ;;
+      *) .venv/bin/python -m bench "${@:2}" ;;
+    esac ;;
+  *) sed -n "2,38p" "$0"; exit 2 ;;
 esac

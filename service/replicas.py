@@ -109,6 +109,7 @@ class Replicas:
         self._task: asyncio.Task[None] | None = None
         self._refreshing: asyncio.Task[None] | None = None
         self.fenced = False
+        self.draining = False  # /readyz answers 503 (reason draining): no new work through the balancer
         self.on_fenced: list[Callable[[], None]] = []
         self.registry: dict[str, Replica] = {}
         self.renewals: dict[str, int] = {"ok": 0, "error": 0, "fenced": 0}
@@ -150,7 +151,7 @@ class Replicas:
         )
         self._incarnation = Incarnation(settings.instance(), epoch)
         self._deadline = sent + settings.replica_lease_s
-        logs.event("replica", action="registered", instance=settings.instance(), epoch=epoch)
+        logs.replica("registered", settings.instance(), epoch)
         await self.refresh()
         return self._incarnation
 
@@ -171,6 +172,8 @@ class Replicas:
                 await self._store.set_replica_state(self._incarnation, "left")
             except StoreUnavailable:
                 log.warning("replica %s could not record that it left", self._incarnation.instance_id)
+            else:
+                logs.replica("left", self._incarnation.instance_id, self._incarnation.epoch)
 
     async def _beat(self) -> None:
         while True:
@@ -251,14 +254,8 @@ class Replicas:
             return
         self.fenced = True
         incarnation = self._incarnation
-        logs.event(
-            "replica",
-            logging.ERROR,
-            action="lease_lost",
-            instance=self._settings.instance(),
-            epoch=incarnation.epoch if incarnation else None,
-            reason=why,
-        )
+        epoch = incarnation.epoch if incarnation else None
+        logs.replica("lease_lost", self._settings.instance(), epoch, logging.ERROR, reason=why)
         for callback in self.on_fenced:
             try:
                 callback()

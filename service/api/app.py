@@ -96,7 +96,10 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             waiters.on_keys = idempotency.wake_digest  # ptc_keys: another replica bound or released a claim
         listener = None
         if waiters is not None and settings.store_url is not None:  # LISTEN: wait on other replicas' jobs
-            listener = Listener(settings.store_url.get_secret_value(), waiters, settings.store_timeout_s)
+            listener = Listener(
+                settings.store_url.get_secret_value(), waiters, settings.store_timeout_s, metrics.listener_reconnected
+            )
+            app.state.listener = listener  # /readyz: not ready while it re-opens
             listener.start()
             try:  # a wait must not miss an end for want of a listener; a slow store only delays it
                 await asyncio.wait_for(listener.listening.wait(), settings.store_timeout_s)
@@ -156,6 +159,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     app.state.settings, app.state.keys = settings, keys
     app.state.jobs = app.state.sessions = app.state.toolsets = app.state.backend = NOT_STARTED  # deps.NotStarted
     app.state.idempotency = app.state.store = app.state.replicas = NOT_STARTED
+    app.state.listener = None  # PostgreSQL store only
     for resource in RESOURCES:
         app.include_router(resource.router)
     return app

@@ -97,15 +97,20 @@ class Listener:
         url: the store's ``postgresql://`` URL (never logged).
         waiters: given the notifications.
         timeout_s: connect timeout (s).
+        on_reconnect: called each time the connection is re-opened after a loss
+            (``ptc_store_listener_reconnects_total``).
     """
 
-    def __init__(self, url: str, waiters: Waiters, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, url: str, waiters: Waiters, timeout_s: float = 5.0, on_reconnect: Callable[[], None] | None = None
+    ) -> None:
         self._conninfo = sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
         self._waiters = waiters
         self._timeout_s = timeout_s
         self._task: asyncio.Task[None] | None = None
         self.listening = asyncio.Event()
         self.reconnects = 0
+        self._on_reconnect = on_reconnect
 
     def start(self) -> None:
         """Start listening (a task; returns at once)."""
@@ -132,6 +137,8 @@ class Listener:
                     await conn.execute(f"LISTEN {KEYS_CHANNEL}")
                     if not first:
                         self.reconnects += 1
+                        if self._on_reconnect is not None:
+                            self._on_reconnect()
                         self._waiters.wake_all()  # notifications may have been missed meanwhile
                     first, pause = False, 0.1
                     self.listening.set()
