@@ -2,7 +2,8 @@
 replica owns (docs/scaling.md, Serving any job from any replica; step 2, without forwarding).
 
 - ``Listener``: one extra connection per replica that ``LISTEN``s on ``ptc_jobs`` (and ``ptc_replicas``: the
-  registry cache is read again at once when a replica registers, drains or leaves). Each save of an ended job (or
+  registry cache is read again at once when a replica registers, drains or leaves; and ``ptc_callbacks``: the
+  callback worker claims a lost job's callback at once, ``service.jobs.webhooks``). Each save of an ended job (or
   of one waiting for its client) sends ``<job_id> ended`` (``waiting``) in the transaction that writes it
   (``PostgresJobStore.save``), so a notification arrives only once the row is committed. A notification with no
   local waiter costs one dictionary lookup; ``ended`` also drops the job's cached view. A lost connection is
@@ -29,7 +30,7 @@ from service.auth import Caller
 from service.errors import JobNotFound, OwnerUnavailable
 from service.replicas import Replicas
 from service.store import JobStore, StoredJob
-from service.store_pg import JOBS_CHANNEL, REPLICAS_CHANNEL
+from service.store_pg import CALLBACKS_CHANNEL, JOBS_CHANNEL, REPLICAS_CHANNEL
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +44,14 @@ class Waiters:
     Attributes:
         on_ended: told the id of each job a notification says ended (drops its cached view).
         on_replicas: called on each ``ptc_replicas`` notification (the registry changed: read it again).
+        on_callbacks: called on each ``ptc_callbacks`` notification (a callback is due for any replica to claim).
     """
 
     def __init__(self) -> None:
         self._events: dict[str, set[asyncio.Event]] = {}
         self.on_ended: Callable[[str], None] = lambda _: None
         self.on_replicas: Callable[[], None] = lambda: None
+        self.on_callbacks: Callable[[], None] = lambda: None
 
     def received(self, payload: str) -> None:
         """A ``ptc_jobs`` notification: ``<job_id> <word>``."""
@@ -125,14 +128,18 @@ class Listener:
                 ) as conn:
                     await conn.execute(f"LISTEN {JOBS_CHANNEL}")
                     await conn.execute(f"LISTEN {REPLICAS_CHANNEL}")
+                    await conn.execute(f"LISTEN {CALLBACKS_CHANNEL}")
                     if not first:
                         self.reconnects += 1
                         self._waiters.wake_all()  # notifications may have been missed meanwhile
+                        self._waiters.on_callbacks()
                     first, pause = False, 0.1
                     self.listening.set()
                     async for note in conn.notifies():
                         if note.channel == REPLICAS_CHANNEL:
                             self._waiters.on_replicas()
+                        elif note.channel == CALLBACKS_CHANNEL:
+                            self._waiters.on_callbacks()
                         else:
                             self._waiters.received(note.payload)
             except (psycopg.Error, OSError) as exc:
