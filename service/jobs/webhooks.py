@@ -30,7 +30,7 @@ import httpx
 from service import callbacks, telemetry, views
 from service.callbacks import CallbackSecrets
 from service.egress import EgressPolicy
-from service.errors import LeaseLost
+from service.errors import LeaseLost, StoreUnavailable
 from service.jobs.events import JobEnded
 from service.jobs.live import stored_job
 from service.jobs.tasks import Tasks
@@ -122,6 +122,8 @@ class Webhooks:
             self._wake.clear()
             try:
                 await self.claim()
+            except StoreUnavailable:
+                log.warning("claiming due callbacks failed: the store did not answer; again at the next scan")
             except Exception:
                 log.exception("claiming due callbacks failed")
             interval = self._settings.replica_heartbeat_s * random.uniform(0.8, 1.2)  # jitter
@@ -176,10 +178,24 @@ class Webhooks:
         claimers; ``trace_headers``: its ``traceparent`` (none for a claimed callback)."""
         owner_slots = self._owner_slots.setdefault(owner, asyncio.Semaphore(self._per_owner))
         async with owner_slots, self._callback_slots:  # the owner's slot first: waiting for it takes no shared one
-            try:
-                await self._deliver_callback_now(job_id, attempts, trace_headers)
-            except LeaseLost:
-                log.warning("job %s: its callback delivery stopped: this replica's lease is lost", job_id)
+            while True:
+                try:
+                    return await self._deliver_callback_now(job_id, attempts, trace_headers)
+                except LeaseLost:
+                    log.warning("job %s: its callback delivery stopped: this replica's lease lapsed", job_id)
+                # The claim stays this incarnation's: once expired, another replica takes it over; if the lease is
+                # renewed instead (the store answered again in time), nobody else may, so this replica starts again.
+                if not await self._lease_back():
+                    return
+
+    async def _lease_back(self) -> bool:
+        """Wait (a heartbeat at a time) until the lease is held again (True) or the replica is fenced (False)."""
+        while True:
+            if self._replicas.fenced:
+                return False
+            if self._lease_held():
+                return True
+            await asyncio.sleep(self._settings.replica_heartbeat_s)
 
     def _lease_held(self) -> bool:
         """Whether this incarnation may still act (checked before each attempt)."""

@@ -24,7 +24,8 @@ import sqlalchemy as sa
 
 from service.api import create_app
 from service.auth import hash_token
-from service.callbacks import WEBHOOK_ID_HEADER
+from service.callbacks import WEBHOOK_ID_HEADER, CallbackSecret, deliver
+from service.errors import LeaseLost
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
 from service.store import CallbackClaim, Incarnation, JobStore, Registration, StoredJob, choose_claims
@@ -168,6 +169,36 @@ def test_choosing_skips_owners_without_room() -> None:
     room = {"a": 1, None: 1, "b": 0}
     assert [c.job_id for c in choose_claims(rows, 10, room.__getitem__)] == ["j1", "j3"]
     assert choose_claims(rows, 1, room.__getitem__) == [CallbackClaim("j1", "a", 0, False)]
+
+
+async def test_a_lapsed_lease_stops_a_delivery_before_its_next_attempt() -> None:
+    """The claimer's lease check runs before each attempt: once it fails, nothing more is sent, and the delivery
+    ends with ``LeaseLost`` (no outcome: the claim passes on once the incarnation is expired)."""
+    sent: list[httpx.Request] = []
+
+    def receive(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(500)
+
+    def lease_check() -> None:
+        if len(sent) >= 2:
+            raise LeaseLost("the test's lease")
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(receive)) as client:
+        with pytest.raises(LeaseLost):
+            await deliver(
+                client,
+                "http://receiver.test/hook",
+                b"{}",
+                (CallbackSecret.parse("s" * 32),),
+                msg_id="msg_job_a",
+                max_attempts=5,
+                backoff_s=0.01,
+                timeout_s=1,
+                on_attempt=lambda _: None,
+                before_attempt=lease_check,
+            )
+    assert len(sent) == 2 and {r.headers[WEBHOOK_ID_HEADER] for r in sent} == {"msg_job_a"}
 
 
 async def test_a_claim_held_by_a_live_replica_is_not_taken_and_an_expired_ones_is(postgres_url: str) -> None:
