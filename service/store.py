@@ -59,7 +59,9 @@ class StoredJob:
         ended_at: UTC end time, None while it has not ended.
         view: the job view as JSON bytes (the final view once ended); empty in listings.
         summary: the job's listing entry as JSON bytes (small: no output, no calls).
-        callback_pending: the job has ended and its completion callback is not yet delivered or given up.
+        callback_pending: the job has ended and its completion callback is not yet delivered or given up (as its
+            view says). A save that ends the job (``save``, ``save_lost``) makes its ``callbacks`` row from it;
+            the column is no longer read (the ``callbacks`` rows say what is left to deliver: migration 0006).
         owner: the API key name that created it; None for a job saved before owners were recorded.
         instance_epoch: the epoch of the incarnation of ``instance_id`` that saved it (``JobStore.save``); None
             for a row saved otherwise (``put``: before replicas, a job marked lost, a callback's re-save).
