@@ -641,6 +641,8 @@ class SQLiteJobStore(JobStore):
             return []
 
         def claim(db: sqlite3.Connection) -> list[CallbackClaim]:
+            if not db.execute(_CLAIMABLE, (datetime.now(UTC).isoformat(), 1)).fetchall():
+                return []  # the usual answer of a scan: no write lock taken for it
             db.execute("BEGIN IMMEDIATE")  # the file's write lock: one claim at a time
             try:
                 if not _live(db, incarnation):
