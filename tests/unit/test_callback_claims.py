@@ -303,7 +303,7 @@ def receiver() -> Iterator[Receiver]:
 @pytest.fixture
 def short() -> Iterator[Path]:
     """Work dirs with short paths (the sandboxes' unix sockets live under them)."""
-    path = Path(tempfile.mkdtemp(prefix="ptccb", dir="/tmp"))
+    path = Path(tempfile.mkdtemp(prefix="cbcl", dir="/tmp"))
     (path / "w1").mkdir()
     (path / "w2").mkdir()
     yield path
