@@ -61,7 +61,9 @@ class StoredJob:
         ended_at: UTC end time, None while it has not ended.
         view: the job view as JSON bytes (the final view once ended); empty in listings.
         summary: the job's listing entry as JSON bytes (small: no output, no calls).
-        callback_pending: the job has ended and its completion callback is not yet delivered or given up.
+        callback_pending: the job has ended and its completion callback is not yet delivered or given up (as its
+            view says). A save that ends the job (``save``, ``save_lost``) makes its ``callbacks`` row from it;
+            the column is no longer read (the ``callbacks`` rows say what is left to deliver: migration 0006).
         owner: the API key name that created it; None for a job saved before owners were recorded.
         instance_epoch: the epoch of the incarnation of ``instance_id`` that saved it (``JobStore.save``); None
             for a row saved otherwise (``put``: before replicas, a job marked lost, a callback's re-save).
@@ -143,6 +145,38 @@ class Replica:
     def holds_lease(self) -> bool:
         """It is live or draining and its lease has not passed."""
         return self.state in LIVE_STATES and self.lease_left_s > 0
+
+
+CALLBACK_STATES = ("pending", "delivering", "delivered", "failed")
+"""States of a ``callbacks`` row: due (any replica claims it), claimed by one incarnation, and the two outcomes."""
+
+
+@dataclass(frozen=True)
+class CallbackClaim:
+    """A completion callback claimed by this incarnation (``JobStore.claim_callbacks``).
+
+    Attributes:
+        job_id: the job whose callback it is.
+        owner: the job's owner (API key name; None before owners were recorded): the fairness bucket.
+        attempts: attempts recorded by earlier claimers (``JobStore.end_callback``).
+        takeover: it was ``delivering`` by an incarnation that is no longer live or draining (else ``pending``).
+    """
+
+    job_id: str
+    owner: str | None
+    attempts: int
+    takeover: bool
+
+
+@dataclass(frozen=True)
+class CallbackRow:
+    """One row of ``callbacks`` as it is (``JobStore.callback``): ``state`` of ``CALLBACK_STATES``, the claimer's
+    incarnation (None before any claim), attempts recorded."""
+
+    job_id: str
+    state: str
+    claimed_by: Incarnation | None
+    attempts: int
 
 
 @dataclass(frozen=True)
@@ -288,8 +322,38 @@ class JobStore(abc.ABC):
         """Jobs of ``instance_id`` that were saved as not ended (for reconciliation at start-up)."""
 
     @abc.abstractmethod
-    async def callbacks_pending(self, instance_id: str) -> list[StoredJob]:
-        """Ended jobs of ``instance_id`` whose completion callback still has to be delivered."""
+    async def claim_callbacks(
+        self, incarnation: Incarnation, limit: int, room: Callable[[str | None], int]
+    ) -> list[CallbackClaim]:
+        """Claim at most ``limit`` due callbacks for ``incarnation`` (docs/scaling.md, Callbacks, exactly once):
+        rows ``pending`` whose ``next_attempt_at`` has come, and rows ``delivering`` whose claimer's incarnation is
+        no longer ``live`` or ``draining`` (a takeover); at most ``room(owner)`` of one owner's (its free delivery
+        slots here). Oldest due first; each becomes ``delivering``, claimed by ``incarnation``, in one transaction.
+        On PostgreSQL the candidates are locked ``FOR UPDATE SKIP LOCKED``: two replicas claiming at once never
+        take one row both. Nothing is claimed while ``incarnation`` itself is not live or draining.
+        """
+
+    @abc.abstractmethod
+    async def end_callback(self, job_id: str, incarnation: Incarnation, state: str, attempts: int) -> bool:
+        """Record a callback's outcome (``delivered`` or ``failed``, ``attempts`` in all), fenced by the claim: only
+        while the row is ``delivering`` claimed by ``incarnation``. False: no row matched (another replica took the
+        claim over, or the row is gone): nothing was written."""
+
+    @abc.abstractmethod
+    async def callback(self, job_id: str) -> CallbackRow | None:
+        """The job's ``callbacks`` row, or None (no callback, or not ended yet)."""
+
+    @abc.abstractmethod
+    async def save_lost(self, job: StoredJob) -> bool:
+        """End a job another run left unfinished (marked ``lost``: the start-up recovery, a reaper): its ended view
+        replaces the row only while the row is not ended (``WHERE ended_at IS NULL``, whoever owns it), and, in the
+        same transaction, a job with a callback (``job.callback_pending``) gets its ``callbacks`` row ``pending``,
+        due now, for any replica to deliver. With PostgreSQL it notifies ``ptc_jobs`` (``<job_id> ended``) and,
+        with a callback, ``ptc_callbacks``.
+
+        Returns:
+            whether the row was ended by this call (False: it had ended already, or is gone).
+        """
 
     @abc.abstractmethod
     async def purge(self, ended_before: datetime, instance_id: str | None = None) -> list[str]:
@@ -375,7 +439,9 @@ class JobStore(abc.ABC):
         inserts the row only while ``incarnation`` is ``live`` or ``draining`` in the registry; later ones replace
         it only while it is still this incarnation's and not ended. The row's ``instance_epoch`` is the epoch.
         With PostgreSQL, a save of an ended job (or of one waiting for its client) notifies ``ptc_jobs``
-        (``<job_id> ended``, ``<job_id> waiting``) in the same transaction.
+        (``<job_id> ended``, ``<job_id> waiting``) in the same transaction. The save that ends a job with a callback
+        (``job.callback_pending``) writes its ``callbacks`` row in the same transaction, ``delivering``, claimed by
+        ``incarnation``: the owner delivers it at once (``service.jobs.webhooks``).
 
         Returns:
             whether a row was written (False: fenced; the caller raises ``LeaseLost``).
@@ -484,6 +550,35 @@ def _live(db: sqlite3.Connection, incarnation: Incarnation) -> bool:
         (incarnation.instance_id, incarnation.epoch),
     ).fetchone()
     return row is not None and row[0] in LIVE_STATES and datetime.fromisoformat(row[1]) > datetime.now(UTC)
+
+
+_CLAIMABLE = """SELECT c.job_id, j.owner, c.attempts, c.state FROM callbacks c JOIN jobs j ON j.job_id = c.job_id
+WHERE (c.state = 'pending' AND c.next_attempt_at <= ?) OR (c.state = 'delivering' AND NOT EXISTS (
+    SELECT 1 FROM replicas r WHERE r.instance_id = c.claimed_by AND r.epoch = c.claimed_epoch
+        AND r.state IN ('live', 'draining')))
+ORDER BY c.next_attempt_at, c.job_id LIMIT ?"""
+"""Due callbacks (``JobStore.claim_callbacks``): pending and due, or claimed by an incarnation that is not live."""
+
+CLAIM_SCAN = 4
+"""A claim looks at ``CLAIM_SCAN`` × its limit of the oldest due rows, and takes from them at most each owner's
+room: an owner whose slots here are full leaves the rest of the window to the others."""
+
+
+def choose_claims(
+    candidates: Sequence[tuple[str, str | None, int, str]], limit: int, room: Callable[[str | None], int]
+) -> list[CallbackClaim]:
+    """Of ``candidates`` (job id, owner, attempts, state; oldest due first), the first ``limit`` whose owner still
+    has room (``room(owner)`` free delivery slots, less those chosen here already)."""
+    taken: dict[str | None, int] = {}
+    chosen: list[CallbackClaim] = []
+    for job_id, owner, attempts, state in candidates:
+        if len(chosen) >= limit:
+            break
+        if taken.get(owner, 0) >= room(owner):
+            continue
+        taken[owner] = taken.get(owner, 0) + 1
+        chosen.append(CallbackClaim(job_id, owner, int(attempts), state == "delivering"))
+    return chosen
 
 
 def in_use_message(instance_id: str) -> str:
@@ -612,13 +707,86 @@ class SQLiteJobStore(JobStore):
         )
         return [_row(r) for r in rows]
 
-    async def callbacks_pending(self, instance_id: str) -> list[StoredJob]:
-        rows = await self._run(
+    async def claim_callbacks(
+        self, incarnation: Incarnation, limit: int, room: Callable[[str | None], int]
+    ) -> list[CallbackClaim]:
+        if limit <= 0:
+            return []
+
+        def claim(db: sqlite3.Connection) -> list[CallbackClaim]:
+            if not db.execute(_CLAIMABLE, (datetime.now(UTC).isoformat(), 1)).fetchall():
+                return []  # the usual answer of a scan: no write lock taken for it
+            db.execute("BEGIN IMMEDIATE")  # the file's write lock: one claim at a time
+            try:
+                if not _live(db, incarnation):
+                    chosen: list[CallbackClaim] = []
+                else:
+                    rows = db.execute(_CLAIMABLE, (datetime.now(UTC).isoformat(), limit * CLAIM_SCAN)).fetchall()
+                    chosen = choose_claims(rows, limit, room)
+                    db.executemany(
+                        "UPDATE callbacks SET state = 'delivering', claimed_by = ?, claimed_epoch = ? WHERE job_id = ?",
+                        [(incarnation.instance_id, incarnation.epoch, c.job_id) for c in chosen],
+                    ).close()
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+            return chosen
+
+        return await self._run(claim)
+
+    async def end_callback(self, job_id: str, incarnation: Incarnation, state: str, attempts: int) -> bool:
+        cursor = await self._run(
             lambda db: db.execute(
-                f"SELECT {_READ_COLUMNS} FROM jobs WHERE instance_id = ? AND callback_pending = 1", (instance_id,)
-            ).fetchall()
+                "UPDATE callbacks SET state = ?, attempts = ? WHERE job_id = ? AND claimed_by = ? "
+                "AND claimed_epoch = ? AND state = 'delivering'",
+                (state, attempts, job_id, incarnation.instance_id, incarnation.epoch),
+            )
         )
-        return [_row(r) for r in rows]
+        return cursor.rowcount > 0
+
+    async def callback(self, job_id: str) -> CallbackRow | None:
+        if not storable(job_id):
+            return None
+        row = await self._run(
+            lambda db: db.execute(
+                "SELECT state, claimed_by, claimed_epoch, attempts FROM callbacks WHERE job_id = ?", (job_id,)
+            ).fetchone()
+        )
+        if row is None:
+            return None
+        state, by, epoch, attempts = row
+        return CallbackRow(job_id, state, Incarnation(by, int(epoch)) if by is not None else None, int(attempts))
+
+    async def save_lost(self, job: StoredJob) -> bool:
+        def end(db: sqlite3.Connection) -> bool:
+            db.execute("BEGIN")  # one transaction: never an ended job without its callback's row
+            try:
+                ended = db.execute(
+                    "UPDATE jobs SET status = ?, ended_at = ?, view = ?, summary = ?, callback_pending = ? "
+                    "WHERE job_id = ? AND ended_at IS NULL",
+                    (
+                        job.status,
+                        job.ended_at.isoformat() if job.ended_at else None,
+                        job.view,
+                        job.summary,
+                        int(job.callback_pending),
+                        job.job_id,
+                    ),
+                ).rowcount
+                if ended and job.callback_pending:
+                    db.execute(
+                        "INSERT OR IGNORE INTO callbacks (job_id, state, attempts, next_attempt_at) "
+                        "VALUES (?, 'pending', 0, ?)",
+                        (job.job_id, datetime.now(UTC).isoformat()),
+                    )
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+            return ended > 0
+
+        return await self._run(end)
 
     async def purge(self, ended_before: datetime, instance_id: str | None = None) -> list[str]:
         def delete(db: sqlite3.Connection) -> list[str]:
@@ -630,6 +798,7 @@ class SQLiteJobStore(JobStore):
                 ids = [r[0] for r in db.execute(expired, given)]
                 db.execute(f"DELETE FROM idempotency_keys WHERE kind = 'job' AND resource_id IN ({expired})", given)
                 db.execute(f"DELETE FROM job_blobs WHERE job_id IN ({expired})", given)
+                db.execute(f"DELETE FROM callbacks WHERE job_id IN ({expired})", given)  # no foreign keys here
                 db.execute(f"DELETE FROM jobs WHERE job_id IN ({expired})", given)
                 db.execute("DELETE FROM idempotency_keys WHERE kind = 'session' AND ends_by < ?", (cutoff,))
                 db.execute("DELETE FROM idempotency_keys WHERE state = 'claimed' AND created_at < ?", (cutoff,))
@@ -822,8 +991,25 @@ class SQLiteJobStore(JobStore):
             incarnation.instance_id,
             incarnation.epoch,
         )
-        cursor = await self._run(lambda db: db.execute(_FENCED_SAVE, values))
-        return cursor.rowcount > 0
+        delivering = job.ended_at is not None and job.callback_pending
+
+        def save(db: sqlite3.Connection) -> bool:
+            db.execute("BEGIN")  # one transaction: the end and its callback's row, claimed by the owner
+            try:
+                written = db.execute(_FENCED_SAVE, values).rowcount > 0
+                if written and delivering:
+                    db.execute(
+                        "INSERT OR IGNORE INTO callbacks (job_id, state, claimed_by, claimed_epoch, attempts, "
+                        "next_attempt_at) VALUES (?, 'delivering', ?, ?, 0, ?)",
+                        (job.job_id, incarnation.instance_id, incarnation.epoch, datetime.now(UTC).isoformat()),
+                    )
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+            return written
+
+        return await self._run(save)
 
     async def register(self, registration: Registration) -> int:
         def register(db: sqlite3.Connection) -> int:

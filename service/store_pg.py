@@ -28,7 +28,10 @@ from service import migrate
 from service.errors import InstanceIdInUse, StoreUnavailable
 from service.settings import Settings
 from service.store import (
+    CLAIM_SCAN,
     LIVE_STATES,
+    CallbackClaim,
+    CallbackRow,
     IdempotencyRecord,
     Incarnation,
     JobQuery,
@@ -38,13 +41,14 @@ from service.store import (
     Replica,
     SQLiteJobStore,
     StoredJob,
+    choose_claims,
     decode_cursor,
     encode_cursor,
     in_use_message,
     key_digest,
     storable,
 )
-from service.store_schema import idempotency_keys, job_blobs, jobs, replicas, toolset_owners, toolsets
+from service.store_schema import callbacks, idempotency_keys, job_blobs, jobs, replicas, toolset_owners, toolsets
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -55,6 +59,8 @@ REPLICAS_CHANNEL = "ptc_replicas"
 """``NOTIFY`` channel of registry changes (``<instance_id> <state>``)."""
 KEYS_CHANNEL = "ptc_keys"
 """``NOTIFY`` channel of idempotency claims bound or released (``store.key_digest``: 16 hex digits)."""
+CALLBACKS_CHANNEL = "ptc_callbacks"
+"""``NOTIFY`` channel of callbacks made due for any replica (``<job_id>``): a job marked lost (``save_lost``)."""
 
 MIGRATION_LOCK = 0x70746317
 """``pg_advisory_xact_lock`` key held while migrating (ASCII "ptc" and the issue's number)."""
@@ -157,6 +163,27 @@ def _seconds(value: float) -> sa.ColumnElement[Any]:
 async def _notify(conn: AsyncConnection, channel: str, payload: str) -> None:
     """``NOTIFY channel, payload`` in ``conn``'s transaction (sent when it commits)."""
     await conn.execute(sa.select(sa.func.pg_notify(channel, payload)))
+
+
+def _live(incarnation: Incarnation) -> sa.ColumnElement[bool]:
+    """``incarnation`` is live or draining in the registry."""
+    r = replicas.c
+    return sa.exists().where(
+        r.instance_id == incarnation.instance_id, r.epoch == incarnation.epoch, r.state.in_(LIVE_STATES)
+    )
+
+
+async def add_pending_callback(conn: AsyncConnection, job_id: str) -> None:
+    """In ``conn``'s transaction: the ``callbacks`` row of a job just ended by someone other than its owner (marked
+    lost), ``pending`` and due now, and a ``ptc_callbacks`` notification (sent at commit) that wakes every
+    replica's callback worker; nothing when the row exists. For a store method that ends jobs in its own
+    transaction (``save_lost`` does; the reaper's batch may call this for each job it ends)."""
+    await conn.execute(
+        insert(callbacks)
+        .values(job_id=job_id, state="pending", attempts=0, next_attempt_at=sa.func.now())
+        .on_conflict_do_nothing(index_elements=[callbacks.c.job_id])
+    )
+    await _notify(conn, CALLBACKS_CHANNEL, job_id)
 
 
 def _migrate(connection: sa.Connection) -> None:
@@ -344,10 +371,98 @@ class PostgresJobStore(JobStore):
     async def unfinished(self, instance_id: str) -> list[StoredJob]:
         return await self._jobs("unfinished", sa.and_(jobs.c.instance_id == instance_id, jobs.c.ended_at.is_(None)))
 
-    async def callbacks_pending(self, instance_id: str) -> list[StoredJob]:
-        return await self._jobs(
-            "callbacks_pending", sa.and_(jobs.c.instance_id == instance_id, jobs.c.callback_pending == 1)
+    async def claim_callbacks(
+        self, incarnation: Incarnation, limit: int, room: Callable[[str | None], int]
+    ) -> list[CallbackClaim]:
+        if limit <= 0:
+            return []
+        c, r = callbacks.c, replicas.c
+        claimer_live = sa.exists().where(
+            r.instance_id == c.claimed_by, r.epoch == c.claimed_epoch, r.state.in_(LIVE_STATES)
         )
+        candidates = (
+            sa.select(c.job_id, jobs.c.owner, c.attempts, c.state)
+            .join(jobs, jobs.c.job_id == c.job_id)
+            .where(
+                sa.or_(
+                    sa.and_(c.state == "pending", c.next_attempt_at <= sa.func.now()),
+                    sa.and_(c.state == "delivering", ~claimer_live),
+                ),
+                _live(incarnation),
+            )
+            .order_by(c.next_attempt_at, c.job_id)
+            .limit(limit * CLAIM_SCAN)
+            .with_for_update(of=callbacks, skip_locked=True)
+        )
+
+        async def run(conn: AsyncConnection) -> list[CallbackClaim]:
+            rows = [(row.job_id, row.owner, row.attempts, row.state) for row in await conn.execute(candidates)]
+            chosen = choose_claims(rows, limit, room)
+            if chosen:  # the rows are locked by this transaction: nobody else claims them meanwhile
+                await conn.execute(
+                    sa.update(callbacks)
+                    .where(c.job_id.in_([claim.job_id for claim in chosen]))
+                    .values(state="delivering", claimed_by=incarnation.instance_id, claimed_epoch=incarnation.epoch)
+                )
+            return chosen
+
+        return await self._call("claim_callbacks", run, write=True)
+
+    async def end_callback(self, job_id: str, incarnation: Incarnation, state: str, attempts: int) -> bool:
+        c = callbacks.c
+        statement = (
+            sa.update(callbacks)
+            .where(
+                c.job_id == job_id,
+                c.claimed_by == incarnation.instance_id,
+                c.claimed_epoch == incarnation.epoch,
+                c.state == "delivering",
+            )
+            .values(state=state, attempts=attempts)
+        )
+
+        async def run(conn: AsyncConnection) -> bool:
+            return bool((await conn.execute(statement)).rowcount)
+
+        return await self._call("end_callback", run, write=True)
+
+    async def callback(self, job_id: str) -> CallbackRow | None:
+        if not storable(job_id):
+            return None
+        c = callbacks.c
+        statement = sa.select(c.state, c.claimed_by, c.claimed_epoch, c.attempts).where(c.job_id == job_id)
+
+        async def run(conn: AsyncConnection) -> CallbackRow | None:
+            row = (await conn.execute(statement)).first()
+            if row is None:
+                return None
+            by = Incarnation(row.claimed_by, int(row.claimed_epoch)) if row.claimed_by is not None else None
+            return CallbackRow(job_id, row.state, by, int(row.attempts))
+
+        return await self._call("callback", run)
+
+    async def save_lost(self, job: StoredJob) -> bool:
+        end = (
+            sa.update(jobs)
+            .where(jobs.c.job_id == job.job_id, jobs.c.ended_at.is_(None))
+            .values(
+                status=job.status,
+                ended_at=job.ended_at.isoformat() if job.ended_at else None,
+                view=job.view,
+                summary=job.summary,
+                callback_pending=int(job.callback_pending),
+            )
+        )
+
+        async def run(conn: AsyncConnection) -> bool:
+            if not (await conn.execute(end)).rowcount:
+                return False
+            if job.callback_pending:
+                await add_pending_callback(conn, job.job_id)
+            await _notify(conn, JOBS_CHANNEL, f"{job.job_id} ended")
+            return True
+
+        return await self._call("save_lost", run, write=True)
 
     async def purge(self, ended_before: datetime, instance_id: str | None = None) -> list[str]:
         cutoff = ended_before.isoformat()
@@ -606,12 +721,26 @@ class PostgresJobStore(JobStore):
             ),
         ).returning(jobs.c.job_id)
         word = "ended" if job.ended_at is not None else "waiting" if job.status == "waiting" else None
+        delivering = job.ended_at is not None and job.callback_pending
 
         async def run(conn: AsyncConnection) -> bool:
             if (await conn.execute(statement)).first() is None:  # the driver gives no rowcount for this insert
                 return False
             if word is not None:  # in the transaction: delivered only once the row is committed
                 await _notify(conn, JOBS_CHANNEL, f"{job.job_id} {word}")
+            if delivering:  # the end and its callback's row, claimed by the owner, in one transaction
+                await conn.execute(
+                    insert(callbacks)
+                    .values(
+                        job_id=job.job_id,
+                        state="delivering",
+                        claimed_by=incarnation.instance_id,
+                        claimed_epoch=incarnation.epoch,
+                        attempts=0,
+                        next_attempt_at=sa.func.now(),
+                    )
+                    .on_conflict_do_nothing(index_elements=[callbacks.c.job_id])
+                )
             return True
 
         return await self._call("save", run, write=True)

@@ -102,3 +102,19 @@ replicas = sa.Table(
     sa.Column("ended_at", sa.DateTime(timezone=True)),
     sa.Column("expired_by", sa.Text),
 )
+
+callbacks = sa.Table(
+    "callbacks",
+    metadata,
+    sa.Column("job_id", sa.Text, sa.ForeignKey("jobs.job_id", ondelete="CASCADE"), primary_key=True),
+    sa.Column("state", sa.Text, nullable=False),
+    sa.Column("claimed_by", sa.Text),
+    sa.Column("claimed_epoch", sa.BigInteger),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("next_attempt_at", sa.DateTime(timezone=True), nullable=False),
+)
+"""One row per ended job with a completion callback (docs/scaling.md, Callbacks, exactly once): ``state``
+``pending`` (due at ``next_attempt_at``, any replica claims it), ``delivering`` (claimed by the incarnation
+``(claimed_by, claimed_epoch)``), ``delivered`` or ``failed``. ``next_attempt_at`` is ``timestamptz`` of the
+database's ``now()`` on PostgreSQL, ISO text of the service's UTC clock on SQLite (as the lease columns)."""
+sa.Index("callbacks_due", callbacks.c.next_attempt_at, postgresql_where=callbacks.c.state == "pending")

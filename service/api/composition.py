@@ -103,7 +103,16 @@ def build_jobs(
     views = JobViews(store, live, output_dir, cache, Elsewhere(store, replicas, waiters))
     session_jobs = SessionJobs(settings, sessions, sandboxes, admission, toolsets, runner, live)
     recovery = Recovery(settings, backend, store, folders, quotas, events, cache, instance_labels, instance, replicas)
-    webhooks = Webhooks(settings, store, views, cache, secrets, endpoints.egress, metrics, tasks, instance)
+    webhooks = Webhooks(settings, store, views, cache, secrets, endpoints.egress, metrics, tasks, instance, replicas)
+    if waiters is not None:  # due callbacks are claimed at once: a job marked lost, a replica that left or expired
+        waiters.on_callbacks = webhooks.wake
+        on_replicas = waiters.on_replicas
+
+        def replicas_changed() -> None:
+            on_replicas()
+            webhooks.wake()
+
+        waiters.on_replicas = replicas_changed
 
     def sandbox_started(event: SandboxStarted) -> None:
         job = event.job

@@ -2,8 +2,9 @@
 replica owns (docs/scaling.md, Serving any job from any replica; step 2, without forwarding).
 
 - ``Listener``: one extra connection per replica that ``LISTEN``s on ``ptc_jobs`` (and ``ptc_replicas``: the
-  registry cache is read again at once when a replica registers, drains or leaves; and ``ptc_keys``: requests
-  waiting on an idempotency claim wake when it is bound or released). Each save of an ended job (or
+  registry cache is read again at once when a replica registers, drains or leaves; ``ptc_keys``: requests
+  waiting on an idempotency claim wake when it is bound or released; and ``ptc_callbacks``: the callback worker
+  claims a lost job's callback at once, ``service.jobs.webhooks``). Each save of an ended job (or
   of one waiting for its client) sends ``<job_id> ended`` (``waiting``) in the transaction that writes it
   (``PostgresJobStore.save``), so a notification arrives only once the row is committed. A notification with no
   local waiter costs one dictionary lookup; ``ended`` also drops the job's cached view. A lost connection is
@@ -30,7 +31,7 @@ from service.auth import Caller
 from service.errors import JobNotFound, OwnerUnavailable
 from service.replicas import Replicas
 from service.store import JobStore, StoredJob
-from service.store_pg import JOBS_CHANNEL, KEYS_CHANNEL, REPLICAS_CHANNEL
+from service.store_pg import CALLBACKS_CHANNEL, JOBS_CHANNEL, KEYS_CHANNEL, REPLICAS_CHANNEL
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class Waiters:
         on_replicas: called on each ``ptc_replicas`` notification (the registry changed: read it again).
         on_keys: told each ``ptc_keys`` payload (an idempotency claim was bound or released:
             ``IdempotencyKeys.wake_digest``).
+        on_callbacks: called on each ``ptc_callbacks`` notification (a callback is due for any replica to claim).
     """
 
     def __init__(self) -> None:
@@ -53,6 +55,7 @@ class Waiters:
         self.on_ended: Callable[[str], None] = lambda _: None
         self.on_replicas: Callable[[], None] = lambda: None
         self.on_keys: Callable[[str], None] = lambda _: None
+        self.on_callbacks: Callable[[], None] = lambda: None
 
     def received(self, payload: str) -> None:
         """A ``ptc_jobs`` notification: ``<job_id> <word>``."""
@@ -135,11 +138,13 @@ class Listener:
                     await conn.execute(f"LISTEN {JOBS_CHANNEL}")
                     await conn.execute(f"LISTEN {REPLICAS_CHANNEL}")
                     await conn.execute(f"LISTEN {KEYS_CHANNEL}")
+                    await conn.execute(f"LISTEN {CALLBACKS_CHANNEL}")
                     if not first:
                         self.reconnects += 1
                         if self._on_reconnect is not None:
                             self._on_reconnect()
                         self._waiters.wake_all()  # notifications may have been missed meanwhile
+                        self._waiters.on_callbacks()
                     first, pause = False, 0.1
                     self.listening.set()
                     async for note in conn.notifies():
@@ -147,6 +152,8 @@ class Listener:
                             self._waiters.on_replicas()
                         elif note.channel == KEYS_CHANNEL:
                             self._waiters.on_keys(note.payload)
+                        elif note.channel == CALLBACKS_CHANNEL:
+                            self._waiters.on_callbacks()
                         else:
                             self._waiters.received(note.payload)
             except (psycopg.Error, OSError) as exc:

@@ -166,7 +166,10 @@ class Recovery:
             calls_by_status=dict(Counter(c["status"] for c in calls)),  # its pending calls ended
         )
         body = b"".join([part async for part in views.stream(render_head(view), [], view["calls"])])
-        await self._store.put(stored_job(view, len(view["calls"]), body, stored.instance_id))
+        # Ended only if nobody ended it meanwhile; its callback's row, pending, in the same transaction: any replica
+        # delivers it (docs/scaling.md, Callbacks, exactly once).
+        if not await self._store.save_lost(stored_job(view, len(view["calls"]), body, stored.instance_id)):
+            return
         self._events.publish(JobLost(stored.job_id, stored.status))
         log.warning("job %s was %s when the service last stopped: marked lost", stored.job_id, stored.status)
 

@@ -5,6 +5,7 @@ are served by a service on another work dir (another replica) from the store; a 
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -117,7 +118,11 @@ async def test_a_store_that_stops_answering_is_a_503_not_a_hang(
         finally:
             with admin(postgres_url) as db:
                 db.execute(f"ALTER DATABASE {name} ALLOW_CONNECTIONS true")
-        assert (await client.get("/readyz")).status_code == 200  # back once the store answers again
+        for _ in range(100):  # back once the store answers again and the listener has re-opened (RECONNECT_MAX_S)
+            if (ready := await client.get("/readyz")).status_code == 200:
+                break
+            await asyncio.sleep(0.1)
+        assert ready.status_code == 200, ready.text
         assert (await client.get("/jobs")).json()["jobs"][0]["job_id"] == view["job_id"]
 
 
@@ -200,7 +205,6 @@ async def test_a_final_view_the_store_refuses_is_served_and_saved_once_it_answer
 ) -> None:
     """The store fails (a blip, a full pool) just when a job ends: the finished result is not lost. This replica
     serves the final view meanwhile, and saves it again until the store takes it (then any replica serves it)."""
-    import asyncio
 
     from service.errors import StoreUnavailable
     from service.store import StoredJob
@@ -291,7 +295,6 @@ async def test_saving_a_refused_final_view_again_never_undoes_a_later_save(
 ) -> None:
     """While a refused final view waits to be saved again, a later save of the ended job (its callback's delivery,
     which updates the view) reaches the store first: the retry must not overwrite it with the older view."""
-    import asyncio
     import logging
 
     from service.errors import StoreUnavailable

@@ -133,13 +133,12 @@ async def test_a_foreign_cursor_is_refused(store: JobStore) -> None:
         await store.page(JobQuery(cursor="not-a-cursor"))
 
 
-async def test_unfinished_and_pending_callbacks_are_per_instance(store: JobStore) -> None:
+async def test_unfinished_jobs_are_per_instance(store: JobStore) -> None:
     await store.put(job("job_run", 0, None, status="running", instance="i1"))
     await store.put(job("job_other", 0, None, status="running", instance="i2"))
     await store.put(job("job_cb", 0, 1, instance="i1", pending=True))
     await store.put(job("job_done", 0, 1, instance="i1"))
     assert [row.job_id for row in await store.unfinished("i1")] == ["job_run"]
-    assert [row.job_id for row in await store.callbacks_pending("i1")] == ["job_cb"]
     assert [row.job_id for row in await store.unfinished("i2")] == ["job_other"]
     assert (await store.unfinished("i1"))[0].view  # whole rows: recovery rebuilds from the view
 
@@ -339,7 +338,8 @@ async def test_a_sqlite_store_made_before_migrations_is_adopted_with_its_rows(tm
         assert await store.get("job_main") == job("job_main", 0, 1, pending=True)
         assert await store.get_toolset("ts_1", "alice") == b"{}"
         assert (await store.idempotency_key("alice", "k")) is not None
-        assert [row.job_id for row in await store.callbacks_pending("i1")] == ["job_main"]
+        moved = await store.callback("job_main")  # its pending callback moved to the callbacks table (0006)
+        assert moved is not None and moved.state == "pending" and moved.claimed_by is None
         await store.put_blobs("job_main", {"stdout": b"x"})  # the table of revision 0002 is there
     finally:
         await store.close()
