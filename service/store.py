@@ -350,6 +350,28 @@ class JobStore(abc.ABC):
     async def replicas(self) -> list[Replica]:
         """Every row of the registry, newest incarnation per instance id."""
 
+    @abc.abstractmethod
+    async def end_lost(self, job: StoredJob) -> bool:
+        """Replace an unfinished job's row by its ended ``lost`` view (any replica may: the job's owner is dead),
+        only while the row is not ended: of two replicas marking one job, or an owner saving its end while a
+        survivor marks it, exactly one write takes effect. With PostgreSQL it notifies ``<job_id> ended``.
+
+        Returns:
+            whether this call ended it (False: it had ended already).
+        """
+
+    async def expire_replicas(self, by: str) -> list[Incarnation]:
+        """Mark ``expired`` every live or draining incarnation whose lease passed (store time), recording ``by``
+        (the expiring instance id); returns those this call expired (each by one caller, however many race).
+        With PostgreSQL it notifies ``ptc_replicas``. SQLite serves one replica: nothing to expire (``[]``)."""
+        return []
+
+    async def orphans(self, limit: int) -> list[StoredJob]:
+        """At most ``limit`` unended jobs whose incarnation is not live or draining (its lease passed and it was
+        expired, it left, or a later epoch replaced it): the jobs a dead replica left. ``[]`` on SQLite (one
+        replica, whose own leftovers its start-up marks)."""
+        return []
+
     async def ping(self) -> None:
         """Check that the store answers (``GET /readyz``).
 
@@ -684,6 +706,24 @@ class SQLiteJobStore(JobStore):
             incarnation.epoch,
         )
         cursor = await self._run(lambda db: db.execute(_FENCED_SAVE, values))
+        return cursor.rowcount > 0
+
+    async def end_lost(self, job: StoredJob) -> bool:
+        values = (
+            job.status,
+            job.ended_at.isoformat() if job.ended_at else None,
+            job.view,
+            job.summary,
+            int(job.callback_pending),
+            job.job_id,
+        )
+        cursor = await self._run(
+            lambda db: db.execute(
+                "UPDATE jobs SET status = ?, ended_at = ?, view = ?, summary = ?, callback_pending = ?"
+                " WHERE job_id = ? AND ended_at IS NULL",
+                values,
+            )
+        )
         return cursor.rowcount > 0
 
     async def register(self, registration: Registration) -> int:

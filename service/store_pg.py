@@ -509,6 +509,58 @@ class PostgresJobStore(JobStore):
 
         return await self._call("save", run, write=True)
 
+    async def end_lost(self, job: StoredJob) -> bool:
+        statement = (
+            sa.update(jobs)
+            .where(jobs.c.job_id == job.job_id, jobs.c.ended_at.is_(None))
+            .values(
+                status=job.status,
+                ended_at=job.ended_at.isoformat() if job.ended_at else None,
+                view=job.view,
+                summary=job.summary,
+                callback_pending=int(job.callback_pending),
+            )
+        )
+
+        async def run(conn: AsyncConnection) -> bool:
+            if not (await conn.execute(statement)).rowcount:
+                return False
+            await _notify(conn, JOBS_CHANNEL, f"{job.job_id} ended")
+            return True
+
+        return await self._call("end_lost", run, write=True)
+
+    async def expire_replicas(self, by: str) -> list[Incarnation]:
+        r = replicas.c
+        passed = sa.and_(r.state.in_(LIVE_STATES), r.lease_until < sa.func.now())
+        locked = sa.select(r.instance_id).where(passed).with_for_update(skip_locked=True)
+        statement = (
+            sa.update(replicas)
+            .where(r.instance_id.in_(locked), passed)
+            .values(state="expired", ended_at=sa.func.now(), expired_by=by)
+            .returning(r.instance_id, r.epoch)
+        )
+
+        async def run(conn: AsyncConnection) -> list[Incarnation]:
+            expired = [Incarnation(row.instance_id, int(row.epoch)) for row in await conn.execute(statement)]
+            for incarnation in expired:
+                await _notify(conn, REPLICAS_CHANNEL, f"{incarnation.instance_id} expired")
+            return expired
+
+        return await self._call("expire_replicas", run, write=True)
+
+    async def orphans(self, limit: int) -> list[StoredJob]:
+        r = replicas.c
+        alive = sa.exists().where(
+            r.instance_id == jobs.c.instance_id, r.epoch == jobs.c.instance_epoch, r.state.in_(LIVE_STATES)
+        )
+        statement = sa.select(*_JOB_COLUMNS).where(jobs.c.ended_at.is_(None), ~alive).limit(limit)
+
+        async def run(conn: AsyncConnection) -> list[StoredJob]:
+            return [_job(row) for row in await conn.execute(statement)]
+
+        return await self._call("orphans", run)
+
     async def register(self, registration: Registration) -> int:
         r = replicas.c
         lease = sa.func.now() + _seconds(registration.lease_s)
