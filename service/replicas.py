@@ -157,8 +157,10 @@ class Replicas:
         return self._incarnation
 
     def start(self) -> None:
-        """Start the heartbeat (after ``register``)."""
-        self._task = asyncio.create_task(self._beat(), name="replica heartbeat")
+        """Start the heartbeat (after ``register``; once: later calls do nothing). The start-up calls it right after
+        the registration: a sweep of many sandboxes left behind may outlast the lease."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._beat(), name="replica heartbeat")
 
     async def close(self) -> None:
         """Stop the heartbeat and leave the registry (``left``); a store that does not answer is logged."""

@@ -113,6 +113,7 @@ class Recovery:
             except BaseException:
                 self.release()
                 raise
+            self._replicas.start()  # renewed from now on: the sweep below may outlast the lease
         await self.sweep("left behind by an earlier run")
         await asyncio.to_thread(self._folders.open)  # a tmpfs: sandboxes' mount tables show no host path
         if self.jobs_dir.exists():
