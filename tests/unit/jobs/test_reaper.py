@@ -11,7 +11,7 @@ import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import pytest
@@ -224,3 +224,45 @@ async def test_a_fenced_replica_sweeps_cancels_its_callbacks_and_exits_75() -> N
     assert delivery.cancelled() and not other.done()
     assert swept == ["of a fenced replica"] and exits == [EXIT_FENCED] == [75]
     await tasks.close()
+
+
+async def test_the_lease_is_renewed_while_the_start_up_sweep_runs(tmp_path: Path) -> None:
+    """A restarted replica with many sandboxes left sweeps longer than its lease: its heartbeat must already run
+    (before: it started after the sweep, and the other replica expired the new incarnation, which then fenced)."""
+    from service.jobs.recovery import Recovery
+    from service.quotas import HostCapacity, Quotas
+    from service.sandbox.folders import SandboxFolders
+    from service.store import SQLiteJobStore
+
+    class SlowSweep:
+        async def remove_labelled(self, labels: dict[str, str]) -> int:
+            await asyncio.sleep(0.6)
+            return 8
+
+    work_dir = tmp_path / "work"
+    work_dir.mkdir()
+    settings = Settings(
+        work_dir=work_dir, instance_id="r1", replica_heartbeat_s=0.05, replica_lease_s=0.2, sandbox_folders_tmpfs_mb=0
+    )
+    store = SQLiteJobStore(tmp_path / "jobs.sqlite3")
+    await store.open()
+    replicas = Replicas(settings, store)
+    recovery = Recovery(
+        settings,
+        cast(Any, SlowSweep()),
+        store,
+        SandboxFolders(work_dir / "run", 0),
+        Quotas(settings, HostCapacity(1024, 1)),
+        Events(),
+        views.ViewCache(1 << 20),
+        {},
+        "r1",
+        replicas,
+    )
+    try:
+        await recovery.start()
+        assert replicas.renewals["ok"] >= 3 and replicas.lease_left_s() > 0  # renewed during the 0.6 s sweep
+    finally:
+        recovery.release()
+        await replicas.close()
+        await store.close()
