@@ -13,8 +13,10 @@ cache, and fencing (docs/scaling.md, Replicas and leases; issue 17, point 2).
   is suspended): it passes no later than the lease in the store.
 - **Fencing** (``fence``): a renewal that matches no row, a save that matches no row (``LeaseLost``), or the
   local deadline passing: this incarnation may no longer act as an owner. It logs ``replica lease_lost`` once,
-  answers ``/readyz`` 503, and runs the ``on_fenced`` callbacks. (Removing its sandboxes and exiting with status
-  75 is docs/scaling.md's step 5.) With SQLite the same code runs, and nothing ever expires the one replica.
+  answers ``/readyz`` 503, and runs the ``on_fenced`` callbacks: the service's removes every sandbox with this
+  instance's labels, cancels its callback deliveries and exits with status 75 (``service.jobs.fencing``); its
+  supervisor starts it again as a new incarnation. With SQLite the same code runs, and nothing ever expires the one
+  replica.
 """
 
 from __future__ import annotations
@@ -156,8 +158,10 @@ class Replicas:
         return self._incarnation
 
     def start(self) -> None:
-        """Start the heartbeat (after ``register``)."""
-        self._task = asyncio.create_task(self._beat(), name="replica heartbeat")
+        """Start the heartbeat (after ``register``; once: later calls do nothing). The start-up calls it right after
+        the registration: a sweep of many sandboxes left behind may outlast the lease."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._beat(), name="replica heartbeat")
 
     async def close(self) -> None:
         """Stop the heartbeat and leave the registry (``left``); a store that does not answer is logged."""
@@ -238,6 +242,11 @@ class Replicas:
     def lease_left_s(self) -> float:
         """Seconds until the local deadline (negative: passed)."""
         return self._deadline - boottime()
+
+    def holds_lease(self) -> bool:
+        """Whether this replica may still act as an owner: not fenced, its local deadline not passed (the broker
+        asks before each tool call)."""
+        return not self.fenced and self.lease_left_s() > 0
 
     def ready(self) -> str | None:
         """Why ``/readyz`` should answer 503 for the lease (fenced, or within one heartbeat of the local deadline);

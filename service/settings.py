@@ -273,6 +273,18 @@ class Settings(BaseSettings):
         description="Lease length from each renewal (s); at least 3 times PTC_REPLICA_HEARTBEAT_S. A replica whose "
         "lease passed is dead for the others (docs/scaling.md).",
     )
+    replica_scan_s: float = Field(
+        2.0,
+        gt=0,
+        description="How often this replica looks for expired leases and the jobs they left (s, jittered by 20%). "
+        "docs/scaling.md, Detection.",
+    )
+    progress_save_s: float = Field(
+        5.0,
+        gt=0,
+        description="PostgreSQL store: how often a running job's new output and call records are saved (s), bounding "
+        "what a lost job loses.",
+    )
     output_retention_bytes: int = Field(
         16 * 1024 * 1024, ge=0, description="Bytes of each stream kept on disk per job, readable by offset (bytes)."
     )

@@ -471,6 +471,18 @@ class JobStore(abc.ABC):
     async def replicas(self) -> list[Replica]:
         """Every row of the registry, newest incarnation per instance id."""
 
+    async def expire_replicas(self, by: str) -> list[Incarnation]:
+        """Mark ``expired`` every live or draining incarnation whose lease passed (store time), recording ``by``
+        (the expiring instance id); returns those this call expired (each by one caller, however many race).
+        With PostgreSQL it notifies ``ptc_replicas``. SQLite serves one replica: nothing to expire (``[]``)."""
+        return []
+
+    async def orphans(self, limit: int) -> list[StoredJob]:
+        """At most ``limit`` unended jobs whose incarnation is not live or draining (its lease passed and it was
+        expired, it left, or a later epoch replaced it): the jobs a dead replica left. ``[]`` on SQLite (one
+        replica, whose own leftovers its start-up marks)."""
+        return []
+
     async def ping(self) -> None:
         """Check that the store answers (``GET /readyz``).
 

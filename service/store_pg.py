@@ -745,6 +745,37 @@ class PostgresJobStore(JobStore):
 
         return await self._call("save", run, write=True)
 
+    async def expire_replicas(self, by: str) -> list[Incarnation]:
+        r = replicas.c
+        passed = sa.and_(r.state.in_(LIVE_STATES), r.lease_until < sa.func.now())
+        locked = sa.select(r.instance_id).where(passed).with_for_update(skip_locked=True)
+        statement = (
+            sa.update(replicas)
+            .where(r.instance_id.in_(locked), passed)
+            .values(state="expired", ended_at=sa.func.now(), expired_by=by)
+            .returning(r.instance_id, r.epoch)
+        )
+
+        async def run(conn: AsyncConnection) -> list[Incarnation]:
+            expired = [Incarnation(row.instance_id, int(row.epoch)) for row in await conn.execute(statement)]
+            for incarnation in expired:
+                await _notify(conn, REPLICAS_CHANNEL, f"{incarnation.instance_id} expired")
+            return expired
+
+        return await self._call("expire_replicas", run, write=True)
+
+    async def orphans(self, limit: int) -> list[StoredJob]:
+        r = replicas.c
+        alive = sa.exists().where(
+            r.instance_id == jobs.c.instance_id, r.epoch == jobs.c.instance_epoch, r.state.in_(LIVE_STATES)
+        )
+        statement = sa.select(*_JOB_COLUMNS).where(jobs.c.ended_at.is_(None), ~alive).limit(limit)
+
+        async def run(conn: AsyncConnection) -> list[StoredJob]:
+            return [_job(row) for row in await conn.execute(statement)]
+
+        return await self._call("orphans", run)
+
     async def register(self, registration: Registration) -> int:
         r = replicas.c
         lease = sa.func.now() + _seconds(registration.lease_s)

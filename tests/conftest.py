@@ -105,17 +105,23 @@ class Service:
             self.process.kill()
             self.process.wait()
 
+    def kill(self) -> None:
+        """``kill -9``: no shutdown of any kind (its sandboxes stay, its lease is left to pass)."""
+        self.process.kill()
+        self.process.wait()
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
 
 def start_service(instance_id: str, work_dir: Path, probe: str = "/readyz", **env: str) -> Service:
-    """Start the service as a subprocess and wait until ``probe`` answers 200.
+    """Start the service as a subprocess and wait until ``probe`` answers 200 (on ``env``'s ``PTC_PORT`` if given,
+    else a free port).
 
     Authentication is on: a new API key (name ``pytest``, which may read ``/metrics``) is configured, and
     ``Service.client()`` sends it.
     """
-    port = free_port()
+    port = int(env["PTC_PORT"]) if "PTC_PORT" in env else free_port()
     log_path = work_dir.with_suffix(".log")
     token = secrets.token_urlsafe(32)
     environ = {

@@ -36,8 +36,11 @@ def build_jobs(
     from service.jobs import JobParts
     from service.jobs.admission import Admission, Intake
     from service.jobs.events import CallEnded, Events, JobEnded, JobLost, SandboxStarted, StatusChanged
+    from service.jobs.fencing import SelfFence
     from service.jobs.live import LiveJob, resolve_limits
     from service.jobs.placement import Sandboxes
+    from service.jobs.progress import ProgressSaver
+    from service.jobs.reaper import Reaper
     from service.jobs.recovery import Recovery
     from service.jobs.runner import Runner
     from service.jobs.sessions import SessionJobs
@@ -139,4 +142,9 @@ def build_jobs(
         intake, runner, views, toolsets, session_jobs, recovery, webhooks, tasks, sandboxes, sessions, pool, folders,
         manifests, checks,
     )  # fmt: skip
+    if store.shares_output:  # replicas (docs/scaling.md, step 5): SQLite serves one, which nothing fences
+        reaper = Reaper(store, replicas, events, settings.replica_scan_s, settings.output_retention_bytes)
+        progress = ProgressSaver(store, live, runner.save, settings.progress_save_s)
+        parts.background += [reaper.loop, progress.loop]
+        replicas.on_fenced.append(SelfFence(recovery.sweep, tasks))
     return JobManager(parts)

@@ -27,8 +27,8 @@ service (and without an import cycle through ``service.auth`` or ``service.sessi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +81,7 @@ class JobParts:
     folders: SandboxFolders
     manifests: ManifestCache
     checks: CheckScheduler
+    background: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)  # loops run after start
 
 
 class JobManager:
@@ -112,6 +113,8 @@ class JobManager:
         parts.tasks.spawn(parts.recovery.purge_loop(), "retention purge")
         await parts.session_manager.start()
         await parts.pool.start()
+        for loop in parts.background:  # with a shared store: the reaper, progress saves (docs/scaling.md, step 5)
+            parts.tasks.spawn(loop(), loop.__qualname__)
 
     async def close(self) -> None:
         """Stop every job still running (each removes its sandbox and is saved as lost) and background work."""

@@ -7,8 +7,7 @@ go; enforce ``timeout_s`` and stop requests (``_supervise``); set the final stat
 (``model.end_of_run``); save the final view; only then tell anyone (``events.JobEnded``); and finally give the
 sandbox back. The placements (``service.jobs.placement``):
 
-- one-shot: a pooled sandbox or a cold one, destroyed after the job;
-- in-session: the session's sandbox at the session's turn, kept for its next script.
+one-shot (a pooled or a cold sandbox, destroyed after the job), or in-session (the session's, kept for its next script).
 
 A job's status is saved to the store before each event about it is published ("saved before anyone is told"),
 so an ended job survives any crash of the service. This module imports neither metrics nor logs: they subscribe.
@@ -184,12 +183,13 @@ class Runner:
             checks=self._checks,
             check_group=job.owner,
             trace_parent=job.span,
+            lease=self._replicas.holds_lease,
         )
         job.calls = broker.records
         job.broker = broker
         return broker
 
-    async def _save(self, job: LiveJob, final: bool = False) -> None:
+    async def save(self, job: LiveJob, final: bool = False) -> None:
         """Save the job's view (encoded a batch of records at a time, fenced: ``Replicas.save``); ``final``: also
         keep it for reading. Raises what the store raises (a failed first save ends the run), LeaseLost."""
         view = job.view_dict()
@@ -213,7 +213,7 @@ class Runner:
 
     async def _save_and_tell(self, job: LiveJob) -> None:
         """Save the job's status, then tell subscribers (``StatusChanged``); raises what the store raises."""
-        await self._save(job)
+        await self.save(job)
         job.stored.set()
         self._events.publish(StatusChanged(job))
 
@@ -341,14 +341,14 @@ class Runner:
             if self._store.shares_output:  # before the final view: a reader of an ended job finds its output
                 await keep_output(self._store, job, self._share_slots)
             try:
-                await self._save(job, final=True)
+                await self.save(job, final=True)
             except Exception:
                 log.exception("job %s: could not save its final view; saving it again later", job.id)
                 retry = partial(
                     save_final_again, self._store, self._replicas.save, self._final_views, job.id, self._instance
                 )
                 again = until_done(
-                    lambda: retry(lambda: self._save(job, final=True)), f"job {job.id}: saving its final view"
+                    lambda: retry(lambda: self.save(job, final=True)), f"job {job.id}: saving its final view"
                 )
                 self._tasks.spawn(again, f"final save {job.id}")  # meanwhile served from the view cache
         finally:

@@ -32,6 +32,13 @@ class Tasks:
     def __len__(self) -> int:
         return len(self._tasks)
 
+    def cancel(self, prefix: str) -> int:
+        """Cancel the tasks whose name starts with ``prefix``; returns how many."""
+        chosen = [task for task in self._tasks if task.get_name().startswith(prefix)]
+        for task in chosen:
+            task.cancel()
+        return len(chosen)
+
     async def close(self) -> None:
         """Cancel every task still running and wait for all of them to end."""
         tasks = list(self._tasks)

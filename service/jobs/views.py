@@ -277,8 +277,7 @@ class JobViews:
         return await self._store.count()
 
     async def resume_point(self, job_id: str, caller: Caller, event_id: str, loc: tuple[str, ...]) -> resume.Position:
-        """Where a follower that last received the event ``event_id`` of this job's stream resumes.
-
+        """Where a follower that last received the event ``event_id`` of this job's stream resumes (clamped if lost).
         Raises:
             JobNotFound: no such job, or another owner's (before the id is looked at).
             InvalidField: ``event_id`` is not an event id of this job's stream, or claims more than the job has
@@ -290,9 +289,10 @@ class JobViews:
         else:
             final = await self.final(job_id, caller)
             head, records = final.head, len(final.spans)
+        clamp = head["status"] == "lost"  # kept as of its last progress save: a follower may have seen more of it
         try:
-            position = resume.parse(event_id, job_id, records)
-            position.check(records, {stream: head[f"{stream}_retained_bytes"] for stream in STREAMS})
+            position = resume.parse(event_id, job_id, records, clamp)
+            position.check(records, {stream: head[f"{stream}_retained_bytes"] for stream in STREAMS}, clamp)
         except resume.InvalidPosition as exc:
             raise InvalidField(f"not an event id of this job's stream: {exc}", loc) from None
         return position

@@ -53,7 +53,7 @@ class Webhooks:
     """Delivers completion callbacks: its own jobs' at their end, and any due callback it claims from the store.
 
     Args:
-        settings: attempts, backoff and timeout of deliveries; the scan interval (``replica_heartbeat_s``).
+        settings: attempts, backoff and timeout of deliveries; the scan interval (``replica_scan_s``).
         store: the ``callbacks`` rows, and where each attempt is saved into the job's view.
         job_views: reads an ended job's final view.
         cache: ended jobs' views kept for reading (updated with each attempt).
@@ -126,7 +126,7 @@ class Webhooks:
                 log.warning("claiming due callbacks failed: the store did not answer; again at the next scan")
             except Exception:
                 log.exception("claiming due callbacks failed")
-            interval = self._settings.replica_heartbeat_s * random.uniform(0.8, 1.2)  # jitter
+            interval = self._settings.replica_scan_s * random.uniform(0.8, 1.2)  # jitter
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval)
 

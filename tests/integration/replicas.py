@@ -1,5 +1,6 @@
 """The replicas' cluster for the integration tests (docs/scaling.md, Tests): two real ``ptc-sandbox serve``
-processes (``t1``, ``t2``: their own work dirs, ports and ``PTC_INSTANCE_ID``) on the shared engine and one fresh
+processes (``t1``, ``t2``: their own work dirs, ports and ``PTC_INSTANCE_ID``, ``t1-<random>``, ``t2-<random>``:
+two clusters on one engine never sweep each other's sandboxes) on the shared engine and one fresh
 PostgreSQL database, with HAProxy (Debian's package, ``deploy/local.sh setup`` installs it) in front on
 127.0.0.1, round-robin, health-checked on ``/readyz`` (``deploy/replicas/haproxy.cfg``).
 
@@ -32,6 +33,9 @@ REPLICA_ENV = {
     "PTC_WARM_POOL_SIZE": "2",
     "PTC_REPLICA_HEARTBEAT_S": "0.5",
     "PTC_REPLICA_LEASE_S": "3",
+    "PTC_REPLICA_SCAN_S": "0.5",
+    "PTC_PROGRESS_SAVE_S": "0.5",
+    "PTC_QUOTA_RUNNING_JOBS": "4",  # the kill test's three running jobs on one replica, of one key
 }
 """Settings of both replicas (docs/scaling.md, Tests): short heartbeats and leases."""
 
@@ -50,17 +54,39 @@ def require(problem: str | None) -> None:
 
 @dataclass
 class Cluster:
-    """Two replicas on one store behind HAProxy; every client sends the one API key both replicas know."""
+    """Two replicas on one store behind HAProxy; every client sends the one API key both replicas know.
+    ``members`` holds each replica's current process (``restart`` replaces it); ``env`` is what both were given."""
 
-    t1: Service
-    t2: Service
+    members: dict[str, Service]
     balancer_url: str
     store_url: str
     token: str
+    env: dict[str, str]
+
+    @property
+    def t1(self) -> Service:
+        return self.members["t1"]
+
+    @property
+    def t2(self) -> Service:
+        return self.members["t2"]
 
     @property
     def replicas(self) -> tuple[Service, Service]:
         return (self.t1, self.t2)
+
+    def name_of(self, instance_id: str) -> str:
+        """``t1`` or ``t2`` for a replica's instance id."""
+        return next(name for name, svc in self.members.items() if svc.instance_id == instance_id)
+
+    def restart(self, name: str) -> Service:
+        """Start ``name`` again (after ``kill``): the same instance id, work dir and port (HAProxy's backend)."""
+        old = self.members[name]
+        port = int(old.url.rsplit(":", 1)[1])
+        svc = start_service(old.instance_id, old.work_dir, **{**self.env, "PTC_PORT": str(port)})
+        svc.token = self.token
+        self.members[name] = svc
+        return svc
 
     def client(self, url: str, timeout: float = 120.0) -> httpx.Client:
         return httpx.Client(base_url=url, timeout=timeout, headers={"Authorization": f"Bearer {self.token}"})
@@ -126,19 +152,26 @@ def cluster(engine: docker.DockerClient, postgres: None) -> Iterator[Cluster]:
     keys = {"PTC_API_KEYS": f"pytest:{hash_token(token)}", **REPLICA_ENV}
     try:
         with pgstore.fresh_database() as store_url, ExitStack() as stack:
-            services: list[Service] = []
+            made = Cluster({}, "", store_url, token, {"PTC_STORE_URL": store_url, **keys})
+
+            def stop(name: str) -> None:
+                if made.members[name].process.poll() is not None:  # killed: its restart sweeps what it left
+                    made.restart(name)
+                stop_clean(engine, made.members[name])
+
+            suffix = secrets.token_hex(3)  # the engine is shared: another cluster's sweep must not take these
             for name in ("t1", "t2"):
                 work_dir = scratch / name
                 work_dir.mkdir()
-                svc = start_service(name, work_dir, PTC_STORE_URL=store_url, **keys)
+                svc = start_service(f"{name}-{suffix}", work_dir, **made.env)
                 svc.token = token
-                stack.callback(stop_clean, engine, svc)  # the last started is stopped first
-                services.append(svc)
-            t1, t2 = services
-            backends = (t1.url.removeprefix("http://"), t2.url.removeprefix("http://"))
+                made.members[name] = svc
+                stack.callback(stop, name)  # the last started is stopped first (its current process)
+            backends = (made.t1.url.removeprefix("http://"), made.t2.url.removeprefix("http://"))
             balancer = Balancer(binary, backends, scratch / "haproxy.log")
             stack.callback(balancer.stop)  # before the services
             balancer.wait_ready()
-            yield Cluster(t1, t2, balancer.url, store_url, token)
+            made.balancer_url = balancer.url
+            yield made
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

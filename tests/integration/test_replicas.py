@@ -5,11 +5,15 @@ the replica that does not own a job returns when the job ends (``LISTEN/NOTIFY``
 from __future__ import annotations
 
 import secrets
+import time
+from collections.abc import Callable
 from typing import Any
 
+import docker
 import psycopg
 
 from tests import pgstore
+from tests.conftest import labelled_containers
 from tests.integration import replicas
 from tests.integration.replicas import Cluster
 from tests.toolserver import ToolServer
@@ -35,7 +39,7 @@ def owners(cluster: Cluster) -> dict[str, str]:
     """Each stored job's owning instance (``t1``/``t2``), read from the store."""
     with psycopg.connect(pgstore._libpq(cluster.store_url)) as conn:
         rows = conn.execute("SELECT job_id, instance_id FROM jobs").fetchall()
-    return {str(job_id): str(instance) for job_id, instance in rows}
+    return {str(job_id): cluster.name_of(str(instance)) for job_id, instance in rows}
 
 
 def test_replicas_round_robin(cluster: Cluster, tool_server: ToolServer) -> None:
@@ -112,3 +116,111 @@ def test_replicas_one_job_per_idempotency_key(cluster: Cluster) -> None:
             assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true", again.text
             assert again.json()["job_id"] == job_id
     assert set(owners(cluster)) - before == {job_id}
+
+
+LONG = "import time\nprint('before', flush=True)\ntime.sleep(300)\nprint('never')\n"
+"""A job that runs until stopped (or until its replica dies), after one line of output."""
+KILL_BOUND_S = 3 * (
+    float(replicas.REPLICA_ENV["PTC_REPLICA_LEASE_S"]) + float(replicas.REPLICA_ENV["PTC_REPLICA_SCAN_S"])
+)
+"""docs/scaling.md: a dead replica's jobs are reported lost within 3 × (lease + scan) (a correctness bound)."""
+
+
+def epoch_of(cluster: Cluster, name: str) -> tuple[int, str]:
+    """The registry row of replica ``name`` (``t1``, ``t2``): its epoch and state."""
+    instance = cluster.members[name].instance_id
+    with psycopg.connect(pgstore._libpq(cluster.store_url)) as conn:
+        row = conn.execute("SELECT epoch, state FROM replicas WHERE instance_id = %s", (instance,)).fetchone()
+    assert row is not None
+    return int(row[0]), str(row[1])
+
+
+def started(client: Any, script: str = LONG) -> str:
+    """Submit ``script`` without waiting; its job id once it printed its first line."""
+    small = {"cpus": 0.25, "memory_mb": 64}  # five at once on two replicas sharing two CPUs
+    answer = client.post("/execute", json={"script": script, "wait_s": 0, "timeout_s": 600, "limits": small})
+    assert answer.status_code == 202, answer.text
+    job_id = str(answer.json()["job_id"])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        view = client.get(f"/jobs/{job_id}").json()
+        if view["stdout"]:
+            return job_id
+        time.sleep(0.1)
+    raise AssertionError(f"job {job_id} printed nothing in 60 s: {view}")
+
+
+def test_replicas_kill_9(
+    cluster: Cluster, engine: docker.DockerClient, record_property: Callable[[str, object], None]
+) -> None:
+    with cluster.client(cluster.t1.url) as c1, cluster.client(cluster.t2.url) as c2:
+        ended_ids = []
+        for i in range(10):
+            answer = c2.post("/execute", json={"script": f"print('ended {i}')\nprint('x' * {i * 1000})"})
+            assert answer.status_code == 200 and answer.json()["status"] == "succeeded", answer.text
+            ended_ids.append(answer.json()["job_id"])
+        before = {j: (c1.get(f"/jobs/{j}").content, c1.get(f"/jobs/{j}/output/stdout").content) for j in ended_ids}
+        on_t1 = [started(c1) for _ in range(2)]
+        on_t2 = [started(c2) for _ in range(3)]
+        time.sleep(1.5)  # three progress saves (PTC_PROGRESS_SAVE_S=0.5): the printed line is in the store
+        t1_containers = {c.id for c in labelled_containers(engine, cluster.t1.instance_id, include_pool=True)}
+        t1_sandboxes = {c1.get(f"/jobs/{job_id}").json()["sandbox_id"] for job_id in on_t1}
+        assert len(t1_sandboxes) == 2 and all(any(c.startswith(s) for c in t1_containers) for s in t1_sandboxes)
+
+        killed = time.monotonic()
+        cluster.t2.kill()
+        lost: dict[str, dict[str, Any]] = {}
+        while len(lost) < 3 and time.monotonic() - killed < KILL_BOUND_S:
+            for job_id in on_t2:
+                answer = c1.get(f"/jobs/{job_id}")
+                if job_id not in lost and answer.status_code == 200 and answer.json()["status"] == "lost":
+                    lost[job_id] = answer.json()
+            time.sleep(0.05)
+        detected_s = time.monotonic() - killed
+        record_property("dead_replica_detected_s", round(detected_s, 2))
+        print(f"kill -9 t2 -> its jobs lost on t1 after {detected_s:.2f} s (bound {KILL_BOUND_S} s)")
+        assert sorted(lost) == sorted(on_t2), f"not all lost within {KILL_BOUND_S} s: {sorted(lost)}"
+        for view in lost.values():
+            assert view["error"]["type"] == "replica_lost", view["error"]
+            assert view["stdout"] == "before\n"  # as of its last progress save
+            output = c1.get(f"/jobs/{view['job_id']}/output/stdout")
+            assert output.status_code == 200 and output.content == b"before\n"
+        assert epoch_of(cluster, "t2")[1] == "expired"
+
+        for job_id, (stored_view, stored_output) in before.items():  # byte-identical from t1 after the kill
+            assert c1.get(f"/jobs/{job_id}").content == stored_view
+            assert c1.get(f"/jobs/{job_id}/output/stdout").content == stored_output
+        assert t1_containers <= {
+            c.id for c in labelled_containers(engine, cluster.t1.instance_id, include_pool=True)
+        }  # untouched
+        for job_id in on_t1:
+            assert c1.get(f"/jobs/{job_id}").json()["status"] == "running"
+            assert c1.post(f"/jobs/{job_id}/stop").status_code in (200, 202)
+
+
+def test_replicas_restart(cluster: Cluster, engine: docker.DockerClient) -> None:
+    with cluster.client(cluster.t1.url) as c1:
+        if cluster.t2.process.poll() is None:  # run alone: kill t2 with a job running
+            with cluster.client(cluster.t2.url) as c2:
+                started(c2)
+            cluster.t2.kill()
+        epoch, _ = epoch_of(cluster, "t2")
+        on_t1 = started(c1)
+        t1_containers = {c.id for c in labelled_containers(engine, cluster.t1.instance_id, include_pool=True)}
+        left = {c.id for c in labelled_containers(engine, cluster.t2.instance_id, include_pool=True)}
+        assert left, "t2 left no sandbox behind"
+
+        cluster.restart("t2")
+        assert epoch_of(cluster, "t2") == (epoch + 1, "live")
+        still = {c.id for c in labelled_containers(engine, cluster.t2.instance_id, include_pool=True)}
+        assert not left & still, "t2's leftovers were not removed at its start"
+        assert t1_containers <= {
+            c.id for c in labelled_containers(engine, cluster.t1.instance_id, include_pool=True)
+        }  # untouched
+        assert c1.get(f"/jobs/{on_t1}").json()["status"] == "running"  # t1's job untouched
+        with cluster.client(cluster.t2.url) as c2:
+            answer = c2.post("/execute", json={"script": "print('after the restart')"})
+            assert answer.status_code == 200, answer.text
+            assert (answer.json()["status"], answer.json()["stdout"]) == ("succeeded", "after the restart\n")
+            assert owners(cluster)[answer.json()["job_id"]] == "t2"
+        assert c1.post(f"/jobs/{on_t1}/stop").status_code in (200, 202)
