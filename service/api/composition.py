@@ -100,8 +100,9 @@ def build_jobs(
     )
     if waiters is not None:
         waiters.on_ended = cache.drop
-    views = JobViews(store, live, output_dir, cache, Elsewhere(store, replicas, waiters))
-    session_jobs = SessionJobs(settings, sessions, sandboxes, admission, toolsets, runner, live)
+    elsewhere = Elsewhere(store, replicas, waiters)
+    views = JobViews(store, live, output_dir, cache, elsewhere)
+    session_jobs = SessionJobs(settings, sessions, sandboxes, admission, toolsets, runner, live, replicas, elsewhere)
     recovery = Recovery(settings, backend, store, folders, quotas, events, cache, instance_labels, instance, replicas)
     webhooks = Webhooks(settings, store, views, cache, secrets, endpoints.egress, metrics, tasks, instance)
 
