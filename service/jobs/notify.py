@@ -206,8 +206,12 @@ class Elsewhere:
     async def wait(self, job_id: str, caller: Caller, timeout_s: float) -> None:
         """Return when the job (not live here) has ended or waits for its client, or after ``timeout_s``.
 
+        A row saved as ``waiting`` may lag behind its owner (a call answered since, the job running again: that
+        flip is not always saved), so for such a row the wait itself is relayed to a live owner.
+
         Raises:
             JobNotFound: no such job, or another owner's (at once, before any wait).
+            OwnerElsewhere: the row says ``waiting`` and its owner is live: relay the wait there.
         """
         if self._waiters is None:
             return  # one replica: a job not live here has ended
@@ -218,7 +222,12 @@ class Elsewhere:
                 stored = await self._store.get(job_id)
                 if stored is None or not caller.may_access(stored.owner):
                     raise JobNotFound(job_id)
-                if not self._running_elsewhere(stored) or stored.status == "waiting":
+                if not self._running_elsewhere(stored):
+                    return
+                if stored.status == "waiting":  # the row may lag (a call answered since): the owner waits
+                    owner = self.owner(job_id, stored.instance_id, stored.instance_epoch, caller)
+                    if isinstance(owner, OwnerElsewhere):
+                        raise owner  # the same wait, relayed: its owner knows in memory
                     return
                 left = deadline - loop.time()
                 if left <= 0:

@@ -57,13 +57,16 @@ class Cluster:
     balancer_url: str
     store_url: str
     token: str
+    other_token: str = ""
+    """The token of another key (``other``) both replicas know: another tenant."""
 
     @property
     def replicas(self) -> tuple[Service, Service]:
         return (self.t1, self.t2)
 
-    def client(self, url: str, timeout: float = 120.0) -> httpx.Client:
-        return httpx.Client(base_url=url, timeout=timeout, headers={"Authorization": f"Bearer {self.token}"})
+    def client(self, url: str, timeout: float = 120.0, token: str | None = None) -> httpx.Client:
+        bearer = token or self.token
+        return httpx.Client(base_url=url, timeout=timeout, headers={"Authorization": f"Bearer {bearer}"})
 
     def balancer(self, timeout: float = 120.0) -> httpx.Client:
         return self.client(self.balancer_url, timeout)
@@ -122,8 +125,12 @@ def cluster(engine: docker.DockerClient, postgres: None) -> Iterator[Cluster]:
     require(None if binary else "no haproxy (deploy/local.sh setup installs Debian's package)")
     assert binary is not None
     scratch = Path(tempfile.mkdtemp(prefix="ptcc", dir="/tmp"))  # short: the sandboxes' unix sockets live here
-    token = secrets.token_urlsafe(32)
-    keys = {"PTC_API_KEYS": f"pytest:{hash_token(token)}", **REPLICA_ENV}
+    token, other = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+    keys = {
+        "PTC_API_KEYS": f"pytest:{hash_token(token)},other:{hash_token(other)}",  # other: another tenant
+        "PTC_INTERNAL_SECRET": secrets.token_urlsafe(32) + " " + secrets.token_urlsafe(32),  # the same on both
+        **REPLICA_ENV,
+    }
     try:
         with pgstore.fresh_database() as store_url, ExitStack() as stack:
             services: list[Service] = []
@@ -139,6 +146,6 @@ def cluster(engine: docker.DockerClient, postgres: None) -> Iterator[Cluster]:
             balancer = Balancer(binary, backends, scratch / "haproxy.log")
             stack.callback(balancer.stop)  # before the services
             balancer.wait_ready()
-            yield Cluster(t1, t2, balancer.url, store_url, token)
+            yield Cluster(t1, t2, balancer.url, store_url, token, other)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
