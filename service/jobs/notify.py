@@ -211,7 +211,9 @@ class Elsewhere:
 
         Raises:
             JobNotFound: no such job, or another owner's (at once, before any wait).
-            OwnerElsewhere: the row says ``waiting`` and its owner is live: relay the wait there.
+            OwnerElsewhere: the row says ``waiting`` and its owner is live: relay the wait there; or the timeout
+                passed with the job still running there: its view is one ``GET`` relayed there (``instead``).
+            OwnerUnavailable: the timeout passed, the job still running on a replica that cannot be reached.
         """
         if self._waiters is None:
             return  # one replica: a job not live here has ended
@@ -230,8 +232,11 @@ class Elsewhere:
                         raise owner  # the same wait, relayed: its owner knows in memory
                     return
                 left = deadline - loop.time()
-                if left <= 0:
-                    return
+                if left <= 0:  # still running there: its live view is one GET to its owner (or a 503)
+                    error = self.owner(job_id, stored.instance_id, stored.instance_epoch, caller)
+                    if isinstance(error, OwnerElsewhere):
+                        error.instead = ("GET", f"/jobs/{job_id}")
+                    raise error
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(woken.wait(), left)
                 woken.clear()

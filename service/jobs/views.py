@@ -19,7 +19,7 @@ import orjson
 
 from service import files, views
 from service.auth import Caller
-from service.errors import InvalidField, JobNotFound, NoSuchFile, OwnerElsewhere
+from service.errors import InvalidField, JobNotFound, NoSuchFile
 from service.jobs import resume, shared
 from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob, wait_for_end_or_client
 from service.jobs.model import FINAL
@@ -250,12 +250,7 @@ class JobViews:
         if job is not None:
             await wait_for_end_or_client(job, timeout_s)
         elif self._elsewhere is not None:  # woken by the store's notifications
-            await self._elsewhere.wait(job_id, caller, timeout_s)
-            try:
-                return await self.view(job_id, caller, selection=selection)
-            except OwnerElsewhere as exc:  # still running (or waiting) there: its live view, one GET
-                exc.instead = ("GET", f"/jobs/{job_id}")
-                raise
+            await self._elsewhere.wait(job_id, caller, timeout_s)  # OwnerElsewhere: still running there
         return await self.view(job_id, caller, selection=selection)
 
     async def page(self, query: JobQuery) -> tuple[list[JobSummary], str | None]:
