@@ -18,6 +18,8 @@ import httpx
 import orjson
 import pytest
 from fastapi import FastAPI
+from mcp import ClientSession
+from mcp.client.streamable_http import streamable_http_client
 
 from service import internal
 from service.api import create_app
@@ -26,7 +28,7 @@ from service.errors import InsecureConfig
 from service.jobs.remote import Remote
 from service.settings import Settings
 from service.store import Incarnation, JobStore, Registration, StoredSession
-from tests.unit.test_replicas import INTERNAL_SECRET, held_until, replica
+from tests.unit.test_replicas import ALICE, BOB, INTERNAL_SECRET, bearer, held_until, replica
 from tests.unit.test_replicas import short as short
 
 SECRET = b"s" * 32
@@ -395,3 +397,35 @@ async def test_a_session_elsewhere_is_served_through_either_replica(postgres_url
         assert view.status_code == 200 and view.json()["status"] == "closed"
         assert (await alice2.get("/sessions")).json()["sessions"] == []
         assert app1.state.jobs is not None
+
+
+@asynccontextmanager
+async def mcp_session(app: FastAPI, token: str) -> AsyncIterator[ClientSession]:
+    async with (
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://test", headers=bearer(token), timeout=30
+        ) as client,
+        streamable_http_client("http://test/mcp", http_client=client) as (read, write, _),
+        ClientSession(read, write) as session,
+    ):
+        await session.initialize()
+        yield session
+
+
+async def test_the_mcp_front_relays_get_wait_and_stop(postgres_url: str, short: Path) -> None:
+    flag = short / "flag"
+    async with pair(postgres_url, short) as (app1, app2, alice1, _alice2, _bob2):
+        job_id = await started(alice1, {"script": held_until(flag)})
+        async with mcp_session(app2, BOB) as session:  # another key: not found, nothing relayed
+            refused = await session.call_tool("get_job", {"job_id": job_id})
+            assert refused.isError and "job-not-found" in str(refused.content[0])
+        assert counted(app1, "ptc_internal_requests", outcome="accepted") == 0
+        async with mcp_session(app2, ALICE) as session:
+            view = await session.call_tool("get_job", {"job_id": job_id})  # t1's live view
+            assert not view.isError and view.structuredContent is not None, view.content
+            assert view.structuredContent["status"] in ("queued", "running")
+            waited = await session.call_tool("wait_job", {"job_id": job_id, "timeout_s": 0})
+            assert waited.structuredContent is not None and waited.structuredContent["status"] in ("queued", "running")
+            stopped = await session.call_tool("stop_job", {"job_id": job_id})
+            assert stopped.structuredContent is not None and stopped.structuredContent["status"] == "stopped"
+        assert counted(app1, "ptc_internal_requests", outcome="accepted") == 3
