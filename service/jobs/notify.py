@@ -201,6 +201,8 @@ class Elsewhere:
             and row.epoch == epoch
         ):
             return OwnerElsewhere(what, resource_id, instance_id, epoch, row.internal_url, retry_after_s)
+        if row is None or row.epoch != epoch:  # a replica this cache has not seen (re)start yet: read it again
+            self._replicas.refresh_soon()
         return OwnerUnavailable(resource_id, retry_after_s, what)
 
     async def wait(self, job_id: str, caller: Caller, timeout_s: float) -> None:

@@ -8,8 +8,9 @@ relayed."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+import dataclasses
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -296,6 +297,23 @@ async def test_requests_for_a_running_job_elsewhere_are_relayed_to_its_owner(pos
         assert counted(app2, "ptc_forwarded_requests", route="/jobs/{job_id}/stop", outcome="relayed") == 1
 
 
+@contextmanager
+def lagging(app: FastAPI) -> Iterator[None]:
+    """The app's store reads every unended job's row as ``waiting`` (a row that lags its owner)."""
+    store = app.state.store
+    get = store.get
+
+    async def stale(job_id: str) -> Any:
+        row = await get(job_id)
+        return dataclasses.replace(row, status="waiting") if row is not None and row.ended_at is None else row
+
+    store.get = stale
+    try:
+        yield
+    finally:
+        store.get = get
+
+
 async def test_waits_calls_and_approvals_elsewhere(postgres_url: str, short: Path) -> None:
     client_tool = {
         "name": "ask",
@@ -308,7 +326,7 @@ async def test_waits_calls_and_approvals_elsewhere(postgres_url: str, short: Pat
         "approval": "always",
         "endpoint": {"kind": "echo"},
     }
-    async with pair(postgres_url, short) as (_app1, _app2, alice1, alice2, bob2):
+    async with pair(postgres_url, short) as (_app1, app2, alice1, alice2, bob2):
         asking = await started(alice1, {"script": "import tools\nprint(tools.ask(q='x'))\n", "tools": [client_tool]})
         gating = await started(
             alice1, {"script": "import tools\nprint(tools.write(path='/a')['args'])\n", "tools": [gated]}
@@ -326,7 +344,8 @@ async def test_waits_calls_and_approvals_elsewhere(postgres_url: str, short: Pat
                 assert (await bob2.post(base, json=answer)).status_code == 404
                 decided = await alice2.post(base, json=answer)
             assert decided.status_code == 200, decided.text
-            ended = await alice2.post(f"/jobs/{job_id}/wait", params={"timeout_s": 20})
+            with lagging(app2):  # t2 reads the row as still waiting: the wait goes to t1, which knows better
+                ended = await alice2.post(f"/jobs/{job_id}/wait", params={"timeout_s": 20})
             assert ended.json()["status"] == "succeeded", ended.text
         assert (await alice2.get(f"/jobs/{asking}")).json()["stdout"] == "42\n"
         gated_view = (await alice2.get(f"/jobs/{gating}")).json()
