@@ -298,6 +298,27 @@ class EgressPolicy:
     def __init__(self, rules: Iterable[str] = LOOPBACK_RULES, own: Iterable[OwnAddress] = ()) -> None:
         self.rules = tuple(EgressRule.parse(rule) for rule in rules if rule.strip())
         self.own = tuple(own)
+        self.peers: tuple[OwnAddress, ...] = ()
+        self._peer_names: frozenset[tuple[str, int]] = frozenset()
+
+    def refuse_peers(self, urls: Iterable[str]) -> None:
+        """Refuse the other replicas' internal addresses as the service's own (each registered replica's internal
+        URL, from the registry cache: ``Replicas.on_registry``); replaces the previous list."""
+        addresses: list[OwnAddress] = []
+        names: set[tuple[str, int]] = set()
+        for url in urls:
+            try:
+                parsed = httpx.URL(url)
+            except httpx.InvalidURL:
+                continue
+            host = parsed.host.lower().rstrip(".")
+            port = parsed.port or DEFAULT_PORTS.get(parsed.scheme.lower(), 80)
+            address = _ip(host)
+            if address is None:
+                names.add((host, port))
+            else:
+                addresses.append(OwnAddress(_normalized(address), port))
+        self.peers, self._peer_names = tuple(addresses), frozenset(names)
 
     def target(self, url: str | httpx.URL) -> Target:
         """Check ``url`` against the rules without resolving it; returns where it points.
@@ -320,15 +341,16 @@ class EgressPolicy:
         if not any(rule.admits_target(scheme, host, port) for rule in self.rules):
             raise EgressDenied(f"{where} is not on the egress allowlist (PTC_EGRESS_ALLOW)")
         address = _ip(host)
-        if address is not None and self.is_own(address, port):
+        if (address is not None and self.is_own(address, port)) or (host, port) in self._peer_names:
             raise EgressDenied(f"{where} is this service's own address")
         if address is not None and not self.address_allowed(scheme, address, port):
             raise EgressDenied(f"{where} is a non-public address that no egress rule names")
         return Target(scheme, host, port)
 
     def is_own(self, address: IPAddress, port: int) -> bool:
-        """Whether (``address``, ``port``) could reach the service itself (``OwnAddress.covers``)."""
-        return any(own.covers(address, port) for own in self.own)
+        """Whether (``address``, ``port``) could reach the service itself or another of its replicas
+        (``OwnAddress.covers``)."""
+        return any(own.covers(address, port) for own in (*self.own, *self.peers))
 
     def address_allowed(self, scheme: str, address: IPAddress, port: int) -> bool:
         """Whether a resolved ``address`` may be contacted: not the service's own, and public or named by an

@@ -13,6 +13,7 @@
     ├── EgressDenied         (service.egress) a destination off the egress rules: a tool error, never HTTP
     ├── CheckTooCostly       checking a call's arguments/result ran past its CPU budget (or one regex search
     │                        past its time limit): a tool error (limit_exceeded), never HTTP
+    ├── OwnerElsewhere       the job or session runs on another live replica: relayed (api.forward), else -> 503
     ├── JobNotFound          no job with that id                         -> 404
     ├── SessionNotFound      no session with that id                     -> 404
     ├── NoSuchFile           no file at that path (a job's output, a session's /tmp) -> 404
@@ -125,9 +126,41 @@ class OwnerUnavailable(PtcError):
         retry_after_s: whole seconds after which asking again may succeed (at least 1).
     """
 
-    def __init__(self, job_id: str, retry_after_s: int) -> None:
-        super().__init__(f"job {job_id} runs on another replica, which cannot be reached from here; retry later")
+    def __init__(self, job_id: str, retry_after_s: int, what: str = "job") -> None:
+        super().__init__(f"{what} {job_id} runs on another replica, which cannot be reached from here; retry later")
         self.retry_after_s = max(1, retry_after_s)
+
+
+class OwnerElsewhere(PtcError):
+    """The job or session runs on another live replica: the request is relayed to it (``api.forward``, one
+    exception handler; 503 ``owner-unavailable`` where it cannot be relayed).
+
+    Attributes:
+        what, resource_id: ``job`` or ``session``, and its id.
+        instance_id, epoch: the owner's incarnation; ``url``: its internal URL (``http://host:port``).
+        retry_after_s: as ``OwnerUnavailable``'s, for the answer when the owner cannot be reached.
+        instead: see below.
+    """
+
+    def __init__(
+        self, what: str, resource_id: str, instance_id: str, epoch: int, url: str, retry_after_s: int = 1
+    ) -> None:
+        super().__init__(f"{what} {resource_id} runs on another replica, which cannot be reached from here")
+        self.what, self.resource_id = what, resource_id
+        self.instance_id, self.epoch, self.url = instance_id, epoch, url
+        self.retry_after_s = max(1, retry_after_s)
+        self.instead: tuple[str, str] | None = None
+        """(method, path) to send instead of the request's own (its query string is kept): ``wait`` waits here
+        and fetches the view of a job still running elsewhere with one ``GET``."""
+
+    @property
+    def target(self) -> str:
+        """``<instance_id>.<epoch>``: the ``Ptc-Internal-Target`` of the relayed request."""
+        return f"{self.instance_id}.{self.epoch}"
+
+    def unavailable(self) -> OwnerUnavailable:
+        """The 503 to answer when the owner cannot be reached."""
+        return OwnerUnavailable(self.resource_id, self.retry_after_s, self.what)
 
 
 class JobNotFound(PtcError):

@@ -165,6 +165,20 @@ class Metrics:
             "LISTEN connections to the job store re-opened after a loss (PostgreSQL store).",
             registry=reg,
         )
+        self.forwarded_requests = Counter(
+            "ptc_forwarded_requests",
+            "Requests relayed to the replica owning their job or session, by route template and outcome "
+            "(relayed, unavailable: the owner could not be reached, refused: it refused the signed call).",
+            ["route", "outcome"],
+            registry=reg,
+        )
+        self.internal_requests = Counter(
+            "ptc_internal_requests",
+            "Signed requests of other replicas received, by outcome (accepted, bad_signature, wrong_target, stale, "
+            "replayed, busy).",
+            ["outcome"],
+            registry=reg,
+        )
         self.output_truncated = Counter(
             "ptc_output_truncated",
             "Jobs whose inline output of a stream exceeded its cap (head and tail kept).",
@@ -209,6 +223,8 @@ class Metrics:
             self.replicas.labels(state=state)
         for outcome in ("ok", "error", "fenced"):
             self.lease_renewals.labels(outcome=outcome)
+        for outcome in ("accepted", "bad_signature", "wrong_target", "stale", "replayed", "busy"):
+            self.internal_requests.labels(outcome=outcome)
 
     # -- state read at scrape time -------------------------------------------------------------
 
@@ -229,6 +245,15 @@ class Metrics:
         """Count a heartbeat (``ok``, ``error``, ``fenced``) and set the lease left after it (s)."""
         self.lease_renewals.labels(outcome=outcome).inc()
         self.lease_remaining.set(max(0.0, remaining_s))
+
+    def forwarded(self, route: str, outcome: str) -> None:
+        """Count a request relayed to its owner: ``route`` its template (never an id), ``outcome`` ``relayed``,
+        ``unavailable`` or ``refused``."""
+        self.forwarded_requests.labels(route=route, outcome=outcome).inc()
+
+    def internal_request(self, outcome: str) -> None:
+        """Count a signed request received, by outcome (``internal.Verifier``)."""
+        self.internal_requests.labels(outcome=outcome).inc()
 
     def set_replicas(self, counts: Mapping[str, int]) -> None:
         """Set ``ptc_replicas{state}`` (``live``, ``draining``) from the registry's last read."""

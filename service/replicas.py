@@ -36,7 +36,7 @@ from pathlib import Path
 from service import __version__, logs
 from service.errors import InsecureConfig, LeaseLost, StoreUnavailable
 from service.settings import Settings
-from service.store import Incarnation, JobStore, Registration, Replica, StoredJob
+from service.store import Incarnation, JobStore, Registration, Replica, StoredJob, StoredSession
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,7 @@ class Replicas:
         self.draining = False  # /readyz answers 503 (reason draining): no new work through the balancer
         self.on_fenced: list[Callable[[], None]] = []
         self.registry: dict[str, Replica] = {}
+        self.on_registry: list[Callable[[list[Replica]], None]] = []  # told each registry read (egress rules)
         self.renewals: dict[str, int] = {"ok": 0, "error": 0, "fenced": 0}
 
     @classmethod
@@ -221,6 +222,8 @@ class Replicas:
         """
         rows = await self._store.replicas()
         self.registry = {row.instance_id: row for row in rows}
+        for listener in self.on_registry:
+            listener(rows)
         if self._on_count is not None:
             counts = {"live": 0, "draining": 0}
             for row in rows:
@@ -281,6 +284,17 @@ class Replicas:
         if not await self._store.save(job, self.incarnation):
             self.fence(f"a save of job {job.job_id} matched no row")
             raise LeaseLost(f"job {job.job_id} is no longer this replica's")
+
+    async def save_session(self, session: StoredSession) -> None:
+        """Save a session this incarnation holds (``JobStore.save_session``, fenced).
+
+        Raises:
+            LeaseLost: the save matched no row: the replica is fenced.
+            StoreUnavailable: the store did not answer.
+        """
+        if not await self._store.save_session(session, self.incarnation):
+            self.fence(f"a save of session {session.session_id} matched no row")
+            raise LeaseLost(f"session {session.session_id} is no longer this replica's")
 
     def owner_here(self, instance_id: str, epoch: int | None) -> bool:
         """The job of ``(instance_id, epoch)`` is this incarnation's (a row saved before epochs: this instance)."""

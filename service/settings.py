@@ -264,6 +264,12 @@ class Settings(BaseSettings):
         description="Where the other replicas reach this one (http://host:port, no path); default: http://PTC_HOST:"
         "PTC_PORT unless the host is a wildcard, else the host name's first non-loopback address. docs/scaling.md.",
     )
+    internal_secret: SecretStr | None = Field(
+        None,
+        description="HMAC key of the internal calls between replicas (at least 32 characters; several, "
+        "space-separated, newest first, while rotating: sign with the first, accept any); required with a "
+        "PostgreSQL store (PTC_STORE_URL). Worth every tenant's keys: keep it like the database password.",
+    )
     replica_heartbeat_s: float = Field(
         2.0, gt=0, description="How often this replica renews its lease in the store's registry (s)."
     )

@@ -86,6 +86,47 @@ LIVE_STATES = ("live", "draining")
 
 
 @dataclass(frozen=True)
+class StoredSession:
+    """One session's row (docs/scaling.md, Sessions): where it lives and its view as last saved.
+
+    Attributes:
+        session_id / owner: its id and the key name that created it.
+        instance_id / instance_epoch: the incarnation holding its sandbox.
+        status: its status when saved (``ready`` while open; ``closed``, ``expired``, ``broken`` once ended).
+        created_at / ended_at / ends_by: UTC times; ``ends_by``: the end of its lifetime (``max_lifetime_s``).
+        view: its view (``schemas.SessionView``) as JSON bytes.
+    """
+
+    session_id: str
+    owner: str
+    instance_id: str
+    instance_epoch: int
+    status: str
+    created_at: datetime
+    ended_at: datetime | None
+    ends_by: datetime
+    view: bytes
+
+
+SESSION_BROKEN = "the replica holding its sandbox stopped"
+"""The error message of a session marked ``broken`` because its incarnation died (``JobStore.break_sessions``)."""
+
+
+def broken_view(view: bytes, ended_at: datetime, reason: str = SESSION_BROKEN) -> bytes:
+    """A stored session view (JSON bytes) as ``broken`` at ``ended_at``: no script runs or waits there any more."""
+    data = json.loads(view)
+    data.update(
+        status="broken",
+        ended_at=ended_at.isoformat(),
+        expires_at=None,
+        current_job_id=None,
+        queued=0,
+        error={"type": "session_broken", "message": reason},
+    )
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True)
 class Incarnation:
     """One start of one replica: ``(instance_id, epoch)``; every job write of the process carries it.
 
@@ -471,17 +512,38 @@ class JobStore(abc.ABC):
     async def replicas(self) -> list[Replica]:
         """Every row of the registry, newest incarnation per instance id."""
 
-    async def expire_replicas(self, by: str) -> list[Incarnation]:
+    async def expire_replicas(self, by: str) -> dict[Incarnation, float]:
         """Mark ``expired`` every live or draining incarnation whose lease passed (store time), recording ``by``
-        (the expiring instance id); returns those this call expired (each by one caller, however many race).
-        With PostgreSQL it notifies ``ptc_replicas``. SQLite serves one replica: nothing to expire (``[]``)."""
-        return []
+        (the expiring instance id); returns those this call expired (each by one caller, however many race), each
+        with the seconds from its last heartbeat to its expiry (store time). With PostgreSQL it notifies
+        ``ptc_replicas``. SQLite serves one replica: nothing to expire (``{}``)."""
+        return {}
 
     async def orphans(self, limit: int) -> list[StoredJob]:
         """At most ``limit`` unended jobs whose incarnation is not live or draining (its lease passed and it was
         expired, it left, or a later epoch replaced it): the jobs a dead replica left. ``[]`` on SQLite (one
         replica, whose own leftovers its start-up marks)."""
         return []
+
+    @abc.abstractmethod
+    async def save_session(self, session: StoredSession, incarnation: Incarnation) -> bool:
+        """Save a session ``incarnation`` holds (at its creation and at its end), fenced like ``save``: inserted
+        only while the incarnation is ``live`` or ``draining``, replaced only while the row is still its and not
+        ended. Returns whether a row was written (False: fenced)."""
+
+    @abc.abstractmethod
+    async def get_session(self, session_id: str) -> StoredSession | None:
+        """One session's row, or None."""
+
+    @abc.abstractmethod
+    async def open_sessions(self, owner: str | None) -> list[StoredSession]:
+        """The sessions not ended (of ``owner``; None: every owner's), oldest first."""
+
+    @abc.abstractmethod
+    async def break_sessions(self, incarnation: Incarnation, reason: str = SESSION_BROKEN) -> list[str]:
+        """Mark every session of ``incarnation`` that has not ended ``broken`` (its view too: ``broken_view``),
+        each only if it is still not ended (a racing end by its owner wins); returns their ids. For the reaper of
+        a dead incarnation (docs/scaling.md, Lost jobs and broken sessions)."""
 
     async def ping(self) -> None:
         """Check that the store answers (``GET /readyz``).
@@ -591,6 +653,31 @@ def choose_claims(
         taken[owner] = taken.get(owner, 0) + 1
         chosen.append(CallbackClaim(job_id, owner, int(attempts), state == "delivering"))
     return chosen
+
+
+_SESSION_COLUMNS = "session_id, owner, instance_id, instance_epoch, status, created_at, ended_at, ends_by, view"
+_FENCED_SESSION_SAVE = f"""INSERT INTO sessions ({_SESSION_COLUMNS})
+SELECT ?, ?, ?, ?, ?, ?, ?, ?, ? WHERE EXISTS (
+    SELECT 1 FROM replicas WHERE instance_id = ? AND epoch = ? AND state IN ('live', 'draining'))
+ON CONFLICT (session_id) DO UPDATE SET status = excluded.status, ended_at = excluded.ended_at, view = excluded.view
+WHERE sessions.instance_id = excluded.instance_id AND sessions.instance_epoch = excluded.instance_epoch
+    AND sessions.ended_at IS NULL"""
+"""A session's save by its owning incarnation (``JobStore.save_session``), fenced as a job's."""
+
+
+def _session_row(row: Sequence[object]) -> StoredSession:
+    session_id, owner, instance_id, epoch, status, created_at, ended_at, ends_by, view = row
+    return StoredSession(
+        str(session_id),
+        str(owner),
+        str(instance_id),
+        int(str(epoch)),
+        str(status),
+        datetime.fromisoformat(str(created_at)),
+        datetime.fromisoformat(str(ended_at)) if ended_at else None,
+        datetime.fromisoformat(str(ends_by)),
+        bytes(view) if isinstance(view, bytes | bytearray | memoryview) else str(view).encode(),
+    )
 
 
 def in_use_message(instance_id: str) -> str:
@@ -1105,6 +1192,60 @@ class SQLiteJobStore(JobStore):
             Replica(i, int(e), url, v, state, (datetime.fromisoformat(until) - now).total_seconds())
             for i, e, url, v, state, until in rows
         ]
+
+    async def save_session(self, session: StoredSession, incarnation: Incarnation) -> bool:
+        values = (
+            session.session_id,
+            session.owner,
+            incarnation.instance_id,
+            incarnation.epoch,
+            session.status,
+            session.created_at.isoformat(),
+            session.ended_at.isoformat() if session.ended_at else None,
+            session.ends_by.isoformat(),
+            session.view,
+            incarnation.instance_id,
+            incarnation.epoch,
+        )
+        cursor = await self._run(lambda db: db.execute(_FENCED_SESSION_SAVE, values))
+        return cursor.rowcount > 0
+
+    async def get_session(self, session_id: str) -> StoredSession | None:
+        if not storable(session_id):
+            return None
+        row = await self._run(
+            lambda db: db.execute(
+                f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE session_id = ?", (session_id,)
+            ).fetchone()
+        )
+        return _session_row(row) if row else None
+
+    async def open_sessions(self, owner: str | None) -> list[StoredSession]:
+        where, params = ("AND owner = ?", (owner,)) if owner is not None else ("", ())
+        sql = f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE ended_at IS NULL {where} ORDER BY created_at, session_id"
+        rows = await self._run(lambda db: db.execute(sql, params).fetchall())
+        return [_session_row(row) for row in rows]
+
+    async def break_sessions(self, incarnation: Incarnation, reason: str = SESSION_BROKEN) -> list[str]:
+        def mark(db: sqlite3.Connection) -> list[str]:
+            now = datetime.now(UTC)
+            broken = []
+            rows = db.execute(
+                "SELECT session_id, view FROM sessions WHERE instance_id = ? AND instance_epoch = ? "
+                "AND ended_at IS NULL",
+                (incarnation.instance_id, incarnation.epoch),
+            ).fetchall()
+            for session_id, view in rows:
+                cursor = db.execute(
+                    "UPDATE sessions SET status = 'broken', ended_at = ?, view = ? "
+                    "WHERE session_id = ? AND ended_at IS NULL",
+                    (now.isoformat(), broken_view(bytes(view), now, reason), session_id),
+                )
+                if cursor.rowcount:
+                    broken.append(str(session_id))
+            return broken
+
+        return await self._run(mark)
 
     def describe(self) -> str:
         return f"sqlite {self._path}"

@@ -30,6 +30,7 @@ from service.settings import Settings
 from service.store import (
     CLAIM_SCAN,
     LIVE_STATES,
+    SESSION_BROKEN,
     CallbackClaim,
     CallbackRow,
     IdempotencyRecord,
@@ -41,6 +42,8 @@ from service.store import (
     Replica,
     SQLiteJobStore,
     StoredJob,
+    StoredSession,
+    broken_view,
     choose_claims,
     decode_cursor,
     encode_cursor,
@@ -48,7 +51,16 @@ from service.store import (
     key_digest,
     storable,
 )
-from service.store_schema import callbacks, idempotency_keys, job_blobs, jobs, replicas, toolset_owners, toolsets
+from service.store_schema import (
+    callbacks,
+    idempotency_keys,
+    job_blobs,
+    jobs,
+    replicas,
+    sessions,
+    toolset_owners,
+    toolsets,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -745,7 +757,7 @@ class PostgresJobStore(JobStore):
 
         return await self._call("save", run, write=True)
 
-    async def expire_replicas(self, by: str) -> list[Incarnation]:
+    async def expire_replicas(self, by: str) -> dict[Incarnation, float]:
         r = replicas.c
         passed = sa.and_(r.state.in_(LIVE_STATES), r.lease_until < sa.func.now())
         locked = sa.select(r.instance_id).where(passed).with_for_update(skip_locked=True)
@@ -753,11 +765,14 @@ class PostgresJobStore(JobStore):
             sa.update(replicas)
             .where(r.instance_id.in_(locked), passed)
             .values(state="expired", ended_at=sa.func.now(), expired_by=by)
-            .returning(r.instance_id, r.epoch)
+            .returning(r.instance_id, r.epoch, sa.extract("epoch", r.ended_at - r.heartbeat_at).label("silent_s"))
         )
 
-        async def run(conn: AsyncConnection) -> list[Incarnation]:
-            expired = [Incarnation(row.instance_id, int(row.epoch)) for row in await conn.execute(statement)]
+        async def run(conn: AsyncConnection) -> dict[Incarnation, float]:
+            expired = {
+                Incarnation(row.instance_id, int(row.epoch)): float(row.silent_s or 0.0)
+                for row in await conn.execute(statement)
+            }
             for incarnation in expired:
                 await _notify(conn, REPLICAS_CHANNEL, f"{incarnation.instance_id} expired")
             return expired
@@ -868,3 +883,96 @@ class PostgresJobStore(JobStore):
             ]
 
         return await self._call("replicas", run)
+
+    async def save_session(self, session: StoredSession, incarnation: Incarnation) -> bool:
+        values: dict[str, Any] = {
+            "session_id": session.session_id,
+            "owner": session.owner,
+            "instance_id": incarnation.instance_id,
+            "instance_epoch": incarnation.epoch,
+            "status": session.status,
+            "created_at": session.created_at.isoformat(),
+            "ended_at": session.ended_at.isoformat() if session.ended_at else None,
+            "ends_by": session.ends_by.isoformat(),
+            "view": session.view,
+        }
+        live = sa.exists().where(
+            replicas.c.instance_id == incarnation.instance_id,
+            replicas.c.epoch == incarnation.epoch,
+            replicas.c.state.in_(LIVE_STATES),
+        )
+        source = sa.select(*(sa.literal(value, sessions.c[name].type).label(name) for name, value in values.items()))
+        upsert = insert(sessions).from_select(list(values), source.where(live))
+        statement = upsert.on_conflict_do_update(
+            index_elements=[sessions.c.session_id],
+            set_={k: upsert.excluded[k] for k in ("status", "ended_at", "view")},
+            where=sa.and_(
+                sessions.c.instance_id == upsert.excluded.instance_id,
+                sessions.c.instance_epoch == upsert.excluded.instance_epoch,
+                sessions.c.ended_at.is_(None),
+            ),
+        ).returning(sessions.c.session_id)
+
+        async def run(conn: AsyncConnection) -> bool:
+            return (await conn.execute(statement)).first() is not None
+
+        return await self._call("save_session", run, write=True)
+
+    async def get_session(self, session_id: str) -> StoredSession | None:
+        if not storable(session_id):
+            return None
+
+        async def run(conn: AsyncConnection) -> StoredSession | None:
+            row = (await conn.execute(sa.select(sessions).where(sessions.c.session_id == session_id))).first()
+            return _session(row) if row else None
+
+        return await self._call("get_session", run)
+
+    async def open_sessions(self, owner: str | None) -> list[StoredSession]:
+        statement = sa.select(sessions).where(sessions.c.ended_at.is_(None))
+        if owner is not None:
+            statement = statement.where(sessions.c.owner == owner)
+        statement = statement.order_by(sessions.c.created_at, sessions.c.session_id)
+
+        async def run(conn: AsyncConnection) -> list[StoredSession]:
+            return [_session(row) for row in await conn.execute(statement)]
+
+        return await self._call("open_sessions", run)
+
+    async def break_sessions(self, incarnation: Incarnation, reason: str = SESSION_BROKEN) -> list[str]:
+        s = sessions.c
+        select = (
+            sa.select(s.session_id, s.view)
+            .where(s.instance_id == incarnation.instance_id, s.instance_epoch == incarnation.epoch)
+            .where(s.ended_at.is_(None))
+            .with_for_update(skip_locked=True)
+        )
+
+        async def run(conn: AsyncConnection) -> list[str]:
+            now = datetime.now(UTC)
+            broken = []
+            for row in (await conn.execute(select)).all():
+                update = (
+                    sa.update(sessions)
+                    .where(s.session_id == row.session_id, s.ended_at.is_(None))
+                    .values(status="broken", ended_at=now.isoformat(), view=broken_view(bytes(row.view), now, reason))
+                )
+                if (await conn.execute(update)).rowcount:
+                    broken.append(str(row.session_id))
+            return broken
+
+        return await self._call("break_sessions", run, write=True)
+
+
+def _session(row: Any) -> StoredSession:
+    return StoredSession(
+        row.session_id,
+        row.owner,
+        row.instance_id,
+        int(row.instance_epoch),
+        row.status,
+        datetime.fromisoformat(row.created_at),
+        datetime.fromisoformat(row.ended_at) if row.ended_at else None,
+        datetime.fromisoformat(row.ends_by),
+        bytes(row.view),
+    )

@@ -118,3 +118,20 @@ callbacks = sa.Table(
 ``(claimed_by, claimed_epoch)``), ``delivered`` or ``failed``. ``next_attempt_at`` is ``timestamptz`` of the
 database's ``now()`` on PostgreSQL, ISO text of the service's UTC clock on SQLite (as the lease columns)."""
 sa.Index("callbacks_due", callbacks.c.next_attempt_at, postgresql_where=callbacks.c.state == "pending")
+sessions = sa.Table(
+    "sessions",
+    metadata,
+    sa.Column("session_id", sa.Text, primary_key=True),
+    sa.Column("owner", sa.Text, nullable=False),
+    sa.Column("instance_id", sa.Text, nullable=False),
+    sa.Column("instance_epoch", sa.BigInteger, nullable=False),
+    sa.Column("status", sa.Text, nullable=False),
+    sa.Column("created_at", sa.Text, nullable=False),
+    sa.Column("ended_at", sa.Text),
+    sa.Column("ends_by", sa.Text, nullable=False),
+    sa.Column("view", sa.LargeBinary, nullable=False),
+)
+"""Sessions (docs/scaling.md, Sessions): each one's owning incarnation and its view (JSON) as last saved, at its
+creation and at its end."""
+sa.Index("sessions_open", sessions.c.instance_id, postgresql_where=sessions.c.ended_at.is_(None))
+sa.Index("sessions_by_owner", sessions.c.owner, sessions.c.created_at)

@@ -114,6 +114,10 @@ class Service:
         return self.log_path.read_text(errors="replace")
 
 
+INTERNAL_SECRET = "ptc-tests-internal-secret-" + secrets.token_hex(16)
+"""``PTC_INTERNAL_SECRET`` of every service the tests start (one per test run: replicas of a test share it)."""
+
+
 def start_service(instance_id: str, work_dir: Path, probe: str = "/readyz", **env: str) -> Service:
     """Start the service as a subprocess and wait until ``probe`` answers 200 (on ``env``'s ``PTC_PORT`` if given,
     else a free port).
@@ -133,6 +137,7 @@ def start_service(instance_id: str, work_dir: Path, probe: str = "/readyz", **en
         "PTC_AUTH": "required",
         "PTC_API_KEYS": f"pytest:{hash_token(token)}",
         "PTC_METRICS_KEYS": "pytest",  # the suite scrapes /metrics with its key (the metrics and monitoring tests)
+        "PTC_INTERNAL_SECRET": INTERNAL_SECRET,  # needed with PTC_STORE_URL; the same for every replica of a test
         **env,
     }
     with open(log_path, "ab") as log_file:

@@ -103,8 +103,9 @@ def build_jobs(
     )
     if waiters is not None:
         waiters.on_ended = cache.drop
-    views = JobViews(store, live, output_dir, cache, Elsewhere(store, replicas, waiters))
-    session_jobs = SessionJobs(settings, sessions, sandboxes, admission, toolsets, runner, live)
+    elsewhere = Elsewhere(store, replicas, waiters)
+    views = JobViews(store, live, output_dir, cache, elsewhere)
+    session_jobs = SessionJobs(settings, sessions, sandboxes, admission, toolsets, runner, live, replicas, elsewhere)
     recovery = Recovery(settings, backend, store, folders, quotas, events, cache, instance_labels, instance, replicas)
     webhooks = Webhooks(settings, store, views, cache, secrets, endpoints.egress, metrics, tasks, instance, replicas)
     if waiters is not None:  # due callbacks are claimed at once: a job marked lost, a replica that left or expired
@@ -143,7 +144,7 @@ def build_jobs(
         manifests, checks,
     )  # fmt: skip
     if store.shares_output:  # replicas (docs/scaling.md, step 5): SQLite serves one, which nothing fences
-        reaper = Reaper(store, replicas, events, settings.replica_scan_s, settings.output_retention_bytes)
+        reaper = Reaper(store, replicas, events, settings.replica_scan_s, settings.output_retention_bytes, metrics)
         progress = ProgressSaver(store, live, runner.save, settings.progress_save_s)
         parts.background += [reaper.loop, progress.loop]
         replicas.on_fenced.append(SelfFence(recovery.sweep, tasks))

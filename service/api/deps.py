@@ -39,12 +39,12 @@ class SessionService(Protocol):
         """Start a session's sandbox; raises TooManySessions, QuotaExceeded, SandboxError, InvalidField."""
         ...
 
-    def sessions(self, caller: Caller) -> list[dict[str, Any]]:
+    async def sessions(self, caller: Caller) -> list[dict[str, Any]]:
         """The caller's open sessions, oldest first."""
         ...
 
-    def session_view(self, session_id: str, caller: Caller) -> dict[str, Any]:
-        """One session's view; raises SessionNotFound."""
+    async def session_view(self, session_id: str, caller: Caller) -> dict[str, Any]:
+        """One session's view; raises SessionNotFound, OwnerElsewhere."""
         ...
 
     async def delete_session(self, session_id: str, caller: Caller) -> dict[str, Any]:
@@ -131,7 +131,7 @@ async def who(request: Request) -> Caller:
         ValueError: authentication is on and the request has no key (only open paths have none).
     """
     keys: KeyRing | None = request.app.state.keys
-    return caller(keys, request.state.key_name)
+    return caller(keys, request.state.key_name, internal=getattr(request.state, "internal", None) is not None)
 
 
 async def app_metrics(request: Request) -> Metrics:

@@ -46,6 +46,7 @@ from service.errors import (
     JobNotFound,
     ManifestError,
     NoSuchFile,
+    OwnerElsewhere,
     OwnerUnavailable,
     PayloadTooLarge,
     PtcError,
@@ -295,6 +296,11 @@ RULES: dict[type[Exception], Rule] = dict(
         _rule(StoreUnavailable, STORE_UNAVAILABLE, lambda exc: Answer(str(exc), headers={"Retry-After": "5"})),
         _rule(
             OwnerUnavailable,
+            OWNER_UNAVAILABLE,
+            lambda exc: Answer(str(exc), headers={"Retry-After": str(exc.retry_after_s)}),
+        ),
+        _rule(
+            OwnerElsewhere,
             OWNER_UNAVAILABLE,
             lambda exc: Answer(str(exc), headers={"Retry-After": str(exc.retry_after_s)}),
         ),

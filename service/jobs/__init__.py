@@ -137,10 +137,14 @@ class JobManager:
 
     # -- submission and the run ----------------------------------------------------------------
 
-    async def submit(self, request: ExecuteRequest, owner: str, *, admin: bool = False) -> LiveJob:
+    async def submit(
+        self, request: ExecuteRequest, owner: str, *, admin: bool = False, internal: bool = False
+    ) -> LiveJob:
         """Check and admit ``request``, and start its job, owned by ``owner`` (the API key's name).
 
-        Its ``session_id`` and ``toolset`` must be ``owner``'s own, unless ``admin`` (the admin role).
+        Its ``session_id`` and ``toolset`` must be ``owner``'s own, unless ``admin`` (the admin role). A session
+        open on another replica raises ``OwnerElsewhere`` (the request is relayed there), unless ``internal`` (a
+        request relayed already: ``OwnerUnavailable``).
 
         Raises:
             ManifestError: a tool entry is unusable (names the entry and field).
@@ -152,6 +156,10 @@ class JobManager:
 
         Returns once the job's first save is done (or its run ended without one).
         """
+        if request.session_id is not None:
+            from service.auth import Caller
+
+            await self._sessions.locate(request.session_id, Caller(owner, admin, internal))
         admitted = await self._intake.admit(request, owner, admin)
         job = admitted.job
         self._runner.start(admitted).add_done_callback(lambda _: job.stored.set())
@@ -228,13 +236,14 @@ class JobManager:
         """Start a session's sandbox, owned by ``owner``, and return its view (``SessionJobs.create_session``)."""
         return await self._sessions.create_session(request, owner, admin=admin)
 
-    def session_view(self, session_id: str, caller: Caller) -> dict[str, Any]:
-        """A session's view; raises SessionNotFound (for another owner's session too)."""
-        return self._sessions.session_view(session_id, caller)
+    async def session_view(self, session_id: str, caller: Caller) -> dict[str, Any]:
+        """A session's view; raises SessionNotFound (for another owner's session too), OwnerElsewhere."""
+        return await self._sessions.session_view(session_id, caller)
 
-    def sessions(self, caller: Caller) -> list[dict[str, Any]]:
-        """Views of the open sessions ``caller`` may access (the admin role: all), oldest first."""
-        return self._sessions.sessions(caller)
+    async def sessions(self, caller: Caller) -> list[dict[str, Any]]:
+        """Views of the open sessions ``caller`` may access (the admin role: all; other replicas' from the
+        store), oldest first."""
+        return await self._sessions.sessions(caller)
 
     async def delete_session(self, session_id: str, caller: Caller) -> dict[str, Any]:
         """End a session (idempotent); raises SessionNotFound (another owner's too)."""

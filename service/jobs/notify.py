@@ -11,8 +11,9 @@ replica owns (docs/scaling.md, Serving any job from any replica; step 2, without
   re-opened (backoff up to 5 s) and wakes every waiter, which then reads the row again: nothing is missed.
 - ``Elsewhere``: ``wait`` on a job that is not live here registers a waiter, then reads the row (closing the race
   with a notification sent before the waiter existed), then sleeps until a notification, its timeout, or a
-  reconnection: no query while it waits, no polling. ``check`` answers 503 ``owner-unavailable`` for a job saved
-  as running by another incarnation (its live view is on its owner; forwarding is step 3).
+  reconnection: no query while it waits, no polling. ``check`` raises ``OwnerElsewhere`` for a job saved as
+  running by another live incarnation (``api.forward`` relays the request there: step 3), 503
+  ``owner-unavailable`` when that incarnation's lease passed or the request came relayed already.
 
 With SQLite there is no listener: every job is this replica's, ``wait`` uses the job's in-process events.
 """
@@ -28,7 +29,7 @@ import psycopg
 import sqlalchemy as sa
 
 from service.auth import Caller
-from service.errors import JobNotFound, OwnerUnavailable
+from service.errors import JobNotFound, OwnerElsewhere, OwnerUnavailable
 from service.replicas import Replicas
 from service.store import JobStore, StoredJob
 from service.store_pg import CALLBACKS_CHANNEL, JOBS_CHANNEL, KEYS_CHANNEL, REPLICAS_CHANNEL
@@ -177,6 +178,16 @@ class Elsewhere:
         self._replicas = replicas
         self._waiters = waiters
 
+    @property
+    def store(self) -> JobStore:
+        """The job store."""
+        return self._store
+
+    @property
+    def shared(self) -> bool:
+        """Whether the store is shared with other replicas (PostgreSQL)."""
+        return self._store.shares_output
+
     def _running_elsewhere(self, stored: StoredJob) -> bool:
         return (
             stored.ended_at is None
@@ -184,20 +195,48 @@ class Elsewhere:
             and not self._replicas.owner_here(stored.instance_id, stored.instance_epoch)
         )
 
-    async def check(self, job_id: str) -> None:
-        """Raise OwnerUnavailable when the job (saved as running, not live here, the caller's access checked)
-        runs on another replica; return when it is this incarnation's (served from its saved view)."""
+    async def check(self, job_id: str, caller: Caller | None = None) -> None:
+        """Raise OwnerElsewhere (the request is relayed) or OwnerUnavailable when the job (saved as running, not
+        live here, the caller's access checked) runs on another replica; return when it is this incarnation's
+        (served from its saved view)."""
         if not self._store.shares_output:
             return  # one replica (SQLite): every job is this one's
         stored = await self._store.get(job_id)
         if stored is not None and self._running_elsewhere(stored):
-            raise OwnerUnavailable(job_id, self._replicas.retry_after_s(stored.instance_id))
+            raise self.owner(job_id, stored.instance_id, stored.instance_epoch, caller)
+
+    def owner(
+        self, resource_id: str, instance_id: str, epoch: int | None, caller: Caller | None, what: str = "job"
+    ) -> OwnerElsewhere | OwnerUnavailable:
+        """The error for a job (or session) another incarnation owns: ``OwnerElsewhere`` (relay the request) when
+        that incarnation is live in the registry cache and the request did not come relayed already (a signed
+        request is never forwarded again), else ``OwnerUnavailable`` (503, ``Retry-After``)."""
+        retry_after_s = self._replicas.retry_after_s(instance_id)
+        row = self._replicas.registry.get(instance_id)
+        if (
+            caller is not None
+            and not caller.internal
+            and row is not None
+            and row.holds_lease
+            and epoch is not None
+            and row.epoch == epoch
+        ):
+            return OwnerElsewhere(what, resource_id, instance_id, epoch, row.internal_url, retry_after_s)
+        if row is None or row.epoch != epoch:  # a replica this cache has not seen (re)start yet: read it again
+            self._replicas.refresh_soon()
+        return OwnerUnavailable(resource_id, retry_after_s, what)
 
     async def wait(self, job_id: str, caller: Caller, timeout_s: float) -> None:
         """Return when the job (not live here) has ended or waits for its client, or after ``timeout_s``.
 
+        A row saved as ``waiting`` may lag behind its owner (a call answered since, the job running again: that
+        flip is not always saved), so for such a row the wait itself is relayed to a live owner.
+
         Raises:
             JobNotFound: no such job, or another owner's (at once, before any wait).
+            OwnerElsewhere: the row says ``waiting`` and its owner is live: relay the wait there; or the timeout
+                passed with the job still running there: its view is one ``GET`` relayed there (``instead``).
+            OwnerUnavailable: the timeout passed, the job still running on a replica that cannot be reached.
         """
         if self._waiters is None:
             return  # one replica: a job not live here has ended
@@ -208,11 +247,19 @@ class Elsewhere:
                 stored = await self._store.get(job_id)
                 if stored is None or not caller.may_access(stored.owner):
                     raise JobNotFound(job_id)
-                if not self._running_elsewhere(stored) or stored.status == "waiting":
+                if not self._running_elsewhere(stored):
+                    return
+                if stored.status == "waiting":  # the row may lag (a call answered since): the owner waits
+                    owner = self.owner(job_id, stored.instance_id, stored.instance_epoch, caller)
+                    if isinstance(owner, OwnerElsewhere):
+                        raise owner  # the same wait, relayed: its owner knows in memory
                     return
                 left = deadline - loop.time()
-                if left <= 0:
-                    return
+                if left <= 0:  # still running there: its live view is one GET to its owner (or a 503)
+                    error = self.owner(job_id, stored.instance_id, stored.instance_epoch, caller)
+                    if isinstance(error, OwnerElsewhere):
+                        error.instead = ("GET", f"/jobs/{job_id}")
+                    raise error
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(woken.wait(), left)
                 woken.clear()

@@ -33,6 +33,7 @@ from service.jobs.events import Events, JobLost
 from service.jobs.live import SLICE_BYTES, STREAMS, ms, now, stored_job
 from service.jobs.model import ErrorType, JobError, JobStatus
 from service.jobs.progress import chunk_name, chunk_start
+from service.metrics import Metrics
 from service.output import CappedStream
 from service.replicas import Replicas
 from service.store import Incarnation, JobStore, StoredJob
@@ -104,14 +105,22 @@ class Reaper:
         events: ``JobLost`` is published for each job this replica ended.
         scan_s: ``PTC_REPLICA_SCAN_S`` (s).
         retention_bytes: ``PTC_OUTPUT_RETENTION_BYTES``: the most bytes of a stream a lost job keeps.
+        metrics: counts expiries, the jobs marked lost and the sessions marked broken (``Metrics.replica_expired``).
     """
 
     def __init__(
-        self, store: JobStore, replicas: Replicas, events: Events, scan_s: float, retention_bytes: int
+        self,
+        store: JobStore,
+        replicas: Replicas,
+        events: Events,
+        scan_s: float,
+        retention_bytes: int,
+        metrics: Metrics | None = None,
     ) -> None:
         self._store = store
         self._replicas = replicas
         self._events = events
+        self._metrics = metrics
         self._scan_s = scan_s
         self._retention = retention_bytes
 
@@ -136,28 +145,42 @@ class Reaper:
         if self._replicas.fenced:
             return 0
         me = self._replicas.incarnation.instance_id
-        for incarnation in await self._store.expire_replicas(me):
-            logs.event("replica", logging.WARNING, action="expired", instance=incarnation.instance_id,
-                       epoch=incarnation.epoch, by=me)  # fmt: skip
-            await self.break_sessions(incarnation)
+        expired = await self._store.expire_replicas(me)
+        broken = {incarnation: await self.break_sessions(incarnation) for incarnation in expired}
+        if expired:
             self._replicas.refresh_soon()
-        ended = 0
-        for _ in range(MAX_BATCHES):
-            batch = await self._store.orphans(ORPHAN_BATCH)
-            for stored in batch:
-                if self._replicas.fenced:
-                    return ended
-                ended += await self.end(stored)
-            if len(batch) < ORPHAN_BATCH:
-                break
-        return ended
+        ended: Counter[Incarnation] = Counter()
+        try:
+            for _ in range(MAX_BATCHES):
+                batch = await self._store.orphans(ORPHAN_BATCH)
+                for stored in batch:
+                    if self._replicas.fenced:
+                        return ended.total()
+                    if await self.end(stored):
+                        ended[Incarnation(stored.instance_id, stored.instance_epoch or 0)] += 1
+                if len(batch) < ORPHAN_BATCH:
+                    break
+        finally:
+            self._count(expired, broken, ended)
+        return ended.total()
 
-    async def break_sessions(self, incarnation: Incarnation) -> None:
-        """Mark the open sessions of a dead incarnation ``broken``.
+    def _count(
+        self, expired: dict[Incarnation, float], broken: dict[Incarnation, int], ended: Counter[Incarnation]
+    ) -> None:
+        """Log each incarnation this scan expired (``replica`` ``expired``) and count the expiries, the jobs marked
+        ``lost`` (also those of incarnations expired earlier) and the sessions marked ``broken``."""
+        for incarnation, silent_s in expired.items():
+            jobs = ended.pop(incarnation, 0)
+            logs.replica_expired(incarnation.instance_id, incarnation.epoch, silent_s, jobs, broken[incarnation])
+            if self._metrics is not None:
+                self._metrics.replica_expired(jobs, broken[incarnation])
+        if self._metrics is not None and ended:
+            self._metrics.lease_expired_jobs.inc(ended.total())
 
-        TODO(merge, step 4): call the "fwd" helper's store method that marks a dead incarnation's sessions broken
-        (the ``sessions`` table is that step's); a no-op until then.
-        """
+    async def break_sessions(self, incarnation: Incarnation) -> int:
+        """Mark the open sessions of a dead incarnation ``broken`` (``JobStore.break_sessions``); how many this
+        replica marked (a racing end by their owner wins)."""
+        return len(await self._store.break_sessions(incarnation))
 
     async def end(self, stored: StoredJob) -> bool:
         """Mark one orphan ``lost`` (``replica_lost``) from its last progress save; whether this replica did.

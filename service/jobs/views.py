@@ -85,7 +85,7 @@ class JobViews:
         if not caller.may_access(encoded.head.get("owner")):  # None: saved before owners were (admin only)
             raise JobNotFound(job_id)
         if encoded.head.get("ended_at") is None and self._elsewhere is not None:  # saved running, not live here
-            await self._elsewhere.check(job_id)  # OwnerUnavailable: another replica runs it
+            await self._elsewhere.check(job_id, caller)  # OwnerElsewhere: another replica runs it
         return encoded
 
     async def encoded(self, job_id: str) -> EncodedView:
@@ -250,7 +250,7 @@ class JobViews:
         if job is not None:
             await wait_for_end_or_client(job, timeout_s)
         elif self._elsewhere is not None:  # woken by the store's notifications
-            await self._elsewhere.wait(job_id, caller, timeout_s)
+            await self._elsewhere.wait(job_id, caller, timeout_s)  # OwnerElsewhere: still running there
         return await self.view(job_id, caller, selection=selection)
 
     async def page(self, query: JobQuery) -> tuple[list[JobSummary], str | None]:

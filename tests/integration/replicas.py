@@ -62,6 +62,8 @@ class Cluster:
     store_url: str
     token: str
     env: dict[str, str]
+    other_token: str = ""
+    """The token of another key (``other``) both replicas know: another tenant."""
 
     @property
     def t1(self) -> Service:
@@ -88,8 +90,9 @@ class Cluster:
         self.members[name] = svc
         return svc
 
-    def client(self, url: str, timeout: float = 120.0) -> httpx.Client:
-        return httpx.Client(base_url=url, timeout=timeout, headers={"Authorization": f"Bearer {self.token}"})
+    def client(self, url: str, timeout: float = 120.0, token: str | None = None) -> httpx.Client:
+        bearer = token or self.token
+        return httpx.Client(base_url=url, timeout=timeout, headers={"Authorization": f"Bearer {bearer}"})
 
     def balancer(self, timeout: float = 120.0) -> httpx.Client:
         return self.client(self.balancer_url, timeout)
@@ -148,11 +151,15 @@ def cluster(engine: docker.DockerClient, postgres: None) -> Iterator[Cluster]:
     require(None if binary else "no haproxy (deploy/local.sh setup installs Debian's package)")
     assert binary is not None
     scratch = Path(tempfile.mkdtemp(prefix="ptcc", dir="/tmp"))  # short: the sandboxes' unix sockets live here
-    token = secrets.token_urlsafe(32)
-    keys = {"PTC_API_KEYS": f"pytest:{hash_token(token)}", **REPLICA_ENV}
+    token, other = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+    keys = {
+        "PTC_API_KEYS": f"pytest:{hash_token(token)},other:{hash_token(other)}",  # other: another tenant
+        "PTC_INTERNAL_SECRET": secrets.token_urlsafe(32) + " " + secrets.token_urlsafe(32),  # the same on both
+        **REPLICA_ENV,
+    }
     try:
         with pgstore.fresh_database() as store_url, ExitStack() as stack:
-            made = Cluster({}, "", store_url, token, {"PTC_STORE_URL": store_url, **keys})
+            made = Cluster({}, "", store_url, token, {"PTC_STORE_URL": store_url, **keys}, other)
 
             def stop(name: str) -> None:
                 if made.members[name].process.poll() is not None:  # killed: its restart sweeps what it left

@@ -1,6 +1,8 @@
-"""Two replicas on one PostgreSQL store behind HAProxy (docs/scaling.md, Tests; issue 17, point 2): jobs through
-the balancer land on both, every ended job is served alike by either replica and by the balancer, and ``wait`` on
-the replica that does not own a job returns when the job ends (``LISTEN/NOTIFY``)."""
+"""Two replicas on one PostgreSQL store behind HAProxy (docs/scaling.md, Tests; issue 17, points 2 to 4): jobs
+through the balancer land on both, every ended job is served alike by either replica and by the balancer, ``wait``
+on the replica that does not own a job returns when the job ends (``LISTEN/NOTIFY``); requests about a running job
+or an open session are relayed to the replica holding it (stop, events, client calls, approvals, a session's
+scripts and files), and another key's ids stay 404 there without being relayed."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 import docker
+import httpx
+import orjson
 import psycopg
 
 from tests import pgstore
@@ -56,8 +60,8 @@ def test_replicas_round_robin(cluster: Cluster, tool_server: ToolServer) -> None
         slow_owner = owners(cluster)[slow_id]  # saved before it was answered
         other = clients["t2" if slow_owner == "t1" else "t1"]
         running = other.get(f"/jobs/{slow_id}")
-        assert running.status_code == 503, running.text  # running elsewhere: no forwarding yet (step 3)
-        assert running.json()["type"].endswith("/owner-unavailable")
+        assert running.status_code == 200, running.text  # running elsewhere: relayed to its owner (step 3)
+        assert running.json()["status"] in ("queued", "running")
         waited = other.post(f"/jobs/{slow_id}/wait", params={"timeout_s": 60})
         assert waited.status_code == 200, waited.text
         assert (waited.json()["status"], waited.json()["stdout"]) == ("succeeded", "slow\nend\n")
@@ -116,6 +120,137 @@ def test_replicas_one_job_per_idempotency_key(cluster: Cluster) -> None:
             assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true", again.text
             assert again.json()["job_id"] == job_id
     assert set(owners(cluster)) - before == {job_id}
+
+
+def forwarded(client: httpx.Client) -> float:
+    """The replica's ``ptc_forwarded_requests_total``, all routes and outcomes."""
+    return metric_sum(client, "ptc_forwarded_requests_total")
+
+
+def metric_sum(client: httpx.Client, name: str, label: str = "") -> float:
+    text = client.get("/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name) and label in line)
+
+
+def submitted(client: httpx.Client, body: dict[str, Any]) -> str:
+    """Submit ``body`` (a script) without waiting; its job id."""
+    answer = client.post("/execute", json={"wait_s": 0, "timeout_s": 120, **body})
+    assert answer.status_code in (200, 202), answer.text
+    return str(answer.json()["job_id"])
+
+
+TICKING = "import time\nfor i in range(600):\n    print('tick', i, flush=True)\n    time.sleep(0.1)\n"
+"""A job that prints every 0.1 s for a minute (stopped before)."""
+
+
+def test_replicas_stop_and_wait_elsewhere(cluster: Cluster) -> None:
+    with cluster.client(cluster.t1.url) as c1, cluster.client(cluster.t2.url) as c2:
+        short = submitted(c1, {"script": "import time\nprint('a', flush=True)\ntime.sleep(2)\nprint('b')\n"})
+        waited = c2.post(f"/jobs/{short}/wait", params={"timeout_s": 60})  # t2 waits, t1 runs it
+        assert waited.status_code == 200, waited.text
+        assert (waited.json()["status"], waited.json()["stdout"]) == ("succeeded", "a\nb\n")
+
+        long = submitted(c1, {"script": TICKING})
+        events: list[tuple[str, dict[str, Any]]] = []
+        with c2.stream("GET", f"/jobs/{long}/events") as stream:  # t1's stream, relayed by t2
+            assert stream.status_code == 200
+            assert stream.headers["content-type"].startswith("text/event-stream")
+            name = ""
+            for line in stream.iter_lines():
+                if line.startswith("event: "):
+                    name = line.removeprefix("event: ")
+                elif line.startswith("data: "):
+                    events.append((name, orjson.loads(line.removeprefix("data: "))))
+                    if name == "stdout" and sum(n == "stdout" for n, _ in events) == 1:
+                        stopped = c2.post(f"/jobs/{long}/stop")  # stopped from t2
+                        assert stopped.status_code == 200, stopped.text
+                        assert stopped.json()["status"] == "stopped"
+                    if name == "end":
+                        break
+        assert events[-1][0] == "end" and events[-1][1]["status"] == "stopped"
+        assert any(n == "stdout" and "tick 0" in data["text"] for n, data in events)
+        assert forwarded(c2) >= 2
+
+
+def test_replicas_client_call_and_approval_elsewhere(cluster: Cluster, tool_server: ToolServer) -> None:
+    asking = {"name": "ask", "parameters": {"properties": {"q": {"type": "string"}}}, "endpoint": {"kind": "client"}}
+    gated = {**lookup(tool_server)[0], "approval": "always"}
+    with cluster.client(cluster.t1.url) as c1, cluster.client(cluster.t2.url) as c2:
+        client_job = submitted(c1, {"script": "import tools\nprint(tools.ask(q='x'))\n", "tools": [asking]})
+        approval_job = submitted(c1, {"script": "import tools\nprint(tools.lookup(text='y'))\n", "tools": [gated]})
+        for job_id, answer, suffix in ((client_job, {"result": 42}, ""), (approval_job, {"reason": "ok"}, "/approve")):
+            waiting = c2.post(f"/jobs/{job_id}/wait", params={"timeout_s": 60})  # waits on t2; the view from t1
+            assert waiting.status_code == 200, waiting.text
+            assert waiting.json()["status"] == "waiting", waiting.text
+            [call] = waiting.json()["pending_calls"]
+            decided = c2.post(f"/jobs/{job_id}/calls/{call['call_id']}{suffix}", json=answer)
+            assert decided.status_code == 200, decided.text
+            ended = c2.post(f"/jobs/{job_id}/wait", params={"timeout_s": 60})
+            assert ended.json()["status"] == "succeeded", ended.text
+        assert c2.get(f"/jobs/{client_job}").json()["stdout"] == "42\n"
+        view = c2.get(f"/jobs/{approval_job}").json()
+        assert view["stdout"] == "{'args': {'text': 'y'}}\n"
+        assert view["calls"][0]["approval"]["decision"] == "approved"
+
+
+def test_replicas_session_through_balancer(cluster: Cluster) -> None:
+    with cluster.balancer() as lb, cluster.client(cluster.t1.url) as c1, cluster.client(cluster.t2.url) as c2:
+        before = forwarded(c1) + forwarded(c2)
+        created = lb.post("/sessions", json={})
+        assert created.status_code == 201, created.text
+        session_id = created.json()["session_id"]
+        assert session_id in [s["session_id"] for s in lb.get("/sessions").json()["sessions"]]
+        for i in range(3):  # round robin: some land on the replica without the session, and are relayed
+            ran = lb.post(
+                "/execute",
+                json={"session_id": session_id, "script": f"open('/tmp/n{i}', 'w').write('{i}')\nprint({i})"},
+            )
+            assert ran.status_code == 200, ran.text
+            assert (ran.json()["status"], ran.json()["stdout"]) == ("succeeded", f"{i}\n")
+        put = lb.put(f"/sessions/{session_id}/files/data.txt", content=b"payload")
+        assert put.status_code == 200, put.text
+        for name, content in (("data.txt", b"payload"), ("n2", b"2")):
+            got = lb.get(f"/sessions/{session_id}/files/{name}")
+            assert (got.status_code, got.content) == (200, content), got.text
+        listed = lb.get(f"/sessions/{session_id}/files")
+        assert listed.status_code == 200, listed.text
+        assert {"data.txt", "n0", "n1", "n2"} <= {entry["path"] for entry in listed.json()["files"]}
+        assert lb.get(f"/sessions/{session_id}").json()["executions"] == 3
+        deleted = lb.delete(f"/sessions/{session_id}")
+        assert deleted.status_code == 200 and deleted.json()["status"] == "closed", deleted.text
+        for client in (c1, c2):  # ended: the same view from either replica
+            assert client.get(f"/sessions/{session_id}").json()["status"] == "closed"
+        assert forwarded(c1) + forwarded(c2) > before  # some requests were relayed
+
+
+def test_replicas_tenants(cluster: Cluster) -> None:
+    with (
+        cluster.client(cluster.t1.url) as c1,
+        cluster.client(cluster.t2.url) as c2,
+        cluster.client(cluster.t2.url, token=cluster.other_token) as other2,
+    ):
+        job_id = submitted(c1, {"script": TICKING})
+        session_id = c1.post("/sessions", json={}).json()["session_id"]
+        before = forwarded(c2), metric_sum(c1, "ptc_internal_requests_total", 'outcome="accepted"')
+        for method, path, body in (
+            ("GET", f"/jobs/{job_id}", None),
+            ("GET", f"/jobs/{job_id}/events", None),
+            ("GET", f"/jobs/{job_id}/output/stdout", None),
+            ("POST", f"/jobs/{job_id}/wait?timeout_s=1", None),
+            ("POST", f"/jobs/{job_id}/stop", None),
+            ("GET", f"/sessions/{session_id}", None),
+            ("DELETE", f"/sessions/{session_id}", None),
+            ("GET", f"/sessions/{session_id}/files", None),
+            ("POST", "/execute", {"script": "print(1)", "session_id": session_id}),
+        ):
+            answer = other2.request(method, path, json=body)
+            assert answer.status_code == 404, (method, path, answer.text)
+        assert other2.get("/sessions").json()["sessions"] == []
+        after = forwarded(c2), metric_sum(c1, "ptc_internal_requests_total", 'outcome="accepted"')
+        assert after == before  # nothing of another key was relayed
+        assert c2.get(f"/jobs/{job_id}").json()["status"] in ("queued", "running")  # the owner's key: relayed
+        assert c2.post(f"/jobs/{job_id}/stop").json()["status"] == "stopped"
+        assert c2.delete(f"/sessions/{session_id}").json()["status"] == "closed"
 
 
 LONG = "import time\nprint('before', flush=True)\ntime.sleep(300)\nprint('never')\n"

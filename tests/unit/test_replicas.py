@@ -27,8 +27,10 @@ from service.replicas import Replicas, internal_url, work_dir_token
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
 from service.store import Incarnation, JobStore, Registration, StoredJob
+from tests.conftest import free_port
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
+INTERNAL_SECRET = "replicas-internal-secret-for-tests-0123456789"
 
 
 @pytest.fixture
@@ -208,8 +210,12 @@ def short() -> Iterator[Path]:
 
 
 @asynccontextmanager
-async def replica(work_dir: Path, url: str, name: str, heartbeat_s: float = 0.2) -> AsyncIterator[Clients]:
-    """A service (``name``) on ``work_dir`` and the store at ``url``, FakeBackend; clients of alice and bob."""
+async def replica(
+    work_dir: Path, url: str, name: str, heartbeat_s: float = 0.2, internal: str | None = None
+) -> AsyncIterator[Clients]:
+    """A service (``name``) on ``work_dir`` and the store at ``url``, FakeBackend; clients of alice and bob.
+    ``internal``: its internal URL (default: a free port of 127.0.0.1 where nothing listens: the owner of a job
+    is then unreachable, and a request for it answers 503; ``tests/unit/test_forwarding.py`` connects them)."""
     keys = f"alice:{hash_token(ALICE)},bob:{hash_token(BOB)}"
     app = create_app(
         Settings(
@@ -220,6 +226,8 @@ async def replica(work_dir: Path, url: str, name: str, heartbeat_s: float = 0.2)
             instance_id=name,
             store_url=url,
             store_timeout_s=2,
+            internal_secret=INTERNAL_SECRET,
+            internal_url=internal or f"http://127.0.0.1:{free_port()}",
             replica_heartbeat_s=heartbeat_s,
             replica_lease_s=5 * heartbeat_s,
         ),
@@ -256,7 +264,7 @@ async def test_any_replica_serves_an_ended_job_and_waits_for_a_running_one(postg
         started = await alice1.post("/execute", json={"script": held_until(flag), "wait_s": 0, "timeout_s": 30})
         assert started.status_code == 202, started.text
         job_id = started.json()["job_id"]
-        answer = await alice2.get(f"/jobs/{job_id}")  # running on t1: no forwarding yet
+        answer = await alice2.get(f"/jobs/{job_id}")  # running on t1, which cannot be reached
         assert answer.status_code == 503, answer.text
         assert answer.json()["type"].endswith("/owner-unavailable")
         assert 1 <= int(answer.headers["retry-after"]) <= 3

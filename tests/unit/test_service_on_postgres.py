@@ -58,6 +58,7 @@ def service(
             instance_id="pg-" + work_dir.name,
             store_url=url,
             store_timeout_s=2,
+            internal_secret="x" * 32,
         )
         app = create_app(settings, FakeBackend())
         async with app.router.lifespan_context(app):
@@ -351,6 +352,7 @@ async def test_each_replica_purges_its_own_ended_jobs(work_dir: Path, other_work
             instance_id="pg-" + folder.name,
             store_url=postgres_url,
             store_timeout_s=2,
+            internal_secret="x" * 32,
             job_retention_s=60,
         )
 

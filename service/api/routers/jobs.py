@@ -142,7 +142,7 @@ async def execute(
         job_id = request.state.job_id = claim.resource_id
         return await replay(request, lambda: job_answer(job_id, jobs, who, selection))
     try:
-        job = await jobs.submit(body, who.owner, admin=who.admin)
+        job = await jobs.submit(body, who.owner, admin=who.admin, internal=who.internal)
     except BaseException:
         if claim is not None:
             claim.release()  # nothing was created: a retry with this key may succeed

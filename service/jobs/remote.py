@@ -1,0 +1,135 @@
+"""The peers' client: a request relayed to the replica that owns its job or session, signed (``service.internal``),
+its answer streamed back (docs/scaling.md, Internal calls; issue 17, step 3).
+
+One ``httpx.AsyncClient`` for every peer: connect within ``CONNECT_S``, no read timeout (a relayed ``wait`` or
+event stream lasts as long as it lasts; the caller's own connection bounds it), no proxies from the environment,
+no egress rules (peers are the one destination the egress rules refuse to scripts' tools and callbacks). A peer
+refused, reset or silent before its answer's headers is ``OwnerUnavailable`` (503 ``owner-unavailable``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+import orjson
+
+from service import internal
+from service.errors import OwnerElsewhere
+
+log = logging.getLogger(__name__)
+
+CONNECT_S = 1.0
+"""Longest wait for a connection to a peer (s)."""
+MAX_CONNECTIONS = 256
+"""Connections open to the peers at most (all together)."""
+SENT_HEADERS = ("content-type", "idempotency-key", "last-event-id", "traceparent")
+"""The caller's headers a relayed request carries besides the internal ones (never its bearer token)."""
+RELAYED_HEADERS = (
+    "content-type",
+    "content-length",
+    "location",
+    "retry-after",
+    "idempotent-replayed",
+    "cache-control",
+    "x-offset",
+    "x-content-sha256",
+    "content-disposition",
+    "x-content-type-options",
+)
+"""The owner's answer headers relayed back to the caller."""
+
+
+class Remote:
+    """Requests to the other replicas.
+
+    Args:
+        secret: the first ``PTC_INTERNAL_SECRET`` (signs every request).
+        source: this replica's instance id (``Ptc-Internal-Source``).
+        transport: a transport for tests (default: httpx's own, over TCP).
+    """
+
+    def __init__(self, secret: bytes, source: str, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self._secret = secret
+        self._source = source
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=CONNECT_S),
+            limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=32),
+            trust_env=False,
+            follow_redirects=False,
+            transport=transport,
+        )
+
+    async def open(
+        self,
+        owner: OwnerElsewhere,
+        method: str,
+        path: str,
+        caller: str | None,
+        body: bytes = b"",
+        headers: Mapping[str, str] | None = None,
+    ) -> httpx.Response:
+        """Send one signed request to ``owner`` and return its answer once its headers arrived; the body is read
+        by the caller (``aiter_raw``), which must close it (``aclose``).
+
+        Args:
+            owner: where the job or session is (``OwnerElsewhere``: internal URL, incarnation).
+            method, path: the public route's method and raw path with its query string.
+            caller: the caller's key name (None: authentication disabled).
+            body: the raw body to send.
+            headers: the caller's headers to send along (only ``SENT_HEADERS`` are).
+
+        Raises:
+            OwnerUnavailable: the owner could not be reached, or failed before its answer's headers.
+        """
+        sent = {name: value for name, value in (headers or {}).items() if name.lower() in SENT_HEADERS}
+        sent["accept-encoding"] = "identity"
+        request = self._client.build_request(method, owner.url + path, content=body, headers=sent)
+        raw_path = request.url.raw_path.decode("ascii")
+        request.headers.update(
+            internal.signed_headers(
+                self._secret,
+                method,
+                raw_path,
+                caller,
+                self._source,
+                owner.target,
+                body,
+                request.headers.get("idempotency-key"),
+                request.headers.get("last-event-id"),
+            )
+        )
+        try:
+            return await self._client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            log.warning("the owner %s could not be reached: %s", owner.target, type(exc).__name__)
+            raise owner.unavailable() from exc
+
+    async def call_json(
+        self, owner: OwnerElsewhere, method: str, path: str, caller: str | None
+    ) -> tuple[int, dict[str, Any]]:
+        """One bodiless signed request whose answer is JSON (a view, or a problem): ``(status, parsed body)``.
+
+        Raises:
+            OwnerUnavailable: as ``open``, or the answer was cut or is not a JSON object.
+        """
+        response = await self.open(owner, method, path, caller)
+        try:
+            data = await response.aread()
+        except httpx.HTTPError as exc:
+            raise owner.unavailable() from exc
+        finally:
+            await response.aclose()
+        try:
+            parsed = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise owner.unavailable()
+        return response.status_code, parsed
+
+    async def aclose(self) -> None:
+        """Close the connections."""
+        await self._client.aclose()
