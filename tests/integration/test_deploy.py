@@ -186,8 +186,9 @@ def test_local_sh_replicas_up_job_through_balancer_down(engine: docker.DockerCli
             seen = httpx.get(f"http://127.0.0.1:{port}/jobs/{view['job_id']}", headers=headers, timeout=10)
             assert seen.status_code == 200, (port, seen.text)
             assert (seen.json()["status"], seen.json()["stdout"]) == ("succeeded", view["stdout"])
-        names = {c.name for c in engine.containers.list(filters={"label": f"com.docker.compose.project={project}"})}
-        assert {n.split("_")[1] for n in names} == {"ptc-sandbox", "ptc-sandbox-2", "store", "balancer"}, names
+        running = engine.containers.list(filters={"label": f"com.docker.compose.project={project}"})
+        services = {c.labels["com.docker.compose.service"] for c in running}
+        assert services == {"ptc-sandbox", "ptc-sandbox-2", "store", "balancer"}, services
         assert engine.networks.list(names=[f"{project}_default"]) == []  # host network only
     finally:
         down = local_sh("down")
