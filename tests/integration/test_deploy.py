@@ -133,7 +133,7 @@ def test_local_sh_replicas_up_job_through_balancer_down(engine: docker.DockerCli
     """``deploy/local.sh replicas`` end to end: images, env file, store, two replicas, HAProxy on 127.0.0.1:8080;
     a job through the balancer is the same job on both replicas; ``down`` leaves no container behind.
 
-    Opt-in (PTC_TEST_DEPLOY_REPLICAS=1): 2.5 to 4 minutes with the store and balancer images cached (most of it
+    Opt-in (PTC_TEST_DEPLOY_REPLICAS=1): 1.75 to 4 minutes with the store and balancer images cached (most of it
     building the service image), about 3 more from nothing, on a busy 2-core machine (docs/operations.md,
     Deployment: Replicas)."""
     if os.environ.get("PTC_TEST_DEPLOY_REPLICAS") != "1":
