@@ -12,6 +12,14 @@
 #   deploy/local.sh bench   set everything up, then run the benchmark (bench/; args passed on)
 #   deploy/local.sh bench --replicas 1|2   the same through HAProxy with 1 or 2 replicas on PostgreSQL
 #                           (bench/replicas.py; args passed on)
+#   deploy/local.sh replicas [up|down|env]   two replicas on a shared PostgreSQL behind HAProxy at 127.0.0.1:8080, in
+#                           containers (docker-compose.yml, profile "replicas"; docs/operations.md, Deployment:
+#                           replicas). `up` (the default) sets up the engine, writes $PTC_REPLICAS_DIR/replicas.env
+#                           once, builds the images that are missing (store and balancer:
+#                           deploy/replicas/build-images.sh) and the service image, starts the store, then the
+#                           rest, and waits until the balancer and both replicas are ready. `down` stops and
+#                           removes the containers (the store's data and the work dirs stay in PTC_REPLICAS_DIR).
+#                           `env` only writes the env file (once) and prints its path.
 #
 # Set-up is idempotent and skips what is already there:
 #   - a venv in .venv (Python >= 3.11) with the project installed (editable);
@@ -31,7 +39,9 @@
 #     `docker compose` works, Debian's
 #     prometheus (a real Prometheus scrapes the service in a test), and Debian's chromium
 #     (a headless browser renders /docs and /redoc with the network off in a test).
-# Env: PTC_TEST_STORE_URL (a PostgreSQL for the tests; default: the local cluster's ptc_test database),
+# Env: PTC_REPLICAS_DIR (replicas: env file, work dirs r1 and r2, the store's data; default /var/lib/ptc-sandbox),
+#      PTC_SERVICE_IMAGE (replicas: the service image's tag, default ptc-sandbox:latest),
+#      PTC_TEST_STORE_URL (a PostgreSQL for the tests; default: the local cluster's ptc_test database),
 #      PTC_SANDBOX_IMAGE (image tag), PTC_DATA_IMAGE (data image tag), PYTHON (interpreter for the venv),
 #      PTC_DOCKERD_LOG (default /var/log/ptc-dockerd.log),
 #      PTC_DOCKER_DAEMON_JSON (default /etc/docker/daemon.json),
@@ -243,8 +253,109 @@ setup() {
   if [ "${1:-}" = "[test]" ]; then setup_prometheus; setup_compose; setup_chromium; setup_haproxy; setup_postgres; fi
 }
 
+# The replicas' env file: written once (mode 0600), then it is the deployment's configuration (edit it, or
+# remove it to start over with new secrets). Ports and ids may be chosen when it is first written
+# (PTC_LB_PORT, PTC_REPLICA1_PORT, PTC_REPLICA2_PORT, PTC_PG_PORT, PTC_REPLICA1_ID, PTC_REPLICA2_ID,
+# COMPOSE_PROJECT_NAME); API keys: PTC_API_KEYS (name:sha256hex,...) when set then, else PTC_AUTH=disabled
+# (loopback only, as `serve`). Each replica gets half of this host (both drive the one engine).
+replicas_dir=${PTC_REPLICAS_DIR:-/var/lib/ptc-sandbox}
+replicas_env=$replicas_dir/replicas.env
+write_replicas_env() {
+  if [ -f "$replicas_env" ]; then return; fi
+  local mem_mb cpus half_cpus slots pg_port pg_password auth
+  mem_mb=$(awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo)
+  cpus=$(nproc)
+  half_cpus=$(awk -v c="$cpus" 'BEGIN {h = c / 2; if (h < 0.5) h = 0.5; print h}')
+  slots=$(( cpus > 1 ? cpus : 1 ))  # one service's default is 2 x CPUs: half of it each
+  pg_port=${PTC_PG_PORT:-5433}
+  pg_password=$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')
+  if [ -n "${PTC_API_KEYS:-}" ]; then auth="PTC_API_KEYS=$PTC_API_KEYS"; else auth="PTC_AUTH=disabled"; fi
+  as_root mkdir -p "$replicas_dir"
+  as_root sh -c "umask 077 && cat >'$replicas_env'" <<ENV
+# Written once by deploy/local.sh replicas (docker-compose.yml, profile "replicas"); keep it secret (mode 0600).
+COMPOSE_PROJECT_NAME=${COMPOSE_PROJECT_NAME:-ptc-replicas}
+PTC_SERVICE_IMAGE=${PTC_SERVICE_IMAGE:-ptc-sandbox:latest}
+PTC_SANDBOX_IMAGE=${PTC_SANDBOX_IMAGE:-ptc-sandbox-runtime:latest}
+PTC_DOCKER_GID=$(stat -c %g /var/run/docker.sock)
+PTC_HOST=127.0.0.1
+PTC_LB_PORT=${PTC_LB_PORT:-8080}
+PTC_PORT=${PTC_REPLICA1_PORT:-8081}
+PTC_INSTANCE_ID=${PTC_REPLICA1_ID:-r1}
+PTC_WORK_DIR=$replicas_dir/r1
+PTC_REPLICA2_PORT=${PTC_REPLICA2_PORT:-8082}
+PTC_REPLICA2_INSTANCE_ID=${PTC_REPLICA2_ID:-r2}
+PTC_REPLICA2_WORK_DIR=$replicas_dir/r2
+PTC_PG_PORT=$pg_port
+PTC_PG_DATA=$replicas_dir/postgres
+PTC_PG_PASSWORD=$pg_password
+PTC_STORE_URL=postgresql://ptc:$pg_password@127.0.0.1:$pg_port/ptc
+PTC_INTERNAL_SECRET=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
+PTC_TRUSTED_PROXIES=127.0.0.1
+PTC_HOST_MEMORY_MB=$(( mem_mb / 2 ))
+PTC_HOST_CPUS=$half_cpus
+PTC_MAX_CONCURRENT_SANDBOXES=$slots
+$auth
+ENV
+  log "wrote $replicas_env (mode 0600: the store's password and the internal secret)"
+}
+
+replicas_compose() {
+  local compose=(docker compose)
+  if ! docker compose version >/dev/null 2>&1; then compose=(docker-compose); fi
+  "${compose[@]}" --env-file "$replicas_env" -f "$root/docker-compose.yml" --profile replicas "$@"
+}
+
+# url_ok URL: true when URL answers 200 within 2 s.
+url_ok() { [ "$(curl -s -o /dev/null -m 2 -w '%{http_code}' "$1" 2>/dev/null)" = 200 ]; }
+
+replicas() {
+  local action=${1:-up}
+  case "$action" in
+    down)
+      if [ ! -f "$replicas_env" ]; then log "no $replicas_env: nothing to stop"; return; fi
+      set -a; . "$replicas_env"; set +a
+      replicas_compose down --timeout 20
+      return ;;
+    env) write_replicas_env; echo "$replicas_env"; return ;;
+    up) ;;
+    *) log "usage: deploy/local.sh replicas [up|down|env]"; exit 2 ;;
+  esac
+  setup_venv ""
+  setup_engine
+  setup_pid_max
+  setup_compose
+  write_replicas_env
+  # Exported too: Compose v1 fills `environment: [NAME]` entries from the shell, not from --env-file.
+  set -a; . "$replicas_env"; set +a
+  sandbox_image/build.sh >/dev/null  # the sandbox image (cached: seconds)
+  deploy/replicas/build-images.sh >/dev/null  # the store's and balancer's (cached: a second)
+  local base=ptc-sandbox-base:bookworm
+  if docker image inspect python:3.12-slim >/dev/null 2>&1; then base=python:3.12-slim; else sandbox_image/build.sh --base offline >/dev/null; fi
+  log "building the service image $PTC_SERVICE_IMAGE (offline, on $base)"
+  deploy/build-service-image.sh "$base" >/dev/null
+  log "starting the store"
+  replicas_compose up -d store
+  local store_id health=""
+  store_id=$(replicas_compose ps -q store)
+  for _ in $(seq 60); do
+    health=$(docker inspect --format '{{.State.Health.Status}}' "$store_id" 2>/dev/null || true)
+    if [ "$health" = healthy ]; then break; fi
+    sleep 1
+  done
+  if [ "$health" != healthy ]; then log "the store is not healthy after 60 s:"; docker logs --tail 20 "$store_id" >&2; exit 1; fi
+  log "starting the replicas and the balancer"
+  if docker compose version >/dev/null 2>&1; then replicas_compose up -d --wait; else replicas_compose up -d; fi
+  local url
+  for url in "http://127.0.0.1:$PTC_LB_PORT/readyz" "http://127.0.0.1:$PTC_PORT/readyz" "http://127.0.0.1:$PTC_REPLICA2_PORT/readyz"; do
+    for _ in $(seq 120); do if url_ok "$url"; then break; fi; sleep 1; done
+    if ! url_ok "$url"; then log "$url is not ready after 120 s"; replicas_compose ps >&2; exit 1; fi
+  done
+  log "ready: http://127.0.0.1:$PTC_LB_PORT (HAProxy over 127.0.0.1:$PTC_PORT and :$PTC_REPLICA2_PORT; settings in $replicas_env)"
+}
+
 case "${1:-}" in
   setup) setup "[test]" ;;
+  replicas) replicas "${2:-up}" ;;
   engine) setup_engine ;;
   postgres) setup_postgres; echo "$pg_test_url" ;;
   haproxy) setup_haproxy ;;
@@ -283,5 +394,5 @@ case "${1:-}" in
         .venv/bin/python -m bench.replicas "${@:2}" ;;
       *) .venv/bin/python -m bench "${@:2}" ;;
     esac ;;
-  *) sed -n "2,38p" "$0"; exit 2 ;;
+  *) sed -n "2,48p" "$0"; exit 2 ;;
 esac
