@@ -169,13 +169,15 @@ class Reaper:
     ) -> None:
         """Log each incarnation this scan expired (``replica`` ``expired``) and count the expiries, the jobs marked
         ``lost`` (also those of incarnations expired earlier) and the sessions marked ``broken``."""
+        earlier = ended.total()  # jobs of incarnations expired by an earlier scan (or another replica)
         for incarnation, silent_s in expired.items():
-            jobs = ended.pop(incarnation, 0)
+            jobs = ended.get(incarnation, 0)
+            earlier -= jobs
             logs.replica_expired(incarnation.instance_id, incarnation.epoch, silent_s, jobs, broken[incarnation])
             if self._metrics is not None:
                 self._metrics.replica_expired(jobs, broken[incarnation])
-        if self._metrics is not None and ended:
-            self._metrics.lease_expired_jobs.inc(ended.total())
+        if self._metrics is not None and earlier:
+            self._metrics.lease_expired_jobs.inc(earlier)
 
     async def break_sessions(self, incarnation: Incarnation) -> int:
         """Mark the open sessions of a dead incarnation ``broken`` (``JobStore.break_sessions``); how many this

@@ -321,6 +321,7 @@ async def replica(work_dir: Path, url: str, name: str, receiver: Receiver) -> As
             warm_pool_size=0,
             instance_id=name,
             store_url=url,
+            internal_secret="x" * 32,
             store_timeout_s=2,
             replica_heartbeat_s=0.2,
             replica_lease_s=1.0,
