@@ -150,7 +150,7 @@ class JobManager:
             ManifestError: a tool entry is unusable (names the entry and field).
             RequestLimitError: a limit exceeds its server maximum.
             InvalidField: an unknown toolset (another owner's included).
-            SessionNotFound: an unknown session (another owner's included).
+            SessionNotFound: an unknown session (another owner's included). SessionClosed: it ended.
             QueueFull: ``concurrency`` jobs run and ``max_queue`` wait already.
             QuotaExceeded: the owner is at one of its job quotas (``Quotas.admit_job``).
 
@@ -159,7 +159,7 @@ class JobManager:
         if request.session_id is not None:
             from service.auth import Caller
 
-            await self._sessions.locate(request.session_id, Caller(owner, admin, internal))
+            await self._sessions.locate_open(request.session_id, Caller(owner, admin, internal))
         admitted = await self._intake.admit(request, owner, admin)
         job = admitted.job
         self._runner.start(admitted).add_done_callback(lambda _: job.stored.set())

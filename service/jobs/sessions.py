@@ -216,6 +216,19 @@ class SessionJobs:
                     ) from None
             raise
 
+    async def locate_open(self, session_id: str, caller: Caller) -> Session:
+        """As ``locate``, for a request that runs something in the session (``POST /execute``): one that another
+        replica held and that ended (broken with its replica, say) raises SessionClosed, as a session ended here
+        does, instead of SessionNotFound."""
+        try:
+            return await self.locate(session_id, caller)
+        except SessionNotFound:
+            stored = await self._stored(session_id, caller)
+            if stored is None or stored.ended_at is None:
+                raise
+            error = json.loads(stored.view).get("error") or {}
+            raise SessionClosed(session_id, stored.status, str(error.get("message", ""))) from None
+
     async def _file_turn(self, session_id: str, caller: Caller) -> Session:
         """The caller's open session (SessionNotFound for another owner's, SessionClosed once ended)."""
         session = await self.locate(session_id, caller)

@@ -36,6 +36,7 @@ REPLICA_ENV = {
     "PTC_REPLICA_SCAN_S": "0.5",
     "PTC_PROGRESS_SAVE_S": "0.5",
     "PTC_QUOTA_RUNNING_JOBS": "4",  # the kill test's three running jobs on one replica, of one key
+    "PTC_CALLBACK_SECRET": "the-replicas-callback-secret",  # the same on both: either may deliver a callback
 }
 """Settings of both replicas (docs/scaling.md, Tests): short heartbeats and leases."""
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable
+from contextlib import closing
 from typing import Any
 
 import docker
@@ -17,15 +19,18 @@ import orjson
 import psycopg
 
 from tests import pgstore
-from tests.conftest import labelled_containers
+from tests.conftest import labelled_containers, wait_until
 from tests.integration import replicas
 from tests.integration.replicas import Cluster
 from tests.toolserver import ToolServer
+from tests.unit.test_jobs import Receiver
 
 cluster = replicas.cluster
 
-ROUND_ROBIN_JOBS = 40
-"""Jobs of the round-robin test (the issue's closing figures use 200: ``deploy/local.sh bench --replicas``)."""
+ROUND_ROBIN_JOBS = 200
+"""Jobs of the round-robin test (issue 17: 200 through the balancer)."""
+ROUND_ROBIN_WAVE = 40
+"""Submitted at once, then waited for: within the key's quota of jobs running or queued on each replica."""
 ENDED = ("succeeded", "failed", "timeout", "stopped", "lost")
 
 
@@ -66,12 +71,17 @@ def test_replicas_round_robin(cluster: Cluster, tool_server: ToolServer) -> None
         assert waited.status_code == 200, waited.text
         assert (waited.json()["status"], waited.json()["stdout"]) == ("succeeded", "slow\nend\n")
 
-        job_ids: list[str] = []
-        for i in range(ROUND_ROBIN_JOBS):
+        def submit(i: int) -> str:
             script = f"import tools\nprint('job {i}')\nprint(tools.lookup(text='arg-{i}'))\n"
             answer = lb.post("/execute", json={"script": script, "tools": tools, "wait_s": 0, "timeout_s": 120})
             assert answer.status_code in (200, 202), answer.text
-            job_ids.append(answer.json()["job_id"])
+            return str(answer.json()["job_id"])
+
+        job_ids: list[str] = []
+        for wave in range(0, ROUND_ROBIN_JOBS, ROUND_ROBIN_WAVE):  # under the key's quota of jobs running or queued
+            job_ids += [submit(i) for i in range(wave, min(wave + ROUND_ROBIN_WAVE, ROUND_ROBIN_JOBS))]
+            for job_id in job_ids[wave:]:
+                assert lb.post(f"/jobs/{job_id}/wait", params={"timeout_s": 120}).status_code == 200
         owned = owners(cluster)
         ran = {name: sum(owned[j] == name for j in job_ids) for name in ("t1", "t2")}
         assert ran["t1"] > 0 and ran["t2"] > 0, ran  # round-robin: both replicas ran some
@@ -270,10 +280,11 @@ def epoch_of(cluster: Cluster, name: str) -> tuple[int, str]:
     return int(row[0]), str(row[1])
 
 
-def started(client: Any, script: str = LONG) -> str:
-    """Submit ``script`` without waiting; its job id once it printed its first line."""
+def started(client: Any, script: str = LONG, **extra: Any) -> str:
+    """Submit ``script`` (with ``extra`` fields) without waiting; its job id once it printed its first line."""
     small = {"cpus": 0.25, "memory_mb": 64}  # five at once on two replicas sharing two CPUs
-    answer = client.post("/execute", json={"script": script, "wait_s": 0, "timeout_s": 600, "limits": small})
+    body = {"script": script, "wait_s": 0, "timeout_s": 600, "limits": small, **extra}
+    answer = client.post("/execute", json=body)
     assert answer.status_code == 202, answer.text
     job_id = str(answer.json()["job_id"])
     deadline = time.monotonic() + 60
@@ -288,15 +299,24 @@ def started(client: Any, script: str = LONG) -> str:
 def test_replicas_kill_9(
     cluster: Cluster, engine: docker.DockerClient, record_property: Callable[[str, object], None]
 ) -> None:
-    with cluster.client(cluster.t1.url) as c1, cluster.client(cluster.t2.url) as c2:
+    receiver = Receiver(failures=0)  # counts every delivery: each callback must arrive exactly once
+    hook = {"callback_url": receiver.url}
+    with cluster.client(cluster.t1.url) as c1, cluster.client(cluster.t2.url) as c2, closing(receiver):
         ended_ids = []
         for i in range(10):
-            answer = c2.post("/execute", json={"script": f"print('ended {i}')\nprint('x' * {i * 1000})"})
+            body = {"script": f"print('ended {i}')\nprint('x' * {i * 1000})", **hook}
+            answer = c2.post("/execute", json=body)
             assert answer.status_code == 200 and answer.json()["status"] == "succeeded", answer.text
             ended_ids.append(answer.json()["job_id"])
+        wait_until(lambda: all(c1.get(f"/jobs/{j}").json()["callback"]["state"] == "delivered" for j in ended_ids), 30)
         before = {j: (c1.get(f"/jobs/{j}").content, c1.get(f"/jobs/{j}/output/stdout").content) for j in ended_ids}
+        session = c2.post("/sessions", json={"idle_timeout_s": 600})
+        assert session.status_code == 201, session.text
+        session_id = session.json()["session_id"]
+        ran = c2.post("/execute", json={"script": "x = 1\nprint(x)", "session_id": session_id})
+        assert ran.status_code == 200 and ran.json()["stdout"] == "1\n", ran.text
         on_t1 = [started(c1) for _ in range(2)]
-        on_t2 = [started(c2) for _ in range(3)]
+        on_t2 = [started(c2, **hook) for _ in range(3)]
         time.sleep(1.5)  # three progress saves (PTC_PROGRESS_SAVE_S=0.5): the printed line is in the store
         t1_containers = {c.id for c in labelled_containers(engine, cluster.t1.instance_id, include_pool=True)}
         t1_sandboxes = {c1.get(f"/jobs/{job_id}").json()["sandbox_id"] for job_id in on_t1}
@@ -321,6 +341,23 @@ def test_replicas_kill_9(
             output = c1.get(f"/jobs/{view['job_id']}/output/stdout")
             assert output.status_code == 200 and output.content == b"before\n"
         assert epoch_of(cluster, "t2")[1] == "expired"
+        broken = c1.get(f"/sessions/{session_id}")  # from the store: its replica is gone
+        assert broken.status_code == 200 and broken.json()["status"] == "broken", broken.text
+        assert c1.post("/execute", json={"script": "print(x)", "session_id": session_id}).status_code == 409
+
+        # Every callback exactly once: the ten delivered before the kill, the three lost jobs' by t1 (a real receiver
+        # counts them by webhook-id, after a pause for any duplicate to arrive).
+        expected = {f"msg_{job_id}" for job_id in ended_ids + on_t2}
+
+        def ids() -> list[str | None]:
+            return [{k.lower(): v for k, v in h.items()}.get("webhook-id") for _, h, _ in receiver.deliveries]
+
+        wait_until(lambda: set(ids()) >= expected, 30)
+        time.sleep(2)
+        counted = Counter(ids())
+        assert counted == dict.fromkeys(expected, 1), counted
+        for job_id in on_t2:
+            assert c1.get(f"/jobs/{job_id}").json()["callback"]["state"] == "delivered"
 
         for job_id, (stored_view, stored_output) in before.items():  # byte-identical from t1 after the kill
             assert c1.get(f"/jobs/{job_id}").content == stored_view
