@@ -133,11 +133,9 @@ def test_local_sh_replicas_up_job_through_balancer_down(engine: docker.DockerCli
     """``deploy/local.sh replicas`` end to end: images, env file, store, two replicas, HAProxy on 127.0.0.1:8080;
     a job through the balancer is the same job on both replicas; ``down`` leaves no container behind.
 
-    Opt-in (PTC_TEST_DEPLOY_REPLICAS=1): 1.75 to 4 minutes with the store and balancer images cached (most of it
-    building the service image), about 3 more from nothing, on a busy 2-core machine (docs/operations.md,
-    Deployment: Replicas)."""
-    if os.environ.get("PTC_TEST_DEPLOY_REPLICAS") != "1":
-        pytest.skip("opt-in: PTC_TEST_DEPLOY_REPLICAS=1 (builds images and uses ports 8080-8082 and 5433)")
+    1.75 to 4 minutes with the store and balancer images cached (most of it building the service image), about 1
+    to 3 more from nothing (deploy/replicas/build-images.sh), on a 2-core machine (docs/operations.md, Deployment:
+    Replicas). Uses the fixed ports 8080-8082 and 5433 of the profile: skipped when one is taken."""
     busy = [port for port in REPLICAS_PORTS if _port_in_use(port)]
     if busy:
         pytest.skip(f"ports in use on 127.0.0.1: {busy}")

@@ -478,14 +478,11 @@ def test_planned_sandbox_pod_keeps_the_docker_backends_hardening() -> None:
 
 # Settings the replicas' files pass that the settings model does not have yet: PTC_INTERNAL_SECRET comes with
 # forwarding (docs/scaling.md, step 3).
-SETTINGS_OF_REPLICAS = {"PTC_INTERNAL_SECRET"}
-
-
 REPLICAS_PROFILE = {"work-dir-2", "ptc-sandbox-2", "store", "balancer"}
 
 
 def known_settings() -> set[str]:
-    return {f"PTC_{name.upper()}" for name in Settings.model_fields} | SETTINGS_OF_AUTH | SETTINGS_OF_REPLICAS
+    return {f"PTC_{name.upper()}" for name in Settings.model_fields} | SETTINGS_OF_AUTH
 
 
 def need_root() -> None:
