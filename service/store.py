@@ -525,6 +525,12 @@ class JobStore(abc.ABC):
         replica, whose own leftovers its start-up marks)."""
         return []
 
+    async def orphan_sessions(self) -> list[Incarnation]:
+        """The incarnations that hold sessions not ended and are not live or draining (expired by a replica that
+        stopped before it marked their sessions ``broken``, or replaced by a later epoch): for
+        ``break_sessions``. ``[]`` on SQLite (one replica)."""
+        return []
+
     @abc.abstractmethod
     async def save_session(self, session: StoredSession, incarnation: Incarnation) -> bool:
         """Save a session ``incarnation`` holds (at its creation and at its end), fenced like ``save``: inserted

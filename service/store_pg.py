@@ -791,6 +791,16 @@ class PostgresJobStore(JobStore):
 
         return await self._call("orphans", run)
 
+    async def orphan_sessions(self) -> list[Incarnation]:
+        r, c = replicas.c, sessions.c
+        alive = sa.exists().where(r.instance_id == c.instance_id, r.epoch == c.instance_epoch, r.state.in_(LIVE_STATES))
+        statement = sa.select(c.instance_id, c.instance_epoch).where(c.ended_at.is_(None), ~alive).distinct()
+
+        async def run(conn: AsyncConnection) -> list[Incarnation]:
+            return [Incarnation(row.instance_id, int(row.instance_epoch)) for row in await conn.execute(statement)]
+
+        return await self._call("orphan_sessions", run)
+
     async def register(self, registration: Registration) -> int:
         r = replicas.c
         lease = sa.func.now() + _seconds(registration.lease_s)

@@ -5,7 +5,7 @@ live replica of a shared store:
 
 1. **expires** each incarnation whose lease passed (``JobStore.expire_replicas``: ``FOR UPDATE SKIP LOCKED``,
    each by one replica, ``NOTIFY ptc_replicas``), logs ``replica expired`` and breaks its sessions
-   (``break_sessions``);
+   (``break_sessions``), and those of any other incarnation that is not live (``JobStore.orphan_sessions``);
 2. **ends its orphans**, ``ORPHAN_BATCH`` at a time: unended jobs whose incarnation is not live or draining
    (``JobStore.orphans``) are saved ``lost`` with the error type ``replica_lost``, their pending calls cancelled,
    their output and call records as of their owner's last progress save (``service.jobs.progress``): the
@@ -147,6 +147,9 @@ class Reaper:
         me = self._replicas.incarnation.instance_id
         expired = await self._store.expire_replicas(me)
         broken = {incarnation: await self.break_sessions(incarnation) for incarnation in expired}
+        for incarnation in await self._store.orphan_sessions():  # left by a reaper that stopped half-way
+            if incarnation not in broken and (late := await self.break_sessions(incarnation)) and self._metrics:
+                self._metrics.lease_expired_sessions.inc(late)
         if expired:
             self._replicas.refresh_soon()
         ended: Counter[Incarnation] = Counter()

@@ -266,3 +266,24 @@ async def test_the_lease_is_renewed_while_the_start_up_sweep_runs(tmp_path: Path
         recovery.release()
         await replicas.close()
         await store.close()
+
+
+async def test_sessions_of_a_dead_replica_are_broken_by_a_reaper_even_after_another_expired_it(
+    postgres_url: str, parts: Parts, tmp_path: Path
+) -> None:
+    from tests.unit.test_forwarding import stored_session
+
+    async with stores(postgres_url, 1) as (store,):
+        await dead_replica_with_jobs(store, parts, 0)
+        assert await store.save_session(stored_session("ses_a"), DEAD)
+        assert await store.save_session(stored_session("ses_b"), DEAD)
+        await asyncio.sleep(0.5)  # r1's lease passes
+        assert list(await store.expire_replicas("r3")) == [DEAD]  # r3 expired it, then stopped before the rest
+        assert {s.session_id for s in await store.open_sessions(None)} == {"ses_a", "ses_b"}
+        assert await store.orphan_sessions() == [DEAD]
+        await reaper(store, ALIVE, tmp_path, []).scan()  # r2's next scan finds them
+        assert await store.open_sessions(None) == []
+        for session_id in ("ses_a", "ses_b"):
+            broken = await store.get_session(session_id)
+            assert broken is not None and broken.status == "broken"
+        assert await store.orphan_sessions() == []
