@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -359,3 +359,14 @@ def make_store(store_kind: str, request: pytest.FixtureRequest, tmp_path: Path) 
         return lambda: SQLiteJobStore(tmp_path / "jobs.sqlite3")
     url = request.getfixturevalue("postgres_url")
     return lambda: PostgresJobStore(url, timeout_s=5.0)
+
+
+@pytest.fixture
+async def store(make_store: Callable[[], Any]) -> AsyncIterator[Any]:
+    """An opened job store of each kind in turn (``store_kind``: SQLite, PostgreSQL), closed after the test."""
+    opened = make_store()
+    await opened.open()
+    try:
+        yield opened
+    finally:
+        await opened.close()

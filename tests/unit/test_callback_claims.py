@@ -35,16 +35,6 @@ from service.store_schema import callbacks
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
-@pytest.fixture
-async def store(make_store: Callable[[], JobStore]) -> AsyncIterator[JobStore]:
-    opened = make_store()
-    await opened.open()
-    try:
-        yield opened
-    finally:
-        await opened.close()
-
-
 def registration(instance: str, token: str = "a" * 64) -> Registration:
     return Registration(instance, f"http://127.0.0.1:80{len(instance)}", token, "0.test", 10.0)
 

@@ -146,16 +146,6 @@ async def test_the_egress_rules_refuse_the_replicas_internal_addresses() -> None
 # -- sessions in the store, both stores ------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def store(make_store: Callable[[], JobStore]) -> AsyncIterator[JobStore]:
-    opened = make_store()
-    await opened.open()
-    try:
-        yield opened
-    finally:
-        await opened.close()
-
-
 def stored_session(session_id: str, owner: str = "alice", ended: bool = False, epoch: int = 1) -> StoredSession:
     created = datetime(2026, 1, 1, tzinfo=UTC)
     view = {"session_id": session_id, "status": "closed" if ended else "ready", "owner": owner, "queued": 0}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -81,17 +81,6 @@ def test_the_fingerprint_covers_route_query_and_body() -> None:
 
 
 # -- the store's table -----------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def store(make_store: Callable[[], JobStore]) -> AsyncIterator[JobStore]:
-    """Each job store kind in turn (SQLite, PostgreSQL: ``tests/conftest.py``'s ``make_store``)."""
-    opened = make_store()
-    await opened.open()
-    try:
-        yield opened
-    finally:
-        await opened.close()
 
 
 def job(job_id: str, ended_at: datetime | None) -> StoredJob:

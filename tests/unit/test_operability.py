@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -233,16 +233,6 @@ class Sweeper(FakeBackend):
     async def remove_labelled(self, labels: Mapping[str, str]) -> int:
         self.removals.append(dict(labels))
         return 2
-
-
-@pytest.fixture
-async def store(make_store: Callable[[], JobStore]) -> AsyncIterator[JobStore]:
-    opened = make_store()
-    await opened.open()
-    try:
-        yield opened
-    finally:
-        await opened.close()
 
 
 def registration(instance: str, lease_s: float = 30.0) -> Registration:

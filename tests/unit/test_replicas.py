@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,16 +31,6 @@ from tests.conftest import free_port
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 INTERNAL_SECRET = "replicas-internal-secret-for-tests-0123456789"
-
-
-@pytest.fixture
-async def store(make_store: Callable[[], JobStore]) -> AsyncIterator[JobStore]:
-    opened = make_store()
-    await opened.open()
-    try:
-        yield opened
-    finally:
-        await opened.close()
 
 
 def registration(instance: str = "r1", token: str = "a" * 64, lease_s: float = 10.0) -> Registration:

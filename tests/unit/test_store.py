@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import sqlite3
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -33,16 +33,6 @@ from service.store import (
 from service.store_pg import PostgresJobStore, async_url, safe_url
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
-
-
-@pytest.fixture
-async def store(make_store: Callable[[], JobStore]) -> AsyncIterator[JobStore]:
-    opened = make_store()
-    await opened.open()
-    try:
-        yield opened
-    finally:
-        await opened.close()
 
 
 def job(
