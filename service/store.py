@@ -36,8 +36,9 @@ import hashlib
 import json
 import os
 import sqlite3
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -623,6 +624,19 @@ WHERE jobs.instance_id = excluded.instance_id AND jobs.instance_epoch = excluded
 while the row is still its and not ended."""
 
 
+@contextmanager
+def _transaction(db: sqlite3.Connection, immediate: bool = False) -> Iterator[None]:
+    """One transaction on the SQLite store's thread: committed when the block ends (a ``return`` in it too), rolled
+    back when it raises. ``immediate``: take the file's write lock at once (a read then a write as one step)."""
+    db.execute("BEGIN IMMEDIATE" if immediate else "BEGIN")
+    try:
+        yield
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
 def _live(db: sqlite3.Connection, incarnation: Incarnation) -> bool:
     """Whether ``incarnation`` is live or draining in the SQLite store's registry, its lease holding."""
     row = db.execute(
@@ -821,8 +835,7 @@ class SQLiteJobStore(JobStore):
         def claim(db: sqlite3.Connection) -> list[CallbackClaim]:
             if not db.execute(_CLAIMABLE, (datetime.now(UTC).isoformat(), 1)).fetchall():
                 return []  # the usual answer of a scan: no write lock taken for it
-            db.execute("BEGIN IMMEDIATE")  # the file's write lock: one claim at a time
-            try:
+            with _transaction(db, immediate=True):  # the file's write lock: one claim at a time
                 if not _live(db, incarnation):
                     chosen: list[CallbackClaim] = []
                 else:
@@ -832,10 +845,6 @@ class SQLiteJobStore(JobStore):
                         "UPDATE callbacks SET state = 'delivering', claimed_by = ?, claimed_epoch = ? WHERE job_id = ?",
                         [(incarnation.instance_id, incarnation.epoch, c.job_id) for c in chosen],
                     ).close()
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
             return chosen
 
         return await self._run(claim)
@@ -865,8 +874,7 @@ class SQLiteJobStore(JobStore):
 
     async def save_lost(self, job: StoredJob) -> bool:
         def end(db: sqlite3.Connection) -> bool:
-            db.execute("BEGIN")  # one transaction: never an ended job without its callback's row
-            try:
+            with _transaction(db):  # one transaction: never an ended job without its callback's row
                 ended = db.execute(
                     "UPDATE jobs SET status = ?, ended_at = ?, view = ?, summary = ?, callback_pending = ? "
                     "WHERE job_id = ? AND ended_at IS NULL",
@@ -885,10 +893,6 @@ class SQLiteJobStore(JobStore):
                         "VALUES (?, 'pending', 0, ?)",
                         (job.job_id, datetime.now(UTC).isoformat()),
                     )
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
             return ended > 0
 
         return await self._run(end)
@@ -898,8 +902,7 @@ class SQLiteJobStore(JobStore):
             cutoff = ended_before.isoformat()
             expired = "SELECT job_id FROM jobs WHERE ended_at < ? AND (? IS NULL OR instance_id = ?)"
             given = (cutoff, instance_id, instance_id)
-            db.execute("BEGIN")  # one transaction: a job never goes without its idempotency key, nor the reverse
-            try:
+            with _transaction(db):  # one transaction: a job never goes without its idempotency key, nor the reverse
                 ids = [r[0] for r in db.execute(expired, given)]
                 db.execute(f"DELETE FROM idempotency_keys WHERE kind = 'job' AND resource_id IN ({expired})", given)
                 db.execute(f"DELETE FROM job_blobs WHERE job_id IN ({expired})", given)
@@ -912,10 +915,6 @@ class SQLiteJobStore(JobStore):
                     "(SELECT 1 FROM jobs WHERE jobs.job_id = idempotency_keys.resource_id)",
                     (cutoff,),
                 )
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
             return ids
 
         return await self._run(delete)
@@ -950,8 +949,7 @@ class SQLiteJobStore(JobStore):
         self, claim: KeyClaim, created_at: datetime, orphan: str | None = None
     ) -> IdempotencyRecord | KeyClaim:
         def take(db: sqlite3.Connection) -> IdempotencyRecord | KeyClaim:
-            db.execute("BEGIN IMMEDIATE")  # the file's write lock: the read and the write below are one step
-            try:
+            with _transaction(db, immediate=True):  # the file's write lock: the read and the write below are one step
                 row = db.execute(
                     f"SELECT {_CLAIM_COLUMNS} FROM idempotency_keys WHERE owner = ? AND key = ?",
                     (claim.owner, claim.key),
@@ -973,10 +971,6 @@ class SQLiteJobStore(JobStore):
                         (claim.fingerprint, claim.kind, created_at.isoformat(), *claimer, claim.owner, claim.key),
                     )
                     held = claim
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
             return held
 
         return await self._run(take)
@@ -1022,18 +1016,13 @@ class SQLiteJobStore(JobStore):
 
     async def put_toolset(self, toolset_id: str, manifest: bytes, owner: str) -> None:
         def insert(db: sqlite3.Connection) -> None:
-            db.execute("BEGIN")  # one transaction: never a toolset without its owner
-            try:
+            with _transaction(db):  # one transaction: never a toolset without its owner
                 db.execute(
                     "INSERT OR IGNORE INTO toolsets (toolset_id, manifest) VALUES (?, ?)", (toolset_id, manifest)
                 )
                 db.execute(
                     "INSERT OR IGNORE INTO toolset_owners (toolset_id, owner) VALUES (?, ?)", (toolset_id, owner)
                 )
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
 
         await self._run(insert)
 
@@ -1099,8 +1088,7 @@ class SQLiteJobStore(JobStore):
         delivering = job.ended_at is not None and job.callback_pending
 
         def save(db: sqlite3.Connection) -> bool:
-            db.execute("BEGIN")  # one transaction: the end and its callback's row, claimed by the owner
-            try:
+            with _transaction(db):  # one transaction: the end and its callback's row, claimed by the owner
                 written = db.execute(_FENCED_SAVE, values).rowcount > 0
                 if written and delivering:
                     db.execute(
@@ -1108,10 +1096,6 @@ class SQLiteJobStore(JobStore):
                         "next_attempt_at) VALUES (?, 'delivering', ?, ?, 0, ?)",
                         (job.job_id, incarnation.instance_id, incarnation.epoch, datetime.now(UTC).isoformat()),
                     )
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
             return written
 
         return await self._run(save)
@@ -1120,8 +1104,7 @@ class SQLiteJobStore(JobStore):
         def register(db: sqlite3.Connection) -> int:
             now = datetime.now(UTC)
             lease = (now + timedelta(seconds=registration.lease_s)).isoformat()
-            db.execute("BEGIN IMMEDIATE")  # the file's write lock: one registration at a time
-            try:
+            with _transaction(db, immediate=True):  # the file's write lock: one registration at a time
                 for other, state, until in db.execute(
                     "SELECT instance_id, state, lease_until FROM replicas WHERE instance_id != ?",
                     (registration.instance_id,),
@@ -1156,10 +1139,6 @@ class SQLiteJobStore(JobStore):
                         lease,
                     ),
                 )
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
             return epoch
 
         return await self._run(register)
