@@ -438,3 +438,30 @@ async def test_the_mcp_front_relays_get_wait_and_stop(postgres_url: str, short: 
             stopped = await session.call_tool("stop_job", {"job_id": job_id})
             assert stopped.structuredContent is not None and stopped.structuredContent["status"] == "stopped"
         assert counted(app1, "ptc_internal_requests", outcome="accepted") == 3
+
+
+async def test_a_repeated_key_on_the_other_replica_is_replayed_by_the_owner(postgres_url: str, short: Path) -> None:
+    """A client retrying through the balancer: the repeat of a job still running, or of a session still open,
+    lands on the replica that does not hold it and is relayed to the owner, which replays it (not a 503)."""
+    flag = short / "flag"
+    async with pair(postgres_url, short) as (app1, app2, alice1, alice2, bob2):
+        body = {"script": held_until(flag), "wait_s": 0, "timeout_s": 30}
+        first = await alice1.post("/execute", json=body, headers={"Idempotency-Key": "job-1"})
+        assert first.status_code == 202, first.text
+        again = await alice2.post("/execute", json=body, headers={"Idempotency-Key": "job-1"})
+        assert again.status_code == 202, again.text
+        assert again.json()["job_id"] == first.json()["job_id"]
+        assert again.headers["idempotent-replayed"] == "true"
+        flag.touch()
+
+        session = await alice1.post("/sessions", json={}, headers={"Idempotency-Key": "ses-1"})
+        assert session.status_code == 201, session.text
+        repeat = await alice2.post("/sessions", json={}, headers={"Idempotency-Key": "ses-1"})
+        assert repeat.status_code == 201, repeat.text
+        assert repeat.json()["session_id"] == session.json()["session_id"]
+        assert repeat.headers["idempotent-replayed"] == "true"
+        bobs = await bob2.post("/sessions", json={}, headers={"Idempotency-Key": "ses-1"})  # bob's key: his own
+        assert bobs.status_code == 201 and bobs.json()["session_id"] != session.json()["session_id"]
+        assert "idempotent-replayed" not in bobs.headers
+        assert counted(app2, "ptc_forwarded_requests", route="/sessions", outcome="relayed") == 1
+        assert app1.state.jobs is not None
