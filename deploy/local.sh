@@ -290,6 +290,7 @@ PTC_PG_DATA=$replicas_dir/postgres
 PTC_PG_PASSWORD=$pg_password
 PTC_STORE_URL=postgresql://ptc:$pg_password@127.0.0.1:$pg_port/ptc
 PTC_INTERNAL_SECRET=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
+PTC_CALLBACK_SECRET=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
 PTC_TRUSTED_PROXIES=127.0.0.1
 PTC_HOST_MEMORY_MB=$(( mem_mb / 2 ))
 PTC_HOST_CPUS=$half_cpus
@@ -309,7 +310,8 @@ replicas_compose() {
 url_ok() { [ "$(curl -s -o /dev/null -m 2 -w '%{http_code}' "$1" 2>/dev/null)" = 200 ]; }
 
 replicas() {
-  local action=${1:-up}
+  local action=${1:-up} build=""
+  if [ "${2:-}" = --build ]; then build=1; elif [ -n "${2:-}" ]; then action=bad; fi
   case "$action" in
     down)
       if [ ! -f "$replicas_env" ]; then log "no $replicas_env: nothing to stop"; return; fi
@@ -318,7 +320,7 @@ replicas() {
       return ;;
     env) write_replicas_env; echo "$replicas_env"; return ;;
     up) ;;
-    *) log "usage: deploy/local.sh replicas [up|down|env]"; exit 2 ;;
+    *) log "usage: deploy/local.sh replicas [up [--build]|down|env]"; exit 2 ;;
   esac
   setup_venv ""
   setup_engine
@@ -331,8 +333,12 @@ replicas() {
   deploy/replicas/build-images.sh >/dev/null  # the store's and balancer's (cached: a second)
   local base=ptc-sandbox-base:bookworm
   if docker image inspect python:3.12-slim >/dev/null 2>&1; then base=python:3.12-slim; else sandbox_image/build.sh --base offline >/dev/null; fi
-  log "building the service image $PTC_SERVICE_IMAGE (offline, on $base)"
-  deploy/build-service-image.sh "$base" >/dev/null
+  # Built when missing or asked (--build): a new image id makes Compose recreate both replicas, which ends their
+  # running jobs and sessions; a re-run without changes must leave a healthy replica alone.
+  if [ -n "$build" ] || ! docker image inspect "$PTC_SERVICE_IMAGE" >/dev/null 2>&1; then
+    log "building the service image $PTC_SERVICE_IMAGE (offline, on $base)"
+    deploy/build-service-image.sh "$base" >/dev/null
+  fi
   log "starting the store"
   replicas_compose up -d store
   local store_id health=""

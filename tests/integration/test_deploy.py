@@ -165,7 +165,7 @@ def test_local_sh_replicas_up_job_through_balancer_down(engine: docker.DockerCli
         )
 
     try:
-        up = local_sh("up")
+        up = local_sh("up", "--build")  # its tag may hold an older build of this tree
         assert up.returncode == 0, up.stdout + up.stderr
         assert (folder / "replicas.env").stat().st_mode & 0o777 == 0o600
         headers = {"Authorization": f"Bearer {api_key}"}

@@ -519,6 +519,7 @@ def test_replicas_env_file_is_written_once_with_random_secrets(tmp_path: Path) -
     assert first["PTC_REPLICA2_WORK_DIR"] == str(tmp_path / "a" / "r2")
     password = first["PTC_PG_PASSWORD"]
     assert len(password) >= 32 and len(first["PTC_INTERNAL_SECRET"]) >= 32
+    assert len(first["PTC_CALLBACK_SECRET"]) >= 32  # callbacks need one, and either replica may deliver
     assert first["PTC_STORE_URL"] == f"postgresql://ptc:{password}@127.0.0.1:{first['PTC_PG_PORT']}/ptc"
     # Half the host each: both replicas drive the one engine.
     memory_mb = int(Path("/proc/meminfo").read_text().split()[1]) // 1024
@@ -532,6 +533,7 @@ def test_replicas_env_file_is_written_once_with_random_secrets(tmp_path: Path) -
     assert again == first
     other = replicas_env(tmp_path / "b", PTC_API_KEYS="agent:" + "0" * 64, PTC_LB_PORT="9080")
     assert other["PTC_PG_PASSWORD"] != password and other["PTC_INTERNAL_SECRET"] != first["PTC_INTERNAL_SECRET"]
+    assert other["PTC_CALLBACK_SECRET"] != first["PTC_CALLBACK_SECRET"]
     assert other["PTC_API_KEYS"] == "agent:" + "0" * 64 and "PTC_AUTH" not in other and other["PTC_LB_PORT"] == "9080"
 
 
