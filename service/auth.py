@@ -339,15 +339,22 @@ class BearerAuth:
 
     async def _internal(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A signed request of another replica: read its body, verify it, run it as its caller (or refuse it)."""
-        body, complete = b"", False
+        # pieces joined once: before the signature is checked, anyone may send a body in tiny pieces, and
+        # ``body += piece`` copied the whole body at each one (quadratic, on the event loop)
+        pieces: list[bytes] = []
+        size, complete = 0, False
         while not complete:
             message = await receive()
             if message["type"] != "http.request":
                 return  # the client went away
-            body += message.get("body", b"")
+            piece = message.get("body", b"")
+            pieces.append(piece)
+            size += len(piece)
             complete = not message.get("more_body", False)
-            if len(body) > self.body_limit:
+            if size > self.body_limit:
                 break
+        body = b"".join(pieces)
+        del pieces
         headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope.get("headers") or ()}
         raw_path = (scope.get("raw_path") or scope["path"].encode()).split(b"?", 1)[0]
         query = scope.get("query_string") or b""
