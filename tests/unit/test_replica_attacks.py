@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
 from service import internal
 from service.auth import BearerAuth, KeyRing, hash_token, parse_keys
+from service.errors import OwnerElsewhere, QuotaExceeded
+from service.jobs import remote as remote_module
+from service.jobs.remote import Remote
 
 SECRET = b"s" * 32
 
@@ -52,3 +56,66 @@ async def test_a_forged_signed_request_trickling_its_body_costs_linear_time() ->
     assert sent == pieces
     assert answers[0]["status"] == 401
     assert verifier.counts == {"bad_signature": 1}
+
+
+class HoldingPeer:
+    """A peer on 127.0.0.1 answering ``/hold`` with the headers of an endless stream (a relayed event stream or
+    wait) and anything else at once."""
+
+    def __init__(self) -> None:
+        self.server: asyncio.Server | None = None
+        self.held: list[asyncio.StreamWriter] = []
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        for writer in self.held:
+            writer.close()
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        stream = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith(b"GET /hold"):
+                    writer.write(stream)
+                    await writer.drain()
+                    self.held.append(writer)
+                    return
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+
+async def test_one_keys_held_relays_leave_the_peers_connections_to_the_others() -> None:
+    """A tenant holding many relayed event streams (or waits) of its own jobs running on another replica must not
+    take every connection of the peers' client: the others' relayed requests used to wait for one for ever (no
+    pool timeout). One key holds at most ``MAX_PER_CALLER`` relays at once; past it a 429 (``relayed_requests``)."""
+    async with HoldingPeer() as url:
+        remote = Remote(SECRET, "t2")
+        owner = OwnerElsewhere("job", "job_x", "t1", 1, url)
+        held: list[httpx.Response] = []
+        refused = 0
+        try:
+            for _ in range(remote_module.MAX_CONNECTIONS):
+                try:
+                    held.append(await asyncio.wait_for(remote.open(owner, "GET", "/hold", "mallory"), 30))
+                except QuotaExceeded as exc:
+                    assert exc.reason == "relayed_requests"
+                    refused += 1
+            assert refused > 0
+            quick = await asyncio.wait_for(remote.call_json(owner, "GET", "/jobs/job_y", "alice"), 30)
+            assert quick == (200, {})
+            await held.pop().aclose()  # a stream that ends gives its place back
+            held.append(await asyncio.wait_for(remote.open(owner, "GET", "/hold", "mallory"), 30))
+        finally:
+            for answer in held:
+                await answer.aclose()
+            await remote.aclose()
