@@ -9,9 +9,11 @@ refused, reset or silent before its answer's headers is ``OwnerUnavailable`` (50
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -20,6 +22,7 @@ from service import internal
 from service.errors import OwnerElsewhere, QuotaExceeded
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CONNECT_S = 1.0
 """Longest wait for a connection to a peer (s)."""
@@ -28,6 +31,9 @@ MAX_CONNECTIONS = 256
 MAX_PER_CALLER = MAX_CONNECTIONS // 4
 """Relayed requests of one caller (key name) open at once at most, event streams and waits included: one key's
 held streams cannot take every connection to the peers (past it: 429 ``relayed_requests``)."""
+WATCH_S = 0.5
+"""How often a relay still waiting for its owner looks whether the owner still holds its lease (s): a paused or
+hung owner accepts connections (the kernel does) and answers nothing, and a relay has no read timeout."""
 POOL_S = 10.0
 """Longest wait for a free connection to the peers (s); past it the request is ``OwnerUnavailable`` (503), never
 an endless wait."""
@@ -68,6 +74,9 @@ class Remote:
             transport=transport,
         )
         self._open: dict[str, int] = {}  # caller -> relayed requests whose answer is not closed yet
+        self.alive: Callable[[OwnerElsewhere], bool] | None = None
+        """Whether an owner's incarnation still holds its lease (the registry cache; set by the app): a relay to
+        one that lost it ends (``OwnerUnavailable`` before the answer's headers; the body cut after)."""
 
     async def open(
         self,
@@ -131,8 +140,9 @@ class Remote:
                 request.headers.get("last-event-id"),
             )
         )
+        alive = self.alive
         try:
-            answer = await self._client.send(request, stream=True)
+            answer = await _watched(self._client.send(request, stream=True), lambda: alive is None or alive(owner))
         except httpx.HTTPError as exc:
             release()
             log.warning("the owner %s could not be reached: %s", owner.target, type(exc).__name__)
@@ -140,9 +150,17 @@ class Remote:
         except BaseException:
             release()
             raise
+        if answer is None:
+            release()
+            log.warning("the owner %s lost its lease before answering", owner.target)
+            raise owner.unavailable()
         assert isinstance(answer.stream, httpx.AsyncByteStream)  # an async client's
-        answer.stream = _Released(answer.stream, release)
+        answer.stream = _Released(answer.stream, release, lambda: alive is None or alive(owner))
         return answer
+
+    def relaying(self, caller: str | None) -> int:
+        """How many relayed requests of ``caller`` have an answer not closed yet."""
+        return self._open.get(caller or "", 0)
 
     async def call_json(
         self, owner: OwnerElsewhere, method: str, path: str, caller: str | None
@@ -172,15 +190,43 @@ class Remote:
         await self._client.aclose()
 
 
-class _Released(httpx.AsyncByteStream):
-    """An answer's body that calls ``release`` once when it is closed (``Response.aclose``)."""
+async def _watched(step: Awaitable[T], alive: Callable[[], bool]) -> T | None:
+    """``step``'s result, or None (``step`` cancelled) once ``alive()`` says false, asked every ``WATCH_S``."""
+    task = asyncio.ensure_future(step)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=WATCH_S)
+            if done:
+                return task.result()
+            if not alive():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                return None
+    except BaseException:
+        task.cancel()
+        raise
 
-    def __init__(self, stream: httpx.AsyncByteStream, release: Callable[[], None]) -> None:
+
+class _Released(httpx.AsyncByteStream):
+    """An answer's body that ends when its owner loses its lease (``alive``) and calls ``release`` once when it is
+    closed (``Response.aclose``)."""
+
+    def __init__(self, stream: httpx.AsyncByteStream, release: Callable[[], None], alive: Callable[[], bool]) -> None:
         self._stream = stream
         self._release = release
+        self._alive = alive
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self._stream:
+        chunks = aiter(self._stream)
+        while True:
+            try:
+                chunk = await _watched(anext(chunks), self._alive)
+            except StopAsyncIteration:
+                return
+            if chunk is None:
+                log.warning("a relayed answer was cut: its owner lost its lease")
+                return
             yield chunk
 
     async def aclose(self) -> None:

@@ -4,14 +4,16 @@ resources the replicas share (the signed path's body read, the peers' connection
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
+import pytest
 from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
 from service import internal
 from service.auth import BearerAuth, KeyRing, hash_token, parse_keys
-from service.errors import OwnerElsewhere, QuotaExceeded
+from service.errors import OwnerElsewhere, OwnerUnavailable, QuotaExceeded
 from service.jobs import remote as remote_module
 from service.jobs.remote import Remote
 
@@ -119,3 +121,73 @@ async def test_one_keys_held_relays_leave_the_peers_connections_to_the_others() 
             for answer in held:
                 await answer.aclose()
             await remote.aclose()
+
+
+class SilentPeer:
+    """A peer on 127.0.0.1 that takes connections and answers nothing (a paused replica: its kernel still accepts)
+    or, with ``headers``, the headers of a stream and then nothing."""
+
+    def __init__(self, headers: bool) -> None:
+        self.headers = headers
+        self.server: asyncio.Server | None = None
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        for writer in self.writers:
+            writer.close()
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writers.append(writer)
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            await reader.readuntil(b"\r\n\r\n")
+            if self.headers:
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                )
+                writer.write(b"6\r\nid: 1\n\r\n")
+                await writer.drain()
+
+
+async def test_a_relay_to_an_owner_that_stopped_answering_ends_when_its_lease_passes() -> None:
+    """A paused (SIGSTOP) or hung owner still accepts connections and answers nothing: the relay, which has no read
+    timeout (a relayed wait or event stream lasts its own time), waited for ever, past the owner's lease and its
+    jobs being marked lost. Once the registry says the owner's lease passed: 503 before the answer's headers, the
+    stream ended after them."""
+    holds = [True]
+    owner = OwnerElsewhere("job", "job_x", "t1", 1, "")
+    for headers in (False, True):
+        async with SilentPeer(headers) as url:
+            remote = Remote(SECRET, "t2")
+            remote.alive = lambda _: holds[0]
+            owner.url = url
+            holds[0] = True
+            try:
+
+                async def lease_passes() -> None:
+                    await asyncio.sleep(1.0)
+                    holds[0] = False
+
+                passing = asyncio.create_task(lease_passes())
+                if not headers:
+                    with pytest.raises(OwnerUnavailable):
+                        await asyncio.wait_for(remote.open(owner, "GET", "/jobs/job_x", "alice"), 30)
+                else:
+                    answer = await asyncio.wait_for(remote.open(owner, "GET", "/jobs/job_x/events", "alice"), 30)
+                    chunks = await asyncio.wait_for(_read_all(answer), 30)
+                    assert chunks == b"id: 1\n"
+                    await answer.aclose()
+                await passing
+                assert remote.relaying("alice") == 0
+            finally:
+                await remote.aclose()
+
+
+async def _read_all(answer: httpx.Response) -> bytes:
+    return b"".join([chunk async for chunk in answer.aiter_raw()])
