@@ -49,6 +49,9 @@ NONCE_TTL_S = 60.0
 """How long a nonce is remembered (s): more than twice ``WINDOW_S``, so a replay inside the window is caught."""
 MAX_NONCES = 100_000
 """Nonces remembered at most (about 10 MB); past it, signed requests are refused (503) until some expire."""
+MAX_NONCES_PER_CALLER = MAX_NONCES // 8
+"""Nonces of one caller (key name) remembered at most: one key's flood of relayed requests is refused (503) before
+it fills the whole set, which would refuse every key's relays to this replica for up to ``NONCE_TTL_S``."""
 MIN_SECRET_CHARS = 32
 
 
@@ -142,7 +145,8 @@ class Verifier:
 
     def __init__(self, secrets: list[bytes]) -> None:
         self._secrets = list(secrets)
-        self._nonces: OrderedDict[str, float] = OrderedDict()  # nonce -> when it may be forgotten (monotonic s)
+        self._nonces: OrderedDict[str, tuple[float, str]] = OrderedDict()  # nonce -> (forget at, monotonic s; caller)
+        self._callers: dict[str, int] = {}  # caller -> its nonces remembered
         self.target: str | None = None
         self.counts: dict[str, int] = {}
         self.on_outcome: Callable[[str], None] = lambda _: None
@@ -190,19 +194,24 @@ class Verifier:
             raise InternalRefused("wrong_target", "the internal call is addressed to another incarnation")
         if not date.isdigit() or abs(now - int(date)) > WINDOW_S:
             raise InternalRefused("stale", f"the internal call's date is more than {WINDOW_S:.0f} s off")
-        self._remember(nonce)
+        self._remember(nonce, caller)
         name = unquote(caller)
         return name or None
 
-    def _remember(self, nonce: str) -> None:
+    def _remember(self, nonce: str, caller: str) -> None:
         clock = time.monotonic()
         while self._nonces:
-            oldest, until = next(iter(self._nonces.items()))
+            oldest, (until, whose) = next(iter(self._nonces.items()))
             if until > clock:
                 break
             del self._nonces[oldest]
+            left = self._callers.pop(whose) - 1
+            if left:
+                self._callers[whose] = left
         if len(nonce) != 32 or nonce in self._nonces:
             raise InternalRefused("replayed", "the internal call's nonce was seen already")
-        if len(self._nonces) >= MAX_NONCES:
+        held = self._callers.get(caller, 0)
+        if len(self._nonces) >= MAX_NONCES or (caller and held >= MAX_NONCES_PER_CALLER):  # "": no keys, one tenant
             raise InternalRefused("busy", "too many internal calls at once; retry")
-        self._nonces[nonce] = clock + NONCE_TTL_S
+        self._nonces[nonce] = (clock + NONCE_TTL_S, caller)
+        self._callers[caller] = held + 1

@@ -191,3 +191,23 @@ async def test_a_relay_to_an_owner_that_stopped_answering_ends_when_its_lease_pa
 
 async def _read_all(answer: httpx.Response) -> bytes:
     return b"".join([chunk async for chunk in answer.aiter_raw()])
+
+
+def test_one_keys_flood_of_relayed_requests_leaves_the_nonce_set_to_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every relayed request leaves its nonce in the owner's set for 60 s; one key relaying requests fast enough
+    filled the whole set, and every key's relays to that owner were refused (503 ``busy``) until nonces expired. A key
+    now has at most ``MAX_NONCES_PER_CALLER`` of them: past it its own relays are refused, the others' are not."""
+    monkeypatch.setattr(internal, "MAX_NONCES", 40)
+    monkeypatch.setattr(internal, "MAX_NONCES_PER_CALLER", 10, raising=False)
+    checker = internal.Verifier([SECRET])
+    checker.target = "t1.1"
+
+    def relayed(caller: str) -> str | None:
+        headers = internal.signed_headers(SECRET, "GET", "/jobs/j", caller, "t2", "t1.1", b"")
+        return checker.verify("GET", "/jobs/j", headers, b"")
+
+    with pytest.raises(internal.InternalRefused) as flooded:
+        for _ in range(internal.MAX_NONCES + 1):
+            relayed("mallory")
+    assert flooded.value.outcome == "busy"
+    assert relayed("alice") == "alice"
