@@ -13,6 +13,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from service import internal
 from service.auth import BearerAuth, KeyRing, hash_token, parse_keys
+from service.egress import EgressDenied, EgressPolicy
 from service.errors import OwnerElsewhere, OwnerUnavailable, QuotaExceeded
 from service.jobs import remote as remote_module
 from service.jobs.remote import Remote
@@ -211,3 +212,15 @@ def test_one_keys_flood_of_relayed_requests_leaves_the_nonce_set_to_the_others(m
             relayed("mallory")
     assert flooded.value.outcome == "busy"
     assert relayed("alice") == "alice"
+
+
+async def test_a_replica_named_by_host_name_is_refused_by_its_address_too() -> None:
+    """A replica whose ``PTC_INTERNAL_URL`` names a host (``http://localhost:7002``): a tool call or callback aimed
+    at its address (``http://127.0.0.1:7002``, ``http://[::ffff:127.0.0.1]:7002``) reached it, only the name was
+    refused."""
+    policy = EgressPolicy()  # loopback allowed: the rules admit the peer's address, only its being a peer refuses it
+    policy.refuse_peers(["http://localhost:7002"])
+    for url in ("http://localhost:7002/x", "http://127.0.0.1:7002/x", "http://[::ffff:127.0.0.1]:7002/x"):
+        with pytest.raises(EgressDenied):
+            await policy.resolve(url)
+    await policy.resolve("http://127.0.0.1:7003/x")  # another port: not a replica
