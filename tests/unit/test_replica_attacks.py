@@ -25,19 +25,18 @@ def refusal(reason: str) -> Response:
     return JSONResponse({"detail": reason}, status_code=401)
 
 
-async def test_a_forged_signed_request_trickling_its_body_costs_linear_time() -> None:
-    """Any network peer may send ``Ptc-Internal-Signature`` with a body in many small pieces (one ASGI message per
-    TCP segment): the body read before the signature is checked must not copy the whole body at each piece (that
-    was quadratic: a 19 MB body in 64-byte pieces, about 3 TB of copying on the event loop, pre-authentication)."""
-    chunk, pieces = b"x" * 64, 300_000
+async def test_a_forged_signed_request_is_refused_before_its_body_is_read() -> None:
+    """Any network peer may send ``Ptc-Internal-Signature``: its body (up to ``PTC_MAX_BODY_BYTES``) was read and
+    held before the signature could be checked (it covers the body's digest), gathered by ``body += piece``
+    (quadratic: a body trickled in small TCP segments cost minutes of CPU on the event loop). The signature now
+    covers the digest announced in ``Ptc-Internal-Body-SHA256`` and is checked first: nothing of a forgery's body
+    is read."""
     sent = 0
 
     async def receive() -> Message:
         nonlocal sent
         sent += 1
-        if sent % 1000 == 0:
-            await asyncio.sleep(0)
-        return {"type": "http.request", "body": chunk, "more_body": sent < pieces}
+        return {"type": "http.request", "body": b"x" * 65536, "more_body": sent < 128}
 
     answers: list[Message] = []
 
@@ -49,16 +48,29 @@ async def test_a_forged_signed_request_trickling_its_body_costs_linear_time() ->
 
     verifier = internal.Verifier([SECRET])
     verifier.target = "t1.1"
-    auth = BearerAuth(
-        app, KeyRing(parse_keys(f"alice:{hash_token('a' * 40)}")), frozenset(), refusal, verifier, body_limit=64 << 20
-    )
-    headers = [(b"ptc-internal-signature", b"v1=" + b"0" * 64), (b"ptc-internal-target", b"t1.1")]
+    keys = KeyRing(parse_keys(f"alice:{hash_token('a' * 40)}"))
+    auth = BearerAuth(app, keys, frozenset(), refusal, verifier, body_limit=64 << 20)
+    forged = internal.signed_headers(b"w" * 32, "POST", "/execute", "alice", "t2", "t1.1", b"x" * (8 << 20))
+    headers = [(name.encode(), value.encode()) for name, value in forged.items()]
     scope: Scope = {"type": "http", "method": "POST", "path": "/execute", "raw_path": b"/execute", "headers": headers}
-    # a liveness bound, not a measurement: linear, this is well under a second; quadratic, several minutes
-    await asyncio.wait_for(auth(scope, receive, send), 60)
-    assert sent == pieces
+    await auth(scope, receive, send)
+    assert sent == 0
     assert answers[0]["status"] == 401
     assert verifier.counts == {"bad_signature": 1}
+
+    # a replica's request: checked first, then its body read and compared with the digest it announced
+    body = b"x" * 65536 * 128
+    good = internal.signed_headers(SECRET, "POST", "/execute", "alice", "t2", "t1.1", body)
+    reached: list[bytes] = []
+
+    async def app_ok(scope: Scope, receive: Receive, send: Send) -> None:
+        reached.append((await receive())["body"])
+
+    sent = 0
+    scope["headers"] = [(name.encode(), value.encode()) for name, value in good.items()]
+    await BearerAuth(app_ok, keys, frozenset(), refusal, verifier, body_limit=64 << 20)(scope, receive, send)
+    assert reached == [body]
+    assert verifier.counts == {"bad_signature": 1, "accepted": 1}
 
 
 class HoldingPeer:
