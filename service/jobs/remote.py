@@ -101,10 +101,10 @@ class Remote:
             OwnerUnavailable: the owner could not be reached, or failed before its answer's headers, or no
                 connection to the peers was free within ``POOL_S``.
             QuotaExceeded: ``caller`` has ``MAX_PER_CALLER`` relayed requests open already (reason
-                ``relayed_requests``).
+                ``relayed_requests``; never without authentication: one tenant).
         """
         who = caller or ""
-        if self._open.get(who, 0) >= MAX_PER_CALLER:
+        if who and self._open.get(who, 0) >= MAX_PER_CALLER:  # "": authentication disabled, one tenant
             raise QuotaExceeded(
                 f"at most {MAX_PER_CALLER} requests of one key are relayed to other replicas at once (event streams "
                 "and waits included); retry when one has ended",

@@ -236,3 +236,18 @@ async def test_a_replica_named_by_host_name_is_refused_by_its_address_too() -> N
         with pytest.raises(EgressDenied):
             await policy.resolve(url)
     await policy.resolve("http://127.0.0.1:7003/x")  # another port: not a replica
+
+
+async def test_without_authentication_relays_are_bounded_by_the_connections_only() -> None:
+    """With ``PTC_AUTH=disabled`` every request is the one tenant's (caller None): the per-key bound does not apply."""
+    async with HoldingPeer() as url:
+        remote = Remote(SECRET, "t2")
+        owner = OwnerElsewhere("job", "job_x", "t1", 1, url)
+        held: list[httpx.Response] = []
+        try:
+            for _ in range(remote_module.MAX_PER_CALLER + 1):
+                held.append(await asyncio.wait_for(remote.open(owner, "GET", "/hold", None), 30))
+        finally:
+            for answer in held:
+                await answer.aclose()
+            await remote.aclose()
