@@ -338,16 +338,8 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
     async def _internal(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """A signed request of another replica: read its body, verify it, run it as its caller (or refuse it)."""
-        body, complete = b"", False
-        while not complete:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            body += message.get("body", b"")
-            complete = not message.get("more_body", False)
-            if len(body) > self.body_limit:
-                break
+        """A signed request of another replica: check its signature, read its body, verify it, run it as its caller
+        (or refuse it)."""
         headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope.get("headers") or ()}
         raw_path = (scope.get("raw_path") or scope["path"].encode()).split(b"?", 1)[0]
         query = scope.get("query_string") or b""
@@ -355,6 +347,27 @@ class BearerAuth:
         try:
             if self.verifier is None:
                 raise InternalRefused("bad_signature", "this replica accepts no internal calls")
+            self.verifier.precheck(scope["method"], path, headers)  # a forgery's body is never read
+        except InternalRefused as exc:
+            log.warning("internal call refused (%s) from %s", exc.outcome, headers.get(SOURCE_HEADER, "?")[:64])
+            await self.deny(f"internal call refused: {exc}")(scope, receive, send)
+            return
+        # pieces joined once (``body += piece`` copied the whole body at each piece: quadratic, on the event loop)
+        pieces: list[bytes] = []
+        size, complete = 0, False
+        while not complete:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            piece = message.get("body", b"")
+            pieces.append(piece)
+            size += len(piece)
+            complete = not message.get("more_body", False)
+            if size > self.body_limit:
+                break
+        body = b"".join(pieces)
+        del pieces
+        try:
             if not complete:
                 raise InternalRefused("bad_signature", "the internal call's body is over the limit")
             name = self.verifier.verify(scope["method"], path, headers, body)

@@ -12,6 +12,8 @@ header                     value
 ``Ptc-Internal-Target``    ``<instance_id>.<epoch>`` of the owner's incarnation
 ``Ptc-Internal-Date``      Unix seconds
 ``Ptc-Internal-Nonce``     32 random hex digits
+``Ptc-Internal-Body-SHA256`` SHA-256 (hex) of the body (the last signed line), so that the signature is checked
+                           before the body is read
 ``Ptc-Internal-Signature`` ``v1=`` + HMAC-SHA256 (hex) with the first ``PTC_INTERNAL_SECRET`` over the lines ``v1``,
                            method, raw path and query, caller, source, target, date, nonce, ``Idempotency-Key`` (or
                            empty), ``Last-Event-ID`` (or empty), SHA-256 (hex) of the body
@@ -39,7 +41,10 @@ SOURCE = "ptc-internal-source"
 TARGET = "ptc-internal-target"
 DATE = "ptc-internal-date"
 NONCE = "ptc-internal-nonce"
-HEADERS = (CALLER, SOURCE, TARGET, DATE, NONCE, SIGNATURE)
+BODY = "ptc-internal-body-sha256"
+"""SHA-256 (hex) of the body, also a signed line: the signature is checked before the body is read (``precheck``),
+so a peer without the secret cannot make a replica read and hold a body."""
+HEADERS = (CALLER, SOURCE, TARGET, DATE, NONCE, BODY, SIGNATURE)
 """The internal headers (lower case, as ASGI gives them)."""
 
 VERSION = "v1"
@@ -49,6 +54,9 @@ NONCE_TTL_S = 60.0
 """How long a nonce is remembered (s): more than twice ``WINDOW_S``, so a replay inside the window is caught."""
 MAX_NONCES = 100_000
 """Nonces remembered at most (about 10 MB); past it, signed requests are refused (503) until some expire."""
+MAX_NONCES_PER_CALLER = MAX_NONCES // 8
+"""Nonces of one caller (key name) remembered at most: one key's flood of relayed requests is refused (503) before
+it fills the whole set, which would refuse every key's relays to this replica for up to ``NONCE_TTL_S``."""
 MIN_SECRET_CHARS = 32
 
 
@@ -124,7 +132,7 @@ def signed_headers(
     signed = signature(
         secret, method, path, encoded, source, target, date, nonce, idempotency_key or "", last_event_id or "", digest
     )
-    return {CALLER: encoded, SOURCE: source, TARGET: target, DATE: date, NONCE: nonce, SIGNATURE: signed}
+    return {CALLER: encoded, SOURCE: source, TARGET: target, DATE: date, NONCE: nonce, BODY: digest, SIGNATURE: signed}
 
 
 class Verifier:
@@ -142,7 +150,8 @@ class Verifier:
 
     def __init__(self, secrets: list[bytes]) -> None:
         self._secrets = list(secrets)
-        self._nonces: OrderedDict[str, float] = OrderedDict()  # nonce -> when it may be forgotten (monotonic s)
+        self._nonces: OrderedDict[str, tuple[float, str]] = OrderedDict()  # nonce -> (forget at, monotonic s; caller)
+        self._callers: dict[str, int] = {}  # caller -> its nonces remembered
         self.target: str | None = None
         self.counts: dict[str, int] = {}
         self.on_outcome: Callable[[str], None] = lambda _: None
@@ -174,11 +183,33 @@ class Verifier:
         self.count("accepted")
         return caller
 
+    def precheck(self, method: str, path: str, headers: Mapping[str, str], now: float | None = None) -> None:
+        """The checks that need no body, made before it is read: the signature (over the digest that
+        ``Ptc-Internal-Body-SHA256`` announces), the target and the date.
+
+        Raises:
+            InternalRefused: one failed (counted here; an accepted request is counted by ``verify``).
+        """
+        try:
+            self._signed(method, path, headers, headers.get(BODY, ""), time.time() if now is None else now)
+        except InternalRefused as exc:
+            self.count(exc.outcome)
+            raise
+
     def _verify(self, method: str, path: str, headers: Mapping[str, str], body: bytes, now: float) -> str | None:
+        digest = hashlib.sha256(body).hexdigest()
+        if not hmac.compare_digest(headers.get(BODY, "").encode(), digest.encode()):
+            raise InternalRefused("bad_signature", "the internal call's body is not the one signed")
+        caller, nonce = self._signed(method, path, headers, digest, now)
+        self._remember(nonce, caller)
+        name = unquote(caller)
+        return name or None
+
+    def _signed(self, method: str, path: str, headers: Mapping[str, str], digest: str, now: float) -> tuple[str, str]:
+        """Check the signature over ``digest``, the target and the date; returns (caller as sent, nonce)."""
         given = headers.get(SIGNATURE, "")
         fields = [headers.get(name, "") for name in (CALLER, SOURCE, TARGET, DATE, NONCE)]
         caller, source, target, date, nonce = fields
-        digest = hashlib.sha256(body).hexdigest()
         extra = (headers.get("idempotency-key", ""), headers.get("last-event-id", ""))
         valid = False
         for secret in self._secrets:  # every secret, whichever matches: no early exit
@@ -190,19 +221,22 @@ class Verifier:
             raise InternalRefused("wrong_target", "the internal call is addressed to another incarnation")
         if not date.isdigit() or abs(now - int(date)) > WINDOW_S:
             raise InternalRefused("stale", f"the internal call's date is more than {WINDOW_S:.0f} s off")
-        self._remember(nonce)
-        name = unquote(caller)
-        return name or None
+        return caller, nonce
 
-    def _remember(self, nonce: str) -> None:
+    def _remember(self, nonce: str, caller: str) -> None:
         clock = time.monotonic()
         while self._nonces:
-            oldest, until = next(iter(self._nonces.items()))
+            oldest, (until, whose) = next(iter(self._nonces.items()))
             if until > clock:
                 break
             del self._nonces[oldest]
+            left = self._callers.pop(whose) - 1
+            if left:
+                self._callers[whose] = left
         if len(nonce) != 32 or nonce in self._nonces:
             raise InternalRefused("replayed", "the internal call's nonce was seen already")
-        if len(self._nonces) >= MAX_NONCES:
+        held = self._callers.get(caller, 0)
+        if len(self._nonces) >= MAX_NONCES or (caller and held >= MAX_NONCES_PER_CALLER):  # "": no keys, one tenant
             raise InternalRefused("busy", "too many internal calls at once; retry")
-        self._nonces[nonce] = clock + NONCE_TTL_S
+        self._nonces[nonce] = (clock + NONCE_TTL_S, caller)
+        self._callers[caller] = held + 1

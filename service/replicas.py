@@ -114,6 +114,7 @@ class Replicas:
         self.draining = False  # /readyz answers 503 (reason draining): no new work through the balancer
         self.on_fenced: list[Callable[[], None]] = []
         self.registry: dict[str, Replica] = {}
+        self._registry_read = boottime()  # when ``registry`` was read (its rows' ``lease_left_s`` are as of then)
         self.on_registry: list[Callable[[list[Replica]], None]] = []  # told each registry read (egress rules)
         self.renewals: dict[str, int] = {"ok": 0, "error": 0, "fenced": 0}
 
@@ -220,8 +221,10 @@ class Replicas:
         Raises:
             StoreUnavailable: the store did not answer.
         """
+        asked = boottime()
         rows = await self._store.replicas()
         self.registry = {row.instance_id: row for row in rows}
+        self._registry_read = asked
         for listener in self.on_registry:
             listener(rows)
         if self._on_count is not None:
@@ -295,6 +298,17 @@ class Replicas:
         if not await self._store.save_session(session, self.incarnation):
             self.fence(f"a save of session {session.session_id} matched no row")
             raise LeaseLost(f"session {session.session_id} is no longer this replica's")
+
+    def holds_now(self, instance_id: str, epoch: int) -> bool:
+        """Whether the incarnation ``(instance_id, epoch)`` still holds its lease by the registry cache, counting the
+        time since the cache was read (a cache that could not be read again meanwhile ages out)."""
+        row = self.registry.get(instance_id)
+        return (
+            row is not None
+            and row.epoch == epoch
+            and row.holds_lease
+            and row.lease_left_s > boottime() - self._registry_read
+        )
 
     def owner_here(self, instance_id: str, epoch: int | None) -> bool:
         """The job of ``(instance_id, epoch)`` is this incarnation's (a row saved before epochs: this instance)."""

@@ -114,6 +114,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             waiters.on_keys = idempotency.wake_digest  # ptc_keys: another replica bound or released a claim
         if secrets:
             app.state.remote = Remote(secrets[0], settings.instance())
+            app.state.remote.alive = lambda owner: replicas.holds_now(owner.instance_id, owner.epoch)
         listener = None
         if waiters is not None and settings.store_url is not None:  # LISTEN: wait on other replicas' jobs
             listener = Listener(

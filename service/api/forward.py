@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response, StreamingResponse
 
 from service.api import problems
-from service.errors import OwnerElsewhere
+from service.errors import OwnerElsewhere, QuotaExceeded
 from service.jobs.remote import RELAYED_HEADERS, Remote
 from service.metrics import Metrics
 
@@ -57,6 +57,8 @@ async def relay(request: Request, exc: Exception) -> Response:
     headers = {name: value for name, value in request.headers.items()}
     try:
         answer = await remote.open(exc, method, path, request.state.key_name, body, headers)
+    except QuotaExceeded as failure:  # the caller's relays open at once (remote.MAX_PER_CALLER): nothing sent
+        return await problems.handle(request, failure)
     except Exception as failure:  # OwnerUnavailable; anything else is logged by problems.handle
         metrics.forwarded(route, "unavailable")
         return await problems.handle(request, failure)
