@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 RECONNECT_MAX_S = 5.0
 """Longest pause between two attempts to re-open the listening connection (s)."""
+STOP_CHECK_S = 0.5
+"""How often the listening loop looks whether it should stop (s): the longest ``notifies()`` wait."""
 
 
 class Waiters:
@@ -112,6 +114,7 @@ class Listener:
         self._waiters = waiters
         self._timeout_s = timeout_s
         self._task: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()
         self.listening = asyncio.Event()
         self.reconnects = 0
         self._on_reconnect = on_reconnect
@@ -121,17 +124,24 @@ class Listener:
         self._task = asyncio.create_task(self._run(), name="store listener")
 
     async def close(self) -> None:
-        """Stop listening."""
-        if self._task is not None:
+        """Stop listening: the loop sees ``_closing`` within ``STOP_CHECK_S`` and leaves psycopg's ``notifies()``
+        between two waits. Cancelling the task inside ``notifies()`` instead left its connection's lock held by the
+        suspended generator, and closing the connection could then wait for it for ever (a hung shutdown)."""
+        if self._task is None:
+            return
+        self._closing.set()
+        done, _ = await asyncio.wait({self._task}, timeout=STOP_CHECK_S + self._timeout_s + 1)
+        if not done:  # a connect or a query that does not answer: cancelled, waited for a bounded time
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+            await asyncio.wait({self._task}, timeout=self._timeout_s)
+        elif not self._task.cancelled() and (error := self._task.exception()) is not None:
+            log.warning("store listener ended with %r", error)
+        self._task = None
 
     async def _run(self) -> None:
         pause = 0.1
         first = True
-        while True:
+        while not self._closing.is_set():
             try:
                 async with await psycopg.AsyncConnection.connect(
                     self._conninfo, autocommit=True, connect_timeout=max(1, round(self._timeout_s))
@@ -148,20 +158,26 @@ class Listener:
                         self._waiters.on_callbacks()
                     first, pause = False, 0.1
                     self.listening.set()
-                    async for note in conn.notifies():
-                        if note.channel == REPLICAS_CHANNEL:
-                            self._waiters.on_replicas()
-                        elif note.channel == KEYS_CHANNEL:
-                            self._waiters.on_keys(note.payload)
-                        elif note.channel == CALLBACKS_CHANNEL:
-                            self._waiters.on_callbacks()
-                        else:
-                            self._waiters.received(note.payload)
+                    while not self._closing.is_set():  # notifications between two waits wait in psycopg's backlog
+                        async for note in conn.notifies(timeout=STOP_CHECK_S):
+                            self._dispatch(note.channel, note.payload)
+                    return
             except (psycopg.Error, OSError) as exc:
                 log.warning("store listener: connection lost (%s); re-opening", type(exc).__name__)
             self.listening.clear()
-            await asyncio.sleep(pause)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), pause)
             pause = min(RECONNECT_MAX_S, pause * 2)
+
+    def _dispatch(self, channel: str, payload: str) -> None:
+        if channel == REPLICAS_CHANNEL:
+            self._waiters.on_replicas()
+        elif channel == KEYS_CHANNEL:
+            self._waiters.on_keys(payload)
+        elif channel == CALLBACKS_CHANNEL:
+            self._waiters.on_callbacks()
+        else:
+            self._waiters.received(payload)
 
 
 class Elsewhere:

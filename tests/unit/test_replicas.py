@@ -404,3 +404,30 @@ async def test_a_new_replica_is_in_the_others_registry_cache_without_a_heartbeat
                 break
             await asyncio.sleep(0.05)
         assert app1.state.replicas.registry["t2"].state == "left"
+
+
+async def test_the_listener_stops_without_being_cancelled_inside_notifies(postgres_url: str) -> None:
+    """``Listener.close`` ends the listening loop between two of psycopg's ``notifies()`` waits, never by
+    cancelling its task inside one: psycopg waits there with ``asyncio.wait_for`` in 0.1 s steps, and on Python 3.11
+    a cancellation that lands as a step ends is swallowed (the task stays "cancelling" and listens on). That hung a
+    service's shutdown in a CI run (the test task waited for the listener task for 30 minutes)."""
+    import psycopg
+
+    from service.jobs.notify import STOP_CHECK_S, Listener, Waiters
+    from tests import pgstore
+
+    received: list[str] = []
+    waiters = Waiters()
+    waiters.on_replicas = lambda: received.append("replicas")
+    with psycopg.connect(pgstore._libpq(postgres_url), autocommit=True) as sender:
+        for round_ in range(5):
+            listener = Listener(postgres_url, waiters)
+            listener.start()
+            task = listener._task
+            assert task is not None
+            await asyncio.wait_for(listener.listening.wait(), 10)
+            sender.execute("NOTIFY ptc_replicas, 'r1 live'")
+            await asyncio.sleep(0.05 * round_)
+            await asyncio.wait_for(listener.close(), STOP_CHECK_S + 3)
+            assert task.done() and not task.cancelled()  # it returned by itself
+    assert received  # it did listen
