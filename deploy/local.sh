@@ -6,8 +6,20 @@
 #   deploy/local.sh test    set everything up, then run ruff, mypy --strict and the whole test suite
 #   deploy/local.sh setup   only set up: Python venv, Docker engine, gVisor, sandbox images (minimal and data)
 #   deploy/local.sh engine  only the Docker engine and gVisor steps
+#   deploy/local.sh haproxy   only HAProxy for the tests (installed, never started as a service)
+#   deploy/local.sh postgres  only PostgreSQL for the tests (started, role and database made); prints its URL
 #   deploy/local.sh register-runsc CONFIG   only write runsc into the daemon.json CONFIG (engine untouched)
 #   deploy/local.sh bench   set everything up, then run the benchmark (bench/; args passed on)
+#   deploy/local.sh bench --replicas 1|2   the same through HAProxy with 1 or 2 replicas on PostgreSQL
+#                           (bench/replicas.py; args passed on)
+#   deploy/local.sh replicas [up|down|env]   two replicas on a shared PostgreSQL behind HAProxy at 127.0.0.1:8080, in
+#                           containers (docker-compose.yml, profile "replicas"; docs/operations.md, Deployment:
+#                           replicas). `up` (the default) sets up the engine, writes $PTC_REPLICAS_DIR/replicas.env
+#                           once, builds the images that are missing (store and balancer:
+#                           deploy/replicas/build-images.sh) and the service image, starts the store, then the
+#                           rest, and waits until the balancer and both replicas are ready. `down` stops and
+#                           removes the containers (the store's data and the work dirs stay in PTC_REPLICAS_DIR).
+#                           `env` only writes the env file (once) and prints its path.
 #
 # Set-up is idempotent and skips what is already there:
 #   - a venv in .venv (Python >= 3.11) with the project installed (editable);
@@ -22,10 +34,15 @@
 #   - the sandbox image (sandbox_image/build.sh; offline base when no registry) and the data image on it
 #     (numpy, pandas, matplotlib: sandbox_image/build.sh --data, wheels downloaded on the host once); `serve`
 #     offers both (PTC_IMAGES default and data, data with 1 GiB of memory) unless PTC_IMAGES is set;
-#   - for the tests only: Debian's docker-compose when no `docker compose` works, Debian's
+#   - for the tests only: Debian's haproxy (the replicas' tests run their own balancer), Debian's PostgreSQL (a cluster started with pg_ctlcluster, no systemd; a role and a
+#     database ptc_test; `test` exports PTC_TEST_STORE_URL for the store tests), Debian's docker-compose when no
+#     `docker compose` works, Debian's
 #     prometheus (a real Prometheus scrapes the service in a test), and Debian's chromium
 #     (a headless browser renders /docs and /redoc with the network off in a test).
-# Env: PTC_SANDBOX_IMAGE (image tag), PTC_DATA_IMAGE (data image tag), PYTHON (interpreter for the venv),
+# Env: PTC_REPLICAS_DIR (replicas: env file, work dirs r1 and r2, the store's data; default /var/lib/ptc-sandbox),
+#      PTC_SERVICE_IMAGE (replicas: the service image's tag, default ptc-sandbox:latest),
+#      PTC_TEST_STORE_URL (a PostgreSQL for the tests; default: the local cluster's ptc_test database),
+#      PTC_SANDBOX_IMAGE (image tag), PTC_DATA_IMAGE (data image tag), PYTHON (interpreter for the venv),
 #      PTC_DOCKERD_LOG (default /var/log/ptc-dockerd.log),
 #      PTC_DOCKER_DAEMON_JSON (default /etc/docker/daemon.json),
 #      PTC_DOCKERD_PIDFILE (default /var/run/docker.pid: the dockerd that gets SIGHUP).
@@ -146,10 +163,70 @@ setup_prometheus() {
   return "$status"
 }
 
+# HAProxy for the replicas' tests (tests/integration/replicas.py runs its own, in the foreground with a generated
+# config): the package's postinst would start a daemon through invoke-rc.d unless policy-rc.d forbids it.
+setup_haproxy() {
+  if command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ]; then return; fi
+  local policy=/usr/sbin/policy-rc.d added=""
+  if [ ! -e "$policy" ]; then
+    as_root sh -c "printf '#!/bin/sh\nexit 101\n' >'$policy' && chmod 755 '$policy'"
+    added=1
+  fi
+  local status=0
+  apt_install --no-install-recommends haproxy || status=$?
+  if [ -n "$added" ]; then as_root rm -f "$policy"; fi
+  if [ "$status" != 0 ] && [ "${CI:-}" = true ]; then log "could not install haproxy; CI needs it for the replicas' tests"; exit 1; fi
+  if [ "$status" != 0 ]; then log "warning: no haproxy: the replicas' tests will skip"; fi
+}
+
 # Compose for the deployment tests: the plugin (`docker compose`) when it works, else Debian's docker-compose.
 setup_compose() {
   if docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null; then return; fi
   apt_install --no-install-recommends docker-compose
+}
+
+# PostgreSQL for the store tests (tests/pgstore.py): Debian's package, its cluster started with pg_ctlcluster (these
+# machines have no systemd), a role ptc_test that may create databases (each test makes its own) and a database
+# ptc_test. Idempotent: an installed, running cluster and an existing role are left as they are. Missing
+# PostgreSQL fails under CI=true (the store tests need it), else warns (those tests then skip).
+PG_TEST_PASSWORD=ptc-test-pw-4f2a  # a local test role on loopback only; never a production credential
+pg_test_url=""
+as_postgres() { if [ "$(id -u)" = 0 ]; then su postgres -s /bin/sh -c "$*"; else sudo -u postgres sh -c "$*"; fi; }
+setup_postgres() {
+  if [ -n "${PTC_TEST_STORE_URL:-}" ]; then pg_test_url=$PTC_TEST_STORE_URL; return; fi
+  if ! command -v pg_lsclusters >/dev/null || [ -z "$(pg_lsclusters -h 2>/dev/null)" ]; then
+    # The package's postinst would start the cluster through invoke-rc.d (no systemd here): policy-rc.d forbids
+    # it, and pg_ctlcluster starts it below.
+    local policy=/usr/sbin/policy-rc.d added=""
+    if [ ! -e "$policy" ]; then
+      as_root sh -c "printf '#!/bin/sh\nexit 101\n' >'$policy' && chmod 755 '$policy'"
+      added=1
+    fi
+    apt_install --no-install-recommends postgresql || true
+    if [ -n "$added" ]; then as_root rm -f "$policy"; fi
+  fi
+  local line version cluster port status
+  line=$(pg_lsclusters -h 2>/dev/null | head -n 1 || true)
+  if [ -z "$line" ]; then
+    version=$(ls /usr/lib/postgresql 2>/dev/null | sort -n | tail -n 1)
+    if [ -n "$version" ]; then as_root pg_createcluster "$version" main >/dev/null; fi
+    line=$(pg_lsclusters -h 2>/dev/null | head -n 1 || true)
+  fi
+  if [ -z "$line" ]; then
+    if [ "${CI:-}" = true ]; then log "no PostgreSQL cluster could be made; CI needs it for the store tests"; exit 1; fi
+    log "warning: no PostgreSQL: the PostgreSQL store tests will skip"; return
+  fi
+  read -r version cluster port status _ <<<"$line"
+  if [ "$status" != online ]; then
+    log "starting PostgreSQL $version/$cluster on port $port (pg_ctlcluster)"
+    as_root pg_ctlcluster "$version" "$cluster" start
+  fi
+  for _ in $(seq 30); do pg_isready -q -h 127.0.0.1 -p "$port" && break; sleep 1; done
+  as_postgres "psql -p $port -qtAc \"SELECT 1 FROM pg_roles WHERE rolname = 'ptc_test'\" | grep -q 1 ||
+    psql -p $port -qc \"CREATE ROLE ptc_test LOGIN CREATEDB PASSWORD '$PG_TEST_PASSWORD'\""
+  as_postgres "psql -p $port -qtAc \"SELECT 1 FROM pg_database WHERE datname = 'ptc_test'\" | grep -q 1 ||
+    createdb -p $port -O ptc_test ptc_test"
+  pg_test_url="postgresql://ptc_test:$PG_TEST_PASSWORD@127.0.0.1:$port/ptc_test"
 }
 
 # A headless browser for the API documents' test (tests/integration/test_docs_ui.py).
@@ -173,12 +250,121 @@ setup() {
   setup_engine
   setup_pid_max
   sandbox_image/build.sh --data >/dev/null  # the minimal image, then the data image on it (cached: seconds)
-  if [ "${1:-}" = "[test]" ]; then setup_prometheus; setup_compose; setup_chromium; fi
+  if [ "${1:-}" = "[test]" ]; then setup_prometheus; setup_compose; setup_chromium; setup_haproxy; setup_postgres; fi
+}
+
+# The replicas' env file: written once (mode 0600), then it is the deployment's configuration (edit it, or
+# remove it to start over with new secrets). Ports and ids may be chosen when it is first written
+# (PTC_LB_PORT, PTC_REPLICA1_PORT, PTC_REPLICA2_PORT, PTC_PG_PORT, PTC_REPLICA1_ID, PTC_REPLICA2_ID,
+# COMPOSE_PROJECT_NAME); API keys: PTC_API_KEYS (name:sha256hex,...) when set then, else PTC_AUTH=disabled
+# (loopback only, as `serve`). Each replica gets half of this host (both drive the one engine).
+replicas_dir=${PTC_REPLICAS_DIR:-/var/lib/ptc-sandbox}
+replicas_env=$replicas_dir/replicas.env
+write_replicas_env() {
+  if [ -f "$replicas_env" ]; then return; fi
+  local mem_mb cpus half_cpus slots pg_port pg_password auth
+  mem_mb=$(awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo)
+  cpus=$(nproc)
+  half_cpus=$(awk -v c="$cpus" 'BEGIN {h = c / 2; if (h < 0.5) h = 0.5; print h}')
+  slots=$(( cpus > 1 ? cpus : 1 ))  # one service's default is 2 x CPUs: half of it each
+  pg_port=${PTC_PG_PORT:-5433}
+  pg_password=$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')
+  if [ -n "${PTC_API_KEYS:-}" ]; then auth="PTC_API_KEYS=$PTC_API_KEYS"; else auth="PTC_AUTH=disabled"; fi
+  as_root mkdir -p "$replicas_dir"
+  as_root sh -c "umask 077 && cat >'$replicas_env'" <<ENV
+# Written once by deploy/local.sh replicas (docker-compose.yml, profile "replicas"); keep it secret (mode 0600).
+COMPOSE_PROJECT_NAME=${COMPOSE_PROJECT_NAME:-ptc-replicas}
+PTC_SERVICE_IMAGE=${PTC_SERVICE_IMAGE:-ptc-sandbox:latest}
+PTC_SANDBOX_IMAGE=${PTC_SANDBOX_IMAGE:-ptc-sandbox-runtime:latest}
+PTC_DOCKER_GID=$(stat -c %g /var/run/docker.sock)
+PTC_HOST=127.0.0.1
+PTC_LB_PORT=${PTC_LB_PORT:-8080}
+PTC_PORT=${PTC_REPLICA1_PORT:-8081}
+PTC_INSTANCE_ID=${PTC_REPLICA1_ID:-r1}
+PTC_WORK_DIR=$replicas_dir/r1
+PTC_REPLICA2_PORT=${PTC_REPLICA2_PORT:-8082}
+PTC_REPLICA2_INSTANCE_ID=${PTC_REPLICA2_ID:-r2}
+PTC_REPLICA2_WORK_DIR=$replicas_dir/r2
+PTC_PG_PORT=$pg_port
+PTC_PG_DATA=$replicas_dir/postgres
+PTC_PG_PASSWORD=$pg_password
+PTC_STORE_URL=postgresql://ptc:$pg_password@127.0.0.1:$pg_port/ptc
+PTC_INTERNAL_SECRET=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
+PTC_CALLBACK_SECRET=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
+PTC_TRUSTED_PROXIES=127.0.0.1
+PTC_HOST_MEMORY_MB=$(( mem_mb / 2 ))
+PTC_HOST_CPUS=$half_cpus
+PTC_MAX_CONCURRENT_SANDBOXES=$slots
+$auth
+ENV
+  log "wrote $replicas_env (mode 0600: the store's password and the internal secret)"
+}
+
+replicas_compose() {
+  local compose=(docker compose)
+  if ! docker compose version >/dev/null 2>&1; then compose=(docker-compose); fi
+  "${compose[@]}" --env-file "$replicas_env" -f "$root/docker-compose.yml" --profile replicas "$@"
+}
+
+# url_ok URL: true when URL answers 200 within 2 s.
+url_ok() { [ "$(curl -s -o /dev/null -m 2 -w '%{http_code}' "$1" 2>/dev/null)" = 200 ]; }
+
+replicas() {
+  local action=${1:-up} build=""
+  if [ "${2:-}" = --build ]; then build=1; elif [ -n "${2:-}" ]; then action=bad; fi
+  case "$action" in
+    down)
+      if [ ! -f "$replicas_env" ]; then log "no $replicas_env: nothing to stop"; return; fi
+      set -a; . "$replicas_env"; set +a
+      replicas_compose down --timeout 20
+      return ;;
+    env) write_replicas_env; echo "$replicas_env"; return ;;
+    up) ;;
+    *) log "usage: deploy/local.sh replicas [up [--build]|down|env]"; exit 2 ;;
+  esac
+  setup_venv ""
+  setup_engine
+  setup_pid_max
+  setup_compose
+  write_replicas_env
+  # Exported too: Compose v1 fills `environment: [NAME]` entries from the shell, not from --env-file.
+  set -a; . "$replicas_env"; set +a
+  sandbox_image/build.sh >/dev/null  # the sandbox image (cached: seconds)
+  deploy/replicas/build-images.sh >/dev/null  # the store's and balancer's (cached: a second)
+  local base=ptc-sandbox-base:bookworm
+  if docker image inspect python:3.12-slim >/dev/null 2>&1; then base=python:3.12-slim; else sandbox_image/build.sh --base offline >/dev/null; fi
+  # Built when missing or asked (--build): a new image id makes Compose recreate both replicas, which ends their
+  # running jobs and sessions; a re-run without changes must leave a healthy replica alone.
+  if [ -n "$build" ] || ! docker image inspect "$PTC_SERVICE_IMAGE" >/dev/null 2>&1; then
+    log "building the service image $PTC_SERVICE_IMAGE (offline, on $base)"
+    deploy/build-service-image.sh "$base" >/dev/null
+  fi
+  log "starting the store"
+  replicas_compose up -d store
+  local store_id health=""
+  store_id=$(replicas_compose ps -q store)
+  for _ in $(seq 60); do
+    health=$(docker inspect --format '{{.State.Health.Status}}' "$store_id" 2>/dev/null || true)
+    if [ "$health" = healthy ]; then break; fi
+    sleep 1
+  done
+  if [ "$health" != healthy ]; then log "the store is not healthy after 60 s:"; docker logs --tail 20 "$store_id" >&2; exit 1; fi
+  log "starting the replicas and the balancer"
+  if docker compose version >/dev/null 2>&1; then replicas_compose up -d --wait; else replicas_compose up -d; fi
+  local url
+  for url in "http://127.0.0.1:$PTC_LB_PORT/readyz" "http://127.0.0.1:$PTC_PORT/readyz" "http://127.0.0.1:$PTC_REPLICA2_PORT/readyz"; do
+    for _ in $(seq 120); do if url_ok "$url"; then break; fi; sleep 1; done
+    if ! url_ok "$url"; then log "$url is not ready after 120 s"; replicas_compose ps >&2; exit 1; fi
+  done
+  log "ready: http://127.0.0.1:$PTC_LB_PORT (HAProxy over 127.0.0.1:$PTC_PORT and :$PTC_REPLICA2_PORT; settings in $replicas_env)"
 }
 
 case "${1:-}" in
   setup) setup "[test]" ;;
+  replicas) replicas "${2:-up}" ;;
   engine) setup_engine ;;
+  postgres) setup_postgres; echo "$pg_test_url" ;;
+  haproxy) setup_haproxy ;;
   register-runsc)
     [ -n "${2:-}" ] || { log "usage: deploy/local.sh register-runsc CONFIG"; exit 2; }
     install_runsc
@@ -202,9 +388,17 @@ case "${1:-}" in
     .venv/bin/ruff check .
     .venv/bin/ruff format --check .
     .venv/bin/mypy
+    if [ -n "$pg_test_url" ]; then export PTC_TEST_STORE_URL=$pg_test_url; fi
     .venv/bin/pytest -q -p no:cacheprovider "${@:2}" ;;
   bench)
     setup "[test]"
-    .venv/bin/python -m bench "${@:2}" ;;
-  *) sed -n "2,30p" "$0"; exit 2 ;;
+    case " ${*:2} " in
+      *" --replicas "* | *" --replicas="*)  # the replicas' cluster (bench/replicas.py): PostgreSQL and HAProxy as for the tests
+        setup_postgres
+        setup_haproxy
+        export PTC_TEST_STORE_URL=$pg_test_url
+        .venv/bin/python -m bench.replicas "${@:2}" ;;
+      *) .venv/bin/python -m bench "${@:2}" ;;
+    esac ;;
+  *) sed -n "2,48p" "$0"; exit 2 ;;
 esac

@@ -3,7 +3,8 @@
 ``ptc-sandbox serve [--host H] [--port P]`` runs the service (settings come from ``PTC_*`` variables);
 ``ptc-sandbox hash-key NAME [--generate]`` prints the ``PTC_API_KEYS`` entry of a token (read from stdin,
 or a new one printed first); ``ptc-sandbox mcp [--url URL] [--token T] [--toolset ID]`` serves MCP over stdio,
-forwarding to a running service (``mcp_stdio``).
+forwarding to a running service (``mcp_stdio``); ``ptc-sandbox migrate`` upgrades the job store;
+``ptc-sandbox sweep --instance ID [--unregistered]`` removes a retired replica's sandboxes (``service.sweep``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from service import logs, workdir
 from service.api import create_app
 from service.auth import KEY_NAME, hash_token
 from service.connections import ConnectionGuard, guarded_protocol, parse_networks
-from service.errors import InsecureConfig, WorkDirBusy
+from service.errors import InsecureConfig, InstanceIdInUse, SandboxError, StoreUnavailable, WorkDirBusy
 from service.settings import Settings
 
 TOKEN_PREFIX = "ptc_"
@@ -58,19 +59,38 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("PTC_MCP_TOOLSET"),
         help="toolset execute uses when a call names none (default: PTC_MCP_TOOLSET)",
     )
+    sweep = commands.add_parser(
+        "sweep",
+        help="remove the sandboxes a retired replica left on this engine (refused while the registry shows it live)",
+    )
+    sweep.add_argument("--instance", required=True, help="the retired replica's instance id (its PTC_INSTANCE_ID)")
+    sweep.add_argument(
+        "--unregistered",
+        action="store_true",
+        help="also when the store's registry has no row of it (you know it is not running)",
+    )
+    commands.add_parser(
+        "migrate",
+        help="upgrade the job store (PTC_STORE_URL, else the SQLite file) to the newest schema; serve does it too",
+    )
     args = parser.parse_args(argv)
     if args.command == "mcp":
         return _mcp(args.url, args.token, args.toolset)
     if args.command == "hash-key":
         return _hash_key(args.name, args.generate)
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    pairs = (("host", getattr(args, "host", None)), ("port", getattr(args, "port", None)))
+    overrides = {k: v for k, v in pairs if v is not None}
     try:
         settings = Settings(**overrides)
     except ValidationError as exc:
         print(f"ptc-sandbox: refusing to start: {_settings_errors(exc)}", file=sys.stderr)
         return 2
+    if args.command == "migrate":
+        return _migrate(settings)
+    if args.command == "sweep":
+        return _sweep(settings, args.instance, args.unregistered)
     _raise_open_files_limit()
-    logs.configure(settings.log_level, settings.log_format)
+    logs.configure(settings.log_level, settings.log_format, settings.instance())
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series
     try:
         app = create_app(settings)
@@ -107,6 +127,55 @@ def _settings_errors(exc: ValidationError) -> str:
         names = ".".join(str(part) for part in error["loc"])
         lines.append(f"PTC_{names.upper()}: {error['msg']}" if names else error["msg"])
     return "\n".join(lines)
+
+
+def _migrate(settings: Settings) -> int:
+    """``ptc-sandbox migrate``: open the store chosen by the settings (which runs its migrations), then close it;
+    prints the store (never its password) and the revision. Exit 1 when the store cannot be reached."""
+    from service.migrations import HEAD
+    from service.store_pg import job_store
+
+    store = job_store(settings)
+
+    async def run() -> None:
+        await store.open()
+        await store.close()
+
+    try:
+        asyncio.run(run())
+    except StoreUnavailable as exc:
+        print(f"ptc-sandbox migrate: {store.describe()}: {exc}", file=sys.stderr)
+        return 1
+    print(f"{store.describe()}: at revision {HEAD}")
+    return 0
+
+
+def _sweep(settings: Settings, instance_id: str, unregistered: bool) -> int:
+    """``ptc-sandbox sweep --instance ID``: ``service.sweep.sweep_instance`` on the store and engine of the settings;
+    prints how many sandboxes it removed. Exit 1 when refused (the instance is live, or unknown without
+    ``--unregistered``) or when the store or the engine does not answer."""
+    from service.sandbox.docker import DockerBackend
+    from service.store_pg import job_store
+    from service.sweep import sweep_instance
+
+    store = job_store(settings)
+
+    async def run() -> int:
+        await store.open()
+        backend = DockerBackend(settings.docker_host, max_workers=2)
+        try:
+            return await sweep_instance(store, backend, instance_id, unregistered)
+        finally:
+            await backend.close()
+            await store.close()
+
+    try:
+        removed = asyncio.run(run())
+    except (InstanceIdInUse, StoreUnavailable, SandboxError) as exc:
+        print(f"ptc-sandbox sweep: refused: {exc}", file=sys.stderr)
+        return 1
+    print(f"removed {removed} sandbox(es) of instance {instance_id}")
+    return 0
 
 
 def _hash_key(name: str, generate: bool) -> int:

@@ -177,6 +177,8 @@ class Broker:
             broker's own, with one thread (for a broker used alone, as in tests).
         check_group: the fairness group of this job's checks (the API key that owns the job).
         trace_parent: the job's span: each call gets a child span (``service.telemetry``); None: no spans.
+        lease: asked before each call whether this replica still holds its lease (``Replicas.holds_lease``): when
+            not, the call fails (``replica_lost``) without reaching any endpoint or client; None: not asked.
     """
 
     def __init__(
@@ -196,7 +198,9 @@ class Broker:
         check_group: str = "",
         approval_timeout_s: float = 270.0,
         trace_parent: Span | None = None,
+        lease: Callable[[], bool] | None = None,
     ) -> None:
+        self._lease = lease
         self._checks = checks or CheckScheduler(1, DEFAULT_CHECK_BUDGET_S)
         self._check_group = check_group
         self._client_timeout = client_call_timeout_s
@@ -443,6 +447,8 @@ class Broker:
         return reply
 
     async def _dispatch(self, tool_name: str, request: Request, record: dict[str, Any]) -> dict[str, Any]:
+        if self._lease is not None and not self._lease():  # a fenced replica forwards no tool call
+            return self._fail(record, "error", "replica_lost", "this replica lost its lease: no tool call is made")
         tool = self._tools.get(tool_name)
         if tool is None:
             hint = ""

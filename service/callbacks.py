@@ -286,13 +286,15 @@ async def deliver(
     on_attempt: Callable[[dict[str, Any]], None],
     owner: str | None = None,
     trace_headers: Mapping[str, str] | None = None,
+    before_attempt: Callable[[], None] | None = None,
 ) -> bool:
     """POST ``body`` to ``url`` until a 2xx answer or ``max_attempts`` attempts; returns whether it was delivered.
 
     Every attempt carries ``msg_id`` in ``webhook-id`` and is signed anew with each of ``secrets``;
     ``on_attempt`` receives ``{"at", "status_code", "error", "duration_ms"}`` after every attempt;
     ``owner`` (the job's, as in the body) is sent in ``X-PTC-Owner``; ``trace_headers`` (the job's W3C
-    ``traceparent``, ``service.telemetry.inject``) with every attempt.
+    ``traceparent``, ``service.telemetry.inject``) with every attempt. ``before_attempt`` is called before each
+    attempt (the claimer's lease check): what it raises ends the delivery at once, unsent, and propagates.
     """
     retrying = AsyncRetrying(
         stop=stop_after_attempt(max_attempts),
@@ -301,6 +303,8 @@ async def deliver(
     )
     try:
         async for attempt in retrying:
+            if before_attempt is not None:
+                before_attempt()
             with attempt:
                 await _attempt(client, url, body, secrets, msg_id, timeout_s, on_attempt, owner, trace_headers or {})
     except RetryError:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -283,6 +284,10 @@ class Target:
     port: int
 
 
+PEER_NAMES_TTL_S = 30.0
+"""How long the addresses of the replicas' internal host names are kept before they are resolved again (s)."""
+
+
 class EgressPolicy:
     """The allowlist, and the checks every outgoing request of the service passes.
 
@@ -298,6 +303,30 @@ class EgressPolicy:
     def __init__(self, rules: Iterable[str] = LOOPBACK_RULES, own: Iterable[OwnAddress] = ()) -> None:
         self.rules = tuple(EgressRule.parse(rule) for rule in rules if rule.strip())
         self.own = tuple(own)
+        self.peers: tuple[OwnAddress, ...] = ()
+        self._peer_names: frozenset[tuple[str, int]] = frozenset()
+        self._named_peers: tuple[OwnAddress, ...] = ()  # the addresses _peer_names resolved to
+        self._named_for: frozenset[tuple[str, int]] = frozenset()  # the names _named_peers were resolved from
+        self._named_at = 0.0  # when (monotonic s)
+
+    def refuse_peers(self, urls: Iterable[str]) -> None:
+        """Refuse the other replicas' internal addresses as the service's own (each registered replica's internal
+        URL, from the registry cache: ``Replicas.on_registry``); replaces the previous list."""
+        addresses: list[OwnAddress] = []
+        names: set[tuple[str, int]] = set()
+        for url in urls:
+            try:
+                parsed = httpx.URL(url)
+            except httpx.InvalidURL:
+                continue
+            host = parsed.host.lower().rstrip(".")
+            port = parsed.port or DEFAULT_PORTS.get(parsed.scheme.lower(), 80)
+            address = _ip(host)
+            if address is None:
+                names.add((host, port))
+            else:
+                addresses.append(OwnAddress(_normalized(address), port))
+        self.peers, self._peer_names = tuple(addresses), frozenset(names)
 
     def target(self, url: str | httpx.URL) -> Target:
         """Check ``url`` against the rules without resolving it; returns where it points.
@@ -320,15 +349,33 @@ class EgressPolicy:
         if not any(rule.admits_target(scheme, host, port) for rule in self.rules):
             raise EgressDenied(f"{where} is not on the egress allowlist (PTC_EGRESS_ALLOW)")
         address = _ip(host)
-        if address is not None and self.is_own(address, port):
+        if (address is not None and self.is_own(address, port)) or (host, port) in self._peer_names:
             raise EgressDenied(f"{where} is this service's own address")
         if address is not None and not self.address_allowed(scheme, address, port):
             raise EgressDenied(f"{where} is a non-public address that no egress rule names")
         return Target(scheme, host, port)
 
     def is_own(self, address: IPAddress, port: int) -> bool:
-        """Whether (``address``, ``port``) could reach the service itself (``OwnAddress.covers``)."""
-        return any(own.covers(address, port) for own in self.own)
+        """Whether (``address``, ``port``) could reach the service itself or another of its replicas
+        (``OwnAddress.covers``; a replica whose internal URL names a host: the addresses it resolved to)."""
+        return any(own.covers(address, port) for own in (*self.own, *self.peers, *self._named_peers))
+
+    async def _resolve_peer_names(self) -> None:
+        """Resolve the replicas' internal host names (``refuse_peers``) again when they changed or every
+        ``PEER_NAMES_TTL_S``: a URL naming a peer by its address is refused as one naming it by its name."""
+        names, now = self._peer_names, time.monotonic()
+        if names == self._named_for and (not names or now - self._named_at < PEER_NAMES_TTL_S):
+            return
+        found: list[OwnAddress] = []
+        for host, port in names:
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(
+                    host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
+                )
+            except OSError:
+                continue
+            found.extend(OwnAddress(_normalized(ipaddress.ip_address(info[4][0])), port) for info in infos)
+        self._named_peers, self._named_for, self._named_at = tuple(found), names, now
 
     def address_allowed(self, scheme: str, address: IPAddress, port: int) -> bool:
         """Whether a resolved ``address`` may be contacted: not the service's own, and public or named by an
@@ -344,6 +391,7 @@ class EgressPolicy:
             EgressDenied: as ``target``, or every address the name resolves to is refused.
             httpx.ConnectError: the name does not resolve.
         """
+        await self._resolve_peer_names()
         target = self.target(url)
         literal = _ip(target.host)
         if literal is not None:

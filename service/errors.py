@@ -13,6 +13,7 @@
     ├── EgressDenied         (service.egress) a destination off the egress rules: a tool error, never HTTP
     ├── CheckTooCostly       checking a call's arguments/result ran past its CPU budget (or one regex search
     │                        past its time limit): a tool error (limit_exceeded), never HTTP
+    ├── OwnerElsewhere       the job or session runs on another live replica: relayed (api.forward), else -> 503
     ├── JobNotFound          no job with that id                         -> 404
     ├── SessionNotFound      no session with that id                     -> 404
     ├── NoSuchFile           no file at that path (a job's output, a session's /tmp) -> 404
@@ -25,6 +26,7 @@
     ├── CallNotPending       answer to a client call not waiting for one -> 409
     ├── IdempotencyKeyReused   an Idempotency-Key sent again with another request -> 422
     ├── IdempotencyKeyInFlight an Idempotency-Key whose first request is still being admitted -> 409
+    ├── StoreUnavailable     the job store (PostgreSQL) cannot be reached or did not answer in time -> 503
     └── SandboxError         the engine failed us (not the script)      -> 503
         └── EngineUnavailable  the engine cannot be reached             -> 503
 """
@@ -97,6 +99,68 @@ class WorkDirBusy(PtcError):
 
     def __init__(self, work_dir: object) -> None:
         super().__init__(f"another ptc-sandbox instance is using {work_dir}; give this one its own PTC_WORK_DIR")
+
+
+class InstanceIdInUse(PtcError):
+    """A live replica with another work dir holds this instance id in the store's registry (its lease holding), or,
+    on a SQLite store (one replica), another instance id is live on the same file (docs/scaling.md)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+
+
+class LeaseLost(PtcError):
+    """A fenced write matched no row: this replica's incarnation is no longer the job's owner (another replica
+    expired it, or the job was ended by someone else). Internal: never an HTTP answer; the replica fences itself
+    (``service.replicas.Replicas.fence``)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"lease lost: {what}")
+
+
+class OwnerUnavailable(PtcError):
+    """The job runs on another replica, and this one cannot serve it now (503 ``owner-unavailable``): no
+    forwarding yet, or the owner's lease has passed and the job is not marked ``lost`` yet.
+
+    Attributes:
+        retry_after_s: whole seconds after which asking again may succeed (at least 1).
+    """
+
+    def __init__(self, job_id: str, retry_after_s: int, what: str = "job") -> None:
+        super().__init__(f"{what} {job_id} runs on another replica, which cannot be reached from here; retry later")
+        self.retry_after_s = max(1, retry_after_s)
+
+
+class OwnerElsewhere(PtcError):
+    """The job or session runs on another live replica: the request is relayed to it (``api.forward``, one
+    exception handler; 503 ``owner-unavailable`` where it cannot be relayed).
+
+    Attributes:
+        what, resource_id: ``job`` or ``session``, and its id.
+        instance_id, epoch: the owner's incarnation; ``url``: its internal URL (``http://host:port``).
+        retry_after_s: as ``OwnerUnavailable``'s, for the answer when the owner cannot be reached.
+        instead: see below.
+    """
+
+    def __init__(
+        self, what: str, resource_id: str, instance_id: str, epoch: int, url: str, retry_after_s: int = 1
+    ) -> None:
+        super().__init__(f"{what} {resource_id} runs on another replica, which cannot be reached from here")
+        self.what, self.resource_id = what, resource_id
+        self.instance_id, self.epoch, self.url = instance_id, epoch, url
+        self.retry_after_s = max(1, retry_after_s)
+        self.instead: tuple[str, str] | None = None
+        """(method, path) to send instead of the request's own (its query string is kept): ``wait`` waits here
+        and fetches the view of a job still running elsewhere with one ``GET``."""
+
+    @property
+    def target(self) -> str:
+        """``<instance_id>.<epoch>``: the ``Ptc-Internal-Target`` of the relayed request."""
+        return f"{self.instance_id}.{self.epoch}"
+
+    def unavailable(self) -> OwnerUnavailable:
+        """The 503 to answer when the owner cannot be reached."""
+        return OwnerUnavailable(self.resource_id, self.retry_after_s, self.what)
 
 
 class JobNotFound(PtcError):
@@ -182,6 +246,18 @@ class SandboxError(PtcError):
 
 class EngineUnavailable(SandboxError):
     """The container engine cannot be reached."""
+
+
+class StoreUnavailable(PtcError):
+    """The job store cannot be reached, or did not answer within ``PTC_STORE_TIMEOUT_S``.
+
+    Its message never holds the store's URL nor the driver's text (which may name the server): it says what failed
+    (``operation``); the cause is chained and logged.
+    """
+
+    def __init__(self, operation: str) -> None:
+        super().__init__(f"the job store did not answer ({operation}); retry later")
+        self.operation = operation
 
 
 class QueueFull(PtcError):

@@ -20,7 +20,13 @@ event               fields
                     ``SUMMARY_TOOLS`` tools, the rest under ``other``), ``call_ms_total``, ``call_ms_max``
 ``tool_call``       (debug level only) ``job_id``, ``seq``, ``tool``, ``status``, ``duration_ms``, ``args``,
                     ``result``, ``error``
+``replica``         ``action`` (``registered``, ``left``, ``lease_lost``, ``expired``), ``replica`` (the instance id
+                    it concerns: this one's, or for ``expired`` the one found dead), ``epoch``; for ``expired`` also
+                    ``detected_after_s``, ``jobs_lost``, ``sessions_broken`` (``replica_expired``)
 ==================  ===========================================================================================
+
+Every line also carries ``instance``, this process's instance id (``PTC_INSTANCE_ID``), set once by
+``configure``: the lines of several replicas can be merged and told apart.
 
 What never appears at ``info``: script source, output, tool arguments and
 results, error messages (which may quote the script's data; their ``type``
@@ -66,6 +72,7 @@ SUMMARY_TOOLS = 20
 PATH_CHARS = 200
 MAX_CLAIMED_TYPE = 100  # characters of a script-reported exception type that the job event logs
 _job_keys: dict[str, str | None] = {}
+_instance: str | None = None  # this process's instance id, in every line (``configure``)
 
 
 class JsonFormatter(logging.Formatter):
@@ -83,6 +90,8 @@ class JsonFormatter(logging.Formatter):
             line.update(fields)
         else:
             line["msg"] = record.getMessage()
+        if _instance is not None:
+            line.setdefault("instance", _instance)
         if "trace_id" not in line and (trace_id := telemetry.trace_id()) is not None:
             line["trace_id"] = trace_id  # emitted inside a traced request or job (tracing on)
         if record.exc_info:
@@ -90,13 +99,17 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(line, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
-def configure(level: str, fmt: str) -> None:
-    """Send every log record (uvicorn's included) to stderr as JSON lines (``fmt="json"``) or text lines."""
+def configure(level: str, fmt: str, instance: str | None = None) -> None:
+    """Send every log record (uvicorn's included) to stderr as JSON lines (``fmt="json"``) or text lines, each
+    carrying ``instance`` (this process's instance id) when one is given."""
+    global _instance
+    _instance = instance
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        tag = f" instance={orjson.dumps(instance).decode()}" if instance is not None else ""
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s %(name)s{tag}: %(message)s"))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
@@ -124,6 +137,34 @@ def event(name: str, level: int = logging.INFO, **fields: Any) -> None:
     """Log one event with its fields (JSON-able values)."""
     if EVENTS.isEnabledFor(level):
         EVENTS.log(level, "%s", _Text(name, fields), extra={"event": name, "fields": fields})
+
+
+def replica(action: str, instance_id: str, epoch: int | None, level: int = logging.INFO, **fields: Any) -> None:
+    """A ``replica`` event: ``action`` (``registered``, ``left``, ``lease_lost``, ``expired``) of the incarnation
+    ``(instance_id, epoch)``, logged as ``replica`` and ``epoch`` (``instance`` stays this process's id)."""
+    event("replica", level, action=action, replica=instance_id, epoch=epoch, **fields)
+
+
+def replica_expired(
+    instance_id: str, epoch: int, detected_after_s: float, jobs_lost: int, sessions_broken: int
+) -> None:
+    """The ``replica`` ``expired`` event (warning level) of the reaper that took over a dead incarnation.
+
+    Args:
+        instance_id / epoch: the incarnation found expired.
+        detected_after_s: store time from its last heartbeat to the expiry (s).
+        jobs_lost: its unfinished jobs this replica marked ``lost``.
+        sessions_broken: its open sessions this replica marked ``broken``.
+    """
+    replica(
+        "expired",
+        instance_id,
+        epoch,
+        logging.WARNING,
+        detected_after_s=round(detected_after_s, 3),
+        jobs_lost=jobs_lost,
+        sessions_broken=sessions_broken,
+    )
 
 
 def bind_key(request: Request, name: str | None) -> None:

@@ -24,7 +24,17 @@ metric                                          labels (values)
 ``ptc_http_requests_total``                     ``method``, ``route`` (the route's template), ``status``
 ``ptc_script_normalizations_total``             ``kind``: a repair of ``service.normalize`` (process-wide)
 ``ptc_rejections_total``                        ``reason``: a quota, host capacity or global limit (429s)
+``ptc_replicas``                                (gauge) ``state``: live | draining (the registry's last read)
+``ptc_lease_renewals_total``                    ``outcome``: ok | error | fenced
+``ptc_lease_remaining_seconds``                 (gauge) this replica's lease left at its last renewal
+``ptc_replica_expiries_total``                  incarnations of other replicas this one found expired
+``ptc_lease_expired_jobs_total``                jobs it marked ``lost`` after their replica's lease expired
+``ptc_lease_expired_sessions_total``            sessions it marked ``broken`` so
+``ptc_store_listener_reconnects_total``         ``LISTEN`` connections re-opened (PostgreSQL store)
 ==============================================  ===============================================================
+
+No label holds an instance id, a job id or an address: Prometheus adds the scraped replica as its own
+``instance`` target label (``tests/unit/test_metrics_labels.py`` checks every family's label names and values).
 
 Tool names come from manifests, which are unbounded: the first
 ``metrics_max_tools`` distinct names a process sees get their own ``tool``
@@ -120,6 +130,55 @@ class Metrics:
             registry=reg,
         )
         self.sessions = Gauge("ptc_sessions", "Open sessions.", registry=reg)
+        self.replicas = Gauge(
+            "ptc_replicas",
+            "Replicas in the store's registry holding their lease at this replica's last read, by state (the "
+            "same on every replica: aggregate with max).",
+            ["state"],
+            registry=reg,
+        )
+        self.lease_renewals = Counter(
+            "ptc_lease_renewals", "Heartbeats of this replica's lease, by outcome.", ["outcome"], registry=reg
+        )
+        self.lease_remaining = Gauge(
+            "ptc_lease_remaining_seconds",
+            "This replica's lease left at its last renewal (s; alert below one heartbeat).",
+            registry=reg,
+        )
+        self.replica_expiries = Counter(
+            "ptc_replica_expiries",
+            "Incarnations of other replicas this replica found expired (lease passed) and took over.",
+            registry=reg,
+        )
+        self.lease_expired_jobs = Counter(
+            "ptc_lease_expired_jobs",
+            "Jobs this replica marked lost after their replica's lease expired (also in ptc_executions_total).",
+            registry=reg,
+        )
+        self.lease_expired_sessions = Counter(
+            "ptc_lease_expired_sessions",
+            "Sessions this replica marked broken after their replica's lease expired.",
+            registry=reg,
+        )
+        self.listener_reconnects = Counter(
+            "ptc_store_listener_reconnects",
+            "LISTEN connections to the job store re-opened after a loss (PostgreSQL store).",
+            registry=reg,
+        )
+        self.forwarded_requests = Counter(
+            "ptc_forwarded_requests",
+            "Requests relayed to the replica owning their job or session, by route template and outcome "
+            "(relayed, unavailable: the owner could not be reached, refused: it refused the signed call).",
+            ["route", "outcome"],
+            registry=reg,
+        )
+        self.internal_requests = Counter(
+            "ptc_internal_requests",
+            "Signed requests of other replicas received, by outcome (accepted, bad_signature, wrong_target, stale, "
+            "replayed, busy).",
+            ["outcome"],
+            registry=reg,
+        )
         self.output_truncated = Counter(
             "ptc_output_truncated",
             "Jobs whose inline output of a stream exceeded its cap (head and tail kept).",
@@ -160,6 +219,12 @@ class Metrics:
             self.sandbox_start.labels(mode=mode)
         for stream in STREAMS:
             self.output_truncated.labels(stream=stream)
+        for state in ("live", "draining"):
+            self.replicas.labels(state=state)
+        for outcome in ("ok", "error", "fenced"):
+            self.lease_renewals.labels(outcome=outcome)
+        for outcome in ("accepted", "bad_signature", "wrong_target", "stale", "replayed", "busy"):
+            self.internal_requests.labels(outcome=outcome)
 
     # -- state read at scrape time -------------------------------------------------------------
 
@@ -175,6 +240,36 @@ class Metrics:
     def set_sessions(self, count: int) -> None:
         """Set ``ptc_sessions`` (call it whenever a session opens or closes)."""
         self.sessions.set(count)
+
+    def lease_renewal(self, outcome: str, remaining_s: float) -> None:
+        """Count a heartbeat (``ok``, ``error``, ``fenced``) and set the lease left after it (s)."""
+        self.lease_renewals.labels(outcome=outcome).inc()
+        self.lease_remaining.set(max(0.0, remaining_s))
+
+    def forwarded(self, route: str, outcome: str) -> None:
+        """Count a request relayed to its owner: ``route`` its template (never an id), ``outcome`` ``relayed``,
+        ``unavailable`` or ``refused``."""
+        self.forwarded_requests.labels(route=route, outcome=outcome).inc()
+
+    def internal_request(self, outcome: str) -> None:
+        """Count a signed request received, by outcome (``internal.Verifier``)."""
+        self.internal_requests.labels(outcome=outcome).inc()
+
+    def set_replicas(self, counts: Mapping[str, int]) -> None:
+        """Set ``ptc_replicas{state}`` (``live``, ``draining``) from the registry's last read."""
+        for state, count in counts.items():
+            self.replicas.labels(state=state).set(count)
+
+    def replica_expired(self, jobs_lost: int, sessions_broken: int) -> None:
+        """Count an incarnation of another replica found expired, with the jobs marked ``lost`` and the sessions
+        marked ``broken`` for it (the reaper's, docs/scaling.md step 5)."""
+        self.replica_expiries.inc()
+        self.lease_expired_jobs.inc(jobs_lost)
+        self.lease_expired_sessions.inc(sessions_broken)
+
+    def listener_reconnected(self) -> None:
+        """Count a re-opened ``LISTEN`` connection (``notify.Listener``'s ``on_reconnect``)."""
+        self.listener_reconnects.inc()
 
     # -- events --------------------------------------------------------------------------------
 

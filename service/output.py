@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -228,6 +229,41 @@ class OutputRange:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+class StoredRange(OutputRange):
+    """An ``OutputRange`` over a blob of a shared job store (an ended job another replica ran): read a slice at a
+    time with ``aread`` as the client takes it (``service.api.responses.output_slices``), never held whole, as the
+    file of an ``OutputRange`` is never read whole.
+
+    Args:
+        reader: ``(offset, length) -> bytes`` of the blob (``JobStore.read_blob`` of one job and name).
+        offset / length: the range (``length`` already within the blob's size).
+    """
+
+    def __init__(self, reader: Callable[[int, int], Awaitable[bytes | None]], offset: int, length: int) -> None:
+        super().__init__(None, offset, length)
+        self._reader = reader
+
+    async def aread(self, most: int) -> bytes:
+        """The next at most ``most`` bytes of the range (b"" once all are read).
+
+        Raises:
+            OSError: the blob ended before the range (it was purged meanwhile).
+            StoreUnavailable: the store did not answer.
+        """
+        wanted = min(most, self.remaining)
+        if wanted <= 0:
+            return b""
+        data = await self._reader(self._position, wanted)
+        if not data:
+            raise OSError(f"stored output ended {self.remaining} bytes before its range")
+        self._position += len(data)
+        return data
+
+    def read(self, most: int) -> bytes:
+        """Not for a stored range: ``aread``."""
+        raise NotImplementedError("a StoredRange is read with aread")
 
 
 def read_range(path: Path, offset: int, length: int) -> bytes:

@@ -250,6 +250,47 @@ class Settings(BaseSettings):
     )
 
     store_path: Path | None = Field(None, description="SQLite job store file; default: jobs.sqlite3 in the work dir.")
+    store_url: SecretStr | None = Field(
+        None,
+        description="PostgreSQL job store, postgresql://user:password@host:port/db (never logged); unset: "
+        "the SQLite store (store_path). docs/operations.md, Job store.",
+    )
+    store_timeout_s: float = Field(
+        5.0, gt=0, description="Longest wait for one job store operation (PostgreSQL); past it: 503 (s)."
+    )
+    internal_url: str | None = Field(
+        None,
+        pattern=r"^https?://[^/?#\s]+/?$",
+        description="Where the other replicas reach this one (http://host:port, no path); default: http://PTC_HOST:"
+        "PTC_PORT unless the host is a wildcard, else the host name's first non-loopback address. docs/scaling.md.",
+    )
+    internal_secret: SecretStr | None = Field(
+        None,
+        description="HMAC key of the internal calls between replicas (at least 32 characters; several, "
+        "space-separated, newest first, while rotating: sign with the first, accept any); required with a "
+        "PostgreSQL store (PTC_STORE_URL). Worth every tenant's keys: keep it like the database password.",
+    )
+    replica_heartbeat_s: float = Field(
+        2.0, gt=0, description="How often this replica renews its lease in the store's registry (s)."
+    )
+    replica_lease_s: float = Field(
+        10.0,
+        gt=0,
+        description="Lease length from each renewal (s); at least 3 times PTC_REPLICA_HEARTBEAT_S. A replica whose "
+        "lease passed is dead for the others (docs/scaling.md).",
+    )
+    replica_scan_s: float = Field(
+        2.0,
+        gt=0,
+        description="How often this replica looks for expired leases and the jobs they left (s, jittered by 20%). "
+        "docs/scaling.md, Detection.",
+    )
+    progress_save_s: float = Field(
+        5.0,
+        gt=0,
+        description="PostgreSQL store: how often a running job's new output and call records are saved (s), bounding "
+        "what a lost job loses.",
+    )
     output_retention_bytes: int = Field(
         16 * 1024 * 1024, ge=0, description="Bytes of each stream kept on disk per job, readable by offset (bytes)."
     )
@@ -487,6 +528,17 @@ class Settings(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _lease_outlasts_heartbeats(self) -> Settings:
+        """Refuse a lease shorter than three heartbeats: one late renewal would cost the replica its jobs."""
+        if self.replica_lease_s < 3 * self.replica_heartbeat_s:
+            raise PydanticCustomError(
+                "lease_too_short",
+                "PTC_REPLICA_LEASE_S ({lease}) must be at least 3 times PTC_REPLICA_HEARTBEAT_S ({beat})",
+                {"lease": self.replica_lease_s, "beat": self.replica_heartbeat_s},
+            )
+        return self
+
     @field_validator("images", mode="before")
     @classmethod
     def _parse_images(cls, value: object) -> object:
@@ -585,6 +637,22 @@ class Settings(BaseSettings):
             return self.instance_id
         digest = hashlib.sha256(str(self.work_dir.resolve()).encode()).hexdigest()[:8]
         return f"{socket.gethostname()}-{digest}"
+
+    @field_validator("store_url")
+    @classmethod
+    def _postgresql_url(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value():
+            return None
+        import sqlalchemy  # only with a store URL: the SQLite default does not import it
+
+        problem = "PTC_STORE_URL must be a postgresql://user:password@host:port/db URL"  # never the value itself
+        try:
+            url = sqlalchemy.make_url(value.get_secret_value())
+        except (sqlalchemy.exc.ArgumentError, ValueError):
+            raise ValueError(problem) from None
+        if url.drivername not in ("postgresql", "postgres", "postgresql+psycopg") or not url.database:
+            raise ValueError(problem)
+        return value
 
     def job_store_path(self) -> Path:
         """Where the SQLite store lives (``store_path`` or ``work_dir/jobs.sqlite3``)."""

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,17 +105,27 @@ class Service:
             self.process.kill()
             self.process.wait()
 
+    def kill(self) -> None:
+        """``kill -9``: no shutdown of any kind (its sandboxes stay, its lease is left to pass)."""
+        self.process.kill()
+        self.process.wait()
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
 
+INTERNAL_SECRET = "ptc-tests-internal-secret-" + secrets.token_hex(16)
+"""``PTC_INTERNAL_SECRET`` of every service the tests start (one per test run: replicas of a test share it)."""
+
+
 def start_service(instance_id: str, work_dir: Path, probe: str = "/readyz", **env: str) -> Service:
-    """Start the service as a subprocess and wait until ``probe`` answers 200.
+    """Start the service as a subprocess and wait until ``probe`` answers 200 (on ``env``'s ``PTC_PORT`` if given,
+    else a free port).
 
     Authentication is on: a new API key (name ``pytest``, which may read ``/metrics``) is configured, and
     ``Service.client()`` sends it.
     """
-    port = free_port()
+    port = int(env["PTC_PORT"]) if "PTC_PORT" in env else free_port()
     log_path = work_dir.with_suffix(".log")
     token = secrets.token_urlsafe(32)
     environ = {
@@ -127,6 +137,7 @@ def start_service(instance_id: str, work_dir: Path, probe: str = "/readyz", **en
         "PTC_AUTH": "required",
         "PTC_API_KEYS": f"pytest:{hash_token(token)}",
         "PTC_METRICS_KEYS": "pytest",  # the suite scrapes /metrics with its key (the metrics and monitoring tests)
+        "PTC_INTERNAL_SECRET": INTERNAL_SECRET,  # needed with PTC_STORE_URL; the same for every replica of a test
         **env,
     }
     with open(log_path, "ab") as log_file:
@@ -305,3 +316,57 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if integration in item.path.parents and item.get_closest_marker("integration") is None:
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def postgres() -> None:
+    """PostgreSQL for the store tests (``tests.pgstore``); skips (fails under CI=true) without one."""
+    from tests import pgstore
+
+    problem = pgstore.problem()
+    if problem:
+        if in_ci():
+            pytest.fail(problem)
+        pytest.skip(problem)
+
+
+@pytest.fixture
+def postgres_url(postgres: None) -> Iterator[str]:
+    """The URL of a fresh, empty PostgreSQL database for one test (dropped after it)."""
+    from tests import pgstore
+
+    with pgstore.fresh_database() as url:
+        yield url
+
+
+STORE_KINDS = ("sqlite", "postgresql")
+"""The job stores every store test runs against (``store_kind`` fixture)."""
+
+
+@pytest.fixture(params=STORE_KINDS)
+def store_kind(request: pytest.FixtureRequest) -> str:
+    """Each job store kind in turn: a test taking it (or ``make_store``) runs once per kind."""
+    return str(request.param)
+
+
+@pytest.fixture
+def make_store(store_kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Any]:
+    """A factory of (unopened) job stores of ``store_kind``, all on the same database or file for this test."""
+    from service.store import SQLiteJobStore
+    from service.store_pg import PostgresJobStore
+
+    if store_kind == "sqlite":
+        return lambda: SQLiteJobStore(tmp_path / "jobs.sqlite3")
+    url = request.getfixturevalue("postgres_url")
+    return lambda: PostgresJobStore(url, timeout_s=5.0)
+
+
+@pytest.fixture
+async def store(make_store: Callable[[], Any]) -> AsyncIterator[Any]:
+    """An opened job store of each kind in turn (``store_kind``: SQLite, PostgreSQL), closed after the test."""
+    opened = make_store()
+    await opened.open()
+    try:
+        yield opened
+    finally:
+        await opened.close()

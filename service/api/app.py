@@ -14,12 +14,12 @@ from fastapi import FastAPI
 from starlette.datastructures import State
 from starlette.routing import BaseRoute
 
-from service import __version__, callbacks, telemetry
-from service.api import mcp_front, problems
+from service import __version__, callbacks, internal, telemetry
+from service.api import forward, mcp_front, problems
 from service.api.bodies import BODY_THREADS, BodyLimit, ParsedOffLoop
 from service.api.composition import build_jobs
 from service.api.deps import NOT_STARTED, SessionService, ToolsetService
-from service.api.problems import UNAUTHORIZED
+from service.api.problems import OWNER_UNAVAILABLE, UNAUTHORIZED
 from service.api.routers import docs as docs_router
 from service.api.routers import health as health_router
 from service.api.routers import jobs as jobs_router
@@ -27,15 +27,18 @@ from service.api.routers import sessions as sessions_router
 from service.api.routers import tools as tools_router
 from service.auth import BearerAuth, configure, open_paths
 from service.egress import EgressPolicy, OwnAddress
-from service.errors import SandboxError
+from service.errors import InsecureConfig, SandboxError
 from service.idempotency import IdempotencyKeys
 from service.jobs import JobManager
+from service.jobs.notify import Listener, Waiters
+from service.jobs.remote import Remote
 from service.metrics import HttpObserver, Metrics
 from service.openapi import document
+from service.replicas import Replicas
 from service.sandbox.base import SandboxBackend
 from service.sandbox.images import Images
 from service.settings import DEFAULT_IMAGE, Settings
-from service.store import SQLiteJobStore
+from service.store_pg import job_store
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.validation import CheckScheduler
 
@@ -60,6 +63,17 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     """
     settings = settings or Settings()
     keys = configure(settings)
+    try:  # here, not in a validator of Settings: pydantic's errors would show the value
+        given = settings.internal_secret.get_secret_value() if settings.internal_secret else ""
+        secrets = internal.parse_secrets(given) if given.strip() else []
+    except ValueError as exc:
+        raise InsecureConfig(str(exc)) from None
+    if settings.store_url is not None and not secrets:
+        raise InsecureConfig(
+            "a PostgreSQL store (PTC_STORE_URL) needs PTC_INTERNAL_SECRET: the replicas sign their internal calls "
+            "with it (at least 32 characters, the same on every replica)"
+        )
+    verifier = internal.Verifier(secrets)
     telemetry.configure_from_env()  # off unless the OTEL_* variables ask for traces (docs/telemetry.md)
     callbacks.load_secrets(settings)  # a malformed PTC_CALLBACK_SECRETS refuses the start now, not at the lifespan
 
@@ -77,12 +91,43 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             settings.max_tool_result_bytes,
             EgressPolicy(settings.egress_allow, own=[OwnAddress.of(settings.host, settings.port)]),
         )
-        store = SQLiteJobStore(settings.job_store_path())
-        await store.open()
-        jobs = build_jobs(settings, backend, endpoints, store, metrics)
-        await jobs.start()
+        store = job_store(settings)
+        await store.open()  # migrations first (docs/operations.md, Job store); a PostgreSQL down refuses the start
+        app.state.store = store
+        replicas = app.state.replicas = Replicas(
+            settings, store, on_count=metrics.set_replicas, on_renewal=metrics.lease_renewal
+        )
+        waiters = Waiters() if settings.store_url is not None else None
+        if waiters is not None:
+            waiters.on_replicas = replicas.refresh_soon
+        jobs = build_jobs(settings, backend, endpoints, store, metrics, replicas, waiters)
+        await jobs.start()  # registers this replica (after the work-dir lock, before the sweep)
+        incarnation = replicas.incarnation
+        verifier.target = f"{incarnation.instance_id}.{incarnation.epoch}"  # signed calls to this incarnation only
+        replicas.on_registry.append(
+            lambda rows: endpoints.egress.refuse_peers(row.internal_url for row in rows if row.holds_lease)
+        )  # the egress rules refuse every live replica's internal address, as this one's own
+        endpoints.egress.refuse_peers(row.internal_url for row in replicas.registry.values() if row.holds_lease)
+        replicas.start()
+        idempotency = IdempotencyKeys(store, replicas.incarnation)  # claims carry this incarnation
+        if waiters is not None:
+            waiters.on_keys = idempotency.wake_digest  # ptc_keys: another replica bound or released a claim
+        if secrets:
+            app.state.remote = Remote(secrets[0], settings.instance())
+            app.state.remote.alive = lambda owner: replicas.holds_now(owner.instance_id, owner.epoch)
+        listener = None
+        if waiters is not None and settings.store_url is not None:  # LISTEN: wait on other replicas' jobs
+            listener = Listener(
+                settings.store_url.get_secret_value(), waiters, settings.store_timeout_s, metrics.listener_reconnected
+            )
+            app.state.listener = listener  # /readyz: not ready while it re-opens
+            listener.start()
+            try:  # a wait must not miss an end for want of a listener; a slow store only delays it
+                await asyncio.wait_for(listener.listening.wait(), settings.store_timeout_s)
+            except TimeoutError:
+                log.warning("the store's notifications are not received yet: waits on other replicas' jobs lag")
         app.state.jobs, app.state.backend = jobs, backend
-        app.state.idempotency = IdempotencyKeys(store)
+        app.state.idempotency = idempotency
         _serve(app.state, jobs)
         ok, reason = await backend.ready(settings.sandbox_image)
         if not ok:
@@ -93,16 +138,22 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
             __version__,
             settings.instance(),
             settings.sandbox_image,
-            settings.job_store_path(),
+            store.describe(),  # never the password
         )
         try:
             async with mcp_front.lifespan(app, mcp_endpoint, settings.mcp_toolset):
                 yield
         finally:
+            if listener is not None:
+                await listener.close()
             await jobs.close()
+            await idempotency.drain()  # claims of requests that failed: released before the store closes
+            await replicas.close()  # after its jobs' last saves: ``left``
             await asyncio.to_thread(telemetry.flush)  # the spans of the jobs just ended too
             app.state.bodies.close()
             await endpoints.aclose()
+            if app.state.remote is not None:
+                await app.state.remote.aclose()
             await store.close()
             await backend.close()
 
@@ -123,14 +174,26 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.state.docs_assets = docs_router.load_assets()
     opened = open_paths(settings) | docs_router.OPEN_PATHS  # the API documents hold no tenant's data
-    app.add_middleware(BearerAuth, keys=keys, open_paths=opened, deny=UNAUTHORIZED.response)  # before the body
+    verifier.on_outcome = metrics.internal_request
+    app.add_middleware(
+        BearerAuth,
+        keys=keys,
+        open_paths=opened,
+        deny=UNAUTHORIZED.response,
+        verifier=verifier if secrets else None,
+        unavailable=OWNER_UNAVAILABLE.response,
+        body_limit=settings.max_body_bytes,
+    )  # before the body
     app.add_middleware(HttpObserver, metrics=metrics, routes=_observed_routes(app))  # outermost: sees every answer
     document(app, opened, authenticated=keys is not None)
     problems.install(app)
+    forward.install(app)  # OwnerElsewhere: relayed to the owner (after problems: the nearer class wins)
     telemetry.instrument_app(app)  # a span per request, outermost (tracing on only)
     app.state.settings, app.state.keys = settings, keys
     app.state.jobs = app.state.sessions = app.state.toolsets = app.state.backend = NOT_STARTED  # deps.NotStarted
-    app.state.idempotency = NOT_STARTED
+    app.state.idempotency = app.state.store = app.state.replicas = NOT_STARTED
+    app.state.listener = None  # PostgreSQL store only
+    app.state.remote, app.state.verifier = None, verifier
     for resource in RESOURCES:
         app.include_router(resource.router)
     return app

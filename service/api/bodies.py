@@ -178,6 +178,7 @@ class ParsedOffLoop(APIRoute):
                     raw = await request.body()
                 except ClientDisconnect:  # FastAPI's own reading answers 400 too (no error logged, no 500)
                     raise HTTPException(400, "the client disconnected before sending the whole body") from None
+                request.state.raw_body = raw  # relayed as it came if the job or session is elsewhere (api.forward)
                 if raw:
                     bodies: CheckScheduler = request.app.state.bodies
                     group = getattr(request.state, "key_name", None) or ""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from service import callbacks
 from service.jobs import JobManager
+from service.jobs.notify import Elsewhere, Waiters
 from service.metrics import Metrics
+from service.replicas import Replicas
 from service.sandbox.base import SandboxBackend
 from service.settings import Settings
 from service.store import JobStore
@@ -13,10 +15,18 @@ from service.toolkit.validation import CheckScheduler
 
 
 def build_jobs(
-    settings: Settings, backend: SandboxBackend, endpoints: EndpointClients, store: JobStore, metrics: Metrics
+    settings: Settings,
+    backend: SandboxBackend,
+    endpoints: EndpointClients,
+    store: JobStore,
+    metrics: Metrics,
+    replicas: Replicas,
+    waiters: Waiters | None = None,
 ) -> JobManager:
     """The job service and its parts (the composition of ``service.jobs``), with metrics, logs and webhooks
     subscribed to its lifecycle events. Nothing is started: ``JobManager.start`` does that.
+
+    ``waiters``: the store listener's (PostgreSQL), which ``wait`` on another replica's job uses.
 
     Raises:
         InsecureConfig: a malformed ``PTC_CALLBACK_SECRETS``.
@@ -26,8 +36,11 @@ def build_jobs(
     from service.jobs import JobParts
     from service.jobs.admission import Admission, Intake
     from service.jobs.events import CallEnded, Events, JobEnded, JobLost, SandboxStarted, StatusChanged
+    from service.jobs.fencing import SelfFence
     from service.jobs.live import LiveJob, resolve_limits
     from service.jobs.placement import Sandboxes
+    from service.jobs.progress import ProgressSaver
+    from service.jobs.reaper import Reaper
     from service.jobs.recovery import Recovery
     from service.jobs.runner import Runner
     from service.jobs.sessions import SessionJobs
@@ -85,11 +98,25 @@ def build_jobs(
     secrets = callbacks.load_secrets(settings)
     intake = Intake(settings, admission, toolsets, sessions, endpoints, secrets, output_dir, live, images)
     call_memory = CallMemory(settings.max_record_bytes_total, settings.max_call_bytes_in_flight_total)
-    runner = Runner(settings, store, events, sandboxes, endpoints, call_memory, checks, live, cache, tasks, instance)
-    views = JobViews(store, live, output_dir, cache)
-    session_jobs = SessionJobs(settings, sessions, sandboxes, admission, toolsets, runner, live)
-    recovery = Recovery(settings, backend, store, folders, quotas, events, cache, instance_labels, instance)
-    webhooks = Webhooks(settings, store, views, cache, secrets, endpoints.egress, metrics, tasks, instance)
+    runner = Runner(
+        settings, store, events, sandboxes, endpoints, call_memory, checks, live, cache, tasks, instance, replicas
+    )
+    if waiters is not None:
+        waiters.on_ended = cache.drop
+    elsewhere = Elsewhere(store, replicas, waiters)
+    views = JobViews(store, live, output_dir, cache, elsewhere)
+    session_jobs = SessionJobs(settings, sessions, sandboxes, admission, toolsets, runner, live, replicas, elsewhere)
+    recovery = Recovery(settings, backend, store, folders, quotas, events, cache, instance_labels, instance, replicas)
+    webhooks = Webhooks(settings, store, views, cache, secrets, endpoints.egress, metrics, tasks, instance, replicas)
+    if waiters is not None:  # due callbacks are claimed at once: a job marked lost, a replica that left or expired
+        waiters.on_callbacks = webhooks.wake
+        on_replicas = waiters.on_replicas
+
+        def replicas_changed() -> None:
+            on_replicas()
+            webhooks.wake()
+
+        waiters.on_replicas = replicas_changed
 
     def sandbox_started(event: SandboxStarted) -> None:
         job = event.job
@@ -116,4 +143,9 @@ def build_jobs(
         intake, runner, views, toolsets, session_jobs, recovery, webhooks, tasks, sandboxes, sessions, pool, folders,
         manifests, checks,
     )  # fmt: skip
+    if store.shares_output:  # replicas (docs/scaling.md, step 5): SQLite serves one, which nothing fences
+        reaper = Reaper(store, replicas, events, settings.replica_scan_s, settings.output_retention_bytes, metrics)
+        progress = ProgressSaver(store, live, runner.save, settings.progress_save_s)
+        parts.background += [reaper.loop, progress.loop]
+        replicas.on_fenced.append(SelfFence(recovery.sweep, tasks))
     return JobManager(parts)

@@ -28,6 +28,7 @@ from service.metrics import Metrics
 from service.sandbox.base import SandboxBackend
 from service.schemas import McpServer, SessionRequest
 from service.settings import Settings
+from service.store import JobStore
 from service.toolkit.cache import CompiledManifest
 
 
@@ -38,12 +39,12 @@ class SessionService(Protocol):
         """Start a session's sandbox; raises TooManySessions, QuotaExceeded, SandboxError, InvalidField."""
         ...
 
-    def sessions(self, caller: Caller) -> list[dict[str, Any]]:
+    async def sessions(self, caller: Caller) -> list[dict[str, Any]]:
         """The caller's open sessions, oldest first."""
         ...
 
-    def session_view(self, session_id: str, caller: Caller) -> dict[str, Any]:
-        """One session's view; raises SessionNotFound."""
+    async def session_view(self, session_id: str, caller: Caller) -> dict[str, Any]:
+        """One session's view; raises SessionNotFound, OwnerElsewhere."""
         ...
 
     async def delete_session(self, session_id: str, caller: Caller) -> dict[str, Any]:
@@ -130,7 +131,7 @@ async def who(request: Request) -> Caller:
         ValueError: authentication is on and the request has no key (only open paths have none).
     """
     keys: KeyRing | None = request.app.state.keys
-    return caller(keys, request.state.key_name)
+    return caller(keys, request.state.key_name, internal=getattr(request.state, "internal", None) is not None)
 
 
 async def app_metrics(request: Request) -> Metrics:
@@ -143,6 +144,12 @@ async def sandbox_backend(request: Request) -> SandboxBackend:
     """``app.state.backend``."""
     backend: SandboxBackend = request.app.state.backend
     return backend
+
+
+async def job_store(request: Request) -> JobStore:
+    """``app.state.store``: the job store, for ``GET /readyz``."""
+    store: JobStore = request.app.state.store
+    return store
 
 
 async def idempotency_keys(request: Request) -> IdempotencyKeys:
@@ -161,3 +168,4 @@ Who = Annotated[Caller, Depends(who)]
 AppMetrics = Annotated[Metrics, Depends(app_metrics)]
 Backend = Annotated[SandboxBackend, Depends(sandbox_backend)]
 Idempotency = Annotated[IdempotencyKeys, Depends(idempotency_keys)]
+Store = Annotated[JobStore, Depends(job_store)]

@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from service.api import problems
-from service.errors import InvalidField, PtcError
+from service.errors import InvalidField, OwnerElsewhere, PtcError
 from service.idempotency import (
     FINGERPRINT_QUERY,
     KEY_HEADER,
@@ -59,9 +59,16 @@ async def claim_key(
 
 
 async def replay(request: Request, answer: Callable[[], Awaitable[Response]]) -> Response:
-    """The answer of a repeated request (its ``answer``, or the problem it raises) with ``Idempotent-Replayed``."""
+    """The answer of a repeated request (its ``answer``, or the problem it raises) with ``Idempotent-Replayed``.
+
+    Raises:
+        OwnerElsewhere: the job or session runs on another replica: the request is relayed there (``api.forward``),
+            whose own claim of the key finds it bound and replays it.
+    """
     try:
         response = await answer()
+    except OwnerElsewhere:
+        raise
     except PtcError as exc:
         response = await problems.handle(request, exc)
     response.headers[REPLAYED_HEADER] = "true"

@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 from fastapi import FastAPI
 from mcp.server.fastmcp import Context
@@ -34,9 +35,10 @@ from service.api.problems import (
     rule_for,
 )
 from service.auth import Caller, caller
-from service.errors import PtcError
+from service.errors import OwnerElsewhere, PtcError
 from service.jobs import JobManager
 from service.jobs.live import wait_for_end_or_client
+from service.jobs.remote import Remote
 from service.limits import check_execute
 from service.mcp_tools import OperationFailed, build_server
 from service.schemas import ExecuteRequest
@@ -84,7 +86,7 @@ class InProcess:
         if not isinstance(request, Request):
             raise OperationFailed(f"{UNAUTHORIZED.name}: no HTTP request carries this call")
         key: str | None = request.state.key_name
-        return caller(self._app.state.keys, key), key
+        return caller(self._app.state.keys, key, internal=getattr(request.state, "internal", None) is not None), key
 
     @property
     def _jobs(self) -> JobManager:
@@ -135,24 +137,53 @@ class InProcess:
 
         return await self._guard(run)
 
+    async def _relayed(
+        self, key: str | None, work: Callable[[], Awaitable[Body]], method: str, path: str
+    ) -> dict[str, Any]:
+        """``work``'s view; for a job running on another replica (``OwnerElsewhere``), the owner's answer to the
+        signed internal call ``method path`` (its JSON; a problem becomes OperationFailed)."""
+
+        async def view() -> dict[str, Any]:
+            try:
+                return await self._view(work())
+            except OwnerElsewhere as elsewhere:
+                remote: Remote | None = self._app.state.remote
+                if remote is None:
+                    raise elsewhere.unavailable() from None
+                status, answer = await remote.call_json(elsewhere, method, path + "calls=summary", key)
+                if status >= 400:
+                    name = str(answer.get("type", "")).rsplit("/", 1)[-1] or INTERNAL_ERROR.name
+                    raise OperationFailed(f"{name}: {answer.get('detail', '')}") from None
+                return answer
+
+        return await self._guard(view)
+
     async def get(self, ctx: Context[Any, Any, Any], job_id: str) -> dict[str, Any]:
         """``GET /jobs/{id}`` (raises OperationFailed)."""
-        who, _ = self._who(ctx)
-        return await self._guard(lambda: self._view(self._jobs.view(job_id, who, selection=SUMMARY)))
+        who, key = self._who(ctx)
+        quoted = quote(job_id, safe="")
+        return await self._relayed(
+            key, lambda: self._jobs.view(job_id, who, selection=SUMMARY), "GET", f"/jobs/{quoted}?"
+        )
 
     async def wait(self, ctx: Context[Any, Any, Any], job_id: str, timeout_s: float | None) -> dict[str, Any]:
         """``POST /jobs/{id}/wait`` (raises OperationFailed: also for a timeout above ``PTC_MAX_WAIT_S``)."""
-        who, _ = self._who(ctx)
+        who, key = self._who(ctx)
         settings = self._settings
         seconds = settings.default_wait_s if timeout_s is None else timeout_s
         if not 0 <= seconds <= settings.max_wait_s:
             raise OperationFailed(f"{LIMIT_EXCEEDED.name}: timeout_s must be within 0 and {settings.max_wait_s}")
-        return await self._guard(lambda: self._view(self._jobs.wait(job_id, who, seconds, SUMMARY)))
+        quoted = quote(job_id, safe="")
+        # wait waits here (notifications); a job still running elsewhere then gets its live view: one GET
+        return await self._relayed(
+            key, lambda: self._jobs.wait(job_id, who, seconds, SUMMARY), "GET", f"/jobs/{quoted}?"
+        )
 
     async def stop(self, ctx: Context[Any, Any, Any], job_id: str) -> dict[str, Any]:
         """``POST /jobs/{id}/stop`` (raises OperationFailed)."""
-        who, _ = self._who(ctx)
-        return await self._guard(lambda: self._view(self._jobs.stop(job_id, who, SUMMARY)))
+        who, key = self._who(ctx)
+        quoted = quote(job_id, safe="")
+        return await self._relayed(key, lambda: self._jobs.stop(job_id, who, SUMMARY), "POST", f"/jobs/{quoted}/stop?")
 
     async def stubs(self, ctx: Context[Any, Any, Any], toolset: str) -> str:
         """The stub module of the caller's toolset (raises OperationFailed)."""

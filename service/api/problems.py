@@ -46,6 +46,8 @@ from service.errors import (
     JobNotFound,
     ManifestError,
     NoSuchFile,
+    OwnerElsewhere,
+    OwnerUnavailable,
     PayloadTooLarge,
     PtcError,
     QueueFull,
@@ -54,6 +56,7 @@ from service.errors import (
     SandboxError,
     SessionClosed,
     SessionNotFound,
+    StoreUnavailable,
     TooManySessions,
     UnknownImage,
 )
@@ -109,6 +112,8 @@ QUOTA_EXCEEDED = ProblemType("quota-exceeded", 429, "Quota exceeded")
 HOST_CAPACITY_EXCEEDED = ProblemType("host-capacity-exceeded", 429, "Host capacity exceeded")
 TOO_MANY_SESSIONS = ProblemType("too-many-sessions", 429, "Too many sessions")
 ENGINE_UNAVAILABLE = ProblemType("engine-unavailable", 503, "Container engine unavailable")
+STORE_UNAVAILABLE = ProblemType("store-unavailable", 503, "Job store unavailable")
+OWNER_UNAVAILABLE = ProblemType("owner-unavailable", 503, "Job owner unavailable")
 SANDBOX_FAILURE = ProblemType("sandbox-failure", 503, "Sandbox failure")
 NOT_READY = ProblemType("not-ready", 503, "Not ready")
 INTERNAL_ERROR = ProblemType("internal-error", 500, "Internal error")
@@ -143,6 +148,8 @@ TYPES: tuple[ProblemType, ...] = (
     HOST_CAPACITY_EXCEEDED,
     TOO_MANY_SESSIONS,
     ENGINE_UNAVAILABLE,
+    STORE_UNAVAILABLE,
+    OWNER_UNAVAILABLE,
     SANDBOX_FAILURE,
     NOT_READY,
     INTERNAL_ERROR,
@@ -286,6 +293,17 @@ RULES: dict[type[Exception], Rule] = dict(
         _rule(QuotaExceeded, QUOTA_EXCEEDED, _over_quota),
         _rule(HostCapacityExceeded, HOST_CAPACITY_EXCEEDED, _over_quota),
         _rule(EngineUnavailable, ENGINE_UNAVAILABLE, _message),
+        _rule(StoreUnavailable, STORE_UNAVAILABLE, lambda exc: Answer(str(exc), headers={"Retry-After": "5"})),
+        _rule(
+            OwnerUnavailable,
+            OWNER_UNAVAILABLE,
+            lambda exc: Answer(str(exc), headers={"Retry-After": str(exc.retry_after_s)}),
+        ),
+        _rule(
+            OwnerElsewhere,
+            OWNER_UNAVAILABLE,
+            lambda exc: Answer(str(exc), headers={"Retry-After": str(exc.retry_after_s)}),
+        ),
         _rule(SandboxError, SANDBOX_FAILURE, _message),
     ]
 )

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import Response, StreamingResponse
 
-from service.output import OutputRange
+from service.output import OutputRange, StoredRange
 from service.views import BATCH_BYTES, Body
 
 OUTPUT_SLICE_BYTES = 256 * 1024  # GET /jobs/{id}/output/{stream} reads and sends the range this much at a time
@@ -58,7 +58,10 @@ async def output_slices(retained: OutputRange) -> AsyncIterator[bytes]:
     was sent (uvicorn's flow control: a client that does not read holds at most about one slice here)."""
     try:
         while retained.remaining > 0:
-            yield await asyncio.to_thread(retained.read, OUTPUT_SLICE_BYTES)
+            if isinstance(retained, StoredRange):  # from the shared store, a statement per slice
+                yield await retained.aread(OUTPUT_SLICE_BYTES)
+            else:
+                yield await asyncio.to_thread(retained.read, OUTPUT_SLICE_BYTES)
     finally:
         # in a thread (it waits for a read under way), not awaited: a cancelled response may not await here
         try:

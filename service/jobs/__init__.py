@@ -27,8 +27,8 @@ service (and without an import cycle through ``service.auth`` or ``service.sessi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +81,7 @@ class JobParts:
     folders: SandboxFolders
     manifests: ManifestCache
     checks: CheckScheduler
+    background: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)  # loops run after start
 
 
 class JobManager:
@@ -112,6 +113,8 @@ class JobManager:
         parts.tasks.spawn(parts.recovery.purge_loop(), "retention purge")
         await parts.session_manager.start()
         await parts.pool.start()
+        for loop in parts.background:  # with a shared store: the reaper, progress saves (docs/scaling.md, step 5)
+            parts.tasks.spawn(loop(), loop.__qualname__)
 
     async def close(self) -> None:
         """Stop every job still running (each removes its sandbox and is saved as lost) and background work."""
@@ -134,22 +137,34 @@ class JobManager:
 
     # -- submission and the run ----------------------------------------------------------------
 
-    async def submit(self, request: ExecuteRequest, owner: str, *, admin: bool = False) -> LiveJob:
+    async def submit(
+        self, request: ExecuteRequest, owner: str, *, admin: bool = False, internal: bool = False
+    ) -> LiveJob:
         """Check and admit ``request``, and start its job, owned by ``owner`` (the API key's name).
 
-        Its ``session_id`` and ``toolset`` must be ``owner``'s own, unless ``admin`` (the admin role).
+        Its ``session_id`` and ``toolset`` must be ``owner``'s own, unless ``admin`` (the admin role). A session
+        open on another replica raises ``OwnerElsewhere`` (the request is relayed there), unless ``internal`` (a
+        request relayed already: ``OwnerUnavailable``).
 
         Raises:
             ManifestError: a tool entry is unusable (names the entry and field).
             RequestLimitError: a limit exceeds its server maximum.
             InvalidField: an unknown toolset (another owner's included).
-            SessionNotFound: an unknown session (another owner's included).
+            SessionNotFound: an unknown session (another owner's included). SessionClosed: it ended.
             QueueFull: ``concurrency`` jobs run and ``max_queue`` wait already.
             QuotaExceeded: the owner is at one of its job quotas (``Quotas.admit_job``).
+
+        Returns once the job's first save is done (or its run ended without one).
         """
+        if request.session_id is not None:
+            from service.auth import Caller
+
+            await self._sessions.locate_open(request.session_id, Caller(owner, admin, internal))
         admitted = await self._intake.admit(request, owner, admin)
-        self._runner.start(admitted)
-        return admitted.job
+        job = admitted.job
+        self._runner.start(admitted).add_done_callback(lambda _: job.stored.set())
+        await job.stored.wait()  # saved before it is answered: any replica finds the job its id names
+        return job
 
     async def answer_call(
         self, job_id: str, caller: Caller, call_id: str, ok: bool, value: Any, selection: Selection = FULL
@@ -221,13 +236,14 @@ class JobManager:
         """Start a session's sandbox, owned by ``owner``, and return its view (``SessionJobs.create_session``)."""
         return await self._sessions.create_session(request, owner, admin=admin)
 
-    def session_view(self, session_id: str, caller: Caller) -> dict[str, Any]:
-        """A session's view; raises SessionNotFound (for another owner's session too)."""
-        return self._sessions.session_view(session_id, caller)
+    async def session_view(self, session_id: str, caller: Caller) -> dict[str, Any]:
+        """A session's view; raises SessionNotFound (for another owner's session too), OwnerElsewhere."""
+        return await self._sessions.session_view(session_id, caller)
 
-    def sessions(self, caller: Caller) -> list[dict[str, Any]]:
-        """Views of the open sessions ``caller`` may access (the admin role: all), oldest first."""
-        return self._sessions.sessions(caller)
+    async def sessions(self, caller: Caller) -> list[dict[str, Any]]:
+        """Views of the open sessions ``caller`` may access (the admin role: all; other replicas' from the
+        store), oldest first."""
+        return await self._sessions.sessions(caller)
 
     async def delete_session(self, session_id: str, caller: Caller) -> dict[str, Any]:
         """End a session (idempotent); raises SessionNotFound (another owner's too)."""
@@ -247,9 +263,9 @@ class JobManager:
 
     # -- reading and waiting (``JobViews``) ----------------------------------------------------
 
-    async def output_file(self, job_id: str, caller: Caller, path: str) -> tuple[Path, dict[str, Any]]:
-        """(host file, entry) of an output file of the job (``JobViews.output_file``); raises JobNotFound,
-        NoSuchFile."""
+    async def output_file(self, job_id: str, caller: Caller, path: str) -> tuple[Path | OutputRange, dict[str, Any]]:
+        """(host file, or its range in the shared store, entry) of an output file of the job
+        (``JobViews.output_file``); raises JobNotFound, NoSuchFile."""
         return await self._views.output_file(job_id, caller, path)
 
     def live(self, job_id: str, caller: Caller) -> LiveJob | None:

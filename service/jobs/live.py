@@ -9,10 +9,11 @@ from __future__ import annotations
 import asyncio
 import os
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import Span
 
@@ -25,7 +26,10 @@ from service.output import OutputLog
 from service.sandbox.base import Stream
 from service.schemas import ExecuteRequest, JobSummary, JobView
 from service.settings import DEFAULT_IMAGE, KeyLimits, Settings
-from service.store import StoredJob
+from service.store import JobStore, StoredJob
+
+if TYPE_CHECKING:
+    from service.views import ViewCache
 
 STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
 SLICE_BYTES = 1024 * 1024  # the most bytes of a stream read into memory at once
@@ -105,6 +109,7 @@ class LiveJob(Job):
     calls_over_limit: int = 0
     ran_as_coroutine: bool = False  # the runtime's report: the script had top-level await
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    stored: asyncio.Event = field(default_factory=asyncio.Event)  # its first save is done (or its run ended)
     stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
     waiting: asyncio.Event = field(default_factory=asyncio.Event)  # set while client calls wait for answers
     broker: Broker | None = None
@@ -222,3 +227,27 @@ def stored_job(head: dict[str, Any], calls: int, body: bytes, instance_id: str) 
         callback_pending=pending,
         owner=model.owner,
     )
+
+
+async def save_final_again(
+    store: JobStore,
+    save: Callable[[StoredJob], Awaitable[object]],
+    cache: ViewCache,
+    job_id: str,
+    instance_id: str,
+    render: Callable[[], Awaitable[None]],
+) -> None:
+    """One more attempt at saving an ended job's final view that the store refused (``Runner``), through ``save``
+    (the replica's fenced save: ``Replicas.save``).
+
+    Nothing when the store holds an ended view already: a later save (its callback's delivery) got there first,
+    and must not be undone by this older one. Else the view readers see (the view cache's, its callback's state
+    included), or, when the cache dropped it, ``render()`` (the runner's save of the job's own view).
+    """
+    stored = await store.get(job_id)
+    if stored is not None and stored.ended_at is not None:
+        return
+    kept = cache.get(job_id)
+    if kept is None:
+        return await render()
+    await save(stored_job(kept.head, len(kept.spans), kept.body, instance_id))

@@ -63,6 +63,7 @@ class ErrorType(enum.StrEnum):
     INTERNAL_ERROR = "internal_error"  # the service failed (details in its log only)
     SERVICE_STOPPED = "service_stopped"  # the service stopped while the job ran
     SERVICE_RESTARTED = "service_restarted"  # found unfinished at start-up
+    REPLICA_LOST = "replica_lost"  # its replica's lease passed (another replica marked it lost)
     CANCELLED = "cancelled"  # a tool call's error: the service stopped before it ended
 
 

@@ -14,23 +14,24 @@ import logging
 import os
 import shutil
 from collections import Counter
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import IO
 
-from service import exactjson, views, workdir
+from service import views, workdir
 from service.errors import SandboxError
 from service.files import FILES_FOLDER
 from service.jobs.events import Events, JobLost
-from service.jobs.live import OWNER_FILE, SLICE_BYTES, STREAMS, ms, now, stored_job
-from service.jobs.model import ErrorType, JobError, JobStatus
+from service.jobs.live import OWNER_FILE, SLICE_BYTES, STREAMS, now
+from service.jobs.model import ErrorType, JobError
+from service.jobs.reaper import lost_row
 from service.output import CappedStream, read_range
 from service.quotas import Quotas
+from service.replicas import Replicas
 from service.sandbox.base import SandboxBackend
 from service.sandbox.folders import SandboxFolders
 from service.settings import Settings
 from service.store import JobStore, StoredJob
-from service.views import render_head
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ class Recovery:
         cache: ended jobs' views kept for reading (a purged job leaves it).
         instance_labels: the labels of this instance's sandboxes.
         instance: this instance's id.
+        replicas: registered in the store once the work dir is locked, before anything is swept (None: not, for
+            tests of the sweep alone).
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class Recovery:
         cache: views.ViewCache,
         instance_labels: dict[str, str],
         instance: str,
+        replicas: Replicas | None = None,
     ) -> None:
         self._settings = settings
         self._backend = backend
@@ -71,6 +75,7 @@ class Recovery:
         self._views = cache
         self._instance_labels = instance_labels
         self._instance = instance
+        self._replicas = replicas
         self.jobs_dir = folders.path / "jobs"
         self.output_dir = settings.work_dir / "output"
         self._lock: IO[str] | None = None
@@ -99,8 +104,16 @@ class Recovery:
 
         Raises:
             WorkDirBusy: another running instance holds the work dir.
+            InstanceIdInUse: another live replica holds this instance id (``Replicas.register``).
         """
         self._lock = workdir.lock(self._settings.work_dir)
+        if self._replicas is not None:
+            try:
+                await self._replicas.register()  # before the sweep: a second replica of this id must not sweep
+            except BaseException:
+                self.release()
+                raise
+            self._replicas.start()  # renewed from now on: the sweep below may outlast the lease
         await self.sweep("left behind by an earlier run")
         await asyncio.to_thread(self._folders.open)  # a tmpfs: sandboxes' mount tables show no host path
         if self.jobs_dir.exists():
@@ -115,46 +128,21 @@ class Recovery:
             self._quotas.output(owner).take(retained)
 
     async def _mark_lost(self, stored: StoredJob) -> None:
-        """End a job a previous run left unfinished: status ``lost``, its output as far as it was kept."""
-        view = exactjson.loads(stored.view)  # its records may hold integers past 64 bits
-        ended = now()
-        started = datetime.fromisoformat(view["started_at"]) if view.get("started_at") else None
-        for stream in STREAMS:
-            path = self.output_dir / stored.job_id / stream
-            inline = CappedStream(max(len(view[stream].encode()), 64 * 1024))
-            size = await self._replay(path, inline, self._settings.output_retention_bytes)
-            rendered = inline.render()
-            view.update(
-                {
-                    stream: rendered.text,
-                    f"{stream}_truncated": rendered.truncated,
-                    f"{stream}_invalid_utf8": rendered.invalid_utf8,
-                    f"{stream}_bytes": max(view[f"{stream}_bytes"], size),
-                    f"{stream}_retained_bytes": size,
-                    f"{stream}_next_offset": max(view[f"{stream}_bytes"], size),
-                }
-            )
-        calls = [  # in arrival order, as every view keeps them: a record's seq tells its place
-            {**c, "status": "error", "error": JobError(ErrorType.CANCELLED, "the service stopped").as_dict()}
-            if c["status"] == "pending"
-            else c
-            for c in view["calls"]
-        ]
-        view.update(
-            status=JobStatus.LOST.value,
-            ended_at=ended,
-            error=JobError(
-                ErrorType.SERVICE_RESTARTED,
-                f"the service stopped while the job was {stored.status}; its sandbox was removed when it started again",
-            ).as_dict(),
-            duration_ms=ms(started, ended),
-            queue_ms=ms(datetime.fromisoformat(view["created_at"]), started or ended),
-            calls=calls,
-            calls_total=len(calls),
-            calls_by_status=dict(Counter(c["status"] for c in calls)),  # its pending calls ended
+        """End a job a previous run left unfinished: status ``lost``, its output as far as it was kept (unless
+        another replica's reaper marked it first: ``JobStore.save_lost``)."""
+
+        async def replay(stream: str, inline: CappedStream, limit: int) -> int:
+            return await self._replay(self.output_dir / stored.job_id / stream, inline, limit)
+
+        error = JobError(
+            ErrorType.SERVICE_RESTARTED,
+            f"the service stopped while the job was {stored.status}; its sandbox was removed when it started again",
         )
-        body = b"".join([part async for part in views.stream(render_head(view), [], view["calls"])])
-        await self._store.put(stored_job(view, len(view["calls"]), body, stored.instance_id))
+        row = await lost_row(stored, error, "the service stopped", replay, self._settings.output_retention_bytes)
+        # Ended only if nobody ended it meanwhile; its callback's row, pending, in the same transaction: any replica
+        # delivers it (docs/scaling.md, Callbacks, exactly once).
+        if not await self._store.save_lost(row):
+            return
         self._events.publish(JobLost(stored.job_id, stored.status))
         log.warning("job %s was %s when the service last stopped: marked lost", stored.job_id, stored.status)
 
@@ -183,7 +171,7 @@ class Recovery:
     async def purge_expired(self) -> int:
         """Delete ended jobs older than the retention, with their output files; returns how many."""
         cutoff = now() - timedelta(seconds=self._settings.job_retention_s)
-        ids = await self._store.purge(cutoff)
+        ids = await self._store.purge(cutoff, self._instance)  # a shared store: another replica's are its own
         for job_id in ids:
             self._views.drop(job_id)
             owner, retained = await asyncio.to_thread(_remove_output, self.output_dir / job_id)

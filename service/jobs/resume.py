@@ -118,25 +118,38 @@ class Position:
         )
         return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
 
-    def check(self, records: int, retained: dict[str, int]) -> None:
-        """Refuse a position past what the job has: ``records`` call records, ``retained`` bytes per stream.
+    def check(self, records: int, retained: dict[str, int], clamp: bool = False) -> None:
+        """Refuse a position past what the job has: ``records`` call records, ``retained`` bytes per stream; with
+        ``clamp`` (a ``lost`` job, kept as of its last progress save: a follower may have seen more of it while it
+        ran) move such a position back to what the job has instead.
 
         Raises:
-            InvalidPosition: an offset past the stream's retained bytes, or a seq past the records.
+            InvalidPosition: an offset past the stream's retained bytes, or a seq past the records (not ``clamp``).
         """
+        if clamp:
+            self.stdout, self.stderr = min(self.stdout, retained["stdout"]), min(self.stderr, retained["stderr"])
+            self._clamp(records)
+            return
         for stream, offset in (("stdout", self.stdout), ("stderr", self.stderr)):
             if offset > retained[stream]:
                 raise InvalidPosition(f"its {stream} offset is past the job's output")
         if self.low + self._bits.bit_length() > records:
             raise InvalidPosition("it counts more tool calls than the job has")
 
+    def _clamp(self, records: int) -> None:
+        """Forget the seqs past ``records``."""
+        self.low = min(self.low, records)
+        self._bits &= (1 << (records - self.low)) - 1
+        self.after = {seq for seq in self.after if self.low < seq <= records}
 
-def parse(text: str, job_id: str, records: int | None = None) -> Position:
+
+def parse(text: str, job_id: str, records: int | None = None, clamp: bool = False) -> Position:
     """The position an event id of ``job_id``'s stream stands for.
 
     Args:
         records: the job's call records: an id whose bitmap counts more is refused before it is expanded (a
             forged id of ``MAX_TOKEN_CHARS`` would otherwise mark ~96,000 seqs one by one).
+        clamp: with ``records``, forget the seqs past them instead of refusing (a ``lost`` job: ``Position.check``).
 
     Raises:
         InvalidPosition: not a token of this service's format, or of another job's stream, or (with ``records``)
@@ -167,7 +180,10 @@ def parse(text: str, job_id: str, records: int | None = None) -> Position:
     low = reader.varint()
     bits = int.from_bytes(reader.rest(), "little")
     if records is not None and low + bits.bit_length() > records:
-        raise InvalidPosition("it counts more tool calls than the job has")
+        if not clamp:
+            raise InvalidPosition("it counts more tool calls than the job has")
+        low = min(low, records)
+        bits &= (1 << (records - low)) - 1
     position.low, position._bits = low, bits
     for k, byte in enumerate(bits.to_bytes((bits.bit_length() + 7) // 8, "little")):
         if byte:

@@ -7,8 +7,7 @@ go; enforce ``timeout_s`` and stop requests (``_supervise``); set the final stat
 (``model.end_of_run``); save the final view; only then tell anyone (``events.JobEnded``); and finally give the
 sandbox back. The placements (``service.jobs.placement``):
 
-- one-shot: a pooled sandbox or a cold one, destroyed after the job;
-- in-session: the session's sandbox at the session's turn, kept for its next script.
+one-shot (a pooled or a cold sandbox, destroyed after the job), or in-session (the session's, kept for its next script).
 
 A job's status is saved to the store before each event about it is published ("saved before anyone is told"),
 so an ended job survives any crash of the service. This module imports neither metrics nor logs: they subscribe.
@@ -20,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from functools import partial
 from typing import Any
 
 from service import telemetry, verdict, views
@@ -28,10 +28,12 @@ from service.errors import CallNotPending, EngineUnavailable, FileRefused, Sandb
 from service.files import OutputFiles
 from service.jobs.admission import Admitted, Ticket
 from service.jobs.events import CallEnded, Events, JobEnded, SandboxStarted, StatusChanged
-from service.jobs.live import LiveJob, now, stored_job
+from service.jobs.live import LiveJob, now, save_final_again, stored_job
 from service.jobs.model import INTERNAL_ERROR, SERVICE_STOPPED, EndedBy, ErrorType, JobError, JobStatus, end_of_run
 from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
-from service.jobs.tasks import Tasks
+from service.jobs.shared import SHARE_AT_ONCE, keep_output
+from service.jobs.tasks import Tasks, until_done
+from service.replicas import Replicas
 from service.sandbox.base import ExitStatus, write_run_files
 from service.sandbox.resident import KILL_CONFIRM_S, ResidentRun
 from service.settings import Settings
@@ -62,6 +64,7 @@ class Runner:
         final_views: where a job's final encoded view is kept for reading (``views.ViewCache``).
         tasks: where run tasks and other background work are held.
         instance: this instance's id, saved with each job.
+        replicas: this replica's incarnation, which every save carries (a save that matches no row fences it).
     """
 
     def __init__(
@@ -77,6 +80,7 @@ class Runner:
         final_views: views.ViewCache,
         tasks: Tasks,
         instance: str,
+        replicas: Replicas,
     ) -> None:
         self._settings = settings
         self._store = store
@@ -87,8 +91,10 @@ class Runner:
         self._checks = checks
         self._live = live
         self._final_views = final_views
+        self._share_slots = asyncio.Semaphore(SHARE_AT_ONCE)  # ended jobs' blobs copied into the store at once
         self._tasks = tasks
         self._instance = instance
+        self._replicas = replicas
 
     def start(self, admitted: Admitted) -> asyncio.Task[Any]:
         """Run the admitted job as a task; its ticket is given back and its output files closed when the job
@@ -177,16 +183,15 @@ class Runner:
             checks=self._checks,
             check_group=job.owner,
             trace_parent=job.span,
+            lease=self._replicas.holds_lease,
         )
         job.calls = broker.records
         job.broker = broker
         return broker
 
-    async def _save(self, job: LiveJob, final: bool = False) -> None:
-        """Save the job's view (encoded a batch of records at a time); ``final``: also keep it for reading.
-
-        Raises what the store raises (the caller decides: a failed first save ends the run).
-        """
+    async def save(self, job: LiveJob, final: bool = False) -> None:
+        """Save the job's view (encoded a batch of records at a time, fenced: ``Replicas.save``); ``final``: also
+        keep it for reading. Raises what the store raises (a failed first save ends the run), LeaseLost."""
         view = job.view_dict()
         records = snapshot(view["calls"])
         async with job.saving:  # encoding gives the loop back: a later save must not overtake an earlier one
@@ -197,9 +202,9 @@ class Runner:
                 view.update(views.unencodable(view))
                 records = []
                 encoded = await views.encode(render_head(view), records)
-            await self._store.put(stored_job(encoded.head, len(records), encoded.body, self._instance))
-        if final:
-            self._final_views.put(job.id, encoded)
+            if final:  # first: this replica serves the end even while the store refuses it (saved again later)
+                self._final_views.put(job.id, encoded)
+            await self._replicas.save(stored_job(encoded.head, len(records), encoded.body, self._instance))
 
     async def _set_status(self, job: LiveJob, status: JobStatus) -> None:
         job.move(status)
@@ -208,7 +213,8 @@ class Runner:
 
     async def _save_and_tell(self, job: LiveJob) -> None:
         """Save the job's status, then tell subscribers (``StatusChanged``); raises what the store raises."""
-        await self._save(job)
+        await self.save(job)
+        job.stored.set()
         self._events.publish(StatusChanged(job))
 
     @staticmethod
@@ -332,10 +338,19 @@ class Runner:
             job.ended_at = now()
             if not job.ended:
                 job.end(JobStatus.LOST, job.error)
+            if self._store.shares_output:  # before the final view: a reader of an ended job finds its output
+                await keep_output(self._store, job, self._share_slots)
             try:
-                await self._save(job, final=True)
+                await self.save(job, final=True)
             except Exception:
-                log.exception("job %s: could not save its final view", job.id)
+                log.exception("job %s: could not save its final view; saving it again later", job.id)
+                retry = partial(
+                    save_final_again, self._store, self._replicas.save, self._final_views, job.id, self._instance
+                )
+                again = until_done(
+                    lambda: retry(lambda: self.save(job, final=True)), f"job {job.id}: saving its final view"
+                )
+                self._tasks.spawn(again, f"final save {job.id}")  # meanwhile served from the view cache
         finally:
             broker.release()
             ticket.release()

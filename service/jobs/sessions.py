@@ -7,23 +7,36 @@ The sessions resource itself (owners, expiry, the resident sandbox) is ``service
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from service.auth import Caller
-from service.errors import FileRefused, InvalidField, QueueFull, RequestLimitError, SessionClosed
+from service.errors import (
+    FileRefused,
+    InvalidField,
+    LeaseLost,
+    QueueFull,
+    RequestLimitError,
+    SessionClosed,
+    SessionNotFound,
+    StoreUnavailable,
+)
 from service.jobs.admission import Admission, find_session
 from service.jobs.live import SANDBOX_LIMITS, LiveJob, resolve_limits
+from service.jobs.notify import Elsewhere
 from service.jobs.placement import Sandboxes
 from service.jobs.runner import Runner
+from service.replicas import Replicas
 from service.sandbox.images import Images
 from service.sandbox.labels import LABEL_SESSION
 from service.sandbox.spec import sandbox_spec
-from service.schemas import ExecuteRequest, SessionRequest
+from service.schemas import ExecuteRequest, SessionRequest, SessionView
 from service.sessions import Session, SessionManager
 from service.settings import Settings
+from service.store import StoredSession
 from service.toolsets import Toolsets
 
 log = logging.getLogger(__name__)
@@ -40,6 +53,9 @@ class SessionJobs:
         toolsets: a session's manifest is checked when it is created.
         runner: stops a session's running script when the session ends.
         live: the live jobs (job id -> job).
+        replicas: saves each session in the store at its creation and at its end (fenced); None: not saved.
+        elsewhere: with a shared store, sessions of other replicas: a request for one is relayed
+            (``OwnerElsewhere``), ``GET /sessions`` lists them from the store.
     """
 
     def __init__(
@@ -51,7 +67,11 @@ class SessionJobs:
         toolsets: Toolsets,
         runner: Runner,
         live: dict[str, LiveJob],
+        replicas: Replicas | None = None,
+        elsewhere: Elsewhere | None = None,
     ) -> None:
+        self._replicas = replicas
+        self._elsewhere = elsewhere
         self._settings = settings
         self._sessions = sessions
         self._sandboxes = sandboxes
@@ -140,11 +160,78 @@ class SessionJobs:
             except BaseException:  # the session is of no use without its files: it ends, nothing is left
                 await self._sessions.end(session, "closed", None)
                 raise
+        await self._save(session)
         return session.view()
+
+    async def _save(self, session: Session) -> None:
+        """Save the session's row (at its creation and at its end); a store that does not answer, or a fenced
+        save, is logged: the session itself goes on (or ends) here either way."""
+        if self._replicas is None:
+            return
+        view = session.view()
+        incarnation = self._replicas.incarnation
+        stored = StoredSession(
+            session.id,
+            session.owner,
+            incarnation.instance_id,
+            incarnation.epoch,
+            str(view["status"]),
+            session.created_at,
+            session.ended_at,
+            session.created_at + timedelta(seconds=session.max_lifetime_s),
+            SessionView.model_validate(view).model_dump_json().encode(),
+        )
+        try:
+            await self._replicas.save_session(stored)
+        except (StoreUnavailable, LeaseLost) as exc:
+            log.warning("session %s not saved in the store: %s", session.id, exc)
+
+    async def _stored(self, session_id: str, caller: Caller) -> StoredSession | None:
+        """The store's row of a session that is not in this replica's memory, if ``caller`` may access it (with a
+        shared store only: on SQLite every session is this replica's)."""
+        if self._elsewhere is None or self._replicas is None or not self._elsewhere.shared:
+            return None
+        stored = await self._elsewhere.store.get_session(session_id)
+        if stored is None or not caller.may_access(stored.owner):
+            return None
+        return stored
+
+    async def locate(self, session_id: str, caller: Caller) -> Session:
+        """The caller's session held here (live or recently ended).
+
+        Raises:
+            SessionNotFound: no such session (another owner's too), or one this replica no longer holds.
+            OwnerElsewhere: it is open on another live replica (the request is relayed there).
+            OwnerUnavailable: it is open on a replica whose lease passed, or the request came relayed already.
+        """
+        try:
+            return find_session(self._sessions, session_id, caller)
+        except SessionNotFound:
+            stored = await self._stored(session_id, caller)
+            if stored is not None and stored.ended_at is None and self._elsewhere is not None:
+                assert self._replicas is not None
+                if not self._replicas.owner_here(stored.instance_id, stored.instance_epoch):
+                    raise self._elsewhere.owner(
+                        session_id, stored.instance_id, stored.instance_epoch, caller, "session"
+                    ) from None
+            raise
+
+    async def locate_open(self, session_id: str, caller: Caller) -> Session:
+        """As ``locate``, for a request that runs something in the session (``POST /execute``): one that another
+        replica held and that ended (broken with its replica, say) raises SessionClosed, as a session ended here
+        does, instead of SessionNotFound."""
+        try:
+            return await self.locate(session_id, caller)
+        except SessionNotFound:
+            stored = await self._stored(session_id, caller)
+            if stored is None or stored.ended_at is None:
+                raise
+            error = json.loads(stored.view).get("error") or {}
+            raise SessionClosed(session_id, stored.status, str(error.get("message", ""))) from None
 
     async def _file_turn(self, session_id: str, caller: Caller) -> Session:
         """The caller's open session (SessionNotFound for another owner's, SessionClosed once ended)."""
-        session = find_session(self._sessions, session_id, caller)
+        session = await self.locate(session_id, caller)
         if session.ended:
             raise SessionClosed(session_id, session.status, (session.error or {}).get("message", ""))
         return session
@@ -212,20 +299,40 @@ class SessionJobs:
             entries, truncated = await session.sandbox.list_files(self._settings.max_files_listed)
         return {"files": entries, "truncated": truncated}
 
-    def session_view(self, session_id: str, caller: Caller) -> dict[str, Any]:
-        """A session's view; raises SessionNotFound (for another owner's session too)."""
-        return find_session(self._sessions, session_id, caller).view()
+    async def session_view(self, session_id: str, caller: Caller) -> dict[str, Any]:
+        """A session's view: held here, or an ended one's as the store kept it; raises SessionNotFound (for
+        another owner's session too), OwnerElsewhere (open on another replica: relayed)."""
+        try:
+            return (await self.locate(session_id, caller)).view()
+        except SessionNotFound:
+            stored = await self._stored(session_id, caller)
+            if stored is None or stored.ended_at is None:
+                raise
+            view: dict[str, Any] = json.loads(stored.view)
+            return view
 
-    def sessions(self, caller: Caller) -> list[dict[str, Any]]:
-        """Views of the open sessions ``caller`` may access (the admin role: all), oldest first."""
-        return [s.view() for s in self._sessions.live_sessions() if caller.may_access(s.owner)]
+    async def sessions(self, caller: Caller) -> list[dict[str, Any]]:
+        """Views of the open sessions ``caller`` may access (the admin role: all), oldest first: those held here,
+        and with a shared store those of other replicas as last saved (``status``, ``executions``,
+        ``last_used_at`` may lag)."""
+        here = [s.view() for s in self._sessions.live_sessions() if caller.may_access(s.owner)]
+        if self._elsewhere is None or not self._elsewhere.shared:
+            return here
+        held = {view["session_id"] for view in here}
+        stored = await self._elsewhere.store.open_sessions(caller.only_owner)
+        others = [json.loads(row.view) for row in stored if row.session_id not in held]
+        return sorted([*here, *others], key=lambda view: str(SessionView.model_validate(view).created_at))
 
     async def delete_session(self, session_id: str, caller: Caller) -> dict[str, Any]:
         """End a session: its running script is stopped, its queued ones end ``stopped``, its sandbox is removed.
 
-        Idempotent: an ended session's view is returned as it is. Raises SessionNotFound (another owner's too).
+        Idempotent: an ended session's view is returned as it is. Raises SessionNotFound (another owner's too),
+        OwnerElsewhere (open on another replica: relayed).
         """
-        session = find_session(self._sessions, session_id, caller)
+        try:
+            session = await self.locate(session_id, caller)
+        except SessionNotFound:
+            return await self.session_view(session_id, caller)  # ended, as the store kept it
         await self._sessions.end(session, "closed", None)
         return session.view()
 
@@ -235,6 +342,7 @@ class SessionJobs:
         Its owner's session quotas are given back here (its host capacity when its sandbox is removed).
         """
         self._admission.quotas.session_ended(session.owner, session.limits["memory_mb"], session.limits["cpus"])
+        await self._save(session)
         job = self._live.get(session.current_job_id or "")
         if job is None:
             return

@@ -20,9 +20,10 @@ import orjson
 from service import files, views
 from service.auth import Caller
 from service.errors import InvalidField, JobNotFound, NoSuchFile
-from service.jobs import resume
+from service.jobs import resume, shared
 from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob, wait_for_end_or_client
 from service.jobs.model import FINAL
+from service.jobs.notify import Elsewhere
 from service.output import OutputRange, decode_slice, read_range
 from service.sandbox.base import Stream
 from service.schemas import JobSummary
@@ -43,6 +44,7 @@ class JobViews:
         live: the live jobs (job id -> job).
         output_dir: ``work_dir/output``, one folder of retained output per job.
         cache: ended jobs' encoded views, kept for reading.
+        elsewhere: jobs of other replicas (``notify.Elsewhere``): 503 while running, ``wait`` on notifications.
     """
 
     def __init__(
@@ -51,20 +53,18 @@ class JobViews:
         live: dict[str, LiveJob],
         output_dir: Path,
         cache: views.ViewCache,
+        elsewhere: Elsewhere | None = None,
     ) -> None:
         self._store = store
         self._live = live
         self._output_dir = output_dir
-        self._views = cache
+        self._views, self._elsewhere = cache, elsewhere
         self._loading: dict[str, asyncio.Future[EncodedView]] = {}  # ended views being read back from the store
         self._scanning = asyncio.Lock()  # one stored view indexed at a time
 
     def live(self, job_id: str, caller: Caller) -> LiveJob | None:
-        """The job if it has not been saved as ended yet; raises JobNotFound when it is another owner's.
-
-        Every job a caller names goes through here or ``final``: another owner's job answers
-        exactly like one that does not exist (its existence is not revealed).
-        """
+        """The job if it has not been saved as ended yet; raises JobNotFound when it is another owner's (answered
+        like a job that does not exist: see the module's docstring)."""
         job = self._live.get(job_id)
         if job is not None and not caller.may_access(job.owner):
             raise JobNotFound(job_id)
@@ -84,6 +84,8 @@ class JobViews:
         encoded = await self.encoded(job_id)
         if not caller.may_access(encoded.head.get("owner")):  # None: saved before owners were (admin only)
             raise JobNotFound(job_id)
+        if encoded.head.get("ended_at") is None and self._elsewhere is not None:  # saved running, not live here
+            await self._elsewhere.check(job_id, caller)  # OwnerElsewhere: another replica runs it
         return encoded
 
     async def encoded(self, job_id: str) -> EncodedView:
@@ -105,7 +107,7 @@ class JobViews:
         async with self._scanning:
             head, spans = await asyncio.to_thread(views.scan, stored.view, summaries)
         encoded = EncodedView(head, stored.view, spans, summaries, views.head_end(stored.view, spans))
-        if job_id not in self._live:  # a job saved as running may have ended meanwhile: its own save wins
+        if job_id not in self._live and stored.ended_at is not None:  # a running view would go stale: not kept
             self._views.put(job_id, encoded)
         return encoded
 
@@ -185,8 +187,7 @@ class JobViews:
 
         ``<stream>_truncated`` then says whether retained bytes follow the slice.
         """
-        path = self._output_dir / view["job_id"] / stream
-        data = await asyncio.to_thread(read_range, path, offset, SLICE_BYTES)
+        data = await self._read(view["job_id"], stream, offset, SLICE_BYTES)
         at_end = view["status"] in FINAL and offset + len(data) >= view[f"{stream}_retained_bytes"]
         text, consumed, invalid = decode_slice(data, final=at_end)
         view[stream] = text
@@ -195,8 +196,9 @@ class JobViews:
         view[f"{stream}_invalid_utf8"] = invalid
         view[f"{stream}_truncated"] = offset + consumed < view[f"{stream}_retained_bytes"]
 
-    async def output_file(self, job_id: str, caller: Caller, path: str) -> tuple[Path, dict[str, Any]]:
-        """(host file, entry of the view's ``files``) of the output file ``path`` of the job.
+    async def output_file(self, job_id: str, caller: Caller, path: str) -> tuple[Path | OutputRange, dict[str, Any]]:
+        """(host file, or its range in the shared store, entry of the view's ``files``) of the output file
+        ``path`` of the job.
 
         Raises:
             JobNotFound: no such job (another owner's too).
@@ -204,18 +206,27 @@ class JobViews:
         """
         job = self.live(job_id, caller)
         listed = job.files_view()["files"] if job is not None else (await self.final(job_id, caller)).head.get("files")
+        found: tuple[Path | OutputRange, dict[str, Any]] | None
         found = await asyncio.to_thread(files.find, self._output_dir / job_id, listed or [], path)
+        if found is None and job is None and await shared.in_store(self._store, self._output_dir, job_id):
+            found = await shared.stored_file(self._store, job_id, listed or [], path)
         if found is None:
             raise NoSuchFile(f"job {job_id} has no output file {path[:200]!r}")
         return found
+
+    async def _read(self, job_id: str, stream: Stream, offset: int, length: int) -> bytes:
+        """Up to ``length`` retained bytes of a stream from ``offset``: from this replica's disk, or for an ended
+        job another replica ran, from the shared store (b"" past the end or without any)."""
+        if job_id not in self._live and await shared.in_store(self._store, self._output_dir, job_id):
+            return await self._store.read_blob(job_id, stream, offset, length) or b""
+        return await asyncio.to_thread(read_range, self._output_dir / job_id / stream, offset, length)
 
     async def read_output(self, job_id: str, caller: Caller, stream: Stream, offset: int, length: int) -> bytes:
         """Raw retained bytes of a stream, at most ``min(length, SLICE_BYTES)`` of them (bounded in memory:
         ``output_range`` serves longer reads); raises JobNotFound (for another owner's job too)."""
         if self.live(job_id, caller) is None:
             await self.stored_view(job_id, caller)
-        path = self._output_dir / job_id / stream
-        return await asyncio.to_thread(read_range, path, offset, min(length, SLICE_BYTES))
+        return await self._read(job_id, stream, offset, min(length, SLICE_BYTES))
 
     async def output_range(self, job_id: str, caller: Caller, stream: Stream, offset: int, length: int) -> OutputRange:
         """The retained bytes of a stream from ``offset``, up to ``length`` (those retained now), as an open
@@ -226,6 +237,8 @@ class JobViews:
         """
         if self.live(job_id, caller) is None:
             await self.stored_view(job_id, caller)
+            if await shared.in_store(self._store, self._output_dir, job_id):
+                return await shared.stored_range(self._store, job_id, stream, offset, length)
         return await asyncio.to_thread(OutputRange.open, self._output_dir / job_id / stream, offset, length)
 
     async def wait(self, job_id: str, caller: Caller, timeout_s: float, selection: Selection = FULL) -> Body:
@@ -236,6 +249,8 @@ class JobViews:
         job = self.live(job_id, caller)
         if job is not None:
             await wait_for_end_or_client(job, timeout_s)
+        elif self._elsewhere is not None:  # woken by the store's notifications
+            await self._elsewhere.wait(job_id, caller, timeout_s)  # OwnerElsewhere: still running there
         return await self.view(job_id, caller, selection=selection)
 
     async def page(self, query: JobQuery) -> tuple[list[JobSummary], str | None]:
@@ -262,8 +277,7 @@ class JobViews:
         return await self._store.count()
 
     async def resume_point(self, job_id: str, caller: Caller, event_id: str, loc: tuple[str, ...]) -> resume.Position:
-        """Where a follower that last received the event ``event_id`` of this job's stream resumes.
-
+        """Where a follower that last received the event ``event_id`` of this job's stream resumes (clamped if lost).
         Raises:
             JobNotFound: no such job, or another owner's (before the id is looked at).
             InvalidField: ``event_id`` is not an event id of this job's stream, or claims more than the job has
@@ -275,9 +289,10 @@ class JobViews:
         else:
             final = await self.final(job_id, caller)
             head, records = final.head, len(final.spans)
+        clamp = head["status"] == "lost"  # kept as of its last progress save: a follower may have seen more of it
         try:
-            position = resume.parse(event_id, job_id, records)
-            position.check(records, {stream: head[f"{stream}_retained_bytes"] for stream in STREAMS})
+            position = resume.parse(event_id, job_id, records, clamp)
+            position.check(records, {stream: head[f"{stream}_retained_bytes"] for stream in STREAMS}, clamp)
         except resume.InvalidPosition as exc:
             raise InvalidField(f"not an event id of this job's stream: {exc}", loc) from None
         return position

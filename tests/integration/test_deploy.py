@@ -14,6 +14,7 @@ import hashlib
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -118,3 +119,85 @@ def test_compose_stack_builds_starts_and_executes(engine: docker.DockerClient, s
         shutil.rmtree(work_dir, ignore_errors=True)
     assert down.returncode == 0, down.stderr
     assert engine.containers.list(all=True, filters={"label": f"com.docker.compose.project={project}"}) == []
+
+
+REPLICAS_PORTS = (8080, 8081, 8082, 5433)  # the balancer, the replicas, the store: deploy/local.sh's defaults
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_local_sh_replicas_up_job_through_balancer_down(engine: docker.DockerClient, scratch: Path) -> None:
+    """``deploy/local.sh replicas`` end to end: images, env file, store, two replicas, HAProxy on 127.0.0.1:8080;
+    a job through the balancer is the same job on both replicas; ``down`` leaves no container behind.
+
+    1.75 to 4 minutes with the store and balancer images cached (most of it building the service image), about 1
+    to 3 more from nothing (deploy/replicas/build-images.sh), on a 2-core machine (docs/operations.md, Deployment:
+    Replicas). Uses the fixed ports 8080-8082 and 5433 of the profile: skipped when one is taken."""
+    busy = [port for port in REPLICAS_PORTS if _port_in_use(port)]
+    if busy:
+        pytest.skip(f"ports in use on 127.0.0.1: {busy}")
+    token = secrets.token_hex(4)
+    project, api_key = f"ptc-test-replicas-{token}", secrets.token_urlsafe(24)
+    ids = (f"pytest-replica-{token}-1", f"pytest-replica-{token}-2")
+    folder = scratch / "replicas"
+    env = clean_env(
+        PTC_REPLICAS_DIR=str(folder),
+        COMPOSE_PROJECT_NAME=project,
+        PTC_REPLICA1_ID=ids[0],
+        PTC_REPLICA2_ID=ids[1],
+        PTC_SERVICE_IMAGE="ptc-sandbox:replicas-test",  # kept: the next run's build is cached
+        PTC_SANDBOX_IMAGE=IMAGE,
+        PTC_WARM_POOL_SIZE="0",
+        PTC_API_KEYS=f"pytest:{hashlib.sha256(api_key.encode()).hexdigest()}",
+    )
+
+    def local_sh(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(ROOT / "deploy" / "local.sh"), "replicas", *args],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+
+    try:
+        up = local_sh("up", "--build")  # its tag may hold an older build of this tree
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert (folder / "replicas.env").stat().st_mode & 0o777 == 0o600
+        headers = {"Authorization": f"Bearer {api_key}"}
+        ready = httpx.get("http://127.0.0.1:8080/readyz", timeout=10)
+        assert ready.status_code == 200, ready.text
+        script = "import tools\nprint(tools.t(x=1)['args'])\n"
+        tools = [{"name": "t", "parameters": {"properties": {"x": {"type": "integer"}}}, "endpoint": {"kind": "echo"}}]
+        answer = httpx.post(
+            "http://127.0.0.1:8080/execute", json={"script": script, "tools": tools}, headers=headers, timeout=60
+        )
+        assert answer.status_code == 200, answer.text
+        view = answer.json()
+        assert (view["status"], view["stdout"]) == ("succeeded", "{'x': 1}\n"), view
+        # The same job, ended, from each replica directly (one ran it, the other reads it from the store).
+        for port in (8081, 8082):
+            seen = httpx.get(f"http://127.0.0.1:{port}/jobs/{view['job_id']}", headers=headers, timeout=10)
+            assert seen.status_code == 200, (port, seen.text)
+            assert (seen.json()["status"], seen.json()["stdout"]) == ("succeeded", view["stdout"])
+        running = engine.containers.list(filters={"label": f"com.docker.compose.project={project}"})
+        services = {c.labels["com.docker.compose.service"] for c in running}
+        assert services == {"ptc-sandbox", "ptc-sandbox-2", "store", "balancer"}, services
+        assert engine.networks.list(names=[f"{project}_default"]) == []  # host network only
+    finally:
+        down = local_sh("down")
+        for left in engine.containers.list(all=True, filters={"label": f"com.docker.compose.project={project}"}):
+            left.remove(force=True)
+        for instance in ids:
+            for left in labelled_containers(engine, instance, include_pool=True):
+                left.remove(force=True)
+        shutil.rmtree(folder, ignore_errors=True)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert engine.containers.list(all=True, filters={"label": f"com.docker.compose.project={project}"}) == []
+    for instance in ids:
+        assert labelled_containers(engine, instance, include_pool=True) == []
+    assert [port for port in REPLICAS_PORTS if _port_in_use(port)] == []

@@ -16,17 +16,21 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
 from service.settings import Settings
-from tests.conftest import ROOT, in_ci, wait_until
+from tests.conftest import ROOT, free_port, in_ci, wait_until
 
 KUBERNETES = ROOT / "deploy" / "kubernetes"
 
@@ -258,7 +262,8 @@ def clean_env(**extra: str) -> dict[str, str]:
 def test_compose_file_is_valid_and_creates_no_network() -> None:
     config = compose_config("--profile", "monitoring")
     services = config["services"]
-    assert set(services) == {"sandbox-image", "work-dir", "ptc-sandbox", "prometheus", "grafana"}
+    # Compose v1 lists every profile's services whichever are active; v2 only the active ones.
+    assert set(services) - REPLICAS_PROFILE == {"sandbox-image", "work-dir", "ptc-sandbox", "prometheus", "grafana"}
     assert not config.get("networks")  # no bridge network: hosts like these have none to give
     for name, service in services.items():
         assert service.get("network_mode") in ("host", "none"), name
@@ -275,7 +280,7 @@ def test_compose_file_is_valid_and_creates_no_network() -> None:
     assert services["sandbox-image"]["image"] == "ptc-sandbox-runtime:latest"
     environment = svc["environment"]
     assert environment["PTC_HOST"] == "127.0.0.1" and environment["PTC_SANDBOX_IMAGE"] == "ptc-sandbox-runtime:latest"
-    known = {f"PTC_{name.upper()}" for name in Settings.model_fields} | SETTINGS_OF_AUTH
+    known = known_settings()
     assert set(environment) <= known, set(environment) - known
     mounted = " ".join(m for s in ("prometheus", "grafana") for m in bind_mounts(services[s]))
     for path in ("deploy/prometheus/prometheus.yml", "deploy/grafana/provisioning", "deploy/grafana/dashboards"):
@@ -450,7 +455,7 @@ def test_kubernetes_manifests_agree_with_each_other() -> None:
     security = container["securityContext"]
     assert security["readOnlyRootFilesystem"] and not security["allowPrivilegeEscalation"]
     assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == 10002
-    known = {f"PTC_{name.upper()}" for name in Settings.model_fields} | SETTINGS_OF_AUTH
+    known = known_settings()
     assert set(config["data"]) <= known, set(config["data"]) - known
     assert config["data"]["PTC_RUNTIME"] == "runsc"
 
@@ -469,3 +474,238 @@ def test_planned_sandbox_pod_keeps_the_docker_backends_hardening() -> None:
         "/run/ptc": True,
         "/tmp": False,
     }
+
+
+# Settings the replicas' files pass that the settings model does not have yet: PTC_INTERNAL_SECRET comes with
+# forwarding (docs/scaling.md, step 3).
+REPLICAS_PROFILE = {"work-dir-2", "ptc-sandbox-2", "store", "balancer"}
+
+
+def known_settings() -> set[str]:
+    return {f"PTC_{name.upper()}" for name in Settings.model_fields} | SETTINGS_OF_AUTH
+
+
+def need_root() -> None:
+    if os.geteuid() != 0:
+        problem = "deploy/local.sh replicas writes its env file as root"
+        if in_ci():
+            pytest.fail(problem)
+        pytest.skip(problem)
+
+
+def replicas_env(folder: Path, **extra: str) -> dict[str, str]:
+    """``deploy/local.sh replicas env`` into ``folder``: the env file's values (it also checks the file's mode)."""
+    need_root()
+    result = subprocess.run(
+        [str(ROOT / "deploy" / "local.sh"), "replicas", "env"],
+        env=clean_env(PTC_REPLICAS_DIR=str(folder), **extra),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    path = Path(result.stdout.strip())
+    assert path == folder / "replicas.env"
+    assert path.stat().st_mode & 0o777 == 0o600
+    lines = [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
+    return dict(line.split("=", 1) for line in lines)
+
+
+def test_replicas_env_file_is_written_once_with_random_secrets(tmp_path: Path) -> None:
+    first = replicas_env(tmp_path / "a")
+    assert first["PTC_PORT"] == "8081" and first["PTC_REPLICA2_PORT"] == "8082" and first["PTC_LB_PORT"] == "8080"
+    assert first["PTC_INSTANCE_ID"] != first["PTC_REPLICA2_INSTANCE_ID"]
+    assert first["PTC_WORK_DIR"] == str(tmp_path / "a" / "r1")
+    assert first["PTC_REPLICA2_WORK_DIR"] == str(tmp_path / "a" / "r2")
+    password = first["PTC_PG_PASSWORD"]
+    assert len(password) >= 32 and len(first["PTC_INTERNAL_SECRET"]) >= 32
+    assert len(first["PTC_CALLBACK_SECRET"]) >= 32  # callbacks need one, and either replica may deliver
+    assert first["PTC_STORE_URL"] == f"postgresql://ptc:{password}@127.0.0.1:{first['PTC_PG_PORT']}/ptc"
+    # Half the host each: both replicas drive the one engine.
+    memory_mb = int(Path("/proc/meminfo").read_text().split()[1]) // 1024
+    assert int(first["PTC_HOST_MEMORY_MB"]) == memory_mb // 2
+    assert float(first["PTC_HOST_CPUS"]) == max(0.5, (os.cpu_count() or 1) / 2)
+    assert first["PTC_AUTH"] == "disabled" and "PTC_API_KEYS" not in first  # no keys given: loopback only
+    known = known_settings() | {"PTC_DOCKER_GID", "PTC_SERVICE_IMAGE", "PTC_LB_PORT", "COMPOSE_PROJECT_NAME"}
+    assert {k for k in first if not k.startswith(("PTC_REPLICA2_", "PTC_PG_"))} <= known
+    # Written once: a second run keeps it (and its secrets); another folder gets other secrets.
+    again = replicas_env(tmp_path / "a", PTC_LB_PORT="9999")
+    assert again == first
+    other = replicas_env(tmp_path / "b", PTC_API_KEYS="agent:" + "0" * 64, PTC_LB_PORT="9080")
+    assert other["PTC_PG_PASSWORD"] != password and other["PTC_INTERNAL_SECRET"] != first["PTC_INTERNAL_SECRET"]
+    assert other["PTC_CALLBACK_SECRET"] != first["PTC_CALLBACK_SECRET"]
+    assert other["PTC_API_KEYS"] == "agent:" + "0" * 64 and "PTC_AUTH" not in other and other["PTC_LB_PORT"] == "9080"
+
+
+def test_compose_replicas_profile(tmp_path: Path) -> None:
+    values = replicas_env(tmp_path)
+    config = compose_config("--profile", "replicas", env=clean_env(**values))
+    services = config["services"]
+    # Compose v1 lists every profile's services whichever are active; v2 only the active ones.
+    assert set(services) - {"prometheus", "grafana"} == {"sandbox-image", "work-dir", "ptc-sandbox"} | REPLICAS_PROFILE
+    assert not config.get("networks")  # host network only, no bridge
+    for name, service in services.items():
+        assert service.get("network_mode") in ("host", "none"), name
+    assert {n for n, s in services.items() if "replicas" in s.get("profiles", [])} == REPLICAS_PROFILE
+    one, two = services["ptc-sandbox"], services["ptc-sandbox-2"]
+    env1, env2 = one["environment"], two["environment"]
+    assert set(env1) == set(env2) and set(env1) <= known_settings(), set(env1) ^ set(env2)
+    for name in ("PTC_STORE_URL", "PTC_INTERNAL_SECRET", "PTC_HOST_MEMORY_MB", "PTC_TRUSTED_PROXIES"):
+        assert name in env1, name  # passed through from the env file (deploy/local.sh exports it)
+    assert (env1["PTC_PORT"], env2["PTC_PORT"]) == (values["PTC_PORT"], values["PTC_REPLICA2_PORT"])
+    assert (env1["PTC_INSTANCE_ID"], env2["PTC_INSTANCE_ID"]) == (
+        values["PTC_INSTANCE_ID"],
+        values["PTC_REPLICA2_INSTANCE_ID"],
+    )
+    work_dirs = (values["PTC_WORK_DIR"], values["PTC_REPLICA2_WORK_DIR"])
+    assert (env1["PTC_WORK_DIR"], env2["PTC_WORK_DIR"]) == work_dirs
+    assert f"{work_dirs[1]}:{work_dirs[1]}" in bind_mounts(two)
+    assert services["work-dir-2"]["environment"]["PTC_WORK_DIR"] == work_dirs[1]
+    assert two["depends_on"] == {
+        "sandbox-image": {"condition": "service_completed_successfully"},
+        "work-dir-2": {"condition": "service_completed_successfully"},
+    }
+    for service in (two, services["store"], services["balancer"]):
+        assert service["read_only"] is True and service["cap_drop"] == ["ALL"]
+        assert service["restart"] == "unless-stopped"
+    # The store: the entrypoint from this tree, on the port and data dir of the env file, with a health check.
+    store = services["store"]
+    assert store["image"] == "ptc-sandbox-postgres:bookworm"
+    entrypoint = str(ROOT / "deploy" / "replicas" / "postgres-entrypoint.sh")
+    assert f"{entrypoint}:/usr/local/bin/postgres-entrypoint.sh" in bind_mounts(store)
+    assert f"{values['PTC_PG_DATA']}:/var/lib/postgresql/data" in bind_mounts(store)
+    assert f"port={values['PTC_PG_PORT']}" in store["command"] and "listen_addresses=127.0.0.1" in store["command"]
+    assert store["environment"]["POSTGRES_PASSWORD"] == values["PTC_PG_PASSWORD"]
+    assert store["healthcheck"]["test"][:2] == ["CMD", "pg_isready"]
+    assert set(store["cap_add"]) == {"CHOWN", "FOWNER", "SETUID", "SETGID"}
+    # The balancer: deploy/replicas/haproxy.cfg in front of both replicas' ports.
+    balancer = services["balancer"]
+    assert balancer["image"] == "ptc-sandbox-haproxy:bookworm"
+    cfg = str(ROOT / "deploy" / "replicas" / "haproxy.cfg")
+    assert f"{cfg}:/usr/local/etc/haproxy/haproxy.cfg" in bind_mounts(balancer)
+    assert balancer["environment"] == {
+        "PTC_LB_BIND": f"127.0.0.1:{values['PTC_LB_PORT']}",
+        "PTC_REPLICA_1": f"127.0.0.1:{values['PTC_PORT']}",
+        "PTC_REPLICA_2": f"127.0.0.1:{values['PTC_REPLICA2_PORT']}",
+    }
+
+
+def test_balancer_drops_internal_headers_and_checks_readiness(tmp_path: Path) -> None:
+    """HAProxy with deploy/replicas/haproxy.cfg in front of two stub replicas: a client's ``Ptc-Internal-*``
+    headers never reach a replica (only replicas sign internal calls, to each other), other headers do; a
+    replica whose ``/readyz`` is not 200 gets no requests."""
+    haproxy = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None)
+    if haproxy is None:
+        problem = "no haproxy (deploy/local.sh setup installs Debian's package)"
+        if in_ci():
+            pytest.fail(problem)
+        pytest.skip(problem)
+    seen: list[tuple[int, dict[str, str]]] = []
+
+    def stub(index: int, ready: bool) -> ThreadingHTTPServer:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path != "/readyz":
+                    seen.append((index, {k.lower(): v for k, v in self.headers.items()}))
+                self.send_response(200 if ready or self.path != "/readyz" else 503)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+    servers = [stub(1, ready=True), stub(2, ready=False)]
+    port = free_port()
+    env = {
+        **os.environ,
+        "PTC_LB_BIND": f"127.0.0.1:{port}",
+        "PTC_REPLICA_1": f"127.0.0.1:{servers[0].server_address[1]}",
+        "PTC_REPLICA_2": f"127.0.0.1:{servers[1].server_address[1]}",
+    }
+    log = (tmp_path / "haproxy.log").open("wb")
+    process = subprocess.Popen(
+        [haproxy, "-db", "-f", str(ROOT / "deploy" / "replicas" / "haproxy.cfg")], env=env, stdout=log, stderr=log
+    )
+    try:
+        forged = {"Ptc-Internal-Signature": "v1=" + "0" * 64, "PTC-INTERNAL-CALLER": "other", "X-Kept": "yes"}
+
+        def answered() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/jobs", headers=forged, timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(answered, 20, 0.2)
+        time.sleep(1.5)  # the checks (every 500 ms, fall 2) have taken replica 2 out
+        seen.clear()
+        for _ in range(6):
+            assert httpx.get(f"http://127.0.0.1:{port}/jobs", headers=forged, timeout=5).status_code == 200
+        assert [index for index, _ in seen] == [1] * 6
+        for _, headers in seen:
+            assert headers["x-kept"] == "yes"
+            assert not [name for name in headers if name.startswith("ptc-internal-")], headers
+    finally:
+        process.terminate()
+        process.wait(10)
+        log.close()
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+
+def test_prometheus_scrapes_each_replica_not_the_balancer() -> None:
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    targets = {t for job in jobs.values() for group in job["static_configs"] for t in group["targets"]}
+    assert {"127.0.0.1:8081", "127.0.0.1:8082"} <= targets
+    assert "127.0.0.1:8080" not in {t for t in jobs["ptc-sandbox-replicas"]["static_configs"][0]["targets"]}
+
+
+def test_kubernetes_replicated_mode() -> None:
+    deployment = one("Deployment")
+    spec = deployment["spec"]
+    assert spec["replicas"] >= 2
+    assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    pod = spec["template"]["spec"]
+    [container] = pod["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    port = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
+    assert env["PTC_INTERNAL_URL"]["value"] == f"http://$(POD_IP):{port}"
+    assert list(env).index("POD_IP") < list(env).index("PTC_INTERNAL_URL")  # $(POD_IP) expands only so
+    secrets_ = {d["metadata"]["name"]: d for _, d in manifests(KUBERNETES, "*.yaml") if d["kind"] == "Secret"}
+    for name in ("PTC_STORE_URL", "PTC_INTERNAL_SECRET"):
+        ref = env[name]["valueFrom"]["secretKeyRef"]
+        assert ref["key"] in secrets_[ref["name"]]["stringData"], name
+    assert set(env) <= known_settings() | {"POD_IP"}
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    # The migration runs before the service, against the same store.
+    init = {c["name"]: c for c in pod["initContainers"]}
+    migrate = init["migrate"]
+    assert migrate["command"] == ["ptc-sandbox", "migrate"] and migrate["image"] == container["image"]
+    [store_ref] = [e for e in migrate["env"] if e["name"] == "PTC_STORE_URL"]
+    assert store_ref == env["PTC_STORE_URL"]
+    assert migrate["securityContext"]["readOnlyRootFilesystem"] is True
+    assert list(init) == ["work-dir", "migrate"]
+    # The network policy lets the replicas call each other and reach the store.
+    policy = next(d for f, d in manifests() if d["kind"] == "NetworkPolicy" and not f.startswith("planned/"))
+    pod_labels = spec["template"]["metadata"]["labels"]
+    peers_in = [
+        r
+        for r in policy["spec"]["ingress"]
+        if any("podSelector" in f and "namespaceSelector" not in f for f in r["from"])
+    ]
+    assert peers_in and peers_in[0]["from"][0]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    egress_ports = {(p["port"], p["protocol"]) for r in policy["spec"]["egress"] for p in r["ports"]}
+    assert {(5432, "TCP"), (port, "TCP")} <= egress_ports
+    peers_out = [
+        r
+        for r in policy["spec"]["egress"]
+        if any("podSelector" in t for t in r["to"]) and {p["port"] for p in r["ports"]} == {port}
+    ]
+    assert peers_out and peers_out[0]["to"][0]["podSelector"]["matchLabels"].items() <= pod_labels.items()

@@ -22,6 +22,7 @@ from service.errors import InvalidField, RequestLimitError
 from service.files import DOWNLOAD_HEADERS
 from service.jobs.live import LiveJob, wait_for_end_or_client
 from service.limits import check_execute
+from service.output import OutputRange
 from service.sandbox.base import Stream
 from service.schemas import (
     ApprovalDecision,
@@ -141,7 +142,7 @@ async def execute(
         job_id = request.state.job_id = claim.resource_id
         return await replay(request, lambda: job_answer(job_id, jobs, who, selection))
     try:
-        job = await jobs.submit(body, who.owner, admin=who.admin)
+        job = await jobs.submit(body, who.owner, admin=who.admin, internal=who.internal)
     except BaseException:
         if claim is not None:
             claim.release()  # nothing was created: a retry with this key may succeed
@@ -260,11 +261,12 @@ async def get_output_file(job_id: str, path: str, jobs: Jobs, who: Who) -> Respo
     """An output file of the job (one its view lists in ``files``: what the script left in ``outputs/``), as it was
     collected when the script ended; kept as long as the job. 404 for an unknown job or path."""
     host, entry = await jobs.output_file(job_id, who, path)
-    return FileResponse(
-        host,
-        media_type=str(entry.get("content_type") or "application/octet-stream"),
-        headers={"X-Content-SHA256": str(entry.get("sha256", "")), **DOWNLOAD_HEADERS},
-    )
+    media_type = str(entry.get("content_type") or "application/octet-stream")
+    headers = {"X-Content-SHA256": str(entry.get("sha256", "")), **DOWNLOAD_HEADERS}
+    if isinstance(host, OutputRange):  # an ended job another replica ran: from the shared store, a slice at a time
+        headers["content-length"] = str(host.length)
+        return StreamingResponse(output_slices(host), media_type=media_type, headers=headers)
+    return FileResponse(host, media_type=media_type, headers=headers)
 
 
 @router.post("/jobs/{job_id}/wait", response_model=ViewAnswer, responses={404: {}})

@@ -82,21 +82,21 @@ async def session_answer(session_id: str, sessions: Sessions, who: Who) -> Respo
     """What a repeated ``POST /sessions`` answers: 201 with the session's view while it is open, else what
     ``GET /sessions/{id}`` answers (200 with its ended view; ``SessionNotFound`` once it is forgotten, as after
     a restart)."""
-    view = sessions.session_view(session_id, who)
+    view = await sessions.session_view(session_id, who)
     return json_session(view, 200 if view["ended_at"] is not None else 201)
 
 
 @router.get("/sessions", response_model=SessionList)
 async def list_sessions(sessions: Sessions, who: Who) -> Response:
     """The caller's open sessions (the admin role: every owner's), oldest first."""
-    body = SessionList.model_validate({"sessions": sessions.sessions(who)}).model_dump_json().encode()
+    body = SessionList.model_validate({"sessions": await sessions.sessions(who)}).model_dump_json().encode()
     return Response(body, media_type="application/json")
 
 
 @router.get("/sessions/{session_id}", response_model=SessionView, responses={404: {}})
 async def get_session(session_id: str, sessions: Sessions, who: Who) -> Response:
     """A session's view (ended sessions stay visible for a while, up to the last 1,000)."""
-    return json_session(sessions.session_view(session_id, who))
+    return json_session(await sessions.session_view(session_id, who))
 
 
 @router.delete("/sessions/{session_id}", response_model=SessionView, responses={404: {}})
@@ -133,7 +133,7 @@ async def put_session_file(
     folder in the way: 422 ``file-refused``, code ``not_a_file``; a full tmpfs: code ``no_space``). At most
     ``max_files_bytes`` (413); paths as in ``files`` (422)."""
     name = _file_path(path, outputs=False)
-    data = await request.body()
+    data = request.state.raw_body = await request.body()  # relayed as it came if the session is elsewhere
     if len(data) > settings.max_files_bytes:
         raise PayloadTooLarge(
             f"the file has {len(data)} bytes, more than the limit of {settings.max_files_bytes} (PTC_MAX_FILES_BYTES)",

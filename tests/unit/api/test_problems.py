@@ -27,7 +27,14 @@ from tests.unit.test_docs_links import anchors
 ROOT = Path(__file__).resolve().parents[3]
 
 # Errors that never reach a route: start-up refusals, and failures that become a tool's error inside the script.
-NEVER_HTTP = {errors.WorkDirBusy, errors.InsecureConfig, errors.CheckTooCostly, EgressDenied}
+NEVER_HTTP = {
+    errors.WorkDirBusy,
+    errors.InsecureConfig,
+    errors.CheckTooCostly,
+    EgressDenied,
+    errors.InstanceIdInUse,
+    errors.LeaseLost,
+}
 
 
 def subclasses(cls: type[Exception]) -> set[type[Exception]]:
@@ -116,6 +123,13 @@ CASES: list[tuple[Exception, int, str, str, dict[str, Any]]] = [
     ),
     (errors.EngineUnavailable("down"), 503, "engine-unavailable", "Container engine unavailable", {"detail": "down"}),
     (errors.SandboxError("broke"), 503, "sandbox-failure", "Sandbox failure", {"detail": "broke"}),
+    (
+        errors.StoreUnavailable("get"),
+        503,
+        "store-unavailable",
+        "Job store unavailable",
+        {"detail": "the job store did not answer (get); retry later"},
+    ),
 ]
 
 

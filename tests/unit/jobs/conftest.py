@@ -21,9 +21,10 @@ from service.jobs.runner import Runner
 from service.jobs.tasks import Tasks
 from service.output import OutputLog
 from service.quotas import HostCapacity, Quotas, Slots
+from service.replicas import Replicas
 from service.schemas import ExecuteRequest
 from service.settings import Settings
-from service.store import StoredJob
+from service.store import Incarnation, StoredJob
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.validation import CheckScheduler
 
@@ -39,12 +40,17 @@ class FakeStore:
     rows: dict[str, StoredJob] = field(default_factory=dict)
     failing: bool = False
     puts: int = 0
+    shares_output: bool = False
 
     async def put(self, job: StoredJob) -> None:
         self.puts += 1
         if self.failing:
             raise StoreDown("the store is down")
         self.rows[job.job_id] = job
+
+    async def save(self, job: StoredJob, incarnation: Incarnation) -> bool:
+        await self.put(job)
+        return True
 
     async def get(self, job_id: str) -> StoredJob | None:
         return self.rows.get(job_id)
@@ -108,6 +114,7 @@ def parts(tmp_path: Path) -> Parts:
         views.ViewCache(1 << 20),
         tasks,
         "test",
+        Replicas.adopted(settings, cast(Any, store), Incarnation("test", 1)),
     )
 
     made = iter(range(1 << 30))

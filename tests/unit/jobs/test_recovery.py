@@ -44,6 +44,10 @@ class Store:
     async def put(self, job: StoredJob) -> None:
         self.puts.append(job)
 
+    async def save_lost(self, job: StoredJob) -> bool:
+        self.puts.append(job)
+        return True
+
 
 def recovery(work_dir: Path, store: Store | None = None) -> Recovery:
     settings = Settings(work_dir=work_dir, sandbox_folders_tmpfs_mb=0)

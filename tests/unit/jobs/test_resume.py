@@ -455,3 +455,25 @@ while not answer.done():
                 assert "ping" in received and received[-1] == "end"
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def test_a_lost_jobs_position_is_clamped_to_what_it_kept() -> None:
+    """A job marked lost keeps its output and records as of its last progress save: a follower's position may be
+    past them (it saw more while the job ran). Refused unless clamped; clamped, it moves back to what the job has."""
+
+    seen = Position(stdout=100, stderr=7, status="running")
+    for seq in (1, 2, 3, 5, 6):
+        seen.mark(seq)
+    token = seen.token("job_1")
+    with pytest.raises(InvalidPosition):
+        parse(token, "job_1", 2)
+    with pytest.raises(InvalidPosition):
+        parse(token, "job_1", 6).check(6, {"stdout": 40, "stderr": 7})
+    clamped = parse(token, "job_1", 2, clamp=True)
+    clamped.check(2, {"stdout": 40, "stderr": 7}, clamp=True)
+    assert (clamped.stdout, clamped.stderr, clamped.low, clamped.after) == (40, 7, 2, set())
+    assert [clamped.sent(seq) for seq in (1, 2, 3)] == [True, True, False]
+    kept = parse(token, "job_1", 5, clamp=True)  # seq 4 never sent, 5 sent: kept
+    kept.check(5, {"stdout": 100, "stderr": 7}, clamp=True)
+    assert (kept.stdout, kept.low, kept.after) == (100, 3, {5})
+    assert parse(kept.token("job_1"), "job_1", 5).after == {5}  # a valid position of the lost job

@@ -1,0 +1,408 @@
+"""Completion callbacks delivered once across replicas (docs/scaling.md, Callbacks, exactly once; issue 17, step 6):
+the ``callbacks`` rows on both stores (written with the job's end, claimed, taken over, outcomes fenced by the
+claim), two claimers on one PostgreSQL database, and two in-process services on one database where a callback
+left by a replica that stopped mid-delivery is delivered by the other, once, with the same ``webhook-id``."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from service.api import create_app
+from service.auth import hash_token
+from service.callbacks import WEBHOOK_ID_HEADER, CallbackSecret, deliver
+from service.errors import LeaseLost
+from service.sandbox.fake import FakeBackend
+from service.settings import Settings
+from service.store import CallbackClaim, Incarnation, JobStore, Registration, StoredJob, choose_claims
+from service.store_pg import PostgresJobStore, async_url
+from service.store_schema import callbacks
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def registration(instance: str, token: str = "a" * 64) -> Registration:
+    return Registration(instance, f"http://127.0.0.1:80{len(instance)}", token, "0.test", 10.0)
+
+
+async def register(store: JobStore, instance: str = "r1") -> Incarnation:
+    return Incarnation(instance, await store.register(registration(instance)))
+
+
+def job(job_id: str, *, ended: bool = False, callback: bool = True, owner: str = "alice") -> StoredJob:
+    return StoredJob(
+        job_id,
+        "lost" if ended else "running",
+        "r1",
+        T0,
+        T0 + timedelta(minutes=1) if ended else None,
+        f'{{"job_id": "{job_id}"}}'.encode(),
+        b"{}",
+        ended and callback,
+        owner,
+    )
+
+
+def anyone(_: str | None) -> int:
+    return 1000
+
+
+async def test_the_owners_final_save_writes_its_callback_delivering_claimed_by_itself(store: JobStore) -> None:
+    me = await register(store)
+    for job_id in ("job_cb", "job_plain"):
+        assert await store.save(job(job_id), me)
+    assert await store.callback("job_cb") is None  # no row before the end
+    assert await store.save(job("job_cb", ended=True), me)
+    assert await store.save(job("job_plain", ended=True, callback=False), me)
+    row = await store.callback("job_cb")
+    assert row is not None and (row.state, row.claimed_by, row.attempts) == ("delivering", me, 0)
+    assert await store.callback("job_plain") is None
+    assert await store.claim_callbacks(me, 10, anyone) == []  # its own live claim: nothing to take
+    assert await store.end_callback("job_cb", me, "delivered", 2)
+    row = await store.callback("job_cb")
+    assert row is not None and (row.state, row.attempts) == ("delivered", 2)
+    assert not await store.end_callback("job_cb", me, "failed", 3)  # an outcome is written once
+
+
+async def test_a_lost_jobs_callback_is_pending_and_claimed_once(store: JobStore) -> None:
+    me = await register(store)
+    assert await store.save(job("job_lost"), me)
+    assert await store.save(job("job_quiet"), me)
+    assert await store.save_lost(job("job_lost", ended=True))
+    assert await store.save_lost(job("job_quiet", ended=True, callback=False))
+    assert not await store.save_lost(job("job_lost", ended=True))  # ended already: the second marker writes nothing
+    ended = await store.get("job_lost")
+    assert ended is not None and ended.status == "lost" and ended.ended_at is not None
+    row = await store.callback("job_lost")
+    assert row is not None and (row.state, row.claimed_by) == ("pending", None)
+    assert await store.callback("job_quiet") is None
+    assert await store.claim_callbacks(me, 10, anyone) == [CallbackClaim("job_lost", "alice", 0, False)]
+    assert await store.claim_callbacks(me, 10, anyone) == []
+    row = await store.callback("job_lost")
+    assert row is not None and (row.state, row.claimed_by) == ("delivering", me)
+
+
+async def test_a_save_lost_never_ends_a_job_its_owner_ended(store: JobStore) -> None:
+    """The owner's final save came first: the marker's update finds ``ended_at`` set and writes nothing (the
+    owner's view and its claim kept)."""
+    me = await register(store)
+    assert await store.save(job("job_a"), me)
+    owners = dataclasses.replace(job("job_a", ended=True), status="succeeded")
+    assert await store.save(owners, me)
+    assert not await store.save_lost(job("job_a", ended=True))
+    kept = await store.get("job_a")
+    assert kept is not None and kept.status == "succeeded"
+    row = await store.callback("job_a")
+    assert row is not None and (row.state, row.claimed_by) == ("delivering", me)
+
+
+async def test_a_claim_of_a_live_incarnation_stays_and_an_ended_ones_is_taken_over(store: JobStore) -> None:
+    first = await register(store)
+    assert await store.save(job("job_a"), first)
+    assert await store.save(job("job_a", ended=True), first)  # delivering, claimed by the first incarnation
+    assert await store.claim_callbacks(first, 10, anyone) == []
+    second = await register(store)  # the same instance started again (same work dir): the first is over
+    assert second.epoch == first.epoch + 1
+    assert await store.claim_callbacks(second, 10, anyone) == [CallbackClaim("job_a", "alice", 0, True)]
+    assert not await store.end_callback("job_a", first, "delivered", 1)  # the stale claim's outcome: no row
+    row = await store.callback("job_a")
+    assert row is not None and (row.state, row.claimed_by) == ("delivering", second)
+    assert await store.end_callback("job_a", second, "failed", 5)
+    assert await store.claim_callbacks(second, 10, anyone) == []  # an outcome is never claimed again
+
+
+async def test_nothing_is_claimed_by_an_incarnation_that_is_not_live(store: JobStore) -> None:
+    me = await register(store)
+    assert await store.save(job("job_a"), me)
+    assert await store.save_lost(job("job_a", ended=True))
+    assert await store.set_replica_state(me, "left")
+    assert await store.claim_callbacks(me, 10, anyone) == []
+
+
+async def test_a_purged_job_takes_its_callback_row_with_it(store: JobStore) -> None:
+    me = await register(store)
+    assert await store.save(job("job_a"), me)
+    assert await store.save(job("job_a", ended=True), me)
+    assert await store.purge(T0 + timedelta(days=1)) == ["job_a"]
+    assert await store.callback("job_a") is None
+
+
+async def test_claims_keep_to_the_limit_and_to_each_owners_room(store: JobStore) -> None:
+    me = await register(store)
+    for n in range(6):
+        owner = "alice" if n < 4 else "bob"
+        assert await store.save(job(f"job_{n}", owner=owner), me)
+        assert await store.save_lost(job(f"job_{n}", ended=True, owner=owner))
+    room = {"alice": 1, "bob": 2}
+    claimed = await store.claim_callbacks(me, 10, lambda owner: room[owner or ""])
+    assert sorted(c.job_id for c in claimed) == ["job_0", "job_4", "job_5"]  # alice's oldest, and both of bob's
+    assert len(await store.claim_callbacks(me, 2, anyone)) == 2
+    assert len(await store.claim_callbacks(me, 0, anyone)) == 0
+
+
+def test_choosing_skips_owners_without_room() -> None:
+    rows = [("j1", "a", 0, "pending"), ("j2", "a", 0, "pending"), ("j3", None, 2, "delivering"), ("j4", "b", 0, "x")]
+    room = {"a": 1, None: 1, "b": 0}
+    assert [c.job_id for c in choose_claims(rows, 10, room.__getitem__)] == ["j1", "j3"]
+    assert choose_claims(rows, 1, room.__getitem__) == [CallbackClaim("j1", "a", 0, False)]
+
+
+async def test_a_lapsed_lease_stops_a_delivery_before_its_next_attempt() -> None:
+    """The claimer's lease check runs before each attempt: once it fails, nothing more is sent, and the delivery
+    ends with ``LeaseLost`` (no outcome: the claim passes on once the incarnation is expired)."""
+    sent: list[httpx.Request] = []
+
+    def receive(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(500)
+
+    def lease_check() -> None:
+        if len(sent) >= 2:
+            raise LeaseLost("the test's lease")
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(receive)) as client:
+        with pytest.raises(LeaseLost):
+            await deliver(
+                client,
+                "http://receiver.test/hook",
+                b"{}",
+                (CallbackSecret.parse("s" * 32),),
+                msg_id="msg_job_a",
+                max_attempts=5,
+                backoff_s=0.01,
+                timeout_s=1,
+                on_attempt=lambda _: None,
+                before_attempt=lease_check,
+            )
+    assert len(sent) == 2 and {r.headers[WEBHOOK_ID_HEADER] for r in sent} == {"msg_job_a"}
+
+
+async def test_a_claim_held_by_a_live_replica_is_not_taken_and_an_expired_ones_is(postgres_url: str) -> None:
+    one, two = PostgresJobStore(postgres_url), PostgresJobStore(postgres_url)
+    await one.open()
+    await two.open()
+    try:
+        r1 = await register(one, "r1")
+        r2 = await register(two, "r2")
+        assert await one.save(job("job_a"), r1)
+        assert await one.save(job("job_a", ended=True), r1)
+        assert await two.claim_callbacks(r2, 10, anyone) == []  # r1 is live: its claim holds
+        assert await one.set_replica_state(r1, "expired")  # what the reaper does to a replica whose lease passed
+        assert await two.claim_callbacks(r2, 10, anyone) == [CallbackClaim("job_a", "alice", 0, True)]
+        assert not await one.end_callback("job_a", r1, "delivered", 1)  # r1's late outcome matches no row
+        assert await two.end_callback("job_a", r2, "delivered", 1)
+    finally:
+        await one.close()
+        await two.close()
+
+
+async def test_two_claimers_on_one_postgresql_store_claim_200_due_rows_once_each(postgres_url: str) -> None:
+    one, two = PostgresJobStore(postgres_url), PostgresJobStore(postgres_url)
+    await one.open()
+    await two.open()
+    try:
+        r1 = await register(one, "r1")
+        r2 = await register(two, "r2")
+        await asyncio.gather(*(one.save(job(f"job_{n:03}", owner=f"k{n % 3}"), r1) for n in range(200)))
+        await asyncio.gather(*(two.save_lost(job(f"job_{n:03}", ended=True, owner=f"k{n % 3}")) for n in range(200)))
+
+        async def claimer(store: JobStore, me: Incarnation) -> list[str]:
+            mine: list[str] = []
+            while claimed := await store.claim_callbacks(me, 7, anyone):
+                mine += [c.job_id for c in claimed]
+                await asyncio.sleep(0)
+            return mine
+
+        first, second = await asyncio.gather(claimer(one, r1), claimer(two, r2))
+        assert len(first) + len(second) == 200
+        assert sorted(first + second) == [f"job_{n:03}" for n in range(200)]  # each once, none twice
+        assert all(not c.takeover for c in await one.claim_callbacks(r1, 10, anyone))
+        for job_id in first:
+            row = await one.callback(job_id)
+            assert row is not None and (row.state, row.claimed_by) == ("delivering", r1)
+    finally:
+        await one.close()
+        await two.close()
+
+
+# -- two in-process services on one PostgreSQL database, a real receiver -----------------------------------------
+
+ALICE = "alice-token-0123456789abcdef"
+
+
+class Receiver:
+    """A callback receiver on 127.0.0.1 counting deliveries by ``webhook-id``: the first request of each id is held
+    open, never answered (its replica stops meanwhile); every later one is answered 204."""
+
+    def __init__(self) -> None:
+        self.held: list[str] = []
+        self.answered: list[tuple[str, dict[str, str]]] = []
+        self.release = threading.Event()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["content-length"]))
+                msg_id = self.headers[WEBHOOK_ID_HEADER]
+                if msg_id not in receiver.held:
+                    receiver.held.append(msg_id)
+                    receiver.release.wait(30)
+                    return
+                receiver.answered.append((msg_id, {k.lower(): v for k, v in self.headers.items()}))
+                self.send_response(204)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.origin = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def delivered(self, msg_id: str) -> int:
+        return sum(1 for answered, _ in self.answered if answered == msg_id)
+
+    def close(self) -> None:
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def short() -> Iterator[Path]:
+    """Work dirs with short paths (the sandboxes' unix sockets live under them)."""
+    path = Path(tempfile.mkdtemp(prefix="cbcl", dir="/tmp"))
+    (path / "w1").mkdir()
+    (path / "w2").mkdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@asynccontextmanager
+async def replica(work_dir: Path, url: str, name: str, receiver: Receiver) -> AsyncIterator[httpx.AsyncClient]:
+    """A service (``name``) on ``work_dir`` and the store at ``url``, FakeBackend; alice's client."""
+    app = create_app(
+        Settings(
+            api_keys=f"alice:{hash_token(ALICE)}",
+            work_dir=work_dir,
+            sandbox_folders_tmpfs_mb=0,
+            warm_pool_size=0,
+            instance_id=name,
+            store_url=url,
+            internal_secret="x" * 32,
+            store_timeout_s=2,
+            replica_heartbeat_s=0.2,
+            replica_lease_s=1.0,
+            callback_secret="the-server-secret-free-form",
+            callback_backoff_s=0.05,
+            egress_allow=[receiver.origin],
+        ),
+        FakeBackend(),
+    )
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        headers = {"Authorization": f"Bearer {ALICE}"}
+        async with httpx.AsyncClient(transport=transport, base_url="http://fake", timeout=60, headers=headers) as c:
+            yield c
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "not in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_delivery_cut_by_its_replicas_stop_is_delivered_once_by_the_other(
+    postgres_url: str, short: Path, receiver: Receiver
+) -> None:
+    """t1 ends a job and starts its callback; the receiver holds that attempt open; t1 stops (its claim's
+    incarnation leaves): t2 takes the claim over and delivers it, once, with the same ``webhook-id``."""
+    store = PostgresJobStore(postgres_url)
+    async with replica(short / "w2", postgres_url, "t2", receiver) as alice2:
+        async with replica(short / "w1", postgres_url, "t1", receiver) as alice1:
+            body = {"script": "print('x')", "callback_url": receiver.origin + "/hook"}
+            view = (await alice1.post("/execute", json=body)).json()
+            job_id, msg_id = view["job_id"], f"msg_{view['job_id']}"
+            assert view["status"] == "succeeded", view
+            await until(lambda: msg_id in receiver.held)  # t1's attempt, held open
+        await until(lambda: receiver.delivered(msg_id) == 1)
+        await asyncio.sleep(1)  # a few of t2's scans more: nothing is sent again
+        assert receiver.delivered(msg_id) == 1
+        deadline = time.monotonic() + 10
+        while (callback := (await alice2.get(f"/jobs/{job_id}")).json()["callback"])["state"] != "delivered":
+            assert time.monotonic() < deadline, callback
+            await asyncio.sleep(0.05)
+        assert [a["status_code"] for a in callback["attempts"]][-1] == 204
+    await store.open()
+    try:
+        row = await store.callback(job_id)
+        assert row is not None and row.state == "delivered" and row.claimed_by is not None
+        assert row.claimed_by.instance_id == "t2"
+    finally:
+        await store.close()
+
+
+async def test_a_restarted_replicas_lost_jobs_callbacks_are_delivered_once(
+    postgres_url: str, short: Path, receiver: Receiver
+) -> None:
+    """A job left running in the store (its replica died before its end was saved): the replica's next start marks
+    it lost with its callback row pending, in one transaction, and one replica delivers it once."""
+    store = PostgresJobStore(postgres_url)
+    await store.open()
+    try:
+        async with replica(short / "w1", postgres_url, "t1", receiver) as alice1:
+            body = {"script": "print('x')", "callback_url": receiver.origin + "/hook"}
+            view = (await alice1.post("/execute", json=body)).json()
+            job_id, msg_id = view["job_id"], f"msg_{view['job_id']}"
+            await until(lambda: msg_id in receiver.held)
+            ended = await store.get(job_id)
+        assert ended is not None
+        # What a kill -9 before the final save leaves: the row running, no callback row.
+        running = dataclasses.replace(ended, status="running", ended_at=None, callback_pending=False)
+        await store.put(running)
+        engine = sa.create_engine(async_url(postgres_url), poolclass=sa.NullPool)
+        await asyncio.to_thread(_execute, engine, sa.delete(callbacks).where(callbacks.c.job_id == job_id))
+        async with (
+            replica(short / "w2", postgres_url, "t2", receiver) as _,
+            replica(short / "w1", postgres_url, "t1", receiver) as alice1,
+        ):
+            lost = (await alice1.get(f"/jobs/{job_id}")).json()
+            assert lost["status"] == "lost", lost
+            await until(lambda: receiver.delivered(msg_id) == 1)
+            await asyncio.sleep(1)
+            assert receiver.delivered(msg_id) == 1
+        row = await store.callback(job_id)
+        assert row is not None and row.state == "delivered"
+    finally:
+        await store.close()
+
+
+def _execute(engine: sa.Engine, statement: sa.Executable) -> None:
+    try:
+        with engine.begin() as connection:
+            connection.execute(statement)
+    finally:
+        engine.dispose()
