@@ -134,13 +134,15 @@ async def test_readyz_names_the_engine_and_the_images(short: Path) -> None:
 
 
 async def test_readyz_on_postgresql_counts_the_live_replicas(postgres_url: str, short: Path) -> None:
+    # Leases of 5 s: both services share this test's event loop, and the second's start (its migrations checked,
+    # its sweep) can hold it past a 1 s lease's last heartbeat, which /readyz rightly reports as "lease".
     async with (
-        replica(short / "w1", postgres_url, "t1") as (app1, alice1, _a),
-        replica(short / "w2", postgres_url, "t2") as (_, _alice2, _b),
+        replica(short / "w1", postgres_url, "t1", heartbeat_s=1.0) as (app1, alice1, _a),
+        replica(short / "w2", postgres_url, "t2", heartbeat_s=1.0) as (_, _alice2, _b),
     ):
         await app1.state.replicas.refresh()
         answer = await alice1.get("/readyz")
-        assert answer.status_code == 200
+        assert answer.status_code == 200, answer.text
         assert (answer.json()["store"], answer.json()["replicas"]) == ("postgresql", 2)
 
 
