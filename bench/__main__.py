@@ -110,6 +110,31 @@ def timed(fn: Callable[[], object], n: int, warmup: int = 2, pause_s: float = 0.
     return samples
 
 
+def engine_rate(seconds: float, threads: int) -> float:
+    """Containers the engine creates, starts, runs (``python3 -c pass``) and removes per second."""
+    done = 0
+    lock = threading.Lock()
+    deadline = time.monotonic() + seconds
+
+    def worker() -> None:
+        nonlocal done
+        client = docker.from_env()
+        while time.monotonic() < deadline:
+            client.containers.run(
+                IMAGE, ["-c", "pass"], entrypoint="python3", network_mode="none", remove=True, labels={"bench": "1"}
+            )
+            with lock:
+                done += 1
+
+    started = time.monotonic()
+    workers = [threading.Thread(target=worker) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return done / (time.monotonic() - started)
+
+
 class Bench:
     def __init__(self, api: httpx.Client, engine: docker.DockerClient, instance: str) -> None:
         self.api = api
@@ -222,32 +247,8 @@ class Bench:
             }
             if mode == "session":
                 time.sleep(2)  # let the warm pool settle before one-shot load
-        result["engine_starts_per_second"] = self.engine_rate(seconds, clients)
+        result["engine_starts_per_second"] = engine_rate(seconds, clients)
         return result
-
-    def engine_rate(self, seconds: float, threads: int) -> float:
-        """Containers the engine creates, starts, runs (``python3 -c pass``) and removes per second."""
-        done = 0
-        lock = threading.Lock()
-        deadline = time.monotonic() + seconds
-
-        def worker() -> None:
-            nonlocal done
-            client = docker.from_env()
-            while time.monotonic() < deadline:
-                client.containers.run(
-                    IMAGE, ["-c", "pass"], entrypoint="python3", network_mode="none", remove=True, labels={"bench": "1"}
-                )
-                with lock:
-                    done += 1
-
-        started = time.monotonic()
-        workers = [threading.Thread(target=worker) for _ in range(threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        return done / (time.monotonic() - started)
 
     def memory(self) -> dict[str, Any]:
         def usage_mib(container: Any) -> float:

@@ -46,10 +46,10 @@ from typing import Any
 import docker
 import httpx
 
-from bench.__main__ import machine, stats
+from bench.__main__ import engine_rate, machine, stats
 from service.auth import hash_token
 from tests import pgstore
-from tests.conftest import IMAGE, Service, start_service, stop_clean
+from tests.conftest import Service, start_service, stop_clean
 from tests.integration.replicas import REPLICA_ENV, Balancer, haproxy_binary
 
 SCRIPT = "print(1)"
@@ -134,32 +134,6 @@ def owner_of(session_id: str, replicas: list[Service], token: str) -> Service:
         if answer.status_code == 200:
             return service
     raise RuntimeError(f"no replica answers for session {session_id}")
-
-
-def engine_rate(seconds: float, threads: int) -> float:
-    """Containers the engine creates, starts, runs (``python3 -c pass``) and removes per second, from ``threads``
-    threads (bench/__main__.py's yardstick)."""
-    done = 0
-    lock = threading.Lock()
-    deadline = time.monotonic() + seconds
-
-    def worker() -> None:
-        nonlocal done
-        client = docker.from_env()
-        while time.monotonic() < deadline:
-            client.containers.run(
-                IMAGE, ["-c", "pass"], entrypoint="python3", network_mode="none", remove=True, labels={"bench": "1"}
-            )
-            with lock:
-                done += 1
-
-    started = time.monotonic()
-    workers = [threading.Thread(target=worker) for _ in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    return done / (time.monotonic() - started)
 
 
 def run(replicas: int, seconds: float, clients: int, sessions_via: str) -> dict[str, Any]:
