@@ -49,6 +49,7 @@ import docker
 import httpx
 
 from service.sandbox.labels import LABEL_JOB, LABEL_POOL
+from service.stages import HEADER as STAGES_HEADER
 from tests.conftest import IMAGE, labelled_containers, start_service, wait_until
 
 ECHO = [
@@ -67,6 +68,7 @@ for i in range({n}):
     samples.append((time.perf_counter() - t) * 1000)
 print(json.dumps(samples))
 """
+STAMPED_SCRIPT = "import time; t = time.monotonic_ns(); print(1); print(t)"  # print(1), and when it began
 FANOUT_SCRIPT = """
 import asyncio, json, time, tools
 async def main():
@@ -151,6 +153,65 @@ class Bench:
         if label:
             self.starts.setdefault(label, []).append(view["sandbox_start"])
         return view
+
+    def staged(self, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float], float]:
+        """POST /execute with ``X-PTC-Stages: 1``: (the view, its stages in ms from ``Server-Timing``, the
+        client's round trip in ms)."""
+        started = time.perf_counter()
+        response = self.api.post("/execute", json={"tools": [], **body}, headers={STAGES_HEADER: "1"})
+        elapsed = (time.perf_counter() - started) * 1000
+        response.raise_for_status()
+        view: dict[str, Any] = response.json()
+        if view["status"] != "succeeded":
+            raise RuntimeError(f"staged: {view['status']}: {view['error']} {view['stderr'][-500:]}")
+        return view, server_timing(response.headers.get("server-timing", "")), elapsed
+
+    def breakdown(self, n_session: int, n_warm: int, n_calls: int) -> dict[str, Any]:
+        """Per-stage medians (ms) of ``print(1)`` in a session and from the warm pool, and of one echo call."""
+        sid = self.session()
+        try:
+            runs = [
+                self.stamped(self.staged({"script": STAMPED_SCRIPT, "session_id": sid})) for _ in range(5 + n_session)
+            ]
+        finally:
+            self.api.delete(f"/sessions/{sid}")
+        session = runs[5:]
+        sid = self.session(tools=ECHO)
+        try:
+            view, timing, _ = self.staged({"script": SEQUENTIAL_SCRIPT.format(n=n_calls), "session_id": sid})
+            in_script = statistics.median(json.loads(view["stdout"]))
+            calls = {k[len("call-") :]: v / n_calls for k, v in timing.items() if k.startswith("call-")}
+            calls["transport and stub (in the script, not in the broker)"] = in_script - sum(calls.values())
+            calls["total (in the script)"] = in_script
+        finally:
+            self.api.delete(f"/sessions/{sid}")
+        warm = []
+        for _ in range(n_warm):
+            time.sleep(0.5)  # the pool refills
+            warm.append(self.stamped(self.staged({"script": STAMPED_SCRIPT})))
+        return {"session": medians(session), "warm_pool": medians(warm), "tool_call": calls}
+
+    @staticmethod
+    def stamped(staged: tuple[dict[str, Any], dict[str, float], float]) -> dict[str, float]:
+        """One staged run's stages, with the sandbox's fork-to-exit split where the script's own first stamp falls
+        (``STAMPED_SCRIPT``), and the client's side (HTTP client and transport) from its round trip."""
+        view, timing, elapsed = staged
+        origin = timing.pop("origin")
+        stamp = int(view["stdout"].split()[1])
+        at, out = origin, {}
+        for name, ms in timing.items():
+            if name != "total":
+                at += ms * 1e6  # the end of this stage
+            if name == "sandbox-script_ended" and "sandbox-forked" in out:
+                begun = (stamp - (at - ms * 1e6)) / 1e6  # from the fork
+                if 0 <= begun <= ms:
+                    out["sandbox: child set-up (fork to the script's first line)"] = begun
+                    ms -= begun
+                name = "sandbox: script and its exit (to collected)"
+            out[name] = ms
+        out["client and transport (round trip minus total)"] = elapsed - timing["total"]
+        out["round trip (client)"] = elapsed
+        return out
 
     def session(self, **body: Any) -> str:
         response = self.api.post("/sessions", json=body)
@@ -278,6 +339,73 @@ class Bench:
         ]
 
 
+def server_timing(value: str) -> dict[str, float]:
+    """``Server-Timing`` entries (``service.stages``) as name -> ms, in order; ``origin`` -> its ns (``desc``)."""
+    out: dict[str, float] = {}
+    for entry in value.split(","):
+        name, *params = (part.strip() for part in entry.split(";"))
+        for param in params:
+            key, _, raw = param.partition("=")
+            if key == "dur" or (name == "origin" and key == "desc"):
+                out[name] = float(raw.strip('"'))
+    return out
+
+
+def medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Per stage, the median over ``runs`` (a stage missing from a run counts 0 there), in first-seen order."""
+    names = list(dict.fromkeys(name for run in runs for name in run))
+    return {name: statistics.median(run.get(name, 0.0) for run in runs) for name in names}
+
+
+Target = tuple[str, Callable[[dict[str, Any]], float], str, str, float]
+TARGETS: tuple[
+    Target, ...
+] = (  # issue 18's, on the 2-core machine: (what, measured (results -> value), unit, comparison, target)
+    ("`print(1)` in a session, p50", lambda r: r["print1"]["session"]["median"], "ms", "<=", 5.0),
+    ("`print(1)` in a session, p99", lambda r: r["print1"]["session"]["p99"], "ms", "<=", 10.0),
+    ("`print(1)` from the warm pool, p50", lambda r: r["print1"]["warm_pool"]["median"], "ms", "<=", 10.0),
+    (
+        "one echo call round trip in a script, p50",
+        lambda r: r["tool_calls"]["round_trip_ms"]["median"],
+        "ms",
+        "<=",
+        0.2,
+    ),
+    ("1,000 concurrent echo calls, wall p50", lambda r: r["tool_calls"]["fanout_wall_ms"]["median"], "ms", "<=", 100.0),
+    ("sessions sustained, 8 clients", lambda r: r["sustained"]["session"]["per_second"], "runs/s", ">=", 400.0),
+    ("sessions sustained: errors", lambda r: r["sustained"]["session"]["errors"], "", "<=", 0),
+    (
+        "one-shot sustained / engine's start rate",
+        lambda r: 100 * r["sustained"]["one_shot"]["per_second"] / r["sustained"]["engine_starts_per_second"],
+        "%",
+        ">=",
+        95.0,
+    ),
+)
+
+
+def targets(results: dict[str, Any]) -> list[str]:
+    """The targets table: each target beside what this run measured, and whether it is met."""
+    rows = ["| target | measured | goal | met |", "| --- | ---: | ---: | :---: |"]
+    for what, measured, unit, op, goal in TARGETS:
+        value = float(measured(results))
+        met = value <= goal if op == "<=" else value >= goal
+        rows.append(f"| {what} | {value:.2f} {unit} | {op} {goal:g} {unit} | {'yes' if met else 'no'} |")
+    return rows
+
+
+def breakdown_rows(results: dict[str, Any]) -> list[str]:
+    """The per-stage tables (medians, ms; each stage is the time since the one before it)."""
+    b = results["breakdown"]
+    rows = ["| stage (`print(1)`, median ms) | in a session | from the warm pool |", "| --- | ---: | ---: |"]
+    for name in dict.fromkeys([*b["session"], *b["warm_pool"]]):
+        cells = [f"{b[k][name]:.3f}" if name in b[k] else "" for k in ("session", "warm_pool")]
+        rows.append(f"| {name} | {cells[0]} | {cells[1]} |")
+    rows += ["", "| stage (one echo call, mean ms over the calls) | ms |", "| --- | ---: |"]
+    rows += [f"| {name} | {ms:.4f} |" for name, ms in b["tool_call"].items()]
+    return rows
+
+
 def markdown(results: dict[str, Any]) -> str:
     p = results["print1"]
     t = results["tool_calls"]
@@ -317,6 +445,10 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"Memory: idle pooled sandbox {m['idle_pooled_sandbox_mib']:.1f} MiB, "
         f"idle session {m['idle_session_mib']:.1f} MiB (engine stats, usage minus page cache).",
+        "",
+        *breakdown_rows(results),
+        "",
+        *targets(results),
     ]
     return "\n".join(rows) + "\n"
 
@@ -340,6 +472,7 @@ def main() -> None:
         instance,
         scratch / "svc",
         PTC_LOG_LEVEL="warning",
+        PTC_ADMIN_KEYS="pytest",  # its key may ask for the per-stage timing (X-PTC-Stages)
         PTC_MAX_QUEUE="1000",
         PTC_WARM_POOL_MAX_PROFILES="1",
         # The benchmark is one key standing for every client: its quotas are the service's own limits (the
@@ -367,6 +500,9 @@ def main() -> None:
                 n_docker=5 if quick else 20,
             )
             results["tool_calls"] = bench.tool_calls(1000, 1000, 3 if quick else 10)
+            results["breakdown"] = bench.breakdown(
+                n_session=30 if quick else 200, n_warm=5 if quick else 30, n_calls=200 if quick else 1000
+            )
             results["memory"] = bench.memory()
             results["sustained"] = bench.sustained(5 if quick else args.sustain_s, 8)
     finally:

@@ -81,7 +81,7 @@ import orjson
 from opentelemetry.trace import Span
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from service import exactjson, telemetry
+from service import exactjson, stages, telemetry
 from service.collector import gc_paused
 from service.errors import CallNotPending, CheckTooCostly
 from service.toolkit.endpoints import EndpointClients, RawJson, ToolCallFailed
@@ -232,6 +232,7 @@ class Broker:
         self._in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
         self._reading = 0  # request lines of this job being parsed on the check threads
         self._trace_parent = trace_parent
+        self._stages = stages.current()  # the submitting request's, when timed (its calls' stages are summed there)
 
     async def start(self, path: Path) -> None:
         """Listen on ``path`` (a unix socket, mode 0666 so the sandbox user can connect)."""
@@ -335,10 +336,14 @@ class Broker:
         """Answer one request line. Whatever goes wrong, the script gets a reply (``internal_error`` for a fault of
         the service, logged with its traceback) and the call's record, if it has one, a final status."""
         request_id: int | str | None = None
+        began = time.perf_counter_ns()
+        parsed = answered = began
         try:
             request = await self._read(line)
+            parsed = time.perf_counter_ns()
             request_id = request.id
             reply = await self._answer(request, len(line))
+            answered = time.perf_counter_ns()
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -346,6 +351,9 @@ class Broker:
             reply = _error(None, "internal_error", "the service failed to handle this request; see the service log")
         reply["id"] = request_id
         await self._reply(writer, lock, reply)
+        if self._stages is not None:
+            done = time.perf_counter_ns()
+            self._stages.call({"parse": parsed - began, "answer": answered - parsed, "reply": done - answered})
 
     async def _read(self, line: bytes) -> Request:
         """The request a line carries, parsed (and its arguments depth-checked and encoded for the record) on the

@@ -15,7 +15,7 @@ Control protocol (its names and sizes live in ``ptc_runtime.protocol``): one JSO
   followed by exactly n raw bytes of the script's output (n <= ``READ_BYTES``);
 - service -> server: ``{"op": "signal", "id": job_id, "signal": "SIGTERM"|"SIGKILL"}``;
 - server -> service: ``{"op": "exit", "id": job_id, "exit_code": n, "signal": n|null, "killed": bool,
-  "oom_killed": bool, "left": n}``
+  "oom_killed": bool, "left": n, "files_omitted": n, "stamps": {...}}``
   once the script's process has ended, every other process of the sandbox
   has been killed and all output has been sent; ``signal`` is the signal the
   script's process died by (null: it exited), ``killed`` whether that signal
@@ -23,7 +23,9 @@ Control protocol (its names and sizes live in ``ptc_runtime.protocol``): one JSO
   still alive (a request that arrives after the script ended is ignored, so
   an exit of its own is never reported as killed); ``left`` counts the
   processes still listed after ``KILL_DEADLINE_S`` (anything but 0 and the
-  service ends the sandbox); ``{"op": "error", "message": ...}`` for a
+  service ends the sandbox); ``stamps`` gives the run's moments in ``time.monotonic_ns()``
+  (``run_received``, ``forked``, ``script_ended``: collected, ``reaped``: the rest killed, ``drained``: output
+  taken), for the service's per-stage timing only; ``{"op": "error", "message": ...}`` for a
   request it cannot follow.
 
 The script is compiled here, before the fork (up to ``PRECOMPILE_BYTES``; a
@@ -206,6 +208,7 @@ class _Run:
         self.sent: List[int] = []  # signals sent at the service's request while the process was alive
         self.outputs: Optional[Dict[str, Any]] = None  # the run's caps on files out (None: the service wants none)
         self.status: Optional[int] = None
+        self.stamps: Dict[str, int] = {}  # time.monotonic_ns() of the run's moments (the exit frame's "stamps")
 
     def ended(self) -> bool:
         """Whether the script's process has ended (collected, or a zombie not collected yet)."""
@@ -329,6 +332,7 @@ class Server:
     def start(
         self, job_id: str, env: Dict[str, str], outputs: Optional[Dict[str, Any]] = None
     ) -> Optional[Tuple[Any, Dict[str, str]]]:
+        received = time.monotonic_ns()
         if outputs is not None:  # before the fork: no script's process exists
             files.prepare_outputs(WORKDIR, switch_user=os.geteuid() == 0)
         try:
@@ -351,6 +355,7 @@ class Server:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         pid = os.fork()
+        forked = time.monotonic_ns()
         if pid == 0:
             for fd in (out_r, err_r, nudge_r, ack_w):
                 os.close(fd)
@@ -368,6 +373,7 @@ class Server:
                 pass
         self.selector.register(nudge_r, selectors.EVENT_READ, "nudge")
         self.run = _Run(job_id, pid, streams, nudge_r, ack_w, oom_before)
+        self.run.stamps.update(run_received=received, forked=forked)
         self.run.outputs = outputs
         self.watch(self.run, True)
         self.run.next_pass = time.monotonic() + IDLE_S
@@ -513,6 +519,7 @@ class Server:
         for pid, status in ended_children():
             if run is not None and pid == run.pid and run.status is None:
                 run.status = status
+                run.stamps["script_ended"] = time.monotonic_ns()
 
     def reap(self) -> None:
         """Collect ended children; end the run when its script's process is among them."""
@@ -539,12 +546,14 @@ class Server:
         if run is None:
             return
         left = self.kill_all()
+        run.stamps["reaped"] = time.monotonic_ns()
         if not hung_up:  # every byte the script and its processes wrote before the end: pipe first, then ring
             for stream in run.streams:
                 head = stream.reader.head()  # final: every writer of the ring is gone
                 self.take(run, stream, final=True)
                 self.take_ring(run, stream, head)
         self.close_run(run)
+        run.stamps["drained"] = time.monotonic_ns()
         if hung_up:
             return
         omitted = 0
@@ -574,7 +583,8 @@ class Server:
             "signal": number,
             "killed": killed,
         }
-        self.send({**message, "oom_killed": oom, "left": len(left), "files_omitted": omitted})
+        message.update(oom_killed=oom, left=len(left), files_omitted=omitted, stamps=run.stamps)
+        self.send(message)
 
     def close_run(self, run: _Run) -> None:
         """Release the run's pipes and rings."""

@@ -22,7 +22,7 @@ import time
 from functools import partial
 from typing import Any
 
-from service import telemetry, verdict, views
+from service import stages, telemetry, verdict, views
 from service.broker import Broker, CallMemory
 from service.errors import CallNotPending, EngineUnavailable, FileRefused, SandboxError
 from service.files import OutputFiles
@@ -129,7 +129,9 @@ class Runner:
         try:
             try:
                 await self._save_and_tell(job)
+                stages.mark("saved-queued")
                 sandbox = await placement.enter()
+                stages.mark("sandbox-found")
                 telemetry.interval(job.span, "queue wait", job.created_at, now())
                 if sandbox is None:
                     return  # ended before it started (placement set why)
@@ -137,24 +139,36 @@ class Runner:
                 job.sandbox_start = placement.mode
                 job.started_at = now()
                 await self._set_status(job, JobStatus.RUNNING)
+                stages.mark("saved-running")
                 started = time.monotonic()  # a cold job's time limit includes its sandbox's start
                 await placement.ready()
+                stages.mark("sandbox-ready")
                 job.sandbox_id = sandbox.handle.id[:12] if sandbox.handle is not None else None
                 stubs = placement.stubs(manifest.stub_source)
                 await asyncio.to_thread(write_run_files, sandbox.folder, job.script(request), stubs)
+                stages.mark("run-files-written")
                 await broker.start(sandbox.folder / "tools.sock")
+                stages.mark("broker-listening")
                 if request.files:  # before the script: written as the sandbox user, no symlink followed
                     await sandbox.put_files([(item.path, item.data()) for item in request.files])
                 settings = self._settings
                 job.output_files = OutputFiles(
                     job.output_dir, settings.max_output_files, settings.max_output_files_bytes, job.output_budget
                 )
+                sending = time.perf_counter_ns()
                 run = await sandbox.run(job.id, request.env, job.sink, job.output_files)
+                stages.mark("run-sent")
                 self._events.publish(SandboxStarted(job, time.monotonic() - begin))
                 telemetry.interval(
                     job.span, "sandbox start", begin_at, now(), **{"ptc.sandbox.start": placement.mode or ""}
                 )
                 exit_status, ended_by = await self._supervise(job, run, started)
+                timed = stages.current()
+                if timed is not None and exit_status.stamps is not None:
+                    exit_read = exit_status.stamps["exit_read"]
+                    timed.sandbox(exit_status.stamps["sandbox"], (sending, exit_read))
+                    timed.mark("sandbox-exit-read", exit_read)
+                    timed.mark("exit-seen")
                 self._finish(job, exit_status, ended_by, broker)
             finally:
                 await placement.leave(broker)
@@ -336,12 +350,14 @@ class Runner:
             for output in (job.stdout, job.stderr):
                 output.close()
             job.ended_at = now()
+            stages.mark("broker-closed")
             if not job.ended:
                 job.end(JobStatus.LOST, job.error)
             if self._store.shares_output:  # before the final view: a reader of an ended job finds its output
                 await keep_output(self._store, job, self._share_slots)
             try:
                 await self.save(job, final=True)
+                stages.mark("saved-final")
             except Exception:
                 log.exception("job %s: could not save its final view; saving it again later", job.id)
                 retry = partial(
@@ -358,6 +374,7 @@ class Runner:
             job.done.set()
             self._live.pop(job.id, None)
             self._events.publish(JobEnded(job))
+            stages.mark("end-told")
             placement.dispose(job.status)
             telemetry.end_job(job.span, job.status.value, (job.error or {}).get("type"))
 
