@@ -57,10 +57,10 @@ def test_an_admins_timed_session_job_answers_every_stage_in_order(staged_service
     names = [name for name in timing if name not in ("total", "origin") and not name.startswith("call-")]
     sent = names.index("run-sent")  # sending the run frame may return after the sandbox has begun it
     assert names.index("broker-listening") < sent < names.index("sandbox-exit-read")
-    assert [name for name in names if name != "run-sent"] == [
-        "body-parsed",
-        "saved-queued",
-        "admitted-and-saved",
+    admitted = names.index("admitted-and-saved")  # the route goes on once the first save is done
+    assert names.index("saved-running") < admitted < names.index("end-seen")
+    assert [name for name in names if name not in ("run-sent", "admitted-and-saved")] == [
+        "body-parsed",  # no "saved-queued": its sandbox was at hand, its first save is "running"
         "sandbox-found",
         "saved-running",
         "sandbox-ready",
@@ -123,3 +123,19 @@ def test_call_stages_are_bounded() -> None:
     for i in range(100):
         stages.call({f"stage{i}": 1_000, "parse": 2_000})
     assert len(stages.calls) == 16 and stages.calls["parse"] == [200_000, 100]
+
+
+def test_a_job_that_waits_for_its_turn_is_saved_queued_first(staged_service: Service) -> None:
+    with staged_service.client(timeout=60) as api:
+        sid = api.post("/sessions", json={}).json()["session_id"]
+        try:
+            first = api.post("/execute", json={"script": "import time; time.sleep(2)", "session_id": sid, "wait_s": 0})
+            second = api.post("/execute", json={"script": "print(2)", "session_id": sid, "wait_s": 0}, headers=STAGED)
+            assert first.status_code == second.status_code == 202
+            queued = api.get("/jobs", params={"status": "queued"}).json()["jobs"]  # the store's listing
+            assert second.json()["job_id"] in [job["job_id"] for job in queued]
+            assert "saved-queued" in server_timing(second.headers["server-timing"])
+            ended = api.post(f"/jobs/{second.json()['job_id']}/wait", params={"timeout_s": 30}).json()
+            assert ended["status"] == "succeeded" and ended["stdout"] == "2\n"
+        finally:
+            api.delete(f"/sessions/{sid}")

@@ -277,21 +277,30 @@ class Intake:
             ManifestError / InvalidField: the manifest is unusable.
         """
         manifest = await self._toolsets.manifest(tools, toolset, caller)
-        normalized = await prepare(request.script, request.normalize)
         job_id = "job_" + secrets.token_hex(12)
         output_dir = self._output_dir / job_id
-        output_dir.mkdir(mode=0o700)
-        (output_dir / OWNER_FILE).write_text(caller.owner)
         retain, inline = self._settings.output_retention_bytes, limits.output_bytes
         budget = self._admission.quotas.output(caller.owner)
+
+        def job_files() -> tuple[OutputLog, OutputLog]:  # file system calls: not on the loop
+            output_dir.mkdir(mode=0o700)
+            (output_dir / OWNER_FILE).write_text(caller.owner)
+            return OutputLog(output_dir / "stdout", inline, retain, budget), OutputLog(
+                output_dir / "stderr", inline, retain, budget
+            )
+
+        # Both on worker threads at once (the script's normalization and the job's files).
+        normalized, (stdout, stderr) = await asyncio.gather(
+            prepare(request.script, request.normalize), asyncio.to_thread(job_files)
+        )
         job = LiveJob(
             id=job_id,
             limits=limits,
             metadata=request.metadata,
             callback_url=request.callback_url,
             output_dir=output_dir,
-            stdout=OutputLog(output_dir / "stdout", inline, retain, budget),
-            stderr=OutputLog(output_dir / "stderr", inline, retain, budget),
+            stdout=stdout,
+            stderr=stderr,
             loop=asyncio.get_running_loop(),
             owner=caller.owner,
             normalized=normalized,

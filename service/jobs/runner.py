@@ -1,7 +1,8 @@
 """The run of a job: one path, two placements.
 
-``Runner.start`` runs an admitted job as a task. The path is the same for every job: save it ``queued``; let its
-placement find it a sandbox (waiting for a script slot, or its session's turn); save it ``running``; write the
+``Runner.start`` runs an admitted job as a task. The path is the same for every job: let its placement find it a
+sandbox (waiting for a script slot, or its session's turn), saving it ``queued`` if that takes more than a few
+milliseconds (``Runner._enter``); save it ``running``; write the
 script (and the generated ``tools`` package) into the sandbox's folder; open its broker's socket; let the script
 go; enforce ``timeout_s`` and stop requests (``_supervise``); set the final status by the end-of-run rules
 (``model.end_of_run``); save the final view; only then tell anyone (``events.JobEnded``); and finally give the
@@ -35,7 +36,7 @@ from service.jobs.shared import SHARE_AT_ONCE, keep_output
 from service.jobs.tasks import Tasks, until_done
 from service.replicas import Replicas
 from service.sandbox.base import ExitStatus, write_run_files
-from service.sandbox.resident import KILL_CONFIRM_S, ResidentRun
+from service.sandbox.resident import KILL_CONFIRM_S, ResidentRun, ResidentSandbox
 from service.settings import Settings
 from service.store import JobStore
 from service.toolkit.cache import CompiledManifest
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 KILL_WAIT_S = 30.0  # how long the sandbox may take to confirm the script's exit after its SIGKILL
 STATUS_SAVE_INTERVAL_S = 0.5  # least time between two saves of a live job's status (running / waiting flips)
+QUEUED_SAVE_GRACE_S = 0.005  # a job that finds its sandbox within this is not saved ``queued`` first (Runner._enter)
 
 
 class Runner:
@@ -128,9 +130,7 @@ class Runner:
         broker = self._new_broker(job, manifest)
         try:
             try:
-                await self._save_and_tell(job)
-                stages.mark("saved-queued")
-                sandbox = await placement.enter()
+                sandbox = await self._enter(job, placement)
                 stages.mark("sandbox-found")
                 telemetry.interval(job.span, "queue wait", job.created_at, now())
                 if sandbox is None:
@@ -178,6 +178,23 @@ class Runner:
                 raise
         finally:
             await asyncio.shield(self._cleanup(job, broker, admitted.ticket, placement))
+
+    async def _enter(self, job: LiveJob, placement: Placement) -> ResidentSandbox | None:
+        """The job's sandbox from ``placement`` (None: the job ended first). A job that has it within
+        ``QUEUED_SAVE_GRACE_S`` is saved first as ``running`` (one save fewer); one that waits longer (its session's
+        turn, a slot, room) is saved ``queued`` meanwhile. Either way its first save precedes its answer."""
+        entering = asyncio.ensure_future(placement.enter())
+        try:
+            done, _ = await asyncio.wait({entering}, timeout=QUEUED_SAVE_GRACE_S)
+            if not done:
+                await self._save_and_tell(job)
+                stages.mark("saved-queued")
+            return await entering
+        finally:
+            if not entering.done():
+                entering.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await entering
 
     def _new_broker(self, job: LiveJob, manifest: CompiledManifest) -> Broker:
         """The job's broker (not listening yet); its records are the job's call records."""

@@ -55,7 +55,7 @@ _LOCATION = {
 }
 
 
-def view_selection(
+async def view_selection(
     calls: Annotated[
         CallsMode,
         Query(
