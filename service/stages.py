@@ -82,6 +82,16 @@ def mark(name: str, at_ns: int | None = None) -> None:
         stages.mark(name, at_ns)
 
 
+def exit_seen(stamps: dict[str, Any] | None, sending: int) -> None:
+    """Place a run's ``ExitStatus.stamps`` (the sandbox's, and when its exit frame was read) on the current
+    request's stages, if it is timed, for the run sent at ``sending`` (``time.perf_counter_ns()``); mark now."""
+    stages = CURRENT.get()
+    if stages is not None and stamps is not None:
+        stages.sandbox(stamps["sandbox"], (sending, stamps["exit_read"]))
+        stages.mark("sandbox-exit-read", stamps["exit_read"])
+        stages.mark("exit-seen")
+
+
 def current() -> Stages | None:
     """The current request's stages (None: not timed)."""
     return CURRENT.get()

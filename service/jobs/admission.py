@@ -22,7 +22,7 @@ from service.callbacks import CallbackSecrets
 from service.egress import EgressDenied
 from service.errors import EngineUnavailable, InvalidField, QueueFull, SessionNotFound
 from service.jobs.live import OWNER_FILE, SANDBOX_LIMITS, LiveJob, ResolvedLimits, resolve_limits
-from service.normalize import prepare
+from service.normalize import Normalized, count, prepare
 from service.output import OutputLog
 from service.quotas import OwnerSlot, Quotas, Slots
 from service.sandbox.images import Images
@@ -282,17 +282,16 @@ class Intake:
         retain, inline = self._settings.output_retention_bytes, limits.output_bytes
         budget = self._admission.quotas.output(caller.owner)
 
-        def job_files() -> tuple[OutputLog, OutputLog]:  # file system calls: not on the loop
+        def script_and_files() -> tuple[Normalized, OutputLog, OutputLog]:  # CPU and file system: not on the loop
+            normalized = prepare(request.script, request.normalize)
             output_dir.mkdir(mode=0o700)
             (output_dir / OWNER_FILE).write_text(caller.owner)
-            return OutputLog(output_dir / "stdout", inline, retain, budget), OutputLog(
-                output_dir / "stderr", inline, retain, budget
-            )
+            logs = [OutputLog(output_dir / name, inline, retain, budget) for name in ("stdout", "stderr")]
+            return normalized, logs[0], logs[1]
 
-        # Both on worker threads at once (the script's normalization and the job's files).
-        normalized, (stdout, stderr) = await asyncio.gather(
-            prepare(request.script, request.normalize), asyncio.to_thread(job_files)
-        )
+        normalized, stdout, stderr = await asyncio.to_thread(script_and_files)  # one hand-off to a thread
+        if request.normalize:
+            count(normalized)
         job = LiveJob(
             id=job_id,
             limits=limits,

@@ -7,6 +7,7 @@ for offset reads; ``OWNER_FILE`` there names whose output budget they count agai
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -18,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry.trace import Span
 
 from service.broker import Broker
-from service.errors import RequestLimitError
+from service.errors import EngineUnavailable, FileRefused, RequestLimitError, SandboxError
 from service.files import FileBudget, OutputFiles
-from service.jobs.model import Job
+from service.jobs.model import INTERNAL_ERROR, SERVICE_STOPPED, ErrorType, Job, JobError, JobStatus
 from service.normalize import Normalized, view_fields
 from service.output import OutputLog
 from service.sandbox.base import Stream
@@ -30,6 +31,8 @@ from service.store import JobStore, StoredJob
 
 if TYPE_CHECKING:
     from service.views import ViewCache
+
+log = logging.getLogger(__name__)
 
 STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
 SLICE_BYTES = 1024 * 1024  # the most bytes of a stream read into memory at once
@@ -208,6 +211,25 @@ async def wait_for_end_or_client(job: LiveJob, timeout_s: float) -> None:
     finally:
         ended.cancel()
         waiting.cancel()
+
+
+def end_by_failure(job: LiveJob, exc: BaseException) -> None:
+    """Set the status and error of a job whose run raised ``exc`` (the service stopping included)."""
+    if isinstance(exc, asyncio.CancelledError):
+        if not job.ended:
+            job.end(JobStatus.LOST, SERVICE_STOPPED)
+    elif isinstance(exc, FileRefused):
+        if not job.ended:
+            job.end(JobStatus.FAILED, JobError(ErrorType.FILES_REFUSED, str(exc)))
+    elif isinstance(exc, SandboxError):
+        log.error("job %s: sandbox failure: %s", job.id, exc)
+        kind = ErrorType.ENGINE_UNAVAILABLE if isinstance(exc, EngineUnavailable) else ErrorType.SANDBOX_ERROR
+        if not job.ended:
+            job.end(JobStatus.FAILED, JobError(kind, str(exc)))
+    elif isinstance(exc, Exception):
+        log.exception("job %s: unexpected failure", job.id, exc_info=exc)
+        if not job.ended:
+            job.end(JobStatus.FAILED, INTERNAL_ERROR)
 
 
 def stored_job(head: dict[str, Any], calls: int, body: bytes, instance_id: str) -> StoredJob:

@@ -25,12 +25,11 @@ from typing import Any
 
 from service import stages, telemetry, verdict, views
 from service.broker import Broker, CallMemory
-from service.errors import CallNotPending, EngineUnavailable, FileRefused, SandboxError
 from service.files import OutputFiles
 from service.jobs.admission import Admitted, Ticket
 from service.jobs.events import CallEnded, Events, JobEnded, SandboxStarted, StatusChanged
-from service.jobs.live import LiveJob, now, save_final_again, stored_job
-from service.jobs.model import INTERNAL_ERROR, SERVICE_STOPPED, EndedBy, ErrorType, JobError, JobStatus, end_of_run
+from service.jobs.live import LiveJob, end_by_failure, now, save_final_again, stored_job
+from service.jobs.model import EndedBy, JobStatus, end_of_run
 from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
 from service.jobs.shared import SHARE_AT_ONCE, keep_output
 from service.jobs.tasks import Tasks, until_done
@@ -48,6 +47,7 @@ log = logging.getLogger(__name__)
 
 KILL_WAIT_S = 30.0  # how long the sandbox may take to confirm the script's exit after its SIGKILL
 STATUS_SAVE_INTERVAL_S = 0.5  # least time between two saves of a live job's status (running / waiting flips)
+INLINE_SCRIPT_CHARS = 4096  # a script this small, with no stubs to write, is written on the loop
 QUEUED_SAVE_GRACE_S = 0.005  # a job that finds its sandbox within this is not saved ``queued`` first (Runner._enter)
 
 
@@ -145,7 +145,11 @@ class Runner:
                 stages.mark("sandbox-ready")
                 job.sandbox_id = sandbox.handle.id[:12] if sandbox.handle is not None else None
                 stubs = placement.stubs(manifest.stub_source)
-                await asyncio.to_thread(write_run_files, sandbox.folder, job.script(request), stubs)
+                script = job.script(request)
+                if stubs is None and len(script) <= INLINE_SCRIPT_CHARS:  # a few small writes: less than a hand-off
+                    write_run_files(sandbox.folder, script, stubs)
+                else:
+                    await asyncio.to_thread(write_run_files, sandbox.folder, script, stubs)
                 stages.mark("run-files-written")
                 await broker.start(sandbox.folder / "tools.sock")
                 stages.mark("broker-listening")
@@ -163,17 +167,12 @@ class Runner:
                     job.span, "sandbox start", begin_at, now(), **{"ptc.sandbox.start": placement.mode or ""}
                 )
                 exit_status, ended_by = await self._supervise(job, run, started)
-                timed = stages.current()
-                if timed is not None and exit_status.stamps is not None:
-                    exit_read = exit_status.stamps["exit_read"]
-                    timed.sandbox(exit_status.stamps["sandbox"], (sending, exit_read))
-                    timed.mark("sandbox-exit-read", exit_read)
-                    timed.mark("exit-seen")
+                stages.exit_seen(exit_status.stamps, sending)
                 self._finish(job, exit_status, ended_by, broker)
             finally:
                 await placement.leave(broker)
         except BaseException as exc:
-            self._failed(job, exc)
+            end_by_failure(job, exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
@@ -247,25 +246,6 @@ class Runner:
         await self.save(job)
         job.stored.set()
         self._events.publish(StatusChanged(job))
-
-    @staticmethod
-    def _failed(job: LiveJob, exc: BaseException) -> None:
-        """Set the status and error of a job whose run raised ``exc`` (the service stopping included)."""
-        if isinstance(exc, asyncio.CancelledError):
-            if not job.ended:
-                job.end(JobStatus.LOST, SERVICE_STOPPED)
-        elif isinstance(exc, FileRefused):
-            if not job.ended:
-                job.end(JobStatus.FAILED, JobError(ErrorType.FILES_REFUSED, str(exc)))
-        elif isinstance(exc, SandboxError):
-            log.error("job %s: sandbox failure: %s", job.id, exc)
-            kind = ErrorType.ENGINE_UNAVAILABLE if isinstance(exc, EngineUnavailable) else ErrorType.SANDBOX_ERROR
-            if not job.ended:
-                job.end(JobStatus.FAILED, JobError(kind, str(exc)))
-        elif isinstance(exc, Exception):
-            log.exception("job %s: unexpected failure", job.id, exc_info=exc)
-            if not job.ended:
-                job.end(JobStatus.FAILED, INTERNAL_ERROR)
 
     async def _supervise(self, job: LiveJob, run: ResidentRun, started: float) -> tuple[ExitStatus, EndedBy | None]:
         """Wait for the script to exit, its time limit, or a stop request; returns (exit, what the service asked).
@@ -396,33 +376,6 @@ class Runner:
             telemetry.end_job(job.span, job.status.value, (job.error or {}).get("type"))
 
     # -- requests about a running job ----------------------------------------------------------
-
-    async def answer_call(self, job: LiveJob, call_id: str, ok: bool, value: Any) -> None:
-        """Answer a client-executed call of a live job and let its task record the answer (at most 1 s).
-
-        Raises:
-            CallNotPending: that call is not waiting for an answer.
-        """
-        if job.broker is None:
-            raise CallNotPending(call_id)
-        changed = job.changed()
-        job.broker.answer_client_call(call_id, ok, value)
-        with contextlib.suppress(TimeoutError):  # let the call's task record the answer before the view is taken
-            await asyncio.wait_for(changed.wait(), 1.0)
-
-    async def decide_approval(self, job: LiveJob, call_id: str, approved: bool, by: str, reason: str | None) -> None:
-        """Approve or deny a call of a live job that awaits approval; waits (at most 1 s) for the job to leave
-        ``waiting`` or its call to end, so the view after it shows the decision's effect.
-
-        Raises:
-            CallNotPending: that call is not awaiting approval.
-        """
-        if job.broker is None:
-            raise CallNotPending(call_id)
-        changed = job.changed()
-        job.broker.decide_approval(call_id, approved, by, reason)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(changed.wait(), 1.0)
 
     async def stop(self, job: LiveJob, reason: str | None = None) -> None:
         """Ask the job to stop (SIGTERM, SIGKILL after the grace) and wait for its end, at most the grace and
