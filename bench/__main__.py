@@ -68,6 +68,7 @@ for i in range({n}):
     samples.append((time.perf_counter() - t) * 1000)
 print(json.dumps(samples))
 """
+MEMORY_SESSIONS = 8  # sessions opened (then each running a job) for the service's memory per session and per job
 STAMPED_SCRIPT = "import time; t = time.monotonic_ns(); print(1); print(t)"  # print(1), and when it began
 FANOUT_SCRIPT = """
 import asyncio, json, time, tools
@@ -138,8 +139,9 @@ def engine_rate(seconds: float, threads: int) -> float:
 
 
 class Bench:
-    def __init__(self, api: httpx.Client, engine: docker.DockerClient, instance: str) -> None:
+    def __init__(self, api: httpx.Client, engine: docker.DockerClient, instance: str, pid: int) -> None:
         self.api = api
+        self.pid = pid  # the service process's
         self.engine = engine
         self.instance = instance
         self.starts: dict[str, list[str]] = {}
@@ -238,8 +240,10 @@ class Bench:
         def bare() -> None:
             subprocess.run(["/usr/bin/python3", "-c", "print(1)"], check=True, capture_output=True)
 
+        third = len(in_session) // 3
         return {
             "session": stats(in_session),
+            "session_thirds_medians": [statistics.median(in_session[i * third : (i + 1) * third]) for i in range(3)],
             "warm_pool": stats(warm),
             "cold": stats(cold),
             "docker_run_rm": stats(timed(docker_run, n_docker)),
@@ -321,15 +325,40 @@ class Bench:
         wait_until(lambda: len(self.pooled()) >= 1, 60)
         time.sleep(2)
         pooled = [usage_mib(c) for c in self.pooled()]
-        sid = self.session()
+        n = MEMORY_SESSIONS
+        before = self.service_kib()
+        sids = [self.session() for _ in range(n)]
         try:
-            self.execute({"script": "print(1)", "session_id": sid})
+            for sid in sids:
+                self.execute({"script": "print(1)", "session_id": sid})
             time.sleep(2)
-            sandbox = self.api.get(f"/sessions/{sid}").json()["sandbox_id"]
-            session = usage_mib(self.engine.containers.get(sandbox))
+            idle = self.service_kib()
+            sandboxes = [self.api.get(f"/sessions/{sid}").json()["sandbox_id"] for sid in sids]
+            session = statistics.median(usage_mib(self.engine.containers.get(s)) for s in sandboxes)
+            sleeper = {"script": "import time; time.sleep(4)", "wait_s": 0}
+            running = [self.api.post("/execute", json={**sleeper, "session_id": sid}).json()["job_id"] for sid in sids]
+            time.sleep(2)
+            busy = self.service_kib()
+            for job_id in running:
+                self.api.post(f"/jobs/{job_id}/wait", params={"timeout_s": 30})
         finally:
-            self.api.delete(f"/sessions/{sid}")
-        return {"idle_pooled_sandbox_mib": statistics.median(pooled), "idle_session_mib": session}
+            for sid in sids:
+                self.api.delete(f"/sessions/{sid}")
+        return {
+            "idle_pooled_sandbox_mib": statistics.median(pooled),
+            "idle_session_mib": session,
+            "service_rss_mib": before / 1024,
+            "service_kib_per_idle_session": (idle - before) / n,
+            "service_kib_per_running_job": (busy - idle) / n,
+        }
+
+    def service_kib(self) -> float:
+        """The service process's resident memory (``VmRSS``, KiB), after a pause for the collector."""
+        time.sleep(0.5)
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return float(line.split()[1])
+        raise RuntimeError("no VmRSS")
 
     def pooled(self) -> list[Any]:
         return [
@@ -426,6 +455,10 @@ def markdown(results: dict[str, Any]) -> str:
         line("`docker run --rm --network none` (same image)", p["docker_run_rm"]),
         line("bare `/usr/bin/python3 -c 'print(1)'`", p["bare_python"]),
         "",
+        "Noise: the medians of the session runs' three thirds, in order: "
+        + ", ".join(f"{m:.1f}" for m in p["session_thirds_medians"])
+        + " ms.",
+        "",
         "| tools | median | p90 | p99 | n |",
         "| --- | ---: | ---: | ---: | ---: |",
         line("echo call round trip in a script (ms, 1,000 sequential)", t["round_trip_ms"]),
@@ -444,7 +477,10 @@ def markdown(results: dict[str, Any]) -> str:
         f"| engine's own container starts (`python3 -c pass`) | {s['engine_starts_per_second']:.1f} | | | |",
         "",
         f"Memory: idle pooled sandbox {m['idle_pooled_sandbox_mib']:.1f} MiB, "
-        f"idle session {m['idle_session_mib']:.1f} MiB (engine stats, usage minus page cache).",
+        f"idle session {m['idle_session_mib']:.1f} MiB (engine stats, usage minus page cache); the service "
+        f"process {m['service_rss_mib']:.0f} MiB resident, {m['service_kib_per_idle_session']:.0f} KiB more per "
+        f"idle session and {m['service_kib_per_running_job']:.0f} KiB more per running job "
+        f"({MEMORY_SESSIONS} of each, default limits; VmRSS).",
         "",
         *breakdown_rows(results),
         "",
@@ -487,7 +523,7 @@ def main() -> None:
     engine = docker.from_env()
     try:
         with service.client(timeout=600) as api:
-            bench = Bench(api, engine, instance)
+            bench = Bench(api, engine, instance, service.process.pid)
             results: dict[str, Any] = {
                 "date": datetime.now(UTC).strftime("%Y-%m-%d"),
                 "machine": machine(),
