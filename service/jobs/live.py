@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
+SUMMARY_FIELDS = tuple(name for name in JobSummary.model_fields if name != "calls")  # all are the view's too
 SLICE_BYTES = 1024 * 1024  # the most bytes of a stream read into memory at once
 OWNER_FILE = "owner"  # in a job's output folder: whose output budget its retained bytes count against
 SANDBOX_LIMITS = ("memory_mb", "cpus", "pids", "tmp_mb")  # a sandbox's own limits (a session's are fixed)
@@ -236,7 +237,8 @@ def stored_job(head: dict[str, Any], calls: int, body: bytes, instance_id: str) 
     """The store's row for a job view: ``body`` (its JSON), its columns, summary and callback flag from ``head``
     (the view's fields but its calls) and ``calls`` (how many records it holds)."""
     model = JobView.model_validate({**head, "calls": [], "pending_calls": []})
-    summary = JobSummary.model_validate({**model.model_dump(), "calls": calls})
+    fields = {name: getattr(model, name) for name in SUMMARY_FIELDS}  # typed already: not the whole view dumped
+    summary = JobSummary.model_validate({**fields, "calls": calls})
     pending = model.callback is not None and model.callback.state == "pending" and model.ended_at is not None
     return StoredJob(
         job_id=model.job_id,
