@@ -204,10 +204,10 @@ class Bench:
         for name, ms in timing.items():
             if name != "total":
                 at += ms * 1e6  # the end of this stage
-            if name == "sandbox-script_ended" and "sandbox-forked" in out:
-                begun = (stamp - (at - ms * 1e6)) / 1e6  # from the fork
+            if name == "sandbox-script_ended" and "sandbox-go_sent" in out:
+                begun = (stamp - (at - ms * 1e6)) / 1e6  # from the go
                 if 0 <= begun <= ms:
-                    out["sandbox: child set-up (fork to the script's first line)"] = begun
+                    out["sandbox: go to the script's first line"] = begun
                     ms -= begun
                 name = "sandbox: script and its exit (to collected)"
             out[name] = ms

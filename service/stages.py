@@ -22,7 +22,7 @@ from typing import Any
 
 HEADER = "x-ptc-stages"
 ANSWER_HEADER = "Server-Timing"
-SANDBOX_STAMPS = ("run_received", "forked", "script_ended", "reaped", "drained")  # the exit frame's, in order
+SANDBOX_STAMPS = ("run_received", "go_sent", "script_ended", "reaped", "drained")  # the exit frame's, in order
 MAX_CALL_STAGES = 16  # distinct call stages kept (the broker marks a handful)
 
 

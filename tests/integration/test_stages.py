@@ -67,7 +67,7 @@ def test_an_admins_timed_session_job_answers_every_stage_in_order(staged_service
         "run-files-written",
         "broker-listening",
         "sandbox-run_received",
-        "sandbox-forked",
+        "sandbox-go_sent",
         "sandbox-script_ended",
         "sandbox-reaped",
         "sandbox-drained",
@@ -93,7 +93,7 @@ def test_a_pooled_job_is_timed_too(staged_service: Service) -> None:
         response = api.post("/execute", json={"script": "print(1)"}, headers=STAGED)
     assert response.json()["stdout"] == "1\n"
     timing = server_timing(response.headers["server-timing"])
-    assert {"sandbox-forked", "sandbox-script_ended", "saved-final", "answer-encoded"} <= set(timing)
+    assert {"sandbox-go_sent", "sandbox-script_ended", "saved-final", "answer-encoded"} <= set(timing)
 
 
 def test_nobody_else_is_timed(staged_service: Service) -> None:
@@ -111,8 +111,8 @@ def test_nobody_else_is_timed(staged_service: Service) -> None:
 def test_the_sandbox_stamps_are_kept_only_in_order_inside_the_run() -> None:
     stages = Stages()
     window = (1_000, 2_000)
-    stages.sandbox({"run_received": 1_100, "forked": 900, "script_ended": "1500", "reaped": 1_600}, window)
-    stages.sandbox({"run_received": 1_100, "forked": 1_050, "drained": 10**30}, window)  # out of order, past the end
+    stages.sandbox({"run_received": 1_100, "go_sent": 900, "script_ended": "1500", "reaped": 1_600}, window)
+    stages.sandbox({"run_received": 1_100, "go_sent": 1_050, "drained": 10**30}, window)  # out of order, past the end
     stages.sandbox(["run_received", 1_100], window)
     stages.sandbox(None, window)
     assert [name for name, _ in stages.marks[1:]] == ["sandbox-run_received", "sandbox-reaped", "sandbox-run_received"]
