@@ -195,22 +195,22 @@ class Bench:
 
     @staticmethod
     def stamped(staged: tuple[dict[str, Any], dict[str, float], float]) -> dict[str, float]:
-        """One staged run's stages, with the sandbox's fork-to-exit split where the script's own first stamp falls
-        (``STAMPED_SCRIPT``), and the client's side (HTTP client and transport) from its round trip."""
+        """One staged run's stages (ms, each since the mark before it), with the script's first line (its own stamp,
+        ``STAMPED_SCRIPT``) placed among the sandbox's moments, and the client's side (HTTP client and transport)
+        from its round trip."""
         view, timing, elapsed = staged
-        origin = timing.pop("origin")
-        stamp = int(view["stdout"].split()[1])
-        at, out = origin, {}
-        for name, ms in timing.items():
-            if name != "total":
-                at += ms * 1e6  # the end of this stage
-            if name == "sandbox-script_ended" and "sandbox-go_sent" in out:
-                begun = (stamp - (at - ms * 1e6)) / 1e6  # from the go
-                if 0 <= begun <= ms:
-                    out["sandbox: go to the script's first line"] = begun
-                    ms -= begun
-                name = "sandbox: script and its exit (to collected)"
-            out[name] = ms
+        at = timing.pop("origin")
+        marks = [("received", at)]
+        for name, ms in timing.items():  # each stage is the time since the mark before it
+            if name != "total" and not name.startswith("call-"):
+                at += ms * 1e6
+                marks.append((name, at))
+        stamp = float(view["stdout"].split()[1])  # the script's first line (STAMPED_SCRIPT), same clock under runc
+        if marks[0][1] <= stamp <= marks[-1][1]:
+            marks.append(("sandbox: the script's first line", stamp))
+        marks.sort(key=lambda mark: mark[1])
+        out = {name: (at - marks[i][1]) / 1e6 for i, (name, at) in enumerate(marks[1:])}
+        out["total"] = timing["total"]
         out["client and transport (round trip minus total)"] = elapsed - timing["total"]
         out["round trip (client)"] = elapsed
         return out
