@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from service import stages
 from service.errors import CallNotPending
 from service.jobs.model import FINAL, LIVE, Job, JobError, JobStatus
 from service.views import FULL, Selection
@@ -163,6 +164,7 @@ class JobManager:
 
             await self._sessions.locate_open(request.session_id, Caller(owner, admin, internal))
         admitted = await self._intake.admit(request, owner, admin)
+        stages.mark("admitted")
         job = admitted.job
         self._runner.start(admitted).add_done_callback(lambda _: job.stored.set())
         await job.stored.wait()  # saved before it is answered: any replica finds the job its id names

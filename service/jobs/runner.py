@@ -2,9 +2,9 @@
 
 ``Runner.start`` runs an admitted job as a task. The path is the same for every job: let its placement find it a
 sandbox (waiting for a script slot, or its session's turn), saving it ``queued`` if that takes more than a few
-milliseconds (``Runner._enter``); save it ``running``; write the
-script (and the generated ``tools`` package) into the sandbox's folder; open its broker's socket; let the script
-go; enforce ``timeout_s`` and stop requests (``_supervise``); set the final status by the end-of-run rules
+milliseconds (``Runner._enter``); save it ``running`` while the script (and the generated ``tools`` package) is
+written into the sandbox's folder and its broker's socket opened; once that save is done, let the script go;
+enforce ``timeout_s`` and stop requests (``_supervise``); set the final status by the end-of-run rules
 (``model.end_of_run``); save the final view; only then tell anyone (``events.JobEnded``); and finally give the
 sandbox back. The placements (``service.jobs.placement``):
 
@@ -138,21 +138,16 @@ class Runner:
                 begin, begin_at = time.monotonic(), now()
                 job.sandbox_start = placement.mode
                 job.started_at = now()
-                await self._set_status(job, JobStatus.RUNNING)
-                stages.mark("saved-running")
-                started = time.monotonic()  # a cold job's time limit includes its sandbox's start
-                await placement.ready()
-                stages.mark("sandbox-ready")
-                job.sandbox_id = sandbox.handle.id[:12] if sandbox.handle is not None else None
-                stubs = placement.stubs(manifest.stub_source)
-                script = job.script(request)
-                if stubs is None and len(script) <= INLINE_SCRIPT_CHARS:  # a few small writes: less than a hand-off
-                    write_run_files(sandbox.folder, script, stubs)
-                else:
-                    await asyncio.to_thread(write_run_files, sandbox.folder, script, stubs)
-                stages.mark("run-files-written")
-                await broker.start(sandbox.folder / "tools.sock")
-                stages.mark("broker-listening")
+                saving = asyncio.ensure_future(self._set_status(job, JobStatus.RUNNING))  # while the run is laid out
+                try:
+                    started = time.monotonic()  # a cold job's time limit includes its sandbox's start
+                    await placement.ready()
+                    stages.mark("sandbox-ready")
+                    job.sandbox_id = sandbox.handle.id[:12] if sandbox.handle is not None else None
+                    await self._lay_out(sandbox, job.script(request), placement.stubs(manifest.stub_source), broker)
+                finally:
+                    await saving  # saved running before the script starts (a failed save ends the run, as before)
+                    stages.mark("saved-running")
                 if request.files:  # before the script: written as the sandbox user, no symlink followed
                     await sandbox.put_files([(item.path, item.data()) for item in request.files])
                 settings = self._settings
@@ -194,6 +189,17 @@ class Runner:
                 entering.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await entering
+
+    @staticmethod
+    async def _lay_out(sandbox: ResidentSandbox, script: str, stubs: str | None, broker: Broker) -> None:
+        """Write the run's files into the sandbox's folder, then let its broker listen on ``tools.sock`` there."""
+        if stubs is None and len(script) <= INLINE_SCRIPT_CHARS:  # a few small writes: less than a hand-off
+            write_run_files(sandbox.folder, script, stubs)
+        else:
+            await asyncio.to_thread(write_run_files, sandbox.folder, script, stubs)
+        stages.mark("run-files-written")
+        await broker.start(sandbox.folder / "tools.sock")
+        stages.mark("broker-listening")
 
     def _new_broker(self, job: LiveJob, manifest: CompiledManifest) -> Broker:
         """The job's broker (not listening yet); its records are the job's call records."""

@@ -58,11 +58,13 @@ def test_an_admins_timed_session_job_answers_every_stage_in_order(staged_service
     sent = names.index("run-sent")  # sending the run frame may return after the sandbox has begun it
     assert names.index("broker-listening") < sent < names.index("sandbox-exit-read")
     admitted = names.index("admitted-and-saved")  # the route goes on once the first save is done
-    assert names.index("saved-running") < admitted < names.index("end-seen")
-    assert [name for name in names if name not in ("run-sent", "admitted-and-saved")] == [
-        "body-parsed",  # no "saved-queued": its sandbox was at hand, its first save is "running"
+    assert names.index("sandbox-found") < admitted < names.index("end-seen")
+    running = names.index("saved-running")  # saved while the run is laid out, before the script is released
+    assert names.index("sandbox-found") < running < names.index("sandbox-run_received")
+    assert [name for name in names if name not in ("run-sent", "admitted-and-saved", "saved-running")] == [
+        "body-parsed",
+        "admitted",  # no "saved-queued" next: its sandbox was at hand, its first save is "running"
         "sandbox-found",
-        "saved-running",
         "sandbox-ready",
         "run-files-written",
         "broker-listening",
