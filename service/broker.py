@@ -845,7 +845,7 @@ def read_request(line: bytes, check_depth: bool) -> Request:
     check's budget) and encode them. CPU time grows with the line: run off the event loop unless
     ``inline_request(line)``."""
     try:
-        with gc_paused():
+        with gc_paused() if check_depth else contextlib.nullcontext():  # a line read inline is too short to matter
             request = parse_request_line(line)
     except ValueError as exc:
         message = f"the request is not valid JSON, or holds what JSON cannot carry exactly: {exc}"
@@ -929,7 +929,7 @@ def check_result(tool: ToolSpec, result: Any) -> CheckedResult:
     """
     if isinstance(result, RawJson):
         try:
-            with gc_paused():
+            with gc_paused() if len(result.body) > INLINE_LINE_BYTES else contextlib.nullcontext():
                 result = parse_result_body(result.body)
         except ValueError as exc:
             message = f"the endpoint's answer is not JSON, or holds what JSON cannot carry exactly: {exc}"
