@@ -294,6 +294,7 @@ class Broker:
                     if self._closing:
                         self._task_done(None, size)
                         return
+                    outbox.handling += 1
                     task = asyncio.create_task(self._handle(line, outbox))
                     self._tasks.add(task)
                     task.add_done_callback(functools.partial(self._task_done, size=size))
@@ -345,7 +346,7 @@ class Broker:
         writer = outbox.writer
         if writer.is_closing():
             return
-        outbox.put(data)
+        outbox.put(data, alone=outbox.handling == 1)
         with contextlib.suppress(ConnectionError):
             await writer.drain()
 
@@ -354,16 +355,19 @@ class Broker:
         the service, logged with its traceback) and the call's record, if it has one, a final status."""
         request_id: int | str | None = None
         try:
-            request = await self._read(line)
-            request_id = request.id
-            reply = await self._answer(request, len(line))
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("broker: handling a request failed unexpectedly")
-            reply = _error(None, "internal_error", "the service failed to handle this request; see the service log")
-        reply["id"] = request_id
-        await self._reply(outbox, reply)
+            try:
+                request = await self._read(line)
+                request_id = request.id
+                reply = await self._answer(request, len(line))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("broker: handling a request failed unexpectedly")
+                reply = _error(None, "internal_error", "the service failed to handle this request; see the service log")
+            reply["id"] = request_id
+            await self._reply(outbox, reply)
+        finally:
+            outbox.handling -= 1
 
     async def _read(self, line: bytes) -> Request:
         """The request a line carries, parsed (and its arguments depth-checked and encoded for the record) on the
@@ -753,22 +757,28 @@ def _transient(exc: BaseException) -> bool:
 
 class _Outbox:
     """The replies of one connection not yet written: those queued in one turn of the event loop go out in one
-    write, at the end of the turn (one system call for a fan-out's replies, instead of one each)."""
+    write, at the end of the turn (one system call for a fan-out's replies, instead of one each); the reply of a
+    connection's only request in flight goes out at once. ``handling``: its requests being handled."""
 
-    __slots__ = ("lines", "writer")
+    __slots__ = ("handling", "lines", "writer")
 
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
         self.lines: list[bytes] = []
+        self.handling = 0
 
-    def put(self, line: bytes) -> None:
+    def put(self, line: bytes, alone: bool) -> None:
+        """Queue ``line``; ``alone``: no other request of the connection is being handled (write it now)."""
+        if alone and not self.lines:
+            self.writer.write(line)
+            return
         if not self.lines:
             asyncio.get_running_loop().call_soon(self.flush)
         self.lines.append(line)
 
     def flush(self) -> None:
         lines, self.lines = self.lines, []
-        if not self.writer.is_closing():
+        if lines and not self.writer.is_closing():
             self.writer.write(b"".join(lines))
 
 

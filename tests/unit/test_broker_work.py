@@ -310,3 +310,22 @@ async def test_the_replies_of_concurrent_calls_go_out_together(tmp_path: Path, m
         script.close()
     assert sorted(r["id"] for r in replies) == list(range(200)) and all(r["ok"] for r in replies)
     assert writes <= 20, writes  # before: one write (a system call) per reply
+
+
+async def test_the_reply_of_a_lone_call_is_written_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    flushes = 0
+    flush = broker_module._Outbox.flush
+
+    def counted(self: Any) -> None:
+        nonlocal flushes
+        flushes += 1
+        flush(self)
+
+    monkeypatch.setattr(broker_module._Outbox, "flush", counted)
+    async with broker(tmp_path, [{"name": "e", "parameters": CHEAP, "endpoint": {"kind": "echo"}}]):
+        script = Script(tmp_path / "tools.sock")
+        for i in range(20):
+            reply = await asyncio.to_thread(script.call, b'{"id":%d,"tool":"e","args":{"i":%d}}\n' % (i, i))
+            assert reply["id"] == i and reply["ok"]
+        script.close()
+    assert flushes == 0  # before: each reply waited for a flush in the loop's next turn
