@@ -45,11 +45,12 @@ class ToolError(Exception):
 
 
 class _SyncWaiter:
-    __slots__ = ("event", "promoted", "reply")
+    __slots__ = ("can_read", "event", "promoted", "reply")
 
-    def __init__(self) -> None:
+    def __init__(self, can_read: bool) -> None:
         self.event = threading.Event()
         self.reply: Optional[Dict[str, Any]] = None
+        self.can_read = can_read  # it may read the socket (a call with a timeout never blocks reading)
         self.promoted = False  # it was handed the socket's reading (its reply is not in yet)
 
     def resolve(self, reply: Dict[str, Any]) -> None:
@@ -112,9 +113,9 @@ class Client:
         self._unread = b""  # a reply's first part, read before its end (readers only, one at a time)
         self._outgoing: Dict[asyncio.AbstractEventLoop, List[Tuple[int, bytes]]] = {}  # awaited calls to send
 
-    def _register(self, body: Dict[str, Any], waiter: _Waiter, read: bool) -> Tuple[int, bytes]:
-        """Give the request an id and its waiter; ``read``: the caller reads the socket itself if nobody does (else
-        the reader thread is asked to). Returns the id and the request's line."""
+    def _register(self, body: Dict[str, Any], waiter: _Waiter) -> Tuple[int, bytes]:
+        """Give the request an id and its waiter; a blocking caller that may read (``can_read``) reads the socket
+        itself if nobody does, else the reader thread is asked to. Returns the id and the request's line."""
         try:
             payload = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
             payload.encode("utf-8")  # lone surrogates cannot travel as JSON
@@ -131,7 +132,7 @@ class Client:
             request_id = self._next_id
             self._pending[request_id] = waiter
             if self._reader is None:
-                if read and isinstance(waiter, _SyncWaiter):
+                if isinstance(waiter, _SyncWaiter) and waiter.can_read:
                     self._reader = waiter
                     waiter.promoted = True
                 else:
@@ -211,7 +212,7 @@ class Client:
         if self._closed_reason is not None or not self._pending:
             return
         for waiter in self._pending.values():
-            if isinstance(waiter, _SyncWaiter) and not waiter.event.is_set():
+            if isinstance(waiter, _SyncWaiter) and waiter.can_read and not waiter.event.is_set():
                 self._reader = waiter
                 waiter.promoted = True
                 waiter.event.set()
@@ -245,9 +246,9 @@ class Client:
 
     def request(self, body: Dict[str, Any], timeout: Optional[float] = None) -> Any:
         """Send one request and block until its reply; returns ``result`` or raises ToolError."""
-        waiter = _SyncWaiter()
+        waiter = _SyncWaiter(can_read=timeout is None)
         tool = body.get("tool")
-        request_id, line = self._register(body, waiter, read=timeout is None)
+        request_id, line = self._register(body, waiter)
         problem = self._write(line, [request_id], tool)
         if problem is not None:
             if waiter.promoted:
@@ -270,7 +271,7 @@ class Client:
         """Awaitable ``request``: many may be in flight at once on one loop (those of one turn sent together)."""
         loop = asyncio.get_running_loop()
         waiter = _AsyncWaiter(loop)
-        request_id, line = self._register(body, waiter, read=False)
+        request_id, line = self._register(body, waiter)
         outgoing = self._outgoing.get(loop)
         if outgoing is None:
             outgoing = self._outgoing[loop] = []

@@ -8,6 +8,7 @@ import json
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,13 @@ class FakeBroker:
     """Accepts one connection; answers each chunk's requests in reverse order (``{"args": ...}`` as result);
     closes the connection after ``close_after`` requests (never answering that one)."""
 
-    def __init__(self, path: Path, close_after: int | None = None) -> None:
+    def __init__(self, path: Path, close_after: int | None = None, ignore: str | None = None) -> None:
         self.path = path
         self.close_after = close_after
+        self.ignore = ignore  # requests of this tool are never answered
+        self.hold = False  # while set, answers wait for ``release``
+        self.held: list[str] = []
+        self.conn: socket.socket | None = None
         self.requests = 0
         self.listener = socket.socket(socket.AF_UNIX)
         self.listener.bind(str(path))
@@ -35,6 +40,7 @@ class FakeBroker:
 
     def _serve(self) -> None:
         conn, _ = self.listener.accept()
+        self.conn = conn
         unread = b""
         with conn:
             while True:
@@ -48,8 +54,18 @@ class FakeBroker:
                     if self.close_after is not None and self.requests >= self.close_after:
                         return
                     request = json.loads(line)
-                    replies.append(json.dumps({"id": request["id"], "ok": True, "result": request.get("args")}))
+                    if request.get("tool") != self.ignore:
+                        replies.append(json.dumps({"id": request["id"], "ok": True, "result": request.get("args")}))
+                if self.hold:
+                    self.held += replies
+                    continue
                 conn.sendall("".join(r + "\n" for r in reversed(replies)).encode())
+
+    def release(self) -> None:
+        """Send the answers held while ``hold`` was set."""
+        assert self.conn is not None
+        held, self.held = self.held, []
+        self.conn.sendall("".join(r + "\n" for r in held).encode())
 
     def close(self) -> None:
         self.listener.close()
@@ -160,3 +176,40 @@ def test_a_lost_broker_fails_every_waiting_call(tmp_path: Path, clients: list[Cl
     assert lost and all(e.type == "broker_unavailable" for e in lost)
     with pytest.raises(ToolError, match="broker_unavailable"):
         client.request({"tool": "e", "args": 3})
+
+
+def test_a_call_with_a_timeout_is_never_handed_the_reading(tmp_path: Path, clients: list[Client]) -> None:
+    """The runtime's report (``timeout=2.0``) must give up in time even when a blocking call that was reading hands
+    the reading over while the report waits: it never becomes the reader, so no read blocks it past its timeout."""
+    broker = FakeBroker(tmp_path / "tools.sock", ignore="silent")
+    client = Client(str(broker.path))
+    clients.append(client)
+    outcome: list[str] = []
+    release = threading.Event()
+
+    def slow_reader() -> None:  # the reader while the report waits: its reply comes once the report was sent
+        outcome.append(str(client.request({"tool": "hold", "args": "a"})))
+
+    def report() -> None:
+        try:
+            client.request({"tool": "silent", "args": None}, timeout=0.5)
+        except ToolError as exc:
+            outcome.append(exc.type)
+        release.set()
+
+    broker.hold = True
+    reader = threading.Thread(target=slow_reader)
+    reader.start()
+    while broker.requests < 1:
+        time.sleep(0.01)
+    reporter = threading.Thread(target=report)
+    reporter.start()
+    while broker.requests < 2:
+        time.sleep(0.01)
+    broker.hold = False  # answers the held call now: its caller hands the reading over, the report still waits
+    broker.release()
+    assert release.wait(5)
+    reader.join(5)
+    reporter.join(5)
+    broker.close()
+    assert sorted(outcome) == ["a", "timeout"]
