@@ -123,6 +123,7 @@ class _Budget(threading.local):
     deadline: float | None = None
     ticks: int = 0
     next_read: int = TICKS_PER_CLOCK_READ
+    per_read: int = TICKS_PER_CLOCK_READ
     limit_s: float = 0.0
 
 
@@ -137,7 +138,7 @@ def tick(units: int = 1) -> None:
         return
     budget.ticks += units
     if budget.ticks >= budget.next_read:
-        budget.next_read = budget.ticks + TICKS_PER_CLOCK_READ
+        budget.next_read = budget.ticks + budget.per_read
         if time.thread_time() > budget.deadline:
             raise CheckTooCostly(budget.limit_s)
 
@@ -174,12 +175,13 @@ def budgeted(keyword: Callable[..., Any]) -> Callable[..., Any]:
     return counted
 
 
-def run_budgeted(budget_s: float, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` on this thread with a CPU budget of ``budget_s`` seconds (raises CheckTooCostly past it)."""
+def run_budgeted(budget_s: float, fn: Callable[..., T], *args: Any, per_read: int = TICKS_PER_CLOCK_READ) -> T:
+    """``fn(*args)`` on this thread with a CPU budget of ``budget_s`` seconds (raises CheckTooCostly past it);
+    ``per_read``: units of work (``tick``) between two reads of the thread's clock (fewer: a tighter bound)."""
     _BUDGET.deadline = time.thread_time() + budget_s
     _BUDGET.limit_s = budget_s
     _BUDGET.ticks = 0
-    _BUDGET.next_read = TICKS_PER_CLOCK_READ
+    _BUDGET.next_read = _BUDGET.per_read = per_read
     try:
         return fn(*args)
     finally:
