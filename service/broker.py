@@ -59,8 +59,10 @@ Nothing from the sandbox is trusted, and one job cannot starve the others:
   whose schema the manifest's compile found cheap (``ToolSpec.cheap_arguments``: no pattern, format or
   ``$ref``, at most ``CHEAP_SCHEMA_NODES`` values) has its arguments tried on the loop, and its result too
   when that is as small (an echo's, or an answer body within ``INLINE_LINE_BYTES``) and ``cheap_result``;
-  each try stops past ``INLINE_CHECK_BUDGET_S`` of CPU (0.2 ms), and a call that fails its try (too costly,
-  or invalid: its message and repair) is checked again on the check threads, in its turn;
+  each try stops past ``INLINE_CHECK_BUDGET_S`` of CPU (0.2 ms), a key's tries together take at most
+  ``validation.INLINE_SHARE_S`` of the loop per second (a quarter; then its checks go to the threads), and a
+  call that fails its try (too costly, or invalid: its message and repair) is checked again on the check
+  threads, in its turn;
 - the replies that one connection's calls produce in one turn of the loop are written together, and a call
   stays in flight while its connection's write buffer is full;
 - any fault of the service while handling a request becomes an ``internal_error`` reply (logged with its
@@ -95,7 +97,7 @@ from service.collector import gc_paused
 from service.errors import CallNotPending, CheckTooCostly
 from service.toolkit.endpoints import EndpointClients, RawJson, ToolCallFailed
 from service.toolkit.manifest import ArgumentCheck, ToolSpec
-from service.toolkit.validation import CheckScheduler, deeper_than, run_budgeted
+from service.toolkit.validation import CheckScheduler, deeper_than
 
 log = logging.getLogger(__name__)
 
@@ -572,15 +574,11 @@ class Broker:
         record[field] = None
         record[f"{field}_dropped_bytes"] = None
 
-    @staticmethod
-    def _inline(fn: Callable[..., T], *args: Any) -> T | None:
-        """``fn(*args)`` here, on the event loop, within ``INLINE_CHECK_BUDGET_S`` of CPU time; None past it (the
-        caller does the check again on the check threads). Only for checks bounded by ``cheap_schema`` and a
-        small instance."""
-        try:
-            return run_budgeted(INLINE_CHECK_BUDGET_S, fn, *args, per_read=INLINE_TICKS_PER_READ)
-        except CheckTooCostly:
-            return None
+    def _inline(self, fn: Callable[..., T], *args: Any) -> T | None:
+        """``fn(*args)`` here, on the event loop, within ``INLINE_CHECK_BUDGET_S`` of CPU time and the job's key's
+        share of the loop (``CheckScheduler.inline``); None past either (the caller does the check again on the
+        check threads). Only for checks bounded by ``cheap_schema`` and a small instance."""
+        return self._checks.inline(self._check_group, INLINE_CHECK_BUDGET_S, INLINE_TICKS_PER_READ, fn, *args)
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run CPU-bound checking on the shared check threads (one at a time per job, fairly, within the budget)."""

@@ -21,6 +21,7 @@ import pytest
 from service import broker as broker_module
 from service.broker import Broker
 from service.egress import EgressPolicy
+from service.toolkit import validation
 from service.toolkit.cache import ManifestCache
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.validation import CheckScheduler
@@ -247,6 +248,39 @@ async def test_a_small_call_of_a_cheap_tool_is_checked_on_the_loop(
     assert bad["error"]["type"] == "invalid_arguments" and "'i'" in bad["error"]["message"]
     assert checks == ["check_arguments"]  # an invalid call gets its message (and repair) from the check threads
     assert [r["status"] for r in b.records] == ["ok", "rejected"]
+
+
+async def test_a_keys_checks_on_the_loop_stop_at_its_share_of_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checks = count_checks(monkeypatch)
+    monkeypatch.setattr(validation, "INLINE_SHARE_S", 0.0)  # the key has spent its share of this window
+    async with broker(tmp_path, [{"name": "e", "parameters": CHEAP, "endpoint": {"kind": "echo"}}]) as b:
+        script = Script(tmp_path / "tools.sock")
+        ok = await asyncio.to_thread(script.call, b'{"id":1,"tool":"e","args":{"i":3}}\n')
+        script.close()
+    assert ok["result"] == {"tool": "e", "args": {"i": 3}} and b.records[0]["status"] == "ok"
+    assert checks == ["check_arguments", "check_result"]  # on the threads, in the key's turn
+
+
+def test_the_share_of_the_loop_is_counted_per_key_and_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    scheduler = CheckScheduler(1, 1.0)
+    monkeypatch.setattr(validation, "INLINE_SHARE_S", 0.001)
+
+    def spin() -> bool:
+        end = time.thread_time() + 0.0015
+        while time.thread_time() < end:
+            pass
+        return True
+
+    try:
+        assert scheduler.inline("a", 1.0, 8, spin) is True  # within its share when it began: done, and counted
+        assert scheduler.inline("a", 1.0, 8, spin) is None  # past its share: not tried
+        assert scheduler.inline("b", 1.0, 8, spin) is True  # another key has its own share
+        monkeypatch.setattr(validation, "INLINE_WINDOW_S", 0.0)  # a new window: the share is back
+        assert scheduler.inline("a", 1.0, 8, spin) is True
+    finally:
+        scheduler.close()
 
 
 async def test_a_pattern_schema_is_checked_on_the_check_threads(
