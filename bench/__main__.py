@@ -49,6 +49,7 @@ import docker
 import httpx
 
 from service.sandbox.labels import LABEL_JOB, LABEL_POOL
+from service.stages import HEADER as STAGES_HEADER
 from tests.conftest import IMAGE, labelled_containers, start_service, wait_until
 
 ECHO = [
@@ -67,6 +68,8 @@ for i in range({n}):
     samples.append((time.perf_counter() - t) * 1000)
 print(json.dumps(samples))
 """
+MEMORY_SESSIONS = 8  # sessions opened (then each running a job) for the service's memory per session and per job
+STAMPED_SCRIPT = "import time; t = time.monotonic_ns(); print(1); print(t)"  # print(1), and when it began
 FANOUT_SCRIPT = """
 import asyncio, json, time, tools
 async def main():
@@ -136,8 +139,9 @@ def engine_rate(seconds: float, threads: int) -> float:
 
 
 class Bench:
-    def __init__(self, api: httpx.Client, engine: docker.DockerClient, instance: str) -> None:
+    def __init__(self, api: httpx.Client, engine: docker.DockerClient, instance: str, pid: int) -> None:
         self.api = api
+        self.pid = pid  # the service process's
         self.engine = engine
         self.instance = instance
         self.starts: dict[str, list[str]] = {}
@@ -151,6 +155,65 @@ class Bench:
         if label:
             self.starts.setdefault(label, []).append(view["sandbox_start"])
         return view
+
+    def staged(self, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float], float]:
+        """POST /execute with ``X-PTC-Stages: 1``: (the view, its stages in ms from ``Server-Timing``, the
+        client's round trip in ms)."""
+        started = time.perf_counter()
+        response = self.api.post("/execute", json={"tools": [], **body}, headers={STAGES_HEADER: "1"})
+        elapsed = (time.perf_counter() - started) * 1000
+        response.raise_for_status()
+        view: dict[str, Any] = response.json()
+        if view["status"] != "succeeded":
+            raise RuntimeError(f"staged: {view['status']}: {view['error']} {view['stderr'][-500:]}")
+        return view, server_timing(response.headers.get("server-timing", "")), elapsed
+
+    def breakdown(self, n_session: int, n_warm: int, n_calls: int) -> dict[str, Any]:
+        """Per-stage medians (ms) of ``print(1)`` in a session and from the warm pool, and of one echo call."""
+        sid = self.session()
+        try:
+            runs = [
+                self.stamped(self.staged({"script": STAMPED_SCRIPT, "session_id": sid})) for _ in range(5 + n_session)
+            ]
+        finally:
+            self.api.delete(f"/sessions/{sid}")
+        session = runs[5:]
+        sid = self.session(tools=ECHO)
+        try:
+            view, timing, _ = self.staged({"script": SEQUENTIAL_SCRIPT.format(n=n_calls), "session_id": sid})
+            in_script = statistics.median(json.loads(view["stdout"]))
+            calls = {k[len("call-") :]: v / n_calls for k, v in timing.items() if k.startswith("call-")}
+            calls["transport and stub (in the script, not in the broker)"] = in_script - sum(calls.values())
+            calls["total (in the script)"] = in_script
+        finally:
+            self.api.delete(f"/sessions/{sid}")
+        warm = []
+        for _ in range(n_warm):
+            time.sleep(0.5)  # the pool refills
+            warm.append(self.stamped(self.staged({"script": STAMPED_SCRIPT})))
+        return {"session": medians(session), "warm_pool": medians(warm), "tool_call": calls}
+
+    @staticmethod
+    def stamped(staged: tuple[dict[str, Any], dict[str, float], float]) -> dict[str, float]:
+        """One staged run's stages (ms, each since the mark before it), with the script's first line (its own stamp,
+        ``STAMPED_SCRIPT``) placed among the sandbox's moments, and the client's side (HTTP client and transport)
+        from its round trip."""
+        view, timing, elapsed = staged
+        at = timing.pop("origin")
+        marks = [("received", at)]
+        for name, ms in timing.items():  # each stage is the time since the mark before it
+            if name != "total" and not name.startswith("call-"):
+                at += ms * 1e6
+                marks.append((name, at))
+        stamp = float(view["stdout"].split()[1])  # the script's first line (STAMPED_SCRIPT), same clock under runc
+        if marks[0][1] <= stamp <= marks[-1][1]:
+            marks.append(("sandbox: the script's first line", stamp))
+        marks.sort(key=lambda mark: mark[1])
+        out = {name: (at - marks[i][1]) / 1e6 for i, (name, at) in enumerate(marks[1:])}
+        out["total"] = timing["total"]
+        out["client and transport (round trip minus total)"] = elapsed - timing["total"]
+        out["round trip (client)"] = elapsed
+        return out
 
     def session(self, **body: Any) -> str:
         response = self.api.post("/sessions", json=body)
@@ -177,8 +240,10 @@ class Bench:
         def bare() -> None:
             subprocess.run(["/usr/bin/python3", "-c", "print(1)"], check=True, capture_output=True)
 
+        third = len(in_session) // 3
         return {
             "session": stats(in_session),
+            "session_thirds_medians": [statistics.median(in_session[i * third : (i + 1) * third]) for i in range(3)],
             "warm_pool": stats(warm),
             "cold": stats(cold),
             "docker_run_rm": stats(timed(docker_run, n_docker)),
@@ -260,15 +325,40 @@ class Bench:
         wait_until(lambda: len(self.pooled()) >= 1, 60)
         time.sleep(2)
         pooled = [usage_mib(c) for c in self.pooled()]
-        sid = self.session()
+        n = MEMORY_SESSIONS
+        before = self.service_kib()
+        sids = [self.session() for _ in range(n)]
         try:
-            self.execute({"script": "print(1)", "session_id": sid})
+            for sid in sids:
+                self.execute({"script": "print(1)", "session_id": sid})
             time.sleep(2)
-            sandbox = self.api.get(f"/sessions/{sid}").json()["sandbox_id"]
-            session = usage_mib(self.engine.containers.get(sandbox))
+            idle = self.service_kib()
+            sandboxes = [self.api.get(f"/sessions/{sid}").json()["sandbox_id"] for sid in sids]
+            session = statistics.median(usage_mib(self.engine.containers.get(s)) for s in sandboxes)
+            sleeper = {"script": "import time; time.sleep(4)", "wait_s": 0}
+            running = [self.api.post("/execute", json={**sleeper, "session_id": sid}).json()["job_id"] for sid in sids]
+            time.sleep(2)
+            busy = self.service_kib()
+            for job_id in running:
+                self.api.post(f"/jobs/{job_id}/wait", params={"timeout_s": 30})
         finally:
-            self.api.delete(f"/sessions/{sid}")
-        return {"idle_pooled_sandbox_mib": statistics.median(pooled), "idle_session_mib": session}
+            for sid in sids:
+                self.api.delete(f"/sessions/{sid}")
+        return {
+            "idle_pooled_sandbox_mib": statistics.median(pooled),
+            "idle_session_mib": session,
+            "service_rss_mib": before / 1024,
+            "service_kib_per_idle_session": (idle - before) / n,
+            "service_kib_per_running_job": (busy - idle) / n,
+        }
+
+    def service_kib(self) -> float:
+        """The service process's resident memory (``VmRSS``, KiB), after a pause for the collector."""
+        time.sleep(0.5)
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return float(line.split()[1])
+        raise RuntimeError("no VmRSS")
 
     def pooled(self) -> list[Any]:
         return [
@@ -276,6 +366,73 @@ class Bench:
             for c in labelled_containers(self.engine, self.instance, include_pool=True)
             if LABEL_JOB not in c.labels and c.status == "running" and LABEL_POOL in c.labels
         ]
+
+
+def server_timing(value: str) -> dict[str, float]:
+    """``Server-Timing`` entries (``service.stages``) as name -> ms, in order; ``origin`` -> its ns (``desc``)."""
+    out: dict[str, float] = {}
+    for entry in value.split(","):
+        name, *params = (part.strip() for part in entry.split(";"))
+        for param in params:
+            key, _, raw = param.partition("=")
+            if key == "dur" or (name == "origin" and key == "desc"):
+                out[name] = float(raw.strip('"'))
+    return out
+
+
+def medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Per stage, the median over ``runs`` (a stage missing from a run counts 0 there), in first-seen order."""
+    names = list(dict.fromkeys(name for run in runs for name in run))
+    return {name: statistics.median(run.get(name, 0.0) for run in runs) for name in names}
+
+
+Target = tuple[str, Callable[[dict[str, Any]], float], str, str, float]
+TARGETS: tuple[
+    Target, ...
+] = (  # issue 18's, on the 2-core machine: (what, measured (results -> value), unit, comparison, target)
+    ("`print(1)` in a session, p50", lambda r: r["print1"]["session"]["median"], "ms", "<=", 5.0),
+    ("`print(1)` in a session, p99", lambda r: r["print1"]["session"]["p99"], "ms", "<=", 10.0),
+    ("`print(1)` from the warm pool, p50", lambda r: r["print1"]["warm_pool"]["median"], "ms", "<=", 10.0),
+    (
+        "one echo call round trip in a script, p50",
+        lambda r: r["tool_calls"]["round_trip_ms"]["median"],
+        "ms",
+        "<=",
+        0.2,
+    ),
+    ("1,000 concurrent echo calls, wall p50", lambda r: r["tool_calls"]["fanout_wall_ms"]["median"], "ms", "<=", 100.0),
+    ("sessions sustained, 8 clients", lambda r: r["sustained"]["session"]["per_second"], "runs/s", ">=", 400.0),
+    ("sessions sustained: errors", lambda r: r["sustained"]["session"]["errors"], "", "<=", 0),
+    (
+        "one-shot sustained / engine's start rate",
+        lambda r: 100 * r["sustained"]["one_shot"]["per_second"] / r["sustained"]["engine_starts_per_second"],
+        "%",
+        ">=",
+        95.0,
+    ),
+)
+
+
+def targets(results: dict[str, Any]) -> list[str]:
+    """The targets table: each target beside what this run measured, and whether it is met."""
+    rows = ["| target | measured | goal | met |", "| --- | ---: | ---: | :---: |"]
+    for what, measured, unit, op, goal in TARGETS:
+        value = float(measured(results))
+        met = value <= goal if op == "<=" else value >= goal
+        rows.append(f"| {what} | {value:.2f} {unit} | {op} {goal:g} {unit} | {'yes' if met else 'no'} |")
+    return rows
+
+
+def breakdown_rows(results: dict[str, Any]) -> list[str]:
+    """The per-stage tables (medians, ms; each stage is the time since the one before it)."""
+    b = results["breakdown"]
+    rows = ["| stage (`print(1)`, median ms) | in a session | from the warm pool |", "| --- | ---: | ---: |"]
+    for name in dict.fromkeys([*b["session"], *b["warm_pool"]]):
+        cells = [f"{b[k][name]:.3f}" if name in b[k] else "" for k in ("session", "warm_pool")]
+        rows.append(f"| {name} | {cells[0]} | {cells[1]} |")
+    rows += ["", "| stage (one echo call, mean ms over the calls) | ms |", "| --- | ---: |"]
+    rows += [f"| {name} | {ms:.4f} |" for name, ms in b["tool_call"].items()]
+    return rows
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -298,6 +455,10 @@ def markdown(results: dict[str, Any]) -> str:
         line("`docker run --rm --network none` (same image)", p["docker_run_rm"]),
         line("bare `/usr/bin/python3 -c 'print(1)'`", p["bare_python"]),
         "",
+        "Noise: the medians of the session runs' three thirds, in order: "
+        + ", ".join(f"{m:.1f}" for m in p["session_thirds_medians"])
+        + " ms.",
+        "",
         "| tools | median | p90 | p99 | n |",
         "| --- | ---: | ---: | ---: | ---: |",
         line("echo call round trip in a script (ms, 1,000 sequential)", t["round_trip_ms"]),
@@ -316,7 +477,14 @@ def markdown(results: dict[str, Any]) -> str:
         f"| engine's own container starts (`python3 -c pass`) | {s['engine_starts_per_second']:.1f} | | | |",
         "",
         f"Memory: idle pooled sandbox {m['idle_pooled_sandbox_mib']:.1f} MiB, "
-        f"idle session {m['idle_session_mib']:.1f} MiB (engine stats, usage minus page cache).",
+        f"idle session {m['idle_session_mib']:.1f} MiB (engine stats, usage minus page cache); the service "
+        f"process {m['service_rss_mib']:.0f} MiB resident, {m['service_kib_per_idle_session']:.0f} KiB more per "
+        f"idle session and {m['service_kib_per_running_job']:.0f} KiB more per running job "
+        f"({MEMORY_SESSIONS} of each, default limits; VmRSS).",
+        "",
+        *breakdown_rows(results),
+        "",
+        *targets(results),
     ]
     return "\n".join(rows) + "\n"
 
@@ -340,6 +508,7 @@ def main() -> None:
         instance,
         scratch / "svc",
         PTC_LOG_LEVEL="warning",
+        PTC_ADMIN_KEYS="pytest",  # its key may ask for the per-stage timing (X-PTC-Stages)
         PTC_MAX_QUEUE="1000",
         PTC_WARM_POOL_MAX_PROFILES="1",
         # The benchmark is one key standing for every client: its quotas are the service's own limits (the
@@ -354,7 +523,7 @@ def main() -> None:
     engine = docker.from_env()
     try:
         with service.client(timeout=600) as api:
-            bench = Bench(api, engine, instance)
+            bench = Bench(api, engine, instance, service.process.pid)
             results: dict[str, Any] = {
                 "date": datetime.now(UTC).strftime("%Y-%m-%d"),
                 "machine": machine(),
@@ -367,6 +536,9 @@ def main() -> None:
                 n_docker=5 if quick else 20,
             )
             results["tool_calls"] = bench.tool_calls(1000, 1000, 3 if quick else 10)
+            results["breakdown"] = bench.breakdown(
+                n_session=30 if quick else 200, n_warm=5 if quick else 30, n_calls=200 if quick else 1000
+            )
             results["memory"] = bench.memory()
             results["sustained"] = bench.sustained(5 if quick else args.sustain_s, 8)
     finally:

@@ -80,7 +80,7 @@ def main() -> None:
             svc = start_service(instance, scratch / mode, PTC_WARM_POOL_SIZE="0", **env)
             try:
                 with svc.client(timeout=600) as api:
-                    results[mode] = measure(Bench(api, engine, instance), args.n, args.calls)
+                    results[mode] = measure(Bench(api, engine, instance, svc.process.pid), args.n, args.calls)
             finally:
                 stop_clean(engine, svc)
         results["spans_received_when_on"] = len(collector.spans)

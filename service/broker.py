@@ -54,7 +54,17 @@ Nothing from the sandbox is trusted, and one job cannot starve the others:
   validation, parsing an http endpoint's answer and checking results all run on the shared
   ``CheckScheduler``'s threads: one check of a job at a time, taken fairly between keys and jobs, each within
   a CPU budget (past it the call is refused, type ``limit_exceeded``); large texts are parsed with the
-  garbage collector paused (``collector.gc_paused``), whose collections inside the parser would hold the GIL;
+  garbage collector paused (``collector.gc_paused``), whose collections inside the parser would hold the GIL.
+  The one exception is bounded by constants, not by the input: a small call (a line read inline) of a tool
+  whose schema the manifest's compile found cheap (``ToolSpec.cheap_arguments``: no pattern, format or
+  ``$ref``, at most ``CHEAP_SCHEMA_NODES`` values) has its arguments tried on the loop, and its result too
+  when that is as small (an echo's, or an answer body within ``INLINE_LINE_BYTES``) and ``cheap_result``;
+  each try stops past ``INLINE_CHECK_BUDGET_S`` of CPU (0.2 ms), a key's tries together take at most
+  ``validation.INLINE_SHARE_S`` of the loop per second (a quarter; then its checks go to the threads), and a
+  call that fails its try (too costly, or invalid: its message and repair) is checked again on the check
+  threads, in its turn;
+- the replies that one connection's calls produce in one turn of the loop are written together, and a call
+  stays in flight while its connection's write buffer is full;
 - any fault of the service while handling a request becomes an ``internal_error`` reply (logged with its
   traceback), and the call's record, if it has one, gets a final status: never a request left unanswered;
 - once ``close`` begins, nothing new is read or dispatched, and calls still
@@ -78,10 +88,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import orjson
+import referencing.exceptions
 from opentelemetry.trace import Span
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from service import exactjson, telemetry
+from service import exactjson, stages, telemetry
 from service.collector import gc_paused
 from service.errors import CallNotPending, CheckTooCostly
 from service.toolkit.endpoints import EndpointClients, RawJson, ToolCallFailed
@@ -101,6 +112,12 @@ MAX_JSON_DEPTH = 64
 # loop: parsing 4 KiB takes microseconds, less than a hop to a check thread; any longer line (or one with more
 # brackets) is parsed, depth-checked and encoded on the check threads, in its job's turn.
 INLINE_LINE_BYTES = 4096
+# A small call's argument check (a line read inline, a tool with ``cheap_arguments``) and result check (a result of
+# such a call, or an answer body as small as such a line, and a tool with ``cheap_result``) is tried on the event loop
+# within this CPU budget, reading the clock every INLINE_TICKS_PER_READ units of work; past it, the check is done
+# again on the check threads, in the job's turn (the work the loop did is lost: at most the budget).
+INLINE_CHECK_BUDGET_S = 0.0002
+INLINE_TICKS_PER_READ = 8
 MAX_TOOL_NAME_SHOWN = 256
 MAX_HINTS = 20  # unknown-tool calls per job that get "did you mean" hints (difflib is slow on big manifests)
 HINT_NAME_MAX = 64
@@ -232,6 +249,7 @@ class Broker:
         self._in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
         self._reading = 0  # request lines of this job being parsed on the check threads
         self._trace_parent = trace_parent
+        self._stages = stages.current()  # the submitting request's, when timed (its calls' stages are summed there)
 
     async def start(self, path: Path) -> None:
         """Listen on ``path`` (a unix socket, mode 0666 so the sandbox user can connect)."""
@@ -261,7 +279,7 @@ class Broker:
             writer.close()
             return
         self._connections.add(writer)
-        lock = asyncio.Lock()
+        outbox = _Outbox(writer)
         try:
             while not self._closing:
                 try:
@@ -279,7 +297,8 @@ class Broker:
                     if self._closing:
                         self._task_done(None, size)
                         return
-                    task = asyncio.create_task(self._handle(line, writer, lock))
+                    outbox.handling += 1
+                    task = asyncio.create_task(self._handle(line, outbox))
                     self._tasks.add(task)
                     task.add_done_callback(functools.partial(self._task_done, size=size))
         finally:
@@ -319,33 +338,46 @@ class Broker:
             record[field] = None
             record[f"{field}_dropped_bytes"] = size
 
-    async def _reply(self, writer: asyncio.StreamWriter, lock: asyncio.Lock, reply: dict[str, Any]) -> None:
+    async def _reply(self, outbox: _Outbox, reply: dict[str, Any]) -> None:
+        """Queue ``reply`` on its connection (written with the others of this turn of the loop), then wait while
+        the connection's write buffer is full: a script that does not read its replies holds its calls in flight,
+        and the broker stops reading its requests."""
         try:
             data = orjson.dumps(reply) + b"\n"
         except orjson.JSONEncodeError:  # cannot happen for depth-checked values; never leave a caller hanging
             data = orjson.dumps(_error(reply.get("id"), "bad_response", "the reply could not be encoded")) + b"\n"
-        async with lock:
-            if writer.is_closing():
-                return
-            writer.write(data)
-            with contextlib.suppress(ConnectionError):
-                await writer.drain()
+        writer = outbox.writer
+        if writer.is_closing():
+            return
+        outbox.put(data, alone=outbox.handling == 1)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
 
-    async def _handle(self, line: bytes, writer: asyncio.StreamWriter, lock: asyncio.Lock) -> None:
+    async def _handle(self, line: bytes, outbox: _Outbox) -> None:
         """Answer one request line. Whatever goes wrong, the script gets a reply (``internal_error`` for a fault of
         the service, logged with its traceback) and the call's record, if it has one, a final status."""
         request_id: int | str | None = None
+        began = time.perf_counter_ns()
+        parsed = answered = began
         try:
-            request = await self._read(line)
-            request_id = request.id
-            reply = await self._answer(request, len(line))
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("broker: handling a request failed unexpectedly")
-            reply = _error(None, "internal_error", "the service failed to handle this request; see the service log")
-        reply["id"] = request_id
-        await self._reply(writer, lock, reply)
+            try:
+                request = await self._read(line)
+                parsed = time.perf_counter_ns()
+                request_id = request.id
+                reply = await self._answer(request, len(line))
+                answered = time.perf_counter_ns()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("broker: handling a request failed unexpectedly")
+                reply = _error(None, "internal_error", "the service failed to handle this request; see the service log")
+            reply["id"] = request_id
+            await self._reply(outbox, reply)
+        finally:
+            outbox.handling -= 1
+        if self._stages is not None:
+            done = time.perf_counter_ns()
+            self._stages.call({"parse": parsed - began, "answer": answered - parsed, "reply": done - answered})
 
     async def _read(self, line: bytes) -> Request:
         """The request a line carries, parsed (and its arguments depth-checked and encoded for the record) on the
@@ -470,13 +502,16 @@ class Broker:
             return self._fail(
                 record, "rejected", "not_allowed", f"{tool_name} is not callable from code (see its allowed_callers)"
             )
-        try:
-            checked = await self._off_loop(check_arguments, tool, request.args)
-        except CheckTooCostly as exc:
-            return self._fail(record, "rejected", "limit_exceeded", f"{tool_name}: arguments refused: {exc}")
+        checked = _VALID if request.small and tool.cheap_arguments and self._inline(valid, tool, request.args) else None
+        if checked is None:
+            try:
+                checked = await self._off_loop(check_arguments, tool, request.args)
+            except CheckTooCostly as exc:
+                return self._fail(record, "rejected", "limit_exceeded", f"{tool_name}: arguments refused: {exc}")
         check, args_json = checked.check, request.args_json
         if check.problem is not None:
             return self._fail(record, "rejected", "invalid_arguments", f"{tool_name}: {check.problem}")
+        args = request.args if checked is _VALID else check.args
         if check.repaired:
             self._unkeep(record, "args", len(request.args_json or b""))
             if checked.args_json is None:
@@ -490,14 +525,14 @@ class Broker:
             self._keep(record, "args", args_json)
             record["repaired"] = True
         if tool.endpoint.kind == "client":
-            return await self._call_client(tool, check.args, args_json or b"null", record)
+            return await self._call_client(tool, args, args_json or b"null", record)
         if checked.needs_approval:
             refused = await self._await_approval(tool, args_json or b"null", record)
             if refused is not None:
                 return refused
         try:
             async with self._endpoint_slots, self._tool_slots(tool):
-                result, attempts = await self._call_endpoint(tool, check.args)
+                result, attempts = await self._call_endpoint(tool, args)
         except ToolCallFailed as exc:
             if exc.attempts > 1:
                 record["attempts"] = exc.attempts
@@ -508,15 +543,22 @@ class Broker:
             return self._fail(record, "error", "endpoint_error", "the tool's endpoint failed; see the service log")
         if attempts > 1:
             record["attempts"] = attempts
-        return await self._accept_result(tool, record, result)
+        # An echo's result holds the arguments of a line read on the loop; an answer body as small as such a line
+        small = request.small if tool.endpoint.kind == "echo" else isinstance(result, RawJson) and inline_body(result)
+        return await self._accept_result(tool, record, result, small)
 
-    async def _accept_result(self, tool: ToolSpec, record: dict[str, Any], result: Any) -> dict[str, Any]:
-        """Check a result (parse, depth, output schema: ``check_result``, on the check threads), record it within
-        the job's record budget; returns the reply."""
-        try:
-            checked = await self._off_loop(check_result, tool, result)
-        except CheckTooCostly as exc:
-            return self._fail(record, "error", "limit_exceeded", f"{tool.name}: result refused: {exc}")
+    async def _accept_result(
+        self, tool: ToolSpec, record: dict[str, Any], result: Any, small: bool = False
+    ) -> dict[str, Any]:
+        """Check a result (parse, depth, output schema: ``check_result``, on the check threads; for a ``small``
+        result of a tool with ``cheap_result``, tried on the loop first), record it within the job's record
+        budget; returns the reply."""
+        checked = self._inline(check_result, tool, result) if small and tool.cheap_result else None
+        if checked is None:
+            try:
+                checked = await self._off_loop(check_result, tool, result)
+            except CheckTooCostly as exc:
+                return self._fail(record, "error", "limit_exceeded", f"{tool.name}: result refused: {exc}")
         if checked.result_json is None:
             type_, message = checked.problem or ("bad_response", "the result cannot be encoded as JSON")
             return self._fail(record, "error", type_, message)
@@ -531,6 +573,12 @@ class Broker:
             self._memory.forget(size)
         record[field] = None
         record[f"{field}_dropped_bytes"] = None
+
+    def _inline(self, fn: Callable[..., T], *args: Any) -> T | None:
+        """``fn(*args)`` here, on the event loop, within ``INLINE_CHECK_BUDGET_S`` of CPU time and the job's key's
+        share of the loop (``CheckScheduler.inline``); None past either (the caller does the check again on the
+        check threads). Only for checks bounded by ``cheap_schema`` and a small instance."""
+        return self._checks.inline(self._check_group, INLINE_CHECK_BUDGET_S, INLINE_TICKS_PER_READ, fn, *args)
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run CPU-bound checking on the shared check threads (one at a time per job, fairly, within the budget)."""
@@ -713,6 +761,33 @@ def _transient(exc: BaseException) -> bool:
     return exc.type in ("timeout", "endpoint_unreachable") or exc.message.startswith("HTTP 5")
 
 
+class _Outbox:
+    """The replies of one connection not yet written: those queued in one turn of the event loop go out in one
+    write, at the end of the turn (one system call for a fan-out's replies, instead of one each); the reply of a
+    connection's only request in flight goes out at once. ``handling``: its requests being handled."""
+
+    __slots__ = ("handling", "lines", "writer")
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.lines: list[bytes] = []
+        self.handling = 0
+
+    def put(self, line: bytes, alone: bool) -> None:
+        """Queue ``line``; ``alone``: no other request of the connection is being handled (write it now)."""
+        if alone and not self.lines:
+            self.writer.write(line)
+            return
+        if not self.lines:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self.lines.append(line)
+
+    def flush(self) -> None:
+        lines, self.lines = self.lines, []
+        if lines and not self.writer.is_closing():
+            self.writer.write(b"".join(lines))
+
+
 @dataclass(frozen=True)
 class _Paused:
     """A call held until the harness answers it: the answer's future, what it awaits (``client`` or ``approval``)
@@ -755,6 +830,7 @@ class Request:
         args_json: the arguments encoded (JSON bytes, for the record and the client); None when ``deep``.
         deep: the arguments nest deeper than ``MAX_JSON_DEPTH``.
         too_costly: why checking the arguments' depth was stopped (the check's CPU budget), if it was.
+        small: the line was read on the event loop (``inline_request``): its checks may be tried there too.
     """
 
     id: int | str | None = None
@@ -766,6 +842,7 @@ class Request:
     args_json: bytes | None = None
     deep: bool = False
     too_costly: str | None = None
+    small: bool = False
 
 
 def inline_request(line: bytes) -> bool:
@@ -774,12 +851,17 @@ def inline_request(line: bytes) -> bool:
     return len(line) <= INLINE_LINE_BYTES and line.count(b"[") + line.count(b"{") <= MAX_JSON_DEPTH
 
 
+def inline_body(result: RawJson) -> bool:
+    """Whether an endpoint's answer body is as cheap to parse as a line ``inline_request`` accepts."""
+    return inline_request(result.body)
+
+
 def read_request(line: bytes, check_depth: bool) -> Request:
     """Parse one request line; for a tool call, check the arguments' depth (``check_depth``; within the running
     check's budget) and encode them. CPU time grows with the line: run off the event loop unless
     ``inline_request(line)``."""
     try:
-        with gc_paused():
+        with gc_paused() if check_depth else contextlib.nullcontext():  # a line read inline is too short to matter
             request = parse_request_line(line)
     except ValueError as exc:
         message = f"the request is not valid JSON, or holds what JSON cannot carry exactly: {exc}"
@@ -801,7 +883,8 @@ def read_request(line: bytes, check_depth: bool) -> Request:
         deep = check_depth and deeper_than(args, MAX_JSON_DEPTH)
     except CheckTooCostly as exc:
         return Request(request_id, tool=tool, args=args, too_costly=str(exc))
-    return Request(request_id, tool=tool, args=args, args_json=None if deep else _encoded(args), deep=deep)
+    encoded = None if deep else _encoded(args)
+    return Request(request_id, tool=tool, args=args, args_json=encoded, deep=deep, small=not check_depth)
 
 
 @dataclass(frozen=True)
@@ -828,6 +911,24 @@ def check_arguments(tool: ToolSpec, args: Any) -> CheckedArguments:
     return CheckedArguments(check, needs_approval=needs)
 
 
+def valid(tool: ToolSpec, args: Any) -> bool:
+    """Whether ``args`` is an object that fits ``tool``'s schema as it is (no repair, no approval rule): the first
+    error ends the check, and a call that is not valid is checked again with ``check_arguments`` for its message.
+
+    Raises:
+        CheckTooCostly: past the running check's CPU budget.
+    """
+    if not isinstance(args, dict):
+        return False
+    try:
+        return next(tool.validator.iter_errors(args), None) is None
+    except (referencing.exceptions.Unresolvable, RecursionError):
+        return False
+
+
+_VALID = CheckedArguments(ArgumentCheck(None, None))  # ``valid`` said so: the request's own arguments go out
+
+
 @dataclass(frozen=True)
 class CheckedResult:
     """A result checked: ``result_json`` (its JSON bytes), or ``problem`` (error type, message)."""
@@ -844,7 +945,7 @@ def check_result(tool: ToolSpec, result: Any) -> CheckedResult:
     """
     if isinstance(result, RawJson):
         try:
-            with gc_paused():
+            with gc_paused() if len(result.body) > INLINE_LINE_BYTES else contextlib.nullcontext():
                 result = parse_result_body(result.body)
         except ValueError as exc:
             message = f"the endpoint's answer is not JSON, or holds what JSON cannot carry exactly: {exc}"

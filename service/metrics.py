@@ -99,6 +99,7 @@ class Metrics:
         tool_max = max(settings.tool_timeout_s, settings.client_call_timeout_s, settings.approval_timeout_s)
         self._max_tools = settings.metrics_max_tools
         self._tools: set[str] = set()
+        self._tool_children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}  # labelled, by (tool, status)
         self.executions = Counter("ptc_executions", "Jobs ended, by final status.", ["status"], registry=reg)
         self.execution_duration = Histogram(
             "ptc_execution_duration_seconds",
@@ -300,8 +301,15 @@ class Metrics:
         error = record.get("error") or {}
         unknown = isinstance(error, dict) and error.get("type") == "unknown_tool"
         tool = OTHER if unknown else self.tool_label(str(record.get("tool")))
-        self.tool_calls.labels(tool=tool, status=str(record.get("status"))).inc()
-        self.tool_call_duration.labels(tool=tool).observe((record.get("duration_ms") or 0) / 1000)
+        key = (tool, str(record.get("status")))
+        children = self._tool_children.get(key)
+        if children is None:  # labels() costs a lock and a tuple per call; bounded: tool labels x statuses
+            children = self._tool_children[key] = (
+                self.tool_calls.labels(tool=tool, status=key[1]),
+                self.tool_call_duration.labels(tool=tool),
+            )
+        children[0].inc()
+        children[1].observe((record.get("duration_ms") or 0) / 1000)
 
     def tool_label(self, name: str) -> str:
         """The ``tool`` label of a tool name: itself while fewer than ``metrics_max_tools`` names have one."""

@@ -56,7 +56,6 @@ with each app's registry.
 from __future__ import annotations
 
 import ast
-import asyncio
 import html
 import json
 import re
@@ -1064,14 +1063,11 @@ def count(normalized: Normalized) -> None:
         NORMALIZATIONS.labels(kind=repair.kind).inc()
 
 
-async def prepare(script: str, enabled: bool) -> Normalized:
-    """``normalize(script)`` on a worker thread, its repairs counted; when the request switched it off, the script
-    unchanged with only the service's compile verdict (``compile_error``; no repair, no hint)."""
-    if not enabled:
-        return await asyncio.to_thread(verdict_only, script)
-    normalized = await asyncio.to_thread(normalize, script)
-    count(normalized)
-    return normalized
+def prepare(script: str, enabled: bool) -> Normalized:
+    """``normalize(script)`` (CPU-bound: call it on a worker thread; count its repairs with ``count`` after); when
+    the request switched it off, the script unchanged with only the service's compile verdict (``compile_error``;
+    no repair, no hint)."""
+    return normalize(script) if enabled else verdict_only(script)
 
 
 def view_fields(normalized: Normalized | None) -> dict[str, Any]:

@@ -355,7 +355,7 @@ if __name__ == "__main__":
         from ptc_runtime.confine import CLEAN_IMPORT_ENV
         from ptc_runtime.session import serve
 
-        run = serve(compile_script)
+        run = serve()
         if run is None:  # the service closed the session
             sys.exit(0)
         compiled, env = run  # in the forked child of one script: run it like a one-shot job

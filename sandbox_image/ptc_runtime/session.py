@@ -15,7 +15,7 @@ Control protocol (its names and sizes live in ``ptc_runtime.protocol``): one JSO
   followed by exactly n raw bytes of the script's output (n <= ``READ_BYTES``);
 - service -> server: ``{"op": "signal", "id": job_id, "signal": "SIGTERM"|"SIGKILL"}``;
 - server -> service: ``{"op": "exit", "id": job_id, "exit_code": n, "signal": n|null, "killed": bool,
-  "oom_killed": bool, "left": n}``
+  "oom_killed": bool, "left": n, "files_omitted": n, "stamps": {...}}``
   once the script's process has ended, every other process of the sandbox
   has been killed and all output has been sent; ``signal`` is the signal the
   script's process died by (null: it exited), ``killed`` whether that signal
@@ -23,49 +23,45 @@ Control protocol (its names and sizes live in ``ptc_runtime.protocol``): one JSO
   still alive (a request that arrives after the script ended is ignored, so
   an exit of its own is never reported as killed); ``left`` counts the
   processes still listed after ``KILL_DEADLINE_S`` (anything but 0 and the
-  service ends the sandbox); ``{"op": "error", "message": ...}`` for a
+  service ends the sandbox); ``stamps`` gives the run's moments in ``time.monotonic_ns()``
+  (``run_received``, ``go_sent``: its process released, ``script_ended``: collected, ``reaped``: the rest
+  killed, ``drained``: output taken), for the service's per-stage timing only; ``{"op": "error", "message": ...}`` for a
   request it cannot follow.
 
-The script is compiled here, before the fork (up to ``PRECOMPILE_BYTES``; a
-larger one is compiled by the child, so that compiling it cannot exhaust the
-server). The forked child confines itself (``ptc_runtime.confine.drop``: its
-own session, the sandbox user 10001 with no capability, dumpable, the OOM
-killer's first choice, no user namespaces, a clean import path for its
-subprocesses); it takes pipes as stdout and stderr, applies the run's ``env``,
-and returns from ``serve`` so that ``__main__`` runs it exactly as a one-shot
-job runs its script. ``exit_code`` follows the shell convention: the exit
-status, or 128 + N for a death by signal N.
+Each script runs in a process forked ahead of its run: when no script runs and none is waiting, the server forks
+the next one (the spare), which confines itself (``ptc_runtime.confine.drop``: its own session, the sandbox user
+10001 with no capability, dumpable, the OOM killer's first choice, no user namespaces, a clean import path for its
+subprocesses), takes the run's pipes as stdout and stderr and its rings, and then waits, running nothing else,
+for its run frame. So a run's critical path holds neither the fork nor the confinement (~3 ms of page faults on a
+virtual machine): on the ``run`` frame the server sends the spare the run's ``env`` (the go pipe), and the spare
+applies it and returns from ``serve`` so that ``__main__`` compiles and runs the script exactly as a one-shot job
+runs its script. The spare is forked from the server after the previous run ended (every process of it killed and
+gone), so it holds nothing of any script, and it is the only process besides the server between runs; a spare
+that ended before its run (the OOM killer, a failed confinement) is replaced at the run frame by one forked then,
+whose end, if it ends too, is the run's. ``exit_code`` follows the shell convention: the exit status, or 128 + N
+for a death by signal N.
 
-Output is live and kept. The child's ``sys.stdout`` and ``sys.stderr`` write
-into a ring per stream (``ptc_runtime.ring``: ``STDOUT_RING_BYTES``,
-``STDERR_RING_BYTES``), an anonymous shared mapping this server makes before
-the fork: a print is a copy into memory the server keeps whatever ends the
-script, with no system call (a ``write`` per line cost ~20 us under gVisor).
-Everything else that writes fds 1 and 2 (subprocesses, forked processes,
-``os.write``) writes the pipes, as before. The server takes both in passes:
-per stream, it reads the ring's ``HEAD``, then the pipe (at most its
-capacity: what was in it when the pass began), then the ring up to that
-``HEAD``, and sends them in frames of at most ``READ_BYTES``; the child
-empties its rings before anything that lets another writer write its fds
-(the order rule: ``ptc_runtime.ring``). While output flows a pass runs every
-``REST_S`` (sooner after a pipe was half full), so that many short lines cost
-one wake-up and a few frames per pass. A pass that finds nothing sets the
-rings' ``ASLEEP`` flag, watches the pipes and sleeps up to ``IDLE_S``: the
-script's next write nudges the server awake (one byte on the nudge pipe), a
-pipe's data wakes it too. A printed line therefore reaches the service within
-about ``REST_S`` (``IDLE_S`` at worst). A full ring makes the script wait for
-the server's ack (back-pressure, like a full pipe). The stdout pipe is
-enlarged to ``STDOUT_PIPE_BYTES`` where the kernel allows it (the pages count
-against the creating user's ``pipe-user-pages-soft``, 64 MiB by default,
-shared with that user's other processes on the host: 1 MiB per running
-script; past it the kernel refuses and the pipe keeps its 64 KiB). At any end
-of the script (exit, signal, the OOM killer, ``os._exit``) the server, after
-``kill(-1)``, reads each pipe to its end and then takes what the ring still
-holds (the mapping outlives the child) before it sends ``exit``. The script
-cannot hurt the server through the mapping: the server keeps its own ``TAIL``
-and bounds everything it reads (``ptc_runtime.ring.RingReader``). The rings
-are the script's memory (1.25 MiB at most, counted in its memory limit) for
-the run only.
+Output is live and kept. The child's ``sys.stdout`` and ``sys.stderr`` write into a ring per stream
+(``ptc_runtime.ring``: ``STDOUT_RING_BYTES``, ``STDERR_RING_BYTES``), an anonymous shared mapping this server makes
+before it forks the spare: a print is a copy into memory the server keeps whatever ends the script, with no system
+call (a ``write`` per line cost ~20 us under gVisor). Everything else that writes fds 1 and 2 (subprocesses, forked
+processes, ``os.write``) writes the pipes, as before. The server takes both in passes: per stream, it reads the
+ring's ``HEAD``, then the pipe (at most its capacity: what was in it when the pass began), then the ring up to that
+``HEAD``, and sends them in frames of at most ``READ_BYTES``; the child empties its rings before anything that lets
+another writer write its fds (the order rule: ``ptc_runtime.ring``). While output flows a pass runs every ``REST_S``
+(sooner after a pipe was half full), so that many short lines cost one wake-up and a few frames per pass. A pass
+that finds nothing sets the rings' ``ASLEEP`` flag, watches the pipes and sleeps up to ``IDLE_S``: the script's next
+write nudges the server awake (one byte on the nudge pipe), a pipe's data wakes it too. A printed line therefore
+reaches the service within about ``REST_S`` (``IDLE_S`` at worst). A full ring makes the script wait for the
+server's ack (back-pressure, like a full pipe). The stdout pipe is enlarged to ``STDOUT_PIPE_BYTES`` where the
+kernel allows it (the pages count against the creating user's ``pipe-user-pages-soft``, 64 MiB by default, shared
+with that user's other processes on the host: 1 MiB per running script, set at its run frame, never for a spare
+waiting; past it the kernel refuses and the pipe keeps its 64 KiB). At any end of the script (exit, signal, the OOM
+killer, ``os._exit``) the server, after ``kill(-1)``, reads each pipe to its end and then takes what the ring still
+holds (the mapping outlives the child) before it sends ``exit``. The script cannot hurt the server through the
+mapping: the server keeps its own ``TAIL`` and bounds everything it reads (``ptc_runtime.ring.RingReader``). The
+rings are the script's memory (1.25 MiB at most, counted in its memory limit) for the run only (made with its spare,
+released at the run's end).
 
 The server is the container's init (pid 1) and, when the service starts the
 sandbox as root with only ``CAP_SETUID``/``CAP_SETGID``/``CAP_KILL`` (images
@@ -83,10 +79,11 @@ still listed after ``KILL_DEADLINE_S`` is reported (``left``). Files under the
 working directory (``/tmp``) do outlive the script.
 
 Files (``ptc_runtime.files``; the hello lists ``files``): between runs the server answers ``put``, ``get`` and
-``list`` (files in, a session's files), and a run whose ``run`` frame carries ``outputs`` has its ``outputs/`` folder
-made before the fork and sent, after ``kill(-1)`` and its output, before ``exit`` (then emptied). All of it is done
-with the effective user switched to 10001 and with no symlink followed, while no script's process exists (a run
-that left processes behind has no outputs sent: the service ends that sandbox anyway).
+``list`` (files in, a session's files), and a run whose ``run`` frame carries ``outputs`` has its ``outputs/``
+folder made before its script is released (its go) and sent, after ``kill(-1)`` and its output, before ``exit``
+(then emptied). All of it is done with the effective user switched to 10001 and with no symlink followed, while no
+script runs (a spare only waits for its go; a run that left processes behind has no outputs sent: the service ends
+that sandbox anyway).
 
 ``oom_killed`` says the kernel's OOM killer ended the script: its process died
 by SIGKILL, not one this server sent first, and the memory cgroup's
@@ -100,7 +97,9 @@ and gVisor's OOM kill ends the whole sandbox, which the engine reports.
 
 from __future__ import annotations
 
+import codecs
 import fcntl
+import gc
 import json
 import os
 import selectors
@@ -108,7 +107,7 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ptc_runtime import files, protocol
 from ptc_runtime.confine import drop, no_user_namespaces_filter, prepare, set_dumpable
@@ -125,7 +124,6 @@ F_GETPIPE_SZ = 1032
 STDOUT_PIPE_BYTES = 1024 * 1024  # measured: 100,000 prints of 100 bytes ~3x faster than with 64 KiB (bench)
 DEFAULT_PIPE_BYTES = 64 * 1024
 KILL_DEADLINE_S = 2.0  # how long the end of a run waits for the killed to be gone before it gives up on the sandbox
-PRECOMPILE_BYTES = 64 * 1024  # larger scripts are compiled by the child: compiling them could exhaust the server
 DRAIN_S = 2.0
 OOM_COUNTERS = ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control")
 PRELOAD_ENV = "PTC_PRELOAD"  # the image's modules to import before forking: "numpy,pandas" (``preload``)
@@ -189,23 +187,24 @@ class _Stream:
 
 
 class _Run:
-    """The script running now: its process, output streams and how it is being ended."""
+    """A script's process: forked ahead of its run (the spare: waiting for its ``go``), then the script running
+    now, with its output streams and how it is being ended."""
 
-    def __init__(
-        self, job_id: str, pid: int, streams: List[_Stream], nudge: int, ack: int, oom_before: Optional[int]
-    ) -> None:
-        self.job_id = job_id
+    def __init__(self, pid: int, streams: List[_Stream], nudge: int, ack: int, go: int) -> None:
+        self.job_id = ""  # the run's id, from its run frame on
         self.pid = pid
         self.streams = streams
-        self.nudge: Optional[int] = nudge  # read end of the nudge pipe (in the selector); None once at its end
+        self.nudge: Optional[int] = nudge  # read end of the nudge pipe (in the selector once it runs); None at its end
         self.ack = ack  # write end of the ack pipe (non-blocking)
+        self.go: Optional[int] = go  # write end of the go pipe (blocking); None once the run's env was sent
         self.watching = False  # whether the pipes are in the selector (between passes they rest)
         self.next_pass = 0.0  # time.monotonic() of the next pass over the streams
-        self.oom_before = oom_before
+        self.oom_before: Optional[int] = None  # the memory cgroup's oom_kill counter when its run started
         self.oom_at_kill: Optional[int] = None  # the counter when the service's SIGKILL was sent
         self.sent: List[int] = []  # signals sent at the service's request while the process was alive
         self.outputs: Optional[Dict[str, Any]] = None  # the run's caps on files out (None: the service wants none)
         self.status: Optional[int] = None
+        self.stamps: Dict[str, int] = {}  # time.monotonic_ns() of the run's moments (the exit frame's "stamps")
 
     def ended(self) -> bool:
         """Whether the script's process has ended (collected, or a zombie not collected yet)."""
@@ -223,12 +222,12 @@ class _Run:
 class Server:
     """The session's resident interpreter (see the module docstring)."""
 
-    def __init__(self, control: socket.socket, compile_script: Callable[[str], Any]) -> None:
+    def __init__(self, control: socket.socket) -> None:
         self.control = control
-        self.compile_script = compile_script
         self.selector = selectors.DefaultSelector()
         self.buffer = b""
         self.run: Optional[_Run] = None
+        self.spare: Optional[_Run] = None  # the next script's process, confined and waiting for its run frame
         self.wake_r, self.wake_w = os.pipe()
         self.filter = no_user_namespaces_filter()
         prepare(self.filter)
@@ -239,7 +238,8 @@ class Server:
         self.control.sendall(json.dumps(message).encode() + b"\n" + payload)
 
     def serve(self) -> Optional[Tuple[Any, Dict[str, str]]]:
-        """Follow the service until it hangs up (returns None); in a forked child, return (compiled, env)."""
+        """Follow the service until it hangs up (returns None); in a forked child, return (None, env) once its run
+        starts (``__main__`` compiles and runs the script)."""
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         # The server is the container's init (pid 1): the kernel delivers it, from inside the sandbox, only the
@@ -249,12 +249,19 @@ class Server:
         self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
         self.send({protocol.FIELD_OP: protocol.HELLO, "pid": os.getpid(), "features": [protocol.FEATURE_FILES]})
         while True:
+            if self.run is None and self.spare is None:  # no script's process exists: fork the next one now
+                child = self.spawn()
+                if child is not None:
+                    return child
             due = False
             for key, _ in self.selector.select(self.pass_timeout()):
                 if key.data == "control":
                     data = self.control.recv(READ_BYTES)
                     if not data:
                         self.end_run(hung_up=True)
+                        if self.spare is not None:
+                            kill_all_once()
+                            self.collect()
                         return None
                     self.buffer += data
                     while b"\n" in self.buffer:
@@ -326,53 +333,96 @@ class Server:
         except OSError:
             pass
 
-    def start(
-        self, job_id: str, env: Dict[str, str], outputs: Optional[Dict[str, Any]] = None
-    ) -> Optional[Tuple[Any, Dict[str, str]]]:
-        if outputs is not None:  # before the fork: no script's process exists
-            files.prepare_outputs(WORKDIR, switch_user=os.geteuid() == 0)
-        try:
-            small = os.path.getsize(SCRIPT) <= PRECOMPILE_BYTES
-        except OSError:
-            small = False
-        compiled = self.compile_script(SCRIPT) if small else None  # None: the child compiles it
+    def spawn(self) -> Optional[Tuple[Any, Dict[str, str]]]:
+        """Fork the next script's process now, while no script runs (``spare``): it confines itself, takes the
+        run's pipes and rings and waits for its run frame's ``go`` (``wait_for_go``). Returns None in the server;
+        in the child, (None, env) once its run starts."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         nudge_r, nudge_w = os.pipe()
         ack_r, ack_w = os.pipe()
+        go_r, go_w = os.pipe()
         rings = [Ring(STDOUT_RING_BYTES), Ring(STDERR_RING_BYTES)]
         for ring in rings:
             ring.header[ASLEEP] = 1  # the child's first write nudges
-        try:
-            fcntl.fcntl(out_w, F_SETPIPE_SZ, STDOUT_PIPE_BYTES)
-        except OSError:  # past the user's pipe-user-pages-soft (or pipe-max-size): the kernel's 64 KiB
-            pass
-        oom_before = oom_kills()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         pid = os.fork()
         if pid == 0:
-            for fd in (out_r, err_r, nudge_r, ack_w):
+            for fd in (out_r, err_r, nudge_r, ack_w, go_w):
                 os.close(fd)
             self.become_child(out_w, err_w, rings, nudge_w, ack_r)
-            return compiled, env
-        for fd in (out_w, err_w, nudge_w, ack_r):
+            return None, wait_for_go(go_r)
+        for fd in (out_w, err_w, nudge_w, ack_r, go_r):
             os.close(fd)
         streams = [_Stream("stdout", out_r, rings[0]), _Stream("stderr", err_r, rings[1])]
         for fd in (out_r, err_r, nudge_r, ack_w):
             os.set_blocking(fd, False)
-        for stream in streams:
+        self.spare = _Run(pid, streams, nudge_r, ack_w, go_w)
+        return None
+
+    def start(
+        self, job_id: str, env: Dict[str, str], outputs: Optional[Dict[str, Any]] = None
+    ) -> Optional[Tuple[Any, Dict[str, str]]]:
+        """Start the run with the spare process (one forked now if there is none, or it has ended: an OOM kill
+        between runs, a failed confinement, which the new one then reports as the run's)."""
+        received = time.monotonic_ns()
+        run, self.spare = self.spare, None
+        if run is None or run.ended():
+            if run is not None:
+                self.discard(run)
+            child = self.spawn()
+            if child is not None:
+                return child
+            run, self.spare = self.spare, None
+            assert run is not None
+        if outputs is not None:  # before the go: no script runs
+            files.prepare_outputs(WORKDIR, switch_user=os.geteuid() == 0)
+        stdout = run.streams[0].pipe
+        try:  # the read end names the same pipe; set now, so that only a running script's pipe is large
+            fcntl.fcntl(stdout or 0, F_SETPIPE_SZ, STDOUT_PIPE_BYTES)
+        except OSError:  # past the user's pipe-user-pages-soft (or pipe-max-size): the kernel's 64 KiB
+            pass
+        for stream in run.streams:
             try:
                 stream.size = fcntl.fcntl(stream.pipe or 0, F_GETPIPE_SZ)
             except OSError:
                 pass
-        self.selector.register(nudge_r, selectors.EVENT_READ, "nudge")
-        self.run = _Run(job_id, pid, streams, nudge_r, ack_w, oom_before)
-        self.run.outputs = outputs
-        self.watch(self.run, True)
-        self.run.next_pass = time.monotonic() + IDLE_S
+        run.job_id = job_id
+        run.outputs = outputs
+        run.oom_before = oom_kills()
+        if run.nudge is not None:
+            self.selector.register(run.nudge, selectors.EVENT_READ, "nudge")
+        self.run = run
+        self.watch(run, True)
+        run.next_pass = time.monotonic() + IDLE_S
+        self.send_go(run, env)
+        run.stamps.update(run_received=received, go_sent=time.monotonic_ns())
         self.reap()  # a child that ended before the handler was of interest
         return None
+
+    def send_go(self, run: _Run, env: Dict[str, str]) -> None:
+        """Release the run's process: its env on the go pipe, then the pipe's end. A process that has ended
+        already (the pipe is broken) is the run's all the same: its end is reported as any script's."""
+        go, run.go = run.go, None
+        if go is None:
+            return
+        data = json.dumps(env).encode()
+        try:
+            while data:
+                data = data[os.write(go, data) :]
+        except OSError:
+            pass
+        os.close(go)
+
+    def discard(self, spare: _Run) -> None:
+        """Release the pipes and rings of a spare process that ended before its run (collected already)."""
+        for stream in spare.streams:
+            self.close_pipe(spare, stream)
+            stream.ring.close()
+        for fd in (spare.nudge, spare.ack, spare.go):
+            if fd is not None:
+                os.close(fd)
 
     def become_child(self, out_w: int, err_w: int, rings: List[Ring], nudge_w: int, ack_r: int) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any Python process
@@ -508,11 +558,14 @@ class Server:
 
     def collect(self) -> None:
         """Collect every ended child (the server is the sandbox's init: orphans are its children too), keeping the
-        wait status of the run's script."""
-        run = self.run
+        wait status of the run's script and of the spare."""
+        run, spare = self.run, self.spare
         for pid, status in ended_children():
             if run is not None and pid == run.pid and run.status is None:
                 run.status = status
+                run.stamps["script_ended"] = time.monotonic_ns()
+            elif spare is not None and pid == spare.pid and spare.status is None:
+                spare.status = status
 
     def reap(self) -> None:
         """Collect ended children; end the run when its script's process is among them."""
@@ -539,12 +592,14 @@ class Server:
         if run is None:
             return
         left = self.kill_all()
+        run.stamps["reaped"] = time.monotonic_ns()
         if not hung_up:  # every byte the script and its processes wrote before the end: pipe first, then ring
             for stream in run.streams:
                 head = stream.reader.head()  # final: every writer of the ring is gone
                 self.take(run, stream, final=True)
                 self.take_ring(run, stream, head)
         self.close_run(run)
+        run.stamps["drained"] = time.monotonic_ns()
         if hung_up:
             return
         omitted = 0
@@ -574,7 +629,8 @@ class Server:
             "signal": number,
             "killed": killed,
         }
-        self.send({**message, "oom_killed": oom, "left": len(left), "files_omitted": omitted})
+        message.update(oom_killed=oom, left=len(left), files_omitted=omitted, stamps=run.stamps)
+        self.send(message)
 
     def close_run(self, run: _Run) -> None:
         """Release the run's pipes and rings."""
@@ -586,6 +642,28 @@ class Server:
             os.close(run.nudge)
             run.nudge = None
         os.close(run.ack)
+        if run.go is not None:
+            os.close(run.go)
+            run.go = None
+
+
+def wait_for_go(go: int) -> Dict[str, str]:
+    """In a spare process: block until the server sends its run's env (JSON, then the pipe's end); the process
+    exits when the server never will (it left)."""
+    chunks = []
+    while True:
+        data = os.read(go, READ_BYTES)
+        if not data:
+            break
+        chunks.append(data)
+    os.close(go)
+    try:
+        env = json.loads(b"".join(chunks))
+    except ValueError:
+        env = None
+    if not isinstance(env, dict):
+        os._exit(0)
+    return env
 
 
 def preload(names: str) -> List[str]:
@@ -613,18 +691,16 @@ def preload(names: str) -> List[str]:
     return imported
 
 
-def serve(compile_script: Callable[[str], Any]) -> Optional[Tuple[Any, Dict[str, str]]]:
-    """Connect to the service's control socket and serve it; see ``Server.serve``.
-
-    ``compile_script(path)`` returns the compiled script or the exception compiling it raised.
-    """
+def serve() -> Optional[Tuple[Any, Dict[str, str]]]:
+    """Connect to the service's control socket and serve it; see ``Server.serve``."""
     import asyncio  # noqa: F401 - imported now, so that a script's own import is free after the fork
 
     import ptc_runtime.stubs  # noqa: F401
 
+    # The codec ``__main__.compile_script`` decodes every script with, looked up (its module imported) here once:
+    # ~1.5 ms of page faults in each script's process otherwise. ``gc``: what ``finalize_main`` imports.
+    codecs.lookup("utf-8-sig")
     if preload(os.environ.get(PRELOAD_ENV, "")):
-        import gc
-
         gc.freeze()  # what the imports made stays out of every script's collections (and its pages unshared)
     set_dumpable(False)
     control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -637,4 +713,4 @@ def serve(compile_script: Callable[[str], Any]) -> Optional[Tuple[Any, Dict[str,
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.01)
-    return Server(control, compile_script).serve()
+    return Server(control).serve()

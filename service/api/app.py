@@ -38,6 +38,7 @@ from service.replicas import Replicas
 from service.sandbox.base import SandboxBackend
 from service.sandbox.images import Images
 from service.settings import DEFAULT_IMAGE, Settings
+from service.stages import StageTiming
 from service.store_pg import job_store
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.validation import CheckScheduler
@@ -185,6 +186,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         body_limit=settings.max_body_bytes,
     )  # before the body
     app.add_middleware(HttpObserver, metrics=metrics, routes=_observed_routes(app))  # outermost: sees every answer
+    app.add_middleware(StageTiming, admin=lambda name: keys is None or name in keys.admins)  # admins' X-PTC-Stages
     document(app, opened, authenticated=keys is not None)
     problems.install(app)
     forward.install(app)  # OwnerElsewhere: relayed to the owner (after problems: the nearer class wins)

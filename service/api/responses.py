@@ -10,13 +10,17 @@ from fastapi.responses import Response, StreamingResponse
 from service.output import OutputRange, StoredRange
 from service.views import BATCH_BYTES, Body
 
+WHOLE_BYTES = 64 * 1024  # a view of at most this is sent whole (a slice, at most BATCH_BYTES, is held the same way)
+
 OUTPUT_SLICE_BYTES = 256 * 1024  # GET /jobs/{id}/output/{stream} reads and sends the range this much at a time
 
 
 def view_response(body: Body, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
-    """A job view as ``application/json``, sent in slices of ``BATCH_BYTES`` (with flow control, so a slow
-    client holds no copy of the view): whole bytes with their length, or pieces as they are rendered;
-    ``headers``: more headers (``Location``)."""
+    """A job view as ``application/json``: at most ``WHOLE_BYTES`` in one piece, else in slices of ``BATCH_BYTES``
+    (with flow control, so a slow client holds no copy of the view): whole bytes with their length, or pieces as
+    they are rendered; ``headers``: more headers (``Location``)."""
+    if isinstance(body, bytes) and len(body) <= WHOLE_BYTES:  # one message: no task group of a streaming answer
+        return Response(body, status_code=status_code, media_type="application/json", headers=headers)
     if isinstance(body, bytes):
         return StreamingResponse(
             _slices(body),

@@ -27,17 +27,20 @@ service (and without an import cycle through ``service.auth`` or ``service.sessi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from service import stages
 from service.errors import CallNotPending
 from service.jobs.model import FINAL, LIVE, Job, JobError, JobStatus
 from service.views import FULL, Selection
 
 if TYPE_CHECKING:
     from service.auth import Caller
+    from service.broker import Broker
     from service.jobs.admission import Intake
     from service.jobs.live import LiveJob
     from service.jobs.placement import Sandboxes
@@ -161,6 +164,7 @@ class JobManager:
 
             await self._sessions.locate_open(request.session_id, Caller(owner, admin, internal))
         admitted = await self._intake.admit(request, owner, admin)
+        stages.mark("admitted")
         job = admitted.job
         self._runner.start(admitted).add_done_callback(lambda _: job.stored.set())
         await job.stored.wait()  # saved before it is answered: any replica finds the job its id names
@@ -175,11 +179,7 @@ class JobManager:
             JobNotFound: no such job, or another owner's (only the job's owner answers its calls).
             CallNotPending: the job has ended, or that call is not waiting for an answer.
         """
-        job = self._views.live(job_id, caller)
-        if job is None:
-            await self._views.stored_view(job_id, caller)
-            raise CallNotPending(call_id)
-        await self._runner.answer_call(job, call_id, ok, value)
+        await self._settle(job_id, caller, call_id, lambda broker: broker.answer_client_call(call_id, ok, value))
         return await self._views.view(job_id, caller, selection=selection)
 
     async def decide_approval(
@@ -198,12 +198,29 @@ class JobManager:
             JobNotFound: no such job, or another owner's (only the job's owner, or the admin role, decides).
             CallNotPending: the job has ended, or that call does not await approval (decided, timed out, unknown).
         """
+        await self._settle(
+            job_id, caller, call_id, lambda broker: broker.decide_approval(call_id, approved, caller.owner, reason)
+        )
+        return await self._views.view(job_id, caller, selection=selection)
+
+    async def _settle(self, job_id: str, caller: Caller, call_id: str, act: Callable[[Broker], None]) -> None:
+        """Do ``act`` (an answer or a decision about ``call_id``) to a live job's broker, then let the job's task
+        record it before its view is taken: wait for the job to change, at most 1 s.
+
+        Raises:
+            JobNotFound: no such job, or another owner's.
+            CallNotPending: the job has ended, or ``act`` found no such call waiting (the broker's refusal).
+        """
         job = self._views.live(job_id, caller)
         if job is None:
             await self._views.stored_view(job_id, caller)
             raise CallNotPending(call_id)
-        await self._runner.decide_approval(job, call_id, approved, caller.owner, reason)
-        return await self._views.view(job_id, caller, selection=selection)
+        if job.broker is None:
+            raise CallNotPending(call_id)
+        changed = job.changed()
+        act(job.broker)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), 1.0)
 
     async def stop(self, job_id: str, caller: Caller, selection: Selection = FULL) -> Body:
         """Stop the job (SIGTERM to its processes, SIGKILL after the grace); returns its view.

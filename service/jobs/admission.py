@@ -22,7 +22,7 @@ from service.callbacks import CallbackSecrets
 from service.egress import EgressDenied
 from service.errors import EngineUnavailable, InvalidField, QueueFull, SessionNotFound
 from service.jobs.live import OWNER_FILE, SANDBOX_LIMITS, LiveJob, ResolvedLimits, resolve_limits
-from service.normalize import prepare
+from service.normalize import Normalized, count, prepare
 from service.output import OutputLog
 from service.quotas import OwnerSlot, Quotas, Slots
 from service.sandbox.images import Images
@@ -277,21 +277,29 @@ class Intake:
             ManifestError / InvalidField: the manifest is unusable.
         """
         manifest = await self._toolsets.manifest(tools, toolset, caller)
-        normalized = await prepare(request.script, request.normalize)
         job_id = "job_" + secrets.token_hex(12)
         output_dir = self._output_dir / job_id
-        output_dir.mkdir(mode=0o700)
-        (output_dir / OWNER_FILE).write_text(caller.owner)
         retain, inline = self._settings.output_retention_bytes, limits.output_bytes
         budget = self._admission.quotas.output(caller.owner)
+
+        def script_and_files() -> tuple[Normalized, OutputLog, OutputLog]:  # CPU and file system: not on the loop
+            normalized = prepare(request.script, request.normalize)
+            output_dir.mkdir(mode=0o700)
+            (output_dir / OWNER_FILE).write_text(caller.owner)
+            logs = [OutputLog(output_dir / name, inline, retain, budget) for name in ("stdout", "stderr")]
+            return normalized, logs[0], logs[1]
+
+        normalized, stdout, stderr = await asyncio.to_thread(script_and_files)  # one hand-off to a thread
+        if request.normalize:
+            count(normalized)
         job = LiveJob(
             id=job_id,
             limits=limits,
             metadata=request.metadata,
             callback_url=request.callback_url,
             output_dir=output_dir,
-            stdout=OutputLog(output_dir / "stdout", inline, retain, budget),
-            stderr=OutputLog(output_dir / "stderr", inline, retain, budget),
+            stdout=stdout,
+            stderr=stderr,
             loop=asyncio.get_running_loop(),
             owner=caller.owner,
             normalized=normalized,

@@ -7,6 +7,7 @@ for offset reads; ``OWNER_FILE`` there names whose output budget they count agai
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -18,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry.trace import Span
 
 from service.broker import Broker
-from service.errors import RequestLimitError
+from service.errors import EngineUnavailable, FileRefused, RequestLimitError, SandboxError
 from service.files import FileBudget, OutputFiles
-from service.jobs.model import Job
+from service.jobs.model import INTERNAL_ERROR, SERVICE_STOPPED, ErrorType, Job, JobError, JobStatus
 from service.normalize import Normalized, view_fields
 from service.output import OutputLog
 from service.sandbox.base import Stream
@@ -31,7 +32,10 @@ from service.store import JobStore, StoredJob
 if TYPE_CHECKING:
     from service.views import ViewCache
 
+log = logging.getLogger(__name__)
+
 STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
+SUMMARY_FIELDS = tuple(name for name in JobSummary.model_fields if name != "calls")  # all are the view's too
 SLICE_BYTES = 1024 * 1024  # the most bytes of a stream read into memory at once
 OWNER_FILE = "owner"  # in a job's output folder: whose output budget its retained bytes count against
 SANDBOX_LIMITS = ("memory_mb", "cpus", "pids", "tmp_mb")  # a sandbox's own limits (a session's are fixed)
@@ -210,11 +214,31 @@ async def wait_for_end_or_client(job: LiveJob, timeout_s: float) -> None:
         waiting.cancel()
 
 
+def end_by_failure(job: LiveJob, exc: BaseException) -> None:
+    """Set the status and error of a job whose run raised ``exc`` (the service stopping included)."""
+    if isinstance(exc, asyncio.CancelledError):
+        if not job.ended:
+            job.end(JobStatus.LOST, SERVICE_STOPPED)
+    elif isinstance(exc, FileRefused):
+        if not job.ended:
+            job.end(JobStatus.FAILED, JobError(ErrorType.FILES_REFUSED, str(exc)))
+    elif isinstance(exc, SandboxError):
+        log.error("job %s: sandbox failure: %s", job.id, exc)
+        kind = ErrorType.ENGINE_UNAVAILABLE if isinstance(exc, EngineUnavailable) else ErrorType.SANDBOX_ERROR
+        if not job.ended:
+            job.end(JobStatus.FAILED, JobError(kind, str(exc)))
+    elif isinstance(exc, Exception):
+        log.exception("job %s: unexpected failure", job.id, exc_info=exc)
+        if not job.ended:
+            job.end(JobStatus.FAILED, INTERNAL_ERROR)
+
+
 def stored_job(head: dict[str, Any], calls: int, body: bytes, instance_id: str) -> StoredJob:
     """The store's row for a job view: ``body`` (its JSON), its columns, summary and callback flag from ``head``
     (the view's fields but its calls) and ``calls`` (how many records it holds)."""
     model = JobView.model_validate({**head, "calls": [], "pending_calls": []})
-    summary = JobSummary.model_validate({**model.model_dump(), "calls": calls})
+    fields = {name: getattr(model, name) for name in SUMMARY_FIELDS}  # typed already: not the whole view dumped
+    summary = JobSummary.model_validate({**fields, "calls": calls})
     pending = model.callback is not None and model.callback.state == "pending" and model.ended_at is not None
     return StoredJob(
         job_id=model.job_id,

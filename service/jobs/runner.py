@@ -1,9 +1,10 @@
 """The run of a job: one path, two placements.
 
-``Runner.start`` runs an admitted job as a task. The path is the same for every job: save it ``queued``; let its
-placement find it a sandbox (waiting for a script slot, or its session's turn); save it ``running``; write the
-script (and the generated ``tools`` package) into the sandbox's folder; open its broker's socket; let the script
-go; enforce ``timeout_s`` and stop requests (``_supervise``); set the final status by the end-of-run rules
+``Runner.start`` runs an admitted job as a task. The path is the same for every job: let its placement find it a
+sandbox (waiting for a script slot, or its session's turn), saving it ``queued`` if that takes more than a few
+milliseconds (``Runner._enter``); save it ``running`` while the script (and the generated ``tools`` package) is
+written into the sandbox's folder and its broker's socket opened; once that save is done, let the script go;
+enforce ``timeout_s`` and stop requests (``_supervise``); set the final status by the end-of-run rules
 (``model.end_of_run``); save the final view; only then tell anyone (``events.JobEnded``); and finally give the
 sandbox back. The placements (``service.jobs.placement``):
 
@@ -22,20 +23,19 @@ import time
 from functools import partial
 from typing import Any
 
-from service import telemetry, verdict, views
+from service import stages, telemetry, verdict, views
 from service.broker import Broker, CallMemory
-from service.errors import CallNotPending, EngineUnavailable, FileRefused, SandboxError
 from service.files import OutputFiles
 from service.jobs.admission import Admitted, Ticket
 from service.jobs.events import CallEnded, Events, JobEnded, SandboxStarted, StatusChanged
-from service.jobs.live import LiveJob, now, save_final_again, stored_job
-from service.jobs.model import INTERNAL_ERROR, SERVICE_STOPPED, EndedBy, ErrorType, JobError, JobStatus, end_of_run
+from service.jobs.live import LiveJob, end_by_failure, now, save_final_again, stored_job
+from service.jobs.model import EndedBy, JobStatus, end_of_run
 from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
 from service.jobs.shared import SHARE_AT_ONCE, keep_output
 from service.jobs.tasks import Tasks, until_done
 from service.replicas import Replicas
 from service.sandbox.base import ExitStatus, write_run_files
-from service.sandbox.resident import KILL_CONFIRM_S, ResidentRun
+from service.sandbox.resident import KILL_CONFIRM_S, ResidentRun, ResidentSandbox
 from service.settings import Settings
 from service.store import JobStore
 from service.toolkit.cache import CompiledManifest
@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 KILL_WAIT_S = 30.0  # how long the sandbox may take to confirm the script's exit after its SIGKILL
 STATUS_SAVE_INTERVAL_S = 0.5  # least time between two saves of a live job's status (running / waiting flips)
+INLINE_SCRIPT_CHARS = 4096  # a script this small, with no stubs to write, is written on the loop
+QUEUED_SAVE_GRACE_S = 0.005  # a job that finds its sandbox within this is not saved ``queued`` first (Runner._enter)
 
 
 class Runner:
@@ -128,42 +130,76 @@ class Runner:
         broker = self._new_broker(job, manifest)
         try:
             try:
-                await self._save_and_tell(job)
-                sandbox = await placement.enter()
+                sandbox = await self._enter(job, placement)
+                stages.mark("sandbox-found")
                 telemetry.interval(job.span, "queue wait", job.created_at, now())
                 if sandbox is None:
                     return  # ended before it started (placement set why)
                 begin, begin_at = time.monotonic(), now()
                 job.sandbox_start = placement.mode
                 job.started_at = now()
-                await self._set_status(job, JobStatus.RUNNING)
-                started = time.monotonic()  # a cold job's time limit includes its sandbox's start
-                await placement.ready()
-                job.sandbox_id = sandbox.handle.id[:12] if sandbox.handle is not None else None
-                stubs = placement.stubs(manifest.stub_source)
-                await asyncio.to_thread(write_run_files, sandbox.folder, job.script(request), stubs)
-                await broker.start(sandbox.folder / "tools.sock")
+                saving = asyncio.ensure_future(self._set_status(job, JobStatus.RUNNING))  # while the run is laid out
+                try:
+                    started = time.monotonic()  # a cold job's time limit includes its sandbox's start
+                    await placement.ready()
+                    stages.mark("sandbox-ready")
+                    job.sandbox_id = sandbox.handle.id[:12] if sandbox.handle is not None else None
+                    await self._lay_out(sandbox, job.script(request), placement.stubs(manifest.stub_source), broker)
+                finally:
+                    await saving  # saved running before the script starts (a failed save ends the run, as before)
+                    stages.mark("saved-running")
                 if request.files:  # before the script: written as the sandbox user, no symlink followed
                     await sandbox.put_files([(item.path, item.data()) for item in request.files])
                 settings = self._settings
                 job.output_files = OutputFiles(
                     job.output_dir, settings.max_output_files, settings.max_output_files_bytes, job.output_budget
                 )
+                sending = time.perf_counter_ns()
                 run = await sandbox.run(job.id, request.env, job.sink, job.output_files)
+                stages.mark("run-sent")
                 self._events.publish(SandboxStarted(job, time.monotonic() - begin))
                 telemetry.interval(
                     job.span, "sandbox start", begin_at, now(), **{"ptc.sandbox.start": placement.mode or ""}
                 )
                 exit_status, ended_by = await self._supervise(job, run, started)
+                stages.exit_seen(exit_status.stamps, sending)
                 self._finish(job, exit_status, ended_by, broker)
             finally:
                 await placement.leave(broker)
         except BaseException as exc:
-            self._failed(job, exc)
+            end_by_failure(job, exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
             await asyncio.shield(self._cleanup(job, broker, admitted.ticket, placement))
+
+    async def _enter(self, job: LiveJob, placement: Placement) -> ResidentSandbox | None:
+        """The job's sandbox from ``placement`` (None: the job ended first). A job that has it within
+        ``QUEUED_SAVE_GRACE_S`` is saved first as ``running`` (one save fewer); one that waits longer (its session's
+        turn, a slot, room) is saved ``queued`` meanwhile. Either way its first save precedes its answer."""
+        entering = asyncio.ensure_future(placement.enter())
+        try:
+            done, _ = await asyncio.wait({entering}, timeout=QUEUED_SAVE_GRACE_S)
+            if not done:
+                await self._save_and_tell(job)
+                stages.mark("saved-queued")
+            return await entering
+        finally:
+            if not entering.done():
+                entering.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await entering
+
+    @staticmethod
+    async def _lay_out(sandbox: ResidentSandbox, script: str, stubs: str | None, broker: Broker) -> None:
+        """Write the run's files into the sandbox's folder, then let its broker listen on ``tools.sock`` there."""
+        if stubs is None and len(script) <= INLINE_SCRIPT_CHARS:  # a few small writes: less than a hand-off
+            write_run_files(sandbox.folder, script, stubs)
+        else:
+            await asyncio.to_thread(write_run_files, sandbox.folder, script, stubs)
+        stages.mark("run-files-written")
+        await broker.start(sandbox.folder / "tools.sock")
+        stages.mark("broker-listening")
 
     def _new_broker(self, job: LiveJob, manifest: CompiledManifest) -> Broker:
         """The job's broker (not listening yet); its records are the job's call records."""
@@ -216,25 +252,6 @@ class Runner:
         await self.save(job)
         job.stored.set()
         self._events.publish(StatusChanged(job))
-
-    @staticmethod
-    def _failed(job: LiveJob, exc: BaseException) -> None:
-        """Set the status and error of a job whose run raised ``exc`` (the service stopping included)."""
-        if isinstance(exc, asyncio.CancelledError):
-            if not job.ended:
-                job.end(JobStatus.LOST, SERVICE_STOPPED)
-        elif isinstance(exc, FileRefused):
-            if not job.ended:
-                job.end(JobStatus.FAILED, JobError(ErrorType.FILES_REFUSED, str(exc)))
-        elif isinstance(exc, SandboxError):
-            log.error("job %s: sandbox failure: %s", job.id, exc)
-            kind = ErrorType.ENGINE_UNAVAILABLE if isinstance(exc, EngineUnavailable) else ErrorType.SANDBOX_ERROR
-            if not job.ended:
-                job.end(JobStatus.FAILED, JobError(kind, str(exc)))
-        elif isinstance(exc, Exception):
-            log.exception("job %s: unexpected failure", job.id, exc_info=exc)
-            if not job.ended:
-                job.end(JobStatus.FAILED, INTERNAL_ERROR)
 
     async def _supervise(self, job: LiveJob, run: ResidentRun, started: float) -> tuple[ExitStatus, EndedBy | None]:
         """Wait for the script to exit, its time limit, or a stop request; returns (exit, what the service asked).
@@ -336,12 +353,14 @@ class Runner:
             for output in (job.stdout, job.stderr):
                 output.close()
             job.ended_at = now()
+            stages.mark("broker-closed")
             if not job.ended:
                 job.end(JobStatus.LOST, job.error)
             if self._store.shares_output:  # before the final view: a reader of an ended job finds its output
                 await keep_output(self._store, job, self._share_slots)
             try:
                 await self.save(job, final=True)
+                stages.mark("saved-final")
             except Exception:
                 log.exception("job %s: could not save its final view; saving it again later", job.id)
                 retry = partial(
@@ -358,37 +377,11 @@ class Runner:
             job.done.set()
             self._live.pop(job.id, None)
             self._events.publish(JobEnded(job))
+            stages.mark("end-told")
             placement.dispose(job.status)
             telemetry.end_job(job.span, job.status.value, (job.error or {}).get("type"))
 
     # -- requests about a running job ----------------------------------------------------------
-
-    async def answer_call(self, job: LiveJob, call_id: str, ok: bool, value: Any) -> None:
-        """Answer a client-executed call of a live job and let its task record the answer (at most 1 s).
-
-        Raises:
-            CallNotPending: that call is not waiting for an answer.
-        """
-        if job.broker is None:
-            raise CallNotPending(call_id)
-        changed = job.changed()
-        job.broker.answer_client_call(call_id, ok, value)
-        with contextlib.suppress(TimeoutError):  # let the call's task record the answer before the view is taken
-            await asyncio.wait_for(changed.wait(), 1.0)
-
-    async def decide_approval(self, job: LiveJob, call_id: str, approved: bool, by: str, reason: str | None) -> None:
-        """Approve or deny a call of a live job that awaits approval; waits (at most 1 s) for the job to leave
-        ``waiting`` or its call to end, so the view after it shows the decision's effect.
-
-        Raises:
-            CallNotPending: that call is not awaiting approval.
-        """
-        if job.broker is None:
-            raise CallNotPending(call_id)
-        changed = job.changed()
-        job.broker.decide_approval(call_id, approved, by, reason)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(changed.wait(), 1.0)
 
     async def stop(self, job: LiveJob, reason: str | None = None) -> None:
         """Ask the job to stop (SIGTERM, SIGKILL after the grace) and wait for its end, at most the grace and

@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from ptc_runtime import protocol
 
@@ -84,12 +84,15 @@ class SandboxSpec:
 class ExitStatus:
     """How a script ended: ``exit_code`` (128+N for signal N), whether the OOM killer ended it, ``lost``: why
     the sandbox could not say (its resident interpreter died or misbehaved), None when it did, and ``killed``:
-    whether it died by a signal the sandbox sent at the service's request (stop, timeout) while it still ran."""
+    whether it died by a signal the sandbox sent at the service's request (stop, timeout) while it still ran;
+    ``stamps``: the sandbox's own moments of the run and when its exit was read, for a timed request's breakdown
+    only (``service.stages``; untrusted, never part of a view)."""
 
     exit_code: int
     oom_killed: bool
     lost: str | None = None
     killed: bool = False
+    stamps: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass

@@ -267,7 +267,8 @@ class ResidentSandbox:
                         killed = message["killed"] is True
                     else:  # an older runtime: a death by a signal the service sent
                         killed = code - 128 in run.sent and not oom
-                    run.exit.set_result(ExitStatus(exit_code=code, oom_killed=oom, killed=killed))
+                    stamps = {"sandbox": message.get("stamps"), "exit_read": time.perf_counter_ns()}
+                    run.exit.set_result(ExitStatus(exit_code=code, oom_killed=oom, killed=killed, stamps=stamps))
             elif op == protocol.ERROR:
                 self._stray_output("stderr", str(message.get("message"))[:500].encode())
 

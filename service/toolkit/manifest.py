@@ -423,6 +423,9 @@ class ToolSpec:
         callable_from_code: False when ``allowed_callers`` excludes code: the broker refuses its calls.
         approval: when its calls wait for a human's approval (``POST /jobs/{id}/calls/{call_id}/approve``); None:
             never.
+        cheap_arguments: ``parameters`` is a cheap schema (``cheap_schema``) and no approval rule applies: the
+            broker may check small arguments on the event loop (``service.broker``).
+        cheap_result: no output schema, or a cheap one: the broker may check small results on the event loop.
     """
 
     name: str
@@ -438,6 +441,8 @@ class ToolSpec:
     max_concurrency: int | None = None
     callable_from_code: bool = True
     approval: Approval | None = None
+    cheap_arguments: bool = False
+    cheap_result: bool = False
 
     def check_arguments(self, args: Any) -> ArgumentCheck:
         """Validate ``args``; a string where an object or array is expected is parsed once as JSON if that helps.
@@ -665,6 +670,8 @@ def parse_tool(entry: Any, loc: tuple[str | int, ...]) -> ToolSpec:
         output_schema=output_schema,
         output_validator=Validator(output_schema, registry=_NO_RETRIEVAL) if output_schema is not None else None,
         approval=approval,
+        cheap_arguments=approval is None and cheap_schema(parameters),
+        cheap_result=output_schema is None or cheap_schema(output_schema),
         **_policy(outer, inner, loc),
     )
 
@@ -842,3 +849,66 @@ def parse_manifest(entries: Sequence[Any], loc: tuple[str | int, ...] = ("tools"
             raise ManifestError(f"duplicate tool name {spec.name!r}", (*loc, i, "name"))
         tools[spec.name] = spec
     return tools
+
+
+# A schema is cheap when none of its schemas uses one of these keywords (regular expressions, references that may
+# recurse, formats, and the ``unevaluated*`` keywords, whose search for evaluated keys is unbounded) ...
+COSTLY_KEYWORDS = frozenset(
+    {
+        "pattern",
+        "patternProperties",
+        "format",
+        "$ref",
+        "$dynamicRef",
+        "$recursiveRef",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "contentSchema",
+    }
+)
+CHEAP_SCHEMA_NODES = 128  # ... and it holds at most this many JSON values (keys, names, enum members: all)
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "dependentSchemas"})  # name -> schema
+_SCHEMA_VALUES = frozenset(
+    {"items", "additionalProperties", "contains", "not", "if", "then", "else", "propertyNames", "additionalItems"}
+)
+_SCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems"})
+
+
+def cheap_schema(schema: JsonSchema) -> bool:
+    """Whether checking a small instance against ``schema`` is cheap enough to try on the event loop: none of
+    ``COSTLY_KEYWORDS`` in any of its schemas and at most ``CHEAP_SCHEMA_NODES`` JSON values in all. Each keyword
+    it uses then costs at most a walk of the schema's own values per instance member (an ``enum``'s set is built
+    from at most as many), so one ``tick`` is bounded; the broker still runs such a check within a small CPU
+    budget (``service.broker.INLINE_CHECK_BUDGET_S``) and hands it to the check threads past it."""
+    nodes = 0
+    schemas: list[Any] = [schema]
+    data: list[Any] = []  # keywords' values that are not schemas: counted only
+    while schemas or data:
+        if data:
+            node = data.pop()
+            nodes += 1
+            if isinstance(node, dict):
+                nodes += len(node)
+                data.extend(node.values())
+            elif isinstance(node, list):
+                data.extend(node)
+        else:
+            node = schemas.pop()
+            nodes += 1
+            if isinstance(node, dict):
+                if not COSTLY_KEYWORDS.isdisjoint(node):
+                    return False
+                nodes += len(node)
+                for key, value in node.items():
+                    if key in _SCHEMA_MAPS and isinstance(value, dict):
+                        nodes += len(value)
+                        schemas.extend(value.values())
+                    elif key in _SCHEMA_VALUES or (key in _SCHEMA_LISTS and isinstance(value, list)):
+                        schemas.extend(value if isinstance(value, list) else [value])
+                    else:
+                        data.append(value)
+            elif isinstance(node, list):
+                schemas.extend(node)
+        if nodes > CHEAP_SCHEMA_NODES:
+            return False
+    return True

@@ -43,8 +43,9 @@ def test_a_job_logs_its_events_and_never_its_source_arguments_results_or_output(
     wait_until(lambda: any(e["event"] == "sandbox_stop" and e.get("job_id") == job_id for e in events(service)), 10)
     mine = [e for e in events(service) if e.get("job_id") == job_id and e["event"] != "sandbox_stop"]
     [stop] = [e for e in events(service) if e.get("job_id") == job_id and e["event"] == "sandbox_stop"]
+    if (mine[0]["event"], mine[0].get("status")) == ("job", "queued"):  # only when its sandbox took over 5 ms
+        assert mine.pop(0)["key"] == "pytest"
     assert [(e["event"], e.get("status")) for e in mine] == [
-        ("job", "queued"),
         ("job", "running"),
         ("sandbox_start", None),
         ("job", "failed"),
@@ -52,8 +53,8 @@ def test_a_job_logs_its_events_and_never_its_source_arguments_results_or_output(
         ("request", 200),
         ("request", 200),
     ]  # the sandbox is removed after the answer: its sandbox_stop comes once that is done
-    queued, running, start, ended, summary, post, get = mine
-    assert queued["key"] == "pytest" and running["queue_ms"] >= 0  # the name of the test service's key
+    running, start, ended, summary, post, get = mine
+    assert running["key"] == "pytest" and running["queue_ms"] >= 0  # the name of the test service's key
     assert (
         start["mode"] == view["sandbox_start"] and start["sandbox_id"] == view["sandbox_id"] and start["start_ms"] > 0
     )

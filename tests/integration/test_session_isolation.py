@@ -9,10 +9,12 @@ import ast
 from collections.abc import Iterator
 from typing import Any
 
+import docker
 import httpx
 import pytest
 
-from tests.conftest import Service, execute
+from service.sandbox.labels import LABEL_SANDBOX
+from tests.conftest import Service, execute, wait_until
 
 ECHO = [
     {
@@ -183,3 +185,63 @@ def test_scripts_cannot_reach_the_interpreter(
     assert chain["error"] is None or chain["error"]["type"] != "sandbox_error", chain
     assert execute(runtime_api, "print('still here')", session_id=session_id)["stdout"] == "still here\n"
     assert runtime_api.get(f"/sessions/{session_id}").json()["status"] == "ready"
+
+
+# Run in the session's container through the engine (root, with the sandbox's capabilities): with an argument,
+# SIGKILL that pid first; then the live processes of the sandbox but pid 1 and this one, as
+# [pid, ppid, uid, oom_score_adj, Seccomp mode, CapEff].
+LOOK = """
+import os, sys
+if len(sys.argv) > 1:
+    os.kill(int(sys.argv[1]), 9)
+found = []
+for p in os.listdir('/proc'):
+    if p.isdigit() and int(p) not in (1, os.getpid()):
+        try:
+            lines = open(f'/proc/{p}/status').read().splitlines()
+            adj = open(f'/proc/{p}/oom_score_adj').read().strip()
+        except OSError:
+            continue
+        pairs = (line.split(':', 1) for line in lines if ':' in line)
+        status = {k: (v.split() or [''])[0] for k, v in pairs}
+        if status.get('State') not in ('Z', 'X'):
+            fields = [status.get(k) for k in ('PPid', 'Uid', 'Seccomp', 'CapEff')]
+            found.append([int(p), fields[0], fields[1], adj, *fields[2:]])
+print(found)
+"""
+
+
+def _look(container: Any, kill: int | None = None) -> list[list[Any]]:
+    done = container.exec_run(["python3", "-c", LOOK, *([str(kill)] if kill else [])], user="0")
+    assert done.exit_code == 0, done.output
+    found: list[list[Any]] = ast.literal_eval(done.output.decode())
+    return found
+
+
+def test_the_next_scripts_process_waits_confined_and_a_lost_one_is_replaced(
+    runtime_api: httpx.Client, engine: docker.DockerClient, runtime: str, session_id: str
+) -> None:
+    """Between runs the session's sandbox holds one process besides its interpreter: the next script's, forked after
+    the last script ended and everything of it was killed, already confined as a script (10001, no capability,
+    the OOM killer's first choice, the seccomp filter under runc) and waiting for its run. One killed meanwhile (the
+    OOM killer, say: /tmp is memory) is replaced at the next run, which runs as any other."""
+    first = execute(runtime_api, "import os\nos.environ['LEFT'] = '1'\nprint(1)", session_id=session_id)
+    assert first["stdout"] == "1\n", first
+    (container,) = engine.containers.list(filters={"label": f"{LABEL_SANDBOX}={session_id}"})
+    found: list[list[Any]] = []
+
+    def one_waits() -> bool:
+        found[:] = _look(container)
+        return len(found) == 1
+
+    wait_until(one_waits, 10)
+    pid, ppid, uid, adj, seccomp, caps = found[0]
+    assert (ppid, uid, adj, int(caps, 16)) == ("1", "10001", "1000", 0), found
+    if runtime == "runc":
+        assert seccomp == "2", found  # gVisor's /proc shows no filter
+    _look(container, kill=pid)
+    wait_until(lambda: _look(container) == [], 10)
+    view = execute(runtime_api, "import os\nprint(os.environ.get('LEFT'), os.getuid())", session_id=session_id)
+    assert (view["status"], view["exit_code"], view["stdout"]) == ("succeeded", 0, "None 10001\n"), view
+    wait_until(one_waits, 10)
+    assert found[0][0] != pid, found

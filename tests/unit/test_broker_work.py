@@ -21,6 +21,7 @@ import pytest
 from service import broker as broker_module
 from service.broker import Broker
 from service.egress import EgressPolicy
+from service.toolkit import validation
 from service.toolkit.cache import ManifestCache
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.validation import CheckScheduler
@@ -39,11 +40,13 @@ def nested_server() -> Iterator[ToolServer]:
 
 
 @asynccontextmanager
-async def broker(tmp_path: Path, tools: list[dict[str, Any]], budget_s: float = 1.0) -> AsyncIterator[Broker]:
+async def broker(
+    tmp_path: Path, tools: list[dict[str, Any]], budget_s: float = 1.0, **options: Any
+) -> AsyncIterator[Broker]:
     manifest = await ManifestCache(b"k" * 32).compile(tools, "pytest")
     endpoints = EndpointClients(30.0, 8 * 1024 * 1024, EgressPolicy())  # loopback only
     checks = CheckScheduler(2, budget_s)
-    b = Broker(manifest.tools, endpoints, 10_000, 1024 * 1024, 1 << 30, checks=checks)
+    b = Broker(manifest.tools, endpoints, 10_000, 1024 * 1024, 1 << 30, checks=checks, **options)
     await b.start(tmp_path / "tools.sock")
     try:
         yield b
@@ -210,3 +213,153 @@ def test_lines_read_on_the_loop_are_small_and_shallow() -> None:
     assert broker_module.inline_request(b'{"id":1,"tool":"e","args":{"q":"x"}}')
     assert not broker_module.inline_request(b'{"id":1,"tool":"e","args":{"q":"' + b"x" * 5000 + b'"}}')
     assert not broker_module.inline_request(orjson.dumps({"args": [[]] * 100}))
+
+
+def count_checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the functions the broker hands to the check threads, in order (a spy on Broker._off_loop)."""
+    names: list[str] = []
+    off_loop = Broker._off_loop
+
+    async def counted(self: Broker, fn: Any, *args: Any) -> Any:
+        names.append(fn.__name__)
+        return await off_loop(self, fn, *args)
+
+    monkeypatch.setattr(Broker, "_off_loop", counted)
+    return names
+
+
+CHEAP = {
+    "type": "object",
+    "properties": {"i": {"type": "integer"}, "xs": {"type": "array", "items": {"type": "integer"}}},
+}
+
+
+async def test_a_small_call_of_a_cheap_tool_is_checked_on_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checks = count_checks(monkeypatch)
+    async with broker(tmp_path, [{"name": "e", "parameters": CHEAP, "endpoint": {"kind": "echo"}}]) as b:
+        script = Script(tmp_path / "tools.sock")
+        ok = await asyncio.to_thread(script.call, b'{"id":1,"tool":"e","args":{"i":3}}\n')
+        assert checks == []  # before: check_arguments, then check_result, each a hop to the check threads
+        bad = await asyncio.to_thread(script.call, b'{"id":2,"tool":"e","args":{"i":"3"}}\n')
+        script.close()
+    assert ok["result"] == {"tool": "e", "args": {"i": 3}}
+    assert bad["error"]["type"] == "invalid_arguments" and "'i'" in bad["error"]["message"]
+    assert checks == ["check_arguments"]  # an invalid call gets its message (and repair) from the check threads
+    assert [r["status"] for r in b.records] == ["ok", "rejected"]
+
+
+async def test_a_keys_checks_on_the_loop_stop_at_its_share_of_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checks = count_checks(monkeypatch)
+    monkeypatch.setattr(validation, "INLINE_SHARE_S", 0.0)  # the key has spent its share of this window
+    async with broker(tmp_path, [{"name": "e", "parameters": CHEAP, "endpoint": {"kind": "echo"}}]) as b:
+        script = Script(tmp_path / "tools.sock")
+        ok = await asyncio.to_thread(script.call, b'{"id":1,"tool":"e","args":{"i":3}}\n')
+        script.close()
+    assert ok["result"] == {"tool": "e", "args": {"i": 3}} and b.records[0]["status"] == "ok"
+    assert checks == ["check_arguments", "check_result"]  # on the threads, in the key's turn
+
+
+def test_the_share_of_the_loop_is_counted_per_key_and_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    scheduler = CheckScheduler(1, 1.0)
+    monkeypatch.setattr(validation, "INLINE_SHARE_S", 0.001)
+
+    def spin() -> bool:
+        end = time.thread_time() + 0.0015
+        while time.thread_time() < end:
+            pass
+        return True
+
+    try:
+        assert scheduler.inline("a", 1.0, 8, spin) is True  # within its share when it began: done, and counted
+        assert scheduler.inline("a", 1.0, 8, spin) is None  # past its share: not tried
+        assert scheduler.inline("b", 1.0, 8, spin) is True  # another key has its own share
+        monkeypatch.setattr(validation, "INLINE_WINDOW_S", 0.0)  # a new window: the share is back
+        assert scheduler.inline("a", 1.0, 8, spin) is True
+    finally:
+        scheduler.close()
+
+
+async def test_a_pattern_schema_is_checked_on_the_check_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checks = count_checks(monkeypatch)
+    params = {"type": "object", "properties": {"s": {"type": "string", "pattern": REDOS}}}
+    out = {"type": "object", "properties": {"tool": {"type": "string", "format": "email"}}}
+    tools = [
+        {"name": "p", "parameters": params, "endpoint": {"kind": "echo"}},
+        {"name": "o", "parameters": CHEAP, "output_schema": out, "endpoint": {"kind": "echo"}},
+        {"name": "a", "parameters": CHEAP, "approval": {"when": {"required": ["i"]}}, "endpoint": {"kind": "echo"}},
+    ]
+    paused = asyncio.Event()
+    async with broker(tmp_path, tools, on_paused_calls=lambda n: paused.set()) as b:
+        script = Script(tmp_path / "tools.sock")
+        for n, tool in enumerate(("p", "o")):
+            reply = await asyncio.to_thread(script.call, b'{"id":%d,"tool":"%s","args":{}}\n' % (n, tool.encode()))
+            assert reply["ok"], reply
+        assert checks == ["check_arguments", "check_result"]  # p's arguments; o's result (a format keyword)
+        checks.clear()
+        await asyncio.to_thread(script.sock.sendall, b'{"id":3,"tool":"a","args":{"i":1}}\n')
+        await asyncio.wait_for(paused.wait(), 10)  # the call waits for its approval
+        assert checks == ["check_arguments"]  # the rule is checked with the arguments, on the check threads
+        b.decide_approval(b.pending_calls[0]["call_id"], False, "pytest", None)
+        reply = orjson.loads(await asyncio.to_thread(script.file.readline))
+        script.close()
+    assert reply["error"]["type"] == "denied"
+
+
+async def test_an_inline_check_past_its_budget_is_done_again_on_the_check_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checks = count_checks(monkeypatch)
+    monkeypatch.setattr(broker_module, "INLINE_CHECK_BUDGET_S", 0.0)
+    async with broker(tmp_path, [{"name": "e", "parameters": CHEAP, "endpoint": {"kind": "echo"}}]) as b:
+        script = Script(tmp_path / "tools.sock")
+        line = orjson.dumps({"id": 1, "tool": "e", "args": {"xs": list(range(50))}}) + b"\n"
+        reply = await asyncio.to_thread(script.call, line)
+        script.close()
+    assert reply["ok"] and reply["result"]["args"]["xs"] == list(range(50))
+    assert checks == ["check_arguments", "check_result"]
+    assert b.records[0]["status"] == "ok"
+
+
+async def test_the_replies_of_concurrent_calls_go_out_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    writes = 0
+    write = asyncio.StreamWriter.write
+
+    def counted(self: asyncio.StreamWriter, data: Any) -> None:
+        nonlocal writes
+        writes += 1
+        write(self, data)
+
+    monkeypatch.setattr(asyncio.StreamWriter, "write", counted)
+    async with broker(tmp_path, [{"name": "e", "parameters": CHEAP, "endpoint": {"kind": "echo"}}]):
+        script = Script(tmp_path / "tools.sock")
+        lines = b"".join(b'{"id":%d,"tool":"e","args":{"i":%d}}\n' % (i, i) for i in range(200))
+        await asyncio.to_thread(script.sock.sendall, lines)
+        replies = [orjson.loads(await asyncio.to_thread(script.file.readline)) for _ in range(200)]
+        script.close()
+    assert sorted(r["id"] for r in replies) == list(range(200)) and all(r["ok"] for r in replies)
+    assert writes <= 20, writes  # before: one write (a system call) per reply
+
+
+async def test_the_reply_of_a_lone_call_is_written_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    flushes = 0
+    flush = broker_module._Outbox.flush
+
+    def counted(self: Any) -> None:
+        nonlocal flushes
+        flushes += 1
+        flush(self)
+
+    monkeypatch.setattr(broker_module._Outbox, "flush", counted)
+    async with broker(tmp_path, [{"name": "e", "parameters": CHEAP, "endpoint": {"kind": "echo"}}]):
+        script = Script(tmp_path / "tools.sock")
+        for i in range(20):
+            reply = await asyncio.to_thread(script.call, b'{"id":%d,"tool":"e","args":{"i":%d}}\n' % (i, i))
+            assert reply["id"] == i and reply["ok"]
+        script.close()
+    assert flushes == 0  # before: each reply waited for a flush in the loop's next turn

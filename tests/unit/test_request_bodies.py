@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.testclient import TestClient
 from pydantic import AfterValidator, BaseModel
 
-from service.api.bodies import MAX_BODY_DEPTH, ParsedOffLoop, parse_body
+from service.api.bodies import INLINE_BODY_BYTES, INLINE_BODY_CONTAINERS, MAX_BODY_DEPTH, ParsedOffLoop, parse_body
 from service.collector import gc_paused
 from service.schemas import ExecuteRequest, check_metadata
 from service.toolkit.validation import CheckScheduler
@@ -48,16 +48,24 @@ def _probe_app() -> FastAPI:
     return app
 
 
-def test_body_validators_run_off_the_event_loop() -> None:
+@pytest.mark.parametrize(
+    ("pad", "on_loop"),
+    [
+        ("", True),  # small: parsed and validated on the loop (a hand-off costs more)
+        ("a" * INLINE_BODY_BYTES, False),  # large: on a worker thread
+        ("[" * (INLINE_BODY_CONTAINERS + 1), False),  # small, but with many containers to walk: a worker thread
+    ],
+)
+def test_body_validators_run_off_the_event_loop_but_for_small_bodies(pad: str, on_loop: bool) -> None:
     ON_LOOP.clear()
     with TestClient(_probe_app()) as client:
-        ok = client.post("/probe", json={"x": 3})
-        bad = client.post("/probe", json={"x": "three"})
+        ok = client.post("/probe", json={"x": 3, "pad": pad})
+        bad = client.post("/probe", json={"x": "three", "pad": pad})
         not_json = client.post("/probe", content=b'{"x": ', headers={"content-type": "application/json"})
     assert ok.status_code == 200 and ok.json() == {"x": 3, "fields": ["x"]}
     assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "x"]
     assert not_json.status_code == 422 and not_json.json()["detail"][0]["type"] == "json_invalid"
-    assert ON_LOOP == [False]  # validated once, on a worker thread (FastAPI's own pass keeps the instance)
+    assert ON_LOOP == [on_loop]  # validated once (FastAPI's own pass keeps the instance)
 
 
 def test_refused_bodies_carry_no_input_in_their_errors() -> None:

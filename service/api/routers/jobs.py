@@ -13,6 +13,7 @@ from fastapi.responses import FileResponse, Response, StreamingResponse
 from pydantic import BeforeValidator
 from sse_starlette import EventSourceResponse
 
+from service import stages
 from service.api.bodies import ParsedOffLoop
 from service.api.deps import AppSettings, Idempotency, Jobs, Key, Who
 from service.api.idempotent import KEY_DESCRIPTION, KEY_HEADER, claim_key, replay
@@ -54,7 +55,7 @@ _LOCATION = {
 }
 
 
-def view_selection(
+async def view_selection(
     calls: Annotated[
         CallsMode,
         Query(
@@ -136,6 +137,7 @@ async def execute(
     With an ``Idempotency-Key`` already bound to a job of the same request, nothing runs: the answer is that
     job's, as this request would get it now (``Idempotent-Replayed: true``).
     """
+    stages.mark("body-parsed")
     check_execute(body, settings, key)
     claim = await claim_key(request, idempotency, who.owner, idempotency_key, "job", body)
     if isinstance(claim, IdempotencyRecord):
@@ -147,6 +149,7 @@ async def execute(
         if claim is not None:
             claim.release()  # nothing was created: a retry with this key may succeed
         raise
+    stages.mark("admitted-and-saved")
     request.state.job_id = job.id  # for the request's log event
     if claim is not None:
         await claim.bind("job", job.id, job.created_at)
@@ -168,13 +171,16 @@ async def job_answer(job_id: str, jobs: Jobs, who: Who, selection: Selection, jo
         job = jobs.live(job_id, who)
     if job is not None:
         await wait_for_end_or_client(job, job.limits.wait_s)  # a client call or an approval needs the caller
+        stages.mark("end-seen")
         if not job.done.is_set():
             return view_response(jobs.live_view(job, selection), 202, {"Location": f"/jobs/{job_id}"})
     final = await jobs.final(job_id, who)  # saved as served
     error = final.head.get("error") or {}
     if error.get("type") == "engine_unavailable":
         return ENGINE_UNAVAILABLE.response(str(error.get("message", "")), job_id=job_id)
-    return view_response(await jobs.ended_view(job_id, who, selection))
+    answer = view_response(await jobs.ended_view(job_id, who, selection))
+    stages.mark("view-rendered")
+    return answer
 
 
 @router.get("/jobs", response_model=JobList, responses={422: {}})

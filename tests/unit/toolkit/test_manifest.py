@@ -192,3 +192,37 @@ def test_unique_items_is_checked_in_linear_time() -> None:
     problem, _ = timed_check(entry, {"x": [1, 1.0]})
     assert problem is not None and "more than once" in problem
     assert timed_check(entry, {"x": [1, True]})[0] is None
+
+
+@pytest.mark.parametrize(
+    ("parameters", "cheap"),
+    [
+        ({"type": "object", "properties": {"i": {"type": "integer"}}}, True),
+        ({"properties": {"pattern": {"type": "string"}, "format": {"enum": ["a", "b"]}}}, True),  # names, not keywords
+        ({"properties": {"s": {"anyOf": [{"type": "string"}, {"type": "null"}]}}, "required": ["s"]}, True),
+        ({"properties": {"s": {"type": "string", "pattern": "^(a|a)+$"}}}, False),
+        ({"patternProperties": {"^x": {}}}, False),
+        ({"properties": {"s": {"type": "string", "format": "email"}}}, False),
+        ({"properties": {"n": {"$ref": "#"}}}, False),  # may recurse
+        ({"properties": {"n": {"items": {"$ref": "#/$defs/a"}}}, "$defs": {"a": {}}}, False),
+        ({"properties": {"s": {"enum": list(range(200))}}}, False),  # its set would be built on the loop
+        ({"properties": {f"p{i}": {"type": "integer"} for i in range(60)}}, False),
+        ({"properties": {"o": {"type": "object"}}, "unevaluatedProperties": False}, False),
+    ],
+)
+def test_cheap_schemas_are_small_and_without_costly_keywords(parameters: dict[str, Any], cheap: bool) -> None:
+    tool = parse_tool({"name": "t", "parameters": parameters, "endpoint": ECHO}, ())
+    assert tool.cheap_arguments is cheap
+    assert tool.cheap_result  # no output schema: nothing to check but the result's depth
+
+
+def test_an_approval_rule_or_a_costly_output_schema_is_not_cheap() -> None:
+    cheap = {"type": "object", "properties": {"i": {"type": "integer"}}}
+    rule = {"when": {"required": ["i"]}}
+    ruled = parse_tool({"name": "t", "parameters": cheap, "approval": rule, "endpoint": ECHO}, ())
+    assert not ruled.cheap_arguments and ruled.cheap_result
+    out = {"type": "object", "properties": {"u": {"type": "string", "format": "uri"}}}
+    checked = parse_tool({"name": "t", "parameters": cheap, "output_schema": out, "endpoint": ECHO}, ())
+    assert checked.cheap_arguments and not checked.cheap_result
+    simple = parse_tool({"name": "t", "parameters": cheap, "output_schema": {"type": "object"}, "endpoint": ECHO}, ())
+    assert simple.cheap_result

@@ -1,0 +1,215 @@
+"""The sandbox's broker client (``ptc_runtime.client``) against a fake broker: one reader at a time, replies to
+the right callers whatever their order, awaited calls sent together, a lost broker fails every waiting call."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "sandbox_image"))  # the runtime, as in the image
+
+from ptc_runtime.client import Client, ToolError
+
+
+class FakeBroker:
+    """Accepts one connection; answers each chunk's requests in reverse order (``{"args": ...}`` as result);
+    closes the connection after ``close_after`` requests (never answering that one)."""
+
+    def __init__(self, path: Path, close_after: int | None = None, ignore: str | None = None) -> None:
+        self.path = path
+        self.close_after = close_after
+        self.ignore = ignore  # requests of this tool are never answered
+        self.hold = False  # while set, answers wait for ``release``
+        self.held: list[str] = []
+        self.conn: socket.socket | None = None
+        self.requests = 0
+        self.listener = socket.socket(socket.AF_UNIX)
+        self.listener.bind(str(path))
+        self.listener.listen(1)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        self.conn = conn
+        unread = b""
+        with conn:
+            while True:
+                data = conn.recv(1 << 16)
+                if not data:
+                    return
+                *lines, unread = (unread + data).split(b"\n")
+                replies = []
+                for line in lines:
+                    self.requests += 1
+                    if self.close_after is not None and self.requests >= self.close_after:
+                        return
+                    request = json.loads(line)
+                    if request.get("tool") != self.ignore:
+                        replies.append(json.dumps({"id": request["id"], "ok": True, "result": request.get("args")}))
+                if self.hold:
+                    self.held += replies
+                    continue
+                conn.sendall("".join(r + "\n" for r in reversed(replies)).encode())
+
+    def release(self) -> None:
+        """Send the answers held while ``hold`` was set."""
+        assert self.conn is not None
+        held, self.held = self.held, []
+        self.conn.sendall("".join(r + "\n" for r in held).encode())
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> Iterator[FakeBroker]:
+    broker = FakeBroker(tmp_path / "tools.sock")
+    yield broker
+    broker.close()
+
+
+@pytest.fixture
+def clients() -> Iterator[list[Client]]:
+    """Clients to close after the test (the runtime's live as long as their process)."""
+    made: list[Client] = []
+    yield made
+    for client in made:
+        if client._sock is not None:
+            client._sock.close()
+
+
+def readers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "ptc-broker-reader"]
+
+
+def test_a_blocking_call_reads_its_own_reply(fake: FakeBroker, clients: list[Client]) -> None:
+    before = len(readers())
+    client = Client(str(fake.path))
+    clients.append(client)
+    assert [client.request({"tool": "e", "args": {"i": i}}) for i in range(50)] == [{"i": i} for i in range(50)]
+    assert len(readers()) == before  # before: a reader thread per connection, and two thread hand-offs per call
+
+
+def test_awaited_calls_of_one_turn_go_out_in_one_write(
+    fake: FakeBroker, clients: list[Client], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes = 0
+    sendall = socket.socket.sendall
+
+    def counted(self: socket.socket, data: Any, *args: Any) -> None:
+        nonlocal writes
+        writes += threading.current_thread() is not fake.thread  # the client's writes, not the fake's
+        sendall(self, data, *args)
+
+    monkeypatch.setattr(socket.socket, "sendall", counted)
+    client = Client(str(fake.path))
+    clients.append(client)
+
+    async def fan_out() -> list[Any]:
+        return await asyncio.gather(*(client.arequest({"tool": "e", "args": {"i": i}}) for i in range(300)))
+
+    assert asyncio.run(fan_out()) == [{"i": i} for i in range(300)]
+    assert writes == 1  # before: one per call
+
+
+def test_threads_and_loops_get_their_own_replies(fake: FakeBroker, clients: list[Client]) -> None:
+    client = Client(str(fake.path))
+    clients.append(client)
+    results: dict[str, list[Any]] = {}
+
+    def blocking(name: str) -> None:
+        results[name] = [client.request({"tool": "e", "args": {"who": name, "i": i}}) for i in range(200)]
+
+    def awaiting(name: str) -> None:
+        async def calls() -> list[Any]:
+            out = []
+            for i in range(20):
+                out += await asyncio.gather(*(client.arequest({"tool": "e", "args": {"who": name, "i": i * 10 + j}})
+                                              for j in range(10)))  # fmt: skip
+            return out
+
+        results[name] = asyncio.run(calls())
+
+    threads = [threading.Thread(target=blocking, args=(f"t{n}",)) for n in range(4)]
+    threads += [threading.Thread(target=awaiting, args=(f"a{n}",)) for n in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads)
+    assert results == {name: [{"who": name, "i": i} for i in range(200)] for name in results} and len(results) == 7
+
+
+def test_a_lost_broker_fails_every_waiting_call(tmp_path: Path, clients: list[Client]) -> None:
+    broker = FakeBroker(tmp_path / "tools.sock", close_after=5)
+    client = Client(str(broker.path))
+    clients.append(client)
+    assert client.request({"tool": "e", "args": 1}) == 1
+    errors: list[ToolError] = []
+
+    def blocking() -> None:
+        try:
+            client.request({"tool": "e", "args": 2})
+        except ToolError as exc:
+            errors.append(exc)
+
+    async def awaiting() -> list[Any]:
+        return await asyncio.gather(*(client.arequest({"tool": "e", "args": i}) for i in range(6)),
+                                    return_exceptions=True)  # fmt: skip
+
+    thread = threading.Thread(target=blocking)
+    thread.start()
+    outcomes = asyncio.run(asyncio.wait_for(awaiting(), 10))
+    thread.join(10)
+    broker.close()
+    lost = [o for o in [*outcomes, *errors] if isinstance(o, ToolError)]
+    assert lost and all(e.type == "broker_unavailable" for e in lost)
+    with pytest.raises(ToolError, match="broker_unavailable"):
+        client.request({"tool": "e", "args": 3})
+
+
+def test_a_call_with_a_timeout_is_never_handed_the_reading(tmp_path: Path, clients: list[Client]) -> None:
+    """The runtime's report (``timeout=2.0``) must give up in time even when a blocking call that was reading hands
+    the reading over while the report waits: it never becomes the reader, so no read blocks it past its timeout."""
+    broker = FakeBroker(tmp_path / "tools.sock", ignore="silent")
+    client = Client(str(broker.path))
+    clients.append(client)
+    outcome: list[str] = []
+    release = threading.Event()
+
+    def slow_reader() -> None:  # the reader while the report waits: its reply comes once the report was sent
+        outcome.append(str(client.request({"tool": "hold", "args": "a"})))
+
+    def report() -> None:
+        try:
+            client.request({"tool": "silent", "args": None}, timeout=0.5)
+        except ToolError as exc:
+            outcome.append(exc.type)
+        release.set()
+
+    broker.hold = True
+    reader = threading.Thread(target=slow_reader)
+    reader.start()
+    while broker.requests < 1:
+        time.sleep(0.01)
+    reporter = threading.Thread(target=report)
+    reporter.start()
+    while broker.requests < 2:
+        time.sleep(0.01)
+    broker.hold = False  # answers the held call now: its caller hands the reading over, the report still waits
+    broker.release()
+    assert release.wait(5)
+    reader.join(5)
+    reporter.join(5)
+    broker.close()
+    assert sorted(outcome) == ["a", "timeout"]
