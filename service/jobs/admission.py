@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,6 +33,15 @@ from service.settings import DEFAULT_IMAGE, Settings
 from service.toolkit.cache import CompiledManifest
 from service.toolkit.endpoints import EndpointClients
 from service.toolsets import Toolsets
+
+
+def _discard(made: asyncio.Future[tuple[Normalized, OutputLog, OutputLog]], output_dir: Path) -> None:
+    """The output files of a job that was never made (its admission was cancelled): closed, their folder removed
+    on a worker thread."""
+    if not made.cancelled() and made.exception() is None:
+        for log in made.result()[1:]:
+            log.close()
+    asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, output_dir, True)
 
 
 def find_session(sessions: SessionManager, session_id: str, caller: Caller) -> Session:
@@ -289,7 +299,12 @@ class Intake:
             logs = [OutputLog(output_dir / name, inline, retain, budget) for name in ("stdout", "stderr")]
             return normalized, logs[0], logs[1]
 
-        normalized, stdout, stderr = await asyncio.to_thread(script_and_files)  # one hand-off to a thread
+        work = asyncio.ensure_future(asyncio.to_thread(script_and_files))  # one hand-off to a thread
+        try:
+            normalized, stdout, stderr = await asyncio.shield(work)
+        except asyncio.CancelledError:  # the client gave up: the files the thread still makes are not left open
+            work.add_done_callback(lambda done: _discard(done, output_dir))
+            raise
         if request.normalize:
             count(normalized)
         job = LiveJob(

@@ -151,7 +151,8 @@ async def test_a_result_too_costly_to_check_is_refused_within_the_budget(
 async def test_a_small_line_after_a_large_one_is_recorded_after_it(tmp_path: Path) -> None:
     big = orjson.dumps({"id": 1, "tool": "e", "args": {"x": FLAT}}) + b"\n"
     small = b'{"id":2,"tool":"e","args":{}}\n'
-    async with broker(tmp_path, [{"name": "e", "parameters": ANY_ARGS, "endpoint": {"kind": "echo"}}]) as b:
+    tools = [{"name": "e", "parameters": ANY_ARGS, "endpoint": {"kind": "echo"}}]
+    async with broker(tmp_path, tools, budget_s=30.0) as b:  # a loaded host's depth walk may pass 1 s of CPU
         script = Script(tmp_path / "tools.sock")
         await asyncio.to_thread(script.sock.sendall, big + small)
         replies = [orjson.loads(await asyncio.to_thread(script.file.readline)) for _ in range(2)]

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import shutil
 import tempfile
+import threading
+import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,8 @@ import pytest
 from fastapi import FastAPI
 
 from service.api import create_app
+from service.jobs import admission
+from service.normalize import prepare
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
 
@@ -91,4 +96,35 @@ async def test_stop_delete_and_give_up_leave_no_place_taken(app: tuple[FastAPI, 
         request.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await request
+    assert await settled(application) == (0, 0, 0)
+
+
+async def test_a_client_that_gives_up_while_its_output_files_are_made_leaves_none_open(
+    app: tuple[FastAPI, httpx.AsyncClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    application, client = app
+    entered, release = threading.Event(), threading.Event()
+
+    def held(script: str, enabled: bool) -> Any:  # the worker thread's normalization, held until released
+        entered.set()
+        release.wait(10)
+        return prepare(script, enabled)
+
+    monkeypatch.setattr(admission, "prepare", held)
+    request = asyncio.ensure_future(client.post("/execute", json={"script": "print(3)", "wait_s": 30}))
+    assert await asyncio.to_thread(entered.wait, 10)
+    request.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await request
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        release.set()  # the thread now makes the job's folder and opens its two output files
+        output = application.state.settings.work_dir / "output"
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if not any(output.iterdir()):
+                break
+        gc.collect()
+    assert not any(output.iterdir())  # before: the folder stayed, its stdout and stderr open until collected
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
     assert await settled(application) == (0, 0, 0)
