@@ -21,6 +21,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import jsonschema
@@ -276,6 +277,21 @@ def _unique_items(validator: Any, unique: Any, instance: Any, schema: Any) -> It
             seen.add(key)
 
 
+def _multiple_of(validator: Any, divisor: Any, instance: Any, schema: Any) -> Iterator[ValidationError]:
+    """jsonschema's ``multipleOf``, exact (``Fraction``) where it would convert an integer past a float's range
+    (10**400 against 0.5: jsonschema raises OverflowError, and the call failed as the service's fault)."""
+    keyword: Any = _jsonschema_keywords.multipleOf
+    try:
+        yield from keyword(validator, divisor, instance, schema)
+    except OverflowError:
+        try:
+            failed = (Fraction(instance) / Fraction(divisor)).denominator != 1
+        except (OverflowError, ValueError):  # an infinite float: a multiple of nothing
+            failed = True
+        if failed:
+            yield ValidationError(f"{instance!r} is not a multiple of {divisor}")
+
+
 _KEYWORDS: dict[str, Any] = {
     **jsonschema.Draft202012Validator.VALIDATORS,
     "pattern": _pattern,
@@ -288,6 +304,7 @@ _KEYWORDS: dict[str, Any] = {
     "unevaluatedProperties": _unevaluated("unevaluatedProperties"),
     "uniqueItems": _unique_items,
     "enum": enum_keyword,
+    "multipleOf": _multiple_of,
 }
 # Every keyword counts against the CPU budget of the check it runs in (service.toolkit.validation).
 Validator = jsonschema.validators.extend(  # type: ignore[no-untyped-call]

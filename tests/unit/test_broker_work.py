@@ -251,6 +251,26 @@ async def test_a_small_call_of_a_cheap_tool_is_checked_on_the_loop(
     assert [r["status"] for r in b.records] == ["ok", "rejected"]
 
 
+async def test_a_burst_of_cheap_calls_is_handled_over_many_turns_of_the_loop(tmp_path: Path) -> None:
+    lines = b"".join(
+        b'{"id":%d,"tool":"e","args":{"xs":%s}}\n' % (i, orjson.dumps(list(range(18)))) for i in range(2000)
+    )
+    async with broker(tmp_path, [{"name": "e", "parameters": CHEAP, "endpoint": {"kind": "echo"}}]) as b:
+        script = Script(tmp_path / "tools.sock")
+
+        def burst() -> list[bytes]:
+            script.sock.sendall(lines)
+            return [script.file.readline() for _ in range(2000)]
+
+        gaps, raw = await stalls_while(burst)
+        script.close()
+    assert sorted(orjson.loads(r)["id"] for r in raw) == list(range(2000))
+    assert [r["status"] for r in b.records] == ["ok"] * 2000
+    # Before: the lines read at once began at once, and their inline checks ran back to back in one turn of the
+    # loop (a hostile review measured /healthz at 0.64 s; here gaps of 0.12-0.15 s). Now 16 begin per turn: 5 ms.
+    assert max(gaps) < 0.05, sorted(gaps)[-5:]
+
+
 async def test_a_keys_checks_on_the_loop_stop_at_its_share_of_the_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

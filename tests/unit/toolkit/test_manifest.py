@@ -97,6 +97,25 @@ def test_valid_arguments_pass() -> None:
 
 
 @pytest.mark.parametrize(
+    ("divisor", "value", "valid"),
+    [
+        (0.5, 10**400, True),
+        (0.5, 10**400 + 1, True),
+        (0.3, 10**400, False),
+        (10**400, 1.5, False),
+        (10**400, 10**401, True),
+    ],
+    ids=["1e400/0.5", "(1e400+1)/0.5", "1e400/0.3", "1.5/1e400", "1e401/1e400"],
+)
+def test_multiple_of_past_a_floats_range_is_a_verdict_not_a_fault(divisor: Any, value: Any, valid: bool) -> None:
+    spec = parse_tool(
+        {"name": "m", "parameters": {"properties": {"x": {"multipleOf": divisor}}}, "endpoint": ECHO}, ("tools", 0)
+    )
+    check = spec.check_arguments({"x": value})  # before: OverflowError (the call's internal_error, a logged traceback)
+    assert (check.problem is None) == valid, check.problem
+
+
+@pytest.mark.parametrize(
     ("entry", "loc"),
     [
         ({"name": "", "endpoint": ECHO}, ("tools", 0, "name")),
