@@ -133,7 +133,9 @@ def test_healthz_stays_responsive_while_a_jobs_http_tool_returns_8_mib(
     script = (  # 8 calls at once on the raw socket; the replies are read, not parsed (the sandbox's memory)
         "import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect('/run/ptc/tools.sock')\nf = s.makefile('rb')\n"
         's.sendall(b\'\'.join(b\'{"id":%d,"tool":"big","args":{}}\\n\' % i for i in range(8)))\n'
-        "print(sum(len(f.readline()) > 8_000_000 for _ in range(8)))\n"
+        "lines = [f.readline() for _ in range(8)]\n"
+        # A loaded host may take more than the check's CPU budget (1 s) for a result: refused, after the work
+        "print(sum(len(line) > 8_000_000 or b'limit_exceeded' in line for line in lines))\n"
     )
     view, samples = healthz_while(str(api.base_url), lambda: execute(api, script, [tool], timeout_s=60), 30)
     assert (view["status"], view["stdout"]) == ("succeeded", "8\n"), view
