@@ -283,10 +283,11 @@ def _multiple_of(validator: Any, divisor: Any, instance: Any, schema: Any) -> It
     keyword: Any = _jsonschema_keywords.multipleOf
     try:
         yield from keyword(validator, divisor, instance, schema)
-    except OverflowError:
+    except (OverflowError, ValueError):  # ValueError: a NaN quotient (an infinite divisor: the API's reader lets
+        # ``Infinity``, ``NaN`` and ``1e400`` into a tool's schema, and the meta-schema's exclusiveMinimum passes NaN)
         try:
             failed = (Fraction(instance) / Fraction(divisor)).denominator != 1
-        except (OverflowError, ValueError):  # an infinite float: a multiple of nothing
+        except (OverflowError, ValueError):  # an infinite or NaN float: a multiple of nothing
             failed = True
         if failed:
             yield ValidationError(f"{instance!r} is not a multiple of {divisor}")

@@ -104,8 +104,10 @@ def test_valid_arguments_pass() -> None:
         (0.3, 10**400, False),
         (10**400, 1.5, False),
         (10**400, 10**401, True),
+        (float("nan"), 3, False),
+        (float("inf"), 10**400, False),
     ],
-    ids=["1e400/0.5", "(1e400+1)/0.5", "1e400/0.3", "1.5/1e400", "1e401/1e400"],
+    ids=["1e400/0.5", "(1e400+1)/0.5", "1e400/0.3", "1.5/1e400", "1e401/1e400", "3/nan", "1e400/inf"],
 )
 def test_multiple_of_past_a_floats_range_is_a_verdict_not_a_fault(divisor: Any, value: Any, valid: bool) -> None:
     spec = parse_tool(
