@@ -300,7 +300,7 @@ class Broker:
                 if not line:
                     return
                 if not line.strip():  # a blank line is no request, but reading it is work: paced like one
-                    await self._pace()  # (a flood of b"\n" was read from the buffer without a turn's end: 2 MiB, 0.6 s)
+                    await self._pace()
                     continue
                 await self._in_flight.acquire()
                 size = await self._flight_room(len(line))
@@ -321,9 +321,9 @@ class Broker:
         lines per turn, and count one more. The lines begun in one turn are handled in the next, back to back
         (their inline parts: parse, cheap checks, reply); how long that turn took sets the next batch's size
         (``PACE_TURN_S``, ``PACE_LINES``), so a turn stays near 4 ms whether a line costs 20 us or 300 us."""
-        while self._begun and (
-            self._begun >= self._per_turn or time.perf_counter() - self._batch_began > PACE_TURN_S  # the reader's own
-        ):  # work: blank lines are read, not handled (a flood of b"\n" came from the buffer in one turn: 0.6 s)
+        # A batch also ends after PACE_TURN_S of the reader's own work: blank lines are read, not handled (a flood
+        # of b"\n" came from the buffer in one turn: 0.6 s).
+        while self._begun and (self._begun >= self._per_turn or time.perf_counter() - self._batch_began > PACE_TURN_S):
             await self._turn_ended.wait()
         if self._begun == 0:
             self._batch_began = time.perf_counter()
