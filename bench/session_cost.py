@@ -26,6 +26,7 @@ import docker
 import httpx
 from docker.models.containers import Container
 
+from bench.__main__ import stats
 from service.sandbox.labels import LABEL_INSTANCE
 from tests.conftest import start_service
 
@@ -88,10 +89,10 @@ def main() -> None:
                 for _ in range(100):
                     time.sleep(pause)
                     samples.append(run(api, sid))
-                ordered = sorted(samples)
+                st = stats(samples)
                 print(
-                    f"after {pause * 1000:3.0f} ms idle: median {statistics.median(ordered):.1f}, "
-                    f"p90 {ordered[89]:.1f}, p99 {ordered[98]:.1f} ms"
+                    f"after {pause * 1000:3.0f} ms idle: median {st['median']:.1f}, "
+                    f"p90 {st['p90']:.1f}, p99 {st['p99']:.1f} ms"
                 )
             api.delete(f"/sessions/{sid}")
     finally:
