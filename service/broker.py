@@ -11,6 +11,8 @@ the script's own claim: the job's ``error`` is built from what the service
 observed (``service.verdict``), with this report only labelled inside it.
 ``{"id": n, "op": "report", "ran_as": "coroutine"}`` says the script had
 top-level ``await`` and ran as a coroutine (``ran_as_coroutine``, also a claim).
+A tool call's ``"repair": "positional_dict"`` says the stub bound a lone positional dict as the arguments
+(``ptc_runtime.stubs``); the record lists it in ``repairs`` (a claim too; any other value is ignored).
 
 Every request naming a tool gets a call record, appended when it arrives
 (``seq`` in arrival order, status ``pending``) and completed when it ends:
@@ -123,6 +125,8 @@ INLINE_LINE_BYTES = 4096
 INLINE_CHECK_BUDGET_S = 0.0002
 INLINE_TICKS_PER_READ = 8
 MAX_TOOL_NAME_SHOWN = 256
+STUB_REPAIRS = frozenset({"positional_dict"})  # a request's "repair" values a record lists (``CallRecord.repairs``)
+JSON_TEXT_REPAIR = "json_text"  # the broker's own repair: an argument sent as JSON text, parsed (``repaired``)
 MAX_HINTS = 20  # unknown-tool calls per job that get "did you mean" hints (difflib is slow on big manifests)
 HINT_NAME_MAX = 64
 HINT_CANDIDATES = 1000
@@ -481,6 +485,7 @@ class Broker:
             "result": None,
             "error": None,
             "repaired": False,
+            "repairs": [],
             "caller": "code",
             "attempts": None,
             "started_at": _now(),
@@ -494,6 +499,8 @@ class Broker:
         """Validate, dispatch and record one call; returns the reply without its id (``internal_error`` if the
         service fails, so the record is always final)."""
         record = self._new_record(tool_name)
+        if request.repair is not None:
+            record["repairs"].append(request.repair)
         if request.args_json is not None:
             self._keep(record, "args", request.args_json)
         self.records.append(record)
@@ -563,6 +570,7 @@ class Broker:
             args_json = checked.args_json
             self._keep(record, "args", args_json)
             record["repaired"] = True
+            record["repairs"].append(JSON_TEXT_REPAIR)
         if tool.endpoint.kind == "client":
             return await self._call_client(tool, args, args_json or b"null", record)
         if checked.needs_approval:
@@ -870,6 +878,7 @@ class Request:
         deep: the arguments nest deeper than ``MAX_JSON_DEPTH``.
         too_costly: why checking the arguments' depth was stopped (the check's CPU budget), if it was.
         small: the line was read on the event loop (``inline_request``): its checks may be tried there too.
+        repair: what the stub repaired in the call (one of ``STUB_REPAIRS``), if it says so.
     """
 
     id: int | str | None = None
@@ -882,6 +891,7 @@ class Request:
     deep: bool = False
     too_costly: str | None = None
     small: bool = False
+    repair: str | None = None
 
 
 def inline_request(line: bytes) -> bool:
@@ -923,7 +933,16 @@ def read_request(line: bytes, check_depth: bool) -> Request:
     except CheckTooCostly as exc:
         return Request(request_id, tool=tool, args=args, too_costly=str(exc))
     encoded = None if deep else _encoded(args)
-    return Request(request_id, tool=tool, args=args, args_json=encoded, deep=deep, small=not check_depth)
+    repair = request.get("repair")
+    return Request(
+        request_id,
+        tool=tool,
+        args=args,
+        args_json=encoded,
+        deep=deep,
+        small=not check_depth,
+        repair=repair if isinstance(repair, str) and repair in STUB_REPAIRS else None,
+    )
 
 
 @dataclass(frozen=True)
