@@ -459,7 +459,11 @@ def test_a_stubs_parameter_names_mean_its_own_parameters(runtime_api: httpx.Clie
     )
     view = execute(runtime_api, script, tools)
     assert view["status"] == "succeeded", view
-    sent = [{"content_type": "A"}, {"content-type": "B"}, {"content_type": "A", "content-type": "B"}]
+    sent: list[dict[str, Any]] = [
+        {"content_type": "A"},
+        {"content-type": "B"},
+        {"content_type": "A", "content-type": "B"},
+    ]
     sent += [{"content_type": "A", "content-type": "C"}, {"from_": 1, "from": 2}, {"from": 2}]
     assert [c["args"] for c in view["calls"]] == sent  # as recorded, and as the tool received them:
     assert [ast.literal_eval(line) for line in view["stdout"].splitlines()] == sent
