@@ -10,10 +10,12 @@ Dispatch is by ``Endpoint.kind`` through the table in ``EndpointClients``:
   bounds the whole call (connect, send, every read), not each read.
 - ``mcp``: an MCP ``tools/call`` of ``Endpoint.tool`` (default: the tool's name)
   on the MCP server at ``url``, over Streamable HTTP with the official ``mcp``
-  SDK (2.x; its ``httpx2`` client bridged to the egress rules by ``mcp_http``). The result is the call's ``structuredContent`` when present,
-  else its text (parsed when it is JSON; several text blocks give a list);
-  ``isError`` becomes ``ToolCallFailed("tool_error", text)``. One MCP session
-  per (url, headers) is kept open and shared by all calls (see ``_McpSession``).
+  SDK (2.x: its ``httpx2`` client, bridged to the egress rules by ``mcp_http``).
+  The result is the call's ``structuredContent`` when present, else its text
+  (parsed when it is JSON; several text blocks give a list); ``isError``
+  becomes ``ToolCallFailed("tool_error", text)``; an HTTP error status is
+  ``http_error``. One MCP session per (url, headers) is kept open and shared
+  by all calls (see ``_McpSession``).
 
 Every HTTP request of ``http`` and ``mcp`` endpoints passes the egress rules (``service.egress``):
 a destination they refuse fails with ``ToolCallFailed("egress_denied", ...)`` before anything is sent.
