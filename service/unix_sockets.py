@@ -13,17 +13,22 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import stat
 from pathlib import Path
 
 
 def bind_unix(path: Path) -> socket.socket:
     """A ``SOCK_STREAM`` unix socket bound to the file ``path`` (created; its folder must exist) under an address
     that names no folder: ``/proc/self/fd/<n>/<name>``. Not listening yet (``asyncio.start_unix_server(sock=...)``
-    listens); mode as the process's umask gives it.
+    listens); mode as the process's umask gives it. A socket file already at ``path`` (an earlier listener's, e.g.
+    the broker of a session's previous run) is replaced, as ``asyncio.start_unix_server(path=...)`` does.
 
     Raises:
         OSError: the folder cannot be opened or the name is taken (``EADDRINUSE``).
     """
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
     folder = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -390,4 +390,4 @@ print(sorted(bad))
 def test_nothing_in_tmp_is_unwritable_for_scripts(runtime_api: httpx.Client, session_id: str) -> None:
     """What the sandbox holds in /tmp before a script (one-shot or in a session) is the script user's to write."""
     for view in (execute(runtime_api, UNWRITABLE), execute(runtime_api, UNWRITABLE, session_id=session_id)):
-        assert (view["status"], view["stdout"]) == ("succeeded", "[]\n"), view
+        assert (view["status"], view["stdout"]) == ("succeeded", "[]\n"), (view.get("error"), view.get("stderr"))
