@@ -33,8 +33,9 @@ the next one (the spare), which confines itself (``ptc_runtime.confine.drop``: i
 10001 with no capability, dumpable, the OOM killer's first choice, no user namespaces, a clean import path for its
 subprocesses), takes the run's pipes as stdout and stderr and its rings, and then waits, running nothing else,
 for its run frame. So a run's critical path holds neither the fork nor the confinement (~3 ms of page faults on a
-virtual machine): on the ``run`` frame the server sends the spare the run's ``env`` (the go pipe), and the spare
-applies it and returns from ``serve`` so that ``__main__`` compiles and runs the script exactly as a one-shot job
+virtual machine): on the ``run`` frame the server sends the spare its go (the go pipe), the spare reads the run's
+``env`` from the run folder's env file (``protocol.ENV_FILE``; from the go itself for an older service) and applies
+it and returns from ``serve`` so that ``__main__`` compiles and runs the script exactly as a one-shot job
 runs its script. The spare is forked from the server after the previous run ended (every process of it killed and
 gone), so it holds nothing of any script, and it is the only process besides the server between runs; a spare
 that ended before its run (the OOM killer, a failed confinement) is replaced at the run frame by one forked then,
@@ -68,7 +69,12 @@ sandbox as root with only ``CAP_SETUID``/``CAP_SETGID``/``CAP_KILL`` (images
 labelled ``privsep``), stays root while every script runs as 10001: no script
 can signal it, ptrace it or open its ``/proc`` files, under runc (which also
 drops signals sent to a namespace's init from inside it) and gVisor (which
-does not) alike. It also makes itself not dumpable. It collects every orphan.
+does not) alike. It also makes itself not dumpable, and its fd 0 ``/dev/null``. It collects every orphan.
+
+No run's data passes through its memory, which every later script's process inherits (fork): a run's env is read
+by the script's own process (the env file), files put in are copied by the kernel (``files.write_file``:
+``sendfile``). It imports the image's ``PTC_PRELOAD`` modules as the sandbox user (effective uid and gid 10001),
+so whatever they make under ``/tmp`` (matplotlib's config folder and font cache) is the scripts' to write.
 
 Nothing of a script outlives it. When the script's process has ended (or is
 to be killed), the server sends SIGKILL to every other process with
