@@ -100,6 +100,7 @@ from service.errors import CallNotPending, CheckTooCostly
 from service.toolkit.endpoints import EndpointClients, RawJson, ToolCallFailed
 from service.toolkit.manifest import ArgumentCheck, ToolSpec
 from service.toolkit.validation import CheckScheduler, deeper_than
+from service.unix_sockets import bind_unix
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +266,8 @@ class Broker:
 
     async def start(self, path: Path) -> None:
         """Listen on ``path`` (a unix socket, mode 0666 so the sandbox user can connect)."""
-        self._server = await asyncio.start_unix_server(self._serve, path=str(path), limit=self._max_line)
+        sock = bind_unix(path)  # an address without the work dir's path (a sandbox's /proc/net/unix shows it)
+        self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=self._max_line)
         os.chmod(path, 0o666)
 
     async def close(self) -> None:

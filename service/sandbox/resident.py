@@ -38,6 +38,7 @@ from service.files import OutputFiles
 from service.quotas import Commitment
 from service.sandbox.base import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec, Stream
 from service.sandbox.labels import LABEL_SANDBOX
+from service.unix_sockets import bind_unix
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ STRAY_KEPT_BYTES = 2048  # of that output, kept for the error of a sandbox that 
 _STREAMS: dict[str, Stream] = {"stdout": "stdout", "stderr": "stderr"}
 _FILE_FRAMES = frozenset((protocol.DATA, protocol.FILE, protocol.SKIPPED, protocol.ENTRY, protocol.DONE))
 SIGNAL_NUMBERS = {protocol.SIGTERM: 15, protocol.SIGKILL: 9}  # the signals the service sends (Linux numbers)
+INLINE_ENV_BYTES = 16 * 1024  # a run's env file up to this size is written on the event loop (a few small writes)
 FILE_OP_TIMEOUT_S = 60.0  # how long a file request may take in the sandbox before the sandbox is given up
 _FILE_ERRORS = frozenset(("not_found", "not_a_file", "too_large", "invalid_path", "no_space", "failed"))
 
@@ -155,7 +157,8 @@ class ResidentSandbox:
         os.chmod(self.folder, 0o755)
         path = self.folder / protocol.CONTROL_SOCKET
         try:
-            self._server = await asyncio.start_unix_server(self._accept, path=str(path))
+            # an address without the work dir's path: the sandbox's /proc/net/unix lists the accepted socket
+            self._server = await asyncio.start_unix_server(self._accept, sock=bind_unix(path))
             os.chmod(path, 0o666)
             spec = replace(
                 self.spec,
@@ -257,6 +260,7 @@ class ResidentSandbox:
                 run = self._run
                 if run is not None and message["id"] == run.job_id and not run.exit.done():
                     self._run = None
+                    self._drop_env()
                     if run.outputs is not None:
                         run.outputs.end()
                         omitted = message.get("files_omitted")
@@ -393,6 +397,7 @@ class ResidentSandbox:
     async def _lost(self) -> None:
         """The control connection ended: the sandbox cannot go on. End the running script from the engine's view."""
         run, self._run = self._run, None
+        self._drop_env()
         for request in self._requests.values():
             if not request.done.done():
                 request.done.set_exception(SandboxError(self.broken or "the sandbox went away"))
@@ -438,14 +443,25 @@ class ResidentSandbox:
 
         The script's environment is the sandbox's ``spec.env`` (a session's env) updated with ``env``; neither is
         in the container's own environment, so the interpreter's ``/proc/1/environ`` (readable from a script
-        under gVisor) holds only the image's defaults and ``PTC_SESSION``.
+        under gVisor) holds only the image's defaults and ``PTC_SESSION``. To a runtime that reads it from a file
+        (``protocol.FEATURE_ENV_FILE``) it goes as the folder's ``protocol.ENV_FILE`` (mode 0644, removed when the
+        run ends): the script's process reads it, the resident interpreter never holds it, so no later script of a
+        session finds an earlier run's env in the memory it inherits from the interpreter.
         """
         if protocol.FEATURE_FILES not in self.features:
             outputs = None  # an older runtime: no outputs (the view lists none)
+        every = {**self.spec.env, **env}
+        message: dict[str, Any] = {protocol.FIELD_OP: protocol.RUN, "id": job_id, "env": every}
+        if protocol.FEATURE_ENV_FILE in self.features:
+            data = orjson.dumps(every)
+            if len(data) <= INLINE_ENV_BYTES:  # a small write: less than a hand-off to a thread
+                self._write_env(data)
+            else:
+                await asyncio.to_thread(self._write_env, data)
+            message = {protocol.FIELD_OP: protocol.RUN, "id": job_id, "env_file": protocol.ENV_FILE}
         run = ResidentRun(self, job_id, sink, outputs)
         self._run = run
         self.job_id = job_id
-        message = {protocol.FIELD_OP: protocol.RUN, "id": job_id, "env": {**self.spec.env, **env}}
         if outputs is not None:
             message["outputs"] = outputs.caps()
         try:
@@ -454,6 +470,22 @@ class ResidentSandbox:
             self._run = None
             raise
         return run
+
+    def _write_env(self, data: bytes) -> None:
+        """Write a run's env (JSON) to the folder's ``protocol.ENV_FILE``, readable by the sandbox user."""
+        fd = os.open(self.folder / protocol.ENV_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            os.fchmod(fd, 0o644)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+
+    def _drop_env(self) -> None:
+        """Remove the ended run's env file (a later script must not find it in the folder)."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.folder / protocol.ENV_FILE)
 
     async def destroy(self, reason: str | None = None) -> None:
         """Remove the sandbox and its folder (idempotent); ``reason`` marks the sandbox broken."""
