@@ -275,15 +275,11 @@ class Client:
         return _unwrap(reply, body.get("tool"))
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Send the awaited calls ``loop`` made in this turn, in one write (those abandoned already: not at all).
-        When the write fails, or an exception cuts it short, those calls fail (``broker_unavailable``,
-        ``interrupted``)."""
-        pending = self._pending
-        outgoing = [(request_id, line) for request_id, line in self._outgoing.pop(loop, []) if request_id in pending]
-        if not outgoing:
-            return
+        """Send the awaited calls ``loop`` made in this turn, in one write. When the write fails, or an exception
+        cuts it short, those calls fail (``broker_unavailable``, ``interrupted``)."""
+        outgoing = self._outgoing.pop(loop, [])
         ids = [request_id for request_id, _ in outgoing]
-        waiters = [pending.get(request_id) for request_id in ids]
+        waiters = [self._pending.get(request_id) for request_id in ids]
         kind, problem = "broker_unavailable", None
         try:
             problem = self._write(b"".join(line for _, line in outgoing), ids)
