@@ -12,7 +12,7 @@ requests are written under a lock, and one reader thread per connection
 hands each reply to the caller waiting on its id, so many calls can be in
 flight at once.
 
-Whatever ends a call early leaves the client usable (docs/tools-and-manifests.md#abandoned-calls): an
+Whatever ends a call early leaves the client usable (docs/tools-and-manifests.md, the stubs' rules): an
 exception raised by a signal handler (``signal.alarm``, ``KeyboardInterrupt``), any other ``BaseException``, a
 cancelled task, a thread that dies. Only the reader thread reads the socket, and Python runs signal handlers
 only in the main thread, so no caller's exception can interrupt a read half done or leave the reading to a
@@ -39,7 +39,8 @@ class ToolError(Exception):
 
     Attributes:
         type: short machine-readable kind, e.g. ``rejected``, ``unknown_tool``,
-            ``timeout``, ``http_error``, ``endpoint_error``, ``broker_unavailable``.
+            ``timeout``, ``http_error``, ``endpoint_error``, ``broker_unavailable``,
+            ``interrupted`` (an awaited call whose write an exception cut short).
         message: human-readable explanation (names the parameter when an
             argument was wrong).
         tool: the tool's original name, when known.

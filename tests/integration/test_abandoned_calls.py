@@ -138,7 +138,9 @@ def test_an_abandoned_call_leaves_later_calls_working(
     assert [call["status"] for call in echoes] == ["ok", "ok"], view["calls"]
 
 
-def test_a_signal_handler_may_call_a_tool_while_a_call_waits(runtime_api: httpx.Client, tool_server: ToolServer) -> None:
+def test_a_signal_handler_may_call_a_tool_while_a_call_waits(
+    runtime_api: httpx.Client, tool_server: ToolServer
+) -> None:
     script = textwrap.dedent(
         """
         import signal, tools

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import json
-import os
 import signal
 import socket
 import sys
@@ -350,7 +349,12 @@ def test_a_signal_handler_may_call_a_tool_while_a_call_waits(
     signal.signal(signal.SIGALRM, handler)
     fake.hold = True
     signal.setitimer(signal.ITIMER_REAL, 0.2)
-    releaser = threading.Timer(0.5, lambda: (setattr(fake, "hold", False), fake.release()))
+
+    def answer() -> None:
+        fake.hold = False
+        fake.release()
+
+    releaser = threading.Timer(0.5, answer)
     releaser.start()
     assert client.request({"tool": "e", "args": "outer"}) == "outer"
     releaser.join()
