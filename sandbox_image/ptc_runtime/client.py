@@ -8,15 +8,23 @@ the runtime sends one control request, ``{"id": n, "op": "report", "error":
 {...}}``, to describe a script that ended with an uncaught exception.
 
 One connection per process is shared by every thread and every event loop:
-requests are written under a lock, and one reader at a time (a blocking
-caller waiting for its own reply, or the reader thread for awaited calls)
+requests are written under a lock, and one reader thread per connection
 hands each reply to the caller waiting on its id, so many calls can be in
 flight at once.
+
+Whatever ends a call early leaves the client usable (docs/tools-and-manifests.md, the stubs' rules): an
+exception raised by a signal handler (``signal.alarm``, ``KeyboardInterrupt``), any other ``BaseException``, a
+cancelled task, a thread that dies. Only the reader thread reads the socket, and Python runs signal handlers
+only in the main thread, so no caller's exception can interrupt a read half done or leave the reading to a
+caller that is gone; a caller that leaves forgets its id, so its late reply is dropped (replies are matched by
+id, and ids are never reused); a write cut short mid-line is ended with a newline, so the next request starts
+on a line of its own (the broker answers the broken line as malformed, with no id, and nobody waits for that).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import socket
@@ -31,7 +39,8 @@ class ToolError(Exception):
 
     Attributes:
         type: short machine-readable kind, e.g. ``rejected``, ``unknown_tool``,
-            ``timeout``, ``http_error``, ``endpoint_error``, ``broker_unavailable``.
+            ``timeout``, ``http_error``, ``endpoint_error``, ``broker_unavailable``,
+            ``interrupted`` (an awaited call whose write an exception cut short).
         message: human-readable explanation (names the parameter when an
             argument was wrong).
         tool: the tool's original name, when known.
@@ -45,17 +54,18 @@ class ToolError(Exception):
 
 
 class _SyncWaiter:
-    __slots__ = ("can_read", "event", "promoted", "reply")
+    """A blocking caller: ``done`` is held until its reply is in (a bare lock: released by the reader thread)."""
 
-    def __init__(self, can_read: bool) -> None:
-        self.event = threading.Event()
+    __slots__ = ("done", "reply")
+
+    def __init__(self) -> None:
+        self.done = threading.Lock()
+        self.done.acquire()
         self.reply: Optional[Dict[str, Any]] = None
-        self.can_read = can_read  # it may read the socket (a call with a timeout never blocks reading)
-        self.promoted = False  # it was handed the socket's reading (its reply is not in yet)
 
     def resolve(self, reply: Dict[str, Any]) -> None:
         self.reply = reply
-        self.event.set()
+        self.done.release()
 
 
 class _AsyncWaiter:
@@ -69,7 +79,7 @@ class _AsyncWaiter:
         _settle_all(self.loop, [(self, reply)])
 
     def set(self, reply: Dict[str, Any]) -> None:
-        if not self.future.done():
+        if not self.future.done():  # a cancelled call's future is done: its late reply is dropped
             self.future.set_result(reply)
 
 
@@ -87,209 +97,201 @@ def _set_all(settled: List[Tuple[_AsyncWaiter, Dict[str, Any]]]) -> None:
 
 
 _Waiter = Union[_SyncWaiter, _AsyncWaiter]
-_HELPER = "helper"  # the reader thread reads for the awaiting callers
 
 
 class Client:
-    """The process-wide connection to the broker (lazy, thread-safe).
+    """The process-wide connection to the broker (lazy, thread-safe, usable whatever ended an earlier call).
 
-    One caller at a time reads the socket, and hands every reply it reads to its waiter: a blocking call reads
-    its own reply when nobody else is reading (no thread hand-off), and once its reply is in hands the reading
-    to a blocking caller still waiting, or to the reader thread; the reader thread reads while awaited calls
-    (``arequest``) are in flight, and their futures are resolved one wake-up of their loop per read. Awaited
-    calls made in one turn of their loop are sent in one write.
+    The reader thread (``ptc-broker-reader``, started with the connection) is the only one to read the socket: it
+    hands each reply to the waiter of its id, a blocking caller's lock or an awaited call's future (one wake-up of
+    the caller's loop per read). A caller only registers its id, writes its line and waits, so an exception that
+    ends it anywhere (a signal handler's, a cancellation, a ``BaseException``) leaves the others as they were; it
+    forgets its id on the way out, and the late reply is dropped. Awaited calls made in one turn of their loop are
+    sent in one write.
+
+    ``_pending`` is only changed by single dict operations (atomic under the GIL), so that neither the reader
+    thread nor a signal handler's own tool call ever waits for a lock that an interrupted caller holds.
     """
 
     def __init__(self, path: str = SOCKET_PATH) -> None:
         self._path = path
-        self._lock = threading.Condition()  # guards the state below; never held while blocking on I/O
-        self._send_lock = threading.Lock()  # one writer at a time, so lines never interleave
+        self._connect_lock = threading.RLock()  # one connection; re-entrant: a signal handler may call a tool
+        self._send_lock = threading.RLock()  # one writer at a time, so lines never interleave (re-entrant: as above)
         self._sock: Optional[socket.socket] = None
         self._closed_reason: Optional[str] = None
-        self._next_id = 0
+        self._ids = itertools.count(1)  # next() is atomic: ids are unique even across a signal handler's calls
         self._pending: Dict[int, _Waiter] = {}
-        self._reader: Union[str, _SyncWaiter, None] = None  # who reads the socket now
-        self._helper: Optional[threading.Thread] = None
-        self._unread = b""  # a reply's first part, read before its end (readers only, one at a time)
         self._outgoing: Dict[asyncio.AbstractEventLoop, List[Tuple[int, bytes]]] = {}  # awaited calls to send
 
-    def _register(self, body: Dict[str, Any], waiter: _Waiter) -> Tuple[int, bytes]:
-        """Give the request an id and its waiter; a blocking caller that may read (``can_read``) reads the socket
-        itself if nobody does, else the reader thread is asked to. Returns the id and the request's line."""
+    def _line(self, body: Dict[str, Any]) -> Tuple[int, bytes]:
+        """A fresh id and the request's line; raises ToolError for arguments JSON cannot carry, or when the broker
+        cannot be reached."""
         try:
             payload = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-            payload.encode("utf-8")  # lone surrogates cannot travel as JSON
+            encoded = payload[1:].encode("utf-8")  # lone surrogates cannot travel as JSON
         except (TypeError, ValueError) as exc:
             raise ToolError(
                 "invalid_arguments", f"arguments are not JSON-serializable: {exc}", body.get("tool")
             ) from None
-        with self._lock:
-            if self._closed_reason is not None:
-                raise ToolError("broker_unavailable", self._closed_reason, body.get("tool"))
-            if self._sock is None:
-                self._connect()
-            self._next_id += 1
-            request_id = self._next_id
-            self._pending[request_id] = waiter
-            if self._reader is None:
-                if isinstance(waiter, _SyncWaiter) and waiter.can_read:
-                    self._reader = waiter
-                    waiter.promoted = True
-                else:
-                    self._call_helper()
-        return request_id, ('{"id":%d,%s\n' % (request_id, payload[1:])).encode("utf-8")
+        if self._sock is None:
+            self._connect()
+        if self._closed_reason is not None:
+            raise ToolError("broker_unavailable", self._closed_reason, body.get("tool"))
+        request_id = next(self._ids)
+        return request_id, b'{"id":%d,%s\n' % (request_id, encoded)
 
-    def _call_helper(self) -> None:
-        """Make the reader thread the reader (under the lock)."""
-        self._reader = _HELPER
-        if self._helper is None:
-            self._helper = threading.Thread(target=self._help, name="ptc-broker-reader", daemon=True)
-            self._helper.start()
-        self._lock.notify_all()
+    def _register(self, request_id: int, waiter: _Waiter) -> None:
+        """Make ``waiter`` the one the reply of ``request_id`` goes to; when the connection was lost meanwhile (its
+        waiters already failed), it fails at once."""
+        self._pending[request_id] = waiter
+        reason = self._closed_reason
+        if reason is not None and self._pending.pop(request_id, None) is not None:
+            waiter.resolve({"ok": False, "error": {"type": "broker_unavailable", "message": reason}})
 
-    def _write(self, data: bytes, ids: List[int], tool: Optional[str]) -> Optional[str]:
-        """Send ``data`` (the lines of ``ids``); on failure, forget them and return why."""
+    def _connect(self) -> None:
+        with self._connect_lock:
+            if self._sock is not None or self._closed_reason is not None:
+                return
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(self._path)
+            except OSError as exc:
+                sock.close()
+                raise ToolError("broker_unavailable", f"cannot reach the broker at {self._path}: {exc}") from None
+            reader = threading.Thread(target=self._read, args=(sock,), name="ptc-broker-reader", daemon=True)
+            reader.start()
+            self._sock = sock
+
+    def _write(self, data: bytes, ids: List[int]) -> Optional[str]:
+        """Send ``data`` (the lines of ``ids``); on failure, forget them and return why. A write cut short by an
+        exception (a signal handler's) forgets them too, and is ended with a newline before the exception goes on:
+        the next request starts on a line of its own (the broken line, if any, is answered as malformed, with no
+        id, and dropped)."""
         sock = self._sock
         assert sock is not None
         try:
             with self._send_lock:
-                sock.sendall(data)
+                try:
+                    sock.sendall(data)
+                except OSError:
+                    raise
+                except BaseException:
+                    for request_id in ids:
+                        self._pending.pop(request_id, None)
+                    try:
+                        sock.sendall(b"\n")  # a blank line, or the end of a broken one
+                    except OSError:
+                        pass
+                    raise
         except OSError as exc:
-            with self._lock:
-                for request_id in ids:
-                    self._pending.pop(request_id, None)
+            for request_id in ids:
+                self._pending.pop(request_id, None)
             return f"cannot send to the broker: {exc}"
         return None
 
-    def _connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    def _read(self, sock: socket.socket) -> None:
+        """The reader thread: read every reply and hand it to its waiter (a reply nobody waits for any more is
+        dropped); on a lost connection, or anything unexpected, fail every waiting call and every later one."""
+        unread = b""
         try:
-            sock.connect(self._path)
+            while True:
+                data = sock.recv(1 << 18)
+                if not data:
+                    raise EOFError("the broker closed the connection")
+                lines = (unread + data).split(b"\n")
+                unread = lines.pop()
+                if not lines:
+                    continue
+                pending = self._pending
+                by_loop: Dict[asyncio.AbstractEventLoop, List[Tuple[_AsyncWaiter, Dict[str, Any]]]] = {}
+                for reply in json.loads(b"[" + b",".join(lines) + b"]"):
+                    request_id = reply.get("id")
+                    waiter = pending.pop(request_id, None) if type(request_id) is int else None
+                    if isinstance(waiter, _AsyncWaiter):
+                        by_loop.setdefault(waiter.loop, []).append((waiter, reply))
+                    elif waiter is not None:
+                        waiter.resolve(reply)
+                for loop, settled in by_loop.items():
+                    _settle_all(loop, settled)
+        except EOFError as exc:
+            self._lost(str(exc))
         except OSError as exc:
-            sock.close()
-            raise ToolError("broker_unavailable", f"cannot reach the broker at {self._path}: {exc}") from None
-        self._sock = sock
-
-    def _read_once(self) -> None:
-        """Read what the broker sent (the reader only) and hand each complete reply to its waiter; on a lost
-        connection, fail every waiting call."""
-        sock = self._sock
-        assert sock is not None
-        try:
-            data = sock.recv(1 << 18)
-            if not data:
-                raise EOFError("the broker closed the connection")
-            lines = (self._unread + data).split(b"\n")
-            self._unread = lines.pop()
-            replies = json.loads(b"[" + b",".join(lines) + b"]") if lines else []
-        except (OSError, ValueError, EOFError) as exc:
-            self._lost(str(exc) if isinstance(exc, EOFError) else f"lost the connection to the broker: {exc}")
-            return
-        by_loop: Dict[asyncio.AbstractEventLoop, List[Tuple[_AsyncWaiter, Dict[str, Any]]]] = {}
-        with self._lock:
-            waiters = [(self._pending.pop(reply.get("id"), None), reply) for reply in replies]
-        for waiter, reply in waiters:
-            if isinstance(waiter, _AsyncWaiter):
-                by_loop.setdefault(waiter.loop, []).append((waiter, reply))
-            elif waiter is not None:
-                waiter.resolve(reply)
-        for loop, settled in by_loop.items():
-            _settle_all(loop, settled)
+            self._lost(f"lost the connection to the broker: {exc}")
+        except Exception as exc:  # a reply that is not JSON, or not an object: nothing more can be trusted
+            self._lost(f"unreadable reply from the broker: {type(exc).__name__}: {exc}")
 
     def _lost(self, reason: str) -> None:
-        with self._lock:
-            if self._closed_reason is None:
-                self._closed_reason = reason
-            pending, self._pending = self._pending, {}
-            self._reader = None
-        for waiter in pending.values():
-            waiter.resolve({"ok": False, "error": {"type": "broker_unavailable", "message": reason}})
-
-    def _hand_over(self) -> None:
-        """The reader is done (under the lock): a blocking caller still waiting reads next, else the reader thread
-        if awaited calls are in flight, else nobody."""
-        self._reader = None
-        if self._closed_reason is not None or not self._pending:
-            return
-        for waiter in self._pending.values():
-            if isinstance(waiter, _SyncWaiter) and waiter.can_read and not waiter.event.is_set():
-                self._reader = waiter
-                waiter.promoted = True
-                waiter.event.set()
-                return
-        self._call_helper()
-
-    def _read_for(self, waiter: _SyncWaiter) -> None:
-        """Read (as the reader) until ``waiter`` has its reply, then hand the reading over."""
-        try:
-            while waiter.reply is None:
-                self._read_once()
-        finally:
-            with self._lock:
-                if self._reader is waiter:
-                    self._hand_over()
-
-    def _help(self) -> None:
-        """The reader thread: reads while it is the reader and calls are in flight."""
-        while True:
-            with self._lock:
-                while self._reader != _HELPER:
-                    self._lock.wait()
-            while True:
-                self._read_once()
-                with self._lock:
-                    if self._reader != _HELPER:  # the connection was lost
-                        break
-                    if not self._pending:
-                        self._hand_over()
-                        break
+        """Fail every waiting call (and, through ``_closed_reason``, every later one)."""
+        if self._closed_reason is None:
+            self._closed_reason = reason
+        pending = self._pending
+        error = {"ok": False, "error": {"type": "broker_unavailable", "message": reason}}
+        while pending:
+            try:
+                _, waiter = pending.popitem()
+            except KeyError:  # emptied meanwhile by callers that left
+                break
+            waiter.resolve(error)
 
     def request(self, body: Dict[str, Any], timeout: Optional[float] = None) -> Any:
-        """Send one request and block until its reply; returns ``result`` or raises ToolError."""
-        waiter = _SyncWaiter(can_read=timeout is None)
+        """Send one request and block until its reply; returns ``result`` or raises ToolError.
+
+        ``timeout`` (seconds; None: no limit) bounds the wait: past it, ToolError ``timeout``. Whatever ends the
+        wait early (the timeout, an exception from a signal handler, ``KeyboardInterrupt``) abandons the call: its
+        reply, if it comes, is dropped, and the client stays usable.
+        """
         tool = body.get("tool")
-        request_id, line = self._register(body, waiter)
-        problem = self._write(line, [request_id], tool)
-        if problem is not None:
-            if waiter.promoted:
-                with self._lock:
-                    if self._reader is waiter:
-                        self._hand_over()
-            raise ToolError("broker_unavailable", problem, tool)
-        while True:
-            if waiter.promoted and waiter.reply is None:
-                self._read_for(waiter)
-            if waiter.reply is not None:
-                break
-            if not waiter.event.wait(timeout):
+        request_id, line = self._line(body)
+        waiter = _SyncWaiter()
+        try:
+            self._register(request_id, waiter)
+            problem = self._write(line, [request_id])
+            if problem is not None:
+                raise ToolError("broker_unavailable", problem, tool)
+            if not waiter.done.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
                 raise ToolError("timeout", "no reply from the broker in time", tool)
-            if waiter.reply is None:  # promoted: it reads now
-                waiter.event.clear()
+        except BaseException:
+            self._pending.pop(request_id, None)  # abandoned: a late reply is dropped
+            raise
+        assert waiter.reply is not None
         return _unwrap(waiter.reply, tool)
 
     async def arequest(self, body: Dict[str, Any]) -> Any:
-        """Awaitable ``request``: many may be in flight at once on one loop (those of one turn sent together)."""
+        """Awaitable ``request``: many may be in flight at once on one loop (those of one turn sent together).
+
+        A cancelled call (``asyncio.wait_for``'s timeout, ``Task.cancel``) is abandoned: sent or not, its reply is
+        dropped, and the client stays usable."""
         loop = asyncio.get_running_loop()
+        request_id, line = self._line(body)
         waiter = _AsyncWaiter(loop)
-        request_id, line = self._register(body, waiter)
-        outgoing = self._outgoing.get(loop)
-        if outgoing is None:
-            outgoing = self._outgoing[loop] = []
-            loop.call_soon(self._flush, loop)
-        outgoing.append((request_id, line))
-        return _unwrap(await waiter.future, body.get("tool"))
+        try:
+            self._register(request_id, waiter)
+            if loop not in self._outgoing:
+                loop.call_soon(self._flush, loop)  # before the list: cut short here, the next call still gets sent
+            self._outgoing.setdefault(loop, []).append((request_id, line))
+            reply = await waiter.future
+        except BaseException:
+            self._pending.pop(request_id, None)
+            raise
+        return _unwrap(reply, body.get("tool"))
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Send the awaited calls ``loop`` made in this turn, in one write."""
+        """Send the awaited calls ``loop`` made in this turn, in one write. When the write fails, or an exception
+        cuts it short, those calls fail (``broker_unavailable``, ``interrupted``)."""
         outgoing = self._outgoing.pop(loop, [])
         ids = [request_id for request_id, _ in outgoing]
-        with self._lock:
-            waiters = [self._pending.get(request_id) for request_id in ids]
-        problem = self._write(b"".join(line for _, line in outgoing), ids, None)
-        if problem is not None:
-            for waiter in waiters:
-                if waiter is not None:
-                    waiter.resolve({"ok": False, "error": {"type": "broker_unavailable", "message": problem}})
+        waiters = [self._pending.get(request_id) for request_id in ids]
+        kind, problem = "broker_unavailable", None
+        try:
+            problem = self._write(b"".join(line for _, line in outgoing), ids)
+        except BaseException as exc:
+            kind, problem = "interrupted", f"sending the call was interrupted ({type(exc).__name__}); send it again"
+            raise
+        finally:
+            if problem is not None:
+                for waiter in waiters:
+                    if waiter is not None:
+                        waiter.resolve({"ok": False, "error": {"type": kind, "message": problem}})
 
 
 def _unwrap(reply: Dict[str, Any], tool: Optional[str]) -> Any:

@@ -1,10 +1,14 @@
-"""The sandbox's broker client (``ptc_runtime.client``) against a fake broker: one reader at a time, replies to
-the right callers whatever their order, awaited calls sent together, a lost broker fails every waiting call."""
+"""The sandbox's broker client (``ptc_runtime.client``) against a fake broker: one reader thread, replies to the
+right callers whatever their order, awaited calls sent together, a lost broker fails every waiting call, and
+whatever ends a call early (a signal handler's exception, KeyboardInterrupt, a cancelled task, a thread that dies,
+a write cut short) leaves the client usable, the late reply dropped."""
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
+import signal
 import socket
 import sys
 import threading
@@ -32,6 +36,9 @@ class FakeBroker:
         self.held: list[str] = []
         self.conn: socket.socket | None = None
         self.requests = 0
+        self.malformed = 0
+        self.reading = threading.Event()  # cleared: the fake stops reading (a script's writes then block)
+        self.reading.set()
         self.listener = socket.socket(socket.AF_UNIX)
         self.listener.bind(str(path))
         self.listener.listen(1)
@@ -44,6 +51,7 @@ class FakeBroker:
         unread = b""
         with conn:
             while True:
+                self.reading.wait()
                 data = conn.recv(1 << 16)
                 if not data:
                     return
@@ -53,7 +61,11 @@ class FakeBroker:
                     self.requests += 1
                     if self.close_after is not None and self.requests >= self.close_after:
                         return
-                    request = json.loads(line)
+                    try:
+                        request = json.loads(line)
+                    except ValueError:  # a line broken by an interrupted write: the broker answers it without id
+                        self.malformed += 1
+                        continue
                     if request.get("tool") != self.ignore:
                         replies.append(json.dumps({"id": request["id"], "ok": True, "result": request.get("args")}))
                 if self.hold:
@@ -92,12 +104,14 @@ def readers() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "ptc-broker-reader"]
 
 
-def test_a_blocking_call_reads_its_own_reply(fake: FakeBroker, clients: list[Client]) -> None:
+def test_one_reader_thread_reads_for_every_caller(fake: FakeBroker, clients: list[Client]) -> None:
+    """Only the reader thread reads the socket (a caller that reads can be cut short by a signal handler's
+    exception mid-read, issue 24 item 3): one per connection, however many calls."""
     before = len(readers())
     client = Client(str(fake.path))
     clients.append(client)
     assert [client.request({"tool": "e", "args": {"i": i}}) for i in range(50)] == [{"i": i} for i in range(50)]
-    assert len(readers()) == before  # before: a reader thread per connection, and two thread hand-offs per call
+    assert len(readers()) == before + 1
 
 
 def test_awaited_calls_of_one_turn_go_out_in_one_write(
@@ -213,3 +227,156 @@ def test_a_call_with_a_timeout_is_never_handed_the_reading(tmp_path: Path, clien
     reporter.join(5)
     broker.close()
     assert sorted(outcome) == ["a", "timeout"]
+
+
+class Interrupted(Exception):
+    """What the tests' signal handlers raise (as a ``signal.alarm`` timeout decorator does)."""
+
+
+def raise_interrupted(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
+
+
+@pytest.fixture
+def alarm() -> Iterator[None]:
+    """SIGALRM raises Interrupted for the test; put back after it."""
+    previous = signal.signal(signal.SIGALRM, raise_interrupted)
+    yield
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def held_call_abandoned_then_answered(broker: FakeBroker, client: Client, interrupt: Any) -> None:
+    """A call whose reply the broker holds is cut short by ``interrupt`` (raising Interrupted or
+    KeyboardInterrupt); a later call gets its own value, then the late reply comes and is dropped."""
+    broker.hold = True
+    with pytest.raises((Interrupted, KeyboardInterrupt)):
+        interrupt()
+    broker.hold = False
+    assert client.request({"tool": "e", "args": "second"}, timeout=5) == "second"  # before: timeout
+    broker.release()  # the abandoned call's late reply
+    assert client.request({"tool": "e", "args": "third"}, timeout=5) == "third"
+    assert not client._pending
+
+
+def test_a_signal_handlers_exception_during_a_call_leaves_the_client_usable(
+    fake: FakeBroker, clients: list[Client], alarm: None
+) -> None:
+    broker = fake
+    client = Client(str(broker.path))
+    clients.append(client)
+    assert client.request({"tool": "e", "args": "first"}) == "first"
+
+    def interrupt() -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        client.request({"tool": "e", "args": "abandoned"})
+
+    held_call_abandoned_then_answered(broker, client, interrupt)
+    assert client.request({"tool": "e", "args": "blocking"}) == "blocking"
+
+
+def test_keyboard_interrupt_during_a_call_leaves_the_client_usable(fake: FakeBroker, clients: list[Client]) -> None:
+    broker = fake
+    client = Client(str(broker.path))
+    clients.append(client)
+    main = threading.main_thread().ident
+    assert main is not None and threading.current_thread().ident == main
+
+    def interrupt() -> None:
+        threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT)).start()
+        client.request({"tool": "e", "args": "abandoned"})
+
+    held_call_abandoned_then_answered(broker, client, interrupt)
+
+
+def test_a_cancelled_awaited_call_leaves_the_client_usable(fake: FakeBroker, clients: list[Client]) -> None:
+    broker = fake
+    client = Client(str(broker.path))
+    clients.append(client)
+
+    async def script() -> list[Any]:
+        broker.hold = True
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(client.arequest({"tool": "e", "args": "abandoned"}), 0.2)
+        broker.hold = False
+        second = await asyncio.wait_for(client.arequest({"tool": "e", "args": "second"}), 5)
+        broker.release()
+        third = await asyncio.wait_for(client.arequest({"tool": "e", "args": "third"}), 5)
+        return [second, third, client.request({"tool": "e", "args": "blocking"}, timeout=5)]
+
+    assert asyncio.run(script()) == ["second", "third", "blocking"]
+    assert not client._pending
+
+
+def test_a_thread_that_dies_mid_call_leaves_the_client_usable(fake: FakeBroker, clients: list[Client]) -> None:
+    broker = fake
+    client = Client(str(broker.path))
+    clients.append(client)
+    died: list[BaseException] = []
+
+    def doomed() -> None:
+        try:
+            client.request({"tool": "e", "args": "abandoned"})
+        except BaseException as exc:  # the exception injected below
+            died.append(exc)
+
+    broker.hold = True
+    thread = threading.Thread(target=doomed)
+    thread.start()
+    while broker.requests < 1:
+        time.sleep(0.01)
+    assert thread.ident is not None
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(Interrupted))
+    broker.hold = False
+    assert client.request({"tool": "e", "args": "second"}, timeout=5) == "second"  # before: timeout
+    broker.release()  # the doomed thread wakes, dies of its exception; its reply is dropped
+    thread.join(5)
+    assert [type(exc) for exc in died] == [Interrupted]
+    assert client.request({"tool": "e", "args": "third"}, timeout=5) == "third"
+    assert not client._pending
+
+
+def test_a_signal_handler_may_call_a_tool_while_a_call_waits(
+    fake: FakeBroker, clients: list[Client], alarm: None
+) -> None:
+    client = Client(str(fake.path))
+    clients.append(client)
+    seen: list[Any] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        seen.append(client.request({"tool": "e", "args": "from the handler"}, timeout=5))  # before: timeout
+
+    signal.signal(signal.SIGALRM, handler)
+    fake.hold = True
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+
+    def answer() -> None:
+        fake.hold = False
+        fake.release()
+
+    releaser = threading.Timer(0.5, answer)
+    releaser.start()
+    assert client.request({"tool": "e", "args": "outer"}) == "outer"
+    releaser.join()
+    assert seen == ["from the handler"]
+
+
+def test_a_write_cut_short_mid_line_leaves_the_client_usable(
+    fake: FakeBroker, clients: list[Client], alarm: None
+) -> None:
+    """A request bigger than the socket's buffer, while the broker does not read, is cut short by a signal
+    handler's exception: the part sent is ended as a line of its own, and the next call goes through."""
+    broker = fake
+    client = Client(str(broker.path))
+    clients.append(client)
+    assert client.request({"tool": "e", "args": "first"}) == "first"
+    broker.reading.clear()
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    resume = threading.Timer(0.6, broker.reading.set)  # the line's end waits for the broker to read again
+    resume.start()
+    with pytest.raises(Interrupted):
+        client.request({"tool": "e", "args": "x" * (16 << 20)})
+    resume.join()
+    assert client.request({"tool": "e", "args": "second"}, timeout=10) == "second"
+    assert broker.malformed == 1
+    assert not client._pending
