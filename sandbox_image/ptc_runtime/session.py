@@ -110,7 +110,7 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ptc_runtime import files, protocol
-from ptc_runtime.confine import drop, no_user_namespaces_filter, prepare, set_dumpable
+from ptc_runtime.confine import drop, no_user_namespaces_filter, prepare, script_ids, set_dumpable
 from ptc_runtime.ring import ASLEEP, STDERR_RING_BYTES, STDOUT_RING_BYTES, Ring, RingReader, install
 from ptc_runtime.stdio import UNBUFFERED_ENV
 
@@ -231,6 +231,7 @@ class Server:
         self.wake_r, self.wake_w = os.pipe()
         self.filter = no_user_namespaces_filter()
         prepare(self.filter)
+        script_ids()  # the scripts' user, read (and checked: ValueError) once, before any fork
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
 
@@ -428,7 +429,7 @@ class Server:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any Python process
         try:
             drop(self.filter)  # its own session, the sandbox user, no capability (ptc_runtime.confine)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             os.write(err_w, ("ptc_runtime: cannot drop privileges: %s\n" % exc).encode())
             os._exit(126)
         os.environ.pop("PTC_SESSION", None)  # the script sees the environment a one-shot job sees
