@@ -370,3 +370,11 @@ async def store(make_store: Callable[[], Any]) -> AsyncIterator[Any]:
         yield opened
     finally:
         await opened.close()
+
+
+def script_uids(engine: docker.DockerClient, image: str = IMAGE) -> range:
+    """The uids a script in a sandbox of ``image`` may run as: its ``io.ptc-sandbox.uids`` range (one per sandbox,
+    ``DockerBackend._create_with_uid``), or 10001 alone for an image without one."""
+    from service.sandbox.labels import uid_range
+
+    return uid_range(engine.images.get(image).labels or {}) or range(10001, 10002)

@@ -9,8 +9,8 @@ component at a time with ``O_NOFOLLOW`` (``O_DIRECTORY`` for the folders), each 
 opened the entry itself (gVisor follows a folder symlink despite the flag): a symlink anywhere on the way (``/tmp/x ->
 /etc``, ``/tmp/x -> /run/ptc``) makes the open fail (``ELOOP``/``ENOTDIR``); a file that is not a regular file (a
 fifo, a device) is refused once opened (``O_NONBLOCK``: opening a fifo never waits). The resident interpreter does
-this as the sandbox user (``as_sandbox_user``: effective uid and gid 10001), so nothing it writes or reads is more
-than a script could, and only while no script's process exists.
+this as the sandbox user (``as_sandbox_user``: the effective uid and gid of its scripts), so nothing it writes or
+reads is more than a script could, and only while no script's process exists.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import contextlib
 import os
 import stat
 from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+from ptc_runtime.confine import script_ids
 
 MAX_PATH_BYTES = 1024
 MAX_NAME_BYTES = 255
@@ -36,8 +38,6 @@ first ``MAX_DIR_ENTRIES`` the folder lists (in name order) and counts the rest (
 TOO_MANY = "too many entries"
 """A walk's reason for the entries of a folder past ``MAX_DIR_ENTRIES`` (its size field: how many)."""
 SKIPPED_FRAMES = 100  # entries left out of the outputs are all counted (``files_omitted``), the first these sent
-SANDBOX_UID = 10001
-SANDBOX_GID = 10001
 
 NOT_FOUND = "not_found"
 NOT_A_FILE = "not_a_file"
@@ -93,21 +93,28 @@ def check_path(path: object, outputs: bool = False) -> str:
 
 
 @contextlib.contextmanager
-def as_sandbox_user() -> Iterator[None]:
-    """Run the block with effective uid and gid 10001 when this process is root (the privsep interpreter; its
-    effective capabilities are gone meanwhile and come back after, from the permitted set); unchanged otherwise."""
+def as_sandbox_user(real: bool = False) -> Iterator[None]:
+    """Run the block with the effective uid and gid of the sandbox's scripts (``confine.script_ids``) when this
+    process is root (the privsep interpreter; its effective capabilities are gone meanwhile and come back after, from
+    the permitted set); unchanged otherwise.
+
+    ``real``: the real ids too (root stays the saved ids, to come back through): what checks the real user
+    (``os.access``, as matplotlib does of its config folder) then sees the sandbox user as well. Only while no
+    script process exists (the preload): a process of the scripts' uid may signal one whose real uid is its own."""
     if os.geteuid() != 0:
         yield
         return
-    os.setegid(SANDBOX_GID)
+    uid, gid = script_ids()
+    real_uid, real_gid = (uid, gid) if real else (-1, -1)
+    os.setresgid(real_gid, gid, -1)
     try:
-        os.seteuid(SANDBOX_UID)
+        os.setresuid(real_uid, uid, -1)
         try:
             yield
         finally:
-            os.seteuid(0)
+            os.setresuid(0, 0, -1)
     finally:
-        os.setegid(0)
+        os.setresgid(0, 0, -1)
 
 
 def _errno_error(exc: OSError, path: str) -> FileOpError:

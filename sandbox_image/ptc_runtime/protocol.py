@@ -65,6 +65,11 @@ TOOLS_SOCKET = "tools.sock"
 FILES_DIR = ".files-in"
 """The folder of a ``PUT``'s sources in the run folder (written by the service, read by the sandbox; removed after;
 not a name ``import`` can reach, though the run folder is on a script's ``sys.path``)."""
+SCRIPT_UID_ENV = "PTC_SCRIPT_UID"
+"""In the sandbox's environment: the uid (and gid) its scripts run as, one of the image's ``UIDS_LABEL`` range that
+the service gave this sandbox alone; absent: ``ptc_runtime.confine.SCRIPT_UID`` (10001). Not in a script's."""
+UIDS_LABEL = "io.ptc-sandbox.uids"
+"""The image label naming the uids its ``/etc/passwd`` lists as ``sandbox`` users (``"first-last"``, inclusive)."""
 SESSION_ENV = "PTC_SESSION"
 """Set to ``"1"`` in the sandbox's environment: the runtime serves this protocol instead of running one script."""
 

@@ -116,7 +116,7 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ptc_runtime import files, protocol
-from ptc_runtime.confine import drop, no_user_namespaces_filter, prepare, set_dumpable
+from ptc_runtime.confine import drop, no_user_namespaces_filter, prepare, script_ids, set_dumpable
 from ptc_runtime.ring import ASLEEP, STDERR_RING_BYTES, STDOUT_RING_BYTES, Ring, RingReader, install
 from ptc_runtime.stdio import UNBUFFERED_ENV
 
@@ -237,6 +237,7 @@ class Server:
         self.wake_r, self.wake_w = os.pipe()
         self.filter = no_user_namespaces_filter()
         prepare(self.filter)
+        script_ids()  # the scripts' user, read (and checked: ValueError) once, before any fork
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
 
@@ -439,7 +440,7 @@ class Server:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any Python process
         try:
             drop(self.filter)  # its own session, the sandbox user, no capability (ptc_runtime.confine)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             os.write(err_w, ("ptc_runtime: cannot drop privileges: %s\n" % exc).encode())
             os._exit(126)
         os.environ.pop("PTC_SESSION", None)  # the script sees the environment a one-shot job sees
@@ -738,8 +739,10 @@ def serve() -> Optional[Tuple[Any, Dict[str, str]]]:
     # ~1.5 ms of page faults in each script's process otherwise. ``gc``: what ``finalize_main`` imports.
     codecs.lookup("utf-8-sig")
     # As the sandbox user: whatever an import makes (matplotlib's config folder and font cache under /tmp, any
-    # cache under HOME=/tmp) is the scripts' to write, as a one-shot job's first import would have made it.
-    with files.as_sandbox_user():
+    # cache under HOME=/tmp) is the scripts' to write, as a one-shot job's first import would have made it. The real
+    # ids too: matplotlib checks its folder with os.access (the real user), and one it finds unwritable it replaces
+    # by a temporary folder that an atexit hook of every forked script removes.
+    with files.as_sandbox_user(real=True):
         imported = preload(os.environ.get(PRELOAD_ENV, ""))
     if imported:
         gc.freeze()  # what the imports made stays out of every script's collections (and its pages unshared)

@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 30.0
 HELLO_POLL_S = 0.5  # first look at the engine for a sandbox that has not said hello (then 1 s, 1 s, ...)
 KILL_CONFIRM_S = 5.0
-OOM_SETTLE_ROUNDS = 5  # x 0.2 s: how long a sandbox that died by SIGKILL is watched for the engine's OOM flag
+OOM_REPORT_WAIT_S = 5.0  # how long a lost sandbox that died by SIGKILL waits for the engine's OOM report (measured:
+# up to 35 ms after its exit, issue 24); only a sandbox lost by SIGKILL without one waits it all
 STRAY_LOG_LINES = 10  # log lines of a sandbox's output outside any script; the rest is counted, not logged
 STRAY_KEPT_BYTES = 2048  # of that output, kept for the error of a sandbox that never connected
 _STREAMS: dict[str, Stream] = {"stdout": "stdout", "stderr": "stderr"}
@@ -411,12 +412,12 @@ class ResidentSandbox:
             with contextlib.suppress(Exception):
                 await self._backend.kill(self.handle)
                 status = await asyncio.wait_for(self._backend.wait(self.handle), 10)
-                # The engine may record an OOM kill (of the whole sandbox: gVisor's case) after reporting the exit.
-                for _ in range(OOM_SETTLE_ROUNDS if status.exit_code == 137 and not self._destroyed else 0):
-                    if status.oom_killed:
-                        break
-                    await asyncio.sleep(0.2)
-                    status = await self._backend.exited(self.handle) or status
+            # An end the service did not cause, by SIGKILL: was it the kernel's OOM killer (the whole sandbox is
+            # gVisor's OOM kill)? The engine may report it after the exit, so its report is waited for a while.
+            if status.exit_code == 137 and not status.oom_killed and not self._destroyed:
+                with contextlib.suppress(Exception):
+                    if await self._backend.oom_reported(self.handle, OOM_REPORT_WAIT_S):
+                        status = replace(status, oom_killed=True)
         if status.oom_killed:
             self.broken = "the session's sandbox ran out of memory and its server was killed"
         if not self._hello.done():

@@ -116,6 +116,13 @@ def test_what_the_preload_made_is_the_scripts_to_write(data_api: httpx.Client, d
     for view in (cold, warm, in_session):
         assert (view["status"], view["stdout"]) == ("succeeded", "0 []\n"), view
         assert "not a writable directory" not in view["stderr"] and "font cache" not in view["stderr"], view
+    # Every later script of the session too: matplotlib kept the image's folder (it checks it with the real uid,
+    # so a preload that changed only the effective uid made it fall back to a temporary folder that the first
+    # script's exit removed, and each later script's exit printed a traceback).
+    where = "import os\nprint(os.environ.get('MPLCONFIGDIR'))"
+    for _ in range(2):
+        view = execute(data_api, where, session_id=data_session)
+        assert (view["status"], view["stdout"], view["stderr"]) == ("succeeded", "/tmp/.matplotlib\n", ""), view
 
 
 def test_preloaded_import_is_free_in_a_session(data_api: httpx.Client, data_session: str) -> None:

@@ -13,7 +13,7 @@ import docker
 import httpx
 import pytest
 
-from service.sandbox.labels import LABEL_SANDBOX
+from service.sandbox.labels import LABEL_SANDBOX, LABEL_UID
 from tests.conftest import Service, execute, wait_until
 
 ECHO = [
@@ -163,15 +163,23 @@ print(out)
 """
 
 
+def _script_uid(engine: docker.DockerClient, session_id: str) -> int:
+    """The uid the session's sandbox runs its scripts as: its own (``LABEL_UID``), or 10001 (an image without a
+    range of uids)."""
+    (container,) = engine.containers.list(filters={"label": f"{LABEL_SANDBOX}={session_id}"})
+    return int(container.labels.get(LABEL_UID, 10001))
+
+
 def test_scripts_cannot_reach_the_interpreter(
-    runtime_api: httpx.Client, runtime_service: Service, session_id: str
+    runtime_api: httpx.Client, runtime_service: Service, session_id: str, engine: docker.DockerClient
 ) -> None:
     view = execute(runtime_api, PROBE, session_id=session_id)
     assert view["status"] == "succeeded", view
     found: list[Any] = ast.literal_eval(view["stdout"])
-    # The session's env reaches the script, which runs as 10001; pid 1 (root) takes no signal from it, shows no
-    # env of the session, lends no descriptor and cannot be traced; no user namespace can be made.
-    assert found[:6] == ["s3cr3t-of-the-session", 10001, "EPERM", "EPERM", "EPERM", "EPERM"], view
+    # The session's env reaches the script, which runs as the sandbox's uid; pid 1 (root) takes no signal from it,
+    # shows no env of the session, lends no descriptor and cannot be traced; no user namespace can be made.
+    uid = _script_uid(engine, session_id)
+    assert found[:6] == ["s3cr3t-of-the-session", uid, "EPERM", "EPERM", "EPERM", "EPERM"], view
     assert found[6] in (False, "EPERM"), view  # gVisor lets any user read /proc/1/environ: it holds no secret
     assert found[7:] == ["EPERM", (-1, 1), (-1, 1), True], view
     assert "FORGED" not in runtime_service.log()
@@ -236,13 +244,14 @@ def test_the_next_scripts_process_waits_confined_and_a_lost_one_is_replaced(
 
     wait_until(one_waits, 10)
     pid, ppid, uid, adj, seccomp, caps = found[0]
-    assert (ppid, uid, adj, int(caps, 16)) == ("1", "10001", "1000", 0), found
+    own = _script_uid(engine, session_id)
+    assert (ppid, uid, adj, int(caps, 16)) == ("1", str(own), "1000", 0), found
     if runtime == "runc":
         assert seccomp == "2", found  # gVisor's /proc shows no filter
     _look(container, kill=pid)
     wait_until(lambda: _look(container) == [], 10)
     view = execute(runtime_api, "import os\nprint(os.environ.get('LEFT'), os.getuid())", session_id=session_id)
-    assert (view["status"], view["exit_code"], view["stdout"]) == ("succeeded", 0, "None 10001\n"), view
+    assert (view["status"], view["exit_code"], view["stdout"]) == ("succeeded", 0, f"None {own}\n"), view
     wait_until(one_waits, 10)
     assert found[0][0] != pid, found
 
@@ -391,3 +400,57 @@ def test_nothing_in_tmp_is_unwritable_for_scripts(runtime_api: httpx.Client, ses
     """What the sandbox holds in /tmp before a script (one-shot or in a session) is the script user's to write."""
     for view in (execute(runtime_api, UNWRITABLE), execute(runtime_api, UNWRITABLE, session_id=session_id)):
         assert (view["status"], view["stdout"]) == ("succeeded", "[]\n"), (view.get("error"), view.get("stderr"))
+
+
+# Takes every inotify instance it can (until EMFILE) and holds them: prints its uid and how many it took.
+HOG_INOTIFY = """
+import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+held = []
+while len(held) < 4096:
+    fd = libc.inotify_init1(0)
+    if fd < 0:
+        break
+    held.append(fd)
+print(os.getuid(), len(held), ctypes.get_errno() == 24, flush=True)
+time.sleep(120)
+"""
+ONE_INOTIFY = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.inotify_init1(0)
+print(os.getuid(), fd >= 0, ctypes.get_errno() if fd < 0 else 0)
+"""
+
+
+def test_sandboxes_do_not_share_per_user_kernel_limits(runtime_api: httpx.Client, engine: docker.DockerClient) -> None:
+    """Issue 24, item 13: under runc every script ran as host uid 10001, so one tenant's script that took all 128
+    inotify instances (``fs.inotify.max_user_instances``, per user) left another sandbox's script ``EMFILE``. Each
+    sandbox now runs its scripts as a uid of its own: two live sessions differ, and one's exhaustion is its own."""
+    sessions = []
+    try:
+        for _ in range(2):
+            answer = runtime_api.post("/sessions", json={})
+            assert answer.status_code == 201, answer.text
+            sessions.append(answer.json()["session_id"])
+        uids = [_script_uid(engine, sid) for sid in sessions]
+        assert uids[0] != uids[1] and 10001 not in uids, uids
+        hog = runtime_api.post("/execute", json={"script": HOG_INOTIFY, "session_id": sessions[0], "wait_s": 0})
+        assert hog.status_code in (200, 202), hog.text
+        job = hog.json()["job_id"]
+        held: list[str] = []
+
+        def hogging() -> bool:
+            view = runtime_api.get(f"/jobs/{job}").json()
+            assert view["status"] in ("queued", "running"), view
+            held[:] = view["stdout"].split()
+            return bool(held)
+
+        wait_until(hogging, 60)
+        assert held == [str(uids[0]), held[1], "True"] and int(held[1]) > 0, held  # stopped by EMFILE
+        other = execute(runtime_api, ONE_INOTIFY, session_id=sessions[1])
+        assert (other["status"], other["stdout"]) == ("succeeded", f"{uids[1]} True 0\n"), other
+        runtime_api.post(f"/jobs/{job}/stop")
+    finally:
+        for sid in sessions:
+            runtime_api.delete(f"/sessions/{sid}")
