@@ -460,25 +460,31 @@ class Settings(BaseSettings):
         None,
         ge=0,
         description="Jobs of one key (one-shot and session scripts) running at once; more wait. "
-        "Default: half the concurrency (at least 1).",
+        "Default: half the concurrency (at least 1); with one tenant, all of it.",
     )
     quota_queued_jobs: int | None = Field(
         None,
         ge=0,
         description="Jobs of one key that may wait beyond its running ones; past that 429. "
-        "Default: a quarter of PTC_MAX_QUEUE (at least 1).",
+        "Default: a quarter of PTC_MAX_QUEUE (at least 1); with one tenant, all of it.",
     )
     quota_sessions: int | None = Field(
-        None, ge=0, description="Sessions one key may have open. Default: a quarter of PTC_MAX_SESSIONS (at least 1)."
+        None,
+        ge=0,
+        description="Sessions one key may have open. Default: a quarter of PTC_MAX_SESSIONS (at least 1); with one "
+        "tenant, all of it.",
     )
     quota_session_memory_mb: int | None = Field(
         None,
         ge=0,
         description="memory_mb summed over one key's open sessions (MiB). Default: a quarter of the host memory "
-        "capacity.",
+        "capacity; with one tenant, all of it.",
     )
     quota_session_cpus: float | None = Field(
-        None, ge=0, description="cpus summed over one key's open sessions. Default: a quarter of the host CPU capacity."
+        None,
+        ge=0,
+        description="cpus summed over one key's open sessions. Default: a quarter of the host CPU capacity "
+        "(PTC_HOST_CPUS x PTC_CPU_OVERCOMMIT); with one tenant, all of it.",
     )
     quota_output_bytes: int = Field(
         1024**3,
@@ -486,12 +492,18 @@ class Settings(BaseSettings):
         description="Output bytes of one key's jobs retained in the work dir until purged; past it their output "
         "is no longer retained and new jobs get 429 (bytes).",
     )
-    quota_jobs_per_minute: int = Field(600, ge=0, description="Jobs one key may submit in any 60 s.")
+    quota_jobs_per_minute: int | None = Field(
+        None,
+        ge=0,
+        description="Jobs one key may submit in any 60 s. Default: 600; with one tenant, no limit (the queue "
+        "bound and the concurrency still hold).",
+    )
     key_quotas: dict[str, KeyQuotas] = Field(
         default_factory=dict,
         description='Per-key quotas as JSON, e.g. {"agent-a": {"running_jobs": 8, "sessions": 2}}; fields: '
         "running_jobs, queued_jobs, sessions, session_memory_mb, session_cpus, output_bytes, jobs_per_minute "
-        "(without authentication the key is named anonymous).",
+        "(without authentication the key is named anonymous). One tenant (authentication disabled, or keys of "
+        "one name) has the whole host by default: see each PTC_QUOTA_*.",
     )
     host_memory_mb: int | None = Field(
         None, ge=1, description="Host memory sandboxes may commit before overcommit (MiB). Default: the machine's."
