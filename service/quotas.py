@@ -169,7 +169,8 @@ class Commitment:
 
 
 class OutputBudget:
-    """Bytes an owner's jobs may still retain on disk (thread-safe: its jobs' output sinks take from it).
+    """Bytes an owner's jobs may still make the service keep: retained output and output files on disk, the
+    arguments and results of call records in the store (thread-safe: its jobs' output sinks take from it).
 
     Args:
         limit: the owner's ``output_bytes`` quota.
@@ -179,6 +180,7 @@ class OutputBudget:
     def __init__(self, limit: int, used: int = 0) -> None:
         self.limit = limit
         self.used = used
+        self._refused = False  # a ``take_all`` did not fit: at the quota, until bytes are given back
         self._lock = threading.Lock()
 
     def take(self, wanted: int) -> int:
@@ -188,15 +190,26 @@ class OutputBudget:
             self.used += granted
             return granted
 
+    def take_all(self, wanted: int) -> bool:
+        """Whether all ``wanted`` bytes may be kept (then counted as used). When not, none are taken and the budget
+        counts as ``exhausted`` until bytes are given back (what was refused is what the owner wanted to keep)."""
+        with self._lock:
+            if self.used + wanted > self.limit:
+                self._refused = True
+                return False
+            self.used += wanted
+            return True
+
     def give_back(self, count: int) -> None:
         """``count`` retained bytes were deleted (their job was purged)."""
         with self._lock:
             self.used = max(self.used - count, 0)
+            self._refused = False
 
     @property
     def exhausted(self) -> bool:
-        """Whether nothing more may be retained."""
-        return self.used >= self.limit
+        """Whether nothing more may be retained (or the last ``take_all`` was refused)."""
+        return self.used >= self.limit or self._refused
 
 
 @dataclass

@@ -189,8 +189,9 @@ class Settings(BaseSettings):
     max_record_bytes: int = Field(
         16 * 1024 * 1024,
         ge=0,
-        description="Bytes of arguments and results (JSON) a job's call records keep; past it a record keeps its "
-        "call but not its args/result (args_dropped_bytes, result_dropped_bytes) (bytes).",
+        description="Bytes of arguments and results (JSON) a job's call records keep; past it (or past its key's "
+        "output_bytes quota) a record keeps its call but not its args/result (args_dropped_bytes, "
+        "result_dropped_bytes) (bytes).",
     )
     max_record_bytes_total: int = Field(
         512 * 1024 * 1024,
@@ -489,8 +490,8 @@ class Settings(BaseSettings):
     quota_output_bytes: int = Field(
         1024**3,
         ge=0,
-        description="Output bytes of one key's jobs retained in the work dir until purged; past it their output "
-        "is no longer retained and new jobs get 429 (bytes).",
+        description="Bytes one key's jobs make the service keep until purged: retained output, output files and "
+        "the arguments and results of their call records; past it no more is kept and new jobs get 429 (bytes).",
     )
     quota_jobs_per_minute: int | None = Field(
         None,

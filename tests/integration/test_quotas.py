@@ -270,3 +270,51 @@ def test_one_tenant_has_the_whole_host_and_several_keys_a_share(
         other.close()
         svc.stop()
     assert labelled_containers(engine, instance, include_pool=True) == []
+
+
+RECORDS_QUOTA = 200_000
+ECHO = [{"name": "echo", "parameters": {"properties": {"data": {"type": "string"}}}, "endpoint": {"kind": "echo"}}]
+BIG_CALLS = "import tools\nfor i in range(6):\n    tools.echo(data=str(i) * 50_000)\nprint('called')"
+
+
+def kept_record_bytes(view: dict[str, Any]) -> int:
+    """Bytes of arguments and results the view's call records keep (compact JSON, as the service counts them)."""
+    return sum(
+        len(json.dumps(call[field], separators=(",", ":")))
+        for call in view["calls"]
+        for field in ("args", "result")
+        if call[field] is not None
+    )
+
+
+def test_call_records_count_against_the_output_quota_until_purged(engine: docker.DockerClient, scratch: Path) -> None:
+    """Six calls of 100 KB of records each (args and echoed result) under a 200 KB ``output_bytes`` quota: the
+    records keep what the quota allows, the rest is dropped as past the record cap (``*_dropped_bytes``), the next
+    job is refused; once the job is purged its bytes are given back."""
+    instance = f"pytest-records-{secrets.token_hex(4)}"
+    svc = start_service(
+        instance,
+        scratch / instance,
+        PTC_WARM_POOL_SIZE="0",
+        PTC_KEY_QUOTAS=json.dumps({"pytest": {"output_bytes": RECORDS_QUOTA}}),
+        PTC_JOB_RETENTION_S="3",
+        PTC_PURGE_INTERVAL_S="0.5",
+    )
+    try:
+        with svc.client() as api:
+            view = api.post("/execute", json={"script": BIG_CALLS, "tools": ECHO}).json()
+            assert (view["status"], view["stdout"], len(view["calls"])) == ("succeeded", "called\n", 6), view
+            assert all(call["status"] == "ok" for call in view["calls"])  # every call still ran
+            assert 0 < kept_record_bytes(view) <= RECORDS_QUOTA
+            dropped = [call for call in view["calls"] if call["result"] is None]
+            assert dropped and all(call["result_dropped_bytes"] > 50_000 for call in dropped), view["calls"]
+            assert (svc.work_dir / "output" / view["job_id"] / "record_bytes").read_text() == str(
+                kept_record_bytes(view)
+            )
+            assert_refused(api.post("/execute", json={"script": "print(1)"}), "output_bytes")
+            wait_until(lambda: api.get(f"/jobs/{view['job_id']}").status_code == 404, 30)  # purged
+            again = api.post("/execute", json={"script": "print(1)"})
+            assert again.status_code == 200 and again.json()["status"] == "succeeded", again.text
+    finally:
+        svc.stop()
+    assert labelled_containers(engine, instance, include_pool=True) == []

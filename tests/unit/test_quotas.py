@@ -162,6 +162,15 @@ def test_retained_output_is_capped_per_key_and_the_inline_output_stays_whole(tmp
     quotas.admit_job("a")
 
 
+def test_a_refused_take_all_takes_nothing_and_holds_the_owner_at_its_quota_until_bytes_come_back() -> None:
+    budget = OutputBudget(1000)
+    assert budget.take_all(600) and budget.used == 600 and not budget.exhausted
+    assert not budget.take_all(500)  # a call record's 500 bytes of arguments: not kept, and nothing taken
+    assert budget.used == 600 and budget.exhausted  # new jobs of the owner are refused (output_bytes)
+    budget.give_back(600)  # its job was purged
+    assert not budget.exhausted and budget.take_all(1000) and budget.exhausted
+
+
 def test_output_budget_is_exact_under_threads() -> None:
     budget = OutputBudget(10_000)
 
