@@ -127,7 +127,7 @@ def test_stopping_while_the_pool_refills_leaves_no_sandbox(engine: docker.Docker
 
 
 def test_one_keys_throwaway_profiles_leave_another_key_a_warm_data_image(
-    engine: docker.DockerClient, scratch: Path
+    engine: docker.DockerClient, scratch: Path, runtime: str
 ) -> None:
     """One key asks for profiles nobody else wants (throwaway ``memory_mb`` values) until they hold every pool
     beyond the default one; another key's data-image jobs still get a pool of their own and start warm."""

@@ -287,7 +287,9 @@ def kept_record_bytes(view: dict[str, Any]) -> int:
     )
 
 
-def test_call_records_count_against_the_output_quota_until_purged(engine: docker.DockerClient, scratch: Path) -> None:
+def test_call_records_count_against_the_output_quota_until_purged(
+    engine: docker.DockerClient, scratch: Path, runtime: str
+) -> None:
     """Six calls of 100 KB of records each (args and echoed result) under a 200 KB ``output_bytes`` quota: the
     records keep what the quota allows, the rest is dropped as past the record cap (``*_dropped_bytes``), the next
     job is refused; once the job is purged its bytes are given back."""
@@ -299,6 +301,7 @@ def test_call_records_count_against_the_output_quota_until_purged(engine: docker
         PTC_KEY_QUOTAS=json.dumps({"pytest": {"output_bytes": RECORDS_QUOTA}}),
         PTC_JOB_RETENTION_S="3",
         PTC_PURGE_INTERVAL_S="0.5",
+        PTC_RUNTIME=runtime,
     )
     try:
         with svc.client() as api:
