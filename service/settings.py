@@ -329,7 +329,8 @@ class Settings(BaseSettings):
         4,
         ge=1,
         le=64,
-        description="Warm pools at most, one per sandbox profile (limits, runtime); the default profile's included.",
+        description="Warm pools at most, one per sandbox profile (limits, runtime); the default profile's included. "
+        "The others are shared fairly between keys (a key holding two more than another gives one up to it).",
     )
     warm_pool_max_age_s: float = Field(600, gt=0, description="A pooled sandbox idle longer than this is replaced (s).")
     max_sessions: int = Field(32, ge=0, description="Sessions open at once; past that POST /sessions answers 429.")
