@@ -116,7 +116,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         if waiters is not None:
             waiters.on_keys = idempotency.wake_digest  # ptc_keys: another replica bound or released a claim
         if secrets:
-            app.state.remote = Remote(secrets[0], settings.instance())
+            app.state.remote = Remote(secrets[0], settings.instance(), single_tenant=single_tenant(keys))
             app.state.remote.alive = lambda owner: replicas.holds_now(owner.instance_id, owner.epoch)
         listener = None
         if waiters is not None and settings.store_url is not None:  # LISTEN: wait on other replicas' jobs
