@@ -144,6 +144,7 @@ def test_one_keys_throwaway_profiles_leave_another_key_a_warm_data_image(
         PTC_WARM_POOL_MAX_PROFILES="3",  # the default + 2
         PTC_IMAGES=f"data={data_image}",
         PTC_API_KEYS_FILE=str(keys_file),
+        PTC_RUNTIME=runtime,
     )
     try:
         with (
