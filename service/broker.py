@@ -33,7 +33,8 @@ Nothing from the sandbox is trusted, and one job cannot starve the others:
   ``calls_over_limit``);
 - records hold arguments and results as raw JSON (``orjson.Fragment``), not
   as Python objects, and at most ``max_record_bytes`` of them per job (and
-  ``CallMemory.max_record_bytes`` for all jobs together): past that, a record
+  ``CallMemory.max_record_bytes`` for all jobs together, and what is left of
+  the owner's ``output_bytes`` quota, ``budget``): past that, a record
   keeps its call (tool, status, timing, error) but its ``args`` / ``result``
   become null with ``args_dropped_bytes`` / ``result_dropped_bytes`` saying
   how many bytes were not kept;
@@ -97,6 +98,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from service import exactjson, stages, telemetry
 from service.collector import gc_paused
 from service.errors import CallNotPending, CheckTooCostly
+from service.files import FileBudget
 from service.toolkit.endpoints import EndpointClients, RawJson, ToolCallFailed
 from service.toolkit.manifest import ArgumentCheck, ToolSpec
 from service.toolkit.validation import CheckScheduler, deeper_than
@@ -205,6 +207,9 @@ class Broker:
         trace_parent: the job's span: each call gets a child span (``service.telemetry``); None: no spans.
         lease: asked before each call whether this replica still holds its lease (``Replicas.holds_lease``): when
             not, the call fails (``replica_lost``) without reaching any endpoint or client; None: not asked.
+        budget: what the job's owner may still keep (its ``output_bytes`` quota, shared with its retained output):
+            the records' kept bytes are taken from it and stay taken after the job (until its purge gives them
+            back: ``kept_bytes`` says how many); None: no owner cap.
     """
 
     def __init__(
@@ -225,8 +230,11 @@ class Broker:
         approval_timeout_s: float = 270.0,
         trace_parent: Span | None = None,
         lease: Callable[[], bool] | None = None,
+        budget: FileBudget | None = None,
     ) -> None:
         self._lease = lease
+        self._budget = budget
+        self.kept_bytes = 0  # bytes of args and results kept in this job's records (``release`` does not reset it)
         self._checks = checks or CheckScheduler(1, DEFAULT_CHECK_BUDGET_S)
         self._check_group = check_group
         self._client_timeout = client_call_timeout_s
@@ -373,15 +381,24 @@ class Broker:
         self._kept = 0
 
     def _keep(self, record: dict[str, Any], field: str, encoded: bytes) -> None:
-        """Keep ``encoded`` (JSON) as ``record[field]`` if the job's and the service's record caps allow; else null
-        with ``<field>_dropped_bytes``."""
+        """Keep ``encoded`` (JSON) as ``record[field]`` if the job's and the service's record caps and the owner's
+        budget allow; else null with ``<field>_dropped_bytes``."""
         size = len(encoded)
-        if self._kept + size <= self._record_cap and self._memory.keep(size):
+        if self._kept + size <= self._record_cap and self._memory.keep(size) and self._owner_keeps(size):
             self._kept += size
+            self.kept_bytes += size
             record[field] = orjson.Fragment(encoded)
         else:
             record[field] = None
             record[f"{field}_dropped_bytes"] = size
+
+    def _owner_keeps(self, size: int) -> bool:
+        """Take ``size`` bytes from the owner's budget, all or nothing; when not, give back the ``size`` bytes
+        ``CallMemory.keep`` just counted."""
+        if self._budget is None or self._budget.take_all(size):
+            return True
+        self._memory.forget(size)
+        return False
 
     async def _reply(self, outbox: _Outbox, reply: dict[str, Any]) -> None:
         """Queue ``reply`` on its connection (written with the others of this turn of the loop), then wait while
@@ -619,7 +636,10 @@ class Broker:
         """Drop ``record[field]`` (``size`` bytes of JSON) and give back the bytes it kept, if it kept them."""
         if isinstance(record[field], orjson.Fragment):
             self._kept -= size
+            self.kept_bytes -= size
             self._memory.forget(size)
+            if self._budget is not None:
+                self._budget.give_back(size)
         record[field] = None
         record[f"{field}_dropped_bytes"] = None
 
