@@ -15,7 +15,7 @@ from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.connections import parse_networks
-from service.egress import LOOPBACK_RULES, EgressRule
+from service.egress import EgressRule
 from service.errors import UnknownImage
 from service.schemas import MAX_SCRIPT_CHARS, MAX_TOOLS
 
@@ -402,9 +402,10 @@ class Settings(BaseSettings):
 
     # -- egress rules (service/egress.py) --
     egress_allow: Annotated[list[str], NoDecode] = Field(
-        list(LOOPBACK_RULES),
+        default_factory=list,
         description="Comma-separated [scheme://]host[:port] rules of what http/mcp endpoints and callbacks may "
-        "reach (docs/operations.md, Egress rules); non-public addresses need an address rule. Empty: nothing.",
+        "reach (docs/operations.md, Egress rules); non-public addresses (loopback, private) need an address rule, "
+        "best with its port: http://127.0.0.1:8765. Empty (the default): nothing.",
     )
 
     # -- request limits (service/limits.py) --
