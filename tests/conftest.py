@@ -138,7 +138,7 @@ def start_service(instance_id: str, work_dir: Path, probe: str = "/readyz", **en
     Authentication is on: a new API key (name ``pytest``, which may read ``/metrics``) is configured, and
     ``Service.client()`` sends it.
     """
-    port = int(env["PTC_PORT"]) if "PTC_PORT" in env else free_port()
+    port = int(env.get("PTC_PORT") or free_port())
     log_path = work_dir.with_suffix(".log")
     token = secrets.token_urlsafe(32)
     environ = {

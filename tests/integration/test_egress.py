@@ -79,7 +79,9 @@ def test_a_script_gets_egress_denied_at_the_first_call_and_nothing_is_sent(
 def default_service(engine: docker.DockerClient, scratch: Path) -> Iterator[Service]:
     """A service with the default egress rules (no ``PTC_EGRESS_ALLOW``) and no warm pool."""
     svc = start_service(
-        f"pytest-{secrets.token_hex(4)}", scratch / "default-egress", PTC_EGRESS_ALLOW=None,
+        f"pytest-{secrets.token_hex(4)}",
+        scratch / "default-egress",
+        PTC_EGRESS_ALLOW=None,
         PTC_WARM_POOL_SIZE="0",
         PTC_CALLBACK_SECRET=secrets.token_hex(16),
     )

@@ -191,7 +191,12 @@ def test_the_default_reaches_no_loopback_or_private_address(monkeypatch: pytest.
     monkeypatch.delenv("PTC_EGRESS_ALLOW", raising=False)
     assert Settings().egress_allow == []
     policy = EgressPolicy(Settings().egress_allow)
-    loopback = ("http://127.0.0.1:8765/x", "http://127.0.0.1:3000/login", "https://127.0.0.2:8443/x", "http://[::1]:9/x")
+    loopback = (
+        "http://127.0.0.1:8765/x",
+        "http://127.0.0.1:3000/login",
+        "https://127.0.0.2:8443/x",
+        "http://[::1]:9/x",
+    )
     for url in (*loopback, "https://localhost:8443/x", "http://example.com/x", "http://2130706433/x"):
         with pytest.raises(EgressDenied, match="not on the egress allowlist"):
             policy.target(url)
@@ -204,7 +209,12 @@ def test_naming_an_address_and_port_admits_that_one_only() -> None:
     policy = EgressPolicy(["http://127.0.0.1:8765", "http://10.1.2.3:8080"])
     assert policy.target("http://127.0.0.1:8765/triangle_area").port == 8765
     assert policy.target("http://10.1.2.3:8080/x").host == "10.1.2.3"
-    for url in ("http://127.0.0.1:8766/x", "https://127.0.0.1:8765/x", "http://127.0.0.2:8765/x", "http://10.1.2.4:8080/x"):
+    for url in (
+        "http://127.0.0.1:8766/x",
+        "https://127.0.0.1:8765/x",
+        "http://127.0.0.2:8765/x",
+        "http://10.1.2.4:8080/x",
+    ):
         with pytest.raises(EgressDenied):
             policy.target(url)
 
@@ -219,7 +229,7 @@ async def test_default_endpoint_clients_connect_to_no_other_loopback_service(off
             assert "names them" in await refused(clients, mcp_tool(listener.url))
     finally:
         await clients.aclose()
-    time.sleep(0.3)
+    await asyncio.sleep(0.3)  # a connection would have been accepted by now (the listeners poll every 0.1 s)
     assert [listener.accepted for listener in off_list] == [0, 0]
 
 
