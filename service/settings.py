@@ -312,6 +312,12 @@ class Settings(BaseSettings):
         100, ge=0, description="Jobs that may wait for a sandbox slot; past that /execute answers 429."
     )
     retry_after_s: int = Field(2, ge=1, description="Retry-After of a 429 (s).")
+    max_reads_per_key: int = Field(
+        4,
+        ge=1,
+        description="Session file downloads and GET /jobs answers one key may have under way at once (each sent a "
+        "slice at a time); one more answers 429 (docs/api.md, Listing jobs).",
+    )
     client_call_timeout_s: float = Field(
         270, gt=0, description="How long a client-executed tool call waits for the client's answer (s)."
     )
