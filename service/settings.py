@@ -316,7 +316,7 @@ class Settings(BaseSettings):
         4,
         ge=1,
         description="Session file downloads and GET /jobs answers one key may have under way at once (each sent a "
-        "slice at a time); one more answers 429 (docs/api.md, Listing jobs).",
+        "slice at a time); one more answers 429 (docs/operations.md, Quotas and admission).",
     )
     client_call_timeout_s: float = Field(
         270, gt=0, description="How long a client-executed tool call waits for the client's answer (s)."

@@ -254,19 +254,11 @@ class JobViews:
         return await self.view(job_id, caller, selection=selection)
 
     async def page(self, query: JobQuery) -> tuple[list[JobSummary], str | None]:
-        """A page of jobs (newest first; only ``query.owner``'s unless it is None) and the next cursor. The stored
-        summaries (up to the metadata's size each) are parsed in a thread.
-
-        Raises InvalidCursor.
-        """
+        """A page of jobs (newest first; only ``query.owner``'s unless it is None) and the next cursor; the stored
+        summaries (up to the metadata's size each) parsed in a thread. Raises InvalidCursor."""
         stored, cursor = await self._store.page(query)
-        held = {row.job_id for row in stored if row.job_id in self._live}
-        parsed = await asyncio.to_thread(
-            lambda: [
-                JobSummary.model_validate_json(row.summary) if row.summary and row.job_id not in held else None
-                for row in stored
-            ]
-        )
+        kept = [row.summary if row.job_id not in self._live else "" for row in stored]
+        parsed = await asyncio.to_thread(lambda: [JobSummary.model_validate_json(s) if s else None for s in kept])
         summaries = []
         for row, summary in zip(stored, parsed, strict=True):
             live = self._live.get(row.job_id)
