@@ -15,7 +15,7 @@ from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.connections import parse_networks
-from service.egress import LOOPBACK_RULES, EgressRule
+from service.egress import EgressRule
 from service.errors import UnknownImage
 from service.schemas import MAX_SCRIPT_CHARS, MAX_TOOLS
 
@@ -313,6 +313,12 @@ class Settings(BaseSettings):
         100, ge=0, description="Jobs that may wait for a sandbox slot; past that /execute answers 429."
     )
     retry_after_s: int = Field(2, ge=1, description="Retry-After of a 429 (s).")
+    max_reads_per_key: int = Field(
+        4,
+        ge=1,
+        description="Session file downloads and GET /jobs answers one key may have under way at once (each sent a "
+        "slice at a time); one more answers 429 (docs/operations.md, Quotas and admission).",
+    )
     client_call_timeout_s: float = Field(
         270, gt=0, description="How long a client-executed tool call waits for the client's answer (s)."
     )
@@ -404,9 +410,10 @@ class Settings(BaseSettings):
 
     # -- egress rules (service/egress.py) --
     egress_allow: Annotated[list[str], NoDecode] = Field(
-        list(LOOPBACK_RULES),
+        default_factory=list,
         description="Comma-separated [scheme://]host[:port] rules of what http/mcp endpoints and callbacks may "
-        "reach (docs/operations.md, Egress rules); non-public addresses need an address rule. Empty: nothing.",
+        "reach (docs/operations.md, Egress rules); non-public addresses (loopback, private) need an address rule, "
+        "best with its port: http://127.0.0.1:8765. Empty (the default): nothing.",
     )
 
     # -- request limits (service/limits.py) --

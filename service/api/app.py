@@ -20,6 +20,7 @@ from service.api.bodies import BODY_THREADS, BodyLimit, ParsedOffLoop
 from service.api.composition import build_jobs
 from service.api.deps import NOT_STARTED, SessionService, ToolsetService
 from service.api.problems import OWNER_UNAVAILABLE, UNAUTHORIZED
+from service.api.reads import ReadSlots
 from service.api.routers import docs as docs_router
 from service.api.routers import health as health_router
 from service.api.routers import jobs as jobs_router
@@ -194,6 +195,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     forward.install(app)  # OwnerElsewhere: relayed to the owner (after problems: the nearer class wins)
     telemetry.instrument_app(app)  # a span per request, outermost (tracing on only)
     app.state.settings, app.state.keys = settings, keys
+    app.state.reads = ReadSlots(settings.max_reads_per_key, settings.retry_after_s)
     app.state.jobs = app.state.sessions = app.state.toolsets = app.state.backend = NOT_STARTED  # deps.NotStarted
     app.state.idempotency = app.state.store = app.state.replicas = NOT_STARTED
     app.state.listener = None  # PostgreSQL store only

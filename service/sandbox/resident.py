@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 import os
 import shutil
 import time
 from dataclasses import replace
-from typing import Any
+from typing import IO, Any
 
 import orjson
 from ptc_runtime import protocol
@@ -60,9 +61,10 @@ _FILE_ERRORS = frozenset(("not_found", "not_a_file", "too_large", "invalid_path"
 class _FileRequest:
     """A file request (``put``/``get``/``list``) waiting for its ``done``: its data and entries so far."""
 
-    def __init__(self, max_bytes: int = 0, max_entries: int = 0) -> None:
+    def __init__(self, max_bytes: int = 0, max_entries: int = 0, into: IO[bytes] | None = None) -> None:
         self.done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self.data = bytearray()
+        self.into = into  # where a get's bytes go, a frame at a time
+        self.received = 0
         self.max_bytes = max_bytes
         self.entries: list[dict[str, Any]] = []
         self.max_entries = max_entries
@@ -288,9 +290,10 @@ class ResidentSandbox:
             data = await reader.readexactly(size)
             request = self._requests.get(rid) if isinstance(rid, str) else None
             if request is not None:
-                if len(request.data) + size > request.max_bytes:
+                if request.into is None or request.received + size > request.max_bytes:
                     raise ValueError("more file bytes than asked for")
-                request.data += data
+                request.received += size
+                request.into.write(data)  # a frame (MAX_FRAME_BYTES) into a spool file: a page-cache write
             elif run is not None and rid == run.job_id and run.outputs is not None:
                 run.outputs.add(data)
             else:
@@ -381,12 +384,20 @@ class ResidentSandbox:
             await asyncio.to_thread(shutil.rmtree, sources, True)
 
     async def get_file(self, path: str, max_bytes: int) -> bytes:
-        """The bytes of the regular file ``path`` (checked) under the working directory, read as the sandbox user
-        without following a symlink. Raises NoSuchFile, FileRefused (``too_large`` past ``max_bytes``,
+        """The bytes of the regular file ``path`` (checked) under the working directory, held in memory (small
+        files; a download uses ``get_file_into``). Raises as ``get_file_into``."""
+        into = io.BytesIO()
+        await self.get_file_into(path, max_bytes, into)
+        return into.getvalue()
+
+    async def get_file_into(self, path: str, max_bytes: int, into: IO[bytes]) -> int:
+        """Write the regular file ``path`` (checked) under the working directory to ``into`` as its frames arrive
+        (at most ``protocol.MAX_FRAME_BYTES`` held at a time), read as the sandbox user without following a
+        symlink; returns its size (bytes). Raises NoSuchFile, FileRefused (``too_large`` past ``max_bytes``,
         ``not_a_file``), SandboxError."""
-        request = _FileRequest(max_bytes=max_bytes)
+        request = _FileRequest(max_bytes=max_bytes, into=into)
         await self._file_request({protocol.FIELD_OP: protocol.GET, "path": path, "max_bytes": max_bytes}, request)
-        return bytes(request.data)
+        return request.received
 
     async def list_files(self, max_entries: int) -> tuple[list[dict[str, Any]], bool]:
         """(entries, truncated): what is under the working directory (path, bytes; ``skipped`` says why an entry

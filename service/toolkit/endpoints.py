@@ -281,7 +281,7 @@ class EndpointClients:
     Args:
         default_timeout_s: limit of one http call when the endpoint sets none (s).
         max_result_bytes: larger response bodies fail with ``result_too_large``.
-        egress: the egress rules of every http and mcp request; default: loopback only.
+        egress: the egress rules of every http and mcp request; default: none (every request refused).
     """
 
     def __init__(self, default_timeout_s: float, max_result_bytes: int, egress: EgressPolicy | None = None) -> None:

@@ -25,6 +25,7 @@ from service.toolkit import validation
 from service.toolkit.cache import ManifestCache
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.validation import CheckScheduler
+from tests.conftest import TEST_EGRESS_RULES
 from tests.toolserver import ToolServer
 
 ANY_ARGS = {"type": "object", "additionalProperties": True}
@@ -44,7 +45,7 @@ async def broker(
     tmp_path: Path, tools: list[dict[str, Any]], budget_s: float = 1.0, **options: Any
 ) -> AsyncIterator[Broker]:
     manifest = await ManifestCache(b"k" * 32).compile(tools, "pytest")
-    endpoints = EndpointClients(30.0, 8 * 1024 * 1024, EgressPolicy())  # loopback only
+    endpoints = EndpointClients(30.0, 8 * 1024 * 1024, EgressPolicy(TEST_EGRESS_RULES))  # the tool servers' loopback
     checks = CheckScheduler(2, budget_s)
     b = Broker(manifest.tools, endpoints, 10_000, 1024 * 1024, 1 << 30, checks=checks, **options)
     await b.start(tmp_path / "tools.sock")

@@ -17,6 +17,7 @@ from service.egress import EgressDenied, EgressPolicy
 from service.errors import OwnerElsewhere, OwnerUnavailable, QuotaExceeded
 from service.jobs import remote as remote_module
 from service.jobs.remote import Remote
+from tests.conftest import TEST_EGRESS_RULES
 
 SECRET = b"s" * 32
 
@@ -247,7 +248,7 @@ async def test_a_replica_named_by_host_name_is_refused_by_its_address_too() -> N
     """A replica whose ``PTC_INTERNAL_URL`` names a host (``http://localhost:7002``): a tool call or callback aimed
     at its address (``http://127.0.0.1:7002``, ``http://[::ffff:127.0.0.1]:7002``) reached it, only the name was
     refused."""
-    policy = EgressPolicy()  # loopback allowed: the rules admit the peer's address, only its being a peer refuses it
+    policy = EgressPolicy(TEST_EGRESS_RULES)  # the rules admit the peer's address: only its being one refuses it
     policy.refuse_peers(["http://localhost:7002"])
     for url in ("http://localhost:7002/x", "http://127.0.0.1:7002/x", "http://[::ffff:127.0.0.1]:7002/x"):
         with pytest.raises(EgressDenied):
