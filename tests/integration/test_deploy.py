@@ -133,7 +133,8 @@ def _port_in_use(port: int) -> bool:
 
 def test_local_sh_replicas_up_job_through_balancer_down(engine: docker.DockerClient, scratch: Path) -> None:
     """``deploy/local.sh replicas`` end to end: images, env file, store, two replicas, HAProxy on 127.0.0.1:8080;
-    a job through the balancer is the same job on both replicas; ``down`` leaves no container behind.
+    a job through the balancer is the same job on both replicas; a tool call aimed at the balancer is refused
+    (``egress_denied``: the default egress names the demo tool server only); ``down`` leaves no container behind.
 
     1.75 to 4 minutes with the store and balancer images cached (most of it building the service image), about 1
     to 3 more from nothing (deploy/replicas/build-images.sh), on a 2-core machine (docs/operations.md, Deployment:
@@ -181,6 +182,15 @@ def test_local_sh_replicas_up_job_through_balancer_down(engine: docker.DockerCli
         assert answer.status_code == 200, answer.text
         view = answer.json()
         assert (view["status"], view["stdout"]) == ("succeeded", "{'x': 1}\n"), view
+        # The balancer is no destination (the env file names only the demo tool server): no nested /execute.
+        assert "PTC_EGRESS_ALLOW=http://127.0.0.1:8765\n" in (folder / "replicas.env").read_text()
+        nested = {"name": "lb", "parameters": {"type": "object", "additionalProperties": True},
+                  "endpoint": {"kind": "http", "url": "http://127.0.0.1:8080/execute"}}  # fmt: skip
+        probe = "import tools\ntry:\n    tools.lb(script='print(1)')\nexcept tools.ToolError as e:\n    print(e.type)\n"
+        refused = httpx.post(
+            "http://127.0.0.1:8080/execute", json={"script": probe, "tools": [nested]}, headers=headers, timeout=60
+        )
+        assert refused.status_code == 200 and refused.json()["stdout"] == "egress_denied\n", refused.text
         # The same job, ended, from each replica directly (one ran it, the other reads it from the store).
         for port in (8081, 8082):
             seen = httpx.get(f"http://127.0.0.1:{port}/jobs/{view['job_id']}", headers=headers, timeout=10)

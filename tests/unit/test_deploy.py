@@ -29,6 +29,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from service.egress import EgressDenied, EgressPolicy
 from service.settings import Settings
 from tests.conftest import ROOT, free_port, in_ci, wait_until
 
@@ -562,6 +563,25 @@ def test_replicas_env_file_is_written_once_with_random_secrets(tmp_path: Path) -
     assert other["PTC_PG_PASSWORD"] != password and other["PTC_INTERNAL_SECRET"] != first["PTC_INTERNAL_SECRET"]
     assert other["PTC_CALLBACK_SECRET"] != first["PTC_CALLBACK_SECRET"]
     assert other["PTC_API_KEYS"] == "agent:" + "0" * 64 and "PTC_AUTH" not in other and other["PTC_LB_PORT"] == "9080"
+
+
+def test_the_readme_example_is_the_one_loopback_destination_of_the_local_set_up() -> None:
+    """``deploy/local.sh serve`` and ``replicas`` name, when ``PTC_EGRESS_ALLOW`` is unset, exactly what the README's
+    example calls (the demo tool server, address and port): its URL is admitted, and none of the set-up's other
+    loopback services (the balancer, the replicas, the store, Prometheus, Grafana) nor another port is."""
+    script = (ROOT / "deploy" / "local.sh").read_text()
+    (demo,) = [line.split("=", 1)[1] for line in script.splitlines() if line.startswith("demo_tools=")]
+    assert "export PTC_EGRESS_ALLOW=$demo_tools" in script  # serve, when the variable is unset
+    assert "PTC_EGRESS_ALLOW=${PTC_EGRESS_ALLOW-$demo_tools}" in script  # replicas.env, when it is unset
+    example = (ROOT / "README.md").read_text().split("## Example", 1)[1].split("\n## ", 1)[0]
+    urls = [part.split('"', 1)[0] for part in example.split('"url": "')[1:]]
+    assert urls and demo in example
+    policy = EgressPolicy([demo])
+    for url in urls:
+        policy.target(url)
+    for port in (8080, 8081, 8082, 5433, 9090, 3000, 8766):
+        with pytest.raises(EgressDenied):
+            policy.target(f"http://127.0.0.1:{port}/execute")
 
 
 def test_compose_replicas_profile(tmp_path: Path) -> None:
