@@ -2,7 +2,8 @@
 # Set up, run and test ptc-sandbox on one Linux machine.
 #
 #   deploy/local.sh serve   set everything up, then run the service in the foreground (without
-#                           PTC_API_KEYS: with PTC_AUTH=disabled, on loopback only)
+#                           PTC_API_KEYS: with PTC_AUTH=disabled, on loopback only; without PTC_EGRESS_ALLOW:
+#                           tools and callbacks may reach the demo tool server http://127.0.0.1:8765 only)
 #   deploy/local.sh test    set everything up, then run ruff, mypy --strict and the whole test suite
 #   deploy/local.sh setup   only set up: Python venv, Docker engine, gVisor, sandbox images (minimal and data)
 #   deploy/local.sh engine  only the Docker engine and gVisor steps
@@ -257,8 +258,12 @@ setup() {
 # remove it to start over with new secrets). Ports and ids may be chosen when it is first written
 # (PTC_LB_PORT, PTC_REPLICA1_PORT, PTC_REPLICA2_PORT, PTC_PG_PORT, PTC_REPLICA1_ID, PTC_REPLICA2_ID,
 # COMPOSE_PROJECT_NAME); API keys: PTC_API_KEYS (name:sha256hex,...) when set then, else PTC_AUTH=disabled
-# (loopback only, as `serve`). Each replica gets half of this host (both drive the one engine).
+# (loopback only, as `serve`); egress: PTC_EGRESS_ALLOW when set then, else the demo tool server only (as `serve`).
+# Each replica gets half of this host (both drive the one engine).
 replicas_dir=${PTC_REPLICAS_DIR:-/var/lib/ptc-sandbox}
+# The README's demo tool server (python -m tests.toolserver --port 8765): the one loopback destination `serve` and
+# `replicas` allow when PTC_EGRESS_ALLOW is not set (the service's default allows none; docs/operations.md, Egress).
+demo_tools=http://127.0.0.1:8765
 replicas_env=$replicas_dir/replicas.env
 write_replicas_env() {
   if [ -f "$replicas_env" ]; then return; fi
@@ -295,6 +300,7 @@ PTC_TRUSTED_PROXIES=127.0.0.1
 PTC_HOST_MEMORY_MB=$(( mem_mb / 2 ))
 PTC_HOST_CPUS=$half_cpus
 PTC_MAX_CONCURRENT_SANDBOXES=$slots
+PTC_EGRESS_ALLOW=${PTC_EGRESS_ALLOW-$demo_tools}
 $auth
 ENV
   log "wrote $replicas_env (mode 0600: the store's password and the internal secret)"
@@ -381,6 +387,12 @@ case "${1:-}" in
       export PTC_IMAGES="default=${PTC_SANDBOX_IMAGE:-ptc-sandbox-runtime:latest},data=${PTC_DATA_IMAGE:-ptc-sandbox-data:latest}"
       export PTC_IMAGE_DEFAULTS="${PTC_IMAGE_DEFAULTS:-{\"data\": {\"memory_mb\": 1024}}}"
       log "offering the images default and data (PTC_IMAGES=$PTC_IMAGES)"
+    fi
+    if [ -z "${PTC_EGRESS_ALLOW+set}" ]; then
+      # The README's example calls the demo tool server; nothing else on this host is reachable (set
+      # PTC_EGRESS_ALLOW to name your own endpoints, or to an empty value for none).
+      export PTC_EGRESS_ALLOW=$demo_tools
+      log "tool endpoints and callbacks may reach $demo_tools only (PTC_EGRESS_ALLOW)"
     fi
     exec .venv/bin/ptc-sandbox serve ;;
   test)

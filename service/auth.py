@@ -158,6 +158,11 @@ class KeyRing:
     def __len__(self) -> int:
         return len(self._keys)
 
+    @property
+    def tenants(self) -> int:
+        """How many owners the keys make (several tokens of one name, e.g. while rotating, are one owner)."""
+        return len({key.name for key in self._keys})
+
     def identify(self, token: bytes) -> str | None:
         """The name of the key whose token is ``token``, or None.
 
@@ -184,6 +189,14 @@ def caller(keys: KeyRing | None, key_name: str | None, internal: bool = False) -
     if key_name is None:
         raise ValueError("no API key on this request")
     return Caller(key_name, admin=key_name in keys.admins, internal=internal)
+
+
+def single_tenant(keys: KeyRing | None) -> bool:
+    """Whether the service has one tenant: authentication disabled (``IMPLICIT_OWNER``), or keys of one name.
+
+    Then the per-key quotas that default to a share of the host default to the whole host (``service.quotas``).
+    """
+    return keys is None or keys.tenants == 1
 
 
 def may_scrape(keys: KeyRing | None, key_name: str | None) -> bool:

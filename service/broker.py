@@ -11,6 +11,8 @@ the script's own claim: the job's ``error`` is built from what the service
 observed (``service.verdict``), with this report only labelled inside it.
 ``{"id": n, "op": "report", "ran_as": "coroutine"}`` says the script had
 top-level ``await`` and ran as a coroutine (``ran_as_coroutine``, also a claim).
+A tool call's ``"repair": "positional_dict"`` says the stub bound a lone positional dict as the arguments
+(``ptc_runtime.stubs``); the record lists it in ``repairs`` (a claim too; any other value is ignored).
 
 Every request naming a tool gets a call record, appended when it arrives
 (``seq`` in arrival order, status ``pending``) and completed when it ends:
@@ -31,7 +33,8 @@ Nothing from the sandbox is trusted, and one job cannot starve the others:
   ``calls_over_limit``);
 - records hold arguments and results as raw JSON (``orjson.Fragment``), not
   as Python objects, and at most ``max_record_bytes`` of them per job (and
-  ``CallMemory.max_record_bytes`` for all jobs together): past that, a record
+  ``CallMemory.max_record_bytes`` for all jobs together, and what is left of
+  the owner's ``output_bytes`` quota, ``budget``): past that, a record
   keeps its call (tool, status, timing, error) but its ``args`` / ``result``
   become null with ``args_dropped_bytes`` / ``result_dropped_bytes`` saying
   how many bytes were not kept;
@@ -95,9 +98,11 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from service import exactjson, stages, telemetry
 from service.collector import gc_paused
 from service.errors import CallNotPending, CheckTooCostly
+from service.files import FileBudget
 from service.toolkit.endpoints import EndpointClients, RawJson, ToolCallFailed
 from service.toolkit.manifest import ArgumentCheck, ToolSpec
 from service.toolkit.validation import CheckScheduler, deeper_than
+from service.unix_sockets import bind_unix
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +128,8 @@ INLINE_LINE_BYTES = 4096
 INLINE_CHECK_BUDGET_S = 0.0002
 INLINE_TICKS_PER_READ = 8
 MAX_TOOL_NAME_SHOWN = 256
+STUB_REPAIRS = frozenset({"positional_dict"})  # a request's "repair" values a record lists (``CallRecord.repairs``)
+JSON_TEXT_REPAIR = "json_text"  # the broker's own repair: an argument sent as JSON text, parsed (``repaired``)
 MAX_HINTS = 20  # unknown-tool calls per job that get "did you mean" hints (difflib is slow on big manifests)
 HINT_NAME_MAX = 64
 HINT_CANDIDATES = 1000
@@ -200,6 +207,9 @@ class Broker:
         trace_parent: the job's span: each call gets a child span (``service.telemetry``); None: no spans.
         lease: asked before each call whether this replica still holds its lease (``Replicas.holds_lease``): when
             not, the call fails (``replica_lost``) without reaching any endpoint or client; None: not asked.
+        budget: what the job's owner may still keep (its ``output_bytes`` quota, shared with its retained output):
+            the records' kept bytes are taken from it and stay taken after the job (until its purge gives them
+            back: ``kept_bytes`` says how many); None: no owner cap.
     """
 
     def __init__(
@@ -220,8 +230,11 @@ class Broker:
         approval_timeout_s: float = 270.0,
         trace_parent: Span | None = None,
         lease: Callable[[], bool] | None = None,
+        budget: FileBudget | None = None,
     ) -> None:
         self._lease = lease
+        self._budget = budget
+        self.kept_bytes = 0  # bytes of args and results kept in this job's records (``release`` does not reset it)
         self._checks = checks or CheckScheduler(1, DEFAULT_CHECK_BUDGET_S)
         self._check_group = check_group
         self._client_timeout = client_call_timeout_s
@@ -261,7 +274,8 @@ class Broker:
 
     async def start(self, path: Path) -> None:
         """Listen on ``path`` (a unix socket, mode 0666 so the sandbox user can connect)."""
-        self._server = await asyncio.start_unix_server(self._serve, path=str(path), limit=self._max_line)
+        sock = bind_unix(path)  # an address without the work dir's path (a sandbox's /proc/net/unix shows it)
+        self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=self._max_line)
         os.chmod(path, 0o666)
 
     async def close(self) -> None:
@@ -367,15 +381,24 @@ class Broker:
         self._kept = 0
 
     def _keep(self, record: dict[str, Any], field: str, encoded: bytes) -> None:
-        """Keep ``encoded`` (JSON) as ``record[field]`` if the job's and the service's record caps allow; else null
-        with ``<field>_dropped_bytes``."""
+        """Keep ``encoded`` (JSON) as ``record[field]`` if the job's and the service's record caps and the owner's
+        budget allow; else null with ``<field>_dropped_bytes``."""
         size = len(encoded)
-        if self._kept + size <= self._record_cap and self._memory.keep(size):
+        if self._kept + size <= self._record_cap and self._memory.keep(size) and self._owner_keeps(size):
             self._kept += size
+            self.kept_bytes += size
             record[field] = orjson.Fragment(encoded)
         else:
             record[field] = None
             record[f"{field}_dropped_bytes"] = size
+
+    def _owner_keeps(self, size: int) -> bool:
+        """Take ``size`` bytes from the owner's budget, all or nothing; when not, give back the ``size`` bytes
+        ``CallMemory.keep`` just counted."""
+        if self._budget is None or self._budget.take_all(size):
+            return True
+        self._memory.forget(size)
+        return False
 
     async def _reply(self, outbox: _Outbox, reply: dict[str, Any]) -> None:
         """Queue ``reply`` on its connection (written with the others of this turn of the loop), then wait while
@@ -481,6 +504,7 @@ class Broker:
             "result": None,
             "error": None,
             "repaired": False,
+            "repairs": [],
             "caller": "code",
             "attempts": None,
             "started_at": _now(),
@@ -494,6 +518,8 @@ class Broker:
         """Validate, dispatch and record one call; returns the reply without its id (``internal_error`` if the
         service fails, so the record is always final)."""
         record = self._new_record(tool_name)
+        if request.repair is not None:
+            record["repairs"].append(request.repair)
         if request.args_json is not None:
             self._keep(record, "args", request.args_json)
         self.records.append(record)
@@ -563,6 +589,7 @@ class Broker:
             args_json = checked.args_json
             self._keep(record, "args", args_json)
             record["repaired"] = True
+            record["repairs"].append(JSON_TEXT_REPAIR)
         if tool.endpoint.kind == "client":
             return await self._call_client(tool, args, args_json or b"null", record)
         if checked.needs_approval:
@@ -609,7 +636,10 @@ class Broker:
         """Drop ``record[field]`` (``size`` bytes of JSON) and give back the bytes it kept, if it kept them."""
         if isinstance(record[field], orjson.Fragment):
             self._kept -= size
+            self.kept_bytes -= size
             self._memory.forget(size)
+            if self._budget is not None:
+                self._budget.give_back(size)
         record[field] = None
         record[f"{field}_dropped_bytes"] = None
 
@@ -870,6 +900,7 @@ class Request:
         deep: the arguments nest deeper than ``MAX_JSON_DEPTH``.
         too_costly: why checking the arguments' depth was stopped (the check's CPU budget), if it was.
         small: the line was read on the event loop (``inline_request``): its checks may be tried there too.
+        repair: what the stub repaired in the call (one of ``STUB_REPAIRS``), if it says so.
     """
 
     id: int | str | None = None
@@ -882,6 +913,7 @@ class Request:
     deep: bool = False
     too_costly: str | None = None
     small: bool = False
+    repair: str | None = None
 
 
 def inline_request(line: bytes) -> bool:
@@ -923,7 +955,16 @@ def read_request(line: bytes, check_depth: bool) -> Request:
     except CheckTooCostly as exc:
         return Request(request_id, tool=tool, args=args, too_costly=str(exc))
     encoded = None if deep else _encoded(args)
-    return Request(request_id, tool=tool, args=args, args_json=encoded, deep=deep, small=not check_depth)
+    repair = request.get("repair")
+    return Request(
+        request_id,
+        tool=tool,
+        args=args,
+        args_json=encoded,
+        deep=deep,
+        small=not check_depth,
+        repair=repair if isinstance(repair, str) and repair in STUB_REPAIRS else None,
+    )
 
 
 @dataclass(frozen=True)

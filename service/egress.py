@@ -38,6 +38,10 @@ Rule syntax (one per comma-separated entry): ``[scheme://]host[:port]``
 A name rule admits the public addresses the name resolves to; to reach a
 non-public address, an address or network rule must cover it too.
 
+There is no rule by default: a loopback or private address (another service on
+this host, a database, Grafana, a balancer in front of the service) is reached
+only when the operator names it, best with its port (``http://127.0.0.1:8765``).
+
 Errors: ``EgressDenied`` (a ``PtcError``); the endpoint clients turn it into the
 tool error type ``egress_denied``.
 """
@@ -62,7 +66,6 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 SCHEMES = frozenset({"http", "https"})
 DEFAULT_PORTS = {"http": 80, "https": 443}
 SCHEME_DEFAULT_PORT = -1  # EgressRule.port of a rule without a port: each scheme's default port
-LOOPBACK_RULES = ("*://localhost:*", "*://127.0.0.0/8:*", "*://[::1]:*")
 # Cloud metadata services; the link-local and unique-local ones are refused as non-public anyway, the public
 # ones (Azure's wireserver) only by this list. Sources: AWS IMDS (169.254.169.254, fd00:ec2::254), GCP, Azure
 # (168.63.129.16), Alibaba Cloud (100.100.100.200), Oracle (192.0.0.192).
@@ -268,6 +271,13 @@ class EgressRule:
         )
 
 
+def _naming_hint(address: IPAddress | None) -> str:
+    """The end of a refusal of a non-public address: how an operator admits it."""
+    if address is None or is_public(address):
+        return ""
+    return "; loopback and private addresses are reached only when the operator names them, address and port"
+
+
 def _valid_name_pattern(host: str) -> bool:
     if host == "*":
         return True
@@ -292,7 +302,7 @@ class EgressPolicy:
     """The allowlist, and the checks every outgoing request of the service passes.
 
     Args:
-        rules: rule texts (``PTC_EGRESS_ALLOW``); default: loopback only.
+        rules: rule texts (``PTC_EGRESS_ALLOW``); default: none (nothing may be contacted).
         own: where the service itself listens (``OwnAddress.of(PTC_HOST, PTC_PORT)``); refused whatever the
             rules say.
 
@@ -300,7 +310,7 @@ class EgressPolicy:
         ValueError: a rule cannot be parsed.
     """
 
-    def __init__(self, rules: Iterable[str] = LOOPBACK_RULES, own: Iterable[OwnAddress] = ()) -> None:
+    def __init__(self, rules: Iterable[str] = (), own: Iterable[OwnAddress] = ()) -> None:
         self.rules = tuple(EgressRule.parse(rule) for rule in rules if rule.strip())
         self.own = tuple(own)
         self.peers: tuple[OwnAddress, ...] = ()
@@ -346,13 +356,15 @@ class EgressPolicy:
             raise EgressDenied("the URL has no host")
         port = parsed.port or DEFAULT_PORTS[scheme]
         where = f"{scheme}://{parsed.netloc.decode('ascii', 'replace').rpartition('@')[2]}"
-        if not any(rule.admits_target(scheme, host, port) for rule in self.rules):
-            raise EgressDenied(f"{where} is not on the egress allowlist (PTC_EGRESS_ALLOW)")
         address = _ip(host)
         if (address is not None and self.is_own(address, port)) or (host, port) in self._peer_names:
             raise EgressDenied(f"{where} is this service's own address")
+        if not any(rule.admits_target(scheme, host, port) for rule in self.rules):
+            raise EgressDenied(f"{where} is not on the egress allowlist (PTC_EGRESS_ALLOW){_naming_hint(address)}")
         if address is not None and not self.address_allowed(scheme, address, port):
-            raise EgressDenied(f"{where} is a non-public address that no egress rule names")
+            raise EgressDenied(
+                f"{where} is a non-public address that no egress rule names (PTC_EGRESS_ALLOW){_naming_hint(address)}"
+            )
         return Target(scheme, host, port)
 
     def is_own(self, address: IPAddress, port: int) -> bool:

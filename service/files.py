@@ -45,6 +45,10 @@ class FileBudget(Protocol):
         """Of ``wanted`` bytes, how many may be kept (now counted as used)."""
         ...
 
+    def take_all(self, wanted: int) -> bool:
+        """Whether all ``wanted`` bytes may be kept (then counted as used); none are taken when not."""
+        ...
+
     def give_back(self, count: int) -> None:
         """``count`` bytes kept were deleted."""
         ...

@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 import httpx
-from mcp.server.fastmcp import Context
+from mcp.server.mcpserver import Context
 
 from service.mcp_tools import OperationFailed, build_server
 
@@ -50,7 +50,7 @@ class OverHttp:
 
     async def execute(
         self,
-        ctx: Context[Any, Any, Any],
+        ctx: Context[Any, Any],
         script: str,
         toolset: str | None,
         timeout_s: float | None,
@@ -64,12 +64,12 @@ class OverHttp:
         view: dict[str, Any] = await self._call("POST", "/execute", params=SUMMARY, json=body)
         return view
 
-    async def get(self, ctx: Context[Any, Any, Any], job_id: str) -> dict[str, Any]:
+    async def get(self, ctx: Context[Any, Any], job_id: str) -> dict[str, Any]:
         """``GET /jobs/{id}``."""
         view: dict[str, Any] = await self._call("GET", f"/jobs/{_segment(job_id)}", params=SUMMARY)
         return view
 
-    async def wait(self, ctx: Context[Any, Any, Any], job_id: str, timeout_s: float | None) -> dict[str, Any]:
+    async def wait(self, ctx: Context[Any, Any], job_id: str, timeout_s: float | None) -> dict[str, Any]:
         """``POST /jobs/{id}/wait``."""
         params: dict[str, Any] = dict(SUMMARY)
         if timeout_s is not None:
@@ -77,12 +77,12 @@ class OverHttp:
         view: dict[str, Any] = await self._call("POST", f"/jobs/{_segment(job_id)}/wait", params=params)
         return view
 
-    async def stop(self, ctx: Context[Any, Any, Any], job_id: str) -> dict[str, Any]:
+    async def stop(self, ctx: Context[Any, Any], job_id: str) -> dict[str, Any]:
         """``POST /jobs/{id}/stop``."""
         view: dict[str, Any] = await self._call("POST", f"/jobs/{_segment(job_id)}/stop", params=SUMMARY)
         return view
 
-    async def stubs(self, ctx: Context[Any, Any, Any], toolset: str) -> str:
+    async def stubs(self, ctx: Context[Any, Any], toolset: str) -> str:
         """``POST /stubs`` with the toolset: its ``module``."""
         answer = await self._call("POST", "/stubs", json={"toolset": toolset})
         return str(answer["module"])

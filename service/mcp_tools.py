@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, Protocol
 
-from mcp.server.fastmcp import Context, FastMCP
-from mcp.server.fastmcp.exceptions import ToolError as OperationFailed  # re-exported for the fronts
-from mcp.server.transport_security import TransportSecuritySettings
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError as OperationFailed  # re-exported for the fronts
 
 from service.toolkit.stubs import USAGE
 
@@ -38,7 +37,7 @@ class Operations(Protocol):
 
     async def execute(
         self,
-        ctx: Context[Any, Any, Any],
+        ctx: Context[Any, Any],
         script: str,
         toolset: str | None,
         timeout_s: float | None,
@@ -47,19 +46,19 @@ class Operations(Protocol):
         """Start a job and wait up to ``wait_s`` (s) for its end."""
         ...
 
-    async def get(self, ctx: Context[Any, Any, Any], job_id: str) -> dict[str, Any]:
+    async def get(self, ctx: Context[Any, Any], job_id: str) -> dict[str, Any]:
         """A job's view now."""
         ...
 
-    async def wait(self, ctx: Context[Any, Any, Any], job_id: str, timeout_s: float | None) -> dict[str, Any]:
+    async def wait(self, ctx: Context[Any, Any], job_id: str, timeout_s: float | None) -> dict[str, Any]:
         """A job's view once it ends or ``timeout_s`` (s) passes."""
         ...
 
-    async def stop(self, ctx: Context[Any, Any, Any], job_id: str) -> dict[str, Any]:
+    async def stop(self, ctx: Context[Any, Any], job_id: str) -> dict[str, Any]:
         """Stop a job; its final view."""
         ...
 
-    async def stubs(self, ctx: Context[Any, Any, Any], toolset: str) -> str:
+    async def stubs(self, ctx: Context[Any, Any], toolset: str) -> str:
         """The stub module of a toolset."""
         ...
 
@@ -99,8 +98,8 @@ def compact(view: dict[str, Any]) -> dict[str, Any]:
 
 def build_server(
     ops: Operations, default_toolset: str | None, *, name: str = "ptc-sandbox", log_level: LogLevel = "INFO"
-) -> FastMCP[Any]:
-    """A FastMCP server whose tools call ``ops``.
+) -> MCPServer[Any]:
+    """An ``MCPServer`` (the SDK's high-level server) whose tools call ``ops``.
 
     Args:
         default_toolset: the toolset ``execute`` uses when the call names none (``PTC_MCP_TOOLSET``); None: a call
@@ -116,18 +115,19 @@ def build_server(
         )
     else:
         description += "Pass toolset_id (POST /toolsets); its signatures: resource ptc://toolsets/{toolset_id}/stubs.\n"
-    server: FastMCP[Any] = FastMCP(
+    server: MCPServer[Any] = MCPServer(
         name,
         instructions=USAGE,
         log_level=log_level,
-        # The HTTP front is behind the service's API keys, on whatever host it is deployed: no Host/Origin lists.
-        transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+        # No subscriptions/listen: the tools never change, and a listen stream is an answer held open for nothing
+        # (the method is answered -32601, method not found).
+        subscriptions=False,
     )
 
     @server.tool(description=description + "\n" + USAGE)
     async def execute(
         script: str,
-        ctx: Context[Any, Any, Any],
+        ctx: Context[Any, Any],
         toolset_id: str | None = None,
         timeout_s: float | None = None,
         wait_s: float | None = None,
@@ -135,15 +135,15 @@ def build_server(
         return compact(await ops.execute(ctx, script, toolset_id or default_toolset, timeout_s, wait_s))
 
     @server.tool(description="A job's status, stdout, stderr, error and call summary now.")
-    async def get_job(job_id: str, ctx: Context[Any, Any, Any]) -> dict[str, Any]:
+    async def get_job(job_id: str, ctx: Context[Any, Any]) -> dict[str, Any]:
         return compact(await ops.get(ctx, job_id))
 
     @server.tool(description="Wait until a job ends (or timeout_s seconds pass), then answer as get_job.")
-    async def wait_job(job_id: str, ctx: Context[Any, Any, Any], timeout_s: float | None = None) -> dict[str, Any]:
+    async def wait_job(job_id: str, ctx: Context[Any, Any], timeout_s: float | None = None) -> dict[str, Any]:
         return compact(await ops.wait(ctx, job_id, timeout_s))
 
     @server.tool(description="Stop a job (SIGTERM, then SIGKILL after a grace); answers its final state.")
-    async def stop_job(job_id: str, ctx: Context[Any, Any, Any]) -> dict[str, Any]:
+    async def stop_job(job_id: str, ctx: Context[Any, Any]) -> dict[str, Any]:
         return compact(await ops.stop(ctx, job_id))
 
     @server.resource(
@@ -152,8 +152,9 @@ def build_server(
         description="The Python module `tools` a script of this toolset imports: one typed function per tool.",
         mime_type="text/x-python",
     )
-    async def stubs(toolset_id: str) -> str:
-        # A template's injected Context lacks the request in this SDK version: the server's own has it.
-        return await ops.stubs(server.get_context(), toolset_id)
+    async def stubs(toolset_id: str, ctx: Context) -> str:
+        # A bare Context: a template's handler is wrapped in pydantic.validate_call, which detaches a
+        # parametrized Context from its request (the SDK's migration guide).
+        return await ops.stubs(ctx, toolset_id)
 
     return server

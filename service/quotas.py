@@ -7,8 +7,11 @@ budget has a lock of its own besides, so that an output sink may take from it on
     what each owner (an API key's name, or ``IMPLICIT_OWNER`` without authentication) has: jobs not
     ended, jobs admitted in the last 60 s, open sessions with the memory and CPUs they asked for, and
     output bytes its jobs retain on disk. A request past a quota raises ``QuotaExceeded`` naming it.
-    The quotas of a key are ``PTC_KEY_QUOTAS[key]`` where given, else the ``PTC_QUOTA_*`` defaults,
-    which are derived from the global limits so that one key cannot take all of them.
+    The quotas of a key are ``PTC_KEY_QUOTAS[key]`` where given, else the ``PTC_QUOTA_*`` defaults.
+    Those not set are derived from the global limits: with several keys, a share of them (a half or a
+    quarter, ``SHARES``) so that one key cannot take all of them; with one tenant (authentication
+    disabled, or keys of one name: ``auth.single_tenant``) the whole of them, and no ``jobs_per_minute``
+    limit (the queue bound and the concurrency still hold).
 
 ``HostCapacity``
     memory (MiB) and CPUs committed by sandboxes that exist: one-shot jobs' (from their start until
@@ -53,6 +56,10 @@ GLOBAL_REASONS = ("queue_full", "max_sessions")
 REJECTION_REASONS = QUOTA_NAMES + HOST_REASONS + GLOBAL_REASONS
 """Every value of the ``reason`` label of ``ptc_rejections_total``."""
 RATE_WINDOW_S = 60.0
+SHARES = {"running_jobs": 2, "queued_jobs": 4, "sessions": 4, "session_memory_mb": 4, "session_cpus": 4}
+"""With several keys, the default of each quota is its global limit divided by this (at least 1)."""
+JOBS_PER_MINUTE = 600
+"""With several keys, the default ``jobs_per_minute``; with one tenant, none."""
 SESSION_RETRY_AFTER_S = 30  # room for a session comes back when one ends: not within seconds
 EPSILON = 1e-9
 _T = TypeVar("_T", int, float)
@@ -68,7 +75,7 @@ class Quota:
     session_memory_mb: int
     session_cpus: float
     output_bytes: int
-    jobs_per_minute: int
+    jobs_per_minute: int | None  # None: no limit
 
 
 def machine_memory_mb() -> int:
@@ -162,7 +169,8 @@ class Commitment:
 
 
 class OutputBudget:
-    """Bytes an owner's jobs may still retain on disk (thread-safe: its jobs' output sinks take from it).
+    """Bytes an owner's jobs may still make the service keep: retained output and output files on disk, the
+    arguments and results of call records in the store (thread-safe: its jobs' output sinks take from it).
 
     Args:
         limit: the owner's ``output_bytes`` quota.
@@ -172,6 +180,7 @@ class OutputBudget:
     def __init__(self, limit: int, used: int = 0) -> None:
         self.limit = limit
         self.used = used
+        self._refused = False  # a ``take_all`` did not fit: at the quota, until bytes are given back
         self._lock = threading.Lock()
 
     def take(self, wanted: int) -> int:
@@ -181,15 +190,26 @@ class OutputBudget:
             self.used += granted
             return granted
 
+    def take_all(self, wanted: int) -> bool:
+        """Whether all ``wanted`` bytes may be kept (then counted as used). When not, none are taken and the budget
+        counts as ``exhausted`` until bytes are given back (what was refused is what the owner wanted to keep)."""
+        with self._lock:
+            if self.used + wanted > self.limit:
+                self._refused = True
+                return False
+            self.used += wanted
+            return True
+
     def give_back(self, count: int) -> None:
         """``count`` retained bytes were deleted (their job was purged)."""
         with self._lock:
             self.used = max(self.used - count, 0)
+            self._refused = False
 
     @property
     def exhausted(self) -> bool:
-        """Whether nothing more may be retained."""
-        return self.used >= self.limit
+        """Whether nothing more may be retained (or the last ``take_all`` was refused)."""
+        return self.used >= self.limit or self._refused
 
 
 @dataclass
@@ -210,18 +230,28 @@ class Quotas:
         settings: the ``PTC_QUOTA_*`` defaults, ``PTC_KEY_QUOTAS``, and the global limits the defaults
             derive from.
         capacity: the host capacity the default session memory and CPU quotas derive from.
+        single_tenant: one tenant (``auth.single_tenant``): the defaults are the whole of the global limits
+            and the host capacity, not a share of them; explicit settings still win.
     """
 
-    def __init__(self, settings: Settings, capacity: HostCapacity) -> None:
+    def __init__(self, settings: Settings, capacity: HostCapacity, *, single_tenant: bool = False) -> None:
         self._settings = settings
+        self.single_tenant = single_tenant
+
+        def part(name: str) -> int:  # what the default is a 1/part of
+            return 1 if single_tenant else SHARES[name]
+
+        rate = settings.quota_jobs_per_minute
         self._default = Quota(
-            running_jobs=_or(settings.quota_running_jobs, max(1, settings.concurrency() // 2)),
-            queued_jobs=_or(settings.quota_queued_jobs, max(1, settings.max_queue // 4)),
-            sessions=_or(settings.quota_sessions, max(1, settings.max_sessions // 4)),
-            session_memory_mb=_or(settings.quota_session_memory_mb, int(capacity.memory_mb // 4)),
-            session_cpus=_or(settings.quota_session_cpus, capacity.cpus / 4),
+            running_jobs=_or(settings.quota_running_jobs, max(1, settings.concurrency() // part("running_jobs"))),
+            queued_jobs=_or(settings.quota_queued_jobs, max(1, settings.max_queue // part("queued_jobs"))),
+            sessions=_or(settings.quota_sessions, max(1, settings.max_sessions // part("sessions"))),
+            session_memory_mb=_or(
+                settings.quota_session_memory_mb, int(capacity.memory_mb // part("session_memory_mb"))
+            ),
+            session_cpus=_or(settings.quota_session_cpus, capacity.cpus / part("session_cpus")),
             output_bytes=settings.quota_output_bytes,
-            jobs_per_minute=settings.quota_jobs_per_minute,
+            jobs_per_minute=rate if rate is not None or single_tenant else JOBS_PER_MINUTE,
         )
         self._quotas = {name: self._resolve(q) for name, q in settings.key_quotas.items()}
         self._usage: dict[str, Usage] = {}
@@ -277,7 +307,7 @@ class Quotas:
         window = usage.admitted_at
         while window and now - window[0] >= RATE_WINDOW_S:
             window.popleft()
-        if len(window) >= quota.jobs_per_minute:
+        if quota.jobs_per_minute is not None and len(window) >= quota.jobs_per_minute:
             wait = RATE_WINDOW_S - (now - window[0]) if window else RATE_WINDOW_S
             raise QuotaExceeded(
                 f"key {owner!r} has submitted {len(window)} jobs in the last 60 s, its jobs_per_minute quota",
@@ -294,7 +324,8 @@ class Quotas:
                 math.ceil(self._settings.purge_interval_s),
             )
         usage.jobs += 1
-        window.append(now)
+        if quota.jobs_per_minute is not None:  # no limit: nothing to remember
+            window.append(now)
 
     def job_ended(self, owner: str) -> None:
         """A job ``admit_job`` counted has ended (or was never started)."""

@@ -422,6 +422,11 @@ class CallRecord(BaseModel):
     result: Any = None
     error: ToolCallError | None = None
     repaired: bool = Field(False, description="An argument sent as JSON text was parsed into the object it encodes.")
+    repairs: list[str] = Field(
+        default_factory=list,
+        description="The call's repairs, by kind, in the order made: `positional_dict` (the stub bound a lone "
+        "positional dict as the arguments; reported by the sandbox's stub), `json_text` (as `repaired`).",
+    )
     caller: str = Field("code", description="Who made the call: the script's code.")
     attempts: int | None = Field(None, description="Attempts made, when an idempotent tool was retried.")
     started_at: datetime

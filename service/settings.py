@@ -15,7 +15,7 @@ from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.connections import parse_networks
-from service.egress import LOOPBACK_RULES, EgressRule
+from service.egress import EgressRule
 from service.errors import UnknownImage
 from service.schemas import MAX_SCRIPT_CHARS, MAX_TOOLS
 
@@ -189,8 +189,9 @@ class Settings(BaseSettings):
     max_record_bytes: int = Field(
         16 * 1024 * 1024,
         ge=0,
-        description="Bytes of arguments and results (JSON) a job's call records keep; past it a record keeps its "
-        "call but not its args/result (args_dropped_bytes, result_dropped_bytes) (bytes).",
+        description="Bytes of arguments and results (JSON) a job's call records keep; past it (or past its key's "
+        "output_bytes quota) a record keeps its call but not its args/result (args_dropped_bytes, "
+        "result_dropped_bytes) (bytes).",
     )
     max_record_bytes_total: int = Field(
         512 * 1024 * 1024,
@@ -312,6 +313,12 @@ class Settings(BaseSettings):
         100, ge=0, description="Jobs that may wait for a sandbox slot; past that /execute answers 429."
     )
     retry_after_s: int = Field(2, ge=1, description="Retry-After of a 429 (s).")
+    max_reads_per_key: int = Field(
+        4,
+        ge=1,
+        description="Session file downloads and GET /jobs answers one key may have under way at once (each sent a "
+        "slice at a time); one more answers 429 (docs/operations.md, Quotas and admission).",
+    )
     client_call_timeout_s: float = Field(
         270, gt=0, description="How long a client-executed tool call waits for the client's answer (s)."
     )
@@ -328,7 +335,8 @@ class Settings(BaseSettings):
         4,
         ge=1,
         le=64,
-        description="Warm pools at most, one per sandbox profile (limits, runtime); the default profile's included.",
+        description="Warm pools at most, one per sandbox profile (limits, runtime); the default profile's included. "
+        "The others are shared fairly between keys (a key holding two more than another gives one up to it).",
     )
     warm_pool_max_age_s: float = Field(600, gt=0, description="A pooled sandbox idle longer than this is replaced (s).")
     max_sessions: int = Field(32, ge=0, description="Sessions open at once; past that POST /sessions answers 429.")
@@ -402,9 +410,10 @@ class Settings(BaseSettings):
 
     # -- egress rules (service/egress.py) --
     egress_allow: Annotated[list[str], NoDecode] = Field(
-        list(LOOPBACK_RULES),
+        default_factory=list,
         description="Comma-separated [scheme://]host[:port] rules of what http/mcp endpoints and callbacks may "
-        "reach (docs/operations.md, Egress rules); non-public addresses need an address rule. Empty: nothing.",
+        "reach (docs/operations.md, Egress rules); non-public addresses (loopback, private) need an address rule, "
+        "best with its port: http://127.0.0.1:8765. Empty (the default): nothing.",
     )
 
     # -- request limits (service/limits.py) --
@@ -460,38 +469,50 @@ class Settings(BaseSettings):
         None,
         ge=0,
         description="Jobs of one key (one-shot and session scripts) running at once; more wait. "
-        "Default: half the concurrency (at least 1).",
+        "Default: half the concurrency (at least 1); with one tenant, all of it.",
     )
     quota_queued_jobs: int | None = Field(
         None,
         ge=0,
         description="Jobs of one key that may wait beyond its running ones; past that 429. "
-        "Default: a quarter of PTC_MAX_QUEUE (at least 1).",
+        "Default: a quarter of PTC_MAX_QUEUE (at least 1); with one tenant, all of it.",
     )
     quota_sessions: int | None = Field(
-        None, ge=0, description="Sessions one key may have open. Default: a quarter of PTC_MAX_SESSIONS (at least 1)."
+        None,
+        ge=0,
+        description="Sessions one key may have open. Default: a quarter of PTC_MAX_SESSIONS (at least 1); with one "
+        "tenant, all of it.",
     )
     quota_session_memory_mb: int | None = Field(
         None,
         ge=0,
         description="memory_mb summed over one key's open sessions (MiB). Default: a quarter of the host memory "
-        "capacity.",
+        "capacity; with one tenant, all of it.",
     )
     quota_session_cpus: float | None = Field(
-        None, ge=0, description="cpus summed over one key's open sessions. Default: a quarter of the host CPU capacity."
+        None,
+        ge=0,
+        description="cpus summed over one key's open sessions. Default: a quarter of the host CPU capacity "
+        "(PTC_HOST_CPUS x PTC_CPU_OVERCOMMIT); with one tenant, all of it.",
     )
     quota_output_bytes: int = Field(
         1024**3,
         ge=0,
-        description="Output bytes of one key's jobs retained in the work dir until purged; past it their output "
-        "is no longer retained and new jobs get 429 (bytes).",
+        description="Bytes one key's jobs make the service keep until purged: retained output, output files and "
+        "the arguments and results of their call records; past it no more is kept and new jobs get 429 (bytes).",
     )
-    quota_jobs_per_minute: int = Field(600, ge=0, description="Jobs one key may submit in any 60 s.")
+    quota_jobs_per_minute: int | None = Field(
+        None,
+        ge=0,
+        description="Jobs one key may submit in any 60 s. Default: 600; with one tenant, no limit (the queue "
+        "bound and the concurrency still hold).",
+    )
     key_quotas: dict[str, KeyQuotas] = Field(
         default_factory=dict,
         description='Per-key quotas as JSON, e.g. {"agent-a": {"running_jobs": 8, "sessions": 2}}; fields: '
         "running_jobs, queued_jobs, sessions, session_memory_mb, session_cpus, output_bytes, jobs_per_minute "
-        "(without authentication the key is named anonymous).",
+        "(without authentication the key is named anonymous). One tenant (authentication disabled, or keys of "
+        "one name) has the whole host by default: see each PTC_QUOTA_*.",
     )
     host_memory_mb: int | None = Field(
         None, ge=1, description="Host memory sandboxes may commit before overcommit (MiB). Default: the machine's."

@@ -10,13 +10,15 @@ Their schemas are BFCL's ``multi_turn_func_doc/*.json`` (BFCL dialect).
   with a JSON object of arguments answers ``200`` with the JSON result;
   ``404`` for an unknown method, ``400`` for a body that is not a JSON object,
   ``500`` ``{"error": "<Type>: <text>"}`` when the method raises.
-- ``BfclMcpServer``: the ``mcp`` SDK's low-level ``Server`` behind its
+- ``BfclMcpServer``: the ``mcp`` SDK's (2.x) low-level ``Server`` behind its
   ``StreamableHTTPSessionManager`` (stateful sessions, SSE answers), in a
   Starlette app served by uvicorn at ``http://127.0.0.1:<port>/mcp``.
   ``tools/list`` gives each method with ``inputSchema`` = its BFCL schema
   mapped to JSON Schema; ``tools/call`` answers a dict result as
   ``structuredContent`` (and its JSON text), any other result as JSON text
-  only; an unknown tool or a method that raises gives ``isError: true``.
+  only; an unknown tool or a method that raises gives ``isError: true``
+  (built here: the 2.x low-level server answers a raised exception as a
+  JSON-RPC error).
 
 Both start in a background thread on a free port when entered as a context
 manager and stop on exit. Results are made JSON-safe by ``to_json`` (a JSON
@@ -51,7 +53,7 @@ import uvicorn
 from mcp import ClientSession
 from mcp import types as mcp_types
 from mcp.client.streamable_http import streamable_http_client
-from mcp.server.lowlevel import Server
+from mcp.server import Server, ServerRequestContext
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from starlette.applications import Starlette
 from starlette.routing import Route
@@ -255,7 +257,7 @@ class BfclMcpServer:
         self.methods = public_methods(self.instance)
         self.tools = [
             mcp_types.Tool(
-                name=doc["name"], description=doc["description"], inputSchema=to_json_schema(doc["parameters"])
+                name=doc["name"], description=doc["description"], input_schema=to_json_schema(doc["parameters"])
             )
             for doc in function_docs(class_name)
             if doc["name"] in self.methods
@@ -264,9 +266,7 @@ class BfclMcpServer:
         self.requests: list[tuple[str, dict[str, str]]] = []
         self.session_ids: set[str] = set()
 
-        server: Server[Any, Any] = Server(f"bfcl-{class_name}")
-        server.list_tools()(self._list_tools)  # type: ignore[no-untyped-call]  # untyped in the SDK
-        server.call_tool()(self._call_tool)
+        server: Server[Any] = Server(f"bfcl-{class_name}", on_list_tools=self._list_tools, on_call_tool=self._call_tool)
         manager = StreamableHTTPSessionManager(app=server)
 
         @contextlib.asynccontextmanager
@@ -281,18 +281,26 @@ class BfclMcpServer:
         self._uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self._socket]}, daemon=True)
 
-    async def _list_tools(self) -> list[mcp_types.Tool]:
-        return self.tools
+    async def _list_tools(
+        self, ctx: ServerRequestContext[Any], params: mcp_types.PaginatedRequestParams | None
+    ) -> mcp_types.ListToolsResult:
+        return mcp_types.ListToolsResult(tools=self.tools)
 
-    async def _call_tool(self, name: str, arguments: dict[str, Any]) -> mcp_types.CallToolResult:
+    async def _call_tool(
+        self, ctx: ServerRequestContext[Any], params: mcp_types.CallToolRequestParams
+    ) -> mcp_types.CallToolResult:
+        name, arguments = params.name, dict(params.arguments or {})
         method = self.methods.get(name)
         if method is None:
-            raise ValueError(f"unknown tool {name!r}")  # the SDK answers isError with this text
+            return _tool_error(f"unknown tool {name!r}")
         self.calls.append((name, arguments))
-        result = to_json(method(**arguments))
+        try:
+            result = to_json(method(**arguments))
+        except Exception as exc:
+            return _tool_error(str(exc))
         return mcp_types.CallToolResult(
             content=[mcp_types.TextContent(type="text", text=json.dumps(result))],
-            structuredContent=result if isinstance(result, dict) else None,
+            structured_content=result if isinstance(result, dict) else None,
         )
 
     def __enter__(self) -> Self:
@@ -312,8 +320,12 @@ class BfclMcpServer:
         self._socket.close()
 
 
+def _tool_error(text: str) -> mcp_types.CallToolResult:
+    return mcp_types.CallToolResult(content=[mcp_types.TextContent(type="text", text=text)], is_error=True)
+
+
 async def _list_tools(url: str) -> list[dict[str, Any]]:
-    async with streamable_http_client(url) as (read, write, _), ClientSession(read, write) as session:
+    async with streamable_http_client(url) as (read, write), ClientSession(read, write) as session:
         await session.initialize()
         listed = await session.list_tools()
     return [tool.model_dump(mode="json", by_alias=True, exclude_none=True) for tool in listed.tools]

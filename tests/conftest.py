@@ -35,6 +35,11 @@ IMAGE = os.environ.get("PTC_SANDBOX_IMAGE", "ptc-sandbox-runtime:latest")
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIMES = ("runc", "runsc")
 """The OCI runtimes the isolation tests run under: the engine's default and gVisor."""
+TEST_EGRESS_RULES = ("*://localhost:*", "*://127.0.0.0/8:*", "*://[::1]:*")
+"""``PTC_EGRESS_ALLOW`` of the services the tests start, in-process (``pytest_configure``) and as processes
+(``start_service``): the tests' tool servers, MCP servers and callback receivers listen on the loopback at ports
+chosen when they start (and the own-address tests aim at every spelling of it). The default allows nothing; a test
+of the default removes the variable."""
 
 
 def in_ci() -> bool:
@@ -118,14 +123,22 @@ INTERNAL_SECRET = "ptc-tests-internal-secret-" + secrets.token_hex(16)
 """``PTC_INTERNAL_SECRET`` of every service the tests start (one per test run: replicas of a test share it)."""
 
 
-def start_service(instance_id: str, work_dir: Path, probe: str = "/readyz", **env: str) -> Service:
+def pytest_configure(config: pytest.Config) -> None:
+    """Services built in-process (``Settings()``) read ``PTC_EGRESS_ALLOW``: the tests' loopback servers, unless the
+    environment names others."""
+    os.environ.setdefault("PTC_EGRESS_ALLOW", ",".join(TEST_EGRESS_RULES))
+
+
+def start_service(instance_id: str, work_dir: Path, probe: str = "/readyz", **env: str | None) -> Service:
     """Start the service as a subprocess and wait until ``probe`` answers 200 (on ``env``'s ``PTC_PORT`` if given,
-    else a free port).
+    else a free port). A variable of ``env`` given as None is removed from the service's environment.
+
+    Egress is ``TEST_EGRESS_RULES`` unless the environment or ``env`` says otherwise.
 
     Authentication is on: a new API key (name ``pytest``, which may read ``/metrics``) is configured, and
     ``Service.client()`` sends it.
     """
-    port = int(env["PTC_PORT"]) if "PTC_PORT" in env else free_port()
+    port = int(env.get("PTC_PORT") or free_port())
     log_path = work_dir.with_suffix(".log")
     token = secrets.token_urlsafe(32)
     environ = {
@@ -138,8 +151,11 @@ def start_service(instance_id: str, work_dir: Path, probe: str = "/readyz", **en
         "PTC_API_KEYS": f"pytest:{hash_token(token)}",
         "PTC_METRICS_KEYS": "pytest",  # the suite scrapes /metrics with its key (the metrics and monitoring tests)
         "PTC_INTERNAL_SECRET": INTERNAL_SECRET,  # needed with PTC_STORE_URL; the same for every replica of a test
-        **env,
+        "PTC_EGRESS_ALLOW": os.environ.get("PTC_EGRESS_ALLOW", ",".join(TEST_EGRESS_RULES)),
+        **{name: value for name, value in env.items() if value is not None},
     }
+    for name in [name for name, value in env.items() if value is None]:
+        del environ[name]
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(
             [sys.executable, "-m", "service", "serve"], cwd=ROOT, env=environ, stdout=log_file, stderr=subprocess.STDOUT
@@ -370,3 +386,11 @@ async def store(make_store: Callable[[], Any]) -> AsyncIterator[Any]:
         yield opened
     finally:
         await opened.close()
+
+
+def script_uids(engine: docker.DockerClient, image: str = IMAGE) -> range:
+    """The uids a script in a sandbox of ``image`` may run as: its ``io.ptc-sandbox.uids`` range (one per sandbox,
+    ``DockerBackend._create_with_uid``), or 10001 alone for an image without one."""
+    from service.sandbox.labels import uid_range
+
+    return uid_range(engine.images.get(image).labels or {}) or range(10001, 10002)

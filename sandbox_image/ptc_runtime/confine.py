@@ -13,8 +13,10 @@ older service) runs the script as that user, unchanged.
 itself, before the script runs):
 
 - ``setsid``: its own session and process group, so that it cannot even send SIGCONT to the interpreter;
-- supplementary groups cleared, then gid and uid (real, effective, saved) set to ``SCRIPT_UID``: every
-  capability is gone (the kernel clears them when the last uid 0 goes), ``no-new-privileges`` keeps them so;
+- supplementary groups cleared, then gid and uid (real, effective, saved) set to the sandbox's own (``script_ids``:
+  the uid the service gave this sandbox in ``PTC_SCRIPT_UID``, unique among the host's live sandboxes, so that no
+  two tenants share the kernel's per-user limits; ``SCRIPT_UID`` when absent): every capability is gone (the
+  kernel clears them when the last uid 0 goes), ``no-new-privileges`` keeps them so;
 - dumpable again (a change of user clears it), and the OOM killer's first choice (``oom_score_adj`` 1000);
 - a seccomp filter that refuses new user namespaces (``clone``/``unshare`` with ``CLONE_NEWUSER``: EPERM;
   ``clone3``, whose flags a filter cannot read: ENOSYS, on which the C library falls back to ``clone``; the
@@ -31,10 +33,11 @@ from __future__ import annotations
 import os
 import platform
 import struct
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 SCRIPT_UID = 10001
 SCRIPT_GID = 10001
+SCRIPT_UID_ENV = "PTC_SCRIPT_UID"  # ptc_runtime.protocol.SCRIPT_UID_ENV (confine imports nothing of the runtime)
 CLEAN_IMPORT_ENV = {"PYTHONSAFEPATH": "1", "PYTHONNOUSERSITE": "1"}
 PR_SET_DUMPABLE = 4
 PR_SET_SECCOMP = 22
@@ -86,6 +89,23 @@ def no_user_namespaces_filter() -> Optional[bytes]:
         _insn(_RET_K, 0, 0, _ERRNO | ENOSYS),  # 11
     ]
     return b"".join(program)
+
+
+def script_ids() -> Tuple[int, int]:
+    """(uid, gid) every script of this sandbox runs as: ``PTC_SCRIPT_UID`` of the sandbox's environment (the
+    service's, read once by the interpreter before any script runs), else (``SCRIPT_UID``, ``SCRIPT_GID``). Raises
+    ValueError for a value that is not a uid a script may have (0, negative, past 2**31 - 2)."""
+    if "ids" not in _prepared:
+        raw = os.environ.get(SCRIPT_UID_ENV)
+        if raw is None:
+            _prepared["ids"] = (SCRIPT_UID, SCRIPT_GID)
+        else:
+            uid = int(raw)
+            if not 0 < uid < 2**31 - 1:
+                raise ValueError("%s=%s is not a uid a script may run as" % (SCRIPT_UID_ENV, raw[:20]))
+            _prepared["ids"] = (uid, uid)
+    ids: Tuple[int, int] = _prepared["ids"]
+    return ids
 
 
 _prepared: Dict[str, Any] = {}  # ctypes objects made once, in the interpreter, and inherited by each fork
@@ -144,12 +164,13 @@ def drop(program: Optional[bytes], own_session: bool = True) -> None:
     """Make this process a script's (see the module docstring); ``own_session`` False keeps the session (the
     one-shot runtime is the sandbox's init already). Raises OSError when the user cannot be changed: a script
     must never run as root."""
+    uid, gid = script_ids()
     if own_session:
         os.setsid()
     if os.getuid() == 0 or os.geteuid() == 0:
         os.setgroups([])
-        os.setresgid(SCRIPT_GID, SCRIPT_GID, SCRIPT_GID)
-        os.setresuid(SCRIPT_UID, SCRIPT_UID, SCRIPT_UID)
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
         if 0 in os.getresuid() or 0 in os.getresgid():
             raise OSError("the script's process is still root")
     set_dumpable(True)
@@ -159,4 +180,5 @@ def drop(program: Optional[bytes], own_session: bool = True) -> None:
     except OSError:
         pass
     install_filter(program)
+    os.environ.pop(SCRIPT_UID_ENV, None)  # the script sees the environment it always saw
     os.environ.update(CLEAN_IMPORT_ENV)

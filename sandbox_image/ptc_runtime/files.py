@@ -9,8 +9,8 @@ component at a time with ``O_NOFOLLOW`` (``O_DIRECTORY`` for the folders), each 
 opened the entry itself (gVisor follows a folder symlink despite the flag): a symlink anywhere on the way (``/tmp/x ->
 /etc``, ``/tmp/x -> /run/ptc``) makes the open fail (``ELOOP``/``ENOTDIR``); a file that is not a regular file (a
 fifo, a device) is refused once opened (``O_NONBLOCK``: opening a fifo never waits). The resident interpreter does
-this as the sandbox user (``as_sandbox_user``: effective uid and gid 10001), so nothing it writes or reads is more
-than a script could, and only while no script's process exists.
+this as the sandbox user (``as_sandbox_user``: the effective uid and gid of its scripts), so nothing it writes or
+reads is more than a script could, and only while no script's process exists.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import contextlib
 import os
 import stat
 from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+from ptc_runtime.confine import script_ids
 
 MAX_PATH_BYTES = 1024
 MAX_NAME_BYTES = 255
@@ -36,8 +38,6 @@ first ``MAX_DIR_ENTRIES`` the folder lists (in name order) and counts the rest (
 TOO_MANY = "too many entries"
 """A walk's reason for the entries of a folder past ``MAX_DIR_ENTRIES`` (its size field: how many)."""
 SKIPPED_FRAMES = 100  # entries left out of the outputs are all counted (``files_omitted``), the first these sent
-SANDBOX_UID = 10001
-SANDBOX_GID = 10001
 
 NOT_FOUND = "not_found"
 NOT_A_FILE = "not_a_file"
@@ -93,21 +93,28 @@ def check_path(path: object, outputs: bool = False) -> str:
 
 
 @contextlib.contextmanager
-def as_sandbox_user() -> Iterator[None]:
-    """Run the block with effective uid and gid 10001 when this process is root (the privsep interpreter; its
-    effective capabilities are gone meanwhile and come back after, from the permitted set); unchanged otherwise."""
+def as_sandbox_user(real: bool = False) -> Iterator[None]:
+    """Run the block with the effective uid and gid of the sandbox's scripts (``confine.script_ids``) when this
+    process is root (the privsep interpreter; its effective capabilities are gone meanwhile and come back after, from
+    the permitted set); unchanged otherwise.
+
+    ``real``: the real ids too (root stays the saved ids, to come back through): what checks the real user
+    (``os.access``, as matplotlib does of its config folder) then sees the sandbox user as well. Only while no
+    script process exists (the preload): a process of the scripts' uid may signal one whose real uid is its own."""
     if os.geteuid() != 0:
         yield
         return
-    os.setegid(SANDBOX_GID)
+    uid, gid = script_ids()
+    real_uid, real_gid = (uid, gid) if real else (-1, -1)
+    os.setresgid(real_gid, gid, -1)
     try:
-        os.seteuid(SANDBOX_UID)
+        os.setresuid(real_uid, uid, -1)
         try:
             yield
         finally:
-            os.seteuid(0)
+            os.setresuid(0, 0, -1)
     finally:
-        os.setegid(0)
+        os.setresgid(0, 0, -1)
 
 
 def _errno_error(exc: OSError, path: str) -> FileOpError:
@@ -190,20 +197,43 @@ def write_file(root: int, path: str, source: IO[bytes]) -> int:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise FileOpError(NOT_A_FILE, "%s: not a regular file" % path)
             os.ftruncate(fd, 0)
-            written = 0
-            while True:
-                data = source.read(CHUNK_BYTES)
-                if not data:
-                    return written
-                view = memoryview(data)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
-                    written += n
+            return _copy(source, fd)
         finally:
             os.close(fd)
     except OSError as exc:
         raise _errno_error(exc, path) from None
+
+
+def _copy(source: IO[bytes], fd: int) -> int:
+    """Copy what is left of ``source`` to ``fd``; returns the bytes copied. A file is copied by the kernel
+    (``sendfile``): its bytes never enter this process's memory, which every later script of a session inherits
+    (``ptc_runtime.session``); anything else (or a kernel that refuses) is copied through a buffer."""
+    import errno
+
+    written = 0
+    try:
+        source_fd: Optional[int] = source.fileno()
+    except (AttributeError, OSError, ValueError):
+        source_fd = None
+    while source_fd is not None:
+        try:
+            n = os.sendfile(fd, source_fd, None, 1 << 30)
+        except OSError as exc:
+            if written or exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise
+            break
+        if not n:
+            return written
+        written += n
+    while True:
+        data = source.read(CHUNK_BYTES)
+        if not data:
+            return written
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+            written += n
 
 
 def open_file(root: int, path: str) -> Tuple[int, int]:
@@ -289,9 +319,19 @@ def walk(root: int, prefix: str = "", depth: int = 0) -> Iterator[Tuple[str, Opt
         yield prefix.rstrip("/") or ".", more, TOO_MANY
 
 
+def _unlock(root: int, name: str, info: os.stat_result, mode: int = 0o700) -> None:
+    """Give the folder ``name`` under ``root`` (``info``: its ``lstat``) the mode ``mode`` when a script changed it
+    (0555, 0000, sticky): the sandbox user owns every folder a script makes, so that it can always be emptied
+    whatever mode the script left it. Only while no script's process exists (nothing can swap the folder for a
+    symlink between the ``lstat`` and the ``chmod``); best effort."""
+    if stat.S_IMODE(info.st_mode) != mode:
+        with contextlib.suppress(OSError):
+            os.chmod(name, mode, dir_fd=root)
+
+
 def clear(root: int, name: str, depth: int = 0) -> None:
-    """Remove ``name`` under ``root`` and everything in it, never following a symlink (best effort: folders
-    nested deeper than ``CLEAR_DEPTH`` stay)."""
+    """Remove ``name`` under ``root`` and everything in it, never following a symlink, whatever modes a script
+    left on the folders (``_unlock``; best effort: folders nested deeper than ``CLEAR_DEPTH`` stay)."""
     if depth > CLEAR_DEPTH:
         return
     try:
@@ -302,6 +342,7 @@ def clear(root: int, name: str, depth: int = 0) -> None:
         with contextlib.suppress(OSError):
             os.unlink(name, dir_fd=root)
         return
+    _unlock(root, name, info)
     try:
         fd = open_at(name, _DIR_FLAGS, root)
     except OSError:
@@ -493,15 +534,34 @@ def send_outputs(job_id: str, caps: Dict[str, Any], send: Send, workdir: str, sw
 
 
 def _empty(root: int) -> None:
-    """Empty the outputs folder under ``root`` (kept, so that a script can write into it at once)."""
+    """Empty the outputs folder under ``root`` (kept, mode 0755, so that a script can write into it at once), whatever
+    modes its script left there (``clear``). Should anything stay (folders nested past ``CLEAR_DEPTH``), the folder
+    is moved aside in the working directory (``.ptc-outputs-left-<n>``) and a new one made: what a script leaves
+    there is never a later script's output. Best effort."""
+    try:
+        info = os.stat(OUTPUTS, dir_fd=root, follow_symlinks=False)
+    except OSError:
+        return
+    if not stat.S_ISDIR(info.st_mode):
+        return
+    _unlock(root, OUTPUTS, info, 0o755)
     try:
         fd = open_at(OUTPUTS, _DIR_FLAGS, root)
     except OSError:
         return
     try:
         _clear_all(fd, 0)
+        left = bool(os.listdir(fd))
+    except OSError:
+        left = True
     finally:
         os.close(fd)
+    if left:
+        import time
+
+        with contextlib.suppress(OSError):
+            os.rename(OUTPUTS, ".ptc-outputs-left-%d" % time.monotonic_ns(), src_dir_fd=root, dst_dir_fd=root)
+            os.mkdir(OUTPUTS, 0o755, dir_fd=root)
 
 
 def _sendable(path: str) -> bool:
@@ -523,8 +583,9 @@ def _shown(path: str) -> str:
 
 
 def prepare_outputs(workdir: str, switch_user: bool) -> None:
-    """Make the outputs folder under ``workdir`` (as the sandbox user), replacing whatever non-folder a script
-    left in its place (a symlink included: never followed). Best effort."""
+    """Make the outputs folder under ``workdir`` (as the sandbox user), empty (``_empty``: a run that sent no
+    outputs may have left something there), replacing whatever non-folder a script left in its place (a symlink
+    included: never followed). Best effort."""
     try:
         with _user(switch_user):
             root = open_root(workdir)
@@ -534,6 +595,8 @@ def prepare_outputs(workdir: str, switch_user: bool) -> None:
                     if not stat.S_ISDIR(info.st_mode):
                         os.unlink(OUTPUTS, dir_fd=root)
                         os.mkdir(OUTPUTS, 0o755, dir_fd=root)
+                    else:
+                        _empty(root)
                 except FileNotFoundError:
                     os.mkdir(OUTPUTS, 0o755, dir_fd=root)
             finally:

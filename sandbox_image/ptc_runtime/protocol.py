@@ -11,7 +11,10 @@ ended), in both directions; ``FIELD_OP`` names its kind:
 - sandbox -> service ``HELLO``: ``{"op": "hello", "pid": n, "features": [...]}`` once connected (``features``:
   ``FEATURE_FILES`` when it serves the file requests below; older runtimes send none);
 - service -> sandbox ``RUN``: ``{"op": "run", "id": job_id, "env": {name: value}}``: run the ``SCRIPT`` now in
-  the folder (one at a time);
+  the folder (one at a time); to a runtime whose hello lists ``FEATURE_ENV_FILE`` the service sends
+  ``"env_file": ENV_FILE`` instead of ``"env"`` and writes the env (one JSON object) to that file in the run folder,
+  removed once the run has ended: the script's own process reads it, so that no run's env passes through the
+  resident interpreter, whose memory every later script of the session inherits;
 - sandbox -> service ``OUT``: ``{"op": "out", "id": job_id, "stream": "stdout"|"stderr", "n": n}`` followed by
   exactly ``n`` raw bytes of the script's output, ``0 <= n <= MAX_FRAME_BYTES``;
 - service -> sandbox ``SIGNAL``: ``{"op": "signal", "id": job_id, "signal": "SIGTERM"|"SIGKILL"}`` (one of
@@ -62,6 +65,11 @@ TOOLS_SOCKET = "tools.sock"
 FILES_DIR = ".files-in"
 """The folder of a ``PUT``'s sources in the run folder (written by the service, read by the sandbox; removed after;
 not a name ``import`` can reach, though the run folder is on a script's ``sys.path``)."""
+SCRIPT_UID_ENV = "PTC_SCRIPT_UID"
+"""In the sandbox's environment: the uid (and gid) its scripts run as, one of the image's ``UIDS_LABEL`` range that
+the service gave this sandbox alone; absent: ``ptc_runtime.confine.SCRIPT_UID`` (10001). Not in a script's."""
+UIDS_LABEL = "io.ptc-sandbox.uids"
+"""The image label naming the uids its ``/etc/passwd`` lists as ``sandbox`` users (``"first-last"``, inclusive)."""
 SESSION_ENV = "PTC_SESSION"
 """Set to ``"1"`` in the sandbox's environment: the runtime serves this protocol instead of running one script."""
 
@@ -70,6 +78,11 @@ MAX_FRAME_BYTES = 64 * 1024
 
 FEATURE_FILES = "files"
 """A ``HELLO``'s feature: the runtime serves ``PUT``/``GET``/``LIST`` and sends a run's outputs."""
+FEATURE_ENV_FILE = "env_file"
+"""A ``HELLO``'s feature: the runtime takes a ``RUN``'s env from ``ENV_FILE`` (its ``"env_file"`` field)."""
+ENV_FILE = ".run-env.json"
+"""The run's env in the run folder (``FEATURE_ENV_FILE``): written by the service before the ``RUN``, read by the
+script's process (as the sandbox user: mode 0644), removed when the run ends. Not a name ``import`` can reach."""
 
 FIELD_OP = "op"
 HELLO = "hello"

@@ -33,8 +33,9 @@ the next one (the spare), which confines itself (``ptc_runtime.confine.drop``: i
 10001 with no capability, dumpable, the OOM killer's first choice, no user namespaces, a clean import path for its
 subprocesses), takes the run's pipes as stdout and stderr and its rings, and then waits, running nothing else,
 for its run frame. So a run's critical path holds neither the fork nor the confinement (~3 ms of page faults on a
-virtual machine): on the ``run`` frame the server sends the spare the run's ``env`` (the go pipe), and the spare
-applies it and returns from ``serve`` so that ``__main__`` compiles and runs the script exactly as a one-shot job
+virtual machine): on the ``run`` frame the server sends the spare its go (the go pipe), the spare reads the run's
+``env`` from the run folder's env file (``protocol.ENV_FILE``; from the go itself for an older service) and applies
+it and returns from ``serve`` so that ``__main__`` compiles and runs the script exactly as a one-shot job
 runs its script. The spare is forked from the server after the previous run ended (every process of it killed and
 gone), so it holds nothing of any script, and it is the only process besides the server between runs; a spare
 that ended before its run (the OOM killer, a failed confinement) is replaced at the run frame by one forked then,
@@ -68,7 +69,12 @@ sandbox as root with only ``CAP_SETUID``/``CAP_SETGID``/``CAP_KILL`` (images
 labelled ``privsep``), stays root while every script runs as 10001: no script
 can signal it, ptrace it or open its ``/proc`` files, under runc (which also
 drops signals sent to a namespace's init from inside it) and gVisor (which
-does not) alike. It also makes itself not dumpable. It collects every orphan.
+does not) alike. It also makes itself not dumpable, and its fd 0 ``/dev/null``. It collects every orphan.
+
+No run's data passes through its memory, which every later script's process inherits (fork): a run's env is read
+by the script's own process (the env file), files put in are copied by the kernel (``files.write_file``:
+``sendfile``). It imports the image's ``PTC_PRELOAD`` modules as the sandbox user (effective uid and gid 10001),
+so whatever they make under ``/tmp`` (matplotlib's config folder and font cache) is the scripts' to write.
 
 Nothing of a script outlives it. When the script's process has ended (or is
 to be killed), the server sends SIGKILL to every other process with
@@ -110,7 +116,7 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ptc_runtime import files, protocol
-from ptc_runtime.confine import drop, no_user_namespaces_filter, prepare, set_dumpable
+from ptc_runtime.confine import drop, no_user_namespaces_filter, prepare, script_ids, set_dumpable
 from ptc_runtime.ring import ASLEEP, STDERR_RING_BYTES, STDOUT_RING_BYTES, Ring, RingReader, install
 from ptc_runtime.stdio import UNBUFFERED_ENV
 
@@ -231,6 +237,7 @@ class Server:
         self.wake_r, self.wake_w = os.pipe()
         self.filter = no_user_namespaces_filter()
         prepare(self.filter)
+        script_ids()  # the scripts' user, read (and checked: ValueError) once, before any fork
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
 
@@ -247,7 +254,8 @@ class Server:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.selector.register(self.control, selectors.EVENT_READ, "control")
         self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
-        self.send({protocol.FIELD_OP: protocol.HELLO, "pid": os.getpid(), "features": [protocol.FEATURE_FILES]})
+        features = [protocol.FEATURE_FILES, protocol.FEATURE_ENV_FILE]
+        self.send({protocol.FIELD_OP: protocol.HELLO, "pid": os.getpid(), "features": features})
         while True:
             if self.run is None and self.spare is None:  # no script's process exists: fork the next one now
                 child = self.spawn()
@@ -296,9 +304,11 @@ class Server:
                 self.send({protocol.FIELD_OP: protocol.ERROR, "message": "a script is running already"})
                 return None
             outputs = request.get("outputs")
-            return self.start(
-                str(request["id"]), dict(request.get("env") or {}), outputs if isinstance(outputs, dict) else None
-            )
+            # The env file: read by the script's process itself (``wait_for_go``), never by this one.
+            go: Dict[str, Any] = {"env": dict(request.get("env") or {})}
+            if request.get("env_file") == protocol.ENV_FILE:
+                go = {"env_file": os.path.join(protocol.RUN_DIR, protocol.ENV_FILE)}
+            return self.start(str(request["id"]), go, outputs if isinstance(outputs, dict) else None)
         if op in FILE_OPS:
             if self.run is not None:
                 message = {"error": files.FAILED, "message": "a script is running"}
@@ -362,10 +372,11 @@ class Server:
         return None
 
     def start(
-        self, job_id: str, env: Dict[str, str], outputs: Optional[Dict[str, Any]] = None
+        self, job_id: str, go: Dict[str, Any], outputs: Optional[Dict[str, Any]] = None
     ) -> Optional[Tuple[Any, Dict[str, str]]]:
         """Start the run with the spare process (one forked now if there is none, or it has ended: an OOM kill
-        between runs, a failed confinement, which the new one then reports as the run's)."""
+        between runs, a failed confinement, which the new one then reports as the run's); ``go``: what ``send_go``
+        sends it."""
         received = time.monotonic_ns()
         run, self.spare = self.spare, None
         if run is None or run.ended():
@@ -396,18 +407,19 @@ class Server:
         self.run = run
         self.watch(run, True)
         run.next_pass = time.monotonic() + IDLE_S
-        self.send_go(run, env)
+        self.send_go(run, go)
         run.stamps.update(run_received=received, go_sent=time.monotonic_ns())
         self.reap()  # a child that ended before the handler was of interest
         return None
 
-    def send_go(self, run: _Run, env: Dict[str, str]) -> None:
-        """Release the run's process: its env on the go pipe, then the pipe's end. A process that has ended
-        already (the pipe is broken) is the run's all the same: its end is reported as any script's."""
+    def send_go(self, run: _Run, message: Dict[str, Any]) -> None:
+        """Release the run's process: ``message`` on the go pipe (``{"env": {...}}``, or ``{"env_file": path}``:
+        the file it reads its env from, see ``wait_for_go``), then the pipe's end. A process that has ended already
+        (the pipe is broken) is the run's all the same: its end is reported as any script's."""
         go, run.go = run.go, None
         if go is None:
             return
-        data = json.dumps(env).encode()
+        data = json.dumps(message).encode()
         try:
             while data:
                 data = data[os.write(go, data) :]
@@ -428,7 +440,7 @@ class Server:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any Python process
         try:
             drop(self.filter)  # its own session, the sandbox user, no capability (ptc_runtime.confine)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             os.write(err_w, ("ptc_runtime: cannot drop privileges: %s\n" % exc).encode())
             os._exit(126)
         os.environ.pop("PTC_SESSION", None)  # the script sees the environment a one-shot job sees
@@ -648,8 +660,10 @@ class Server:
 
 
 def wait_for_go(go: int) -> Dict[str, str]:
-    """In a spare process: block until the server sends its run's env (JSON, then the pipe's end); the process
-    exits when the server never will (it left)."""
+    """In a spare process: block until the server sends its go (``Server.send_go``: JSON, then the pipe's end) and
+    return the run's env: the go's own, or the one in the env file it names (``protocol.ENV_FILE``), read here,
+    as the sandbox user, so that the resident interpreter never holds it. The process exits when the server never
+    sends a go (it left), and with 126 and a line on stderr when the env file cannot be read."""
     chunks = []
     while True:
         data = os.read(go, READ_BYTES)
@@ -658,12 +672,24 @@ def wait_for_go(go: int) -> Dict[str, str]:
         chunks.append(data)
     os.close(go)
     try:
-        env = json.loads(b"".join(chunks))
+        message = json.loads(b"".join(chunks))
     except ValueError:
-        env = None
-    if not isinstance(env, dict):
+        message = None
+    if not isinstance(message, dict):
         os._exit(0)
-    return env
+    env = message.get("env")
+    path = message.get("env_file")
+    if isinstance(path, str):
+        try:
+            with open(path, "rb") as f:
+                env = json.loads(f.read())
+        except (OSError, ValueError) as exc:
+            os.write(2, ("ptc_runtime: cannot read the run's env: %s\n" % exc).encode())
+            os._exit(126)
+    if not isinstance(env, dict):
+        os.write(2, b"ptc_runtime: the run's env is not an object\n")
+        os._exit(126)
+    return {str(name): str(value) for name, value in env.items()}
 
 
 def preload(names: str) -> List[str]:
@@ -691,6 +717,18 @@ def preload(names: str) -> List[str]:
     return imported
 
 
+def no_stdin() -> None:
+    """Make fd 0 ``/dev/null``: the container's stdin is nothing a script should read or reach through
+    ``/proc/1/fd/0`` (gVisor lets any user open it), and every script inherits this fd 0 as its own stdin."""
+    try:
+        null = os.open(os.devnull, os.O_RDONLY)
+    except OSError:
+        return
+    if null != 0:
+        os.dup2(null, 0)
+        os.close(null)
+
+
 def serve() -> Optional[Tuple[Any, Dict[str, str]]]:
     """Connect to the service's control socket and serve it; see ``Server.serve``."""
     import asyncio  # noqa: F401 - imported now, so that a script's own import is free after the fork
@@ -700,9 +738,16 @@ def serve() -> Optional[Tuple[Any, Dict[str, str]]]:
     # The codec ``__main__.compile_script`` decodes every script with, looked up (its module imported) here once:
     # ~1.5 ms of page faults in each script's process otherwise. ``gc``: what ``finalize_main`` imports.
     codecs.lookup("utf-8-sig")
-    if preload(os.environ.get(PRELOAD_ENV, "")):
+    # As the sandbox user: whatever an import makes (matplotlib's config folder and font cache under /tmp, any
+    # cache under HOME=/tmp) is the scripts' to write, as a one-shot job's first import would have made it. The real
+    # ids too: matplotlib checks its folder with os.access (the real user), and one it finds unwritable it replaces
+    # by a temporary folder that an atexit hook of every forked script removes.
+    with files.as_sandbox_user(real=True):
+        imported = preload(os.environ.get(PRELOAD_ENV, ""))
+    if imported:
         gc.freeze()  # what the imports made stays out of every script's collections (and its pages unshared)
     set_dumpable(False)
+    no_stdin()
     control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     deadline = time.monotonic() + 10
     while True:

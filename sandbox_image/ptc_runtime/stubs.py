@@ -4,7 +4,15 @@ The generator in the service writes one typed, documented function per tool
 (its body is only the docstring) and decorates it with ``Toolbox.tool``. The
 decorator replaces it with a stub that binds the call's arguments against
 that signature, maps safe Python spellings back to the tool's original
-parameter names, and sends the call to the broker. Only the arguments the
+parameter names, and sends the call to the broker. A name in the signature
+always means that signature's parameter; a tool's original parameter name is
+accepted as a keyword too when it is no name of the signature (``from`` for
+``from_``). A call with one positional dict and no keywords, to a tool whose
+first parameter cannot take an object (the generator's
+``first_takes_object``), binds the dict's keys as the arguments, as if passed
+by keyword, and says so to the broker (``"repair": "positional_dict"``, which
+the call's record lists); else the dict is the first parameter's value, like
+any positional argument. Only the arguments the
 script actually passed are sent: defaults shown in the signature are the
 tool's own and are applied by the tool, never invented by the stub. Missing
 or unexpected arguments are not refused here but by the broker, so that every
@@ -59,19 +67,41 @@ class Namespace:
 class _Binder:
     """Turns ``(*args, **kwargs)`` into the tool's argument object (original names)."""
 
-    def __init__(self, tool: str, fn: Callable[..., Any], renames: Dict[str, str]) -> None:
+    def __init__(
+        self, tool: str, fn: Callable[..., Any], renames: Dict[str, str], first_takes_object: bool = False
+    ) -> None:
         self.tool = tool
         self.path = fn.__qualname__
         self.signature = inspect.signature(fn)
         self.renames = renames
         self.safe_for_original = {original: safe for safe, original in renames.items()}
+        self.first_takes_object = first_takes_object
+
+    def request(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+        """The broker request of a call: ``{"tool": name, "args": {...}}``, plus ``"repair": "positional_dict"``
+        when a lone positional dict was bound as the arguments (see the module's docstring)."""
+        if (
+            len(args) == 1
+            and not kwargs
+            and isinstance(args[0], dict)
+            and not self.first_takes_object
+            and all(isinstance(key, str) for key in args[0])
+        ):
+            return {"tool": self.tool, "args": self.bind((), dict(args[0])), "repair": "positional_dict"}
+        return {"tool": self.tool, "args": self.bind(args, kwargs)}
 
     def bind(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+        """The arguments object of ``(*args, **kwargs)``, with original names; a keyword that is neither a name of
+        the signature nor an original name is forwarded as it is (the broker refuses it, with a record).
+
+        Raises:
+            TypeError: too many positional arguments, or one parameter given twice.
+        """
         params = self.signature.parameters
         named: Dict[str, Any] = {}
         unknown: Dict[str, Any] = {}
         for key, value in kwargs.items():
-            if key in params and key not in self.safe_for_original:
+            if key in params:  # the signature's own name wins over an original name it happens to spell
                 safe = key
             elif key in self.safe_for_original:
                 safe = self.safe_for_original[key]
@@ -126,7 +156,7 @@ class SyncStub(_Stub):
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:  # self positional-only: a parameter may be named self
         binder = self._binder
         try:
-            return client().request({"tool": binder.tool, "args": binder.bind(args, kwargs)})
+            return client().request(binder.request(args, kwargs))
         except ToolError as exc:
             raise binder.explain(exc) from None
 
@@ -137,7 +167,7 @@ class AsyncStub(_Stub):
     async def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         binder = self._binder
         try:
-            return await client().arequest({"tool": binder.tool, "args": binder.bind(args, kwargs)})
+            return await client().arequest(binder.request(args, kwargs))
         except ToolError as exc:
             raise binder.explain(exc) from None
 
@@ -164,7 +194,7 @@ class GlobalStub(_Stub):
         except RuntimeError:  # no loop running in this thread: the blocking call
             binder = self._binder
             try:
-                return client().request({"tool": binder.tool, "args": binder.bind(args, kwargs)})
+                return client().request(binder.request(args, kwargs))
             except ToolError as exc:
                 raise binder.explain(exc) from None
         coroutine: Any = self._call(args, kwargs)
@@ -174,7 +204,7 @@ class GlobalStub(_Stub):
     async def _call(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         binder = self._binder
         try:
-            return await client().arequest({"tool": binder.tool, "args": binder.bind(args, kwargs)})
+            return await client().arequest(binder.request(args, kwargs))
         except ToolError as exc:
             raise binder.explain(exc) from None
 
@@ -229,17 +259,21 @@ class Toolbox:
                 paths.setdefault(name, path)
         return paths
 
-    def tool(self, name: str, renames: Optional[Dict[str, str]] = None) -> Callable[[Callable[..., Any]], SyncStub]:
+    def tool(
+        self, name: str, renames: Optional[Dict[str, str]] = None, first_takes_object: bool = False
+    ) -> Callable[[Callable[..., Any]], SyncStub]:
         """Decorator: make the decorated signature a stub of tool ``name``.
 
         Args:
             name: the tool's original name, as the broker knows it.
             renames: safe Python parameter spelling -> original parameter name,
                 for parameters whose names are not Python identifiers.
+            first_takes_object: the tool's first parameter can take an object,
+                so a lone positional dict is its value (never the arguments).
         """
 
         def decorate(fn: Callable[..., Any]) -> SyncStub:
-            binder = _Binder(name, fn, dict(renames or {}))
+            binder = _Binder(name, fn, dict(renames or {}), first_takes_object)
             node = self.aio
             *parents, leaf = fn.__qualname__.split(".")
             for part in parents:

@@ -20,12 +20,13 @@ from service.api.bodies import BODY_THREADS, BodyLimit, ParsedOffLoop
 from service.api.composition import build_jobs
 from service.api.deps import NOT_STARTED, SessionService, ToolsetService
 from service.api.problems import OWNER_UNAVAILABLE, UNAUTHORIZED
+from service.api.reads import ReadSlots
 from service.api.routers import docs as docs_router
 from service.api.routers import health as health_router
 from service.api.routers import jobs as jobs_router
 from service.api.routers import sessions as sessions_router
 from service.api.routers import tools as tools_router
-from service.auth import BearerAuth, configure, open_paths
+from service.auth import BearerAuth, configure, open_paths, single_tenant
 from service.egress import EgressPolicy, OwnAddress
 from service.errors import InsecureConfig, SandboxError
 from service.idempotency import IdempotencyKeys
@@ -101,7 +102,9 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         waiters = Waiters() if settings.store_url is not None else None
         if waiters is not None:
             waiters.on_replicas = replicas.refresh_soon
-        jobs = build_jobs(settings, backend, endpoints, store, metrics, replicas, waiters)
+        jobs = build_jobs(
+            settings, backend, endpoints, store, metrics, replicas, waiters, single_tenant=single_tenant(keys)
+        )
         await jobs.start()  # registers this replica (after the work-dir lock, before the sweep)
         incarnation = replicas.incarnation
         verifier.target = f"{incarnation.instance_id}.{incarnation.epoch}"  # signed calls to this incarnation only
@@ -114,7 +117,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
         if waiters is not None:
             waiters.on_keys = idempotency.wake_digest  # ptc_keys: another replica bound or released a claim
         if secrets:
-            app.state.remote = Remote(secrets[0], settings.instance())
+            app.state.remote = Remote(secrets[0], settings.instance(), single_tenant=single_tenant(keys))
             app.state.remote.alive = lambda owner: replicas.holds_now(owner.instance_id, owner.epoch)
         listener = None
         if waiters is not None and settings.store_url is not None:  # LISTEN: wait on other replicas' jobs
@@ -192,6 +195,7 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
     forward.install(app)  # OwnerElsewhere: relayed to the owner (after problems: the nearer class wins)
     telemetry.instrument_app(app)  # a span per request, outermost (tracing on only)
     app.state.settings, app.state.keys = settings, keys
+    app.state.reads = ReadSlots(settings.max_reads_per_key, settings.retry_after_s)
     app.state.jobs = app.state.sessions = app.state.toolsets = app.state.backend = NOT_STARTED  # deps.NotStarted
     app.state.idempotency = app.state.store = app.state.replicas = NOT_STARTED
     app.state.listener = None  # PostgreSQL store only

@@ -22,11 +22,15 @@ def build_jobs(
     metrics: Metrics,
     replicas: Replicas,
     waiters: Waiters | None = None,
+    *,
+    single_tenant: bool = False,
 ) -> JobManager:
     """The job service and its parts (the composition of ``service.jobs``), with metrics, logs and webhooks
     subscribed to its lifecycle events. Nothing is started: ``JobManager.start`` does that.
 
     ``waiters``: the store listener's (PostgreSQL), which ``wait`` on another replica's job uses.
+    ``single_tenant``: one tenant (``auth.single_tenant``): per-key shares default to the whole (``Quotas``,
+    ``Webhooks``' deliveries per owner).
 
     Raises:
         InsecureConfig: a malformed ``PTC_CALLBACK_SECRETS``.
@@ -62,7 +66,7 @@ def build_jobs(
     instance = settings.instance()
     instance_labels = labels_of(instance)
     capacity = HostCapacity.from_settings(settings)
-    quotas = Quotas(settings, capacity)
+    quotas = Quotas(settings, capacity, single_tenant=single_tenant)
     folders = SandboxFolders(settings.work_dir / "run", settings.sandbox_folders_tmpfs_mb)
     jobs_dir, output_dir = folders.path / "jobs", settings.work_dir / "output"
     defaults = resolve_limits(ExecuteRequest(script=""), settings)  # the default profile
@@ -107,7 +111,9 @@ def build_jobs(
     views = JobViews(store, live, output_dir, cache, elsewhere)
     session_jobs = SessionJobs(settings, sessions, sandboxes, admission, toolsets, runner, live, replicas, elsewhere)
     recovery = Recovery(settings, backend, store, folders, quotas, events, cache, instance_labels, instance, replicas)
-    webhooks = Webhooks(settings, store, views, cache, secrets, endpoints.egress, metrics, tasks, instance, replicas)
+    webhooks = Webhooks(
+        settings, store, views, cache, secrets, endpoints.egress, metrics, tasks, instance, replicas, single_tenant
+    )
     if waiters is not None:  # due callbacks are claimed at once: a job marked lost, a replica that left or expired
         waiters.on_callbacks = webhooks.wake
         on_replicas = waiters.on_replicas

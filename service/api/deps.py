@@ -9,6 +9,7 @@ lifespan put them; none is built here.
   ``Who``: the caller as an owner (``auth.Caller``); ``Keys``: every API key (None: authentication disabled).
 - ``AppMetrics``, ``Backend``: the metrics and the sandbox backend, for the health routes.
 - ``Idempotency``: the bindings of ``Idempotency-Key`` headers (``idempotency.IdempotencyKeys``).
+- ``Reads``: each key's answers under way, bounded (``api.reads.ReadSlots``).
 
 Until the lifespan has started the services, ``Jobs``, ``Sessions``, ``Toolsets``, ``Backend`` and ``Idempotency`` are
 ``NOT_STARTED``, which fails on first use: a request served without the lifespan (an in-process test) gets
@@ -21,10 +22,12 @@ from typing import Annotated, Any, NoReturn, Protocol
 
 from fastapi import Depends, Request
 
+from service.api.reads import ReadSlots
 from service.auth import Caller, KeyRing, caller
 from service.idempotency import IdempotencyKeys
 from service.jobs import JobManager
 from service.metrics import Metrics
+from service.output import OutputRange
 from service.sandbox.base import SandboxBackend
 from service.schemas import McpServer, SessionRequest
 from service.settings import Settings
@@ -55,8 +58,9 @@ class SessionService(Protocol):
         """Write a file under the session's /tmp; raises SessionNotFound, SessionClosed, FileRefused."""
         ...
 
-    async def get_session_file(self, session_id: str, caller: Caller, path: str) -> bytes:
-        """A file under the session's /tmp; raises SessionNotFound, SessionClosed, NoSuchFile, FileRefused."""
+    async def get_session_file(self, session_id: str, caller: Caller, path: str) -> OutputRange:
+        """A file under the session's /tmp, as a range to send a slice at a time (the caller closes it); raises
+        SessionNotFound, SessionClosed, NoSuchFile, FileRefused."""
         ...
 
     async def list_session_files(self, session_id: str, caller: Caller) -> dict[str, Any]:
@@ -140,6 +144,12 @@ async def app_metrics(request: Request) -> Metrics:
     return metrics
 
 
+async def read_slots(request: Request) -> ReadSlots:
+    """``app.state.reads``: each key's answers under way (``api.reads``)."""
+    reads: ReadSlots = request.app.state.reads
+    return reads
+
+
 async def sandbox_backend(request: Request) -> SandboxBackend:
     """``app.state.backend``."""
     backend: SandboxBackend = request.app.state.backend
@@ -169,3 +179,4 @@ AppMetrics = Annotated[Metrics, Depends(app_metrics)]
 Backend = Annotated[SandboxBackend, Depends(sandbox_backend)]
 Idempotency = Annotated[IdempotencyKeys, Depends(idempotency_keys)]
 Store = Annotated[JobStore, Depends(job_store)]
+Reads = Annotated[ReadSlots, Depends(read_slots)]

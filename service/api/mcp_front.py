@@ -17,8 +17,9 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 from fastapi import FastAPI
-from mcp.server.fastmcp import Context
+from mcp.server.mcpserver import Context
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+from mcp.server.transport_security import TransportSecuritySettings
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.routing import Route
@@ -80,7 +81,7 @@ class InProcess:
     def __init__(self, app: FastAPI) -> None:
         self._app = app
 
-    def _who(self, ctx: Context[Any, Any, Any]) -> tuple[Caller, str | None]:
+    def _who(self, ctx: Context[Any, Any]) -> tuple[Caller, str | None]:
         """The caller of the HTTP request carrying this MCP message, and its key's name."""
         request = ctx.request_context.request
         if not isinstance(request, Request):
@@ -118,7 +119,7 @@ class InProcess:
 
     async def execute(
         self,
-        ctx: Context[Any, Any, Any],
+        ctx: Context[Any, Any],
         script: str,
         toolset: str | None,
         timeout_s: float | None,
@@ -158,7 +159,7 @@ class InProcess:
 
         return await self._guard(view)
 
-    async def get(self, ctx: Context[Any, Any, Any], job_id: str) -> dict[str, Any]:
+    async def get(self, ctx: Context[Any, Any], job_id: str) -> dict[str, Any]:
         """``GET /jobs/{id}`` (raises OperationFailed)."""
         who, key = self._who(ctx)
         quoted = quote(job_id, safe="")
@@ -166,7 +167,7 @@ class InProcess:
             key, lambda: self._jobs.view(job_id, who, selection=SUMMARY), "GET", f"/jobs/{quoted}?"
         )
 
-    async def wait(self, ctx: Context[Any, Any, Any], job_id: str, timeout_s: float | None) -> dict[str, Any]:
+    async def wait(self, ctx: Context[Any, Any], job_id: str, timeout_s: float | None) -> dict[str, Any]:
         """``POST /jobs/{id}/wait`` (raises OperationFailed: also for a timeout above ``PTC_MAX_WAIT_S``)."""
         who, key = self._who(ctx)
         settings = self._settings
@@ -179,13 +180,13 @@ class InProcess:
             key, lambda: self._jobs.wait(job_id, who, seconds, SUMMARY), "GET", f"/jobs/{quoted}?"
         )
 
-    async def stop(self, ctx: Context[Any, Any, Any], job_id: str) -> dict[str, Any]:
+    async def stop(self, ctx: Context[Any, Any], job_id: str) -> dict[str, Any]:
         """``POST /jobs/{id}/stop`` (raises OperationFailed)."""
         who, key = self._who(ctx)
         quoted = quote(job_id, safe="")
         return await self._relayed(key, lambda: self._jobs.stop(job_id, who, SUMMARY), "POST", f"/jobs/{quoted}/stop?")
 
-    async def stubs(self, ctx: Context[Any, Any, Any], toolset: str) -> str:
+    async def stubs(self, ctx: Context[Any, Any], toolset: str) -> str:
         """The stub module of the caller's toolset (raises OperationFailed)."""
         who, _ = self._who(ctx)
 
@@ -289,10 +290,11 @@ async def lifespan(app: FastAPI, endpoint: McpEndpoint, default_toolset: str | N
     server = build_server(InProcess(app), default_toolset)
     settings: Settings = app.state.settings
     manager = StreamableHTTPSessionManager(
-        app=server._mcp_server,  # FastMCP's own streamable_http_app does the same
+        app=server._lowlevel_server,  # MCPServer's own streamable_http_app does the same
         json_response=True,
         stateless=True,  # each POST stands alone: no MCP session another key could name
-        security_settings=server.settings.transport_security,
+        # The front is behind the service's API keys, on whatever host it is deployed: no Host/Origin lists.
+        security_settings=TransportSecuritySettings(enable_dns_rebinding_protection=False),
         # BodyLimit refuses larger bodies first (a problem); the SDK's own 4 MiB would refuse a script of 1 MiB
         # in JSON escapes (up to 6 bytes a character) that POST /execute takes, in plain text.
         max_request_body_size=settings.max_body_bytes,

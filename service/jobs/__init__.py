@@ -270,7 +270,7 @@ class JobManager:
         """Write a file under the session's /tmp (``SessionJobs.put_file``)."""
         return await self._sessions.put_file(session_id, caller, path, data)
 
-    async def get_session_file(self, session_id: str, caller: Caller, path: str) -> bytes:
+    async def get_session_file(self, session_id: str, caller: Caller, path: str) -> OutputRange:
         """A file under the session's /tmp (``SessionJobs.get_file``)."""
         return await self._sessions.get_file(session_id, caller, path)
 

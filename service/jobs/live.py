@@ -1,7 +1,8 @@
 """A job while the service holds it in memory (``LiveJob``), its resolved limits, and the store's row of a view.
 
 Output bytes of a job are kept on disk under ``work_dir/output/<job_id>/`` (see ``service.output.OutputLog``)
-for offset reads; ``OWNER_FILE`` there names whose output budget they count against.
+for offset reads; ``OWNER_FILE`` there names whose output budget they count against, and ``RECORDS_FILE``
+how many bytes the job's call records keep in the store, which count against it too.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
 SUMMARY_FIELDS = tuple(name for name in JobSummary.model_fields if name != "calls")  # all are the view's too
 SLICE_BYTES = 1024 * 1024  # the most bytes of a stream read into memory at once
 OWNER_FILE = "owner"  # in a job's output folder: whose output budget its retained bytes count against
+RECORDS_FILE = "record_bytes"  # there too: the bytes its call records keep (decimal), counted with its output
 SANDBOX_LIMITS = ("memory_mb", "cpus", "pids", "tmp_mb")  # a sandbox's own limits (a session's are fixed)
 
 
@@ -201,6 +203,17 @@ class LiveJob(Job):
             return {"files": [], "files_omitted": 0, "files_skipped": []}
         done = [dict(f) for f in collected.files if f["sha256"]]
         return {"files": done, "files_omitted": collected.omitted, "files_skipped": list(collected.skipped)}
+
+
+async def note_record_bytes(job: LiveJob, count: int) -> None:
+    """Write ``RECORDS_FILE`` in the job's output folder: ``count`` bytes its call records keep, taken from its
+    owner's output budget (``Broker.kept_bytes``), given back when the job is purged. Failures are logged."""
+    if count <= 0:
+        return
+    try:
+        await asyncio.to_thread((job.output_dir / RECORDS_FILE).write_text, str(count))
+    except OSError:
+        log.exception("job %s: could not note the bytes of its call records", job.id)
 
 
 async def wait_for_end_or_client(job: LiveJob, timeout_s: float) -> None:

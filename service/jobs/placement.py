@@ -134,7 +134,7 @@ class OneShot:
             return capacity.shortfall(spec.memory_mb, spec.cpus) is None
 
         while await acquire(job, slot):
-            sandbox = sandboxes.pool.take(spec)
+            sandbox = sandboxes.pool.take(spec, job.owner)
             if sandbox is None and sandboxes.pool.evict(fits):
                 sandbox = ResidentSandbox(sandboxes.backend, spec)
                 sandbox.commitment = capacity.commit(spec.memory_mb, spec.cpus)  # given back at its removal

@@ -22,7 +22,7 @@ from service import views, workdir
 from service.errors import SandboxError
 from service.files import FILES_FOLDER
 from service.jobs.events import Events, JobLost
-from service.jobs.live import OWNER_FILE, SLICE_BYTES, STREAMS, now
+from service.jobs.live import OWNER_FILE, RECORDS_FILE, SLICE_BYTES, STREAMS, now
 from service.jobs.model import ErrorType, JobError
 from service.jobs.reaper import lost_row
 from service.output import CappedStream, read_range
@@ -188,7 +188,8 @@ def _removal_failed(function: object, path: str, excinfo: tuple[type[BaseExcepti
 
 
 def _retained(folder: Path) -> tuple[str | None, int]:
-    """The owner of a job's output folder and the bytes it retains (blocking: run it in a thread)."""
+    """The owner of a job's output folder and the bytes it makes the service keep: its retained output, its output
+    files and its call records' (``RECORDS_FILE``) (blocking: run it in a thread)."""
     try:
         owner: str | None = (folder / OWNER_FILE).read_text()
     except OSError:
@@ -199,6 +200,8 @@ def _retained(folder: Path) -> tuple[str | None, int]:
             size += (folder / stream).stat().st_size
     with contextlib.suppress(OSError):  # its output files (service.files) count too
         size += sum(entry.stat().st_size for entry in (folder / FILES_FOLDER).iterdir())
+    with contextlib.suppress(OSError, ValueError):  # and the bytes its call records keep in the store
+        size += max(int((folder / RECORDS_FILE).read_text()), 0)
     return owner, size
 
 

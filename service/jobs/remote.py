@@ -61,10 +61,20 @@ class Remote:
         secret: the first ``PTC_INTERNAL_SECRET`` (signs every request).
         source: this replica's instance id (``Ptc-Internal-Source``).
         transport: a transport for tests (default: httpx's own, over TCP).
+        single_tenant: one tenant (``auth.single_tenant``): its relays are not capped per key (``MAX_PER_CALLER``),
+            only by the connections (``MAX_CONNECTIONS``), since there is no other key to leave them to.
     """
 
-    def __init__(self, secret: bytes, source: str, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        secret: bytes,
+        source: str,
+        transport: httpx.AsyncBaseTransport | None = None,
+        *,
+        single_tenant: bool = False,
+    ) -> None:
         self._secret = secret
+        self._per_caller = None if single_tenant else MAX_PER_CALLER
         self._source = source
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=CONNECT_S, pool=POOL_S),
@@ -101,15 +111,16 @@ class Remote:
             OwnerUnavailable: the owner could not be reached, or failed before its answer's headers, or no
                 connection to the peers was free within ``POOL_S``.
             QuotaExceeded: ``caller`` has ``MAX_PER_CALLER`` relayed requests open already (reason
-                ``relayed_requests``; never without authentication: one tenant).
+                ``relayed_requests``; never with one tenant: authentication disabled, or one key name).
         """
         who = caller or ""
-        if who and self._open.get(who, 0) >= MAX_PER_CALLER:  # "": authentication disabled, one tenant
+        cap = self._per_caller
+        if who and cap is not None and self._open.get(who, 0) >= cap:  # "": authentication disabled, one tenant
             raise QuotaExceeded(
-                f"at most {MAX_PER_CALLER} requests of one key are relayed to other replicas at once (event streams "
+                f"at most {cap} requests of one key are relayed to other replicas at once (event streams "
                 "and waits included); retry when one has ended",
                 "relayed_requests",
-                MAX_PER_CALLER,
+                cap,
                 1,
             )
         self._open[who] = self._open.get(who, 0) + 1

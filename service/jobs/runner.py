@@ -28,7 +28,7 @@ from service.broker import Broker, CallMemory
 from service.files import OutputFiles
 from service.jobs.admission import Admitted, Ticket
 from service.jobs.events import CallEnded, Events, JobEnded, SandboxStarted, StatusChanged
-from service.jobs.live import LiveJob, end_by_failure, now, save_final_again, stored_job
+from service.jobs.live import LiveJob, end_by_failure, note_record_bytes, now, save_final_again, stored_job
 from service.jobs.model import EndedBy, JobStatus, end_of_run
 from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
 from service.jobs.shared import SHARE_AT_ONCE, keep_output
@@ -220,6 +220,7 @@ class Runner:
             check_group=job.owner,
             trace_parent=job.span,
             lease=self._replicas.holds_lease,
+            budget=job.output_budget,  # the records count against the owner's output_bytes quota
         )
         job.calls = broker.records
         job.broker = broker
@@ -350,6 +351,7 @@ class Runner:
                 log.exception("job %s: closing its broker failed", job.id)
             job.calls_over_limit = broker.calls_over_limit
             job.ran_as_coroutine = broker.ran_as_coroutine
+            await note_record_bytes(job, broker.kept_bytes)  # before the final save: from then on it may be purged
             for output in (job.stdout, job.stderr):
                 output.close()
             job.ended_at = now()

@@ -6,9 +6,12 @@ The sessions resource itself (owners, expiry, the resident sandbox) is ``service
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
+import os
+import tempfile
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -29,6 +32,7 @@ from service.jobs.live import SANDBOX_LIMITS, LiveJob, resolve_limits
 from service.jobs.notify import Elsewhere
 from service.jobs.placement import Sandboxes
 from service.jobs.runner import Runner
+from service.output import OutputRange
 from service.replicas import Replicas
 from service.sandbox.images import Images
 from service.sandbox.labels import LABEL_SESSION
@@ -272,8 +276,11 @@ class SessionJobs:
                 session.put_bytes_waiting -= len(data)
         return {"path": path, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
-    async def get_file(self, session_id: str, caller: Caller, path: str) -> bytes:
-        """The bytes of the regular file ``path`` (checked) under the session's /tmp, at the session's turn.
+    async def get_file(self, session_id: str, caller: Caller, path: str) -> OutputRange:
+        """The regular file ``path`` (checked) under the session's /tmp, read at the session's turn into a spool
+        file on the work dir's disk (unlinked from the start: nothing is left behind), a frame at a time; returned
+        as a range to send a slice at a time (``api.responses.output_slices``), so neither the read nor a slow
+        client holds the file in memory. The caller closes the range.
 
         Raises:
             SessionNotFound, SessionClosed: as every session route.
@@ -282,12 +289,17 @@ class SessionJobs:
             SandboxError: the sandbox is gone.
         """
         session = await self._file_turn(session_id, caller)
-        async with session.turn:
-            if session.ended:
-                raise SessionClosed(session_id, session.status, (session.error or {}).get("message", ""))
-            data = await session.sandbox.get_file(path, self._settings.max_output_files_bytes)
-            session.last_used_at = datetime.now(UTC)
-        return data
+        spool = await asyncio.to_thread(lambda: tempfile.TemporaryFile("w+b", dir=self._settings.work_dir))
+        try:
+            async with session.turn:
+                if session.ended:
+                    raise SessionClosed(session_id, session.status, (session.error or {}).get("message", ""))
+                size = await session.sandbox.get_file_into(path, self._settings.max_output_files_bytes, spool)
+                session.last_used_at = datetime.now(UTC)
+            await asyncio.to_thread(spool.flush)
+            return OutputRange(os.dup(spool.fileno()), 0, size)
+        finally:
+            await asyncio.to_thread(spool.close)
 
     async def list_files(self, session_id: str, caller: Caller) -> dict[str, Any]:
         """{files: [{path, bytes, skipped}], truncated}: what is under the session's /tmp (at most

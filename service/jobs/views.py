@@ -254,20 +254,20 @@ class JobViews:
         return await self.view(job_id, caller, selection=selection)
 
     async def page(self, query: JobQuery) -> tuple[list[JobSummary], str | None]:
-        """A page of jobs (newest first; only ``query.owner``'s unless it is None) and the next cursor.
-
-        Raises InvalidCursor.
-        """
+        """A page of jobs (newest first; only ``query.owner``'s unless it is None) and the next cursor; the stored
+        summaries (up to the metadata's size each) parsed in a thread. Raises InvalidCursor."""
         stored, cursor = await self._store.page(query)
+        kept = [row.summary if row.job_id not in self._live else "" for row in stored]
+        parsed = await asyncio.to_thread(lambda: [JobSummary.model_validate_json(s) if s else None for s in kept])
         summaries = []
-        for row in stored:
+        for row, summary in zip(stored, parsed, strict=True):
             live = self._live.get(row.job_id)
             if live is not None:
                 view = live.view_dict()
                 summaries.append(JobSummary.model_validate({**view, "calls": len(view["calls"])}))
-            elif row.summary:
-                summaries.append(JobSummary.model_validate_json(row.summary))
-            else:  # saved before summaries were kept
+            elif summary is not None:
+                summaries.append(summary)
+            else:  # saved before summaries were kept (or no longer held here since it was read)
                 final = await self.encoded(row.job_id)
                 summaries.append(JobSummary.model_validate({**final.head, "calls": len(final.spans)}))
         return summaries, cursor

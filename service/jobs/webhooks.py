@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 
 CALLBACK_DELIVERIES = 32  # deliveries (and connections) at once
 # One owner's deliveries at once: a key whose receivers hang (each delivery then holds its slot for its attempts,
-# timeouts and backoff) takes at most this many of the slots; the rest stay for other keys' callbacks.
+# timeouts and backoff) takes at most this many of the slots; the rest stay for other keys' callbacks (with one
+# tenant, there are no other keys: it may take them all).
 CALLBACK_DELIVERIES_PER_OWNER = 8
 
 
@@ -63,6 +64,7 @@ class Webhooks:
         tasks: where deliveries and the worker are held.
         instance: this instance's id.
         replicas: this replica: its incarnation (every claim's) and its lease (checked before each attempt).
+        single_tenant: one tenant (``auth.single_tenant``): its callbacks may take every delivery slot.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class Webhooks:
         tasks: Tasks,
         instance: str,
         replicas: Replicas,
+        single_tenant: bool = False,
     ) -> None:
         self._settings = settings
         self._store = store
@@ -92,7 +95,7 @@ class Webhooks:
             transport=egress.transport(limits=httpx.Limits(max_connections=CALLBACK_DELIVERIES)),
         )
         self._slots = CALLBACK_DELIVERIES
-        self._per_owner = CALLBACK_DELIVERIES_PER_OWNER
+        self._per_owner = CALLBACK_DELIVERIES if single_tenant else CALLBACK_DELIVERIES_PER_OWNER
         self._callback_slots = asyncio.Semaphore(self._slots)
         self._owner_slots: dict[str, asyncio.Semaphore] = {}  # one per owner (API key name): as many as keys
         self._held: Counter[str] = Counter()  # deliveries held here (running or waiting for a slot), per owner

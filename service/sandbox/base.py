@@ -123,6 +123,16 @@ class SandboxBackend(abc.ABC):
     async def exited(self, handle: SandboxHandle) -> ExitStatus | None:
         """How the sandbox ended, or None while it runs (never blocks: one look at the engine)."""
 
+    async def oom_reported(self, handle: SandboxHandle, wait_s: float) -> bool:
+        """Whether the engine saw the kernel's OOM killer act in the sandbox (a source no script can write), waiting
+        up to ``wait_s`` seconds for a report that comes after the exit; returns as soon as one is seen.
+
+        The default looks at the sandbox's exit once (``ExitStatus.oom_killed``); a backend whose engine reports an
+        OOM kill apart from the exit (Docker's ``oom`` event) overrides it.
+        """
+        ended = await self.exited(handle)
+        return ended is not None and ended.oom_killed
+
     @abc.abstractmethod
     async def kill(self, handle: SandboxHandle) -> None:
         """SIGKILL everything in the sandbox; no error if it has already exited."""

@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from typing import Any, TypeVar
 
 import docker
@@ -26,14 +28,16 @@ import docker.errors
 import requests.exceptions
 from docker.types import LogConfig, Mount, Ulimit
 from docker.utils.socket import frames_iter
+from ptc_runtime import protocol
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from service.errors import EngineUnavailable, SandboxError
 from service.sandbox.base import RUN_DIR, ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec
-from service.sandbox.labels import FEATURE_PRIVSEP, features
+from service.sandbox.labels import FEATURE_PRIVSEP, LABEL_UID, features, uid_range
 from service.sandbox.seccomp import profile_json
 
 log = logging.getLogger(__name__)
+_RANDOM = random.SystemRandom()
 T = TypeVar("T")
 
 MIB = 1024 * 1024
@@ -53,6 +57,9 @@ SWEEP_SETTLE_ROUNDS = 40  # x 0.25 s
 REMOVE_ATTEMPTS = 5  # a failed removal is tried again (the engine can leave an exiting container "dead"): ~3 s in all
 REMOVE_RETRY_S = 0.2
 _STREAMS = {1: "stdout", 2: "stderr"}
+UID_ATTEMPTS = 8  # uids tried for one sandbox before its start fails (see _create_with_uid)
+OOM_EVENT = "oom"  # the engine's event for an OOM kill in a container's memory cgroup
+EVENTS_LOOKBACK_S = 3600.0  # where the engine's log is read from when a container's creation time is unreadable
 FALLBACK_API_VERSION = "1.41"  # Docker 20.10's API; every later engine still serves it
 GVISOR_SECCOMP_FLAGS = frozenset({"--oci-seccomp", "--oci-seccomp=true", "-oci-seccomp", "-oci-seccomp=true"})
 """runsc flags that make gVisor apply the container's seccomp profile to the sandboxed processes."""
@@ -79,6 +86,17 @@ def runtime_problem(name: str, runtimes: Mapping[str, Any]) -> str | None:
             "profile would not apply (deploy/local.sh setup registers runsc with it)"
         )
     return None
+
+
+def _free_uid(uids: range, taken: set[str]) -> int | None:
+    """A uid of ``uids`` not in ``taken`` (uids as label strings), at random; None when there is none."""
+    if len(taken) < len(uids) // 2:
+        while True:  # most are free: a few draws
+            uid = _RANDOM.choice(uids)
+            if str(uid) not in taken:
+                return uid
+    free = [uid for uid in uids if str(uid) not in taken]
+    return _RANDOM.choice(free) if free else None
 
 
 def _removal_may_succeed_later(exc: BaseException) -> bool:
@@ -109,7 +127,7 @@ class DockerBackend(SandboxBackend):
         self._runtime = runtime
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ptc-docker")
         self._readers: dict[str, threading.Thread] = {}
-        self._privsep: dict[str, bool] = {}  # image -> whether its runtime drops privileges itself (see _create)
+        self._traits: dict[str, tuple[bool, range | None]] = {}  # image -> _image_traits
         self._runtimes_ok: set[str | None] = {None}  # runtimes checked by runtime_problem; None: the engine's default
 
     @staticmethod
@@ -128,15 +146,54 @@ class DockerBackend(SandboxBackend):
                 raise SandboxError(f"the Docker engine refused: {exc.explanation or exc}") from exc
             raise EngineUnavailable(f"the Docker engine is not reachable: {type(exc).__name__}") from exc
 
-    def _image_privsep(self, image: str) -> bool:
-        """Whether ``image``'s runtime runs scripts as 10001 when started as root (its label lists ``privsep``);
+    def _image_traits(self, image: str) -> tuple[bool, range | None]:
+        """(privsep, uids) of ``image``: whether its runtime drops to the scripts' user when started as root (its
+        label lists ``privsep``), and the uids it offers its sandboxes (``labels.uid_range``, None: 10001 for all);
         cached per image for the life of the backend (a rebuilt image needs a restart anyway, see the pool)."""
-        if image not in self._privsep:
+        if image not in self._traits:
             attrs = self._api.inspect_image(image)  # type: ignore[no-untyped-call]
-            self._privsep[image] = FEATURE_PRIVSEP in features((attrs.get("Config") or {}).get("Labels") or {})
-        return self._privsep[image]
+            labels = (attrs.get("Config") or {}).get("Labels") or {}
+            self._traits[image] = (FEATURE_PRIVSEP in features(labels), uid_range(labels))
+        return self._traits[image]
 
-    def _create(self, spec: SandboxSpec) -> str:
+    def _live_uids(self) -> set[str]:
+        """The uids (``LABEL_UID``) of every sandbox the engine holds, running or not, of any service instance."""
+        containers = self._api.containers(all=True, filters={"label": LABEL_UID})
+        return {str((c.get("Labels") or {}).get(LABEL_UID)) for c in containers}
+
+    def _create_with_uid(self, spec: SandboxSpec) -> str:
+        """Create the sandbox's container with a uid of its own for its scripts, when its image offers a range.
+
+        One uid per live sandbox of the engine, so that no two sandboxes share the kernel's per-user limits
+        (inotify instances, pipe buffers, ...): a uid of the image's range that no container of the engine carries
+        (``LABEL_UID``, whichever service instance or replica made it) is picked at random and the container is
+        created with it; then the containers carrying that uid are listed again, and when another one is among
+        them this one is removed and another uid tried (``UID_ATTEMPTS`` in all). Each creates before it looks, so
+        of two that picked one uid at once the later to look always sees the other: two never both keep it (both
+        may give it up). The uid is given back when the container is removed (its label goes with it).
+
+        Raises:
+            SandboxError: every uid of the range is taken, or each attempt met another sandbox.
+        """
+        _, uids = self._image_traits(spec.image)
+        if uids is None:
+            return self._create(spec, None)
+        taken = self._live_uids()
+        for _ in range(UID_ATTEMPTS):
+            uid = _free_uid(uids, taken)
+            if uid is None:
+                break
+            container_id = self._create(spec, uid)
+            holders = self._api.containers(all=True, quiet=True, filters={"label": f"{LABEL_UID}={uid}"})
+            if all(holder["Id"] == container_id for holder in holders):
+                return container_id
+            self._api.remove_container(container_id, force=True)
+            taken.add(str(uid))
+        raise SandboxError(
+            f"no uid of the image's range {uids.start}-{uids.stop - 1} is free for another sandbox ({len(taken)} taken)"
+        )
+
+    def _create(self, spec: SandboxSpec, uid: int | None) -> str:
         """Create (not start) the sandbox's container.
 
         An image labelled ``privsep`` starts as root holding only ``PRIVSEP_CAPS``: the resident interpreter keeps
@@ -148,7 +205,7 @@ class DockerBackend(SandboxBackend):
         with EAGAIN as under runc), and the host's cgroup gets ``pids * GVISOR_HOST_TASKS_PER_PID +
         GVISOR_HOST_TASKS_BASE``, above what that many processes of a fork bomb make gVisor hold.
         """
-        privsep = self._image_privsep(spec.image)
+        privsep, _ = self._image_traits(spec.image)
         ulimits = [
             Ulimit(name="nofile", soft=spec.open_files, hard=spec.open_files),
             Ulimit(name="fsize", soft=spec.file_size_mb * MIB, hard=spec.file_size_mb * MIB),
@@ -177,12 +234,16 @@ class DockerBackend(SandboxBackend):
             log_config=LogConfig(type="none"),
             runtime=spec.runtime,
         )
+        environment, labels = dict(spec.env), dict(spec.labels)
+        if uid is not None:
+            environment[protocol.SCRIPT_UID_ENV] = str(uid)
+            labels[LABEL_UID] = str(uid)
         container = self._api.create_container(
             spec.image,
-            user=PRIVSEP_USER if privsep else SANDBOX_USER,
+            user=PRIVSEP_USER if privsep else (SANDBOX_USER if uid is None else f"{uid}:{uid}"),
             working_dir="/tmp",
-            environment=dict(spec.env),
-            labels=dict(spec.labels),
+            environment=environment,
+            labels=labels,
             host_config=host_config,
             network_disabled=True,
             stdin_open=False,
@@ -227,7 +288,7 @@ class DockerBackend(SandboxBackend):
 
     def _start_blocking(self, spec: SandboxSpec, sink: OutputSink) -> str:
         self._check_runtime(spec.runtime)
-        container_id = self._create(spec)
+        container_id = self._create_with_uid(spec)
         try:
             reader = self._attach(container_id, sink)
             self._api.start(container_id)
@@ -270,6 +331,42 @@ class DockerBackend(SandboxBackend):
 
     async def exited(self, handle: SandboxHandle) -> ExitStatus | None:
         return await self._run(self._exited_blocking, handle.id)
+
+    def _oom_reported_blocking(self, container_id: str, wait_s: float) -> bool:
+        """The container's ``State.OOMKilled``, else its ``oom`` event in the engine's log since it was created,
+        waited for until ``wait_s`` from now (the stream ends at ``until``; the first event found ends the wait).
+
+        Both come from the engine's OOM notification of the container's memory cgroup, which nothing in the
+        sandbox can write. The flag alone is not enough: it is set only when the notification reaches the engine
+        before the container's exit, and under gVisor (whose OOM kill ends the whole sandbox) the ``oom`` event was
+        measured 8 to 35 ms after ``die`` in about one OOM kill in 8 (issue 24), the flag then staying false.
+        """
+        try:
+            attrs = self._api.inspect_container(container_id)
+        except docker.errors.NotFound:
+            return False
+        if (attrs.get("State") or {}).get("OOMKilled"):
+            return True
+        try:
+            created = datetime.fromisoformat(str(attrs.get("Created"))).timestamp()
+        except ValueError:
+            created = time.time() - EVENTS_LOOKBACK_S
+        stream = self._api.events(
+            since=int(created) - 1,  # whole seconds (the SDK's types): a second early, a second late at most
+            until=int(time.time() + wait_s) + 1,
+            filters={"container": container_id, "event": OOM_EVENT},
+            decode=True,
+        )
+        try:
+            for event in stream:
+                if isinstance(event, dict) and (event.get("Action") or event.get("status")) == OOM_EVENT:
+                    return True
+            return False
+        finally:
+            stream.close()
+
+    async def oom_reported(self, handle: SandboxHandle, wait_s: float) -> bool:
+        return await self._run(self._oom_reported_blocking, handle.id, wait_s)
 
     @staticmethod
     def _unless_gone(action: Callable[[str], object], container_id: str) -> None:

@@ -15,7 +15,18 @@ limits; ``env`` is the run's, so it does not split profiles). The default
 profile's pool always exists; a job of another profile that finds no pool
 starts cold and creates that profile's pool, up to ``max_profiles`` pools; a
 pool (other than the default one) that hands out nothing for ``max_age_s`` is
-closed. A job that finds its pool empty gets a cold start and is never
+closed.
+
+The pools beyond the default one are shared fairly between keys: a pool is
+held by the key whose job created it until a job of another key takes from
+it (then it is shared, and held by nobody). When every pool exists and a key
+asks for a profile that has none, the least recently used pool of the key
+that holds the most is closed for it, if that key holds at least two more
+than the asking key (a key never closes its own pools, nor shared ones). So
+one key's throwaway profiles (``limits`` values no one else asks for) never
+keep another key's profile (a data-image job, say) from a pool.
+
+A job that finds its pool empty gets a cold start and is never
 refused for that. A pooled sandbox is handed out at most once (popped under
 the event loop, never shared) and is never handed out while being destroyed.
 Each pool refills in the background, one sandbox at a time, to ``size``;
@@ -111,6 +122,7 @@ class WarmPool:
         self._task: asyncio.Task[None] | None = None
         self._destroying: set[asyncio.Task[None]] = set()
         self.last_taken = time.monotonic()
+        self.holder: str | None = None  # the key whose job created it, until another key's job takes from it
 
     @property
     def ready(self) -> int:
@@ -244,7 +256,8 @@ class WarmPools:
         self._max_age_s = max_age_s
         self._max_profiles = max_profiles
         self._pools: dict[tuple[object, ...], WarmPool] = {}
-        self._retiring: set[WarmPool] = set()  # closed for want of use, their removals perhaps not ended
+        self._retiring: set[WarmPool] = set()  # closed (unused, or given up), their removals perhaps not ended
+        self._closing: set[asyncio.Task[None]] = set()  # the closes of pools given up for another key's profile
         self._opened = False  # the image's label was read: the default pool runs (or pooling is off)
         self._opening: asyncio.Task[None] | None = None
         self._retire: asyncio.Task[None] | None = None
@@ -298,20 +311,53 @@ class WarmPools:
         """Whether pooled sandboxes are handed out (pooling is on and the image's label was read)."""
         return self._opened and self._size > 0
 
-    def take(self, spec: SandboxSpec) -> ResidentSandbox | None:
-        """A waiting sandbox of ``spec``'s profile, or None (the profile's pool is then created if there is room)."""
+    def take(self, spec: SandboxSpec, owner: str = "") -> ResidentSandbox | None:
+        """A waiting sandbox of ``spec``'s profile for a job of ``owner`` (an API key's name), or None: the
+        profile's pool is then created if there is room, or if the key holding the most pools gives one up
+        (see the module docstring)."""
         if not self.enabled:
             return None
         key = profile_key(spec)
         pool = self._pools.get(key)
         if pool is None:
-            if len(self._pools) < self._max_profiles:
-                name = hashlib.sha256(repr(key).encode()).hexdigest()[:8]
-                if spec.image in self._image_names:
-                    name = f"{self._image_names[spec.image]}-{name}"
-                self._pool_for(spec, name)
+            if len(self._pools) >= self._max_profiles and not self._give_up_one_for(owner):
+                return None
+            name = hashlib.sha256(repr(key).encode()).hexdigest()[:8]
+            if spec.image in self._image_names:
+                name = f"{self._image_names[spec.image]}-{name}"
+            self._pool_for(spec, name).holder = owner
             return None
+        if pool.holder is not None and pool.holder != owner:
+            pool.holder = None  # wanted by two keys: shared
         return pool.take()
+
+    def _give_up_one_for(self, owner: str) -> bool:
+        """Close the least recently used pool of the key holding the most pools, if it holds at least two more
+        than ``owner``; whether one was closed."""
+        held: dict[str, list[tuple[tuple[object, ...], WarmPool]]] = {}
+        for key, pool in self._pools.items():
+            if pool.name != DEFAULT_PROFILE and pool.holder is not None:
+                held.setdefault(pool.holder, []).append((key, pool))
+        if not held:
+            return False
+        biggest = max(held, key=lambda holder: len(held[holder]))
+        if biggest == owner or len(held[biggest]) < len(held.get(owner, [])) + 2:
+            return False
+        key, pool = min(held[biggest], key=lambda entry: entry[1].last_taken)
+        del self._pools[key]
+        self._retiring.add(pool)
+
+        async def closing() -> None:
+            try:
+                await pool.close()
+            finally:
+                self._retiring.discard(pool)
+            log.info("warm pool %s closed: its room went to another key's profile", pool.name)
+
+        task = asyncio.get_running_loop().create_task(closing(), name=f"warm pool {pool.name} closing")
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        return True
 
     def evict(self, fits: Callable[[], bool]) -> bool:
         """Give up idle pooled sandboxes (other profiles' first, then the default's) until ``fits()``.
@@ -336,7 +382,7 @@ class WarmPools:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         pools = [*self._pools.values(), *self._retiring]
-        await asyncio.gather(*(pool.close() for pool in pools), return_exceptions=True)
+        await asyncio.gather(*(pool.close() for pool in pools), *self._closing, return_exceptions=True)
         self._pools.clear()
 
     def _pool_for(self, spec: SandboxSpec, name: str) -> WarmPool:

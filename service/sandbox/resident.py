@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 import os
 import shutil
 import time
 from dataclasses import replace
-from typing import Any
+from typing import IO, Any
 
 import orjson
 from ptc_runtime import protocol
@@ -38,18 +39,21 @@ from service.files import OutputFiles
 from service.quotas import Commitment
 from service.sandbox.base import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec, Stream
 from service.sandbox.labels import LABEL_SANDBOX
+from service.unix_sockets import bind_unix
 
 log = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 30.0
 HELLO_POLL_S = 0.5  # first look at the engine for a sandbox that has not said hello (then 1 s, 1 s, ...)
 KILL_CONFIRM_S = 5.0
-OOM_SETTLE_ROUNDS = 5  # x 0.2 s: how long a sandbox that died by SIGKILL is watched for the engine's OOM flag
+OOM_REPORT_WAIT_S = 5.0  # how long a lost sandbox that died by SIGKILL waits for the engine's OOM report (measured:
+# up to 35 ms after its exit, issue 24); only a sandbox lost by SIGKILL without one waits it all
 STRAY_LOG_LINES = 10  # log lines of a sandbox's output outside any script; the rest is counted, not logged
 STRAY_KEPT_BYTES = 2048  # of that output, kept for the error of a sandbox that never connected
 _STREAMS: dict[str, Stream] = {"stdout": "stdout", "stderr": "stderr"}
 _FILE_FRAMES = frozenset((protocol.DATA, protocol.FILE, protocol.SKIPPED, protocol.ENTRY, protocol.DONE))
 SIGNAL_NUMBERS = {protocol.SIGTERM: 15, protocol.SIGKILL: 9}  # the signals the service sends (Linux numbers)
+INLINE_ENV_BYTES = 16 * 1024  # a run's env file up to this size is written on the event loop (a few small writes)
 FILE_OP_TIMEOUT_S = 60.0  # how long a file request may take in the sandbox before the sandbox is given up
 _FILE_ERRORS = frozenset(("not_found", "not_a_file", "too_large", "invalid_path", "no_space", "failed"))
 
@@ -57,9 +61,10 @@ _FILE_ERRORS = frozenset(("not_found", "not_a_file", "too_large", "invalid_path"
 class _FileRequest:
     """A file request (``put``/``get``/``list``) waiting for its ``done``: its data and entries so far."""
 
-    def __init__(self, max_bytes: int = 0, max_entries: int = 0) -> None:
+    def __init__(self, max_bytes: int = 0, max_entries: int = 0, into: IO[bytes] | None = None) -> None:
         self.done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self.data = bytearray()
+        self.into = into  # where a get's bytes go, a frame at a time
+        self.received = 0
         self.max_bytes = max_bytes
         self.entries: list[dict[str, Any]] = []
         self.max_entries = max_entries
@@ -155,7 +160,8 @@ class ResidentSandbox:
         os.chmod(self.folder, 0o755)
         path = self.folder / protocol.CONTROL_SOCKET
         try:
-            self._server = await asyncio.start_unix_server(self._accept, path=str(path))
+            # an address without the work dir's path: the sandbox's /proc/net/unix lists the accepted socket
+            self._server = await asyncio.start_unix_server(self._accept, sock=bind_unix(path))
             os.chmod(path, 0o666)
             spec = replace(
                 self.spec,
@@ -257,6 +263,7 @@ class ResidentSandbox:
                 run = self._run
                 if run is not None and message["id"] == run.job_id and not run.exit.done():
                     self._run = None
+                    self._drop_env()
                     if run.outputs is not None:
                         run.outputs.end()
                         omitted = message.get("files_omitted")
@@ -283,9 +290,10 @@ class ResidentSandbox:
             data = await reader.readexactly(size)
             request = self._requests.get(rid) if isinstance(rid, str) else None
             if request is not None:
-                if len(request.data) + size > request.max_bytes:
+                if request.into is None or request.received + size > request.max_bytes:
                     raise ValueError("more file bytes than asked for")
-                request.data += data
+                request.received += size
+                request.into.write(data)  # a frame (MAX_FRAME_BYTES) into a spool file: a page-cache write
             elif run is not None and rid == run.job_id and run.outputs is not None:
                 run.outputs.add(data)
             else:
@@ -376,12 +384,20 @@ class ResidentSandbox:
             await asyncio.to_thread(shutil.rmtree, sources, True)
 
     async def get_file(self, path: str, max_bytes: int) -> bytes:
-        """The bytes of the regular file ``path`` (checked) under the working directory, read as the sandbox user
-        without following a symlink. Raises NoSuchFile, FileRefused (``too_large`` past ``max_bytes``,
+        """The bytes of the regular file ``path`` (checked) under the working directory, held in memory (small
+        files; a download uses ``get_file_into``). Raises as ``get_file_into``."""
+        into = io.BytesIO()
+        await self.get_file_into(path, max_bytes, into)
+        return into.getvalue()
+
+    async def get_file_into(self, path: str, max_bytes: int, into: IO[bytes]) -> int:
+        """Write the regular file ``path`` (checked) under the working directory to ``into`` as its frames arrive
+        (at most ``protocol.MAX_FRAME_BYTES`` held at a time), read as the sandbox user without following a
+        symlink; returns its size (bytes). Raises NoSuchFile, FileRefused (``too_large`` past ``max_bytes``,
         ``not_a_file``), SandboxError."""
-        request = _FileRequest(max_bytes=max_bytes)
+        request = _FileRequest(max_bytes=max_bytes, into=into)
         await self._file_request({protocol.FIELD_OP: protocol.GET, "path": path, "max_bytes": max_bytes}, request)
-        return bytes(request.data)
+        return request.received
 
     async def list_files(self, max_entries: int) -> tuple[list[dict[str, Any]], bool]:
         """(entries, truncated): what is under the working directory (path, bytes; ``skipped`` says why an entry
@@ -393,6 +409,7 @@ class ResidentSandbox:
     async def _lost(self) -> None:
         """The control connection ended: the sandbox cannot go on. End the running script from the engine's view."""
         run, self._run = self._run, None
+        self._drop_env()
         for request in self._requests.values():
             if not request.done.done():
                 request.done.set_exception(SandboxError(self.broken or "the sandbox went away"))
@@ -406,12 +423,12 @@ class ResidentSandbox:
             with contextlib.suppress(Exception):
                 await self._backend.kill(self.handle)
                 status = await asyncio.wait_for(self._backend.wait(self.handle), 10)
-                # The engine may record an OOM kill (of the whole sandbox: gVisor's case) after reporting the exit.
-                for _ in range(OOM_SETTLE_ROUNDS if status.exit_code == 137 and not self._destroyed else 0):
-                    if status.oom_killed:
-                        break
-                    await asyncio.sleep(0.2)
-                    status = await self._backend.exited(self.handle) or status
+            # An end the service did not cause, by SIGKILL: was it the kernel's OOM killer (the whole sandbox is
+            # gVisor's OOM kill)? The engine may report it after the exit, so its report is waited for a while.
+            if status.exit_code == 137 and not status.oom_killed and not self._destroyed:
+                with contextlib.suppress(Exception):
+                    if await self._backend.oom_reported(self.handle, OOM_REPORT_WAIT_S):
+                        status = replace(status, oom_killed=True)
         if status.oom_killed:
             self.broken = "the session's sandbox ran out of memory and its server was killed"
         if not self._hello.done():
@@ -438,14 +455,25 @@ class ResidentSandbox:
 
         The script's environment is the sandbox's ``spec.env`` (a session's env) updated with ``env``; neither is
         in the container's own environment, so the interpreter's ``/proc/1/environ`` (readable from a script
-        under gVisor) holds only the image's defaults and ``PTC_SESSION``.
+        under gVisor) holds only the image's defaults and ``PTC_SESSION``. To a runtime that reads it from a file
+        (``protocol.FEATURE_ENV_FILE``) it goes as the folder's ``protocol.ENV_FILE`` (mode 0644, removed when the
+        run ends): the script's process reads it, the resident interpreter never holds it, so no later script of a
+        session finds an earlier run's env in the memory it inherits from the interpreter.
         """
         if protocol.FEATURE_FILES not in self.features:
             outputs = None  # an older runtime: no outputs (the view lists none)
+        every = {**self.spec.env, **env}
+        message: dict[str, Any] = {protocol.FIELD_OP: protocol.RUN, "id": job_id, "env": every}
+        if protocol.FEATURE_ENV_FILE in self.features:
+            data = orjson.dumps(every)
+            if len(data) <= INLINE_ENV_BYTES:  # a small write: less than a hand-off to a thread
+                self._write_env(data)
+            else:
+                await asyncio.to_thread(self._write_env, data)
+            message = {protocol.FIELD_OP: protocol.RUN, "id": job_id, "env_file": protocol.ENV_FILE}
         run = ResidentRun(self, job_id, sink, outputs)
         self._run = run
         self.job_id = job_id
-        message = {protocol.FIELD_OP: protocol.RUN, "id": job_id, "env": {**self.spec.env, **env}}
         if outputs is not None:
             message["outputs"] = outputs.caps()
         try:
@@ -454,6 +482,22 @@ class ResidentSandbox:
             self._run = None
             raise
         return run
+
+    def _write_env(self, data: bytes) -> None:
+        """Write a run's env (JSON) to the folder's ``protocol.ENV_FILE``, readable by the sandbox user."""
+        fd = os.open(self.folder / protocol.ENV_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            os.fchmod(fd, 0o644)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+
+    def _drop_env(self) -> None:
+        """Remove the ended run's env file (a later script must not find it in the folder)."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.folder / protocol.ENV_FILE)
 
     async def destroy(self, reason: str | None = None) -> None:
         """Remove the sandbox and its folder (idempotent); ``reason`` marks the sandbox broken."""

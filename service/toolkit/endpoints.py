@@ -10,10 +10,12 @@ Dispatch is by ``Endpoint.kind`` through the table in ``EndpointClients``:
   bounds the whole call (connect, send, every read), not each read.
 - ``mcp``: an MCP ``tools/call`` of ``Endpoint.tool`` (default: the tool's name)
   on the MCP server at ``url``, over Streamable HTTP with the official ``mcp``
-  SDK (v1 API). The result is the call's ``structuredContent`` when present,
-  else its text (parsed when it is JSON; several text blocks give a list);
-  ``isError`` becomes ``ToolCallFailed("tool_error", text)``. One MCP session
-  per (url, headers) is kept open and shared by all calls (see ``_McpSession``).
+  SDK (2.x: its ``httpx2`` client, bridged to the egress rules by ``mcp_http``).
+  The result is the call's ``structuredContent`` when present, else its text
+  (parsed when it is JSON; several text blocks give a list); ``isError``
+  becomes ``ToolCallFailed("tool_error", text)``; an HTTP error status is
+  ``http_error``. One MCP session per (url, headers) is kept open and shared
+  by all calls (see ``_McpSession``).
 
 Every HTTP request of ``http`` and ``mcp`` endpoints passes the egress rules (``service.egress``):
 a destination they refuse fails with ``ToolCallFailed("egress_denied", ...)`` before anything is sent.
@@ -29,13 +31,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from mcp import ClientSession, McpError
+import httpx2
+from mcp import ClientSession, MCPError
 from mcp import types as mcp_types
 from mcp.client.streamable_http import streamable_http_client
 
 from service import exactjson, telemetry
 from service.egress import EgressDenied, EgressPolicy
 from service.toolkit.manifest import Endpoint, ToolSpec
+from service.toolkit.mcp_http import mcp_client
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +51,12 @@ MCP_INIT_S = 30.0  # an MCP session that is not initialized by then fails (and t
 MCP_HTTP_READ_S = 3660.0  # read limit inside a session: above any call's timeout_s (<= 3600 s)
 MCP_CLOSE_S = 5.0  # how long closing one session may take before its task is cancelled
 MCP_FAILURE_WAIT_S = 1.0  # how long a call whose connection closed waits to learn why
-# What the SDK's transport answers for a request the server rejected with 404 (session unknown or expired).
-_MCP_SESSION_TERMINATED = (32600, "Session terminated")
+# What the SDK's transport answers for a request the server rejected with an HTTP error status: 404 once a session
+# is established (unknown or expired), 404 before (no MCP endpoint there), any other status >= 400 (the status is
+# not kept). A JSON-RPC error in the body of such an answer is raised as it is instead.
+_MCP_SESSION_TERMINATED = (mcp_types.INVALID_REQUEST, "Session terminated")
+_MCP_NOT_FOUND = (mcp_types.METHOD_NOT_FOUND, "Not Found")
+_MCP_ERROR_STATUS = (mcp_types.INTERNAL_ERROR, "Server returned an error response")
 
 
 @dataclass(frozen=True)
@@ -90,8 +98,9 @@ class _McpSession:
     one task: ``_run`` is that task. Requests from other tasks only use the session's memory streams, so
     several calls may be in flight at once (replies are matched by JSON-RPC id).
 
-    When the transport fails (connection refused, an HTTP error status on any request of the session) the
-    whole session ends: calls in flight then fail and the next call opens a new session.
+    When the transport fails (connection refused, a connection cut) the whole session ends: calls in flight
+    then fail and the next call opens a new session. An HTTP error status fails only the call it answered
+    (``http_error``; a 404 marks the session expired, and the call is sent once more on a new one).
 
     Args:
         url: the MCP endpoint (``http(s)://host:port/mcp``).
@@ -124,13 +133,11 @@ class _McpSession:
         return self.task.done() or self._expired or self._closing.is_set()
 
     async def _run(self) -> None:
-        timeout = httpx.Timeout(MCP_HTTP_TIMEOUT_S, read=MCP_HTTP_READ_S)
+        timeout = httpx2.Timeout(MCP_HTTP_TIMEOUT_S, read=MCP_HTTP_READ_S)
         try:
             async with (
-                httpx.AsyncClient(
-                    headers=self._headers, timeout=timeout, follow_redirects=False, transport=self._egress.transport()
-                ) as http,
-                streamable_http_client(self.url, http_client=http) as (read, write, _),
+                mcp_client(self._headers, timeout, self._egress) as http,
+                streamable_http_client(self.url, http_client=http) as (read, write),
                 ClientSession(read, write) as session,
             ):
                 try:
@@ -152,7 +159,7 @@ class _McpSession:
                 )
                 self.ready.exception()  # retrieved here: nobody may be waiting for it
 
-    async def call(self, request: mcp_types.ClientRequest) -> mcp_types.CallToolResult:
+    async def call(self, request: mcp_types.CallToolRequest) -> mcp_types.CallToolResult:
         """Send one ``tools/call``; raises ToolCallFailed, or _SessionExpired when it may be sent again."""
         self.in_flight += 1
         self._idle.clear()
@@ -174,7 +181,7 @@ class _McpSession:
             if call.done() and not call.cancelled():
                 return call.result()
             raise self._ended_early()
-        except McpError as exc:
+        except MCPError as exc:
             code, message = exc.error.code, exc.error.message
             if (code, message) == _MCP_SESSION_TERMINATED:
                 self._expired = True
@@ -182,6 +189,8 @@ class _McpSession:
             if code == mcp_types.CONNECTION_CLOSED:
                 await asyncio.wait({self.task}, timeout=MCP_FAILURE_WAIT_S)
                 raise self._ended_early() from exc
+            if (code, message) == _MCP_ERROR_STATUS:
+                raise ToolCallFailed("http_error", "the MCP server answered an HTTP error status") from exc
             raise ToolCallFailed("tool_error", f"MCP error {code}: {message[:ERROR_TEXT_CHARS]}") from exc
         finally:
             self.in_flight -= 1
@@ -230,15 +239,16 @@ def _mcp_failure(exc: BaseException, initializing: bool) -> ToolCallFailed:
             return leaf
         if isinstance(leaf, EgressDenied):
             return ToolCallFailed("egress_denied", str(leaf))
-        if isinstance(leaf, httpx.TimeoutException):
+        if isinstance(leaf, httpx2.TimeoutException):
             return ToolCallFailed("timeout", "the MCP server did not answer in time")
-        if isinstance(leaf, httpx.HTTPStatusError):
-            return ToolCallFailed("http_error", f"HTTP {leaf.response.status_code} from the MCP server")
-        if isinstance(leaf, httpx.HTTPError):
+        if isinstance(leaf, httpx2.HTTPError):
             return ToolCallFailed("endpoint_unreachable", f"cannot reach the MCP server: {type(leaf).__name__}")
-        if isinstance(leaf, McpError) and initializing:
-            if (leaf.error.code, leaf.error.message) == _MCP_SESSION_TERMINATED:
+        if isinstance(leaf, MCPError) and initializing:
+            error = (leaf.error.code, leaf.error.message)
+            if error in (_MCP_SESSION_TERMINATED, _MCP_NOT_FOUND):
                 return ToolCallFailed("http_error", "HTTP 404 from the MCP server: no MCP endpoint at this url")
+            if error == _MCP_ERROR_STATUS:
+                return ToolCallFailed("http_error", "the MCP server answered an HTTP error status")
             return ToolCallFailed("bad_response", f"the MCP server refused to start a session: {leaf.error.message}")
     log.warning("mcp: session failed unexpectedly", exc_info=exc)
     return ToolCallFailed("endpoint_unreachable", f"the MCP session failed: {type(leaves[0]).__name__}")
@@ -254,12 +264,12 @@ def _json_or_text(text: str) -> Any:
 def _mcp_result(result: mcp_types.CallToolResult) -> Any:
     """The JSON result of a ``tools/call``: structured content, else the text (JSON-parsed), else the blocks."""
     texts = [block.text for block in result.content if isinstance(block, mcp_types.TextContent)]
-    if result.isError:
+    if result.is_error:
         text = "\n".join(texts) or "the MCP tool reported an error without text"
         more = " [...]" if len(text) > ERROR_TEXT_CHARS else ""
         raise ToolCallFailed("tool_error", text[:ERROR_TEXT_CHARS] + more)
-    if result.structuredContent is not None:
-        return result.structuredContent
+    if result.structured_content is not None:
+        return result.structured_content
     if len(texts) == len(result.content):
         return None if not texts else _json_or_text(texts[0]) if len(texts) == 1 else list(map(_json_or_text, texts))
     return [block.model_dump(mode="json", by_alias=True, exclude_none=True) for block in result.content]
@@ -271,7 +281,7 @@ class EndpointClients:
     Args:
         default_timeout_s: limit of one http call when the endpoint sets none (s).
         max_result_bytes: larger response bodies fail with ``result_too_large``.
-        egress: the egress rules of every http and mcp request; default: loopback only.
+        egress: the egress rules of every http and mcp request; default: none (every request refused).
     """
 
     def __init__(self, default_timeout_s: float, max_result_bytes: int, egress: EgressPolicy | None = None) -> None:
@@ -357,7 +367,7 @@ class EndpointClients:
         assert endpoint.url is not None
         timeout = tool.timeout_s or endpoint.timeout_s or self._default_timeout_s
         params = mcp_types.CallToolRequestParams(name=endpoint.tool or tool.name, arguments=args)
-        request = mcp_types.ClientRequest(mcp_types.CallToolRequest(params=params))
+        request = mcp_types.CallToolRequest(params=params)
         try:
             self.egress.target(endpoint.url)  # refused at once, before a session is opened
         except EgressDenied as exc:
@@ -423,7 +433,7 @@ async def list_mcp_tools(
         ToolCallFailed: ``timeout``, ``endpoint_unreachable``, ``http_error``, ``egress_denied`` or ``tool_error``
             (with the reason).
     """
-    timeout = httpx.Timeout(MCP_HTTP_TIMEOUT_S, read=timeout_s)
+    timeout = httpx2.Timeout(MCP_HTTP_TIMEOUT_S, read=timeout_s)
     entries: list[dict[str, Any]] = []
     try:
         egress.target(url)
@@ -432,23 +442,26 @@ async def list_mcp_tools(
     try:
         async with (
             asyncio.timeout(timeout_s),
-            httpx.AsyncClient(
-                headers=dict(headers), timeout=timeout, follow_redirects=False, transport=egress.transport()
-            ) as http,
-            streamable_http_client(url, http_client=http) as (read, write, _),
+            mcp_client(headers, timeout, egress) as http,
+            streamable_http_client(url, http_client=http) as (read, write),
             ClientSession(read, write) as session,
         ):
             await session.initialize()
             cursor: str | None = None
             for _ in range(MCP_LIST_PAGES):
-                page = await session.list_tools(cursor=cursor) if cursor else await session.list_tools()
+                params = mcp_types.PaginatedRequestParams(cursor=cursor) if cursor else None
+                page = await session.list_tools(params=params)
                 entries += [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in page.tools]
-                cursor = page.nextCursor
+                cursor = page.next_cursor
                 if not cursor:
                     break
     except TimeoutError as exc:
         raise ToolCallFailed("timeout", f"the MCP server did not list its tools within {timeout_s:g} s") from exc
-    except McpError as exc:
+    except MCPError as exc:
+        if (exc.error.code, exc.error.message) == _MCP_ERROR_STATUS:
+            raise ToolCallFailed("http_error", "the MCP server answered an HTTP error status") from exc
+        if (exc.error.code, exc.error.message) == _MCP_NOT_FOUND:
+            raise ToolCallFailed("http_error", "HTTP 404 from the MCP server: no MCP endpoint at this url") from exc
         raise ToolCallFailed(
             "tool_error", f"MCP error {exc.error.code}: {exc.error.message[:ERROR_TEXT_CHARS]}"
         ) from exc

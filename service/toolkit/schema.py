@@ -226,3 +226,93 @@ def safe_identifier(name: str, taken: set[str], in_class: bool = False) -> str:
         ident += "_"
     taken.add(ident)
     return ident
+
+
+def stub_parameters(parameters: JsonSchema) -> list[str]:
+    """The tool's parameter names in the stub's order: the required ones (as ``required`` lists them), then the
+    other properties (as ``properties`` lists them); each once."""
+    props = parameters.get("properties")
+    required = [r for r in parameters.get("required") or [] if isinstance(r, str)]
+    return list(dict.fromkeys([*required, *(props if isinstance(props, dict) else {})]))
+
+
+def dict_as_arguments(parameters: JsonSchema) -> bool:
+    """Whether a stub call with one positional dict and no keywords binds the dict's keys as the arguments.
+
+    Rule (documented in docs/tools-and-manifests.md, "Scripts and stubs"): True when the tool's first parameter,
+    in the stub's order (``stub_parameters``), cannot take an object, or the tool has no parameter; False when it
+    can (then the dict is that parameter's value, as for any positional argument). "Can take an object" is read
+    from the parameter's schema (``can_take_object``).
+
+    Args:
+        parameters: the tool's parameter object schema (JSON Schema, as ``to_json_schema`` maps it); its ``$defs``
+            and ``definitions`` resolve local ``$ref`` values.
+    """
+    names = stub_parameters(parameters)
+    if not names:
+        return True
+    props = parameters.get("properties")
+    schema = props.get(names[0], {}) if isinstance(props, dict) else {}
+    return not can_take_object(schema, parameters)
+
+
+OBJECT_CHECK_BUDGET = 1000
+"""Most schemas ``can_take_object`` looks at for one parameter (a manifest's ``$ref`` values may fan out)."""
+
+
+def can_take_object(schema: Any, root: JsonSchema) -> bool:
+    """Whether a JSON object may be valid against ``schema``, as far as its keywords tell (no full check).
+
+    False only when a keyword rules every object out: ``false``; a ``type`` (name or list, BFCL's dialect too)
+    without ``object``; an ``enum`` or ``const`` with no object value; ``anyOf``/``oneOf`` none of whose variants
+    can; an ``allOf`` branch or a local ``$ref`` (``#/...`` in ``root``) that cannot. A schema without such a
+    keyword (no type: any value), an unknown type name, a ``$ref`` that does not resolve here, or past
+    ``MAX_DEPTH`` levels or ``OBJECT_CHECK_BUDGET`` schemas, can: such a call keeps its ordinary meaning.
+    """
+    budget = [OBJECT_CHECK_BUDGET]
+
+    def can(node: Any, depth: int) -> bool:
+        budget[0] -= 1
+        if node is False:
+            return False
+        if not isinstance(node, dict) or depth > MAX_DEPTH or budget[0] < 0:
+            return True
+        if "const" in node and not isinstance(node["const"], dict):
+            return False
+        enum = node.get("enum")
+        if isinstance(enum, list) and not any(isinstance(v, dict) for v in enum):
+            return False
+        types = _types_of(node)
+        if types and "object" not in types:
+            return False
+        for key in ("anyOf", "oneOf"):
+            variants = node.get(key)
+            if isinstance(variants, list) and variants and not any(can(v, depth + 1) for v in variants):
+                return False
+        branches = node.get("allOf")
+        if isinstance(branches, list) and not all(can(b, depth + 1) for b in branches):
+            return False
+        ref = node.get("$ref")
+        target = _local_ref(ref, root) if isinstance(ref, str) else None
+        return target is None or can(target, depth + 1)
+
+    return can(schema, 0)
+
+
+def _local_ref(ref: str, root: JsonSchema) -> Any:
+    """The schema a local ``$ref`` (``#`` or ``#/a/b``, JSON Pointer escapes) points at in ``root``; None if it does
+    not resolve there (another document, a missing key)."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node: Any = root
+    for token in ref[2:].split("/"):
+        key = token.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            return None
+    return node

@@ -10,8 +10,14 @@ sends the call to the broker. Names (docs/tools-and-manifests.md, "Scripts and s
   ``tools.math.factorial``), each written as a class;
 - a name segment or parameter name that is not an ASCII identifier, or is a
   keyword, gets a safe spelling (``schema.safe_identifier``: ``from`` ->
-  ``from_``, ``Content-Type`` -> ``Content_Type``); the decorator carries the
-  parameter mapping so calls are recorded with the original names;
+  ``from_``, ``Content-Type`` -> ``Content_Type``) that no other parameter's
+  name takes (a parameter named ``from_`` keeps it, and ``from`` becomes
+  ``from__``); the decorator carries the parameter mapping so calls are
+  recorded with the original names;
+- the decorator says ``first_takes_object=True`` when the tool's first
+  parameter can take an object (``schema.dict_as_arguments``): otherwise a
+  call with one positional dict and no keywords binds the dict's keys as the
+  arguments;
 - a tool whose name is also a namespace (``auth`` beside ``auth.login``) is
   the namespace's ``__call__``: ``tools.auth(...)`` and ``tools.auth.login(...)``
   both work;
@@ -32,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.toolkit.manifest import ToolSpec
-from service.toolkit.schema import JsonSchema, python_type, safe_identifier
+from service.toolkit.schema import JsonSchema, dict_as_arguments, python_type, safe_identifier, stub_parameters
 
 USAGE = """\
 Call tools from Python: `import tools`, then `tools.<name>(...)` (blocks until the result; safe in threads).
@@ -42,7 +48,10 @@ Each tool is also a global without the import: `<name>(...)` blocks, except insi
 Results are JSON values (dict, list, str, int, float, bool, None).
 A failed call raises `tools.ToolError` with `.type` and `.message`; catch it to recover or report.
 Dotted tool names are namespaces (`tools.math.factorial`); parameter names that are not identifiers
-have a safe spelling shown in the signature (`from` -> `from_`), or pass the original via `**{"from": ...}`.
+have a safe spelling shown in the signature (`from` -> `from_`; `from__` if the tool also has `from_`), or
+pass the original via `**{"from": ...}`; a name in the signature always means that signature's parameter.
+The arguments may also be one dict, `tools.<name>({"city": "Oslo"})`: its keys are the arguments, unless the
+tool's first parameter itself takes a dict (its type allows an object, or any value): then it is that value.
 Only what you print is returned to you: print the answer, not raw tool results.
 Files you were given are in the working directory (/tmp). To hand back files (tables, charts), write them under
 `outputs/` (e.g. `outputs/summary.csv`): they are collected when the script ends; nothing else in /tmp is.
@@ -135,15 +144,16 @@ def _function_source(py_name: str, spec: ToolSpec, indent: str, shapes: _Shapes)
     base = spec.name.split(".")[-1]
     props: dict[str, Any] = spec.parameters.get("properties") or {}
     required = [r for r in spec.parameters.get("required") or [] if isinstance(r, str)]
-    names = list(dict.fromkeys([*required, *props]))
-    taken: set[str] = set()
+    names = stub_parameters(spec.parameters)
+    kept = {name for name in names if safe_identifier(name, set(), in_class) == name}
+    taken: set[str] = set(kept)  # a name that is an identifier is its own; a renamed one takes a free spelling
     renames: dict[str, str] = {}
     required_params: list[str] = []
     optional_params: list[str] = []
     doc_args: list[str] = []
     for original in names:
         schema = props.get(original) or {}
-        safe = safe_identifier(original, taken, in_class)
+        safe = original if original in kept else safe_identifier(original, taken, in_class)
         if safe != original:
             renames[safe] = original
         annotation = (
@@ -168,7 +178,10 @@ def _function_source(py_name: str, spec: ToolSpec, indent: str, shapes: _Shapes)
         doc += "\n\nArgs:\n" + "\n".join(textwrap.indent(a, INDENT) for a in doc_args)
     if spec.approval is not None:
         doc += "\n\n" + APPROVAL_NOTE
-    decorator = f"@_ptc_toolbox.tool({spec.name!r}" + (f", {renames!r})" if renames else ")")
+    options = (f", {renames!r}" if renames else "") + (
+        "" if dict_as_arguments(spec.parameters) else ", first_takes_object=True"
+    )
+    decorator = f"@_ptc_toolbox.tool({spec.name!r}{options})"
     signature = ", ".join([*required_params, *optional_params])
     returns = "Any"
     if spec.output_schema is not None:

@@ -14,7 +14,7 @@ import docker
 import httpx
 import pytest
 
-from tests.conftest import Service, execute, labelled_containers, wait_until
+from tests.conftest import Service, execute, labelled_containers, script_uids, wait_until
 from tests.toolserver import ToolServer
 
 ECHO = {"kind": "echo"}
@@ -162,7 +162,9 @@ def test_fork_bomb_is_contained(runtime_api: httpx.Client) -> None:
     assert view["error"] is None or view["error"]["type"] != "sandbox_error", view
 
 
-def test_sandbox_has_no_network_root_or_writable_root_fs(runtime_api: httpx.Client) -> None:
+def test_sandbox_has_no_network_root_or_writable_root_fs(
+    runtime_api: httpx.Client, engine: docker.DockerClient
+) -> None:
     script = """
 import os, socket
 print("uid", os.getuid())
@@ -181,8 +183,9 @@ print("tmp: writable")
 print("caps", open("/proc/self/status").read().split("CapEff:")[1].split()[0])
 """
     view = execute(runtime_api, script)
-    assert view["stdout"].split("\n")[:-1] == [
-        "uid 10001",
+    uid = int(view["stdout"].split("\n")[0].removeprefix("uid "))
+    assert uid in script_uids(engine), view  # the sandbox's own uid (one of the image's range), never root
+    assert view["stdout"].split("\n")[1:-1] == [
         "network: no",
         "rootfs: read-only",
         "tmp: writable",

@@ -90,6 +90,41 @@ def test_data_libraries_import_cold_warm_and_in_a_session(data_api: httpx.Client
         assert (view["status"], view["stdout"], view["sandbox_start"]) == ("succeeded", "6\n", mode), view
 
 
+# A Python subprocess importing pyplot (it reads the config folder and font cache the preload made), then everything
+# under /tmp (the working directory and HOME: matplotlib's MPLCONFIGDIR is /tmp/.matplotlib) the script cannot write.
+MPL_CHILD = """
+import os, subprocess, sys
+done = subprocess.run([sys.executable, '-c', 'import matplotlib.pyplot'], capture_output=True, text=True)
+bad = []
+for folder, folders, files in os.walk('/tmp'):
+    for path in [folder] + [os.path.join(folder, name) for name in files]:
+        if not os.path.islink(path) and not os.access(path, os.W_OK):
+            bad.append(path)
+print(done.returncode, sorted(bad))
+print(done.stderr, file=sys.stderr)
+"""
+
+
+def test_what_the_preload_made_is_the_scripts_to_write(data_api: httpx.Client, data_session: str) -> None:
+    """The resident interpreter preloads matplotlib as the script user: its config folder and font cache are the
+    scripts', so a Python subprocess importing pyplot neither complains nor rebuilds the font cache (cold, warm
+    and in a session); nothing under /tmp is left unwritable."""
+    cold = execute(data_api, MPL_CHILD, limits={"memory_mb": MEMORY_MB + 1})
+    wait_until(lambda: pool_ready(data_api, "default") >= 1, timeout_s=60)
+    warm = execute(data_api, MPL_CHILD)
+    in_session = execute(data_api, MPL_CHILD, session_id=data_session)
+    for view in (cold, warm, in_session):
+        assert (view["status"], view["stdout"]) == ("succeeded", "0 []\n"), view
+        assert "not a writable directory" not in view["stderr"] and "font cache" not in view["stderr"], view
+    # Every later script of the session too: matplotlib kept the image's folder (it checks it with the real uid,
+    # so a preload that changed only the effective uid made it fall back to a temporary folder that the first
+    # script's exit removed, and each later script's exit printed a traceback).
+    where = "import os\nprint(os.environ.get('MPLCONFIGDIR'))"
+    for _ in range(2):
+        view = execute(data_api, where, session_id=data_session)
+        assert (view["status"], view["stdout"], view["stderr"]) == ("succeeded", "/tmp/.matplotlib\n", ""), view
+
+
 def test_preloaded_import_is_free_in_a_session(data_api: httpx.Client, data_session: str) -> None:
     script = (
         "import sys, time\nfresh = 'pandas' not in sys.modules\nt = time.perf_counter()\nimport pandas\n"

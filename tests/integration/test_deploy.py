@@ -22,7 +22,7 @@ import docker
 import httpx
 import pytest
 
-from tests.conftest import IMAGE, ROOT, free_port, in_ci, labelled_containers, wait_until
+from tests.conftest import IMAGE, ROOT, free_port, in_ci, labelled_containers, script_uids, wait_until
 from tests.unit.test_deploy import clean_env, compose_command
 
 
@@ -96,7 +96,9 @@ def test_compose_stack_builds_starts_and_executes(engine: docker.DockerClient, s
         answer = httpx.post(f"{url}/execute", json={"script": script, "tools": tools}, headers=headers, timeout=60)
         assert answer.status_code == 200, answer.text
         view = answer.json()
-        assert (view["status"], view["stdout"]) == ("succeeded", "10001 {'x': 1}\n"), view
+        uid, _, args = view["stdout"].partition(" ")
+        assert (view["status"], args) == ("succeeded", "{'x': 1}\n"), view
+        assert int(uid) in script_uids(engine, sandbox_image), view  # the sandbox's own uid
         assert [c["status"] for c in view["calls"]] == ["ok"]
 
         [container] = engine.containers.list(filters={"label": f"com.docker.compose.project={project}"})

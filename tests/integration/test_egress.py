@@ -9,13 +9,17 @@ no connection at all.
 
 from __future__ import annotations
 
+import secrets
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import docker
 import httpx
 import pytest
 
-from tests.conftest import Service, execute
+from tests.conftest import Service, execute, start_service, stop_clean
 from tests.toolserver import ToolServer
 from tests.unit.test_egress import Listener, off_list  # noqa: F401
 
@@ -71,9 +75,60 @@ def test_a_script_gets_egress_denied_at_the_first_call_and_nothing_is_sent(
     assert [listener.accepted for listener in off_list] == [0, 0]
 
 
+@pytest.fixture(scope="module")
+def default_service(engine: docker.DockerClient, scratch: Path) -> Iterator[Service]:
+    """A service with the default egress rules (no ``PTC_EGRESS_ALLOW``) and no warm pool."""
+    svc = start_service(
+        f"pytest-{secrets.token_hex(4)}",
+        scratch / "default-egress",
+        PTC_EGRESS_ALLOW=None,
+        PTC_WARM_POOL_SIZE="0",
+        PTC_CALLBACK_SECRET=secrets.token_hex(16),
+    )
+    yield svc
+    stop_clean(engine, svc)
+
+
+def test_by_default_no_tool_or_callback_reaches_another_loopback_service(
+    default_service: Service, tool_server: ToolServer
+) -> None:
+    """Another service on this host (the tests' tool server on 127.0.0.1, its http and MCP routes) is refused to
+    tool calls and callbacks with a clear error until the operator names it (``restricted_service`` does:
+    ``test_a_script_gets_egress_denied_at_the_first_call_and_nothing_is_sent`` reaches it)."""
+    tools = [
+        {"name": "area", "parameters": {"type": "object", "additionalProperties": True},
+         "endpoint": {"kind": "http", "url": tool_server.url("triangle_area")}},
+        {"name": "listed", "parameters": {"type": "object", "additionalProperties": True},
+         "endpoint": {"kind": "mcp", "url": tool_server.url("mcp")}},
+    ]  # fmt: skip
+    script = (
+        "import tools\n"
+        "for name in ['area', 'listed']:\n"
+        "    try:\n"
+        "        print(getattr(tools, name)(base=3, height=4))\n"
+        "    except tools.ToolError as e:\n"
+        "        print(name, e.type, e.message)\n"
+    )
+    seen = len(tool_server.headers)
+    with default_service.client() as api:
+        view = execute(api, script, tools)
+        assert view["status"] == "succeeded", view
+        lines = view["stdout"].splitlines()
+        assert [line.split()[:2] for line in lines] == [["area", "egress_denied"], ["listed", "egress_denied"]]
+        for line in lines:
+            assert "not on the egress allowlist (PTC_EGRESS_ALLOW)" in line, line
+            assert "reached only when the operator names them, address and port" in line, line
+        callback = api.post("/execute", json={"script": "", "callback_url": tool_server.url("callback")})
+        assert callback.status_code == 422, callback.text
+        assert callback.json()["detail"].startswith("callback_url: "), callback.text
+        assert "egress allowlist" in callback.json()["detail"], callback.text
+    assert len(tool_server.headers) == seen  # nothing was sent to it
+
+
 def test_a_tool_call_cannot_reach_the_services_own_api(service: Service, api: httpx.Client) -> None:
-    """Default rules (loopback) and a tool whose endpoint is the service itself, with the tenant's own key:
-    every spelling of the service's address is refused before anything is sent."""
+    """The suite's rules (every loopback port: ``TEST_EGRESS_RULES``) and a tool whose endpoint is the service
+    itself, with the tenant's own key: every spelling of the service's address is refused before anything is
+    sent."""
     port = service.url.rsplit(":", 1)[1]
     spellings = {
         "v4": f"http://127.0.0.1:{port}/execute",

@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from service.auth import hash_token
+from service.sandbox.labels import LABEL_SANDBOX, LABEL_UID
 from tests.conftest import RUNTIMES, Service, require_runtime, start_service, stop_clean
 
 OTHER_TOKEN = secrets.token_urlsafe(32)
@@ -153,7 +154,9 @@ def test_a_csv_in_and_a_table_and_a_picture_out(api: httpx.Client, other: httpx.
     assert foreign.status_code == 404 and foreign.json()["type"].endswith("job-not-found")
 
 
-def test_a_session_takes_a_file_and_gives_one(api: httpx.Client, other: httpx.Client) -> None:
+def test_a_session_takes_a_file_and_gives_one(
+    api: httpx.Client, other: httpx.Client, engine: docker.DockerClient
+) -> None:
     session = api.post("/sessions", json={"files": [{"path": "seed.bin", "content_base64": "AAEC"}]}).json()
     sid = session["session_id"]
     second = api.post("/sessions", json={}).json()["session_id"]
@@ -167,9 +170,9 @@ def test_a_session_takes_a_file_and_gives_one(api: httpx.Client, other: httpx.Cl
             "open('result.txt', 'w').write(str(total * 10))\n"
         )
         view = run(api, script, session_id=sid)
-        assert (view["status"], view["stdout"]) == ("succeeded", "6 000102 10001\n"), (
-            view
-        )  # written as the sandbox user
+        (container,) = engine.containers.list(filters={"label": f"{LABEL_SANDBOX}={sid}"})
+        uid = container.labels.get(LABEL_UID, "10001")
+        assert (view["status"], view["stdout"]) == ("succeeded", f"6 000102 {uid}\n"), view  # the sandbox's user
         got = api.get(f"/sessions/{sid}/files/result.txt")
         assert (got.status_code, got.content) == (200, b"60")
         listing = api.get(f"/sessions/{sid}/files").json()

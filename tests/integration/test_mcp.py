@@ -12,7 +12,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-from mcp import ClientSession, StdioServerParameters
+import httpx2
+import pytest
+from mcp import Client, ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CallToolResult
@@ -28,9 +30,9 @@ BACKGROUND = "import time\nimport tools\ntime.sleep(2)\nprint(tools.echo(text='l
 
 
 def answer(result: CallToolResult) -> dict[str, Any]:
-    assert not result.isError, result.content
-    assert result.structuredContent is not None
-    return result.structuredContent
+    assert not result.is_error, result.content
+    assert isinstance(result.structured_content, dict)
+    return result.structured_content
 
 
 def toolset_of(service: Service) -> str:
@@ -41,9 +43,8 @@ def toolset_of(service: Service) -> str:
         return toolset
 
 
-async def exercise(session: ClientSession, toolset: str, service: Service) -> None:
+async def exercise(session: ClientSession | Client, toolset: str, service: Service) -> None:
     """List the tools, run two tool calls, wait on a background job; the jobs are the key's."""
-    await session.initialize()
     assert {tool.name for tool in (await session.list_tools()).tools} == {"execute", "get_job", "wait_job", "stop_job"}
     ran = answer(await session.call_tool("execute", {"script": TWO_CALLS, "toolset_id": toolset, "wait_s": 60}))
     assert ran["status"] == "succeeded", ran
@@ -60,10 +61,11 @@ async def exercise(session: ClientSession, toolset: str, service: Service) -> No
 @contextlib.asynccontextmanager
 async def over_http(service: Service) -> AsyncIterator[ClientSession]:
     async with (
-        httpx.AsyncClient(headers=service.headers, timeout=180) as client,
-        streamable_http_client(f"{service.url}/mcp", http_client=client) as (read, write, _),
+        httpx2.AsyncClient(headers=service.headers, timeout=180) as client,
+        streamable_http_client(f"{service.url}/mcp", http_client=client) as (read, write),
         ClientSession(read, write) as session,
     ):
+        await session.initialize()  # the handshake of protocol versions up to 2025-11-25
         yield session
 
 
@@ -80,7 +82,30 @@ async def test_stdio(service: Service) -> None:
         cwd=str(ROOT),
     )
     async with stdio_client(parameters) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
         await exercise(session, toolset_of(service), service)
+
+
+@pytest.mark.parametrize("transport", ["http", "stdio"])
+async def test_a_client_of_the_2026_protocol(service: Service, transport: str) -> None:
+    """The SDK's ``Client`` probes ``server/discover`` and speaks 2026-07-28 when the server does (both fronts)."""
+    if transport == "http":
+        async with (
+            httpx2.AsyncClient(headers=service.headers, timeout=180) as http_client,
+            Client(streamable_http_client(f"{service.url}/mcp", http_client=http_client)) as client,
+        ):
+            assert client.protocol_version == "2026-07-28"
+            await exercise(client, toolset_of(service), service)
+        return
+    parameters = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "service", "mcp", "--url", service.url],
+        env={**os.environ, "PTC_TOKEN": service.token},
+        cwd=str(ROOT),
+    )
+    async with Client(parameters) as client:
+        assert client.protocol_version == "2026-07-28"
+        await exercise(client, toolset_of(service), service)
 
 
 async def test_stdio_with_a_wrong_token_gets_unauthorized(service: Service) -> None:
@@ -93,7 +118,7 @@ async def test_stdio_with_a_wrong_token_gets_unauthorized(service: Service) -> N
     async with stdio_client(parameters) as (read, write), ClientSession(read, write) as session:
         await session.initialize()
         result = await session.call_tool("execute", {"script": "print(1)"})
-        assert result.isError
+        assert result.is_error
         assert "unauthorized: " in str(result.content[0])
 
 

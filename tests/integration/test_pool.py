@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import os
+import secrets
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +14,7 @@ from typing import Any
 import docker
 import httpx
 
+from service.auth import hash_token
 from tests.conftest import (
     IMAGE,
     Service,
@@ -121,3 +124,47 @@ def test_stopping_while_the_pool_refills_leaves_no_sandbox(engine: docker.Docker
         svc.stop()
         time.sleep(1)
         assert labelled_containers(engine, instance, include_pool=True) == []
+
+
+def test_one_keys_throwaway_profiles_leave_another_key_a_warm_data_image(
+    engine: docker.DockerClient, scratch: Path, runtime: str
+) -> None:
+    """One key asks for profiles nobody else wants (throwaway ``memory_mb`` values) until they hold every pool
+    beyond the default one; another key's data-image jobs still get a pool of their own and start warm."""
+    data_image = os.environ.get("PTC_DATA_IMAGE", "ptc-sandbox-data:latest")
+    engine.images.get(data_image)  # present, or the test fails here naming it
+    instance = f"pytest-pool-fair-{secrets.token_hex(4)}"
+    token = secrets.token_urlsafe(32)
+    keys_file = scratch / f"{instance}.keys"
+    keys_file.write_text(f"other:{hash_token(token)}\n")
+    svc = start_service(
+        instance,
+        scratch / instance,
+        PTC_WARM_POOL_SIZE="1",
+        PTC_WARM_POOL_MAX_PROFILES="3",  # the default + 2
+        PTC_IMAGES=f"data={data_image}",
+        PTC_API_KEYS_FILE=str(keys_file),
+        PTC_RUNTIME=runtime,
+    )
+    try:
+        with (
+            svc.client() as greedy,
+            httpx.Client(base_url=svc.url, timeout=120, headers={"Authorization": f"Bearer {token}"}) as other,
+        ):
+            for memory in (100, 110, 120):
+                assert execute(greedy, "print(1)", limits={"memory_mb": memory})["sandbox_start"] == "cold"
+            wait_until(lambda: len(pooled(engine, instance, 100)) == 1 and len(pooled(engine, instance, 110)) == 1, 60)
+
+            def data_job_warm() -> bool:
+                view = other.post("/execute", json={"script": "print(2)", "image": "data"}).json()
+                assert (view["status"], view["image"], view["stdout"]) == ("succeeded", "data", "2\n"), view
+                return bool(view["sandbox_start"] == "warm")
+
+            assert not data_job_warm()  # the first is cold: its profile had no pool
+            wait_until(data_job_warm, 90, interval_s=1)
+            assert (
+                len(pooled(engine, instance, 100)) + len(pooled(engine, instance, 110)) <= 1
+            )  # one of greedy's closed
+    finally:
+        svc.stop()
+    wait_until(lambda: labelled_containers(engine, instance, include_pool=True) == [], 30)

@@ -216,3 +216,108 @@ def test_session_scripts_and_one_shot_jobs_share_the_concurrency_limit(clients: 
         running += step
         most = max(most, running)
     assert most <= CONCURRENCY, spans
+
+
+HOST_CPUS, CPU_OVERCOMMIT = 2, 2  # the host CPU capacity: 4 CPUs, whatever the machine
+CPU_CAPACITY = HOST_CPUS * CPU_OVERCOMMIT
+
+
+@pytest.mark.parametrize("tenants", ["auth disabled", "one key", "two keys"])
+def test_one_tenant_has_the_whole_host_and_several_keys_a_share(
+    engine: docker.DockerClient, scratch: Path, tenants: str
+) -> None:
+    """Sessions of 1 CPU: one tenant opens them up to the host's CPU capacity, its ``session_cpus`` quota, not
+    up to a quarter of it; with two keys, each key still gets its quarter."""
+    instance = f"pytest-tenants-{secrets.token_hex(4)}"
+    env = {
+        "PTC_WARM_POOL_SIZE": "0",
+        "PTC_HOST_CPUS": str(HOST_CPUS),
+        "PTC_CPU_OVERCOMMIT": str(CPU_OVERCOMMIT),
+    }
+    other_token = secrets.token_urlsafe(32)
+    if tenants == "auth disabled":
+        env |= {"PTC_AUTH": "disabled", "PTC_API_KEYS": "", "PTC_METRICS_KEYS": ""}
+    elif tenants == "two keys":
+        env["PTC_API_KEYS_FILE"] = str(scratch / f"{instance}.keys")
+        (scratch / f"{instance}.keys").write_text(f"other:{hash_token(other_token)}\n")
+    svc = start_service(instance, scratch / instance, **env)
+    api = svc.client() if tenants != "auth disabled" else httpx.Client(base_url=svc.url, timeout=120)
+    other = httpx.Client(base_url=svc.url, timeout=120, headers={"Authorization": f"Bearer {other_token}"})
+    opened: list[tuple[httpx.Client, str]] = []
+
+    def open_session(client: httpx.Client) -> httpx.Response:
+        answer = client.post("/sessions", json={"limits": {"cpus": 1, "memory_mb": 64}})
+        if answer.status_code == 201:
+            opened.append((client, answer.json()["session_id"]))
+        return answer
+
+    try:
+        if tenants == "two keys":
+            share = CPU_CAPACITY // 4
+            for client in (api, other):  # each key its quarter, the other's use notwithstanding
+                for _ in range(share):
+                    assert open_session(client).status_code == 201, opened
+                assert assert_refused(open_session(client), "session_cpus")["limit"] == share
+        else:
+            for _ in range(CPU_CAPACITY):
+                answer = open_session(api)
+                assert answer.status_code == 201, answer.text
+            assert assert_refused(open_session(api), "session_cpus")["limit"] == CPU_CAPACITY  # the whole host
+    finally:
+        for client, sid in opened:
+            client.delete(f"/sessions/{sid}")
+        api.close()
+        other.close()
+        svc.stop()
+    assert labelled_containers(engine, instance, include_pool=True) == []
+
+
+RECORDS_QUOTA = 200_000
+ECHO = [{"name": "echo", "parameters": {"properties": {"data": {"type": "string"}}}, "endpoint": {"kind": "echo"}}]
+BIG_CALLS = "import tools\nfor i in range(6):\n    tools.echo(data=str(i) * 50_000)\nprint('called')"
+
+
+def kept_record_bytes(view: dict[str, Any]) -> int:
+    """Bytes of arguments and results the view's call records keep (compact JSON, as the service counts them)."""
+    return sum(
+        len(json.dumps(call[field], separators=(",", ":")))
+        for call in view["calls"]
+        for field in ("args", "result")
+        if call[field] is not None
+    )
+
+
+def test_call_records_count_against_the_output_quota_until_purged(
+    engine: docker.DockerClient, scratch: Path, runtime: str
+) -> None:
+    """Six calls of 100 KB of records each (args and echoed result) under a 200 KB ``output_bytes`` quota: the
+    records keep what the quota allows, the rest is dropped as past the record cap (``*_dropped_bytes``), the next
+    job is refused; once the job is purged its bytes are given back."""
+    instance = f"pytest-records-{secrets.token_hex(4)}"
+    svc = start_service(
+        instance,
+        scratch / instance,
+        PTC_WARM_POOL_SIZE="0",
+        PTC_KEY_QUOTAS=json.dumps({"pytest": {"output_bytes": RECORDS_QUOTA}}),
+        PTC_JOB_RETENTION_S="3",
+        PTC_PURGE_INTERVAL_S="0.5",
+        PTC_RUNTIME=runtime,
+    )
+    try:
+        with svc.client() as api:
+            view = api.post("/execute", json={"script": BIG_CALLS, "tools": ECHO}).json()
+            assert (view["status"], view["stdout"], len(view["calls"])) == ("succeeded", "called\n", 6), view
+            assert all(call["status"] == "ok" for call in view["calls"])  # every call still ran
+            assert 0 < kept_record_bytes(view) <= RECORDS_QUOTA
+            dropped = [call for call in view["calls"] if call["result"] is None]
+            assert dropped and all(call["result_dropped_bytes"] > 50_000 for call in dropped), view["calls"]
+            assert (svc.work_dir / "output" / view["job_id"] / "record_bytes").read_text() == str(
+                kept_record_bytes(view)
+            )
+            assert_refused(api.post("/execute", json={"script": "print(1)"}), "output_bytes")
+            wait_until(lambda: api.get(f"/jobs/{view['job_id']}").status_code == 404, 30)  # purged
+            again = api.post("/execute", json={"script": "print(1)"})
+            assert again.status_code == 200 and again.json()["status"] == "succeeded", again.text
+    finally:
+        svc.stop()
+    assert labelled_containers(engine, instance, include_pool=True) == []

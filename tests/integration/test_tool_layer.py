@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import time
 from typing import Any
@@ -384,3 +385,85 @@ def test_a_retried_call_that_fails_counts_its_attempts(api: httpx.Client, tool_s
 @pytest.mark.parametrize("body", [{"timeout_s": True}, {"wait_s": "5"}, {"limits": {"memory_mb": 256.0}}])
 def test_numbers_must_be_numbers(api: httpx.Client, body: dict[str, Any]) -> None:
     assert api.post("/execute", json={"script": "1", **body}).status_code == 422
+
+
+def test_a_lone_positional_dict_is_the_tools_arguments(runtime_api: httpx.Client, tool_server: ToolServer) -> None:
+    """``get_expenses({"employee_id": 1, "quarter": "Q3"})``, as Claude's code-execution runtime and real scripts
+    write it: blocking, awaited, as a global and gathered; recorded as a repair. A tool whose first parameter can
+    take an object keeps the ordinary meaning."""
+    echo = {"kind": "http", "url": tool_server.url("echo")}
+    expenses = {
+        "type": "object",
+        "properties": {"employee_id": {"type": "integer"}, "quarter": {"type": "string", "enum": ["Q3", "Q4"]}},
+        "required": ["employee_id", "quarter"],
+    }
+    tools = [
+        {"name": "get_expenses", "parameters": expenses, "endpoint": echo},
+        {"name": "configure", "parameters": {"properties": {"settings": {"type": "object"}}}, "endpoint": echo},
+    ]
+    blocking = (
+        "import asyncio, tools\n"
+        "print(tools.get_expenses({'employee_id': 1, 'quarter': 'Q3'})['args'])\n"
+        "print(get_expenses({'employee_id': 2, 'quarter': 'Q3'})['args'])\n"
+        "print(asyncio.run(tools.aio.get_expenses({'employee_id': 3, 'quarter': 'Q4'}))['args'])\n"
+        "print(tools.configure({'verbose': True})['args'])\n"
+    )
+    view = execute(runtime_api, blocking, tools)
+    assert view["status"] == "succeeded", view
+    assert view["stdout"] == (
+        "{'employee_id': 1, 'quarter': 'Q3'}\n{'employee_id': 2, 'quarter': 'Q3'}\n"
+        "{'employee_id': 3, 'quarter': 'Q4'}\n{'settings': {'verbose': True}}\n"
+    )
+    assert [(c["args"], c["status"], c["repairs"]) for c in view["calls"]] == [
+        ({"employee_id": 1, "quarter": "Q3"}, "ok", ["positional_dict"]),
+        ({"employee_id": 2, "quarter": "Q3"}, "ok", ["positional_dict"]),
+        ({"employee_id": 3, "quarter": "Q4"}, "ok", ["positional_dict"]),
+        ({"settings": {"verbose": True}}, "ok", []),
+    ]
+    awaited = (
+        "import asyncio\n"
+        "team = [{'id': 7}, {'id': 8}]\n"
+        "print(await get_expenses({'employee_id': 6, 'quarter': 'Q3'}))\n"
+        "found = await asyncio.gather(*(get_expenses({'employee_id': m['id'], 'quarter': 'Q3'}) for m in team))\n"
+        "print(sorted(f['args']['employee_id'] for f in found))\n"
+    )
+    view = execute(runtime_api, awaited, tools)
+    assert view["status"] == "succeeded", view
+    assert view["stdout"] == "{'args': {'employee_id': 6, 'quarter': 'Q3'}}\n[7, 8]\n"
+    assert sorted(c["args"]["employee_id"] for c in view["calls"]) == [6, 7, 8]
+    assert all(c["status"] == "ok" and c["repairs"] == ["positional_dict"] for c in view["calls"])
+
+
+def test_a_stubs_parameter_names_mean_its_own_parameters(runtime_api: httpx.Client, tool_server: ToolServer) -> None:
+    """Parameters whose names collide once made identifiers (``content-type``/``content_type``, ``from``/``from_``):
+    a name of the stub's signature is always that parameter; the renamed one has a spelling of its own."""
+    props = {"content-type": {"type": "string"}, "content_type": {"type": "string"}, "from": {}, "from_": {}}
+    tools = [
+        {
+            "name": "req",
+            "parameters": {"properties": props},
+            "endpoint": {"kind": "http", "url": tool_server.url("echo")},
+        }
+    ]
+    module = runtime_api.post("/stubs", json={"tools": tools}).json()["module"]
+    assert "def req(content_type_: str | None = None, content_type: str | None = None, from__: Any = None" in module
+    assert "content_type_ ('content-type'):" in module and "from__ ('from'):" in module
+    script = (
+        "import tools\n"
+        "print(tools.req(content_type='A')['args'])\n"
+        "print(tools.req(content_type_='B')['args'])\n"
+        "print(tools.req(content_type='A', content_type_='B')['args'])\n"
+        "print(tools.req(**{'content-type': 'C', 'content_type': 'A'})['args'])\n"
+        "print(tools.req(from_=1, from__=2)['args'])\n"
+        "print(tools.req(**{'from': 2})['args'])\n"
+    )
+    view = execute(runtime_api, script, tools)
+    assert view["status"] == "succeeded", view
+    sent: list[dict[str, Any]] = [
+        {"content_type": "A"},
+        {"content-type": "B"},
+        {"content_type": "A", "content-type": "B"},
+    ]
+    sent += [{"content_type": "A", "content-type": "C"}, {"from_": 1, "from": 2}, {"from": 2}]
+    assert [c["args"] for c in view["calls"]] == sent  # as recorded, and as the tool received them:
+    assert [ast.literal_eval(line) for line in view["stdout"].splitlines()] == sent

@@ -25,6 +25,7 @@ from service.toolkit import validation
 from service.toolkit.cache import ManifestCache
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.validation import CheckScheduler
+from tests.conftest import TEST_EGRESS_RULES
 from tests.toolserver import ToolServer
 
 ANY_ARGS = {"type": "object", "additionalProperties": True}
@@ -44,7 +45,7 @@ async def broker(
     tmp_path: Path, tools: list[dict[str, Any]], budget_s: float = 1.0, **options: Any
 ) -> AsyncIterator[Broker]:
     manifest = await ManifestCache(b"k" * 32).compile(tools, "pytest")
-    endpoints = EndpointClients(30.0, 8 * 1024 * 1024, EgressPolicy())  # loopback only
+    endpoints = EndpointClients(30.0, 8 * 1024 * 1024, EgressPolicy(TEST_EGRESS_RULES))  # the tool servers' loopback
     checks = CheckScheduler(2, budget_s)
     b = Broker(manifest.tools, endpoints, 10_000, 1024 * 1024, 1 << 30, checks=checks, **options)
     await b.start(tmp_path / "tools.sock")
@@ -160,6 +161,34 @@ async def test_a_small_line_after_a_large_one_is_recorded_after_it(tmp_path: Pat
     assert {r["id"] for r in replies} == {1, 2}
     assert [r["seq"] for r in b.records] == [1, 2] and b.records[0]["args"] is not None  # the large one is seq 1
     assert orjson.loads(orjson.dumps(b.records[1]["args"])) == {}
+
+
+async def test_a_calls_repairs_are_recorded_by_kind_in_order(tmp_path: Path) -> None:
+    """The stub's ``"repair": "positional_dict"`` (on a line read on the loop or off it) and the broker's own
+    ``json_text`` are listed in the record's ``repairs``; any other claim is ignored."""
+    params = {"type": "object", "properties": {"f": {"type": "object"}, "s": {"type": "string"}}}
+    tools = [{"name": "e", "parameters": params, "endpoint": {"kind": "echo"}}]
+    lines = [
+        b'{"id":1,"tool":"e","args":{"s":"x"},"repair":"positional_dict"}\n',
+        b'{"id":2,"tool":"e","args":{"f":"{\\"a\\": 1}"},"repair":"positional_dict"}\n',
+        b'{"id":3,"tool":"e","args":{"f":"{\\"a\\": 1}"}}\n',
+        b'{"id":4,"tool":"e","args":{"s":"x"},"repair":"anything"}\n',
+        b'{"id":5,"tool":"e","args":{"s":"x"},"repair":["positional_dict"]}\n',
+        orjson.dumps({"id": 6, "tool": "e", "args": {"s": "x" * 5000}, "repair": "positional_dict"}) + b"\n",
+    ]
+    async with broker(tmp_path, tools) as b:
+        script = Script(tmp_path / "tools.sock")
+        for line in lines:
+            assert (await asyncio.to_thread(script.call, line))["ok"] is True
+        script.close()
+    assert [(r["repaired"], r["repairs"]) for r in b.records] == [
+        (False, ["positional_dict"]),
+        (True, ["positional_dict", "json_text"]),
+        (True, ["json_text"]),
+        (False, []),
+        (False, []),
+        (False, ["positional_dict"]),
+    ]
 
 
 async def test_a_regex_timeout_gets_a_refusal_not_a_hang(tmp_path: Path) -> None:

@@ -287,6 +287,31 @@ def test_compose_file_is_valid_and_creates_no_network() -> None:
         assert str(ROOT / path) in mounted, path
 
 
+def test_grafana_has_no_default_password(tmp_path: Path) -> None:
+    """The monitoring profile's Grafana: the admin password is ``GRAFANA_ADMIN_PASSWORD`` or, unset, one generated
+    at the first start and kept (mode 0600) for the next; never ``admin``. Runs the service's entrypoint script
+    with a stand-in for Grafana's ``/run.sh`` that prints the password it was given."""
+    grafana = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["grafana"]
+    assert not any("GF_SECURITY_ADMIN_PASSWORD" in entry for entry in grafana["environment"])
+    shell, flag, script = grafana["entrypoint"]
+    script = script.replace("$$", "$")  # Compose's escape of a literal $
+    run = tmp_path / "run.sh"
+    run.write_text('#!/bin/sh\necho "$GF_SECURITY_ADMIN_PASSWORD ${GRAFANA_ADMIN_PASSWORD-unset}"\n')
+    run.chmod(0o755)
+    base = {"PATH": os.environ["PATH"], "GF_PATHS_DATA": str(tmp_path), "GRAFANA_RUN": str(run)}
+
+    def start(**env: str) -> str:
+        result = subprocess.run([shell, flag, script], env={**base, **env}, capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip()
+
+    generated, unset = start().split()
+    assert unset == "unset" and generated != "admin" and len(generated) >= 24
+    assert (tmp_path / "admin-password").stat().st_mode & 0o777 == 0o600
+    assert start().split()[0] == generated  # kept across restarts (Grafana applies it at its first start only)
+    assert start(GRAFANA_ADMIN_PASSWORD="chosen-by-the-operator").split() == ["chosen-by-the-operator", "unset"]
+
+
 def test_compose_settings_follow_the_environment() -> None:
     env = clean_env(PTC_WORK_DIR="/srv/ptc", PTC_PORT="9000", PTC_RUNTIME="runsc", PTC_SANDBOX_IMAGE="x:1")
     svc = compose_config(env=env)["services"]["ptc-sandbox"]
@@ -526,12 +551,14 @@ def test_replicas_env_file_is_written_once_with_random_secrets(tmp_path: Path) -
     assert int(first["PTC_HOST_MEMORY_MB"]) == memory_mb // 2
     assert float(first["PTC_HOST_CPUS"]) == max(0.5, (os.cpu_count() or 1) / 2)
     assert first["PTC_AUTH"] == "disabled" and "PTC_API_KEYS" not in first  # no keys given: loopback only
+    assert first["PTC_EGRESS_ALLOW"] == "http://127.0.0.1:8765"  # the README's demo tool server, not the balancer
     known = known_settings() | {"PTC_DOCKER_GID", "PTC_SERVICE_IMAGE", "PTC_LB_PORT", "COMPOSE_PROJECT_NAME"}
     assert {k for k in first if not k.startswith(("PTC_REPLICA2_", "PTC_PG_"))} <= known
     # Written once: a second run keeps it (and its secrets); another folder gets other secrets.
     again = replicas_env(tmp_path / "a", PTC_LB_PORT="9999")
     assert again == first
-    other = replicas_env(tmp_path / "b", PTC_API_KEYS="agent:" + "0" * 64, PTC_LB_PORT="9080")
+    other = replicas_env(tmp_path / "b", PTC_API_KEYS="agent:" + "0" * 64, PTC_LB_PORT="9080", PTC_EGRESS_ALLOW="")
+    assert other["PTC_EGRESS_ALLOW"] == ""  # set, even to nothing: the operator's choice
     assert other["PTC_PG_PASSWORD"] != password and other["PTC_INTERNAL_SECRET"] != first["PTC_INTERNAL_SECRET"]
     assert other["PTC_CALLBACK_SECRET"] != first["PTC_CALLBACK_SECRET"]
     assert other["PTC_API_KEYS"] == "agent:" + "0" * 64 and "PTC_AUTH" not in other and other["PTC_LB_PORT"] == "9080"

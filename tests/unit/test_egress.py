@@ -26,7 +26,8 @@ import httpx
 import pytest
 
 from service import callbacks
-from service.egress import LOOPBACK_RULES, EgressDenied, EgressPolicy, EgressRule, OwnAddress, is_public
+from service.egress import EgressDenied, EgressPolicy, EgressRule, OwnAddress, is_public
+from service.settings import Settings
 from service.toolkit.endpoints import EndpointClients, ToolCallFailed
 from service.toolkit.manifest import parse_tool
 from tests.toolserver import ToolServer
@@ -184,14 +185,52 @@ def test_an_address_rule_admits_a_private_network() -> None:
         policy.target("http://10.1.3.3:8080/x")
 
 
-def test_default_is_loopback_only() -> None:
-    policy = EgressPolicy()
-    assert policy.rules == EgressPolicy(LOOPBACK_RULES).rules
-    for url in ("http://127.0.0.1:1/x", "https://localhost:8443/x", "http://[::1]:9/x"):
-        policy.target(url)
-    for url in ("http://example.com/x", "http://2130706433/x", *METADATA_AND_PRIVATE):
+def test_the_default_reaches_no_loopback_or_private_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``PTC_EGRESS_ALLOW`` nothing is allowed: another service on this host (any loopback port), a private
+    or metadata address, a public name; the refusal of a non-public address says how an operator admits it."""
+    monkeypatch.delenv("PTC_EGRESS_ALLOW", raising=False)
+    assert Settings().egress_allow == []
+    policy = EgressPolicy(Settings().egress_allow)
+    loopback = (
+        "http://127.0.0.1:8765/x",
+        "http://127.0.0.1:3000/login",
+        "https://127.0.0.2:8443/x",
+        "http://[::1]:9/x",
+    )
+    for url in (*loopback, "https://localhost:8443/x", "http://example.com/x", "http://2130706433/x"):
+        with pytest.raises(EgressDenied, match="not on the egress allowlist"):
+            policy.target(url)
+    for url in (*loopback, *METADATA_AND_PRIVATE):
+        with pytest.raises(EgressDenied, match="reached only when the operator names them, address and port"):
+            policy.target(url)
+
+
+def test_naming_an_address_and_port_admits_that_one_only() -> None:
+    policy = EgressPolicy(["http://127.0.0.1:8765", "http://10.1.2.3:8080"])
+    assert policy.target("http://127.0.0.1:8765/triangle_area").port == 8765
+    assert policy.target("http://10.1.2.3:8080/x").host == "10.1.2.3"
+    for url in (
+        "http://127.0.0.1:8766/x",
+        "https://127.0.0.1:8765/x",
+        "http://127.0.0.2:8765/x",
+        "http://10.1.2.4:8080/x",
+    ):
         with pytest.raises(EgressDenied):
             policy.target(url)
+
+
+async def test_default_endpoint_clients_connect_to_no_other_loopback_service(off_list: list[Listener]) -> None:
+    """A real listener on another port of 127.0.0.1 (say Grafana, a balancer): the call fails with
+    ``egress_denied`` and the listener never sees a connection."""
+    clients = EndpointClients(5, 1024 * 1024)
+    try:
+        for listener in off_list:
+            assert "names them" in await refused(clients, http_tool(listener.url))
+            assert "names them" in await refused(clients, mcp_tool(listener.url))
+    finally:
+        await clients.aclose()
+    await asyncio.sleep(0.3)  # a connection would have been accepted by now (the listeners poll every 0.1 s)
+    assert [listener.accepted for listener in off_list] == [0, 0]
 
 
 def test_ipv6_forms_that_embed_an_ipv4_address_are_judged_by_it() -> None:
@@ -200,7 +239,7 @@ def test_ipv6_forms_that_embed_an_ipv4_address_are_judged_by_it() -> None:
     for embedding in ("::ffff:127.0.0.1", "::127.0.0.1", "64:ff9b::7f00:1", "2002:7f00:1::1"):
         assert EgressPolicy(["*://127.0.0.1:80"]).target(f"http://[{embedding}]/x").host == embedding
     assert is_public(ipaddress.ip_address("::5db8:d822"))  # ::93.184.216.34: only compared, never contacted
-    EgressPolicy().target("http://[::1]:9/x")  # ::1 and :: are no IPv4-compatible addresses
+    EgressPolicy(["*://[::1]:*"]).target("http://[::1]:9/x")  # ::1 and :: are no IPv4-compatible addresses
     with pytest.raises(EgressDenied):
         EgressPolicy(["*://*:*"]).target("http://[::]:9/x")
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import httpx2
 import orjson
 import pytest
 from fastapi import FastAPI
@@ -411,10 +412,10 @@ async def test_a_session_elsewhere_is_served_through_either_replica(postgres_url
 @asynccontextmanager
 async def mcp_session(app: FastAPI, token: str) -> AsyncIterator[ClientSession]:
     async with (
-        httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://test", headers=bearer(token), timeout=30
+        httpx2.AsyncClient(
+            transport=httpx2.ASGITransport(app=app), base_url="http://test", headers=bearer(token), timeout=30
         ) as client,
-        streamable_http_client("http://test/mcp", http_client=client) as (read, write, _),
+        streamable_http_client("http://test/mcp", http_client=client) as (read, write),
         ClientSession(read, write) as session,
     ):
         await session.initialize()
@@ -427,16 +428,17 @@ async def test_the_mcp_front_relays_get_wait_and_stop(postgres_url: str, short: 
         job_id = await started(alice1, {"script": held_until(flag)})
         async with mcp_session(app2, BOB) as session:  # another key: not found, nothing relayed
             refused = await session.call_tool("get_job", {"job_id": job_id})
-            assert refused.isError and "job-not-found" in str(refused.content[0])
+            assert refused.is_error and "job-not-found" in str(refused.content[0])
         assert counted(app1, "ptc_internal_requests", outcome="accepted") == 0
         async with mcp_session(app2, ALICE) as session:
             view = await session.call_tool("get_job", {"job_id": job_id})  # t1's live view
-            assert not view.isError and view.structuredContent is not None, view.content
-            assert view.structuredContent["status"] in ("queued", "running")
+            assert not view.is_error and isinstance(view.structured_content, dict), view.content
+            assert view.structured_content["status"] in ("queued", "running")
             waited = await session.call_tool("wait_job", {"job_id": job_id, "timeout_s": 0})
-            assert waited.structuredContent is not None and waited.structuredContent["status"] in ("queued", "running")
+            assert isinstance(waited.structured_content, dict)
+            assert waited.structured_content["status"] in ("queued", "running")
             stopped = await session.call_tool("stop_job", {"job_id": job_id})
-            assert stopped.structuredContent is not None and stopped.structuredContent["status"] == "stopped"
+            assert isinstance(stopped.structured_content, dict) and stopped.structured_content["status"] == "stopped"
         assert counted(app1, "ptc_internal_requests", outcome="accepted") == 3
 
 

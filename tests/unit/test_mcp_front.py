@@ -16,12 +16,12 @@ from typing import Any
 
 import anyio
 import httpx
+import httpx2
 import pytest
 from fastapi import FastAPI
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CallToolResult, TextContent, TextResourceContents
-from pydantic import AnyUrl
 
 from service.api import create_app, mcp_front
 from service.auth import hash_token
@@ -64,11 +64,21 @@ def http(app: FastAPI, token: str | None) -> httpx.AsyncClient:
     )
 
 
+def mcp_http(app: FastAPI, token: str) -> httpx2.AsyncClient:
+    """The SDK's HTTP client (httpx2) on the app in-process."""
+    return httpx2.AsyncClient(
+        transport=httpx2.ASGITransport(app=app),
+        base_url="http://test",
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=30,
+    )
+
+
 @contextlib.asynccontextmanager
 async def mcp_session(app: FastAPI, name: str) -> AsyncIterator[ClientSession]:
     async with (
-        http(app, TOKENS[name]) as client,
-        streamable_http_client("http://test/mcp", http_client=client) as (read, write, _),
+        mcp_http(app, TOKENS[name]) as client,
+        streamable_http_client("http://test/mcp", http_client=client) as (read, write),
         ClientSession(read, write) as session,
     ):
         await session.initialize()
@@ -76,13 +86,13 @@ async def mcp_session(app: FastAPI, name: str) -> AsyncIterator[ClientSession]:
 
 
 def answer(result: CallToolResult) -> dict[str, Any]:
-    assert not result.isError, result.content
-    assert result.structuredContent is not None
-    return result.structuredContent
+    assert not result.is_error, result.content
+    assert isinstance(result.structured_content, dict)
+    return result.structured_content
 
 
 def error_text(result: CallToolResult) -> str:
-    assert result.isError
+    assert result.is_error
     content = result.content[0]
     assert isinstance(content, TextContent)
     return content.text
@@ -108,7 +118,7 @@ async def test_tools_listed_and_a_script_calls_two_tools_of_a_toolset() -> None:
             assert result["error"] is None
             assert [line.split()[1:3] for line in result["calls"]] == [["echo", "ok"], ["shout", "ok"]]
             assert result["calls_total"] == 2
-            stubs = await session.read_resource(AnyUrl(f"ptc://toolsets/{toolset}/stubs"))
+            stubs = await session.read_resource(f"ptc://toolsets/{toolset}/stubs")
             content = stubs.contents[0]
             assert isinstance(content, TextResourceContents)
             assert "def shout(" in content.text
@@ -181,7 +191,7 @@ def test_cli_mcp_needs_a_url(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
 
 @pytest.mark.parametrize("job_id", ["../execute", "a/b", "x?y", ""])
 async def test_stdio_front_refuses_ids_that_are_not_one_path_segment(job_id: str) -> None:
-    from mcp.server.fastmcp.exceptions import ToolError
+    from mcp.server.mcpserver.exceptions import ToolError
 
     from service.mcp_stdio import OverHttp
 
@@ -257,6 +267,59 @@ async def test_a_get_stream_is_refused_not_held_open() -> None:
         assert response.headers["content-type"] == "application/problem+json"
         async with mcp_session(app, "alice") as session:  # the SDK's client takes the 405 in its stride
             assert {tool.name for tool in (await session.list_tools()).tools} >= {"execute"}
+
+
+async def test_a_client_of_the_2026_protocol_runs_a_script_and_reads_the_stubs() -> None:
+    """The SDK's own ``Client`` probes ``server/discover`` and speaks 2026-07-28 (one self-contained POST per
+    request, no handshake); before (mcp 1.x): the version was refused."""
+    from mcp import Client
+
+    async with service() as app:
+        toolset = await toolset_of(app, "alice")
+        async with (
+            mcp_http(app, TOKENS["alice"]) as http_client,
+            Client(streamable_http_client("http://test/mcp", http_client=http_client)) as client,
+        ):
+            assert client.protocol_version == "2026-07-28"
+            assert {tool.name for tool in (await client.list_tools()).tools} == {
+                "execute",
+                "get_job",
+                "wait_job",
+                "stop_job",
+            }
+            result = answer(await client.call_tool("execute", {"script": TWO_CALLS, "toolset_id": toolset}))
+            assert result["status"] == "succeeded" and result["calls_total"] == 2
+            stubs = await client.read_resource(f"ptc://toolsets/{toolset}/stubs")
+            content = stubs.contents[0]
+            assert isinstance(content, TextResourceContents) and "def shout(" in content.text
+        async with (
+            mcp_http(app, TOKENS["bob"]) as http_client,
+            Client(streamable_http_client("http://test/mcp", http_client=http_client)) as client,
+        ):  # the key acts on this path too
+            text = error_text(await client.call_tool("get_job", {"job_id": result["job_id"]}))
+            assert "job-not-found: " in text, text
+
+
+async def test_a_subscription_stream_is_refused_not_held_open() -> None:
+    """``subscriptions/listen`` (2026-07-28) would hold a stream open per request for change notifications that
+    never come (the tools do not change): the method is not served."""
+    message = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "subscriptions/listen",
+        "params": {
+            "_meta": {
+                "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                "io.modelcontextprotocol/clientCapabilities": {},
+            },
+            "notifications": {"toolsListChanged": True},
+        },
+    }
+    headers = MCP_HEADERS | {"MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "subscriptions/listen"}
+    async with service() as app, http(app, TOKENS["alice"]) as client:
+        with anyio.fail_after(10):  # with the SDK's default: a stream held open until the client leaves
+            response = await client.post("/mcp", json=message, headers=headers)
+        assert response.json()["error"]["code"] == -32601  # method not found
 
 
 @pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded", "application/jsonx"])

@@ -43,6 +43,51 @@ def test_default_quotas_are_smaller_than_the_global_limits() -> None:
     assert quota.output_bytes == 1024**3 and quota.jobs_per_minute == 600
 
 
+def test_one_tenant_has_the_whole_host_by_default_and_explicit_settings_still_win(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    capacity = HostCapacity(24 * 1024, 2 * 8)
+    whole = Quotas(settings(), capacity, single_tenant=True).of(IMPLICIT_OWNER)
+    assert (whole.running_jobs, whole.queued_jobs, whole.sessions) == (4, 100, 32)  # the global limits
+    assert (whole.session_memory_mb, whole.session_cpus) == (capacity.memory_mb, capacity.cpus)
+    assert whole.jobs_per_minute is None and whole.output_bytes == 1024**3
+    quotas = Quotas(settings(), capacity, single_tenant=True)
+    for _ in range(16):  # the load: sessions of 1 CPU up to the host's capacity, not a quarter of it
+        quotas.admit_session(IMPLICIT_OWNER, 64, 1)
+    with pytest.raises(QuotaExceeded) as refused:
+        quotas.admit_session(IMPLICIT_OWNER, 64, 1)
+    assert (refused.value.reason, refused.value.limit) == ("session_cpus", 16)
+    for _ in range(2000):  # no jobs_per_minute limit
+        quotas.admit_job(IMPLICIT_OWNER)
+        quotas.job_ended(IMPLICIT_OWNER)
+    monkeypatch.setenv("PTC_KEY_QUOTAS", json.dumps({IMPLICIT_OWNER: {"sessions": 2}}))
+    explicit = Quotas(settings(quota_jobs_per_minute=5, quota_session_cpus=3), capacity, single_tenant=True)
+    assert (explicit.of(IMPLICIT_OWNER).sessions, explicit.of(IMPLICIT_OWNER).running_jobs) == (2, 4)
+    assert (explicit.of(IMPLICIT_OWNER).jobs_per_minute, explicit.of(IMPLICIT_OWNER).session_cpus) == (5, 3)
+
+
+@pytest.mark.parametrize(
+    ("keys", "single"),
+    [
+        (None, True),  # authentication disabled: the implicit owner alone
+        ("solo", True),
+        ("solo,solo", True),  # two tokens of one name (a rotation): one tenant
+        ("a,b", False),
+    ],
+)
+def test_single_tenant_is_authentication_disabled_or_one_key_name(
+    tmp_path: Path, keys: str | None, single: bool
+) -> None:
+    from service.auth import configure, hash_token, single_tenant
+
+    if keys is None:
+        configured = Settings(work_dir=tmp_path, auth="disabled")
+    else:
+        entries = ",".join(f"{name}:{hash_token(f'{name}-{i}')}" for i, name in enumerate(keys.split(",")))
+        configured = Settings(work_dir=tmp_path, auth="required", api_keys=entries)
+    assert single_tenant(configure(configured)) is single
+
+
 def test_key_quotas_override_only_what_they_name_and_the_implicit_owner_gets_the_defaults(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -115,6 +160,15 @@ def test_retained_output_is_capped_per_key_and_the_inline_output_stays_whole(tmp
     quotas.admit_job("b")
     budget.give_back(900)  # the first job was purged
     quotas.admit_job("a")
+
+
+def test_a_refused_take_all_takes_nothing_and_holds_the_owner_at_its_quota_until_bytes_come_back() -> None:
+    budget = OutputBudget(1000)
+    assert budget.take_all(600) and budget.used == 600 and not budget.exhausted
+    assert not budget.take_all(500)  # a call record's 500 bytes of arguments: not kept, and nothing taken
+    assert budget.used == 600 and budget.exhausted  # new jobs of the owner are refused (output_bytes)
+    budget.give_back(600)  # its job was purged
+    assert not budget.exhausted and budget.take_all(1000) and budget.exhausted
 
 
 def test_output_budget_is_exact_under_threads() -> None:

@@ -17,6 +17,7 @@ from service.egress import EgressDenied, EgressPolicy
 from service.errors import OwnerElsewhere, OwnerUnavailable, QuotaExceeded
 from service.jobs import remote as remote_module
 from service.jobs.remote import Remote
+from tests.conftest import TEST_EGRESS_RULES
 
 SECRET = b"s" * 32
 
@@ -136,6 +137,23 @@ async def test_one_keys_held_relays_leave_the_peers_connections_to_the_others() 
             await remote.aclose()
 
 
+async def test_one_tenant_has_every_connection_to_the_peers() -> None:
+    """With one tenant (one key name) there is no other key to leave connections to: its relays are not capped at
+    ``MAX_PER_CALLER`` (issue 24 item 7: one tenant's quotas default to the whole)."""
+    async with HoldingPeer() as url:
+        remote = Remote(SECRET, "t2", single_tenant=True)
+        owner = OwnerElsewhere("job", "job_x", "t1", 1, url)
+        held: list[httpx.Response] = []
+        try:
+            for _ in range(remote_module.MAX_PER_CALLER + 1):
+                held.append(await asyncio.wait_for(remote.open(owner, "GET", "/hold", "solo"), 30))
+            assert remote.relaying("solo") == remote_module.MAX_PER_CALLER + 1
+        finally:
+            for answer in held:
+                await answer.aclose()
+            await remote.aclose()
+
+
 class SilentPeer:
     """A peer on 127.0.0.1 that takes connections and answers nothing (a paused replica: its kernel still accepts)
     or, with ``headers``, the headers of a stream and then nothing."""
@@ -230,7 +248,7 @@ async def test_a_replica_named_by_host_name_is_refused_by_its_address_too() -> N
     """A replica whose ``PTC_INTERNAL_URL`` names a host (``http://localhost:7002``): a tool call or callback aimed
     at its address (``http://127.0.0.1:7002``, ``http://[::ffff:127.0.0.1]:7002``) reached it, only the name was
     refused."""
-    policy = EgressPolicy()  # loopback allowed: the rules admit the peer's address, only its being a peer refuses it
+    policy = EgressPolicy(TEST_EGRESS_RULES)  # the rules admit the peer's address: only its being one refuses it
     policy.refuse_peers(["http://localhost:7002"])
     for url in ("http://localhost:7002/x", "http://127.0.0.1:7002/x", "http://[::ffff:127.0.0.1]:7002/x"):
         with pytest.raises(EgressDenied):

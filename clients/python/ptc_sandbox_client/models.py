@@ -35,6 +35,7 @@ class CallRecord(_Model):
     result: Any = None
     error: CallError | None = None
     repaired: Any = None
+    repairs: list[str] = []
     attempts: int | None = None
     caller: str | None = None
     started_at: str | None = None

@@ -3,7 +3,9 @@ events)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Annotated
 
@@ -15,9 +17,10 @@ from sse_starlette import EventSourceResponse
 
 from service import stages
 from service.api.bodies import ParsedOffLoop
-from service.api.deps import AppSettings, Idempotency, Jobs, Key, Who
+from service.api.deps import AppSettings, Idempotency, Jobs, Key, Reads, Who
 from service.api.idempotent import KEY_DESCRIPTION, KEY_HEADER, claim_key, replay
 from service.api.problems import ENGINE_UNAVAILABLE
+from service.api.reads import LIST_BATCH, holding
 from service.api.responses import event_pieces, output_slices, view_response
 from service.errors import InvalidField, RequestLimitError
 from service.files import DOWNLOAD_HEADERS
@@ -31,6 +34,7 @@ from service.schemas import (
     ExecuteRequest,
     JobList,
     JobStatus,
+    JobSummary,
     JobView,
     JobViewSelection,
 )
@@ -183,30 +187,62 @@ async def job_answer(job_id: str, jobs: Jobs, who: Who, selection: Selection, jo
     return answer
 
 
-@router.get("/jobs", response_model=JobList, responses={422: {}})
+@router.get("/jobs", response_model=JobList, responses={422: {}, 429: {}})
 async def list_jobs(
     jobs: Jobs,
     who: Who,
+    reads: Reads,
     status: Annotated[list[JobStatus] | None, Query(description="Keep only these statuses.")] = None,
     created_after: Annotated[IsoDateTime | None, Query(description="ISO 8601; exclusive.")] = None,
     created_before: Annotated[IsoDateTime | None, Query(description="ISO 8601; exclusive.")] = None,
     cursor: Annotated[str | None, Query(description="next_cursor of the previous page.")] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-) -> JobList:
-    """The caller's jobs (the admin role: every owner's), newest first, a page at a time."""
+) -> Response:
+    """The caller's jobs (the admin role: every owner's), newest first, a page at a time.
+
+    The page is read from the store ``LIST_BATCH`` rows at a time and each batch sent before the next is read
+    (``api.reads``); one of the key's ``max_reads_per_key`` answers under way (past them: 429)."""
     query = JobQuery(
         owner=who.only_owner,
         statuses=tuple(status or ()),
         created_after=utc(created_after, "created_after"),
         created_before=utc(created_before, "created_before"),
         cursor=cursor,
-        limit=limit,
+        limit=min(limit, LIST_BATCH),
     )
+    release = reads.take(who.owner)
     try:
-        page, next_cursor = await jobs.page(query)
-    except InvalidCursor as exc:
-        raise InvalidField(str(exc), ("query", "cursor")) from exc
-    return JobList(jobs=page, next_cursor=next_cursor)
+        first = await jobs.page(query)
+    except BaseException as exc:
+        release()
+        if isinstance(exc, InvalidCursor):
+            raise InvalidField(str(exc), ("query", "cursor")) from exc
+        raise
+    return StreamingResponse(holding(_job_list(jobs, query, limit, first), release), media_type="application/json")
+
+
+async def _job_list(
+    jobs: Jobs, query: JobQuery, limit: int, first: tuple[list[JobSummary], str | None]
+) -> AsyncIterator[bytes]:
+    """A ``JobList`` of up to ``limit`` jobs as JSON pieces: ``first`` (a batch of ``query``), then the next
+    batches from the store by their cursors (keyset pages: the same rows and ``next_cursor`` as one page of
+    ``limit``), each encoded in a thread."""
+    page, cursor = first
+    sent = 0
+    yield b'{"jobs":['
+    while True:
+        if page:
+            yield (b"," if sent else b"") + await asyncio.to_thread(_encoded, page)
+            sent += len(page)
+        if cursor is None or sent >= limit:
+            break
+        page, cursor = await jobs.page(replace(query, cursor=cursor, limit=min(LIST_BATCH, limit - sent)))
+    yield b'],"next_cursor":' + orjson.dumps(cursor) + b"}"
+
+
+def _encoded(page: list[JobSummary]) -> bytes:
+    """Summaries as JSON, comma-separated (blocking: run it in a thread)."""
+    return b",".join(JobSummary.__pydantic_serializer__.to_json(summary) for summary in page)
 
 
 @router.get("/jobs/{job_id}", response_model=ViewAnswer, responses={404: {}})

@@ -7,12 +7,14 @@ from datetime import datetime, timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from ptc_runtime.files import check_path
 
 from service.api.bodies import ParsedOffLoop
-from service.api.deps import AppSettings, Idempotency, Key, Sessions, Who
+from service.api.deps import AppSettings, Idempotency, Key, Reads, Sessions, Who
 from service.api.idempotent import KEY_DESCRIPTION, KEY_HEADER, claim_key, replay
+from service.api.reads import holding
+from service.api.responses import output_slices
 from service.errors import InvalidField, PayloadTooLarge
 from service.files import DOWNLOAD_HEADERS, content_type
 from service.limits import check_session
@@ -155,12 +157,20 @@ async def put_session_file(
         503: {},
     },
 )
-async def get_session_file(session_id: str, path: str, sessions: Sessions, who: Who) -> Response:
+async def get_session_file(session_id: str, path: str, sessions: Sessions, who: Who, reads: Reads) -> Response:
     """The regular file ``path`` under the session's /tmp (a symlink is never followed: 422 ``file-refused``),
-    at the session's turn; at most ``max_output_files_bytes`` (422 ``too_large``)."""
+    at the session's turn; at most ``max_output_files_bytes`` (422 ``too_large``). Sent a slice at a time from a
+    spool file (``api.reads``); one of the key's ``max_reads_per_key`` answers under way (past them: 429)."""
     name = _file_path(path, outputs=True)
-    data = await sessions.get_session_file(session_id, who, name)
-    return Response(data, media_type=content_type(name), headers=DOWNLOAD_HEADERS)
+    release = reads.take(who.owner)  # from the read in the sandbox to the last slice sent
+    try:
+        spooled = await sessions.get_session_file(session_id, who, name)
+    except BaseException:
+        release()
+        raise
+    pieces = holding(output_slices(spooled), release, spooled.close)
+    headers = {"content-length": str(spooled.length), **DOWNLOAD_HEADERS}
+    return StreamingResponse(pieces, media_type=content_type(name), headers=headers)
 
 
 @router.get("/sessions/{session_id}/files", response_model=SessionFileList, responses={404: {}, 409: {}, 503: {}})

@@ -69,7 +69,8 @@ async def test_output_is_captured_and_limits_are_applied(
         assert host["Memory"] == host["MemorySwap"] == 128 * 1024 * 1024
         # gVisor's own threads count in the host's pids cgroup: it gets room for them (see DockerBackend._create).
         assert host["PidsLimit"] == (64 * 24 + 64 if runtime == "runsc" else 64)
-        # The runtime's interpreter stays root with three capabilities; each script drops to 10001 (confine.py).
+        # The runtime's interpreter stays root with three capabilities; each script drops to the sandbox's own uid
+        # (confine.py), given in its environment and label (DockerBackend._create_with_uid).
         assert attrs["Config"]["User"] == "0:0" and sorted(host["CapAdd"]) == ["KILL", "SETGID", "SETUID"]
         assert host["Runtime"] == runtime
     finally:

@@ -261,7 +261,8 @@ def test_outputs_the_service_would_refuse_are_skipped_not_sent(tmp_path: Path) -
 
 
 def test_emptying_removes_everything_removable_past_what_stays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Folders nested past ``CLEAR_DEPTH`` stay; everything else goes, in one pass over each folder however many
+    """Folders nested past ``CLEAR_DEPTH`` stay, moved aside with their folder (a new, empty outputs folder takes
+    its place: they are no later run's outputs); everything else goes, in one pass over each folder however many
     stay (emptying in batches of names stopped at a batch that removed nothing, and left the rest behind)."""
     monkeypatch.setattr(files, "CLEAR_DEPTH", 1)
     monkeypatch.setattr(files, "MAX_DIR_ENTRIES", 4)
@@ -273,7 +274,36 @@ def test_emptying_removes_everything_removable_past_what_stays(tmp_path: Path, m
     for n in range(50):
         (work / "outputs" / f"f{n:02}").write_text("x")
     files.send_outputs("j", {"max_files": 0, "max_bytes": 0}, lambda m, p=b"": None, str(work), False)
-    assert sorted(os.listdir(work / "outputs")) == [f"a{n}" for n in range(6)]
+    assert os.listdir(work / "outputs") == []
+    (aside,) = [name for name in os.listdir(work) if name != "outputs"]
+    assert aside.startswith(".ptc-outputs-left-"), aside
+    assert sorted(os.listdir(work / aside)) == [f"a{n}" for n in range(6)]
+
+
+def test_emptying_does_not_depend_on_the_modes_a_script_left(tmp_path: Path) -> None:
+    """A read-only outputs folder, a sticky one, one nobody may enter: all emptied, the outputs folder writable again;
+    a symlink is removed, never followed (what it points to stays)."""
+    work = tmp_path / "w"
+    work.mkdir()
+    files.prepare_outputs(str(work), switch_user=False)
+    outputs = work / "outputs"
+    (outputs / "a" / "b").mkdir(parents=True)
+    (outputs / "a" / "b" / "f").write_text("x")
+    (outputs / "g").write_text("x")
+    (work / "keep").mkdir()
+    (work / "keep" / "k").write_text("kept")
+    (outputs / "link").symlink_to(work / "keep")
+    os.chmod(outputs / "a" / "b", 0)
+    os.chmod(outputs / "a", 0o1777)
+    os.chmod(outputs, 0o555)
+    try:
+        files.send_outputs("j", {"max_files": 9, "max_bytes": 99}, lambda m, p=b"": None, str(work), False)
+        assert os.listdir(outputs) == [] and os.access(outputs, os.W_OK)
+        assert (work / "keep" / "k").read_text() == "kept"
+        assert sorted(os.listdir(work)) == ["keep", "outputs"]
+    finally:
+        for folder, _, _ in os.walk(work):
+            os.chmod(folder, 0o755)
 
 
 def test_a_listing_says_what_a_huge_folder_holds_past_its_bound(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import pytest
 from service import views
 from service.errors import WorkDirBusy
 from service.jobs.events import Events
-from service.jobs.live import stored_job
+from service.jobs.live import OWNER_FILE, RECORDS_FILE, stored_job
 from service.jobs.model import JobStatus
 from service.jobs.recovery import Recovery
 from service.quotas import HostCapacity, Quotas
@@ -37,6 +37,7 @@ class Store:
     def __init__(self, unfinished: list[StoredJob] | None = None) -> None:
         self.left = unfinished or []
         self.puts: list[StoredJob] = []
+        self.expired: list[str] = []  # what the next purge returns
 
     async def unfinished(self, instance_id: str) -> list[StoredJob]:
         return self.left
@@ -48,15 +49,19 @@ class Store:
         self.puts.append(job)
         return True
 
+    async def purge(self, cutoff: datetime, instance_id: str) -> list[str]:
+        purged, self.expired = self.expired, []
+        return purged
 
-def recovery(work_dir: Path, store: Store | None = None) -> Recovery:
+
+def recovery(work_dir: Path, store: Store | None = None, quotas: Quotas | None = None) -> Recovery:
     settings = Settings(work_dir=work_dir, sandbox_folders_tmpfs_mb=0)
     return Recovery(
         settings,
         cast(Any, Backend()),
         cast(Any, store or Store()),
         SandboxFolders(work_dir / "run", 0),
-        Quotas(settings, HostCapacity(1024, 1)),
+        quotas or Quotas(settings, HostCapacity(1024, 1)),
         Events(),
         views.ViewCache(1 << 20),
         {},
@@ -83,6 +88,23 @@ async def test_a_job_folder_that_cannot_be_removed_is_logged(
         await started.start()
     started.release()
     assert "could not remove" in caplog.text and "Operation not permitted" in caplog.text
+
+
+async def test_the_bytes_call_records_keep_count_against_their_owner_until_purged(tmp_path: Path) -> None:
+    quotas = Quotas(Settings(work_dir=tmp_path), HostCapacity(1024, 1))
+    folder = tmp_path / "output" / "job_old"
+    folder.mkdir(parents=True)
+    (folder / OWNER_FILE).write_text("alice")
+    (folder / "stdout").write_bytes(b"x" * 100)
+    (folder / RECORDS_FILE).write_text("5000")  # written by the runner before the job's final save
+    store = Store()
+    started = recovery(tmp_path, store, quotas)
+    await started.start()  # counted again at start-up, with its retained output
+    assert quotas.output("alice").used == 5100
+    store.expired = ["job_old"]
+    assert await started.purge_expired() == 1
+    started.release()
+    assert quotas.output("alice").used == 0 and not folder.exists()  # given back with the job
 
 
 async def test_the_work_dir_is_locked_once(tmp_path: Path) -> None:

@@ -130,3 +130,50 @@ async def test_close_waits_for_every_removal_begun(folder: Path) -> None:
         await pools.close()
     assert await backend.labelled({}) == []
     await backend.close()
+
+
+async def test_one_keys_throwaway_profiles_never_keep_another_keys_profile_from_a_pool(folder: Path) -> None:
+    """Key a fills every pool beyond the default with profiles nobody else asks for; key b's profile still gets a
+    pool (a's least recently used is closed for it), a asking for more closes none of b's nor its own, and a pool
+    both keys take from is shared: never closed for another profile."""
+    backend = FakeBackend()
+    pools = WarmPools(backend, spec(folder), folder / "pool", 1, 600, 4)  # the default + 3
+    await pools.start()
+    try:
+        await ready(pools, "default", 1)
+        for memory in (200, 210, 220, 230):  # the fourth finds no room: a holds every pool there is
+            assert pools.take(spec(folder, memory_mb=memory), "a") is None
+        held = {name for name in pools.sizes() if name != "default"}
+        assert len(held) == 3
+        data = spec(folder, image="ptc-fake:1", memory_mb=512)
+        assert pools.take(data, "b") is None  # cold this time; a pool of a's is closed for it
+        names = set(pools.sizes()) - {"default"}
+        assert len(names) == 3 and len(names - held) == 1
+        b_pool = (names - held).pop()
+        await ready(pools, b_pool, 1)
+        taken = pools.take(data, "b")
+        assert taken is not None and taken.spec.memory_mb == 512  # warm
+        await taken.destroy()
+        for memory in (240, 250):  # a holds 2, b 1: a closes neither b's pool nor its own
+            assert pools.take(spec(folder, memory_mb=memory), "a") is None
+        assert set(pools.sizes()) - {"default"} == names
+        shared = next(iter(names - {b_pool}))
+        a_spec = next(spec(folder, memory_mb=m) for m in (200, 210, 220) if pool_name(pools, m) == shared)
+        await ready(pools, shared, 1)
+        taken = pools.take(a_spec, "c")  # c takes from one of a's: shared from now on
+        assert taken is not None
+        await taken.destroy()
+        assert pools.take(spec(folder, memory_mb=300), "d") is None  # a holds 1 (not 2 more than d): no pool for d
+        assert set(pools.sizes()) - {"default"} == names
+    finally:
+        await pools.close()
+        await backend.close()
+    assert await backend.labelled({}) == []
+
+
+def pool_name(pools: WarmPools, memory_mb: int) -> str | None:
+    """The name of the pool of the test profile of ``memory_mb``, if there is one."""
+    for key, pool in pools._pools.items():
+        if key[2] == memory_mb:
+            return pool.name
+    return None

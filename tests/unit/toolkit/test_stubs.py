@@ -214,3 +214,127 @@ def test_recursive_refs_and_huge_schemas_degrade_to_any() -> None:
     assert str(inspect.signature(tools.walk)) == "(root: 'Any' = None) -> 'Any'"
     assert len(inspect.signature(tools.wide).parameters) == 600  # past 500 shapes, plain dict[str, Any]
     assert "dict[str, Any]" in str(inspect.signature(tools.wide).parameters["p599"])
+
+
+class Recorder:
+    """Stands in for the broker client: keeps each request body, answers its arguments."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+
+    def request(self, body: dict[str, Any]) -> Any:
+        self.bodies.append(body)
+        return body["args"]
+
+    async def arequest(self, body: dict[str, Any]) -> Any:
+        return self.request(body)
+
+
+@pytest.fixture
+def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    import ptc_runtime.stubs
+
+    recorder = Recorder()
+    monkeypatch.setattr(ptc_runtime.stubs, "client", lambda: recorder)
+    return recorder
+
+
+EXPENSES = {
+    "name": "get_expenses",
+    "parameters": {
+        "type": "object",
+        "properties": {"employee_id": {"type": "integer"}, "quarter": {"type": "string"}},
+        "required": ["employee_id", "quarter"],
+    },
+    "endpoint": ECHO,
+}
+
+
+def test_a_lone_positional_dict_is_the_arguments_when_the_first_parameter_cannot_take_one(recorder: Recorder) -> None:
+    tools = load(
+        [
+            EXPENSES,
+            {"name": "configure", "parameters": {"properties": {"settings": {"type": "object"}}}, "endpoint": ECHO},
+            {"name": "anything", "parameters": {"properties": {"value": {}}}, "endpoint": ECHO},
+            {"name": "mail.send", "parameters": {"properties": {"from": {"type": "string"}}}, "endpoint": ECHO},
+            {"name": "ping", "endpoint": ECHO},
+        ]
+    )
+    arguments = {"employee_id": 1, "quarter": "Q3"}
+    repaired = {"tool": "get_expenses", "args": arguments, "repair": "positional_dict"}
+    assert tools.get_expenses(dict(arguments)) == arguments
+    assert asyncio.run(tools.aio.get_expenses(dict(arguments))) == arguments
+    as_global = tools._ptc_toolbox.script_globals()["get_expenses"]
+    assert as_global(dict(arguments)) == arguments  # blocking, outside a loop
+
+    async def awaited() -> Any:
+        return await as_global(dict(arguments))
+
+    assert asyncio.run(awaited()) == arguments
+    assert recorder.bodies == [repaired] * 4
+    recorder.bodies.clear()
+    # the ordinary meaning: the first parameter can take the dict, or the call is not a lone positional dict
+    tools.configure({"verbose": True})
+    tools.anything({"k": 1})
+    tools.get_expenses({"employee_id": 1}, quarter="Q3")
+    tools.get_expenses(employee_id={"k": 1}, quarter="Q3")
+    tools.get_expenses({1: "one"})  # not string keys: not arguments
+    assert recorder.bodies == [
+        {"tool": "configure", "args": {"settings": {"verbose": True}}},
+        {"tool": "anything", "args": {"value": {"k": 1}}},
+        {"tool": "get_expenses", "args": {"employee_id": {"employee_id": 1}, "quarter": "Q3"}},
+        {"tool": "get_expenses", "args": {"employee_id": {"k": 1}, "quarter": "Q3"}},
+        {"tool": "get_expenses", "args": {"employee_id": {1: "one"}}},
+    ]
+    recorder.bodies.clear()
+    # the dict's keys are bound like keywords: original and Python names, unknown ones forwarded for the broker
+    tools.mail.send({"from": "a@x"})
+    tools.mail.send({"from_": "a@x"})
+    tools.ping({})
+    tools.get_expenses({"employee": 1})
+    assert [(b["args"], b.get("repair")) for b in recorder.bodies] == [
+        ({"from": "a@x"}, "positional_dict"),
+        ({"from": "a@x"}, "positional_dict"),
+        ({}, "positional_dict"),
+        ({"employee": 1}, "positional_dict"),
+    ]
+
+
+def test_the_generator_marks_the_tools_whose_first_parameter_takes_an_object() -> None:
+    source = generate_stub_module(
+        parse_manifest(
+            [EXPENSES, {"name": "configure", "parameters": {"properties": {"settings": {}}}, "endpoint": ECHO}]
+        ).values()
+    )
+    assert "@_ptc_toolbox.tool('get_expenses')\n" in source
+    assert "@_ptc_toolbox.tool('configure', first_takes_object=True)\n" in source
+
+
+@pytest.mark.parametrize("order", [1, -1])
+def test_a_signature_name_always_means_its_own_parameter(order: int, recorder: Recorder) -> None:
+    props = {"content-type": {"type": "string"}, "content_type": {"type": "string"}, "from": {}, "from_": {}}
+    tools = load(
+        [
+            {"name": "req", "parameters": {"properties": dict(list(props.items())[::order])}, "endpoint": ECHO},
+            {"name": "ns.req", "parameters": {"properties": {"__x": {}, "_x": {}}}, "endpoint": ECHO},
+        ]
+    )
+    assert sorted(inspect.signature(tools.req).parameters) == ["content_type", "content_type_", "from_", "from__"]
+    doc = tools.req.__doc__
+    assert "content_type_ ('content-type'):" in doc and "from__ ('from'):" in doc and "    content_type:" in doc
+    binder = tools.req._binder
+    assert binder.bind((), {"content_type": "A"}) == {"content_type": "A"}  # as the stub documents it
+    assert binder.bind((), {"content_type_": "B"}) == {"content-type": "B"}
+    assert binder.bind((), {"content_type": "A", "content_type_": "B"}) == {"content_type": "A", "content-type": "B"}
+    assert binder.bind((), {"content-type": "B", "content_type": "A"}) == {"content-type": "B", "content_type": "A"}
+    assert binder.bind((), {"from_": 1}) == {"from_": 1}
+    assert binder.bind((), {"from": 1, "from_": 2}) == {"from": 1, "from_": 2}
+    assert binder.bind((), {"from__": 1, "from_": 2}) == {"from": 1, "from_": 2}
+    with pytest.raises(TypeError):  # one parameter, twice
+        binder.bind((), {"from": 1, "from__": 2})
+    tools.req(content_type="A", content_type_="B")
+    asyncio.run(tools.aio.req(content_type="A"))
+    assert [b["args"] for b in recorder.bodies] == [{"content_type": "A", "content-type": "B"}, {"content_type": "A"}]
+    inner = tools.ns.req._binder  # in a namespace (a class body) a leading "__" is renamed, and the same rule holds
+    assert sorted(inner.signature.parameters) == ["_x", "_x_"]
+    assert inner.bind((), {"_x": 1, "__x": 2}) == {"_x": 1, "__x": 2}

@@ -1,6 +1,6 @@
 """A sandbox provider for FastMCP's code mode that runs the code in the service (docs/adapters/fastmcp.md).
 
-FastMCP (3.4 and 4.x) has an experimental code mode: the transform ``fastmcp.experimental.transforms.code_mode.
+FastMCP (4.x, tested with 4.2.3) has a code mode: the transform ``fastmcp.experimental.transforms.code_mode.
 CodeMode`` replaces a server's tools by discovery tools and one ``execute(code)`` tool, and runs the code through a
 pluggable ``SandboxProvider`` (a protocol: ``async run(code, *, inputs, external_functions) -> Any``; the default is
 ``MontySandboxProvider``, pydantic-monty's Python subset). :class:`PtcSandboxProvider` is such a provider: the code
