@@ -5,12 +5,15 @@ a write cut short) leaves the client usable, the late reply dropped."""
 
 from __future__ import annotations
 
+import array
 import asyncio
 import ctypes
+import fcntl
 import json
 import signal
 import socket
 import sys
+import termios
 import threading
 import time
 from collections.abc import Iterator
@@ -370,13 +373,33 @@ def test_a_write_cut_short_mid_line_leaves_the_client_usable(
     client = Client(str(broker.path))
     clients.append(client)
     assert client.request({"tool": "e", "args": "first"}) == "first"
+    assert broker.conn is not None
     broker.reading.clear()
-    signal.setitimer(signal.ITIMER_REAL, 0.3)
-    resume = threading.Timer(0.6, broker.reading.set)  # the line's end waits for the broker to read again
-    resume.start()
+    handled = threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        handled.set()
+        raise Interrupted(signum)
+
+    def cut_then_read() -> None:
+        """Once the request's first bytes wait at the broker (the rest cannot fit: the write is under way and
+        blocked), interrupt it; once the handler ran, the broker reads again (the line's end waits for that)."""
+        queued = array.array("i", [0])
+        while not queued[0]:
+            time.sleep(0.01)
+            fcntl.ioctl(broker.conn, termios.FIONREAD, queued)
+        signal.pthread_kill(main, signal.SIGALRM)
+        handled.wait(10)
+        broker.reading.set()
+
+    signal.signal(signal.SIGALRM, handler)
+    main = threading.main_thread().ident
+    assert main is not None and threading.current_thread().ident == main
+    helper = threading.Thread(target=cut_then_read)
+    helper.start()
     with pytest.raises(Interrupted):
         client.request({"tool": "e", "args": "x" * (16 << 20)})
-    resume.join()
+    helper.join()
     assert client.request({"tool": "e", "args": "second"}, timeout=10) == "second"
     assert broker.malformed == 1
     assert not client._pending
