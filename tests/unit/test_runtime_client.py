@@ -373,7 +373,8 @@ def test_a_write_cut_short_mid_line_leaves_the_client_usable(
     client = Client(str(broker.path))
     clients.append(client)
     assert client.request({"tool": "e", "args": "first"}) == "first"
-    assert broker.conn is not None
+    conn, main = broker.conn, threading.main_thread().ident
+    assert conn is not None and main is not None and threading.current_thread().ident == main
     broker.reading.clear()
     handled = threading.Event()
 
@@ -387,14 +388,12 @@ def test_a_write_cut_short_mid_line_leaves_the_client_usable(
         queued = array.array("i", [0])
         while not queued[0]:
             time.sleep(0.01)
-            fcntl.ioctl(broker.conn, termios.FIONREAD, queued)
+            fcntl.ioctl(conn, termios.FIONREAD, queued)
         signal.pthread_kill(main, signal.SIGALRM)
         handled.wait(10)
         broker.reading.set()
 
     signal.signal(signal.SIGALRM, handler)
-    main = threading.main_thread().ident
-    assert main is not None and threading.current_thread().ident == main
     helper = threading.Thread(target=cut_then_read)
     helper.start()
     with pytest.raises(Interrupted):
