@@ -380,3 +380,30 @@ def test_a_write_cut_short_mid_line_leaves_the_client_usable(
     assert client.request({"tool": "e", "args": "second"}, timeout=10) == "second"
     assert broker.malformed == 1
     assert not client._pending
+
+
+def test_a_signal_handler_may_call_a_tool_while_a_call_is_being_written(
+    fake: FakeBroker, clients: list[Client], alarm: None
+) -> None:
+    """Review of issue 24 item 3: a handler's call made while the interrupted call is still in ``sendall`` (the
+    broker reads slowly) must not be written into the middle of that call's line. Today the re-entrant send lock
+    lets the handler's line in mid-line: the broker sees one malformed line, answers neither call by id, the
+    handler waits for ever and the outer ``sendall`` never resumes (the script is wedged until its timeout)."""
+    client = Client(str(fake.path))
+    clients.append(client)
+    assert client.request({"tool": "e", "args": "first"}) == "first"
+    seen: list[Any] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        seen.append(client.request({"tool": "e", "args": "from the handler"}, timeout=5))
+
+    signal.signal(signal.SIGALRM, handler)
+    fake.reading.clear()  # the big line's sendall blocks once the socket's buffer is full
+    signal.setitimer(signal.ITIMER_REAL, 0.3)  # the handler runs inside that sendall
+    resume = threading.Timer(0.6, fake.reading.set)
+    resume.start()
+    try:
+        big = client.request({"tool": "e", "args": "x" * (4 << 20)}, timeout=10)
+    finally:
+        resume.join()
+    assert (len(big), seen, fake.malformed) == (4 << 20, ["from the handler"], 0)
