@@ -213,7 +213,7 @@ def test_a_signal_handler_may_call_a_tool_while_a_big_call_is_being_sent(
             "endpoint": {"kind": "http", "url": tool_server.url("echo")},
         }
     ]
-    view = execute(runtime_api, script, tools, timeout_s=60)
+    view = execute(runtime_api, script, tools, timeout_s=20)
     assert view["status"] == "succeeded", view  # before: timed_out
     sizes, handled, readers = view["stdout"].splitlines()
     assert sizes == repr([1000000] * 10), view["stdout"]
