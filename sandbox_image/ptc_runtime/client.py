@@ -188,10 +188,13 @@ class Client:
                 sock.close()
                 raise ToolError("broker_unavailable", f"cannot reach the broker at {self._path}: {exc}") from None
             conn = _Connection(sock)
-            threading.Thread(target=self._read, args=(conn,), name="ptc-broker-reader", daemon=True).start()
-            threading.Thread(target=self._send, args=(conn,), name="ptc-broker-writer", daemon=True).start()
-            if self._made.setdefault("live", conn) is not conn:
-                conn.discard()
+            try:
+                threading.Thread(target=self._read, args=(conn,), name="ptc-broker-reader", daemon=True).start()
+                threading.Thread(target=self._send, args=(conn,), name="ptc-broker-writer", daemon=True).start()
+                self._made.setdefault("live", conn)
+            finally:
+                if self._made.get("live") is not conn:  # another one won, or an exception came before the choice
+                    conn.discard()
 
     def _write(self, data: bytes) -> None:
         """Queue ``data`` (whole lines) for the writer thread. One C call: an exception (a signal handler's) comes
