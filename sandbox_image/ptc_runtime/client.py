@@ -8,17 +8,18 @@ the runtime sends one control request, ``{"id": n, "op": "report", "error":
 {...}}``, to describe a script that ended with an uncaught exception.
 
 One connection per process is shared by every thread and every event loop:
-requests are written under a lock, and one reader thread per connection
-hands each reply to the caller waiting on its id, so many calls can be in
-flight at once.
+one writer thread sends the requests, whole lines in the order they were
+queued, and one reader thread hands each reply to the caller waiting on its
+id, so many calls can be in flight at once.
 
 Whatever ends a call early leaves the client usable (docs/tools-and-manifests.md, the stubs' rules): an
 exception raised by a signal handler (``signal.alarm``, ``KeyboardInterrupt``), any other ``BaseException``, a
-cancelled task, a thread that dies. Only the reader thread reads the socket, and Python runs signal handlers
-only in the main thread, so no caller's exception can interrupt a read half done or leave the reading to a
-caller that is gone; a caller that leaves forgets its id, so its late reply is dropped (replies are matched by
-id, and ids are never reused); a write cut short mid-line is ended with a newline, so the next request starts
-on a line of its own (the broker answers the broken line as malformed, with no id, and nobody waits for that).
+cancelled task, a thread that dies. Only the reader and writer threads touch the socket, and Python runs signal
+handlers only in the main thread, so no caller's exception can cut a read or a write short, and a signal handler
+may call tools whatever the main thread was doing (its line is queued whole, after the one being sent); a caller
+that leaves forgets its id, so its late reply is dropped (replies are matched by id, and ids are never reused).
+A caller only queues its line (``queue.SimpleQueue.put``, safe to call again from a signal handler that
+interrupted it) and waits on its own lock: no caller ever waits for a lock another caller may hold.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import asyncio
 import itertools
 import json
 import os
+import queue
 import socket
 import threading
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -40,7 +42,7 @@ class ToolError(Exception):
     Attributes:
         type: short machine-readable kind, e.g. ``rejected``, ``unknown_tool``,
             ``timeout``, ``http_error``, ``endpoint_error``, ``broker_unavailable``,
-            ``interrupted`` (an awaited call whose write an exception cut short).
+            ``interrupted`` (an awaited call whose queuing an exception cut short).
         message: human-readable explanation (names the parameter when an
             argument was wrong).
         tool: the tool's original name, when known.
@@ -99,25 +101,49 @@ def _set_all(settled: List[Tuple[_AsyncWaiter, Dict[str, Any]]]) -> None:
 _Waiter = Union[_SyncWaiter, _AsyncWaiter]
 
 
+class _Connection:
+    """One socket to the broker, with its reader and writer threads (started before the connection is used).
+
+    ``outbox`` holds whole request lines (or batches of lines) for the writer thread; ``None`` stops it."""
+
+    __slots__ = ("discarded", "outbox", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.outbox: queue.SimpleQueue[Optional[bytes]] = queue.SimpleQueue()
+        self.discarded = False  # a connection made twice at once (a signal handler's call during the first one)
+
+    def discard(self) -> None:
+        """Stop the threads of a connection that lost the race to be the client's (nothing was sent on it)."""
+        self.discarded = True
+        self.outbox.put(None)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # its reader sees the end, closes the socket and stops
+        except OSError:
+            pass
+
+
 class Client:
     """The process-wide connection to the broker (lazy, thread-safe, usable whatever ended an earlier call).
 
-    The reader thread (``ptc-broker-reader``, started with the connection) is the only one to read the socket: it
+    The writer thread (``ptc-broker-writer``) is the only one to write the socket: it sends the queued lines, each
+    whole, in the order they were queued. The reader thread (``ptc-broker-reader``) is the only one to read it: it
     hands each reply to the waiter of its id, a blocking caller's lock or an awaited call's future (one wake-up of
-    the caller's loop per read). A caller only registers its id, writes its line and waits, so an exception that
-    ends it anywhere (a signal handler's, a cancellation, a ``BaseException``) leaves the others as they were; it
-    forgets its id on the way out, and the late reply is dropped. Awaited calls made in one turn of their loop are
-    sent in one write.
+    the caller's loop per read). Both start with the connection, before anyone can use it. A caller only registers
+    its id, queues its line and waits, so an exception that ends it anywhere (a signal handler's, a cancellation, a
+    ``BaseException``) leaves the others as they were, and its line, once queued, is still sent whole; it forgets
+    its id on the way out, and the late reply is dropped. Awaited calls made in one turn of their loop are sent in
+    one write.
 
-    ``_pending`` is only changed by single dict operations (atomic under the GIL), so that neither the reader
-    thread nor a signal handler's own tool call ever waits for a lock that an interrupted caller holds.
+    ``_pending`` is only changed by single dict operations and the connection is made known by one (atomic under
+    the GIL), so that neither the reader and writer threads nor a signal handler's own tool call ever wait for a
+    lock that an interrupted caller holds.
     """
 
     def __init__(self, path: str = SOCKET_PATH) -> None:
         self._path = path
-        self._connect_lock = threading.RLock()  # one connection; re-entrant: a signal handler may call a tool
-        self._send_lock = threading.RLock()  # one writer at a time, so lines never interleave (re-entrant: as above)
-        self._sock: Optional[socket.socket] = None
+        self._connect_lock = threading.RLock()  # threads connect one at a time; re-entrant: a signal handler may
+        self._made: Dict[str, _Connection] = {}  # "live": the connection (set once, by setdefault: see _connect)
         self._closed_reason: Optional[str] = None
         self._ids = itertools.count(1)  # next() is atomic: ids are unique even across a signal handler's calls
         self._pending: Dict[int, _Waiter] = {}
@@ -133,7 +159,7 @@ class Client:
             raise ToolError(
                 "invalid_arguments", f"arguments are not JSON-serializable: {exc}", body.get("tool")
             ) from None
-        if self._sock is None:
+        if "live" not in self._made:
             self._connect()
         if self._closed_reason is not None:
             raise ToolError("broker_unavailable", self._closed_reason, body.get("tool"))
@@ -149,8 +175,11 @@ class Client:
             waiter.resolve({"ok": False, "error": {"type": "broker_unavailable", "message": reason}})
 
     def _connect(self) -> None:
+        """Make the connection and start its threads. A signal handler's call made meanwhile (same thread, so past
+        the re-entrant lock) makes its own; the first one made known (``setdefault``, atomic) is kept, the other
+        discarded, so there is only ever one connection and one reader."""
         with self._connect_lock:
-            if self._sock is not None or self._closed_reason is not None:
+            if "live" in self._made or self._closed_reason is not None:
                 return
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
@@ -158,40 +187,38 @@ class Client:
             except OSError as exc:
                 sock.close()
                 raise ToolError("broker_unavailable", f"cannot reach the broker at {self._path}: {exc}") from None
-            reader = threading.Thread(target=self._read, args=(sock,), name="ptc-broker-reader", daemon=True)
-            reader.start()
-            self._sock = sock
+            conn = _Connection(sock)
+            try:
+                threading.Thread(target=self._read, args=(conn,), name="ptc-broker-reader", daemon=True).start()
+                threading.Thread(target=self._send, args=(conn,), name="ptc-broker-writer", daemon=True).start()
+                self._made.setdefault("live", conn)
+            finally:
+                if self._made.get("live") is not conn:  # another one won, or an exception came before the choice
+                    conn.discard()
 
-    def _write(self, data: bytes, ids: List[int]) -> Optional[str]:
-        """Send ``data`` (the lines of ``ids``); on failure, forget them and return why. A write cut short by an
-        exception (a signal handler's) forgets them too, and is ended with a newline before the exception goes on:
-        the next request starts on a line of its own (the broken line, if any, is answered as malformed, with no
-        id, and dropped)."""
-        sock = self._sock
-        assert sock is not None
+    def _write(self, data: bytes) -> None:
+        """Queue ``data`` (whole lines) for the writer thread. One C call: an exception (a signal handler's) comes
+        before it or after it, never in the middle, and a signal handler may call it again meanwhile."""
+        self._made["live"].outbox.put(data)
+
+    def _send(self, conn: _Connection) -> None:
+        """The writer thread: send the queued lines in order, each whole; when the socket fails, fail every waiting
+        call and every later one."""
+        outbox, sock = conn.outbox, conn.sock
         try:
-            with self._send_lock:
-                try:
-                    sock.sendall(data)
-                except OSError:
-                    raise
-                except BaseException:
-                    for request_id in ids:
-                        self._pending.pop(request_id, None)
-                    try:
-                        sock.sendall(b"\n")  # a blank line, or the end of a broken one
-                    except OSError:
-                        pass
-                    raise
+            while True:
+                data = outbox.get()
+                if data is None:
+                    return
+                sock.sendall(data)
         except OSError as exc:
-            for request_id in ids:
-                self._pending.pop(request_id, None)
-            return f"cannot send to the broker: {exc}"
-        return None
+            if not conn.discarded:
+                self._lost(f"cannot send to the broker: {exc}")
 
-    def _read(self, sock: socket.socket) -> None:
+    def _read(self, conn: _Connection) -> None:
         """The reader thread: read every reply and hand it to its waiter (a reply nobody waits for any more is
         dropped); on a lost connection, or anything unexpected, fail every waiting call and every later one."""
+        sock = conn.sock
         unread = b""
         try:
             while True:
@@ -214,11 +241,15 @@ class Client:
                 for loop, settled in by_loop.items():
                     _settle_all(loop, settled)
         except EOFError as exc:
-            self._lost(str(exc))
+            reason = str(exc)
         except OSError as exc:
-            self._lost(f"lost the connection to the broker: {exc}")
+            reason = f"lost the connection to the broker: {exc}"
         except Exception as exc:  # a reply that is not JSON, or not an object: nothing more can be trusted
-            self._lost(f"unreadable reply from the broker: {type(exc).__name__}: {exc}")
+            reason = f"unreadable reply from the broker: {type(exc).__name__}: {exc}"
+        if conn.discarded:  # the other connection is the client's: this one just ends
+            sock.close()
+        else:
+            self._lost(reason)
 
     def _lost(self, reason: str) -> None:
         """Fail every waiting call (and, through ``_closed_reason``, every later one)."""
@@ -245,9 +276,7 @@ class Client:
         waiter = _SyncWaiter()
         try:
             self._register(request_id, waiter)
-            problem = self._write(line, [request_id])
-            if problem is not None:
-                raise ToolError("broker_unavailable", problem, tool)
+            self._write(line)
             if not waiter.done.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
                 raise ToolError("timeout", "no reply from the broker in time", tool)
         except BaseException:
@@ -276,22 +305,18 @@ class Client:
         return _unwrap(reply, body.get("tool"))
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Send the awaited calls ``loop`` made in this turn, in one write. When the write fails, or an exception
-        cuts it short, those calls fail (``broker_unavailable``, ``interrupted``)."""
+        """Queue the awaited calls ``loop`` made in this turn, as one write. When an exception (a signal handler's)
+        ends this before they are queued, or just after, those calls fail (``interrupted``)."""
         outgoing = self._outgoing.pop(loop, [])
-        ids = [request_id for request_id, _ in outgoing]
-        waiters = [self._pending.get(request_id) for request_id in ids]
-        kind, problem = "broker_unavailable", None
         try:
-            problem = self._write(b"".join(line for _, line in outgoing), ids)
+            self._write(b"".join(line for _, line in outgoing))
         except BaseException as exc:
-            kind, problem = "interrupted", f"sending the call was interrupted ({type(exc).__name__}); send it again"
+            problem = f"queuing the call was interrupted ({type(exc).__name__}); it may not have been sent"
+            for request_id, _ in outgoing:
+                waiter = self._pending.pop(request_id, None)
+                if waiter is not None:
+                    waiter.resolve({"ok": False, "error": {"type": "interrupted", "message": problem}})
             raise
-        finally:
-            if problem is not None:
-                for waiter in waiters:
-                    if waiter is not None:
-                        waiter.resolve({"ok": False, "error": {"type": kind, "message": problem}})
 
 
 def _unwrap(reply: Dict[str, Any], tool: Optional[str]) -> Any:

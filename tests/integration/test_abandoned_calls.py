@@ -160,3 +160,64 @@ def test_a_signal_handler_may_call_a_tool_while_a_call_waits(
     view = execute(runtime_api, script, manifest(tool_server), timeout_s=10)
     assert view["status"] == "succeeded", view  # before: timed_out, the handler's call waited for its own thread
     assert view["stdout"].splitlines() == ["in the handler: {'args': {'n': 1}}", "timeout", "{'args': {'n': 2}}"]
+
+
+def test_a_signal_handler_may_call_a_tool_while_a_big_call_is_being_sent(
+    runtime_api: httpx.Client, tool_server: ToolServer
+) -> None:
+    """Review of issue 24 item 3: a handler that calls a tool, run over and over while 1 MB calls are being sent.
+    Before, the handler's line was written into the middle of the big one (the broker answered neither, the job
+    timed out), and a handler's call during the first connect opened a second connection (two reader threads)."""
+    script = textwrap.dedent(
+        """
+        import signal, threading, time, tools
+
+        busy = [False]
+        got = []
+
+        def on_usr1(signum, frame):
+            if busy[0]:
+                return
+            busy[0] = True
+            try:
+                got.append(tools.fetch(url="h"))
+            finally:
+                busy[0] = False
+
+        signal.signal(signal.SIGUSR1, on_usr1)
+        main = threading.get_ident()
+
+        def poke():
+            while True:
+                time.sleep(0.0005)
+                signal.pthread_kill(main, signal.SIGUSR1)
+
+        threading.Thread(target=poke, daemon=True).start()
+        sizes = [len(tools.fetch(url="x" * 1000000)["args"]["url"]) for _ in range(10)]
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        print(sizes)
+        print(len(got), all(answer == {"args": {"url": "h"}} for answer in got))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # a discarded second connection's reader ends at once
+            readers = [t for t in threading.enumerate() if t.name == "ptc-broker-reader"]
+            if len(readers) == 1:
+                break
+            time.sleep(0.05)
+        print("readers", len(readers))
+        """
+    ).lstrip()
+    tools = [
+        {
+            "name": "fetch",
+            "parameters": {"type": "object", "properties": {"url": {"type": "string"}}, "required": ["url"]},
+            "endpoint": {"kind": "http", "url": tool_server.url("echo")},
+        }
+    ]
+    view = execute(runtime_api, script, tools, timeout_s=20)
+    assert view["status"] == "succeeded", view  # before: timed_out
+    sizes, handled, readers = view["stdout"].splitlines()
+    assert sizes == repr([1000000] * 10), view["stdout"]
+    count, right = handled.split()
+    assert right == "True" and readers == "readers 1", view["stdout"]
+    calls = view["calls"]
+    assert len(calls) == 10 + int(count) and all(call["status"] == "ok" for call in calls), calls

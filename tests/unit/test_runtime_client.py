@@ -74,7 +74,10 @@ class FakeBroker:
                 if self.hold:
                     self.held += replies
                     continue
-                conn.sendall("".join(r + "\n" for r in reversed(replies)).encode())
+                try:
+                    conn.sendall("".join(r + "\n" for r in reversed(replies)).encode())
+                except OSError:  # the test is over and closed the client while a (big) answer was going out
+                    return
 
     def release(self) -> None:
         """Send the answers held while ``hold`` was set."""
@@ -99,8 +102,8 @@ def clients() -> Iterator[list[Client]]:
     made: list[Client] = []
     yield made
     for client in made:
-        if client._sock is not None:
-            client._sock.close()
+        if "live" in client._made:
+            client._made["live"].sock.close()
 
 
 def readers() -> list[threading.Thread]:
@@ -368,7 +371,8 @@ def test_a_write_cut_short_mid_line_leaves_the_client_usable(
     fake: FakeBroker, clients: list[Client], alarm: None
 ) -> None:
     """A request bigger than the socket's buffer, while the broker does not read, is cut short by a signal
-    handler's exception: the part sent is ended as a line of its own, and the next call goes through."""
+    handler's exception: the writer thread still sends the line whole (before: the part sent was ended as a
+    malformed line of its own), and the next call goes through."""
     broker = fake
     client = Client(str(broker.path))
     clients.append(client)
@@ -400,5 +404,69 @@ def test_a_write_cut_short_mid_line_leaves_the_client_usable(
         client.request({"tool": "e", "args": "x" * (16 << 20)})
     helper.join()
     assert client.request({"tool": "e", "args": "second"}, timeout=10) == "second"
-    assert broker.malformed == 1
+    assert broker.malformed == 0
     assert not client._pending
+
+
+def test_a_signal_handler_may_call_a_tool_while_a_call_is_being_written(
+    fake: FakeBroker, clients: list[Client], alarm: None
+) -> None:
+    """Review of issue 24 item 3: a handler's call made while the interrupted call is still in ``sendall`` (the
+    broker reads slowly) must not be written into the middle of that call's line. Today the re-entrant send lock
+    lets the handler's line in mid-line: the broker sees one malformed line, answers neither call by id, the
+    handler waits for ever and the outer ``sendall`` never resumes (the script is wedged until its timeout)."""
+    client = Client(str(fake.path))
+    clients.append(client)
+    assert client.request({"tool": "e", "args": "first"}) == "first"
+    seen: list[Any] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        seen.append(client.request({"tool": "e", "args": "from the handler"}, timeout=5))
+
+    signal.signal(signal.SIGALRM, handler)
+    fake.reading.clear()  # the big line's sendall blocks once the socket's buffer is full
+    signal.setitimer(signal.ITIMER_REAL, 0.3)  # the handler runs inside that sendall
+    resume = threading.Timer(0.6, fake.reading.set)
+    resume.start()
+    try:
+        big = client.request({"tool": "e", "args": "x" * (4 << 20)}, timeout=10)
+    finally:
+        resume.join()
+    assert (len(big), seen, fake.malformed) == (4 << 20, ["from the handler"], 0)
+
+
+def test_a_signal_handler_may_call_a_tool_while_the_connection_is_made(
+    fake: FakeBroker, clients: list[Client], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review of issue 24 item 3: a handler's call made during the first call's connect (same thread, past the
+    re-entrant connect lock) must not leave two connections and two reader threads (before: it made its own, and
+    the outer connect then made a second)."""
+    client = Client(str(fake.path))
+    clients.append(client)
+    before = len(readers())
+    seen: list[Any] = []
+    main = threading.get_ident()
+    connect = socket.socket.connect
+    poked = False
+
+    def poking_connect(self: socket.socket, address: Any) -> None:
+        nonlocal poked
+        if not poked:  # the handler runs right here, before the outer call's socket is connected
+            poked = True
+            signal.pthread_kill(main, signal.SIGUSR1)
+        connect(self, address)
+
+    def handler(signum: int, frame: Any) -> None:
+        seen.append(client.request({"tool": "e", "args": "from the handler"}, timeout=5))
+
+    monkeypatch.setattr(socket.socket, "connect", poking_connect)
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        assert client.request({"tool": "e", "args": "outer"}, timeout=5) == "outer"
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert seen == ["from the handler"]
+    deadline = time.monotonic() + 5
+    while len(readers()) > before + 1 and time.monotonic() < deadline:  # a discarded connection's reader ends
+        time.sleep(0.01)
+    assert len(readers()) == before + 1
