@@ -161,6 +161,8 @@ async def test_one_keys_lists_and_downloads_under_way_are_bounded_and_others_are
         problem = refused.json()
         assert problem["type"].endswith("/quota-exceeded") and "PTC_MAX_READS_PER_KEY" in problem["detail"]
         assert (await alice.get(f"/sessions/{sid}/files/f")).status_code == 429
+        counted = app.state.metrics.exposition().decode()
+        assert 'ptc_rejections_total{reason="concurrent_reads"} 2.0' in counted  # its own label, not "other"
         assert (await bob.get("/jobs?limit=500")).status_code == 200
         assert (await alice.get(f"/jobs/{view['job_id']}")).status_code == 200  # a view is no list
         assert [slow.status for slow in held] == [200, 200]
