@@ -53,7 +53,8 @@ QUOTA_NAMES = (
 )
 HOST_REASONS = ("host_memory_mb", "host_cpus")
 GLOBAL_REASONS = ("queue_full", "max_sessions")
-REJECTION_REASONS = QUOTA_NAMES + HOST_REASONS + GLOBAL_REASONS
+READ_REASONS = ("concurrent_reads",)  # a key's answers under way (api.reads.ReadSlots)
+REJECTION_REASONS = QUOTA_NAMES + HOST_REASONS + GLOBAL_REASONS + READ_REASONS
 """Every value of the ``reason`` label of ``ptc_rejections_total``."""
 RATE_WINDOW_S = 60.0
 SHARES = {"running_jobs": 2, "queued_jobs": 4, "sessions": 4, "session_memory_mb": 4, "session_cpus": 4}

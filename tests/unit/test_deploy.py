@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from service.egress import EgressDenied, EgressPolicy
+from service.internal import parse_secrets
 from service.settings import Settings
 from tests.conftest import ROOT, free_port, in_ci, wait_until
 
@@ -582,6 +583,20 @@ def test_the_readme_example_is_the_one_loopback_destination_of_the_local_set_up(
     for port in (8080, 8081, 8082, 5433, 9090, 3000, 8766):
         with pytest.raises(EgressDenied):
             policy.target(f"http://127.0.0.1:{port}/execute")
+
+
+def test_the_kubernetes_placeholders_are_no_usable_credentials() -> None:
+    """The shipped Secrets hold placeholders no deployment can run on: the internal HMAC key is refused at start
+    (too short), and the API keys are hashes no token has (all zeros)."""
+    secrets = {
+        doc["metadata"]["name"]: doc["stringData"]
+        for doc in yaml.safe_load_all((KUBERNETES / "secret.yaml").read_text())
+    }
+    with pytest.raises(ValueError, match="at least 32 characters"):
+        parse_secrets(secrets["ptc-sandbox-internal"]["secret"])
+    lines = secrets["ptc-sandbox-api-keys"]["api-keys"].splitlines()
+    hashes = [line.split(":", 1)[1] for line in lines if ":" in line and not line.startswith("#")]
+    assert hashes and set(hashes) == {"0" * 64}
 
 
 def test_compose_replicas_profile(tmp_path: Path) -> None:

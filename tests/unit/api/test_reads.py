@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import shutil
 import tempfile
+import threading
 import tracemalloc
 from collections.abc import AsyncIterator, MutableMapping
 from pathlib import Path
@@ -27,6 +28,7 @@ from service.api.routers import jobs as jobs_router
 from service.auth import hash_token
 from service.errors import QuotaExceeded
 from service.sandbox.fake import FakeBackend
+from service.schemas import JobSummary
 from service.settings import Settings
 
 ALICE, BOB = "alice-token-0123456789abcdef", "bob-token-0123456789abcdefgh"
@@ -161,6 +163,8 @@ async def test_one_keys_lists_and_downloads_under_way_are_bounded_and_others_are
         problem = refused.json()
         assert problem["type"].endswith("/quota-exceeded") and "PTC_MAX_READS_PER_KEY" in problem["detail"]
         assert (await alice.get(f"/sessions/{sid}/files/f")).status_code == 429
+        counted = app.state.metrics.exposition().decode()
+        assert 'ptc_rejections_total{reason="concurrent_reads"} 2.0' in counted  # its own label, not "other"
         assert (await bob.get("/jobs?limit=500")).status_code == 200
         assert (await alice.get(f"/jobs/{view['job_id']}")).status_code == 200  # a view is no list
         assert [slow.status for slow in held] == [200, 200]
@@ -218,3 +222,31 @@ async def test_an_answer_dropped_unsent_gives_its_slot_back() -> None:
     assert (slots.held("k"), closed) == (0, [True])
     sent = holding(pieces(), slots.take("k"))
     assert [piece async for piece in sent] == [b"never"] and slots.held("k") == 0
+
+
+async def test_a_job_list_is_parsed_and_encoded_off_the_event_loop(
+    app: FastAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stored summaries of a page are parsed, and its batches encoded, on worker threads, never on the thread
+    that runs the event loop (on main both ran on it, for up to 32 MiB a list)."""
+    loop_thread = threading.get_ident()
+    threads: dict[str, set[int]] = {"parsed": set(), "encoded": set()}
+    parse, encode = JobSummary.model_validate_json, jobs_router._encoded
+
+    def parsed(data: str | bytes, **options: Any) -> JobSummary:
+        threads["parsed"].add(threading.get_ident())
+        return parse(data, **options)
+
+    def encoded(page: list[JobSummary]) -> bytes:
+        threads["encoded"].add(threading.get_ident())
+        return encode(page)
+
+    async with client(app, ALICE) as alice:
+        for n in range(3):
+            assert (await alice.post("/execute", json={"script": f"print({n})"})).json()["status"] == "succeeded"
+        monkeypatch.setattr(JobSummary, "model_validate_json", parsed)
+        monkeypatch.setattr(jobs_router, "_encoded", encoded)
+        listed = await alice.get("/jobs")
+        assert listed.status_code == 200 and len(listed.json()["jobs"]) == 3
+    assert threads["encoded"] and loop_thread not in threads["encoded"]
+    assert threads["parsed"] and loop_thread not in threads["parsed"]
