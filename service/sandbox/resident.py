@@ -484,8 +484,15 @@ class ResidentSandbox:
         return run
 
     def _write_env(self, data: bytes) -> None:
-        """Write a run's env (JSON) to the folder's ``protocol.ENV_FILE``, readable by the sandbox user."""
-        fd = os.open(self.folder / protocol.ENV_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        """Write a run's env (JSON) to the folder's ``protocol.ENV_FILE``, readable by the sandbox user.
+
+        Whatever is at that path is removed first and the file is made anew (never opened through a link or an
+        existing file), though the folder is read-only to scripts. Raises OSError when it cannot be written.
+        """
+        path = self.folder / protocol.ENV_FILE
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
             os.fchmod(fd, 0o644)
             view = memoryview(data)

@@ -79,3 +79,18 @@ async def test_refuse_start_fails_the_next_start_only(folder: Path) -> None:
     await sandbox.destroy()
     await backend.close()
     assert backend.starts == 1 and backend.sandboxes == {}
+
+
+async def test_a_run_env_file_planted_as_a_link_is_replaced_not_followed(folder: Path) -> None:
+    """Defence in depth (the folder is read-only to scripts): a ``.run-env.json`` left in the folder as a link is
+    replaced by the root service writing the next run's env, never written through."""
+    sandbox = ResidentSandbox(FakeBackend(), spec(folder))
+    sandbox.folder.mkdir()
+    target = folder / "host-file"
+    target.write_bytes(b"kept")
+    (sandbox.folder / ".run-env.json").symlink_to(target)
+    sandbox._write_env(b'{"SECRET": "s3"}')
+    assert target.read_bytes() == b"kept"
+    written = sandbox.folder / ".run-env.json"
+    assert not written.is_symlink() and written.read_bytes() == b'{"SECRET": "s3"}'
+    assert written.stat().st_mode & 0o777 == 0o644
