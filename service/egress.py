@@ -109,6 +109,19 @@ def _normalized(address: IPAddress) -> IPAddress:
     return address
 
 
+def _same_host(address: IPAddress) -> IPAddress:
+    """The address a connection to ``address`` reaches, as an address rule names it: an IPv4-mapped IPv6 address
+    (``::ffff:a.b.c.d``) is ``a.b.c.d``; the other embedding forms (``_normalized``) name other hosts (a NAT64
+    gateway, a 6to4 site), so a rule naming the IPv4 address does not admit them, though the deny checks judge
+    them by it."""
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.scope_id:
+            address = ipaddress.IPv6Address(str(address).split("%", 1)[0])
+        if address.ipv4_mapped is not None:
+            return address.ipv4_mapped
+    return address
+
+
 def url_problem(url: str) -> str | None:
     """Why ``url`` may not name an endpoint or callback (credentials in it), or None.
 
@@ -253,7 +266,7 @@ class EgressRule:
             return False
         if self.network is not None:
             address = _ip(host)
-            return address is not None and _normalized(address) in self.network
+            return address is not None and _same_host(address) in self.network
         assert self.name is not None
         if self.name == "*":
             return True
@@ -267,7 +280,7 @@ class EgressRule:
             self.network is not None
             and scheme in self.schemes
             and self._port_ok(scheme, port)
-            and _normalized(address) in self.network
+            and _same_host(address) in self.network
         )
 
 

@@ -237,7 +237,17 @@ def test_ipv6_forms_that_embed_an_ipv4_address_are_judged_by_it() -> None:
     import ipaddress
 
     for embedding in ("::ffff:127.0.0.1", "::127.0.0.1", "64:ff9b::7f00:1", "2002:7f00:1::1"):
-        assert EgressPolicy(["*://127.0.0.1:80"]).target(f"http://[{embedding}]/x").host == embedding
+        with pytest.raises(EgressDenied):  # judged by the embedded address: loopback, named by no rule
+            EgressPolicy(["*://*:*"]).target(f"http://[{embedding}]/x")
+    # A rule naming an IPv4 address admits that host only: its IPv4-mapped form, not a NAT64 gateway, an
+    # IPv4-compatible address or a 6to4 site (another host, reached over IPv6) that embeds it.
+    assert EgressPolicy(["*://127.0.0.1:80"]).target("http://[::ffff:127.0.0.1]/x").host == "::ffff:127.0.0.1"
+    for other in ("::127.0.0.1", "64:ff9b::7f00:1", "2002:7f00:1::1", "2002:7f00:1:abcd::5"):
+        with pytest.raises(EgressDenied):
+            EgressPolicy(["*://127.0.0.1:80"]).target(f"http://[{other}]/x")
+        with pytest.raises(EgressDenied):
+            EgressPolicy(["*://127.0.0.0/8:*"]).target(f"http://[{other}]/x")
+    assert EgressPolicy(["*://10.0.0.0/8:*"]).target("http://[::ffff:10.1.2.3]/x").port == 80
     assert is_public(ipaddress.ip_address("::5db8:d822"))  # ::93.184.216.34: only compared, never contacted
     EgressPolicy(["*://[::1]:*"]).target("http://[::1]:9/x")  # ::1 and :: are no IPv4-compatible addresses
     with pytest.raises(EgressDenied):
