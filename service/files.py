@@ -53,6 +53,10 @@ class FileBudget(Protocol):
         """``count`` bytes kept were deleted."""
         ...
 
+    def charge(self, count: int) -> None:
+        """Count ``count`` bytes that are kept whatever the quota (an ended job's stored row)."""
+        ...
+
 
 def content_type(path: str) -> str:
     """The media type guessed from ``path``'s extension (``mimetypes``; ``application/octet-stream`` when none)."""

@@ -201,6 +201,12 @@ class OutputBudget:
             self.used += wanted
             return True
 
+    def charge(self, count: int) -> None:
+        """Count ``count`` bytes kept whatever the quota (an ended job's row in the store: a finished result is
+        never dropped); past the quota, the owner's next job is refused until a purge gives bytes back."""
+        with self._lock:
+            self.used += max(count, 0)
+
     def give_back(self, count: int) -> None:
         """``count`` retained bytes were deleted (their job was purged)."""
         with self._lock:

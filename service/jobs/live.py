@@ -2,7 +2,8 @@
 
 Output bytes of a job are kept on disk under ``work_dir/output/<job_id>/`` (see ``service.output.OutputLog``)
 for offset reads; ``OWNER_FILE`` there names whose output budget they count against, and ``RECORDS_FILE``
-how many bytes the job's call records keep in the store, which count against it too.
+how many bytes the job keeps in the store (its call records' arguments and results, its stored view and summary),
+which count against it too.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
 SUMMARY_FIELDS = tuple(name for name in JobSummary.model_fields if name != "calls")  # all are the view's too
 SLICE_BYTES = 1024 * 1024  # the most bytes of a stream read into memory at once
 OWNER_FILE = "owner"  # in a job's output folder: whose output budget its retained bytes count against
-RECORDS_FILE = "record_bytes"  # there too: the bytes its call records keep (decimal), counted with its output
+RECORDS_FILE = "record_bytes"  # there too: the bytes it keeps in the store (decimal), counted with its output
 SANDBOX_LIMITS = ("memory_mb", "cpus", "pids", "tmp_mb")  # a sandbox's own limits (a session's are fixed)
 
 
@@ -127,6 +128,8 @@ class LiveJob(Job):
     normalized: Normalized | None = None  # the script's normalization (no repairs when switched off)
     output_files: OutputFiles | None = None  # what the script left in outputs/, once its run began
     output_budget: FileBudget | None = None  # what its owner may still keep on disk (output and files)
+    record_bytes: int = 0  # bytes of arguments and results its call records keep (``Broker.kept_bytes``), once ended
+    stored_bytes: int | None = None  # what it keeps in the store in all, counted once its final row was made
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     saving: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves reach the store in the order they began
     status_save_queued: bool = False  # a status save waits to take its view: status changes meanwhile ride on it
@@ -205,15 +208,23 @@ class LiveJob(Job):
         return {"files": done, "files_omitted": collected.omitted, "files_skipped": list(collected.skipped)}
 
 
-async def note_record_bytes(job: LiveJob, count: int) -> None:
-    """Write ``RECORDS_FILE`` in the job's output folder: ``count`` bytes its call records keep, taken from its
-    owner's output budget (``Broker.kept_bytes``), given back when the job is purged. Failures are logged."""
-    if count <= 0:
-        return
+async def note_stored_bytes(job: LiveJob, row: StoredJob) -> None:
+    """Count what the ended job keeps in the store against its owner's output budget, once (before the final
+    row is saved: from then on the job may be purged): its call records' arguments and results (taken already,
+    ``job.record_bytes``) and the rest of ``row`` (its view, with the script, metadata and inline output, and its
+    summary), charged even past the quota (a finished result is never dropped; the owner's next job is refused
+    until a purge gives bytes back). The total goes to ``RECORDS_FILE``, which the purge gives back. Failures to
+    write it are logged."""
+    if job.stored_bytes is not None:
+        return  # counted at the first attempt of its final save
+    rest = max(len(row.view) + len(row.summary) - job.record_bytes, 0)
+    if job.output_budget is not None:
+        job.output_budget.charge(rest)
+    job.stored_bytes = job.record_bytes + rest
     try:
-        await asyncio.to_thread((job.output_dir / RECORDS_FILE).write_text, str(count))
+        await asyncio.to_thread((job.output_dir / RECORDS_FILE).write_text, str(job.stored_bytes))
     except OSError:
-        log.exception("job %s: could not note the bytes of its call records", job.id)
+        log.exception("job %s: could not note the bytes it keeps in the store", job.id)
 
 
 async def wait_for_end_or_client(job: LiveJob, timeout_s: float) -> None:

@@ -28,7 +28,7 @@ from service.broker import Broker, CallMemory
 from service.files import OutputFiles
 from service.jobs.admission import Admitted, Ticket
 from service.jobs.events import CallEnded, Events, JobEnded, SandboxStarted, StatusChanged
-from service.jobs.live import LiveJob, end_by_failure, note_record_bytes, now, save_final_again, stored_job
+from service.jobs.live import LiveJob, end_by_failure, note_stored_bytes, now, save_final_again, stored_job
 from service.jobs.model import EndedBy, JobStatus, end_of_run
 from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
 from service.jobs.shared import SHARE_AT_ONCE, keep_output
@@ -228,7 +228,8 @@ class Runner:
 
     async def save(self, job: LiveJob, final: bool = False) -> None:
         """Save the job's view (encoded a batch of records at a time, fenced: ``Replicas.save``); ``final``: also
-        keep it for reading. Raises what the store raises (a failed first save ends the run), LeaseLost."""
+        keep it for reading and count what it keeps in the store against its owner (``note_stored_bytes``).
+        Raises what the store raises (a failed first save ends the run), LeaseLost."""
         view = job.view_dict()
         records = snapshot(view["calls"])
         async with job.saving:  # encoding gives the loop back: a later save must not overtake an earlier one
@@ -239,9 +240,11 @@ class Runner:
                 view.update(views.unencodable(view))
                 records = []
                 encoded = await views.encode(render_head(view), records)
+            row = stored_job(encoded.head, len(records), encoded.body, self._instance)
             if final:  # first: this replica serves the end even while the store refuses it (saved again later)
                 self._final_views.put(job.id, encoded)
-            await self._replicas.save(stored_job(encoded.head, len(records), encoded.body, self._instance))
+                await note_stored_bytes(job, row)  # before the row is saved: from then on it may be purged
+            await self._replicas.save(row)
 
     async def _set_status(self, job: LiveJob, status: JobStatus) -> None:
         job.move(status)
@@ -351,7 +354,7 @@ class Runner:
                 log.exception("job %s: closing its broker failed", job.id)
             job.calls_over_limit = broker.calls_over_limit
             job.ran_as_coroutine = broker.ran_as_coroutine
-            await note_record_bytes(job, broker.kept_bytes)  # before the final save: from then on it may be purged
+            job.record_bytes = broker.kept_bytes  # counted with the rest of its row at the final save
             for output in (job.stdout, job.stderr):
                 output.close()
             job.ended_at = now()
