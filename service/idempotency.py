@@ -158,7 +158,7 @@ class Claim:
         record = IdempotencyRecord(self.owner, self.key, self.fingerprint, kind, resource_id, created_at, ends_by)
         self._ended = True
         try:  # shielded: a request cancelled now (its client left) still binds what it created
-            bound = await asyncio.shield(self._keys.store.bind_claim(record, self.token))
+            bound = await asyncio.shield(self._keys.store.keys.bind_claim(record, self.token))
         finally:
             self._keys.wake(self.owner, self.key)  # this replica's waiters; the others' by ptc_keys
         # Not bound for an error: the token stays held, so the claim blocks the key (409) until this incarnation
@@ -245,7 +245,7 @@ class IdempotencyKeys:
         claim the store made is released once its answer comes (a claim nobody holds would block the key). Its
         token is ``held`` from before the write until the claim ends (or the write failed)."""
         self.held.add(mine.claim_token)
-        task = asyncio.ensure_future(self.store.claim_idempotency_key(mine, datetime.now(UTC), orphan))
+        task = asyncio.ensure_future(self.store.keys.claim(mine, datetime.now(UTC), orphan))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -268,7 +268,7 @@ class IdempotencyKeys:
 
         async def release() -> None:
             try:
-                await self.store.release_claim(owner, key, token)
+                await self.store.keys.release(owner, key, token)
             except Exception:  # logged: an orphan then, taken over by this replica's next request with the key
                 log.warning("an idempotency claim could not be released", exc_info=True)
             finally:

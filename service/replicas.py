@@ -150,7 +150,7 @@ class Replicas:
             url = f"http://127.0.0.1:{settings.port}"
         token = await asyncio.to_thread(work_dir_token, settings.work_dir)
         sent = boottime()
-        epoch = await self._store.register(
+        epoch = await self._store.replicas.register(
             Registration(settings.instance(), url, token, __version__, settings.replica_lease_s)
         )
         self._incarnation = Incarnation(settings.instance(), epoch)
@@ -175,7 +175,7 @@ class Replicas:
         self._task = self._refreshing = None
         if self._incarnation is not None and not self.fenced:
             try:
-                await self._store.set_replica_state(self._incarnation, "left")
+                await self._store.replicas.set_state(self._incarnation, "left")
             except StoreUnavailable:
                 log.warning("replica %s could not record that it left", self._incarnation.instance_id)
             else:
@@ -195,7 +195,7 @@ class Replicas:
             return
         sent = boottime()
         try:
-            renewed = await self._store.renew(self.incarnation, self._settings.replica_lease_s)
+            renewed = await self._store.replicas.renew(self.incarnation, self._settings.replica_lease_s)
         except StoreUnavailable:
             self._renewed("error")
             if boottime() >= self._deadline:
@@ -222,7 +222,7 @@ class Replicas:
             StoreUnavailable: the store did not answer.
         """
         asked = boottime()
-        rows = await self._store.replicas()
+        rows = await self._store.replicas.all()
         self.registry = {row.instance_id: row for row in rows}
         self._registry_read = asked
         for listener in self.on_registry:
@@ -284,7 +284,7 @@ class Replicas:
             LeaseLost: the save matched no row (the job is no longer this incarnation's): the replica is fenced.
             StoreUnavailable: the store did not answer.
         """
-        if not await self._store.save(job, self.incarnation):
+        if not await self._store.jobs.save(job, self.incarnation):
             self.fence(f"a save of job {job.job_id} matched no row")
             raise LeaseLost(f"job {job.job_id} is no longer this replica's")
 
@@ -295,7 +295,7 @@ class Replicas:
             LeaseLost: the save matched no row: the replica is fenced.
             StoreUnavailable: the store did not answer.
         """
-        if not await self._store.save_session(session, self.incarnation):
+        if not await self._store.sessions.save(session, self.incarnation):
             self.fence(f"a save of session {session.session_id} matched no row")
             raise LeaseLost(f"session {session.session_id} is no longer this replica's")
 

@@ -32,7 +32,7 @@ from service.auth import Caller
 from service.errors import JobNotFound, OwnerElsewhere, OwnerUnavailable
 from service.replicas import Replicas
 from service.store import JobStore, StoredJob
-from service.store_pg import CALLBACKS_CHANNEL, JOBS_CHANNEL, KEYS_CHANNEL, REPLICAS_CHANNEL
+from service.store.pg_db import CALLBACKS_CHANNEL, JOBS_CHANNEL, KEYS_CHANNEL, REPLICAS_CHANNEL
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ class Elsewhere:
         (served from its saved view)."""
         if not self._store.shares_output:
             return  # one replica (SQLite): every job is this one's
-        stored = await self._store.get(job_id)
+        stored = await self._store.jobs.get(job_id)
         if stored is not None and self._running_elsewhere(stored):
             raise self.owner(job_id, stored.instance_id, stored.instance_epoch, caller)
 
@@ -260,7 +260,7 @@ class Elsewhere:
         deadline = loop.time() + timeout_s
         with self._waiters.waiting(job_id) as woken:
             while True:
-                stored = await self._store.get(job_id)
+                stored = await self._store.jobs.get(job_id)
                 if stored is None or not caller.may_access(stored.owner):
                     raise JobNotFound(job_id)
                 if not self._running_elsewhere(stored):

@@ -134,7 +134,7 @@ class ProgressSaver:
                 data = await asyncio.to_thread(read_range, output.path, start, most)
                 if not data:
                     break  # the file is gone (the job ended and was purged meanwhile)
-                await self._store.put_blobs(job.id, {chunk_name(stream, start): data})
+                await self._store.blobs.put(job.id, {chunk_name(stream, start): data})
                 saved.retained[stream] = start + len(data)
         if job.status not in SAVED_WHILE:  # it ended meanwhile: its final save follows (a running view must not)
             return False

@@ -145,9 +145,9 @@ class Reaper:
         if self._replicas.fenced:
             return 0
         me = self._replicas.incarnation.instance_id
-        expired = await self._store.expire_replicas(me)
+        expired = await self._store.replicas.expire(me)
         broken = {incarnation: await self.break_sessions(incarnation) for incarnation in expired}
-        for incarnation in await self._store.orphan_sessions():  # left by a reaper that stopped half-way
+        for incarnation in await self._store.sessions.orphan_holders():  # left by a reaper that stopped half-way
             if incarnation not in broken and (late := await self.break_sessions(incarnation)) and self._metrics:
                 self._metrics.lease_expired_sessions.inc(late)
         if expired:
@@ -155,7 +155,7 @@ class Reaper:
         ended: Counter[Incarnation] = Counter()
         try:
             for _ in range(MAX_BATCHES):
-                batch = await self._store.orphans(ORPHAN_BATCH)
+                batch = await self._store.jobs.orphans(ORPHAN_BATCH)
                 for stored in batch:
                     if self._replicas.fenced:
                         return ended.total()
@@ -185,7 +185,7 @@ class Reaper:
     async def break_sessions(self, incarnation: Incarnation) -> int:
         """Mark the open sessions of a dead incarnation ``broken`` (``JobStore.break_sessions``); how many this
         replica marked (a racing end by their owner wins)."""
-        return len(await self._store.break_sessions(incarnation))
+        return len(await self._store.sessions.mark_broken(incarnation))
 
     async def end(self, stored: StoredJob) -> bool:
         """Mark one orphan ``lost`` (``replica_lost``) from its last progress save; whether this replica did.
@@ -214,8 +214,8 @@ class Reaper:
             self._retention,
         )
         # The joined output first: a reader that finds the job ended finds its output too.
-        await self._store.put_blobs(stored.job_id, {s: d for s, d in joined.items() if d})
-        if not await self._store.save_lost(row):
+        await self._store.blobs.put(stored.job_id, {s: d for s, d in joined.items() if d})
+        if not await self._store.jobs.save_lost(row):
             return False  # another replica (or its owner) ended it first
         self._events.publish(JobLost(stored.job_id, stored.status))
         log.warning("job %s of replica %s was %s when its lease passed: marked lost", stored.job_id,
@@ -226,7 +226,7 @@ class Reaper:
         """A stream's progress-saved chunks joined from offset 0 while they are contiguous, at most ``limit``."""
         starts = sorted(
             (start, size)
-            for name, size in (await self._store.blob_sizes(job_id)).items()
+            for name, size in (await self._store.blobs.sizes(job_id)).items()
             if (start := chunk_start(stream, name)) is not None
         )
         parts: list[bytes] = []
@@ -234,7 +234,7 @@ class Reaper:
         for start, size in starts:
             if start != position or position >= limit:
                 break
-            data = await self._store.read_blob(job_id, chunk_name(stream, start)) or b""
+            data = await self._store.blobs.read(job_id, chunk_name(stream, start)) or b""
             parts.append(data[: limit - position])
             position += len(parts[-1])
             if len(data) != size:

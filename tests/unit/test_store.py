@@ -18,19 +18,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from service import migrate
 from service.errors import StoreUnavailable
-from service.migrations import HEAD
-from service.store import (
-    IdempotencyRecord,
-    InvalidCursor,
-    JobQuery,
-    JobStore,
-    SQLiteJobStore,
-    StoredJob,
-    encode_cursor,
-)
-from service.store_pg import PostgresJobStore, async_url, safe_url
+from service.store import IdempotencyRecord, InvalidCursor, JobQuery, JobStore, StoredJob, migrate
+from service.store.job_records import encode_cursor
+from service.store.migrations import HEAD
+from service.store.pg import PostgresJobStore
+from service.store.pg_db import async_url, safe_url
+from service.store.sqlite import SQLiteJobStore
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -61,28 +55,28 @@ def job(
 
 async def test_a_job_is_kept_and_replaced_whole(store: JobStore) -> None:
     first = job("job_a", 0, None, status="running")
-    await store.put(first)
-    assert await store.get("job_a") == first
+    await store.jobs.put(first)
+    assert await store.jobs.get("job_a") == first
     ended = job("job_a", 0, 5, status="failed", pending=True)
-    await store.put(ended)
-    assert await store.get("job_a") == ended
-    assert await store.get("job_b") is None
-    assert await store.count() == 1
+    await store.jobs.put(ended)
+    assert await store.jobs.get("job_a") == ended
+    assert await store.jobs.get("job_b") is None
+    assert await store.jobs.count() == 1
 
 
 async def test_bytes_and_owners_round_trip(store: JobStore) -> None:
     legacy = StoredJob("job_l", "lost", "i", T0, T0, bytes(range(256)), b"\x00\xff", False, None)
-    await store.put(legacy)
-    assert await store.get("job_l") == legacy
+    await store.jobs.put(legacy)
+    assert await store.jobs.get("job_l") == legacy
 
 
 async def test_pages_are_newest_first_with_cursors_and_no_view(store: JobStore) -> None:
     for i in range(7):
-        await store.put(job(f"job_{i}", i, i + 1))
+        await store.jobs.put(job(f"job_{i}", i, i + 1))
     seen: list[str] = []
     cursor = None
     while True:
-        page, cursor = await store.page(JobQuery(limit=3, cursor=cursor))
+        page, cursor = await store.jobs.page(JobQuery(limit=3, cursor=cursor))
         assert all(row.view == b"" and row.summary for row in page)
         seen += [row.job_id for row in page]
         if cursor is None:
@@ -92,21 +86,21 @@ async def test_pages_are_newest_first_with_cursors_and_no_view(store: JobStore) 
 
 async def test_same_creation_time_orders_by_id(store: JobStore) -> None:
     for name in ("job_b", "job_a", "job_c"):
-        await store.put(job(name, 0))
-    first, cursor = await store.page(JobQuery(limit=2))
+        await store.jobs.put(job(name, 0))
+    first, cursor = await store.jobs.page(JobQuery(limit=2))
     assert [row.job_id for row in first] == ["job_c", "job_b"]
-    rest, end = await store.page(JobQuery(limit=2, cursor=cursor))
+    rest, end = await store.jobs.page(JobQuery(limit=2, cursor=cursor))
     assert [row.job_id for row in rest] == ["job_a"] and end is None
 
 
 async def test_pages_filter_by_owner_status_and_time(store: JobStore) -> None:
-    await store.put(job("job_1", 1, 2, owner="alice"))
-    await store.put(job("job_2", 2, None, status="running", owner="bob"))
-    await store.put(job("job_3", 3, 4, status="failed", owner="alice"))
-    await store.put(job("job_4", 4, 5, owner=None))
+    await store.jobs.put(job("job_1", 1, 2, owner="alice"))
+    await store.jobs.put(job("job_2", 2, None, status="running", owner="bob"))
+    await store.jobs.put(job("job_3", 3, 4, status="failed", owner="alice"))
+    await store.jobs.put(job("job_4", 4, 5, owner=None))
 
     async def ids(**query: Any) -> list[str]:
-        return [row.job_id for row in (await store.page(JobQuery(**query)))[0]]
+        return [row.job_id for row in (await store.jobs.page(JobQuery(**query)))[0]]
 
     assert await ids(owner="alice") == ["job_3", "job_1"]
     assert await ids(owner="carol") == []
@@ -120,17 +114,17 @@ async def test_pages_filter_by_owner_status_and_time(store: JobStore) -> None:
 
 async def test_a_foreign_cursor_is_refused(store: JobStore) -> None:
     with pytest.raises(InvalidCursor):
-        await store.page(JobQuery(cursor="not-a-cursor"))
+        await store.jobs.page(JobQuery(cursor="not-a-cursor"))
 
 
 async def test_unfinished_jobs_are_per_instance(store: JobStore) -> None:
-    await store.put(job("job_run", 0, None, status="running", instance="i1"))
-    await store.put(job("job_other", 0, None, status="running", instance="i2"))
-    await store.put(job("job_cb", 0, 1, instance="i1", pending=True))
-    await store.put(job("job_done", 0, 1, instance="i1"))
-    assert [row.job_id for row in await store.unfinished("i1")] == ["job_run"]
-    assert [row.job_id for row in await store.unfinished("i2")] == ["job_other"]
-    assert (await store.unfinished("i1"))[0].view  # whole rows: recovery rebuilds from the view
+    await store.jobs.put(job("job_run", 0, None, status="running", instance="i1"))
+    await store.jobs.put(job("job_other", 0, None, status="running", instance="i2"))
+    await store.jobs.put(job("job_cb", 0, 1, instance="i1", pending=True))
+    await store.jobs.put(job("job_done", 0, 1, instance="i1"))
+    assert [row.job_id for row in await store.jobs.unfinished("i1")] == ["job_run"]
+    assert [row.job_id for row in await store.jobs.unfinished("i2")] == ["job_other"]
+    assert (await store.jobs.unfinished("i1"))[0].view  # whole rows: recovery rebuilds from the view
 
 
 def key(owner: str, name: str, resource: str, kind: str = "job", ends_by: datetime | None = None) -> IdempotencyRecord:
@@ -138,81 +132,81 @@ def key(owner: str, name: str, resource: str, kind: str = "job", ends_by: dateti
 
 
 async def test_purge_takes_jobs_their_keys_and_blobs(store: JobStore) -> None:
-    await store.put(job("job_old", 0, 10))
-    await store.put(job("job_new", 0, 120))
-    await store.put(job("job_running", 0, None, status="running"))
-    await store.bind_idempotency_key(key("alice", "old", "job_old"))
-    await store.bind_idempotency_key(key("alice", "new", "job_new"))
-    await store.bind_idempotency_key(key("alice", "orphan", "job_never_saved"))
-    await store.bind_idempotency_key(key("alice", "ses", "ses_1", "session", T0 + timedelta(minutes=30)))
-    await store.put_blobs("job_old", {"stdout": b"out"})
-    await store.put_blobs("job_new", {"stdout": b"kept"})
-    assert await store.purge(T0 + timedelta(hours=1)) == ["job_old"]
-    assert await store.get("job_old") is None
-    assert await store.read_blob("job_old", "stdout") is None
-    assert await store.read_blob("job_new", "stdout") == b"kept"
-    assert await store.idempotency_key("alice", "old") is None
-    assert await store.idempotency_key("alice", "orphan") is None
-    assert await store.idempotency_key("alice", "ses") is None
-    assert await store.idempotency_key("alice", "new") is not None
-    assert await store.count() == 2
+    await store.jobs.put(job("job_old", 0, 10))
+    await store.jobs.put(job("job_new", 0, 120))
+    await store.jobs.put(job("job_running", 0, None, status="running"))
+    await store.keys.bind(key("alice", "old", "job_old"))
+    await store.keys.bind(key("alice", "new", "job_new"))
+    await store.keys.bind(key("alice", "orphan", "job_never_saved"))
+    await store.keys.bind(key("alice", "ses", "ses_1", "session", T0 + timedelta(minutes=30)))
+    await store.blobs.put("job_old", {"stdout": b"out"})
+    await store.blobs.put("job_new", {"stdout": b"kept"})
+    assert await store.jobs.purge(T0 + timedelta(hours=1)) == ["job_old"]
+    assert await store.jobs.get("job_old") is None
+    assert await store.blobs.read("job_old", "stdout") is None
+    assert await store.blobs.read("job_new", "stdout") == b"kept"
+    assert await store.keys.get("alice", "old") is None
+    assert await store.keys.get("alice", "orphan") is None
+    assert await store.keys.get("alice", "ses") is None
+    assert await store.keys.get("alice", "new") is not None
+    assert await store.jobs.count() == 2
 
 
 async def test_a_key_keeps_its_first_binding_per_owner(store: JobStore) -> None:
     first = key("alice", "k", "job_1")
-    assert await store.bind_idempotency_key(first) == first
-    assert await store.bind_idempotency_key(key("alice", "k", "job_2")) == first
+    assert await store.keys.bind(first) == first
+    assert await store.keys.bind(key("alice", "k", "job_2")) == first
     bobs = key("bob", "k", "job_3")
-    assert await store.bind_idempotency_key(bobs) == bobs
-    assert await store.idempotency_key("alice", "k") == first
-    assert await store.idempotency_key("carol", "k") is None
+    assert await store.keys.bind(bobs) == bobs
+    assert await store.keys.get("alice", "k") == first
+    assert await store.keys.get("carol", "k") is None
 
 
 async def test_toolsets_belong_to_the_owners_that_registered_them(store: JobStore) -> None:
-    await store.put_toolset("ts_1", b'{"tools": []}', "alice")
-    await store.put_toolset("ts_1", b'{"other": 1}', "bob")  # same id: same manifest, a second owner
-    assert await store.get_toolset("ts_1", "alice") == b'{"tools": []}'
-    assert await store.get_toolset("ts_1", "bob") == b'{"tools": []}'
-    assert await store.get_toolset("ts_1", "carol") is None
-    assert await store.get_toolset("ts_1", None) == b'{"tools": []}'
-    assert await store.get_toolset("ts_2", None) is None
+    await store.toolsets.put("ts_1", b'{"tools": []}', "alice")
+    await store.toolsets.put("ts_1", b'{"other": 1}', "bob")  # same id: same manifest, a second owner
+    assert await store.toolsets.get("ts_1", "alice") == b'{"tools": []}'
+    assert await store.toolsets.get("ts_1", "bob") == b'{"tools": []}'
+    assert await store.toolsets.get("ts_1", "carol") is None
+    assert await store.toolsets.get("ts_1", None) == b'{"tools": []}'
+    assert await store.toolsets.get("ts_2", None) is None
 
 
 async def test_blobs_are_read_by_range(store: JobStore) -> None:
     data = bytes(range(256)) * 4
-    await store.put_blobs("job_1", {"stdout": data, "stderr": b"", "files/0": b"\x00png"})
-    assert await store.read_blob("job_1", "stdout") == data
-    assert await store.read_blob("job_1", "stdout", 10, 5) == data[10:15]
-    assert await store.read_blob("job_1", "stdout", 1000) == data[1000:]
-    assert await store.read_blob("job_1", "stdout", 5000, 10) == b""
-    assert await store.read_blob("job_1", "stderr") == b""
-    assert await store.read_blob("job_1", "files/1") is None
-    assert await store.read_blob("job_2", "stdout") is None
-    assert await store.blob_sizes("job_1") == {"stdout": 1024, "stderr": 0, "files/0": 4}
-    await store.put_blobs("job_1", {"stdout": b"again"})
-    assert await store.read_blob("job_1", "stdout") == b"again"
+    await store.blobs.put("job_1", {"stdout": data, "stderr": b"", "files/0": b"\x00png"})
+    assert await store.blobs.read("job_1", "stdout") == data
+    assert await store.blobs.read("job_1", "stdout", 10, 5) == data[10:15]
+    assert await store.blobs.read("job_1", "stdout", 1000) == data[1000:]
+    assert await store.blobs.read("job_1", "stdout", 5000, 10) == b""
+    assert await store.blobs.read("job_1", "stderr") == b""
+    assert await store.blobs.read("job_1", "files/1") is None
+    assert await store.blobs.read("job_2", "stdout") is None
+    assert await store.blobs.sizes("job_1") == {"stdout": 1024, "stderr": 0, "files/0": 4}
+    await store.blobs.put("job_1", {"stdout": b"again"})
+    assert await store.blobs.read("job_1", "stdout") == b"again"
 
 
 async def test_what_is_stored_survives_reopening(make_store: Callable[[], JobStore]) -> None:
     first = make_store()
     await first.open()
-    await first.put(job("job_1", 0, 1))
-    await first.bind_idempotency_key(key("alice", "k", "job_1"))
+    await first.jobs.put(job("job_1", 0, 1))
+    await first.keys.bind(key("alice", "k", "job_1"))
     await first.close()
     second = make_store()
     await second.open()
     try:
-        assert await second.get("job_1") == job("job_1", 0, 1)
-        assert await second.idempotency_key("alice", "k") == key("alice", "k", "job_1")
+        assert await second.jobs.get("job_1") == job("job_1", 0, 1)
+        assert await second.keys.get("alice", "k") == key("alice", "k", "job_1")
     finally:
         await second.close()
 
 
 async def test_concurrent_puts_and_reads(store: JobStore) -> None:
-    await asyncio.gather(*(store.put(job(f"job_{i}", i, i)) for i in range(40)))
-    rows = await asyncio.gather(*(store.get(f"job_{i}") for i in range(40)))
+    await asyncio.gather(*(store.jobs.put(job(f"job_{i}", i, i)) for i in range(40)))
+    rows = await asyncio.gather(*(store.jobs.get(f"job_{i}") for i in range(40)))
     assert all(row is not None for row in rows)
-    assert await store.count() == 40
+    assert await store.jobs.count() == 40
 
 
 # -- migrations ------------------------------------------------------------------------------------
@@ -224,7 +218,7 @@ def store_url(kind: str, make_store: Callable[[], JobStore], tmp_path: Path) -> 
         return f"sqlite:///{tmp_path / 'jobs.sqlite3'}"
     made = make_store()
     assert isinstance(made, PostgresJobStore)
-    return async_url(made._url).render_as_string(hide_password=False)
+    return async_url(made.url).render_as_string(hide_password=False)
 
 
 async def test_a_fresh_store_is_migrated_to_head_and_again_changes_nothing(
@@ -233,7 +227,7 @@ async def test_a_fresh_store_is_migrated_to_head_and_again_changes_nothing(
     url = store_url(store_kind, make_store, tmp_path)
     opened = make_store()
     await opened.open()
-    await opened.put(job("job_1", 0, 1))
+    await opened.jobs.put(job("job_1", 0, 1))
     await opened.close()
     assert await asyncio.to_thread(migrate.current, url) == HEAD
     await asyncio.to_thread(migrate.upgrade, url)  # idempotent
@@ -241,7 +235,7 @@ async def test_a_fresh_store_is_migrated_to_head_and_again_changes_nothing(
     again = make_store()
     await again.open()
     try:
-        assert await again.get("job_1") == job("job_1", 0, 1)
+        assert await again.jobs.get("job_1") == job("job_1", 0, 1)
     finally:
         await again.close()
 
@@ -325,20 +319,20 @@ async def test_a_sqlite_store_made_before_migrations_is_adopted_with_its_rows(tm
     store = SQLiteJobStore(path)
     await store.open()
     try:
-        assert await store.get("job_main") == job("job_main", 0, 1, pending=True)
-        assert await store.get_toolset("ts_1", "alice") == b"{}"
-        assert (await store.idempotency_key("alice", "k")) is not None
-        moved = await store.callback("job_main")  # its pending callback moved to the callbacks table (0006)
+        assert await store.jobs.get("job_main") == job("job_main", 0, 1, pending=True)
+        assert await store.toolsets.get("ts_1", "alice") == b"{}"
+        assert (await store.keys.get("alice", "k")) is not None
+        moved = await store.callbacks.get("job_main")  # its pending callback moved to the callbacks table (0006)
         assert moved is not None and moved.state == "pending" and moved.claimed_by is None
-        await store.put_blobs("job_main", {"stdout": b"x"})  # the table of revision 0002 is there
+        await store.blobs.put("job_main", {"stdout": b"x"})  # the table of revision 0002 is there
     finally:
         await store.close()
     assert migrate.current(f"sqlite:///{path}") == HEAD
     reopened = SQLiteJobStore(path)
     await reopened.open()
     try:
-        assert await reopened.count() == 1
-        assert await reopened.read_blob("job_main", "stdout") == b"x"
+        assert await reopened.jobs.count() == 1
+        assert await reopened.blobs.read("job_main", "stdout") == b"x"
     finally:
         await reopened.close()
 
@@ -347,7 +341,7 @@ async def test_postgresql_migrations_make_the_tables_the_store_queries(postgres_
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
 
-    from service.store_schema import metadata
+    from service.store.schema import metadata
 
     store = PostgresJobStore(postgres_url)
     await store.open()
@@ -453,12 +447,12 @@ async def test_a_statement_held_by_a_lock_ends_at_the_timeout(postgres_url: str)
     store = PostgresJobStore(postgres_url, timeout_s=1.0)
     await store.open()
     try:
-        await store.put(job("job_1", 0, 1))
+        await store.jobs.put(job("job_1", 0, 1))
         with psycopg.connect(postgres_url) as blocker:  # holds the table until the test ends
             blocker.execute("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE")
             with pytest.raises(StoreUnavailable):
-                await store.get("job_1")
-        assert await store.get("job_1") == job("job_1", 0, 1)  # and the store works again after
+                await store.jobs.get("job_1")
+        assert await store.jobs.get("job_1") == job("job_1", 0, 1)  # and the store works again after
     finally:
         await store.close()
 
@@ -487,7 +481,7 @@ def test_a_bad_store_url_is_refused_without_showing_it(url: str) -> None:
 
 def test_an_empty_store_url_means_sqlite(tmp_path: Path) -> None:
     from service.settings import Settings
-    from service.store_pg import job_store
+    from service.store import job_store
 
     assert isinstance(job_store(Settings(work_dir=tmp_path, store_url="")), SQLiteJobStore)
     chosen = job_store(Settings(work_dir=tmp_path, store_url=f"postgresql://u:{SECRET}@h:5432/db"))
@@ -499,7 +493,7 @@ async def test_a_sqlite_path_with_url_characters_is_migrated(tmp_path: Path) -> 
     store = SQLiteJobStore(path)
     await store.open()
     try:
-        await store.put(job("job_1", 0, 1))
+        await store.jobs.put(job("job_1", 0, 1))
     finally:
         await store.close()
     assert migrate.current(sa.URL.create("sqlite", database=str(path))) == HEAD
@@ -509,16 +503,16 @@ async def test_a_sqlite_path_with_url_characters_is_migrated(tmp_path: Path) -> 
 async def test_a_value_no_row_can_hold_finds_nothing(store: JobStore, odd: str) -> None:
     """User-controlled text (a job id in a path, an id in a cursor, a toolset id, an idempotency key) that no
     text column can hold (NUL, a lone surrogate) is simply not found, on both stores: never a driver error."""
-    await store.put(job("job_1", 0, 1))
-    assert await store.get(odd) is None
-    assert await store.get_toolset(odd, "alice") is None
-    assert await store.get_toolset(odd, None) is None
-    assert await store.idempotency_key("alice", odd) is None
-    assert await store.read_blob(odd, "stdout") is None
-    assert await store.blob_sizes(odd) == {}
+    await store.jobs.put(job("job_1", 0, 1))
+    assert await store.jobs.get(odd) is None
+    assert await store.toolsets.get(odd, "alice") is None
+    assert await store.toolsets.get(odd, None) is None
+    assert await store.keys.get("alice", odd) is None
+    assert await store.blobs.read(odd, "stdout") is None
+    assert await store.blobs.sizes(odd) == {}
     if "\x00" in odd:  # a cursor decodes as strict UTF-8: only NUL can be in it
         with pytest.raises(InvalidCursor):
-            await store.page(JobQuery(cursor=encode_cursor(T0, odd)))
+            await store.jobs.page(JobQuery(cursor=encode_cursor(T0, odd)))
 
 
 @pytest.mark.parametrize("secret_param", ["password", "sslpassword"])
@@ -568,18 +562,18 @@ async def test_a_server_that_stops_answering_mid_request_is_unavailable_not_a_ha
     store = PostgresJobStore(url.set(port=port).render_as_string(hide_password=False), timeout_s=1.0)
     await store.open()
     try:
-        await store.put(job("job_1", 0, 1))
-        assert await store.get("job_1") is not None
+        await store.jobs.put(job("job_1", 0, 1))
+        assert await store.jobs.get("job_1") is not None
         proxy.flowing.clear()
         for _ in range(3):
             with pytest.raises(StoreUnavailable):
-                await asyncio.wait_for(store.get("job_1"), 20)  # TimeoutError here: a hang
+                await asyncio.wait_for(store.jobs.get("job_1"), 20)  # TimeoutError here: a hang
         with pytest.raises(StoreUnavailable):
-            await asyncio.wait_for(store.put(job("job_2", 0, 1)), 20)
+            await asyncio.wait_for(store.jobs.put(job("job_2", 0, 1)), 20)
         proxy.flowing.set()
         for _ in range(100):  # back once the server answers (connections left mid-statement are dropped)
             try:
-                found = await asyncio.wait_for(store.get("job_1"), 20)
+                found = await asyncio.wait_for(store.jobs.get("job_1"), 20)
                 break
             except StoreUnavailable:
                 await asyncio.sleep(0.2)
@@ -602,17 +596,17 @@ async def test_a_read_only_server_is_unavailable_for_writes(postgres_url: str) -
     name = sa.make_url(postgres_url).database
     admin_url = sa.make_url(postgres_url).set(database="postgres").render_as_string(hide_password=False)
     try:
-        await store.put(job("job_1", 0, 1))
+        await store.jobs.put(job("job_1", 0, 1))
         with psycopg.connect(admin_url, autocommit=True) as admin:
             admin.execute(f"ALTER DATABASE {name} SET default_transaction_read_only = on")
             admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
-        assert await store.get("job_1") is not None
+        assert await store.jobs.get("job_1") is not None
         with pytest.raises(StoreUnavailable):
-            await store.put(job("job_2", 0, 1))
+            await store.jobs.put(job("job_2", 0, 1))
         with pytest.raises(StoreUnavailable):
-            await store.put_toolset("ts_1", b"[]", "alice")
+            await store.toolsets.put("ts_1", b"[]", "alice")
         with pytest.raises(StoreUnavailable):
-            await store.bind_idempotency_key(key("alice", "k", "job_2"))
+            await store.keys.bind(key("alice", "k", "job_2"))
     finally:
         with psycopg.connect(admin_url, autocommit=True) as admin:
             admin.execute(f"ALTER DATABASE {name} RESET default_transaction_read_only")
@@ -622,8 +616,8 @@ async def test_a_read_only_server_is_unavailable_for_writes(postgres_url: str) -
 async def test_concurrent_blob_writes(store: JobStore) -> None:
     """``put_blobs`` from many tasks at once (jobs ending together), as every method: safe concurrently."""
     for round_ in range(5):
-        await asyncio.gather(*(store.put_blobs(f"job_{round_}_{n}", {"stdout": b"x" * n}) for n in range(12)))
-    assert await store.blob_sizes("job_4_11") == {"stdout": 11}
+        await asyncio.gather(*(store.blobs.put(f"job_{round_}_{n}", {"stdout": b"x" * n}) for n in range(12)))
+    assert await store.blobs.sizes("job_4_11") == {"stdout": 11}
 
 
 async def test_a_downgrade_refuses_to_drop_what_holds_rows(make_store: Callable[[], JobStore], store_kind: str) -> None:
@@ -634,12 +628,12 @@ async def test_a_downgrade_refuses_to_drop_what_holds_rows(make_store: Callable[
 
     store = make_store()
     await store.open()
-    await store.put(job("job_1", 0, 1))
-    await store.put_blobs("job_1", {"stdout": b"kept"})
+    await store.jobs.put(job("job_1", 0, 1))
+    await store.blobs.put("job_1", {"stdout": b"kept"})
     url = (
-        sa.URL.create("sqlite", database=str(store._path))  # type: ignore[attr-defined]
+        sa.URL.create("sqlite", database=str(store.path))  # type: ignore[attr-defined]
         if store_kind == "sqlite"
-        else async_url(store._url)  # type: ignore[attr-defined]
+        else async_url(store.url)  # type: ignore[attr-defined]
     )
     await store.close()
 
@@ -658,9 +652,9 @@ async def test_a_downgrade_refuses_to_drop_what_holds_rows(make_store: Callable[
     again = make_store()
     await again.open()
     try:
-        assert await again.get("job_1") is not None
-        assert await again.read_blob("job_1", "stdout") == b"kept"
-        assert await again.purge(T0 + timedelta(days=1)) == ["job_1"]
+        assert await again.jobs.get("job_1") is not None
+        assert await again.blobs.read("job_1", "stdout") == b"kept"
+        assert await again.jobs.purge(T0 + timedelta(days=1)) == ["job_1"]
     finally:
         await again.close()
     await asyncio.to_thread(downgrade, "base")  # nothing left to lose
@@ -668,12 +662,12 @@ async def test_a_downgrade_refuses_to_drop_what_holds_rows(make_store: Callable[
 
 
 async def test_a_purge_for_one_instance_takes_only_its_jobs(store: JobStore) -> None:
-    await store.put(job("job_mine", 0, 10, instance="i1"))
-    await store.put(job("job_theirs", 0, 10, instance="i2"))
-    await store.bind_idempotency_key(key("alice", "theirs", "job_theirs"))
-    await store.put_blobs("job_theirs", {"stdout": b"kept"})
-    assert await store.purge(T0 + timedelta(hours=1), "i1") == ["job_mine"]
-    assert await store.get("job_theirs") is not None
-    assert await store.idempotency_key("alice", "theirs") is not None
-    assert await store.read_blob("job_theirs", "stdout") == b"kept"
-    assert await store.purge(T0 + timedelta(hours=1)) == ["job_theirs"]  # every instance's (no instance given)
+    await store.jobs.put(job("job_mine", 0, 10, instance="i1"))
+    await store.jobs.put(job("job_theirs", 0, 10, instance="i2"))
+    await store.keys.bind(key("alice", "theirs", "job_theirs"))
+    await store.blobs.put("job_theirs", {"stdout": b"kept"})
+    assert await store.jobs.purge(T0 + timedelta(hours=1), "i1") == ["job_mine"]
+    assert await store.jobs.get("job_theirs") is not None
+    assert await store.keys.get("alice", "theirs") is not None
+    assert await store.blobs.read("job_theirs", "stdout") == b"kept"
+    assert await store.jobs.purge(T0 + timedelta(hours=1)) == ["job_theirs"]  # every instance's (no instance given)
