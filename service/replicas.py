@@ -2,7 +2,7 @@
 cache, and fencing (docs/scaling.md, Replicas and leases; issue 17, point 2).
 
 - **Registration** (``register``, at start-up after the work-dir lock, before the sweep): the store gives this
-  start its epoch; ``(instance_id, epoch)`` is the ``Incarnation`` every job save carries (``JobStore.save``).
+  start its epoch; ``(instance_id, epoch)`` is the ``Incarnation`` every job save carries (``JobRecords.save``).
   The work dir's ``replica.token`` (128 random bits, made once, mode 0600) tells a restart of the same work dir
   (which may take over its own live row at once) from a second replica given the same ``PTC_INSTANCE_ID``
   (refused: ``InstanceIdInUse``).
@@ -278,7 +278,7 @@ class Replicas:
                 log.exception("a fencing callback failed")
 
     async def save(self, job: StoredJob) -> None:
-        """Save a job this incarnation runs (``JobStore.save``, fenced).
+        """Save a job this incarnation runs (``JobRecords.save``, fenced).
 
         Raises:
             LeaseLost: the save matched no row (the job is no longer this incarnation's): the replica is fenced.
@@ -289,7 +289,7 @@ class Replicas:
             raise LeaseLost(f"job {job.job_id} is no longer this replica's")
 
     async def save_session(self, session: StoredSession) -> None:
-        """Save a session this incarnation holds (``JobStore.save_session``, fenced).
+        """Save a session this incarnation holds (``SessionRecords.save``, fenced).
 
         Raises:
             LeaseLost: the save matched no row: the replica is fenced.

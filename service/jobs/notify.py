@@ -6,7 +6,7 @@ replica owns (docs/scaling.md, Serving any job from any replica; step 2, without
   waiting on an idempotency claim wake when it is bound or released; and ``ptc_callbacks``: the callback worker
   claims a lost job's callback at once, ``service.jobs.webhooks``). Each save of an ended job (or
   of one waiting for its client) sends ``<job_id> ended`` (``waiting``) in the transaction that writes it
-  (``PostgresJobStore.save``), so a notification arrives only once the row is committed. A notification with no
+  (``PostgresJobRecords.save``), so a notification arrives only once the row is committed. A notification with no
   local waiter costs one dictionary lookup; ``ended`` also drops the job's cached view. A lost connection is
   re-opened (backoff up to 5 s) and wakes every waiter, which then reads the row again: nothing is missed.
 - ``Elsewhere``: ``wait`` on a job that is not live here registers a waiter, then reads the row (closing the race

@@ -3,14 +3,15 @@
 Every ``PTC_REPLICA_SCAN_S`` (jittered by ±20%, so that replicas started together do not scan together) every
 live replica of a shared store:
 
-1. **expires** each incarnation whose lease passed (``JobStore.expire_replicas``: ``FOR UPDATE SKIP LOCKED``,
+1. **expires** each incarnation whose lease passed (``ReplicaRegistry.expire``: ``FOR UPDATE SKIP LOCKED``,
    each by one replica, ``NOTIFY ptc_replicas``), logs ``replica expired`` and breaks its sessions
-   (``break_sessions``), and those of any other incarnation that is not live (``JobStore.orphan_sessions``);
+   (``SessionRecords.mark_broken``), and those of any other incarnation that is not live
+   (``SessionRecords.orphan_holders``);
 2. **ends its orphans**, ``ORPHAN_BATCH`` at a time: unended jobs whose incarnation is not live or draining
-   (``JobStore.orphans``) are saved ``lost`` with the error type ``replica_lost``, their pending calls cancelled,
+   (``JobRecords.orphans``) are saved ``lost`` with the error type ``replica_lost``, their pending calls cancelled,
    their output and call records as of their owner's last progress save (``service.jobs.progress``): the
    chunks are joined into the job's ``stdout``/``stderr`` blobs, served by every replica as an ended job's.
-   ``JobStore.save_lost`` writes only an unended row (``NOTIFY <job_id> ended``): of two reapers racing, or of an
+   ``JobRecords.save_lost`` writes only an unended row (``NOTIFY <job_id> ended``): of two reapers racing, or of an
    owner saving its end while a survivor marks it, exactly one write counts, and only that replica publishes
    ``JobLost`` (metrics and logs count it once).
 
@@ -183,7 +184,7 @@ class Reaper:
             self._metrics.lease_expired_jobs.inc(earlier)
 
     async def break_sessions(self, incarnation: Incarnation) -> int:
-        """Mark the open sessions of a dead incarnation ``broken`` (``JobStore.break_sessions``); how many this
+        """Mark the open sessions of a dead incarnation ``broken`` (``SessionRecords.mark_broken``); how many this
         replica marked (a racing end by their owner wins)."""
         return len(await self._store.sessions.mark_broken(incarnation))
 

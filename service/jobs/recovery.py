@@ -129,7 +129,7 @@ class Recovery:
 
     async def _mark_lost(self, stored: StoredJob) -> None:
         """End a job a previous run left unfinished: status ``lost``, its output as far as it was kept (unless
-        another replica's reaper marked it first: ``JobStore.save_lost``)."""
+        another replica's reaper marked it first: ``JobRecords.save_lost``)."""
 
         async def replay(stream: str, inline: CappedStream, limit: int) -> int:
             return await self._replay(self.output_dir / stored.job_id / stream, inline, limit)

@@ -13,7 +13,7 @@ claims due rows, woken by ``ptc_callbacks`` and the registry's notifications (``
 ``PTC_REPLICA_HEARTBEAT_S`` (±20 %), up to its free delivery slots and each owner's, and takes over rows
 ``delivering`` by an incarnation that is no longer live or draining. Before each attempt the claimer checks its
 lease (fenced, or its local deadline passed: it stops, writes nothing, and the claim passes on once its
-incarnation is expired); the outcome is written fenced by the claim (``JobStore.end_callback``).
+incarnation is expired); the outcome is written fenced by the claim (``CallbackLedger.end``).
 """
 
 from __future__ import annotations

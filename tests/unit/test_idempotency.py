@@ -1,6 +1,6 @@
 """Idempotency keys (issue 14, point 1; issue 17, step 7), engine-free: the header's values, the fingerprint, the
 store's table and its expiry, the claims in the store under concurrency, on one replica and two, on both stores
-(``service/idempotency.py``, ``service/store.py``, ``service/store_pg.py``)."""
+(``service/idempotency.py``, ``service/store/``)."""
 
 from __future__ import annotations
 
