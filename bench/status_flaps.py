@@ -17,20 +17,21 @@ import sys
 import time
 from typing import Any
 
-from service.store import SQLiteJobStore, StoredJob
+from service.store import StoredJob
+from service.store.sqlite_jobs import SQLiteJobRecords
 from tests.unit.test_approvals import ALICE, BOB, ECHO, auth, service
 
 
 async def _measure(calls: int, arg_bytes: int, kind: str) -> dict[str, Any]:
     saves = {"count": 0, "bytes": 0}
-    put = SQLiteJobStore.put
+    put = SQLiteJobRecords.put
 
-    async def counted(self: SQLiteJobStore, job: StoredJob) -> None:
+    async def counted(self: SQLiteJobRecords, job: StoredJob) -> None:
         saves["count"] += 1
         saves["bytes"] += len(job.view)
         await put(self, job)
 
-    SQLiteJobStore.put = counted  # type: ignore[method-assign]
+    SQLiteJobRecords.put = counted  # type: ignore[method-assign]
     tool: dict[str, Any] = {"name": "w", "parameters": {"properties": {"p": {"type": "string"}}}}
     if kind == "approval":
         tool.update(approval="always", approval_timeout_s=0.001, endpoint=ECHO)
@@ -56,7 +57,7 @@ async def _measure(calls: int, arg_bytes: int, kind: str) -> dict[str, Any]:
                     break
             out.update(status=view["status"], job_calls=len(view["calls"]), job_s=round(time.perf_counter() - started))
     finally:
-        SQLiteJobStore.put = put  # type: ignore[method-assign]
+        SQLiteJobRecords.put = put  # type: ignore[method-assign]
     out.update(saves=saves["count"], saved_mb=round(saves["bytes"] / 1e6, 1))
     return out
 

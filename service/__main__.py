@@ -132,8 +132,8 @@ def _settings_errors(exc: ValidationError) -> str:
 def _migrate(settings: Settings) -> int:
     """``ptc-sandbox migrate``: open the store chosen by the settings (which runs its migrations), then close it;
     prints the store (never its password) and the revision. Exit 1 when the store cannot be reached."""
-    from service.migrations import HEAD
-    from service.store_pg import job_store
+    from service.store import job_store
+    from service.store.migrations import HEAD
 
     store = job_store(settings)
 
@@ -155,7 +155,7 @@ def _sweep(settings: Settings, instance_id: str, unregistered: bool) -> int:
     prints how many sandboxes it removed. Exit 1 when refused (the instance is live, or unknown without
     ``--unregistered``) or when the store or the engine does not answer."""
     from service.sandbox.docker import DockerBackend
-    from service.store_pg import job_store
+    from service.store import job_store
     from service.sweep import sweep_instance
 
     store = job_store(settings)

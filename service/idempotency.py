@@ -22,7 +22,7 @@ service creates at most one job (or session) per key.
   makes two sessions); a claim of a replica that died (no longer live or draining, or its lease passed) is taken
   over by the next request with the key (docs/scaling.md, Idempotency keys).
 
-Claims and bindings live in the job store and go with its retention (``JobStore.purge``).
+Claims and bindings live in the job store and go with its retention (``JobRecords.purge``).
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class Claim:
         record = IdempotencyRecord(self.owner, self.key, self.fingerprint, kind, resource_id, created_at, ends_by)
         self._ended = True
         try:  # shielded: a request cancelled now (its client left) still binds what it created
-            bound = await asyncio.shield(self._keys.store.bind_claim(record, self.token))
+            bound = await asyncio.shield(self._keys.store.keys.bind_claim(record, self.token))
         finally:
             self._keys.wake(self.owner, self.key)  # this replica's waiters; the others' by ptc_keys
         # Not bound for an error: the token stays held, so the claim blocks the key (409) until this incarnation
@@ -203,7 +203,7 @@ class IdempotencyKeys:
     async def claim(self, owner: str, key: str, fingerprint_: str, kind: Kind) -> Claim | IdempotencyRecord:
         """Claim ``key`` of ``owner`` for a request of this fingerprint, or find its binding.
 
-        The claim is a ``claimed`` row in the store (``JobStore.claim_idempotency_key``), so two replicas given the
+        The claim is a ``claimed`` row in the store (``KeyBindings.claim``), so two replicas given the
         same key (a client retrying through the balancer) admit one request. A repeat that finds the key claimed by
         a live incarnation waits: woken when that claim is bound or released (``wake``: by this replica, or by a
         ``ptc_keys`` notification), and reading the row every ``poll_s`` regardless.
@@ -241,11 +241,11 @@ class IdempotencyKeys:
                     await asyncio.wait_for(woken.wait(), min(remaining, self.poll_s))
 
     async def _claim(self, mine: KeyClaim, orphan: str | None = None) -> IdempotencyRecord | KeyClaim:
-        """``store.claim_idempotency_key``, shielded: when the caller is cancelled meanwhile (its client left), a
+        """``store.keys.claim``, shielded: when the caller is cancelled meanwhile (its client left), a
         claim the store made is released once its answer comes (a claim nobody holds would block the key). Its
         token is ``held`` from before the write until the claim ends (or the write failed)."""
         self.held.add(mine.claim_token)
-        task = asyncio.ensure_future(self.store.claim_idempotency_key(mine, datetime.now(UTC), orphan))
+        task = asyncio.ensure_future(self.store.keys.claim(mine, datetime.now(UTC), orphan))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -263,12 +263,12 @@ class IdempotencyKeys:
             raise
 
     def release_later(self, owner: str, key: str, token: str) -> None:
-        """Release the claim ``token`` of ``key`` in the background (``JobStore.release_claim``), then wake this
+        """Release the claim ``token`` of ``key`` in the background (``KeyBindings.release``), then wake this
         replica's waiters on the key."""
 
         async def release() -> None:
             try:
-                await self.store.release_claim(owner, key, token)
+                await self.store.keys.release(owner, key, token)
             except Exception:  # logged: an orphan then, taken over by this replica's next request with the key
                 log.warning("an idempotency claim could not be released", exc_info=True)
             finally:

@@ -237,7 +237,7 @@ class StoredRange(OutputRange):
     file of an ``OutputRange`` is never read whole.
 
     Args:
-        reader: ``(offset, length) -> bytes`` of the blob (``JobStore.read_blob`` of one job and name).
+        reader: ``(offset, length) -> bytes`` of the blob (``JobBlobs.read`` of one job and name).
         offset / length: the range (``length`` already within the blob's size).
     """
 

@@ -2,7 +2,7 @@
 cache, and fencing (docs/scaling.md, Replicas and leases; issue 17, point 2).
 
 - **Registration** (``register``, at start-up after the work-dir lock, before the sweep): the store gives this
-  start its epoch; ``(instance_id, epoch)`` is the ``Incarnation`` every job save carries (``JobStore.save``).
+  start its epoch; ``(instance_id, epoch)`` is the ``Incarnation`` every job save carries (``JobRecords.save``).
   The work dir's ``replica.token`` (128 random bits, made once, mode 0600) tells a restart of the same work dir
   (which may take over its own live row at once) from a second replica given the same ``PTC_INSTANCE_ID``
   (refused: ``InstanceIdInUse``).
@@ -150,7 +150,7 @@ class Replicas:
             url = f"http://127.0.0.1:{settings.port}"
         token = await asyncio.to_thread(work_dir_token, settings.work_dir)
         sent = boottime()
-        epoch = await self._store.register(
+        epoch = await self._store.replicas.register(
             Registration(settings.instance(), url, token, __version__, settings.replica_lease_s)
         )
         self._incarnation = Incarnation(settings.instance(), epoch)
@@ -175,7 +175,7 @@ class Replicas:
         self._task = self._refreshing = None
         if self._incarnation is not None and not self.fenced:
             try:
-                await self._store.set_replica_state(self._incarnation, "left")
+                await self._store.replicas.set_state(self._incarnation, "left")
             except StoreUnavailable:
                 log.warning("replica %s could not record that it left", self._incarnation.instance_id)
             else:
@@ -195,7 +195,7 @@ class Replicas:
             return
         sent = boottime()
         try:
-            renewed = await self._store.renew(self.incarnation, self._settings.replica_lease_s)
+            renewed = await self._store.replicas.renew(self.incarnation, self._settings.replica_lease_s)
         except StoreUnavailable:
             self._renewed("error")
             if boottime() >= self._deadline:
@@ -222,7 +222,7 @@ class Replicas:
             StoreUnavailable: the store did not answer.
         """
         asked = boottime()
-        rows = await self._store.replicas()
+        rows = await self._store.replicas.all()
         self.registry = {row.instance_id: row for row in rows}
         self._registry_read = asked
         for listener in self.on_registry:
@@ -278,24 +278,24 @@ class Replicas:
                 log.exception("a fencing callback failed")
 
     async def save(self, job: StoredJob) -> None:
-        """Save a job this incarnation runs (``JobStore.save``, fenced).
+        """Save a job this incarnation runs (``JobRecords.save``, fenced).
 
         Raises:
             LeaseLost: the save matched no row (the job is no longer this incarnation's): the replica is fenced.
             StoreUnavailable: the store did not answer.
         """
-        if not await self._store.save(job, self.incarnation):
+        if not await self._store.jobs.save(job, self.incarnation):
             self.fence(f"a save of job {job.job_id} matched no row")
             raise LeaseLost(f"job {job.job_id} is no longer this replica's")
 
     async def save_session(self, session: StoredSession) -> None:
-        """Save a session this incarnation holds (``JobStore.save_session``, fenced).
+        """Save a session this incarnation holds (``SessionRecords.save``, fenced).
 
         Raises:
             LeaseLost: the save matched no row: the replica is fenced.
             StoreUnavailable: the store did not answer.
         """
-        if not await self._store.save_session(session, self.incarnation):
+        if not await self._store.sessions.save(session, self.incarnation):
             self.fence(f"a save of session {session.session_id} matched no row")
             raise LeaseLost(f"session {session.session_id} is no longer this replica's")
 

@@ -39,7 +39,7 @@ async def sweep_instance(store: JobStore, backend: SandboxBackend, instance_id: 
         StoreUnavailable: the store did not answer.
         SandboxError: the engine did not answer.
     """
-    rows = {row.instance_id: row for row in await store.replicas()}
+    rows = {row.instance_id: row for row in await store.replicas.all()}
     row = rows.get(instance_id)
     if row is None and not unregistered:
         raise InstanceIdInUse(

@@ -64,7 +64,7 @@ class Toolsets:
         if toolset is not None:
             if tools:
                 raise InvalidField("give tools or toolset, not both", ("body", "toolset"))
-            raw = await self._store.get_toolset(toolset, caller.only_owner)
+            raw = await self._store.toolsets.get(toolset, caller.only_owner)
             if raw is None:
                 raise InvalidField(
                     f"no toolset {toolset!r}; register the manifest with POST /toolsets", ("body", "toolset")
@@ -99,5 +99,5 @@ class Toolsets:
         compiled = await self._manifests.compile(tools, owner)
         if compiled.toolset_id is None:
             raise InvalidField("this manifest cannot be stored as JSON (lone surrogates?)", ("body", "tools"))
-        await self._store.put_toolset(compiled.toolset_id, orjson.dumps(tools), owner)
+        await self._store.toolsets.put(compiled.toolset_id, orjson.dumps(tools), owner)
         return compiled

@@ -368,8 +368,8 @@ def store_kind(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def make_store(store_kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Any]:
     """A factory of (unopened) job stores of ``store_kind``, all on the same database or file for this test."""
-    from service.store import SQLiteJobStore
-    from service.store_pg import PostgresJobStore
+    from service.store.pg import PostgresJobStore
+    from service.store.sqlite import SQLiteJobStore
 
     if store_kind == "sqlite":
         return lambda: SQLiteJobStore(tmp_path / "jobs.sqlite3")

@@ -40,7 +40,7 @@ from service.sandbox.base import SandboxBackend
 from service.sandbox.images import Images
 from service.settings import DEFAULT_IMAGE, Settings
 from service.stages import StageTiming
-from service.store_pg import job_store
+from service.store import job_store
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.validation import CheckScheduler
 

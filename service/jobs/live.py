@@ -292,7 +292,7 @@ async def save_final_again(
     and must not be undone by this older one. Else the view readers see (the view cache's, its callback's state
     included), or, when the cache dropped it, ``render()`` (the runner's save of the job's own view).
     """
-    stored = await store.get(job_id)
+    stored = await store.jobs.get(job_id)
     if stored is not None and stored.ended_at is not None:
         return
     kept = cache.get(job_id)

@@ -6,7 +6,7 @@ replica owns (docs/scaling.md, Serving any job from any replica; step 2, without
   waiting on an idempotency claim wake when it is bound or released; and ``ptc_callbacks``: the callback worker
   claims a lost job's callback at once, ``service.jobs.webhooks``). Each save of an ended job (or
   of one waiting for its client) sends ``<job_id> ended`` (``waiting``) in the transaction that writes it
-  (``PostgresJobStore.save``), so a notification arrives only once the row is committed. A notification with no
+  (``PostgresJobRecords.save``), so a notification arrives only once the row is committed. A notification with no
   local waiter costs one dictionary lookup; ``ended`` also drops the job's cached view. A lost connection is
   re-opened (backoff up to 5 s) and wakes every waiter, which then reads the row again: nothing is missed.
 - ``Elsewhere``: ``wait`` on a job that is not live here registers a waiter, then reads the row (closing the race
@@ -32,7 +32,7 @@ from service.auth import Caller
 from service.errors import JobNotFound, OwnerElsewhere, OwnerUnavailable
 from service.replicas import Replicas
 from service.store import JobStore, StoredJob
-from service.store_pg import CALLBACKS_CHANNEL, JOBS_CHANNEL, KEYS_CHANNEL, REPLICAS_CHANNEL
+from service.store.pg_db import CALLBACKS_CHANNEL, JOBS_CHANNEL, KEYS_CHANNEL, REPLICAS_CHANNEL
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ class Elsewhere:
         (served from its saved view)."""
         if not self._store.shares_output:
             return  # one replica (SQLite): every job is this one's
-        stored = await self._store.get(job_id)
+        stored = await self._store.jobs.get(job_id)
         if stored is not None and self._running_elsewhere(stored):
             raise self.owner(job_id, stored.instance_id, stored.instance_epoch, caller)
 
@@ -260,7 +260,7 @@ class Elsewhere:
         deadline = loop.time() + timeout_s
         with self._waiters.waiting(job_id) as woken:
             while True:
-                stored = await self._store.get(job_id)
+                stored = await self._store.jobs.get(job_id)
                 if stored is None or not caller.may_access(stored.owner):
                     raise JobNotFound(job_id)
                 if not self._running_elsewhere(stored):

@@ -11,7 +11,7 @@ call record since its last progress save gets:
 2. then its view saved (``Runner.save``, fenced: a replica whose lease was lost writes no view; ``LeaseLost``
    ends the saver).
 
-The chunks go with their job (``JobStore.purge`` deletes every blob of a purged job). A job that ends normally
+The chunks go with their job (``JobRecords.purge`` deletes every blob of a purged job). A job that ends normally
 keeps them beside its ``stdout``/``stderr`` blobs until purged; a job marked lost has them joined into those
 blobs by the reaper (``service.jobs.reaper``), so every replica serves its output as any ended job's.
 """
@@ -134,7 +134,7 @@ class ProgressSaver:
                 data = await asyncio.to_thread(read_range, output.path, start, most)
                 if not data:
                     break  # the file is gone (the job ended and was purged meanwhile)
-                await self._store.put_blobs(job.id, {chunk_name(stream, start): data})
+                await self._store.blobs.put(job.id, {chunk_name(stream, start): data})
                 saved.retained[stream] = start + len(data)
         if job.status not in SAVED_WHILE:  # it ended meanwhile: its final save follows (a running view must not)
             return False

@@ -3,14 +3,15 @@
 Every ``PTC_REPLICA_SCAN_S`` (jittered by ±20%, so that replicas started together do not scan together) every
 live replica of a shared store:
 
-1. **expires** each incarnation whose lease passed (``JobStore.expire_replicas``: ``FOR UPDATE SKIP LOCKED``,
+1. **expires** each incarnation whose lease passed (``ReplicaRegistry.expire``: ``FOR UPDATE SKIP LOCKED``,
    each by one replica, ``NOTIFY ptc_replicas``), logs ``replica expired`` and breaks its sessions
-   (``break_sessions``), and those of any other incarnation that is not live (``JobStore.orphan_sessions``);
+   (``SessionRecords.mark_broken``), and those of any other incarnation that is not live
+   (``SessionRecords.orphan_holders``);
 2. **ends its orphans**, ``ORPHAN_BATCH`` at a time: unended jobs whose incarnation is not live or draining
-   (``JobStore.orphans``) are saved ``lost`` with the error type ``replica_lost``, their pending calls cancelled,
+   (``JobRecords.orphans``) are saved ``lost`` with the error type ``replica_lost``, their pending calls cancelled,
    their output and call records as of their owner's last progress save (``service.jobs.progress``): the
    chunks are joined into the job's ``stdout``/``stderr`` blobs, served by every replica as an ended job's.
-   ``JobStore.save_lost`` writes only an unended row (``NOTIFY <job_id> ended``): of two reapers racing, or of an
+   ``JobRecords.save_lost`` writes only an unended row (``NOTIFY <job_id> ended``): of two reapers racing, or of an
    owner saving its end while a survivor marks it, exactly one write counts, and only that replica publishes
    ``JobLost`` (metrics and logs count it once).
 
@@ -145,9 +146,9 @@ class Reaper:
         if self._replicas.fenced:
             return 0
         me = self._replicas.incarnation.instance_id
-        expired = await self._store.expire_replicas(me)
+        expired = await self._store.replicas.expire(me)
         broken = {incarnation: await self.break_sessions(incarnation) for incarnation in expired}
-        for incarnation in await self._store.orphan_sessions():  # left by a reaper that stopped half-way
+        for incarnation in await self._store.sessions.orphan_holders():  # left by a reaper that stopped half-way
             if incarnation not in broken and (late := await self.break_sessions(incarnation)) and self._metrics:
                 self._metrics.lease_expired_sessions.inc(late)
         if expired:
@@ -155,7 +156,7 @@ class Reaper:
         ended: Counter[Incarnation] = Counter()
         try:
             for _ in range(MAX_BATCHES):
-                batch = await self._store.orphans(ORPHAN_BATCH)
+                batch = await self._store.jobs.orphans(ORPHAN_BATCH)
                 for stored in batch:
                     if self._replicas.fenced:
                         return ended.total()
@@ -183,9 +184,9 @@ class Reaper:
             self._metrics.lease_expired_jobs.inc(earlier)
 
     async def break_sessions(self, incarnation: Incarnation) -> int:
-        """Mark the open sessions of a dead incarnation ``broken`` (``JobStore.break_sessions``); how many this
+        """Mark the open sessions of a dead incarnation ``broken`` (``SessionRecords.mark_broken``); how many this
         replica marked (a racing end by their owner wins)."""
-        return len(await self._store.break_sessions(incarnation))
+        return len(await self._store.sessions.mark_broken(incarnation))
 
     async def end(self, stored: StoredJob) -> bool:
         """Mark one orphan ``lost`` (``replica_lost``) from its last progress save; whether this replica did.
@@ -214,8 +215,8 @@ class Reaper:
             self._retention,
         )
         # The joined output first: a reader that finds the job ended finds its output too.
-        await self._store.put_blobs(stored.job_id, {s: d for s, d in joined.items() if d})
-        if not await self._store.save_lost(row):
+        await self._store.blobs.put(stored.job_id, {s: d for s, d in joined.items() if d})
+        if not await self._store.jobs.save_lost(row):
             return False  # another replica (or its owner) ended it first
         self._events.publish(JobLost(stored.job_id, stored.status))
         log.warning("job %s of replica %s was %s when its lease passed: marked lost", stored.job_id,
@@ -226,7 +227,7 @@ class Reaper:
         """A stream's progress-saved chunks joined from offset 0 while they are contiguous, at most ``limit``."""
         starts = sorted(
             (start, size)
-            for name, size in (await self._store.blob_sizes(job_id)).items()
+            for name, size in (await self._store.blobs.sizes(job_id)).items()
             if (start := chunk_start(stream, name)) is not None
         )
         parts: list[bytes] = []
@@ -234,7 +235,7 @@ class Reaper:
         for start, size in starts:
             if start != position or position >= limit:
                 break
-            data = await self._store.read_blob(job_id, chunk_name(stream, start)) or b""
+            data = await self._store.blobs.read(job_id, chunk_name(stream, start)) or b""
             parts.append(data[: limit - position])
             position += len(parts[-1])
             if len(data) != size:

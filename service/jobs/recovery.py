@@ -122,14 +122,14 @@ class Recovery:
             folder.mkdir(parents=True, exist_ok=True)
         # Only root (the service) enters the work dir: the engine mounts job folders into sandboxes itself.
         os.chmod(self._settings.work_dir, 0o700)
-        for stored in await self._store.unfinished(self._instance):
+        for stored in await self._store.jobs.unfinished(self._instance):
             await self._mark_lost(stored)
         for owner, retained in (await asyncio.to_thread(_retained_by_owner, self.output_dir)).items():
             self._quotas.output(owner).take(retained)
 
     async def _mark_lost(self, stored: StoredJob) -> None:
         """End a job a previous run left unfinished: status ``lost``, its output as far as it was kept (unless
-        another replica's reaper marked it first: ``JobStore.save_lost``)."""
+        another replica's reaper marked it first: ``JobRecords.save_lost``)."""
 
         async def replay(stream: str, inline: CappedStream, limit: int) -> int:
             return await self._replay(self.output_dir / stored.job_id / stream, inline, limit)
@@ -141,7 +141,7 @@ class Recovery:
         row = await lost_row(stored, error, "the service stopped", replay, self._settings.output_retention_bytes)
         # Ended only if nobody ended it meanwhile; its callback's row, pending, in the same transaction: any replica
         # delivers it (docs/scaling.md, Callbacks, exactly once).
-        if not await self._store.save_lost(row):
+        if not await self._store.jobs.save_lost(row):
             return
         self._events.publish(JobLost(stored.job_id, stored.status))
         log.warning("job %s was %s when the service last stopped: marked lost", stored.job_id, stored.status)
@@ -171,7 +171,7 @@ class Recovery:
     async def purge_expired(self) -> int:
         """Delete ended jobs older than the retention, with their output files; returns how many."""
         cutoff = now() - timedelta(seconds=self._settings.job_retention_s)
-        ids = await self._store.purge(cutoff, self._instance)  # a shared store: another replica's are its own
+        ids = await self._store.jobs.purge(cutoff, self._instance)  # a shared store: another replica's are its own
         for job_id in ids:
             self._views.drop(job_id)
             owner, retained = await asyncio.to_thread(_remove_output, self.output_dir / job_id)

@@ -195,7 +195,7 @@ class SessionJobs:
         shared store only: on SQLite every session is this replica's)."""
         if self._elsewhere is None or self._replicas is None or not self._elsewhere.shared:
             return None
-        stored = await self._elsewhere.store.get_session(session_id)
+        stored = await self._elsewhere.store.sessions.get(session_id)
         if stored is None or not caller.may_access(stored.owner):
             return None
         return stored
@@ -331,7 +331,7 @@ class SessionJobs:
         if self._elsewhere is None or not self._elsewhere.shared:
             return here
         held = {view["session_id"] for view in here}
-        stored = await self._elsewhere.store.open_sessions(caller.only_owner)
+        stored = await self._elsewhere.store.sessions.unended(caller.only_owner)
         others = [json.loads(row.view) for row in stored if row.session_id not in held]
         return sorted([*here, *others], key=lambda view: str(SessionView.model_validate(view).created_at))
 

@@ -49,7 +49,7 @@ async def share(
                 data = await asyncio.to_thread((folder / name).read_bytes)
             except OSError:
                 continue
-            await store.put_blobs(job_id, {name: data})
+            await store.blobs.put(job_id, {name: data})
             del data
 
 
@@ -70,9 +70,11 @@ async def in_store(store: JobStore, output_dir: Path, job_id: str) -> bool:
 async def stored_range(store: JobStore, job_id: str, name: str, offset: int, length: int) -> StoredRange:
     """Up to ``length`` bytes from ``offset`` of a job's blob in the shared store, as a range read a slice at a
     time (empty past its end or without the blob)."""
-    size = (await store.blob_sizes(job_id)).get(name, 0)
+    size = (await store.blobs.sizes(job_id)).get(name, 0)
     return StoredRange(
-        lambda position, most: store.read_blob(job_id, name, position, most), offset, max(0, min(length, size - offset))
+        lambda position, most: store.blobs.read(job_id, name, position, most),
+        offset,
+        max(0, min(length, size - offset)),
     )
 
 
@@ -84,7 +86,7 @@ async def stored_file(
     for index, entry in enumerate(listed):
         if entry.get("path") == path:
             name = file_blob(index)
-            sizes = await store.blob_sizes(job_id)
+            sizes = await store.blobs.sizes(job_id)
             if name not in sizes:
                 return None
             return await stored_range(store, job_id, name, 0, sizes[name]), entry

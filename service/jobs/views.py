@@ -100,7 +100,7 @@ class JobViews:
         return await asyncio.shield(loading)
 
     async def _load(self, job_id: str) -> EncodedView:
-        stored = await self._store.get(job_id)
+        stored = await self._store.jobs.get(job_id)
         if stored is None:
             raise JobNotFound(job_id)
         summaries: list[bytes] = []
@@ -218,7 +218,7 @@ class JobViews:
         """Up to ``length`` retained bytes of a stream from ``offset``: from this replica's disk, or for an ended
         job another replica ran, from the shared store (b"" past the end or without any)."""
         if job_id not in self._live and await shared.in_store(self._store, self._output_dir, job_id):
-            return await self._store.read_blob(job_id, stream, offset, length) or b""
+            return await self._store.blobs.read(job_id, stream, offset, length) or b""
         return await asyncio.to_thread(read_range, self._output_dir / job_id / stream, offset, length)
 
     async def read_output(self, job_id: str, caller: Caller, stream: Stream, offset: int, length: int) -> bytes:
@@ -256,7 +256,7 @@ class JobViews:
     async def page(self, query: JobQuery) -> tuple[list[JobSummary], str | None]:
         """A page of jobs (newest first; only ``query.owner``'s unless it is None) and the next cursor; the stored
         summaries (up to the metadata's size each) parsed in a thread. Raises InvalidCursor."""
-        stored, cursor = await self._store.page(query)
+        stored, cursor = await self._store.jobs.page(query)
         kept = [row.summary if row.job_id not in self._live else "" for row in stored]
         parsed = await asyncio.to_thread(lambda: [JobSummary.model_validate_json(s) if s else None for s in kept])
         summaries = []
@@ -274,7 +274,7 @@ class JobViews:
 
     async def count(self) -> int:
         """Jobs in the store."""
-        return await self._store.count()
+        return await self._store.jobs.count()
 
     async def resume_point(self, job_id: str, caller: Caller, event_id: str, loc: tuple[str, ...]) -> resume.Position:
         """Where a follower that last received the event ``event_id`` of this job's stream resumes (clamped if lost).

@@ -13,7 +13,7 @@ claims due rows, woken by ``ptc_callbacks`` and the registry's notifications (``
 ``PTC_REPLICA_HEARTBEAT_S`` (±20 %), up to its free delivery slots and each owner's, and takes over rows
 ``delivering`` by an incarnation that is no longer live or draining. Before each attempt the claimer checks its
 lease (fenced, or its local deadline passed: it stops, writes nothing, and the claim passes on once its
-incarnation is expired); the outcome is written fenced by the claim (``JobStore.end_callback``).
+incarnation is expired); the outcome is written fenced by the claim (``CallbackLedger.end``).
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ class Webhooks:
             return self._per_owner - held.get(owner or "", 0)
 
         free = self._slots - sum(held.values())
-        claimed = await self._store.claim_callbacks(self._replicas.incarnation, free, room)
+        claimed = await self._store.callbacks.claim(self._replicas.incarnation, free, room)
         for claim in claimed:
             how = "takeover" if claim.takeover else "pending"
             self.claims[how] += 1
@@ -207,13 +207,13 @@ class Webhooks:
     async def _deliver_callback_now(self, job_id: str, earlier: int, trace_headers: dict[str, str]) -> None:
         """Raises ``LeaseLost`` when the lease is lost before an attempt (nothing is written then)."""
         incarnation = self._replicas.incarnation
-        stored = await self._store.get(job_id)
+        stored = await self._store.jobs.get(job_id)
         if stored is None:
             return
         secrets = self._callback_secrets.for_owner(stored.owner)
         if secrets is None:
             log.warning("job %s: its callback cannot be sent: no callback secret for its owner is set", job_id)
-            await self._store.end_callback(job_id, incarnation, "failed", earlier)
+            await self._store.callbacks.end(job_id, incarnation, "failed", earlier)
             return
         final = await self._views.encoded(job_id)
         view = dict(final.head)
@@ -267,9 +267,9 @@ class Webhooks:
         """Record the outcome fenced by the claim; False when another replica holds the claim now (its delivery's
         outcome is the one kept). A job without a row (its final save came after this delivery, or the store was
         made before callbacks had rows) counts as recorded."""
-        if await self._store.end_callback(job_id, incarnation, state, attempts):
+        if await self._store.callbacks.end(job_id, incarnation, state, attempts):
             return True
-        if await self._store.callback(job_id) is None:
+        if await self._store.callbacks.get(job_id) is None:
             return True
         log.warning("job %s: its callback's claim passed to another replica; this outcome is dropped", job_id)
         return False
@@ -277,5 +277,5 @@ class Webhooks:
     async def _put_view(self, stored: StoredJob, head: dict[str, Any], final: EncodedView) -> None:
         """Save an ended job's view with a new ``head`` (its call records as they were); keep it for reading."""
         encoded = await views.encode(render_head(head), list(final.records()), final.summaries)
-        await self._store.put(stored_job(encoded.head, len(encoded.spans), encoded.body, stored.instance_id))
+        await self._store.jobs.put(stored_job(encoded.head, len(encoded.spans), encoded.body, stored.instance_id))
         self._cache.put(stored.job_id, encoded)

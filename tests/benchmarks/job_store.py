@@ -26,7 +26,8 @@ import httpx
 import orjson
 
 from service.jobs.live import stored_job
-from service.store import SQLiteJobStore, StoredJob
+from service.store import StoredJob
+from service.store.sqlite import SQLiteJobStore
 from tests.conftest import execute, start_service
 
 
@@ -42,9 +43,9 @@ async def fill(path: Path, template: StoredJob, count: int) -> list[str]:
         row = stored_job(
             {**view, "job_id": job_id, "created_at": created}, len(view["calls"]), body, template.instance_id
         )
-        await store.put(row)
+        await store.jobs.put(row)
         ids.append(job_id)
-    total = await store.count()
+    total = await store.jobs.count()
     await store.close()
     print(f"store: {total} jobs in {path}")
     return ids
@@ -67,7 +68,7 @@ def main() -> None:
         async def template() -> StoredJob:
             store = SQLiteJobStore(svc.work_dir / "jobs.sqlite3")
             await store.open()
-            row = await store.get(view["job_id"])
+            row = await store.jobs.get(view["job_id"])
             await store.close()
             assert row is not None
             return row

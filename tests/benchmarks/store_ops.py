@@ -21,7 +21,8 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from service.store import JobQuery, JobStore, SQLiteJobStore, StoredJob
+from service.store import JobQuery, JobStore, StoredJob
+from service.store.sqlite import SQLiteJobStore
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 VIEW = b'{"status": "succeeded", "stdout": "' + b"x" * 4000 + b'"}'
@@ -49,11 +50,11 @@ async def run(store: JobStore, jobs: int, n: int) -> None:
     try:
         started = time.perf_counter()
         for i in range(jobs):
-            await store.put(row(i))
+            await store.jobs.put(row(i))
         print(f"fill {jobs} jobs: {(time.perf_counter() - started) / jobs * 1000:.3f} ms per put")
-        print("get:", await timed(n, lambda _: store.get(f"job_{random.randrange(jobs):08d}")))
-        print("put (replace):", await timed(n, lambda _: store.put(row(random.randrange(jobs)))))
-        print("page (50, one owner):", await timed(200, lambda _: store.page(JobQuery(limit=50, owner="k1"))))
+        print("get:", await timed(n, lambda _: store.jobs.get(f"job_{random.randrange(jobs):08d}")))
+        print("put (replace):", await timed(n, lambda _: store.jobs.put(row(random.randrange(jobs)))))
+        print("page (50, one owner):", await timed(200, lambda _: store.jobs.page(JobQuery(limit=50, owner="k1"))))
     finally:
         await store.close()
 
@@ -67,7 +68,7 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="ptcs", dir="/tmp"))
     try:
         if args.url:
-            from service.store_pg import PostgresJobStore
+            from service.store.pg import PostgresJobStore
 
             store: JobStore = PostgresJobStore(args.url)
         else:

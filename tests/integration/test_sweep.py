@@ -15,7 +15,8 @@ import pytest
 
 from service.sandbox.labels import instance_labels
 from service.settings import Settings
-from service.store import Incarnation, Registration, SQLiteJobStore
+from service.store import Incarnation, Registration
+from service.store.sqlite import SQLiteJobStore
 from tests.conftest import IMAGE, ROOT, container_gone
 
 
@@ -36,9 +37,11 @@ async def registry(work_dir: Path, live: str, gone: str) -> None:
     store = SQLiteJobStore(Settings(work_dir=work_dir).job_store_path())
     await store.open()
     try:
-        epoch = await store.register(Registration(gone, "http://127.0.0.1:2", "b" * 64, "0.test", 300.0))
-        assert await store.set_replica_state(Incarnation(gone, epoch), "left")  # retired
-        await store.register(Registration(live, "http://127.0.0.1:1", "a" * 64, "0.test", 300.0))  # then this one
+        epoch = await store.replicas.register(Registration(gone, "http://127.0.0.1:2", "b" * 64, "0.test", 300.0))
+        assert await store.replicas.set_state(Incarnation(gone, epoch), "left")  # retired
+        await store.replicas.register(
+            Registration(live, "http://127.0.0.1:1", "a" * 64, "0.test", 300.0)
+        )  # then this one
     finally:
         await store.close()
 

@@ -26,7 +26,7 @@ from standardwebhooks.webhooks import WebhookVerificationError
 from service.auth import IMPLICIT_OWNER
 from service.callbacks import OWNER_HEADER, SIGNATURE_HEADER, verify
 from service.schemas import JobSummary, JobView
-from service.store import SQLiteJobStore
+from service.store.sqlite import SQLiteJobStore
 from tests.conftest import Service, execute, labelled_containers, start_service, wait_until
 from tests.toolserver import ToolServer
 from tests.unit.test_tenants import (  # noqa: F401
@@ -397,10 +397,10 @@ def test_an_old_store_is_migrated_and_its_rows_are_legacy(engine: docker.DockerC
         store = SQLiteJobStore(work_dir / "jobs.sqlite3")
         await store.open()
         try:
-            stored = await store.get(job_id)
+            stored = await store.jobs.get(job_id)
             assert stored is not None and stored.owner is None
-            assert await store.get_toolset(toolset_id, "alice") is None
-            assert await store.get_toolset(toolset_id, None) is not None
+            assert await store.toolsets.get(toolset_id, "alice") is None
+            assert await store.toolsets.get(toolset_id, None) is not None
         finally:
             await store.close()
 

@@ -339,16 +339,17 @@ def test_the_stub_of_a_gated_tool_says_a_call_may_be_denied() -> None:
 async def test_a_flood_of_short_waits_does_not_save_the_view_at_each_flip(monkeypatch: pytest.MonkeyPatch) -> None:
     # Each call waits 1 ms for an approval that never comes: the job flips running / waiting twice per call. A save
     # per flip wrote the whole view each time (quadratic: gigabytes for a few thousand calls of a few KB).
-    from service.store import Incarnation, SQLiteJobStore, StoredJob
+    from service.store import Incarnation, StoredJob
+    from service.store.sqlite_jobs import SQLiteJobRecords
 
     saves: list[str] = []
-    save = SQLiteJobStore.save  # the runner's saves (fenced by its incarnation)
+    save = SQLiteJobRecords.save  # the runner's saves (fenced by its incarnation)
 
-    async def counted(self: SQLiteJobStore, job: StoredJob, incarnation: Incarnation) -> bool:
+    async def counted(self: SQLiteJobRecords, job: StoredJob, incarnation: Incarnation) -> bool:
         saves.append(job.status)
         return await save(self, job, incarnation)
 
-    monkeypatch.setattr(SQLiteJobStore, "save", counted)
+    monkeypatch.setattr(SQLiteJobRecords, "save", counted)
     calls = 100
     tools = [{"name": "w", "parameters": PARAMS, "approval": "always", "approval_timeout_s": 0.001, "endpoint": ECHO}]
     script = (

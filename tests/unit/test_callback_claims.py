@@ -28,9 +28,10 @@ from service.callbacks import WEBHOOK_ID_HEADER, CallbackSecret, deliver
 from service.errors import LeaseLost
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
-from service.store import CallbackClaim, Incarnation, JobStore, Registration, StoredJob, choose_claims
-from service.store_pg import PostgresJobStore, async_url
-from service.store_schema import callbacks
+from service.store import CallbackClaim, Incarnation, JobStore, Registration, StoredJob
+from service.store.pg import PostgresJobStore
+from service.store.pg_db import async_url
+from service.store.schema import callbacks
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -40,7 +41,7 @@ def registration(instance: str, token: str = "a" * 64) -> Registration:
 
 
 async def register(store: JobStore, instance: str = "r1") -> Incarnation:
-    return Incarnation(instance, await store.register(registration(instance)))
+    return Incarnation(instance, await store.replicas.register(registration(instance)))
 
 
 def job(job_id: str, *, ended: bool = False, callback: bool = True, owner: str = "alice") -> StoredJob:
@@ -59,106 +60,6 @@ def job(job_id: str, *, ended: bool = False, callback: bool = True, owner: str =
 
 def anyone(_: str | None) -> int:
     return 1000
-
-
-async def test_the_owners_final_save_writes_its_callback_delivering_claimed_by_itself(store: JobStore) -> None:
-    me = await register(store)
-    for job_id in ("job_cb", "job_plain"):
-        assert await store.save(job(job_id), me)
-    assert await store.callback("job_cb") is None  # no row before the end
-    assert await store.save(job("job_cb", ended=True), me)
-    assert await store.save(job("job_plain", ended=True, callback=False), me)
-    row = await store.callback("job_cb")
-    assert row is not None and (row.state, row.claimed_by, row.attempts) == ("delivering", me, 0)
-    assert await store.callback("job_plain") is None
-    assert await store.claim_callbacks(me, 10, anyone) == []  # its own live claim: nothing to take
-    assert await store.end_callback("job_cb", me, "delivered", 2)
-    row = await store.callback("job_cb")
-    assert row is not None and (row.state, row.attempts) == ("delivered", 2)
-    assert not await store.end_callback("job_cb", me, "failed", 3)  # an outcome is written once
-
-
-async def test_a_lost_jobs_callback_is_pending_and_claimed_once(store: JobStore) -> None:
-    me = await register(store)
-    assert await store.save(job("job_lost"), me)
-    assert await store.save(job("job_quiet"), me)
-    assert await store.save_lost(job("job_lost", ended=True))
-    assert await store.save_lost(job("job_quiet", ended=True, callback=False))
-    assert not await store.save_lost(job("job_lost", ended=True))  # ended already: the second marker writes nothing
-    ended = await store.get("job_lost")
-    assert ended is not None and ended.status == "lost" and ended.ended_at is not None
-    row = await store.callback("job_lost")
-    assert row is not None and (row.state, row.claimed_by) == ("pending", None)
-    assert await store.callback("job_quiet") is None
-    assert await store.claim_callbacks(me, 10, anyone) == [CallbackClaim("job_lost", "alice", 0, False)]
-    assert await store.claim_callbacks(me, 10, anyone) == []
-    row = await store.callback("job_lost")
-    assert row is not None and (row.state, row.claimed_by) == ("delivering", me)
-
-
-async def test_a_save_lost_never_ends_a_job_its_owner_ended(store: JobStore) -> None:
-    """The owner's final save came first: the marker's update finds ``ended_at`` set and writes nothing (the
-    owner's view and its claim kept)."""
-    me = await register(store)
-    assert await store.save(job("job_a"), me)
-    owners = dataclasses.replace(job("job_a", ended=True), status="succeeded")
-    assert await store.save(owners, me)
-    assert not await store.save_lost(job("job_a", ended=True))
-    kept = await store.get("job_a")
-    assert kept is not None and kept.status == "succeeded"
-    row = await store.callback("job_a")
-    assert row is not None and (row.state, row.claimed_by) == ("delivering", me)
-
-
-async def test_a_claim_of_a_live_incarnation_stays_and_an_ended_ones_is_taken_over(store: JobStore) -> None:
-    first = await register(store)
-    assert await store.save(job("job_a"), first)
-    assert await store.save(job("job_a", ended=True), first)  # delivering, claimed by the first incarnation
-    assert await store.claim_callbacks(first, 10, anyone) == []
-    second = await register(store)  # the same instance started again (same work dir): the first is over
-    assert second.epoch == first.epoch + 1
-    assert await store.claim_callbacks(second, 10, anyone) == [CallbackClaim("job_a", "alice", 0, True)]
-    assert not await store.end_callback("job_a", first, "delivered", 1)  # the stale claim's outcome: no row
-    row = await store.callback("job_a")
-    assert row is not None and (row.state, row.claimed_by) == ("delivering", second)
-    assert await store.end_callback("job_a", second, "failed", 5)
-    assert await store.claim_callbacks(second, 10, anyone) == []  # an outcome is never claimed again
-
-
-async def test_nothing_is_claimed_by_an_incarnation_that_is_not_live(store: JobStore) -> None:
-    me = await register(store)
-    assert await store.save(job("job_a"), me)
-    assert await store.save_lost(job("job_a", ended=True))
-    assert await store.set_replica_state(me, "left")
-    assert await store.claim_callbacks(me, 10, anyone) == []
-
-
-async def test_a_purged_job_takes_its_callback_row_with_it(store: JobStore) -> None:
-    me = await register(store)
-    assert await store.save(job("job_a"), me)
-    assert await store.save(job("job_a", ended=True), me)
-    assert await store.purge(T0 + timedelta(days=1)) == ["job_a"]
-    assert await store.callback("job_a") is None
-
-
-async def test_claims_keep_to_the_limit_and_to_each_owners_room(store: JobStore) -> None:
-    me = await register(store)
-    for n in range(6):
-        owner = "alice" if n < 4 else "bob"
-        assert await store.save(job(f"job_{n}", owner=owner), me)
-        assert await store.save_lost(job(f"job_{n}", ended=True, owner=owner))
-    room = {"alice": 1, "bob": 2}
-    claimed = await store.claim_callbacks(me, 10, lambda owner: room[owner or ""])
-    assert sorted(c.job_id for c in claimed) == ["job_0", "job_4", "job_5"]  # alice's oldest, and both of bob's
-    assert len(await store.claim_callbacks(me, 2, anyone)) == 2
-    assert len(await store.claim_callbacks(me, 0, anyone)) == 0
-
-
-def test_choosing_skips_owners_without_room() -> None:
-    rows = [("j1", "a", 0, "pending"), ("j2", "a", 0, "pending"), ("j3", None, 2, "delivering"), ("j4", "b", 0, "x")]
-    room = {"a": 1, None: 1, "b": 0}
-    assert [c.job_id for c in choose_claims(rows, 10, room.__getitem__)] == ["j1", "j3"]
-    assert choose_claims(rows, 1, room.__getitem__) == [CallbackClaim("j1", "a", 0, False)]
 
 
 async def test_a_lapsed_lease_stops_a_delivery_before_its_next_attempt() -> None:
@@ -198,13 +99,13 @@ async def test_a_claim_held_by_a_live_replica_is_not_taken_and_an_expired_ones_i
     try:
         r1 = await register(one, "r1")
         r2 = await register(two, "r2")
-        assert await one.save(job("job_a"), r1)
-        assert await one.save(job("job_a", ended=True), r1)
-        assert await two.claim_callbacks(r2, 10, anyone) == []  # r1 is live: its claim holds
-        assert await one.set_replica_state(r1, "expired")  # what the reaper does to a replica whose lease passed
-        assert await two.claim_callbacks(r2, 10, anyone) == [CallbackClaim("job_a", "alice", 0, True)]
-        assert not await one.end_callback("job_a", r1, "delivered", 1)  # r1's late outcome matches no row
-        assert await two.end_callback("job_a", r2, "delivered", 1)
+        assert await one.jobs.save(job("job_a"), r1)
+        assert await one.jobs.save(job("job_a", ended=True), r1)
+        assert await two.callbacks.claim(r2, 10, anyone) == []  # r1 is live: its claim holds
+        assert await one.replicas.set_state(r1, "expired")  # what the reaper does to a replica whose lease passed
+        assert await two.callbacks.claim(r2, 10, anyone) == [CallbackClaim("job_a", "alice", 0, True)]
+        assert not await one.callbacks.end("job_a", r1, "delivered", 1)  # r1's late outcome matches no row
+        assert await two.callbacks.end("job_a", r2, "delivered", 1)
     finally:
         await one.close()
         await two.close()
@@ -217,12 +118,14 @@ async def test_two_claimers_on_one_postgresql_store_claim_200_due_rows_once_each
     try:
         r1 = await register(one, "r1")
         r2 = await register(two, "r2")
-        await asyncio.gather(*(one.save(job(f"job_{n:03}", owner=f"k{n % 3}"), r1) for n in range(200)))
-        await asyncio.gather(*(two.save_lost(job(f"job_{n:03}", ended=True, owner=f"k{n % 3}")) for n in range(200)))
+        await asyncio.gather(*(one.jobs.save(job(f"job_{n:03}", owner=f"k{n % 3}"), r1) for n in range(200)))
+        await asyncio.gather(
+            *(two.jobs.save_lost(job(f"job_{n:03}", ended=True, owner=f"k{n % 3}")) for n in range(200))
+        )
 
         async def claimer(store: JobStore, me: Incarnation) -> list[str]:
             mine: list[str] = []
-            while claimed := await store.claim_callbacks(me, 7, anyone):
+            while claimed := await store.callbacks.claim(me, 7, anyone):
                 mine += [c.job_id for c in claimed]
                 await asyncio.sleep(0)
             return mine
@@ -230,9 +133,9 @@ async def test_two_claimers_on_one_postgresql_store_claim_200_due_rows_once_each
         first, second = await asyncio.gather(claimer(one, r1), claimer(two, r2))
         assert len(first) + len(second) == 200
         assert sorted(first + second) == [f"job_{n:03}" for n in range(200)]  # each once, none twice
-        assert all(not c.takeover for c in await one.claim_callbacks(r1, 10, anyone))
+        assert all(not c.takeover for c in await one.callbacks.claim(r1, 10, anyone))
         for job_id in first:
-            row = await one.callback(job_id)
+            row = await one.callbacks.get(job_id)
             assert row is not None and (row.state, row.claimed_by) == ("delivering", r1)
     finally:
         await one.close()
@@ -358,7 +261,7 @@ async def test_a_delivery_cut_by_its_replicas_stop_is_delivered_once_by_the_othe
         assert [a["status_code"] for a in callback["attempts"]][-1] == 204
     await store.open()
     try:
-        row = await store.callback(job_id)
+        row = await store.callbacks.get(job_id)
         assert row is not None and row.state == "delivered" and row.claimed_by is not None
         assert row.claimed_by.instance_id == "t2"
     finally:
@@ -378,11 +281,11 @@ async def test_a_restarted_replicas_lost_jobs_callbacks_are_delivered_once(
             view = (await alice1.post("/execute", json=body)).json()
             job_id, msg_id = view["job_id"], f"msg_{view['job_id']}"
             await until(lambda: msg_id in receiver.held)
-            ended = await store.get(job_id)
+            ended = await store.jobs.get(job_id)
         assert ended is not None
         # What a kill -9 before the final save leaves: the row running, no callback row.
         running = dataclasses.replace(ended, status="running", ended_at=None, callback_pending=False)
-        await store.put(running)
+        await store.jobs.put(running)
         engine = sa.create_engine(async_url(postgres_url), poolclass=sa.NullPool)
         await asyncio.to_thread(_execute, engine, sa.delete(callbacks).where(callbacks.c.job_id == job_id))
         async with (
@@ -394,7 +297,7 @@ async def test_a_restarted_replicas_lost_jobs_callbacks_are_delivered_once(
             await until(lambda: receiver.delivered(msg_id) == 1)
             await asyncio.sleep(1)
             assert receiver.delivered(msg_id) == 1
-        row = await store.callback(job_id)
+        row = await store.callbacks.get(job_id)
         assert row is not None and row.state == "delivered"
     finally:
         await store.close()

@@ -164,31 +164,31 @@ def stored_session(session_id: str, owner: str = "alice", ended: bool = False, e
 
 
 async def test_sessions_are_saved_fenced_listed_and_broken_with_their_incarnation(store: JobStore) -> None:
-    epoch = await store.register(Registration("r1", "http://127.0.0.1:8001", "a" * 64, "0.test", 10.0))
+    epoch = await store.replicas.register(Registration("r1", "http://127.0.0.1:8001", "a" * 64, "0.test", 10.0))
     me = Incarnation("r1", epoch)
-    assert await store.save_session(stored_session("ses_a"), me)
-    assert await store.save_session(stored_session("ses_b", owner="bob"), me)
-    assert await store.save_session(stored_session("ses_c"), me)
-    assert await store.save_session(stored_session("ses_c", ended=True), me)  # its end
-    assert not await store.save_session(stored_session("ses_c"), me)  # an ended row never changes
-    assert not await store.save_session(stored_session("ses_d"), Incarnation("r1", epoch + 1))  # not live
-    assert [s.session_id for s in await store.open_sessions("alice")] == ["ses_a"]
-    assert {s.session_id for s in await store.open_sessions(None)} == {"ses_a", "ses_b"}
-    row = await store.get_session("ses_a")
+    assert await store.sessions.save(stored_session("ses_a"), me)
+    assert await store.sessions.save(stored_session("ses_b", owner="bob"), me)
+    assert await store.sessions.save(stored_session("ses_c"), me)
+    assert await store.sessions.save(stored_session("ses_c", ended=True), me)  # its end
+    assert not await store.sessions.save(stored_session("ses_c"), me)  # an ended row never changes
+    assert not await store.sessions.save(stored_session("ses_d"), Incarnation("r1", epoch + 1))  # not live
+    assert [s.session_id for s in await store.sessions.unended("alice")] == ["ses_a"]
+    assert {s.session_id for s in await store.sessions.unended(None)} == {"ses_a", "ses_b"}
+    row = await store.sessions.get("ses_a")
     assert row is not None and (row.owner, row.instance_epoch, row.ended_at) == ("alice", epoch, None)
-    assert await store.get_session("ses_zz") is None
+    assert await store.sessions.get("ses_zz") is None
 
-    assert await store.break_sessions(Incarnation("r1", epoch + 1)) == []  # another incarnation's: none
-    assert sorted(await store.break_sessions(me)) == ["ses_a", "ses_b"]
-    assert await store.break_sessions(me) == []  # once
-    broken = await store.get_session("ses_a")
+    assert await store.sessions.mark_broken(Incarnation("r1", epoch + 1)) == []  # another incarnation's: none
+    assert sorted(await store.sessions.mark_broken(me)) == ["ses_a", "ses_b"]
+    assert await store.sessions.mark_broken(me) == []  # once
+    broken = await store.sessions.get("ses_a")
     assert broken is not None and broken.status == "broken" and broken.ended_at is not None
     view = orjson.loads(broken.view)
     assert (view["status"], view["error"]["type"], view["expires_at"]) == ("broken", "session_broken", None)
-    ended = await store.get_session("ses_c")
+    ended = await store.sessions.get("ses_c")
     assert ended is not None and ended.status == "closed"  # an ended session stays as it ended
-    assert await store.open_sessions(None) == []
-    assert not await store.save_session(stored_session("ses_a"), me)  # its owner's late save changes nothing
+    assert await store.sessions.unended(None) == []
+    assert not await store.sessions.save(stored_session("ses_a"), me)  # its owner's late save changes nothing
 
 
 # -- two services on one PostgreSQL store, the peers' client connected in process --------------------------------
@@ -292,17 +292,17 @@ async def test_requests_for_a_running_job_elsewhere_are_relayed_to_its_owner(pos
 def lagging(app: FastAPI) -> Iterator[None]:
     """The app's store reads every unended job's row as ``waiting`` (a row that lags its owner)."""
     store = app.state.store
-    get = store.get
+    get = store.jobs.get
 
     async def stale(job_id: str) -> Any:
         row = await get(job_id)
         return dataclasses.replace(row, status="waiting") if row is not None and row.ended_at is None else row
 
-    store.get = stale
+    store.jobs.get = stale
     try:
         yield
     finally:
-        store.get = get
+        store.jobs.get = get
 
 
 async def test_waits_calls_and_approvals_elsewhere(postgres_url: str, short: Path) -> None:

@@ -1,6 +1,6 @@
 """Idempotency keys (issue 14, point 1; issue 17, step 7), engine-free: the header's values, the fingerprint, the
 store's table and its expiry, the claims in the store under concurrency, on one replica and two, on both stores
-(``service/idempotency.py``, ``service/store.py``, ``service/store_pg.py``)."""
+(``service/idempotency.py``, ``service/store/``)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from service.idempotency import (
     parse_key,
 )
 from service.store import IdempotencyRecord, Incarnation, JobStore, KeyClaim, Registration, StoredJob
-from service.store_pg import PostgresJobStore
+from service.store.pg import PostgresJobStore
 
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -95,61 +95,61 @@ def record(
 
 async def test_a_binding_is_found_by_owner_and_key_only(store: JobStore) -> None:
     bound = record("alice", "k1", "job_a")
-    assert await store.bind_idempotency_key(bound) == bound
-    assert await store.idempotency_key("alice", "k1") == bound
-    assert await store.idempotency_key("bob", "k1") is None  # another owner's same key: nothing
-    assert await store.idempotency_key("alice", "K1") is None
+    assert await store.keys.bind(bound) == bound
+    assert await store.keys.get("alice", "k1") == bound
+    assert await store.keys.get("bob", "k1") is None  # another owner's same key: nothing
+    assert await store.keys.get("alice", "K1") is None
     bobs = record("bob", "k1", "job_b")
-    assert await store.bind_idempotency_key(bobs) == bobs  # bob's own binding, beside alice's
+    assert await store.keys.bind(bobs) == bobs  # bob's own binding, beside alice's
 
 
 async def test_a_key_keeps_its_first_binding(store: JobStore) -> None:
     first = record("alice", "k", "job_first")
-    await store.bind_idempotency_key(first)
-    assert await store.bind_idempotency_key(record("alice", "k", "job_second")) == first
-    assert await store.idempotency_key("alice", "k") == first
+    await store.keys.bind(first)
+    assert await store.keys.bind(record("alice", "k", "job_second")) == first
+    assert await store.keys.get("alice", "k") == first
 
 
 async def test_bindings_survive_reopening_the_store(make_store: Callable[[], JobStore]) -> None:
     first = make_store()
     await first.open()
     bound = record("alice", "k", "ses_1", "session", T0 + timedelta(hours=1))
-    await first.bind_idempotency_key(bound)
+    await first.keys.bind(bound)
     await first.close()
     second = make_store()
     await second.open()
     try:
-        assert await second.idempotency_key("alice", "k") == bound
+        assert await second.keys.get("alice", "k") == bound
     finally:
         await second.close()
 
 
 async def test_a_job_key_expires_with_the_job(store: JobStore) -> None:
-    await store.put(job("job_old", T0))
-    await store.put(job("job_new", T0 + timedelta(hours=2)))
-    await store.put(job("job_running", None))
+    await store.jobs.put(job("job_old", T0))
+    await store.jobs.put(job("job_new", T0 + timedelta(hours=2)))
+    await store.jobs.put(job("job_running", None))
     for key, job_id in (("old", "job_old"), ("new", "job_new"), ("running", "job_running")):
-        await store.bind_idempotency_key(record("alice", key, job_id))
-    assert await store.purge(T0 + timedelta(hours=1)) == ["job_old"]
-    assert await store.idempotency_key("alice", "old") is None
-    assert (await store.idempotency_key("alice", "new")) is not None
-    assert (await store.idempotency_key("alice", "running")) is not None
+        await store.keys.bind(record("alice", key, job_id))
+    assert await store.jobs.purge(T0 + timedelta(hours=1)) == ["job_old"]
+    assert await store.keys.get("alice", "old") is None
+    assert (await store.keys.get("alice", "new")) is not None
+    assert (await store.keys.get("alice", "running")) is not None
 
 
 async def test_a_session_key_expires_a_retention_after_its_session_can_last(store: JobStore) -> None:
-    await store.bind_idempotency_key(record("alice", "s1", "ses_1", "session", T0 + timedelta(hours=1)))
-    await store.bind_idempotency_key(record("alice", "s2", "ses_2", "session", T0 + timedelta(hours=3)))
-    await store.purge(T0 + timedelta(hours=2))
-    assert await store.idempotency_key("alice", "s1") is None
-    assert await store.idempotency_key("alice", "s2") is not None
+    await store.keys.bind(record("alice", "s1", "ses_1", "session", T0 + timedelta(hours=1)))
+    await store.keys.bind(record("alice", "s2", "ses_2", "session", T0 + timedelta(hours=3)))
+    await store.jobs.purge(T0 + timedelta(hours=2))
+    assert await store.keys.get("alice", "s1") is None
+    assert await store.keys.get("alice", "s2") is not None
 
 
 async def test_a_key_whose_job_was_never_saved_expires_after_the_retention(store: JobStore) -> None:
-    await store.bind_idempotency_key(record("alice", "orphan", "job_never_saved"))  # created at T0
-    await store.purge(T0 - timedelta(seconds=1))
-    assert await store.idempotency_key("alice", "orphan") is not None  # younger than the cutoff: kept
-    await store.purge(T0 + timedelta(seconds=1))
-    assert await store.idempotency_key("alice", "orphan") is None
+    await store.keys.bind(record("alice", "orphan", "job_never_saved"))  # created at T0
+    await store.jobs.purge(T0 - timedelta(seconds=1))
+    assert await store.keys.get("alice", "orphan") is not None  # younger than the cutoff: kept
+    await store.jobs.purge(T0 + timedelta(seconds=1))
+    assert await store.keys.get("alice", "orphan") is None
 
 
 # -- claims ----------------------------------------------------------------------------------------
@@ -163,7 +163,7 @@ def registration(instance: str, lease_s: float = 30.0) -> Registration:
 
 async def keys_of(store: JobStore, instance: str = "r1", wait_s: float = IN_FLIGHT_WAIT_S) -> IdempotencyKeys:
     """The idempotency keys of a replica ``instance`` registered on ``store`` now."""
-    epoch = await store.register(registration(instance))
+    epoch = await store.replicas.register(registration(instance))
     return IdempotencyKeys(store, Incarnation(instance, epoch), wait_s=wait_s)
 
 
@@ -175,12 +175,12 @@ async def test_concurrent_claims_of_one_key_give_one_claim_then_its_binding(stor
     claims = [f.result() for f in first if f.done()]
     assert len(claims) == 1 and isinstance(claims[0], Claim), claims
     # the other nine wait: nothing is returned to them before the claim is bound
-    assert await store.idempotency_key("alice", "k") is None  # claimed, not bound: no binding to replay
+    assert await store.keys.get("alice", "k") is None  # claimed, not bound: no binding to replay
     await claims[0].bind("job", "job_1", T0)
     replayed = [r for r in await asyncio.gather(*first) if isinstance(r, IdempotencyRecord)]
     assert len(replayed) == 9 and {r.resource_id for r in replayed} == {"job_1"}
     assert len(keys) == 0
-    assert await store.idempotency_key("alice", "k") == replayed[0]
+    assert await store.keys.get("alice", "k") == replayed[0]
 
 
 async def test_a_released_claim_lets_a_waiting_repeat_claim_the_key(store: JobStore) -> None:
@@ -195,7 +195,7 @@ async def test_a_released_claim_lets_a_waiting_repeat_claim_the_key(store: JobSt
     assert isinstance(second, Claim) and second.token != first.token
     second.release()
     await keys.drain()
-    assert await store.idempotency_key("alice", "k") is None
+    assert await store.keys.get("alice", "k") is None
     assert isinstance(await keys.claim("alice", "k", FP, "job"), Claim)  # released: the row is gone
 
 
@@ -216,7 +216,7 @@ async def test_another_owners_claim_of_the_same_key_does_not_wait(store: JobStor
     bobs = await keys.claim("bob", "k", FP, "job")  # alice's claim is nothing to bob: no wait, no 409
     assert isinstance(alices, Claim) and isinstance(bobs, Claim)
     await bobs.bind("job", "job_b", T0)
-    assert await store.idempotency_key("alice", "k") is None  # bob's binding is not alice's
+    assert await store.keys.get("alice", "k") is None  # bob's binding is not alice's
     await alices.bind("job", "job_a", T0)
     assert {(await keys.claim(o, "k", FP, "job")).resource_id for o in ("alice", "bob")} == {"job_a", "job_b"}  # type: ignore[union-attr]
     with pytest.raises(IdempotencyKeyReused):  # bob's other request with the key: refused by his own binding
@@ -239,15 +239,15 @@ async def test_a_claim_of_a_dead_incarnation_is_taken_over(store: JobStore) -> N
     dead = await keys_of(store, "r1")
     orphan = await dead.claim("alice", "k", FP, "job")  # then its replica dies before binding it
     assert isinstance(orphan, Claim)
-    assert await store.set_replica_state(dead.incarnation, "left")
+    assert await store.replicas.set_state(dead.incarnation, "left")
     keys = await keys_of(store, "r1")  # its next start: a new epoch, the old one not live
     assert keys.incarnation.epoch == dead.incarnation.epoch + 1
     taken = await keys.claim("alice", "k", "b" * 64, "job")  # at once, and with this request's fingerprint
     assert isinstance(taken, Claim)
     await orphan.bind("job", "job_late", T0)  # the dead claim's token binds nothing any more
-    assert await store.idempotency_key("alice", "k") is None
+    assert await store.keys.get("alice", "k") is None
     await taken.bind("job", "job_2", T0)
-    bound = await store.idempotency_key("alice", "k")
+    bound = await store.keys.get("alice", "k")
     assert bound is not None and (bound.resource_id, bound.fingerprint) == ("job_2", "b" * 64)
 
 
@@ -261,7 +261,7 @@ async def test_a_request_whose_claimer_died_does_not_wait_forever(store: JobStor
     waiting = asyncio.ensure_future(keys.claim("alice", "k", FP, "job"))
     await asyncio.sleep(0.2)
     assert not waiting.done()  # its claimer lives: the repeat waits
-    await store.set_replica_state(dying.incarnation, "left")  # it dies (no bind, no release, no notification)
+    await store.replicas.set_state(dying.incarnation, "left")  # it dies (no bind, no release, no notification)
     claim = await asyncio.wait_for(waiting, 10)  # its next read of the row takes the claim over
     assert isinstance(claim, Claim)
 
@@ -272,7 +272,7 @@ async def test_an_orphan_claim_of_this_replica_is_taken_over_but_not_one_whose_b
     keys = await keys_of(store, wait_s=0.05)
     # a claim this incarnation wrote but no request holds (its write answered past the store's timeout)
     late = KeyClaim("alice", "late", FP, "job", "0" * 32, keys.incarnation)
-    assert await store.claim_idempotency_key(late, T0) == late
+    assert await store.keys.claim(late, T0) == late
     assert isinstance(await keys.claim("alice", "late", FP, "job"), Claim)  # at once: no wait, no 409
 
     def unavailable(operation: str) -> Callable[..., Awaitable[bool]]:
@@ -284,7 +284,7 @@ async def test_an_orphan_claim_of_this_replica_is_taken_over_but_not_one_whose_b
     failed = await keys.claim("alice", "unreleased", FP, "job")
     assert isinstance(failed, Claim)
     with monkeypatch.context() as patched:
-        patched.setattr(store, "release_claim", unavailable("release_claim"))
+        patched.setattr(store.keys, "release", unavailable("release_claim"))
         failed.release()
         await keys.drain()  # logged; the claim stays in the store
     assert isinstance(await keys.claim("alice", "unreleased", FP, "job"), Claim)  # nothing was made: taken over
@@ -292,7 +292,7 @@ async def test_an_orphan_claim_of_this_replica_is_taken_over_but_not_one_whose_b
     made = await keys.claim("alice", "unbound", FP, "job")
     assert isinstance(made, Claim)
     with monkeypatch.context() as patched:
-        patched.setattr(store, "bind_claim", unavailable("bind_claim"))
+        patched.setattr(store.keys, "bind_claim", unavailable("bind_claim"))
         with pytest.raises(StoreUnavailable):
             await made.bind("job", "job_1", T0)
     with pytest.raises(IdempotencyKeyInFlight):  # a job exists: a retry must not make a second one
@@ -304,10 +304,10 @@ async def test_claims_and_bindings_of_jobs_go_with_the_retention(store: JobStore
     old = await keys.claim("alice", "old", FP, "job")
     stale = await keys.claim("alice", "stale", FP, "session")
     assert isinstance(old, Claim) and isinstance(stale, Claim)
-    await store.put(job("job_old", T0))
+    await store.jobs.put(job("job_old", T0))
     await old.bind("job", "job_old", T0)
-    assert await store.purge(datetime.now(UTC) + timedelta(hours=1)) == ["job_old"]
-    assert await store.idempotency_key("alice", "old") is None
+    assert await store.jobs.purge(datetime.now(UTC) + timedelta(hours=1)) == ["job_old"]
+    assert await store.keys.get("alice", "old") is None
     assert isinstance(await keys.claim("alice", "stale", FP, "job"), Claim)  # an ancient claim went too
 
 
@@ -318,15 +318,15 @@ async def test_the_migration_keeps_bindings_both_ways_and_drops_claims_going_dow
     import sqlalchemy as sa
     from alembic import command
 
-    from service import migrate
-    from service.store_pg import async_url
+    from service.store import migrate
+    from service.store.pg_db import async_url
 
     store = make_store()
     await store.open()
     url = (
-        sa.URL.create("sqlite", database=str(store._path))  # type: ignore[attr-defined]
+        sa.URL.create("sqlite", database=str(store.path))  # type: ignore[attr-defined]
         if store_kind == "sqlite"
-        else async_url(store._url)  # type: ignore[attr-defined]
+        else async_url(store.url)  # type: ignore[attr-defined]
     )
     await store.close()
 
@@ -350,9 +350,7 @@ async def test_the_migration_keeps_bindings_both_ways_and_drops_claims_going_dow
     opened = make_store()
     await opened.open()  # upgrades to HEAD
     try:
-        assert (await opened.idempotency_key("alice", "old")) == IdempotencyRecord(
-            "alice", "old", FP, "job", "job_old", T0
-        )
+        assert (await opened.keys.get("alice", "old")) == IdempotencyRecord("alice", "old", FP, "job", "job_old", T0)
         keys = await keys_of(opened)
         assert isinstance(await keys.claim("alice", "new", FP, "job"), Claim)
         assert isinstance(await keys.claim("alice", "old", FP, "job"), IdempotencyRecord)

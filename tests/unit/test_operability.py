@@ -243,7 +243,7 @@ def registration(instance: str, lease_s: float = 30.0) -> Registration:
 
 async def test_sweep_is_refused_while_the_instance_is_live(store: JobStore) -> None:
     backend = Sweeper()
-    await store.register(registration("r1"))
+    await store.replicas.register(registration("r1"))
     with pytest.raises(InstanceIdInUse, match="live in the registry"):
         await sweep_instance(store, backend, "r1")
     with pytest.raises(InstanceIdInUse, match="live in the registry"):
@@ -262,16 +262,16 @@ async def test_sweep_of_an_unknown_instance_needs_unregistered(store: JobStore) 
 
 async def test_sweep_removes_a_left_instance_s_sandboxes(store: JobStore) -> None:
     backend = Sweeper()
-    epoch = await store.register(registration("r1"))
-    assert await store.set_replica_state(Incarnation("r1", epoch), "left")
-    await store.register(registration("r2"))  # another, live (SQLite: once r1 left)
+    epoch = await store.replicas.register(registration("r1"))
+    assert await store.replicas.set_state(Incarnation("r1", epoch), "left")
+    await store.replicas.register(registration("r2"))  # another, live (SQLite: once r1 left)
     assert await sweep_instance(store, backend, "r1") == 2
     assert backend.removals == [instance_labels("r1")]  # r2's labels never asked for
 
 
 async def test_sweep_removes_an_instance_whose_lease_passed(store: JobStore) -> None:
     backend = Sweeper()
-    await store.register(registration("r1", lease_s=0.05))  # killed: never renewed, never left
+    await store.replicas.register(registration("r1", lease_s=0.05))  # killed: never renewed, never left
     await asyncio.sleep(0.3)
     assert await sweep_instance(store, backend, "r1") == 2
     assert backend.removals == [instance_labels("r1")]

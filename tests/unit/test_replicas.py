@@ -51,82 +51,17 @@ def job(job_id: str, *, ended: bool = False, status: str = "running", instance: 
     )
 
 
-async def test_a_new_instance_registers_at_epoch_one_and_each_start_adds_one(store: JobStore) -> None:
-    assert await store.register(registration()) == 1
-    assert await store.register(registration()) == 2  # the same work dir, its lease holding: a restart
-    (row,) = await store.replicas()
-    assert (row.instance_id, row.epoch, row.state, row.version) == ("r1", 2, "live", "0.test")
-    assert row.holds_lease and 0 < row.lease_left_s <= 10
-
-
-async def test_a_live_instance_id_of_another_work_dir_is_refused(store: JobStore) -> None:
-    await store.register(registration(token="a" * 64))
-    with pytest.raises(InstanceIdInUse, match="PTC_INSTANCE_ID"):
-        await store.register(registration(token="b" * 64))
-    assert [r.epoch for r in await store.replicas()] == [1]  # nothing changed
-
-
-async def test_a_left_or_lapsed_instance_id_may_start_from_another_work_dir(store: JobStore) -> None:
-    await store.register(registration(token="a" * 64))
-    assert await store.set_replica_state(Incarnation("r1", 1), "left")
-    assert await store.register(registration(token="b" * 64)) == 2
-    assert await store.renew(Incarnation("r1", 2), 0.05)
-    await asyncio.sleep(0.2)  # its lease passes (an expired replica, not marked yet)
-    assert await store.register(registration(token="c" * 64)) == 3
-
-
-async def test_renewals_and_state_changes_match_only_the_current_live_incarnation(store: JobStore) -> None:
-    await store.register(registration())
-    await store.register(registration())  # epoch 2: epoch 1 is fenced
-    assert not await store.renew(Incarnation("r1", 1), 10)
-    assert await store.renew(Incarnation("r1", 2), 10)
-    assert not await store.set_replica_state(Incarnation("r1", 1), "left")
-    assert await store.set_replica_state(Incarnation("r1", 2), "draining")
-    assert await store.renew(Incarnation("r1", 2), 10)  # a draining replica keeps its lease
-    assert await store.set_replica_state(Incarnation("r1", 2), "left")
-    assert not await store.renew(Incarnation("r1", 2), 10)  # it left: no renewal brings it back
-    (row,) = await store.replicas()
-    assert (row.state, row.holds_lease) == ("left", False)
-
-
-async def test_job_saves_are_fenced_by_incarnation(store: JobStore) -> None:
-    await store.register(registration())
-    first = Incarnation("r1", 1)
-    assert await store.save(job("j1"), first)
-    assert await store.save(job("j1", status="waiting"), first)
-    assert (await store.get("j1")).status == "waiting"  # type: ignore[union-attr]
-    await store.register(registration())  # a restart: epoch 2 (the previous process is dead)
-    assert not await store.save(job("j1", ended=True), first)  # the old incarnation writes nothing more
-    assert not await store.save(job("j2"), first)  # nor a new job
-    assert await store.get("j2") is None
-    second = Incarnation("r1", 2)
-    assert not await store.save(job("j1", ended=True), second)  # another incarnation's job: not this one's
-    assert await store.save(job("j3"), second)
-    assert await store.save(job("j3", ended=True), second)
-    assert not await store.save(job("j3", status="running"), second)  # an ended row never changes again
-    stored = await store.get("j3")
-    assert stored is not None and stored.status == "succeeded"
-
-
-async def test_the_save_records_the_owner_of_the_incarnation(store: JobStore) -> None:
-    await store.register(registration())
-    assert await store.save(job("j1", instance="someone-else"), Incarnation("r1", 1))
-    stored = await store.get("j1")
-    assert stored is not None and stored.instance_id == "r1"
-    assert [j.job_id for j in await store.unfinished("r1")] == ["j1"]
-
-
 async def test_a_sqlite_store_serves_one_live_replica(tmp_path: Path) -> None:
-    from service.store import SQLiteJobStore
+    from service.store.sqlite import SQLiteJobStore
 
     store = SQLiteJobStore(tmp_path / "jobs.sqlite3")
     await store.open()
     try:
-        await store.register(registration("r1"))
+        await store.replicas.register(registration("r1"))
         with pytest.raises(InstanceIdInUse, match="one replica"):
-            await store.register(registration("r2", token="b" * 64))
-        assert await store.set_replica_state(Incarnation("r1", 1), "left")
-        assert await store.register(registration("r2", token="b" * 64)) == 1
+            await store.replicas.register(registration("r2", token="b" * 64))
+        assert await store.replicas.set_state(Incarnation("r1", 1), "left")
+        assert await store.replicas.register(registration("r2", token="b" * 64)) == 1
     finally:
         await store.close()
 
@@ -145,7 +80,7 @@ async def test_a_replica_registers_renews_and_leaves(store: JobStore, tmp_path: 
     assert replicas.renewals["ok"] >= 2 and not replicas.fenced
     assert replicas.ready() is None
     await replicas.close()
-    assert [(r.state, r.epoch) for r in await store.replicas()] == [("left", 1)]
+    assert [(r.state, r.epoch) for r in await store.replicas.all()] == [("left", 1)]
     again = Replicas(settings(tmp_path), store)
     assert (await again.register()).epoch == 2  # the same work dir's token: a restart
 
@@ -160,7 +95,7 @@ async def test_a_replica_whose_incarnation_was_taken_over_fences_itself(store: J
     assert old.fenced and fenced == [True] and old.renewals["fenced"] == 1
     assert old.ready() == "this replica lost its lease"
     await old.close()  # a fenced replica does not mark the row: it is no longer its
-    assert [(r.state, r.epoch) for r in await store.replicas()] == [("live", 2)]
+    assert [(r.state, r.epoch) for r in await store.replicas.all()] == [("live", 2)]
 
 
 def test_the_work_dir_token_is_made_once_and_private(tmp_path: Path) -> None:
@@ -274,13 +209,13 @@ async def test_any_replica_serves_an_ended_job_and_waits_for_a_running_one(postg
 
         store = app2.state.store
         reads: list[str] = []
-        get = store.get
+        get = store.jobs.get
 
         async def counted(job: str) -> Any:
             reads.append(job)
             return await get(job)
 
-        store.get = counted
+        store.jobs.get = counted
         waiting = asyncio.create_task(alice2.post(f"/jobs/{job_id}/wait", params={"timeout_s": 30}))
         await asyncio.sleep(0.5)
         before = len(reads)
@@ -319,14 +254,14 @@ async def test_both_replicas_are_in_the_registry_and_the_gauge(postgres_url: str
     async with replica(short / "w1", postgres_url, "t1") as (app1, _a, _b):
         async with replica(short / "w2", postgres_url, "t2"):
             await asyncio.sleep(0.5)  # a heartbeat reads the registry again
-            rows = {r.instance_id: r for r in await app1.state.store.replicas()}
+            rows = {r.instance_id: r for r in await app1.state.store.replicas.all()}
             assert {i: (r.state, r.epoch) for i, r in rows.items()} == {"t1": ("live", 1), "t2": ("live", 1)}
             text = app1.state.metrics.exposition().decode()
             assert 'ptc_replicas{state="live"} 2.0' in text
             assert 'ptc_lease_renewals_total{outcome="fenced"} 0.0' in text
             assert 'ptc_lease_renewals_total{outcome="ok"} 0.0' not in text  # renewed every 0.2 s
             assert "ptc_lease_remaining_seconds 0.0" not in text
-        rows = {r.instance_id: r for r in await app1.state.store.replicas()}
+        rows = {r.instance_id: r for r in await app1.state.store.replicas.all()}
         assert rows["t2"].state == "left"  # a clean shutdown leaves the registry
 
 
@@ -336,7 +271,7 @@ async def test_a_fenced_save_fences_the_replica(store: JobStore, tmp_path: Path)
     await Replicas(settings(tmp_path), store).register()  # epoch 2 took over
     with pytest.raises(LeaseLost):
         await old.save(job("j1"))
-    assert old.fenced and await store.get("j1") is None
+    assert old.fenced and await store.jobs.get("j1") is None
 
 
 async def test_a_re_saved_ended_job_is_dropped_from_the_other_replicas_cache(postgres_url: str, short: Path) -> None:
@@ -346,10 +281,10 @@ async def test_a_re_saved_ended_job_is_dropped_from_the_other_replicas_cache(pos
     ):
         view = (await alice1.post("/execute", json={"script": "print(1)"})).json()
         assert (await alice2.get(f"/jobs/{view['job_id']}")).json()["metadata"] == {}  # read: cached on t2
-        stored = await app1.state.store.get(view["job_id"])
+        stored = await app1.state.store.jobs.get(view["job_id"])
         changed = stored.view.replace(b'"metadata":{}', b'"metadata":{"re":"saved"}')
         assert changed != stored.view
-        await app1.state.store.put(dataclasses.replace(stored, view=changed))  # as a callback's re-save does
+        await app1.state.store.jobs.put(dataclasses.replace(stored, view=changed))  # as a callback's re-save does
         for _ in range(100):  # the notification arrives after the commit
             if (await alice2.get(f"/jobs/{view['job_id']}")).json()["metadata"]:
                 break
@@ -373,18 +308,18 @@ async def test_a_job_is_saved_before_its_id_is_answered(short: Path) -> None:
     app = create_app(Settings(auth="disabled", work_dir=short / "w1", sandbox_folders_tmpfs_mb=0), FakeBackend())
     async with app.router.lifespan_context(app):
         store = app.state.store
-        save = store.save
+        save = store.jobs.save
 
         async def slow(job: StoredJob, incarnation: Incarnation) -> bool:
             await asyncio.sleep(0.2)  # a store farther away than this test's
             return bool(await save(job, incarnation))
 
-        store.save = slow
+        store.jobs.save = slow
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://fake") as client:
             answer = await client.post("/execute", json={"script": "print(1)", "wait_s": 0})
             assert answer.status_code == 202
-            assert await store.get(answer.json()["job_id"]) is not None  # another replica would find it
+            assert await store.jobs.get(answer.json()["job_id"]) is not None  # another replica would find it
             await client.post(f"/jobs/{answer.json()['job_id']}/wait", params={"timeout_s": 20})
 
 

@@ -209,18 +209,19 @@ async def test_a_final_view_the_store_refuses_is_served_and_saved_once_it_answer
 
     from service.errors import StoreUnavailable
     from service.store import StoredJob
-    from service.store_pg import PostgresJobStore
+    from service.store.pg import PostgresJobStore
+    from service.store.pg_jobs import PostgresJobRecords
 
-    save = PostgresJobStore.save
+    save = PostgresJobRecords.save
     refused: list[str] = []
 
-    async def flaky_save(self: PostgresJobStore, job: StoredJob, incarnation: Any) -> bool:
+    async def flaky_save(self: PostgresJobRecords, job: StoredJob, incarnation: Any) -> bool:
         if job.ended_at is not None and len(refused) < 2:
             refused.append(job.job_id)
             raise StoreUnavailable("save")
         return await save(self, job, incarnation)
 
-    monkeypatch.setattr(PostgresJobStore, "save", flaky_save)  # the runner's saves are fenced: Replicas.save
+    monkeypatch.setattr(PostgresJobRecords, "save", flaky_save)  # the runner's saves are fenced: Replicas.save
     run = service(work_dir, postgres_url)
     async with run() as client:
         view = (await client.post("/execute", json={"script": "print(1)"})).json()
@@ -232,7 +233,7 @@ async def test_a_final_view_the_store_refuses_is_served_and_saved_once_it_answer
         await store.open()
         try:
             for _ in range(600):  # saved again once the store answers (every few seconds at first)
-                stored = await store.get(view["job_id"])
+                stored = await store.jobs.get(view["job_id"])
                 if stored is not None and stored.ended_at is not None:
                     break
                 await asyncio.sleep(0.1)
@@ -261,22 +262,22 @@ async def test_another_replica_reads_stored_output_a_slice_at_a_time(
     import hashlib
 
     from service.api.responses import OUTPUT_SLICE_BYTES
-    from service.store_pg import PostgresJobStore
+    from service.store.pg_blobs import PostgresJobBlobs
 
     async with service(work_dir, postgres_url)() as client:
         view = (await client.post("/execute", json={"script": BIG})).json()
         assert view["status"] == "succeeded", view
     job_id = view["job_id"]
-    read_blob = PostgresJobStore.read_blob
+    read_blob = PostgresJobBlobs.read
     asked: list[int | None] = []
 
     async def recording(
-        self: PostgresJobStore, job_id: str, name: str, offset: int = 0, length: int | None = None
+        self: PostgresJobBlobs, job_id: str, name: str, offset: int = 0, length: int | None = None
     ) -> bytes | None:
         asked.append(length)
         return await read_blob(self, job_id, name, offset, length)
 
-    monkeypatch.setattr(PostgresJobStore, "read_blob", recording)
+    monkeypatch.setattr(PostgresJobBlobs, "read", recording)
     async with service(other_work_dir, postgres_url)() as other:
         answer = await other.get(f"/jobs/{job_id}/output/stdout", params={"length": 16 * 1024 * 1024})
         assert answer.status_code == 200 and answer.content == b"y" * (3 * 1024 * 1024)
@@ -300,18 +301,19 @@ async def test_saving_a_refused_final_view_again_never_undoes_a_later_save(
 
     from service.errors import StoreUnavailable
     from service.store import StoredJob
-    from service.store_pg import PostgresJobStore
+    from service.store.pg import PostgresJobStore
+    from service.store.pg_jobs import PostgresJobRecords
 
-    save = PostgresJobStore.save
+    save = PostgresJobRecords.save
     refused: list[str] = []
 
-    async def flaky_save(self: PostgresJobStore, job: StoredJob, incarnation: Any) -> bool:
+    async def flaky_save(self: PostgresJobRecords, job: StoredJob, incarnation: Any) -> bool:
         if job.ended_at is not None and not refused:
             refused.append(job.job_id)
             raise StoreUnavailable("save")
         return await save(self, job, incarnation)
 
-    monkeypatch.setattr(PostgresJobStore, "save", flaky_save)  # the runner's saves are fenced: Replicas.save
+    monkeypatch.setattr(PostgresJobRecords, "save", flaky_save)  # the runner's saves are fenced: Replicas.save
     caplog.set_level(logging.INFO, logger="service.jobs.tasks")
     async with service(work_dir, postgres_url)() as client:
         view = (await client.post("/execute", json={"script": "print(1)"})).json()
@@ -319,19 +321,19 @@ async def test_saving_a_refused_final_view_again_never_undoes_a_later_save(
         store = PostgresJobStore(postgres_url)
         await store.open()
         try:
-            first = await store.get(view["job_id"])
+            first = await store.jobs.get(view["job_id"])
             assert first is not None and first.ended_at is None
             later = StoredJob(
                 first.job_id, "succeeded", first.instance_id, first.created_at, first.created_at,
                 b'{"later": true}', first.summary, False, first.owner,
             )  # fmt: skip
-            await store.put(later)  # e.g. the callback's delivery saved the view (delivered) meanwhile
+            await store.jobs.put(later)  # e.g. the callback's delivery saved the view (delivered) meanwhile
             for _ in range(600):
                 if "saving its final view: done" in caplog.text:
                     break
                 await asyncio.sleep(0.1)
             assert "saving its final view: done" in caplog.text
-            stored = await store.get(view["job_id"])
+            stored = await store.jobs.get(view["job_id"])
             assert stored is not None and stored.view == b'{"later": true}'
         finally:
             await store.close()
@@ -365,12 +367,12 @@ async def test_each_replica_purges_its_own_ended_jobs(work_dir: Path, other_work
         folder = work_dir / "output" / view["job_id"]
         assert folder.is_dir()
         store = first.state.store
-        stored = await store.get(view["job_id"])
+        stored = await store.jobs.get(view["job_id"])
         assert stored is not None and stored.ended_at is not None
         old = datetime.now(UTC) - timedelta(hours=1)  # ended long ago: past the retention
-        await store.put(type(stored)(**{**stored.__dict__, "ended_at": old, "created_at": old}))
+        await store.jobs.put(type(stored)(**{**stored.__dict__, "ended_at": old, "created_at": old}))
         assert await second.state.jobs.purge_expired() == 0  # not its job
-        assert await store.get(view["job_id"]) is not None
+        assert await store.jobs.get(view["job_id"]) is not None
         assert await first.state.jobs.purge_expired() == 1  # its own: the row, and its folder
-        assert await store.get(view["job_id"]) is None
+        assert await store.jobs.get(view["job_id"]) is None
         assert not folder.exists()

@@ -35,12 +35,18 @@ class StoreDown(OSError):
 
 @dataclass
 class FakeStore:
-    """The part of ``JobStore`` the runner and the views use, in memory; ``failing`` makes ``put`` raise."""
+    """The part of ``JobStore`` the runner and the views use (``jobs``: ``put``, ``save``, ``get``), in memory;
+    ``failing`` makes ``put`` raise."""
 
     rows: dict[str, StoredJob] = field(default_factory=dict)
     failing: bool = False
     puts: int = 0
     shares_output: bool = False
+
+    @property
+    def jobs(self) -> FakeStore:
+        """The job records: this fake itself."""
+        return self
 
     async def put(self, job: StoredJob) -> None:
         self.puts += 1

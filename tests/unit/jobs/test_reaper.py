@@ -30,7 +30,7 @@ from service.jobs.tasks import Tasks
 from service.replicas import Replicas
 from service.settings import Settings
 from service.store import Incarnation, Registration, StoredJob
-from service.store_pg import PostgresJobStore
+from service.store.pg import PostgresJobStore
 from service.toolkit.cache import ManifestCache
 from service.toolkit.endpoints import EndpointClients
 from service.views import render_head
@@ -78,14 +78,14 @@ def reaper(store: PostgresJobStore, incarnation: Incarnation, tmp_path: Path, lo
 
 async def dead_replica_with_jobs(store: PostgresJobStore, parts: Parts, n: int) -> list[str]:
     """r1 (a lease of 0.3 s, never renewed) saves ``n`` running jobs; r2 and r3 stay live."""
-    assert await store.register(registration("r1", 0.3)) == 1
+    assert await store.replicas.register(registration("r1", 0.3)) == 1
     for instance in ("r2", "r3"):
-        await store.register(registration(instance, 60))
+        await store.replicas.register(registration(instance, 60))
     ids = []
     for _ in range(n):
         job = parts.new_job("alice")
         job.move(JobStatus.RUNNING)
-        assert await store.save(await row(job, "r1"), DEAD)
+        assert await store.jobs.save(await row(job, "r1"), DEAD)
         ids.append(job.id)
     return ids
 
@@ -95,7 +95,7 @@ async def test_two_racing_reapers_mark_each_orphan_once(postgres_url: str, parts
         ids = await dead_replica_with_jobs(one, parts, 120)  # more than two batches of ORPHAN_BATCH
         alive = parts.new_job("alice")
         alive.move(JobStatus.RUNNING)
-        assert await one.save(await row(alive, "r2"), ALIVE)
+        assert await one.jobs.save(await row(alive, "r2"), ALIVE)
         await asyncio.sleep(0.5)  # r1's lease passes
         lost_a: list[str] = []
         lost_b: list[str] = []
@@ -105,12 +105,12 @@ async def test_two_racing_reapers_mark_each_orphan_once(postgres_url: str, parts
         assert sum(ended) == 120 and sorted(lost_a + lost_b) == sorted(ids)  # each once, by one reaper
         assert not set(lost_a) & set(lost_b)
         for job_id in ids:
-            stored = await one.get(job_id)
+            stored = await one.jobs.get(job_id)
             assert stored is not None and stored.status == "lost" and stored.ended_at is not None
             assert orjson.loads(stored.view)["error"]["type"] == "replica_lost"
-        still = await one.get(alive.id)
+        still = await one.jobs.get(alive.id)
         assert still is not None and still.status == "running"  # a live replica's job is left alone
-        states = {r.instance_id: r.state for r in await one.replicas()}
+        states = {r.instance_id: r.state for r in await one.replicas.all()}
         assert states == {"r1": "expired", "r2": "live", "r3": "live"}
         assert list(await asyncio.gather(a.scan(), b.scan())) == [0, 0]  # nothing left
 
@@ -119,33 +119,33 @@ async def test_a_fenced_incarnation_writes_no_row(postgres_url: str, parts: Part
     async with stores(postgres_url, 1) as (store,):
         (job_id,) = await dead_replica_with_jobs(store, parts, 1)
         await asyncio.sleep(0.5)
-        assert list(await store.expire_replicas("r2")) == [DEAD]
-        assert await store.expire_replicas("r3") == {}  # expired once
+        assert list(await store.replicas.expire("r2")) == [DEAD]
+        assert await store.replicas.expire("r3") == {}  # expired once
         job = parts.live[job_id]
         job.move(JobStatus.SUCCEEDED)
-        assert not await store.save(await row(job, "r1"), DEAD)  # its owner's end: no row matches
+        assert not await store.jobs.save(await row(job, "r1"), DEAD)  # its owner's end: no row matches
         other = parts.new_job("alice")
-        assert not await store.save(await row(other, "r1"), DEAD)  # nor a new job
-        assert await store.get(other.id) is None
+        assert not await store.jobs.save(await row(other, "r1"), DEAD)  # nor a new job
+        assert await store.jobs.get(other.id) is None
         replicas = Replicas.adopted(Settings(work_dir=tmp_path, instance_id="r1"), store, DEAD)
         with pytest.raises(LeaseLost):
             await replicas.save(await row(job, "r1"))
         assert replicas.fenced and not replicas.holds_lease()
         assert await reaper(store, ALIVE, tmp_path, []).scan() == 1
-        stored = await store.get(job_id)
+        stored = await store.jobs.get(job_id)
         assert stored is not None and stored.status == "lost"
-        assert not await store.save_lost(stored)  # an ended row is never ended again
+        assert not await store.jobs.save_lost(stored)  # an ended row is never ended again
 
 
 async def test_progress_saves_chunks_and_a_lost_job_keeps_them(postgres_url: str, parts: Parts, tmp_path: Path) -> None:
     async with stores(postgres_url, 1) as (store,):
         (job_id,) = await dead_replica_with_jobs(store, parts, 1)
-        await store.renew(DEAD, 60)  # alive while it saves progress
+        await store.replicas.renew(DEAD, 60)  # alive while it saves progress
         job = parts.live[job_id]
         job.stored.set()
 
         async def save(live: LiveJob) -> None:
-            assert await store.save(await row(live, "r1"), DEAD)
+            assert await store.jobs.save(await row(live, "r1"), DEAD)
 
         saver = ProgressSaver(store, parts.live, save, 0.5)
         job.stdout.write(b"a" * 10)
@@ -156,20 +156,20 @@ async def test_progress_saves_chunks_and_a_lost_job_keeps_them(postgres_url: str
         job.calls.append({"seq": 1, "call_id": "call_1", "tool": "t", "args": None, "status": "pending",
                           "started_at": job.created_at})  # fmt: skip
         assert await saver.save_all() == 1
-        sizes = await store.blob_sizes(job_id)
+        sizes = await store.blobs.sizes(job_id)
         assert sizes == {chunk_name("stdout", 0): 10, chunk_name("stdout", 10): 5, chunk_name("stderr", 0): 3}
         job.stdout.write(b"c" * 7)  # after the last progress save: lost with the replica
-        await store.renew(DEAD, 0.1)
+        await store.replicas.renew(DEAD, 0.1)
         await asyncio.sleep(0.3)
         assert await reaper(store, ALIVE, tmp_path, []).scan() == 1
-        stored = await store.get(job_id)
+        stored = await store.jobs.get(job_id)
         assert stored is not None
         view = orjson.loads(stored.view)
         assert (view["status"], view["error"]["type"]) == ("lost", "replica_lost")
         assert (view["stdout"], view["stdout_retained_bytes"], view["stderr"]) == ("a" * 10 + "b" * 5, 15, "err")
         assert [(c["seq"], c["status"], c["error"]["type"]) for c in view["calls"]] == [(1, "error", "cancelled")]
-        assert await store.read_blob(job_id, "stdout") == b"a" * 10 + b"b" * 5  # served as any ended job's
-        assert await store.read_blob(job_id, "stdout", 12, 2) == b"bb"
+        assert await store.blobs.read(job_id, "stdout") == b"a" * 10 + b"b" * 5  # served as any ended job's
+        assert await store.blobs.read(job_id, "stdout", 12, 2) == b"bb"
 
 
 async def test_the_broker_forwards_no_call_once_the_lease_is_lost(tmp_path: Path) -> None:
@@ -232,7 +232,7 @@ async def test_the_lease_is_renewed_while_the_start_up_sweep_runs(tmp_path: Path
     from service.jobs.recovery import Recovery
     from service.quotas import HostCapacity, Quotas
     from service.sandbox.folders import SandboxFolders
-    from service.store import SQLiteJobStore
+    from service.store.sqlite import SQLiteJobStore
 
     class SlowSweep:
         async def remove_labelled(self, labels: dict[str, str]) -> int:
@@ -275,15 +275,15 @@ async def test_sessions_of_a_dead_replica_are_broken_by_a_reaper_even_after_anot
 
     async with stores(postgres_url, 1) as (store,):
         await dead_replica_with_jobs(store, parts, 0)
-        assert await store.save_session(stored_session("ses_a"), DEAD)
-        assert await store.save_session(stored_session("ses_b"), DEAD)
+        assert await store.sessions.save(stored_session("ses_a"), DEAD)
+        assert await store.sessions.save(stored_session("ses_b"), DEAD)
         await asyncio.sleep(0.5)  # r1's lease passes
-        assert list(await store.expire_replicas("r3")) == [DEAD]  # r3 expired it, then stopped before the rest
-        assert {s.session_id for s in await store.open_sessions(None)} == {"ses_a", "ses_b"}
-        assert await store.orphan_sessions() == [DEAD]
+        assert list(await store.replicas.expire("r3")) == [DEAD]  # r3 expired it, then stopped before the rest
+        assert {s.session_id for s in await store.sessions.unended(None)} == {"ses_a", "ses_b"}
+        assert await store.sessions.orphan_holders() == [DEAD]
         await reaper(store, ALIVE, tmp_path, []).scan()  # r2's next scan finds them
-        assert await store.open_sessions(None) == []
+        assert await store.sessions.unended(None) == []
         for session_id in ("ses_a", "ses_b"):
-            broken = await store.get_session(session_id)
+            broken = await store.sessions.get(session_id)
             assert broken is not None and broken.status == "broken"
-        assert await store.orphan_sessions() == []
+        assert await store.sessions.orphan_holders() == []

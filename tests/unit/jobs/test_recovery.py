@@ -34,10 +34,16 @@ class Backend:
 
 
 class Store:
+    """The job records recovery uses (``store.jobs``), in memory."""
+
     def __init__(self, unfinished: list[StoredJob] | None = None) -> None:
         self.left = unfinished or []
         self.puts: list[StoredJob] = []
         self.expired: list[str] = []  # what the next purge returns
+
+    @property
+    def jobs(self) -> Store:
+        return self
 
     async def unfinished(self, instance_id: str) -> list[StoredJob]:
         return self.left

@@ -12,22 +12,23 @@ import pytest
 
 from service.errors import StoreUnavailable
 from service.jobs import shared
-from service.store import SQLiteJobStore
+from service.store import JobBlobs
+from service.store.sqlite import SQLiteJobStore
 
 MIB = 1024 * 1024
 
 
-class CountingStore(SQLiteJobStore):
-    """A store that counts the blob bytes handed to it and not yet stored, and the largest such count."""
+class CountingBlobs(JobBlobs):
+    """Blobs that count the bytes handed to them and not yet stored, and the largest such count."""
 
-    def __init__(self, path: Path, refuse: bool = False) -> None:
-        super().__init__(path)
+    def __init__(self, blobs: JobBlobs, refuse: bool = False) -> None:
+        self.blobs = blobs
         self.in_flight = 0
         self.most = 0
         self.calls = 0
         self.refuse = refuse
 
-    async def put_blobs(self, job_id: str, blobs: Mapping[str, bytes]) -> None:
+    async def put(self, job_id: str, blobs: Mapping[str, bytes]) -> None:
         self.calls += 1
         size = sum(len(data) for data in blobs.values())
         self.in_flight += size
@@ -36,9 +37,23 @@ class CountingStore(SQLiteJobStore):
             await asyncio.sleep(0.01)  # the statement takes a while: other jobs' copies overlap it
             if self.refuse:
                 raise StoreUnavailable("put_blobs")
-            await super().put_blobs(job_id, blobs)
+            await self.blobs.put(job_id, blobs)
         finally:
             self.in_flight -= size
+
+    async def read(self, job_id: str, name: str, offset: int = 0, length: int | None = None) -> bytes | None:
+        return await self.blobs.read(job_id, name, offset, length)
+
+    async def sizes(self, job_id: str) -> dict[str, int]:
+        return await self.blobs.sizes(job_id)
+
+
+class CountingStore(SQLiteJobStore):
+    """A SQLite store whose blobs count (``CountingBlobs``)."""
+
+    def __init__(self, path: Path, refuse: bool = False) -> None:
+        super().__init__(path)
+        self.blobs = self.counting = CountingBlobs(self.blobs, refuse)
 
 
 def job_folder(root: Path, name: str, files: int) -> tuple[Path, list[dict[str, Any]]]:
@@ -58,9 +73,9 @@ async def test_many_jobs_ending_together_hold_a_bounded_number_of_bytes(tmp_path
         slots = asyncio.Semaphore(shared.SHARE_AT_ONCE)
         jobs = [job_folder(tmp_path / "output", f"job_{n}", files=4) for n in range(12)]  # 6 MiB each, 72 in all
         await asyncio.gather(*(shared.share(store, folder, listed, folder.name, slots) for folder, listed in jobs))
-        assert store.most <= shared.SHARE_AT_ONCE * MIB  # one blob per slot, not every job's whole output
+        assert store.counting.most <= shared.SHARE_AT_ONCE * MIB  # one blob per slot, not every job's whole output
         for folder, _ in jobs:
-            assert await store.blob_sizes(folder.name) == {
+            assert await store.blobs.sizes(folder.name) == {
                 "stdout": MIB,
                 "stderr": MIB,
                 **{f"files/{i}": MIB for i in range(4)},
@@ -76,6 +91,6 @@ async def test_a_store_that_refuses_is_asked_once_per_job(tmp_path: Path) -> Non
         folder, listed = job_folder(tmp_path / "output", "job_1", files=20)
         with pytest.raises(StoreUnavailable):
             await shared.share(store, folder, listed, "job_1", asyncio.Semaphore(shared.SHARE_AT_ONCE))
-        assert store.calls == 1  # not 22 waits of PTC_STORE_TIMEOUT_S before the job's final view is saved
+        assert store.counting.calls == 1  # not 22 waits of PTC_STORE_TIMEOUT_S before the job's final view is saved
     finally:
         await store.close()

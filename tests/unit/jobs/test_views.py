@@ -21,7 +21,7 @@ async def test_late_follower_of_a_job_whose_final_save_failed(parts: Parts) -> N
     job = parts.new_job("alice")
     job.move(JobStatus.RUNNING)
     encoded = await views.encode(render_head(job.view_dict()), [])
-    await parts.store.put(stored_job(encoded.head, 0, encoded.body, "test"))  # its last successful save
+    await parts.store.jobs.put(stored_job(encoded.head, 0, encoded.body, "test"))  # its last successful save
     parts.live.pop(job.id)  # it ended (its cleanup closed its output files); its final save failed
     job.stdout.close()
     job.stderr.close()

@@ -1,5 +1,5 @@
 """The job store's tables as SQLAlchemy Core metadata: the PostgreSQL store's queries use them, and a test checks
-that the migrations (``service/migrations/``) make exactly these tables on PostgreSQL.
+that the migrations (``service/store/migrations/``) make exactly these tables on PostgreSQL.
 
 Times are ISO 8601 text (``datetime.isoformat()`` of UTC times), as in the SQLite store, so that both stores
 order and compare them the same way (cursors of ``GET /jobs`` are the same on both). Bytes are ``BLOB`` on
@@ -7,7 +7,7 @@ SQLite and ``bytea`` on PostgreSQL.
 
 ``job_blobs`` holds, for the PostgreSQL store, what the SQLite store keeps as files beside it: an ended job's
 retained output (``stdout``, ``stderr``) and its output files (``files/<index>``), so that any replica can serve
-them (issue 17). Its rows go with their job (``JobStore.purge``).
+them (issue 17). Its rows go with their job (``JobRecords.purge``).
 
 ``replicas`` is the registry of service processes sharing the store (docs/scaling.md, Replicas and leases): one
 row per instance id, its ``epoch`` counting its starts; ``jobs.instance_epoch`` says which incarnation of its
@@ -22,7 +22,15 @@ admitting the key's first request; ``resource_id`` NULL) and then ``bound`` to t
 
 from __future__ import annotations
 
+from datetime import datetime
+
 import sqlalchemy as sa
+
+
+def iso(value: datetime | None) -> str | None:
+    """A time as both stores keep it in their text columns (ISO 8601), None as NULL."""
+    return value.isoformat() if value is not None else None
+
 
 metadata = sa.MetaData()
 

@@ -1,5 +1,5 @@
-"""Alembic migrations of the job store (both SQLite and PostgreSQL), run by ``service.migrate``; the revisions are
-in ``versions/``."""
+"""Alembic migrations of the job store (both SQLite and PostgreSQL), run by ``service.store.migrate``; the
+revisions are in ``versions/``."""
 
 HEAD = "0007"
 """The newest revision: a store whose ``alembic_version`` holds it needs nothing (kept here, free of imports, so

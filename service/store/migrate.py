@@ -1,4 +1,4 @@
-"""Versioned migrations of the job store (Alembic, ``service/migrations/``), run at every start and by
+"""Versioned migrations of the job store (Alembic, ``service/store/migrations/``), run at every start and by
 ``ptc-sandbox migrate``.
 
 Both stores run the same revisions: ``0001`` makes today's tables (on SQLite it adopts a ``jobs.sqlite3`` made
@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 
-from service.migrations import HEAD
+from service.store.migrations import HEAD
 
 __all__ = ["HEAD", "current", "upgrade", "upgrade_connection"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from service.migrations import refuse_to_drop_rows
+from service.store.migrations import refuse_to_drop_rows
 
 revision = "0001"
 down_revision = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from service.migrations import refuse_to_drop_rows
+from service.store.migrations import refuse_to_drop_rows
 
 revision = "0002"
 down_revision = "0001"

@@ -1,10 +1,10 @@
-"""Alembic's environment: always online, on the connection ``service.migrate`` hands over."""
+"""Alembic's environment: always online, on the connection ``service.store.migrate`` hands over."""
 
 from __future__ import annotations
 
 from alembic import context
 
-from service.store_schema import metadata
+from service.store.schema import metadata
 
 connection = context.config.attributes["connection"]
 context.configure(connection=connection, target_metadata=metadata, render_as_batch=connection.dialect.name == "sqlite")
