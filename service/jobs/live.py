@@ -184,14 +184,15 @@ class LiveJob(Job):
             "stdout_retained_bytes": self.stdout.retained_bytes,
             "stderr_retained_bytes": self.stderr.retained_bytes,
             "callback": {"url": self.callback_url, "state": "pending", "attempts": []} if self.callback_url else None,
-            "pending_calls": self.broker.pending_calls if self.broker is not None else [],
+            "pending_calls": self.broker.paused.pending_calls if self.broker is not None else [],
             "sandbox_start": self.sandbox_start,
             "sandbox_id": self.sandbox_id,
             "session_id": self.session_id,
             "image": self.image,
             "owner": self.owner,
             "trace_id": self.trace_id,
-            "ran_as_coroutine": self.ran_as_coroutine or (self.broker is not None and self.broker.ran_as_coroutine),
+            "ran_as_coroutine": self.ran_as_coroutine
+            or (self.broker is not None and self.broker.records.ran_as_coroutine),
             **view_fields(self.normalized),
             **self.files_view(),
         }
