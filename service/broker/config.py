@@ -14,7 +14,7 @@ REPORT_FIELD_CAP = 2000  # characters of an error message, a report's text or a 
 
 @dataclass(frozen=True)
 class BrokerConfig:
-    """One job's broker limits: counts, bytes and timeouts, fixed for the job's life.
+    """One job's broker settings: its limits (counts, bytes), timeouts and fairness group, fixed for its life.
 
     Attributes:
         max_calls: tool calls accepted for the job; later ones are refused without a record

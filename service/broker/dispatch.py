@@ -205,6 +205,8 @@ class Dispatcher:
         return reply
 
     async def _dispatch(self, tool_name: str, request: Request, record: dict[str, Any]) -> dict[str, Any]:
+        """Take a recorded call through the lease, the tool, its arguments' checks and its pause, if any, to its
+        endpoint or client; returns the reply (without its id)."""
         if self._lease is not None and not self._lease():  # a fenced replica forwards no tool call
             return fail(record, "error", "replica_lost", "this replica lost its lease: no tool call is made")
         tool = self._tools.get(tool_name)
@@ -252,8 +254,8 @@ class Dispatcher:
         return await self._forward(tool, args, record, request.small)
 
     async def _hint(self, tool_name: str) -> str:
-        """ "; did you mean ..." for an unknown tool's name (the first ``MAX_HINTS`` of the job, short names only;
-        difflib on the check threads), or ""."""
+        """The hint ``; did you mean 'a', 'b'?`` for an unknown tool's name (for the job's first ``MAX_HINTS`` such
+        calls, names of at most ``HINT_NAME_MAX`` characters; difflib on the check threads), or an empty string."""
         if self._hints_left <= 0 or len(tool_name) > HINT_NAME_MAX:
             return ""
         self._hints_left -= 1
