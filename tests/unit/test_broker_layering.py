@@ -29,6 +29,7 @@ def imported(module: str) -> set[str]:
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module is not None:
             names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)  # ``from service import jobs``
     return names
 
 
