@@ -412,7 +412,7 @@ class CallApproval(BaseModel):
 
 
 class CallRecord(BaseModel):
-    """One tool call as the broker saw it (``service.broker``): its call record in the job view."""
+    """One tool call as the broker saw it (``service.broker.records``): its call record in the job view."""
 
     seq: int = Field(description="1-based, in order of arrival at the broker.")
     call_id: str

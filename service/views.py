@@ -4,7 +4,7 @@ A job view (``schemas.JobView``) is rendered as three parts, always in this orde
 
     {<head: every other field, validated by JobView>,"pending_calls":[...],"calls":[<record>,<record>,...]}
 
-Call records hold their ``args`` and ``result`` as ``orjson.Fragment`` (raw JSON, ``service.broker``), so a
+Call records hold their ``args`` and ``result`` as ``orjson.Fragment`` (raw JSON, ``service.broker.records``), so a
 record is encoded by copying bytes, and a view of a running job is rendered a batch of records at a time
 (``stream``), giving the event loop back between batches: no request holds more than about
 ``BATCH_BYTES`` of it at once, whatever the job's size.

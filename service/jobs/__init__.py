@@ -179,7 +179,7 @@ class JobManager:
             JobNotFound: no such job, or another owner's (only the job's owner answers its calls).
             CallNotPending: the job has ended, or that call is not waiting for an answer.
         """
-        await self._settle(job_id, caller, call_id, lambda broker: broker.answer_client_call(call_id, ok, value))
+        await self._settle(job_id, caller, call_id, lambda broker: broker.paused.answer_client_call(call_id, ok, value))
         return await self._views.view(job_id, caller, selection=selection)
 
     async def decide_approval(
@@ -199,7 +199,10 @@ class JobManager:
             CallNotPending: the job has ended, or that call does not await approval (decided, timed out, unknown).
         """
         await self._settle(
-            job_id, caller, call_id, lambda broker: broker.decide_approval(call_id, approved, caller.owner, reason)
+            job_id,
+            caller,
+            call_id,
+            lambda broker: broker.paused.decide_approval(call_id, approved, caller.owner, reason),
         )
         return await self._views.view(job_id, caller, selection=selection)
 

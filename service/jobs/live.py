@@ -128,7 +128,7 @@ class LiveJob(Job):
     normalized: Normalized | None = None  # the script's normalization (no repairs when switched off)
     output_files: OutputFiles | None = None  # what the script left in outputs/, once its run began
     output_budget: FileBudget | None = None  # what its owner may still keep on disk (output and files)
-    record_bytes: int = 0  # bytes of arguments and results its call records keep (``Broker.kept_bytes``), once ended
+    record_bytes: int = 0  # bytes of arguments and results its call records keep (``CallRecords.kept_bytes``), once ended
     stored_bytes: int | None = None  # what it keeps in the store in all, counted once its final row was made
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     saving: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves reach the store in the order they began
@@ -187,14 +187,15 @@ class LiveJob(Job):
             "stdout_retained_bytes": self.stdout.retained_bytes,
             "stderr_retained_bytes": self.stderr.retained_bytes,
             "callback": {"url": self.callback_url, "state": "pending", "attempts": []} if self.callback_url else None,
-            "pending_calls": self.broker.pending_calls if self.broker is not None else [],
+            "pending_calls": self.broker.paused.pending_calls if self.broker is not None else [],
             "sandbox_start": self.sandbox_start,
             "sandbox_id": self.sandbox_id,
             "session_id": self.session_id,
             "image": self.image,
             "owner": self.owner,
             "trace_id": self.trace_id,
-            "ran_as_coroutine": self.ran_as_coroutine or (self.broker is not None and self.broker.ran_as_coroutine),
+            "ran_as_coroutine": self.ran_as_coroutine
+            or (self.broker is not None and self.broker.records.ran_as_coroutine),
             **view_fields(self.normalized),
             **self.files_view(),
         }

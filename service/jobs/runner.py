@@ -24,7 +24,7 @@ from functools import partial
 from typing import Any
 
 from service import stages, telemetry, verdict, views
-from service.broker import Broker, CallMemory
+from service.broker import Broker, BrokerConfig, CallMemory
 from service.files import OutputFiles
 from service.jobs.admission import Admitted, Ticket
 from service.jobs.events import CallEnded, Events, JobEnded, SandboxStarted, StatusChanged
@@ -203,26 +203,19 @@ class Runner:
 
     def _new_broker(self, job: LiveJob, manifest: CompiledManifest) -> Broker:
         """The job's broker (not listening yet); its records are the job's call records."""
-        settings = self._settings
         broker = Broker(
             manifest.tools,
             self._endpoints,
-            settings.max_tool_calls,
-            settings.max_request_line_bytes,
-            settings.max_record_bytes,
-            on_call_end=lambda record: self._call_ended(job, record),
-            client_call_timeout_s=settings.client_call_timeout_s,
-            on_paused_calls=lambda waiting: self._client_calls_changed(job, waiting),
-            approval_timeout_s=settings.approval_timeout_s,
-            max_in_flight_bytes=settings.max_call_bytes_in_flight,
-            memory=self._call_memory,
+            BrokerConfig.from_settings(self._settings, check_group=job.owner),
             checks=self._checks,
-            check_group=job.owner,
+            memory=self._call_memory,
+            budget=job.output_budget,  # the records count against the owner's output_bytes quota
             trace_parent=job.span,
             lease=self._replicas.holds_lease,
-            budget=job.output_budget,  # the records count against the owner's output_bytes quota
+            on_call_end=lambda record: self._call_ended(job, record),
+            on_paused_calls=lambda waiting: self._client_calls_changed(job, waiting),
         )
-        job.calls = broker.records
+        job.calls = broker.records.calls
         job.broker = broker
         return broker
 
@@ -290,7 +283,7 @@ class Runner:
     def _finish(job: LiveJob, exit_status: ExitStatus, ended_by: EndedBy | None, broker: Broker) -> None:
         """Set the job's final status, exit code and error from what ended the script (``model.end_of_run``)."""
         job.exit_code = code = exit_status.exit_code
-        script_failure = verdict.failure(code, job.normalized, broker.script_report) if code != 0 else None
+        script_failure = verdict.failure(code, job.normalized, broker.records.script_report) if code != 0 else None
         status, error = end_of_run(
             exit_status,
             ended_by,
@@ -352,9 +345,9 @@ class Runner:
                 await broker.close()
             except Exception:
                 log.exception("job %s: closing its broker failed", job.id)
-            job.calls_over_limit = broker.calls_over_limit
-            job.ran_as_coroutine = broker.ran_as_coroutine
-            job.record_bytes = broker.kept_bytes  # counted with the rest of its row at the final save
+            job.calls_over_limit = broker.records.calls_over_limit
+            job.ran_as_coroutine = broker.records.ran_as_coroutine
+            job.record_bytes = broker.records.kept_bytes  # counted with the rest of its row at the final save
             for output in (job.stdout, job.stderr):
                 output.close()
             job.ended_at = now()
@@ -376,7 +369,7 @@ class Runner:
                 )
                 self._tasks.spawn(again, f"final save {job.id}")  # meanwhile served from the view cache
         finally:
-            broker.release()
+            broker.records.release()
             ticket.release()
             job.notify()
             job.done.set()

@@ -63,7 +63,7 @@ _MCP_ERROR_STATUS = (mcp_types.INTERNAL_ERROR, "Server returned an error respons
 class RawJson:
     """An endpoint's answer as it came: JSON text not parsed yet (``EndpointClients.call(..., raw=True)``).
 
-    The broker parses it on its check threads (``service.broker.check_result``), never on the event loop:
+    The broker parses it on its check threads (``service.broker.checks.check_result``), never on the event loop:
     parsing and walking 8 MiB of ``[[],[],...]`` takes about a second of CPU.
     """
 

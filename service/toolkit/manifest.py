@@ -442,7 +442,7 @@ class ToolSpec:
         approval: when its calls wait for a human's approval (``POST /jobs/{id}/calls/{call_id}/approve``); None:
             never.
         cheap_arguments: ``parameters`` is a cheap schema (``cheap_schema``) and no approval rule applies: the
-            broker may check small arguments on the event loop (``service.broker``).
+            broker may check small arguments on the event loop (``service.broker.dispatch``).
         cheap_result: no output schema, or a cheap one: the broker may check small results on the event loop.
     """
 
@@ -897,7 +897,7 @@ def cheap_schema(schema: JsonSchema) -> bool:
     ``COSTLY_KEYWORDS`` in any of its schemas and at most ``CHEAP_SCHEMA_NODES`` JSON values in all. Each keyword
     it uses then costs at most a walk of the schema's own values per instance member (an ``enum``'s set is built
     from at most as many), so one ``tick`` is bounded; the broker still runs such a check within a small CPU
-    budget (``service.broker.INLINE_CHECK_BUDGET_S``) and hands it to the check threads past it."""
+    budget (``service.broker.dispatch.INLINE_CHECK_BUDGET_S``) and hands it to the check threads past it."""
     nodes = 0
     schemas: list[Any] = [schema]
     data: list[Any] = []  # keywords' values that are not schemas: counted only

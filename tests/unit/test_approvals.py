@@ -17,7 +17,8 @@ import pytest
 
 from service.api import create_app
 from service.auth import hash_token
-from service.broker import Broker, check_arguments
+from service.broker import Broker, BrokerConfig
+from service.broker.checks import check_arguments
 from service.errors import CallNotPending, ManifestError
 from service.sandbox.fake import FakeBackend
 from service.schemas import CallRecord
@@ -113,32 +114,33 @@ async def test_the_broker_holds_a_call_until_it_is_decided(tmp_path: Path) -> No
     counts: list[int] = []
     endpoints = EndpointClients(5.0, 1 << 20)
     try:
-        broker = Broker({"w": tool, "ask": client_tool}, endpoints, 10, 1 << 20, 1 << 20, on_paused_calls=counts.append)
+        tools = {"w": tool, "ask": client_tool}
+        broker = Broker(tools, endpoints, BrokerConfig(10, 1 << 20, 1 << 20), on_paused_calls=counts.append)
         await broker.start(tmp_path / "s")
         reader, writer = await asyncio.open_unix_connection(str(tmp_path / "s"))
         for n, (name, args) in enumerate([("w", {"path": "a"}), ("w", {"path": "b"}), ("ask", {})], 1):
             writer.write(orjson.dumps({"id": n, "tool": name, "args": args}) + b"\n")
-        await until(lambda: len(broker.pending_calls) == 3)
-        assert [(p["tool"], p["awaiting"]) for p in broker.pending_calls] == [
+        await until(lambda: len(broker.paused.pending_calls) == 3)
+        assert [(p["tool"], p["awaiting"]) for p in broker.paused.pending_calls] == [
             ("w", "approval"),
             ("w", "approval"),
             ("ask", "client"),
         ]
-        first, second, asked = (p["call_id"] for p in broker.pending_calls)
+        first, second, asked = (p["call_id"] for p in broker.paused.pending_calls)
         with pytest.raises(CallNotPending):
-            broker.answer_client_call(first, True, 1)  # an approval is not a client's answer
+            broker.paused.answer_client_call(first, True, 1)  # an approval is not a client's answer
         with pytest.raises(CallNotPending):
-            broker.decide_approval(asked, True, "alice", None)  # nor the reverse
-        broker.decide_approval(first, True, "alice", "fine")
-        broker.decide_approval(second, False, "alice", "not that one")
+            broker.paused.decide_approval(asked, True, "alice", None)  # nor the reverse
+        broker.paused.decide_approval(first, True, "alice", "fine")
+        broker.paused.decide_approval(second, False, "alice", "not that one")
         with pytest.raises(CallNotPending):
-            broker.decide_approval(second, True, "alice", None)  # decided already
-        broker.answer_client_call(asked, True, 7)
+            broker.paused.decide_approval(second, True, "alice", None)  # decided already
+        broker.paused.answer_client_call(asked, True, 7)
         replies = {reply["id"]: reply for reply in [orjson.loads(await reader.readline()) for _ in range(3)]}
         assert replies[1] == {"ok": True, "result": {"tool": "w", "args": {"path": "a"}}, "id": 1}
         assert replies[2]["error"] == {"type": "denied", "message": "w: denied: not that one"}
         assert replies[3]["result"] == 7
-        records = {r["call_id"]: r for r in broker.records}
+        records = {r["call_id"]: r for r in broker.records.calls}
         assert records[first]["approval"]["decision"] == "approved" and records[first]["approval"]["by"] == "alice"
         assert records[second]["approval"]["reason"] == "not that one"
         assert (records[second]["status"], records[asked]["approval"]) == ("error", None)

@@ -15,7 +15,8 @@ from typing import Any
 import orjson
 
 from service import views
-from service.broker import Broker, CallMemory
+from service.broker import Broker, BrokerConfig, CallMemory
+from service.broker.config import UNBOUNDED
 from service.egress import EgressPolicy
 from service.toolkit.cache import ManifestCache
 from service.toolkit.endpoints import EndpointClients
@@ -49,7 +50,13 @@ async def broker(tmp_path: Path, **options: Any) -> AsyncIterator[tuple[Broker, 
     """A started broker with an echo tool and a client-executed tool, and a connection to it."""
     manifest = await ManifestCache(b"k" * 32).compile([ECHO_TOOL, CLIENT_TOOL], "pytest")
     endpoints = EndpointClients(30.0, 8 * 1024 * 1024, EgressPolicy([]))
-    b = Broker(manifest.tools, endpoints, 10_000, 1024 * 1024, options.pop("max_record_bytes", 1 << 30), **options)
+    config = BrokerConfig(
+        10_000,
+        1024 * 1024,
+        options.pop("max_record_bytes", 1 << 30),
+        max_in_flight_bytes=options.pop("max_in_flight_bytes", UNBOUNDED),
+    )
+    b = Broker(manifest.tools, endpoints, config, **options)
     await asyncio.to_thread(tmp_path.mkdir, parents=True, exist_ok=True)
     path = tmp_path / "tools.sock"
     await b.start(path)
@@ -83,7 +90,7 @@ async def test_records_past_the_job_cap_keep_the_call_but_not_its_arguments_or_r
             await sock.send(i, "echo", args)
             reply = await sock.reply()
             assert reply["ok"] and reply["result"] == {"tool": "echo", "args": args}  # the script gets it all
-        records = [decoded(r) for r in b.records]
+        records = [decoded(r) for r in b.records.calls]
     assert [r["status"] for r in records] == ["ok"] * 4
     assert records[0]["args"] == args and records[0]["result"] == {"tool": "echo", "args": args}
     assert records[0]["args_dropped_bytes"] is None and records[0]["result_dropped_bytes"] is None
@@ -98,7 +105,7 @@ async def test_records_hold_raw_json_not_python_objects(tmp_path: Path) -> None:
     async with broker(tmp_path) as (b, sock):
         await sock.send(1, "echo", {"items": [{"k": i} for i in range(1000)]})
         await sock.reply()
-        record = b.records[0]
+        record = b.records.calls[0]
     assert isinstance(record["args"], orjson.Fragment) and isinstance(record["result"], orjson.Fragment)
     assert decoded(record)["args"]["items"][999] == {"k": 999}
 
@@ -113,8 +120,10 @@ async def test_the_service_wide_record_cap_spans_jobs_and_is_returned_when_a_job
         async with broker(tmp_path / "b", memory=memory) as (second, other):
             await other.send(1, "echo", args)
             assert (await other.reply())["ok"]
-            assert decoded(second.records[0])["args_dropped_bytes"] == 1008  # the first job holds the service's cap
-        first.release()
+            assert (
+                decoded(second.records.calls[0])["args_dropped_bytes"] == 1008
+            )  # the first job holds the service's cap
+        first.records.release()
         assert memory.record_bytes == 0
 
 
@@ -122,14 +131,14 @@ async def test_calls_past_the_service_wide_bytes_in_flight_are_refused_as_reject
     memory = CallMemory(max_record_bytes=1 << 30, max_in_flight_bytes=1500)
     async with broker(tmp_path, memory=memory) as (b, sock):
         await sock.send(1, "ask", {"q": "x" * 1000})  # waits for the client: stays in flight
-        await until(lambda: bool(b.pending_calls))
+        await until(lambda: bool(b.paused.pending_calls))
         await sock.send(2, "echo", {"q": "x" * 1000})
         refused = await sock.reply()
         assert refused["id"] == 2 and refused["error"]["type"] == "limit_exceeded"
-        record = decoded(b.records[1])
+        record = decoded(b.records.calls[1])
         assert record["status"] == "rejected" and record["error"]["type"] == "limit_exceeded"
         assert record["args"] is None and record["args_dropped_bytes"] > 1000
-        b.answer_client_call(b.pending_calls[0]["call_id"], True, 42)
+        b.paused.answer_client_call(b.paused.pending_calls[0]["call_id"], True, 42)
         assert (await sock.reply())["result"] == 42
         await sock.send(3, "echo", {"q": "x" * 1000})  # room again
         assert (await sock.reply())["ok"]
@@ -140,20 +149,20 @@ async def test_a_job_past_its_bytes_in_flight_is_not_read_until_calls_end(tmp_pa
     async with broker(tmp_path, max_in_flight_bytes=2000) as (b, sock):
         for i in range(3):
             await sock.send(i, "ask", {"q": "x" * 900})  # ~940 bytes a line: two fit, the third waits
-        await until(lambda: len(b.pending_calls) == 2)
+        await until(lambda: len(b.paused.pending_calls) == 2)
         await asyncio.sleep(0.2)
-        assert len(b.records) == 2  # the third line is not read
-        b.answer_client_call(b.pending_calls[0]["call_id"], True, None)
-        await until(lambda: len(b.records) == 3)
+        assert len(b.records.calls) == 2  # the third line is not read
+        b.paused.answer_client_call(b.paused.pending_calls[0]["call_id"], True, None)
+        await until(lambda: len(b.records.calls) == 3)
 
 
 async def test_client_calls_show_their_arguments_even_when_the_record_drops_them(tmp_path: Path) -> None:
     async with broker(tmp_path, max_record_bytes=0) as (b, sock):
         await sock.send(1, "ask", {"q": "where?"})
-        await until(lambda: bool(b.pending_calls))
-        pending = b.pending_calls[0]
+        await until(lambda: bool(b.paused.pending_calls))
+        pending = b.paused.pending_calls[0]
         assert orjson.loads(orjson.dumps(pending["args"])) == {"q": "where?"}
-        assert b.records[0]["args"] is None and b.records[0]["args_dropped_bytes"] == len(b'{"q":"where?"}')
+        assert b.records.calls[0]["args"] is None and b.records.calls[0]["args_dropped_bytes"] == len(b'{"q":"where?"}')
 
 
 def job_view(calls: list[dict[str, Any]]) -> dict[str, Any]:

@@ -23,7 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from service import exactjson, verdict, views
-from service.broker import MAX_TOOL_NAME_SHOWN, REPORT_FIELD_CAP, Broker
+from service.broker import Broker, BrokerConfig
+from service.broker.config import REPORT_FIELD_CAP
+from service.broker.dispatch import MAX_TOOL_NAME_SHOWN
 from service.egress import EgressPolicy
 from service.jobs.live import stored_job
 from service.schemas import JobView
@@ -209,7 +211,7 @@ async def exchange(lines: list[bytes], folder: Path) -> tuple[Broker, list[dict[
     """Send ``lines`` to a real broker over a real unix socket; returns it (closed) and the replies."""
     manifest = await ManifestCache(b"k" * 32).compile([ECHO_ANY, {**TYPED, "endpoint": {"kind": "echo"}}], "pytest")
     endpoints = EndpointClients(30.0, 8 * 1024 * 1024, EgressPolicy([]))
-    broker = Broker(manifest.tools, endpoints, 100, 1024 * 1024, 64 * 1024)
+    broker = Broker(manifest.tools, endpoints, BrokerConfig(100, 1024 * 1024, 64 * 1024))
     path = folder / "tools.sock"
     await broker.start(path)
     replies = []
@@ -238,7 +240,7 @@ def test_a_refused_argument_is_quoted_within_bounds(socket_dir: Path) -> None:
     (reply,) = replies
     assert reply["error"]["type"] == "invalid_arguments"
     assert len(reply["error"]["message"]) <= REPORT_FIELD_CAP + 1
-    assert broker.records[0]["error"] == reply["error"]
+    assert broker.records.calls[0]["error"] == reply["error"]
 
 
 def test_a_view_that_cannot_be_encoded_contradicts_nothing() -> None:
@@ -263,7 +265,7 @@ def test_whatever_a_script_sends_the_records_stay_bounded_exact_and_servable(
 ) -> None:
     broker, replies = asyncio.run(exchange(lines, socket_dir))
     assert all(isinstance(r, dict) and isinstance(r.get("ok"), bool) for r in replies)
-    records = broker.records
+    records = broker.records.calls
     # a record for each line the broker took as a tool call, nothing for the rest
     requests = [request for request in map(tool_call, lines) if request is not None]
     assert len(records) == len(requests)
@@ -272,7 +274,7 @@ def test_whatever_a_script_sends_the_records_stay_bounded_exact_and_servable(
         assert len(record["tool"]) <= MAX_TOOL_NAME_SHOWN
         assert record["error"] is None or len(record["error"]["message"]) <= REPORT_FIELD_CAP + 1
     # the view encodes, validates, reads back from the store and lists; its totals match what it shows
-    view = view_of(views.snapshot(records), broker.script_report)
+    view = view_of(views.snapshot(records), broker.records.script_report)
     head = views.render_head(view)
     body = asyncio.run(views.encode(head, views.snapshot(records))).body
     model = JobView.model_validate_json(body)

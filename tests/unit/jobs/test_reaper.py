@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from service import views
-from service.broker import Broker
+from service.broker import Broker, BrokerConfig
 from service.egress import EgressPolicy
 from service.errors import LeaseLost
 from service.jobs.events import Events, JobLost
@@ -179,7 +179,7 @@ async def test_the_broker_forwards_no_call_once_the_lease_is_lost(tmp_path: Path
     )
     endpoints = EndpointClients(5.0, 1 << 20, EgressPolicy())
     holds = [True]
-    broker = Broker(manifest.tools, endpoints, 100, 1 << 20, 1 << 20, lease=lambda: holds[0])
+    broker = Broker(manifest.tools, endpoints, BrokerConfig(100, 1 << 20, 1 << 20), lease=lambda: holds[0])
     await broker.start(tmp_path / "tools.sock")
     sock = socket.socket(socket.AF_UNIX)
     try:
@@ -196,7 +196,7 @@ async def test_the_broker_forwards_no_call_once_the_lease_is_lost(tmp_path: Path
         holds[0] = False  # fenced, or its local deadline passed
         refused = await call(2)
         assert refused["ok"] is False and refused["error"]["type"] == "replica_lost", refused
-        assert [r["status"] for r in broker.records] == ["ok", "error"]
+        assert [r["status"] for r in broker.records.calls] == ["ok", "error"]
         lines.close()
     finally:
         sock.close()

@@ -1,0 +1,117 @@
+"""The broker: one unix-socket server per job, the only authority on which tool calls happened.
+
+Protocol: newline-delimited JSON.
+A request ``{"id": n, "tool": name, "args": {...}}`` is answered, in any
+order, by ``{"id": n, "ok": true, "result": ...}`` or ``{"id": n, "ok": false,
+"error": {"type", "message"}}``. Each request is handled in its own task, so
+many calls are in flight at once on one connection. One control request
+exists: ``{"id": n, "op": "report", "error": {...}}``, by which the runtime
+describes the script's uncaught exception; it is kept as ``script_report``,
+the script's own claim: the job's ``error`` is built from what the service
+observed (``service.verdict``), with this report only labelled inside it.
+``{"id": n, "op": "report", "ran_as": "coroutine"}`` says the script had
+top-level ``await`` and ran as a coroutine (``ran_as_coroutine``, also a claim).
+
+A ``Broker`` is four collaborating parts, one module each:
+
+- ``connection``: the socket (``Connections``): connections, reading lines at a pace (``Pacer``), the requests
+  and bytes in flight, replies written together;
+- ``records``: the call records (``CallRecords``): one per call, final once the broker has closed, the bytes they
+  keep within the job's, the service's (``CallMemory``) and the owner's caps, and the runtime's reports;
+- ``dispatch`` and ``checks``: each call read, checked (on the shared check threads, or within a small budget on
+  the loop), forwarded to its endpoint and recorded (``Dispatcher``);
+- ``paused``: calls that wait for the harness (``PausedCalls``): client-executed calls and calls awaiting approval.
+
+Its limits are one frozen ``BrokerConfig`` (``config``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.trace import Span
+
+from service.broker.config import UNBOUNDED, BrokerConfig
+from service.broker.connection import Connections
+from service.broker.dispatch import Dispatcher
+from service.broker.paused import PausedCalls
+from service.broker.records import CallMemory, CallRecords
+from service.files import FileBudget
+from service.toolkit.endpoints import EndpointClients
+from service.toolkit.manifest import ToolSpec
+from service.toolkit.validation import CheckScheduler
+
+__all__ = ["Broker", "BrokerConfig", "CallMemory", "CallRecords", "PausedCalls"]
+
+
+class Broker:
+    """One job's broker: its socket, its call records, its paused calls.
+
+    Args:
+        tools: the job's tools by original name.
+        endpoints: the shared endpoint clients.
+        config: the job's limits and timeouts.
+        checks: the service's scheduler of argument and result checks (shared by every job); None: one of the
+            broker's own, with one thread (for a broker used alone, as in tests).
+        memory: the service-wide bounds of kept record bytes and request bytes in flight (shared by every job);
+            None: unbounded.
+        budget: what the job's owner may still keep (its ``output_bytes`` quota, shared with its retained output):
+            the records' kept bytes are taken from it and stay taken after the job (until its purge gives them
+            back: ``records.kept_bytes`` says how many); None: no owner cap.
+        trace_parent: the job's span: each call gets a child span (``service.telemetry``); None: no spans.
+        lease: asked before each call whether this replica still holds its lease (``Replicas.holds_lease``): when
+            not, the call fails (``replica_lost``) without reaching any endpoint or client; None: not asked.
+        on_call_end: called with each completed record (metrics hook).
+        on_paused_calls: called with the number of calls waiting for the harness (client-executed calls and calls
+            awaiting approval), whenever it changes.
+
+    Attributes:
+        records: the job's call records and the script's reports (``CallRecords``); ``records.release()`` once
+            the job's final view is saved.
+        paused: the calls waiting for the harness (``PausedCalls``): ``pending_calls``, ``answer_client_call``,
+            ``decide_approval``.
+    """
+
+    def __init__(
+        self,
+        tools: Mapping[str, ToolSpec],
+        endpoints: EndpointClients,
+        config: BrokerConfig,
+        *,
+        checks: CheckScheduler | None = None,
+        memory: CallMemory | None = None,
+        budget: FileBudget | None = None,
+        trace_parent: Span | None = None,
+        lease: Callable[[], bool] | None = None,
+        on_call_end: Callable[[dict[str, Any]], None] | None = None,
+        on_paused_calls: Callable[[int], None] | None = None,
+    ) -> None:
+        memory = memory or CallMemory(UNBOUNDED, UNBOUNDED)
+        self.records = CallRecords(config, memory, budget)
+        self.paused = PausedCalls(config, on_paused_calls)
+        dispatcher = Dispatcher(
+            tools,
+            endpoints,
+            config,
+            self.records,
+            self.paused,
+            checks=checks,
+            memory=memory,
+            trace_parent=trace_parent,
+            lease=lease,
+            on_call_end=on_call_end,
+        )
+        self._connections = Connections(config, dispatcher)
+
+    async def start(self, path: Path) -> None:
+        """Listen on ``path`` (a unix socket, mode 0666 so the sandbox user can connect)."""
+        await self._connections.start(path)
+
+    async def close(self) -> None:
+        """Stop listening and reading, cancel calls in flight (records end ``cancelled``), close connections: the
+        records are final."""
+        await self._connections.stop()
+        self.records.cancel_pending()
+        await self._connections.wait_closed()

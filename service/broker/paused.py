@@ -1,0 +1,163 @@
+"""Calls paused until the harness answers them over the API (``pending_calls``; the job is ``waiting`` meanwhile).
+
+Two kinds of call pause: a client-executed tool's call (``PausedCalls.answer_client_call``), and a call that needs
+approval (``ToolSpec.approval``), once its arguments are valid (``PausedCalls.decide_approval``): approved, it goes
+on to its endpoint; denied, it ends ``error`` with type ``denied``; undecided for its approval timeout, ``timeout``
+with type ``approval_timeout`` (the endpoint never saw it). Its record's ``approval`` says who decided, and when.
+A client's answer is held to the same rules as an endpoint's (NaN, infinities and lone surrogates refused,
+``bad_response``); the dispatcher then checks it as a result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from service import exactjson
+from service.broker.config import REPORT_FIELD_CAP, BrokerConfig
+from service.broker.records import fail, now
+from service.errors import CallNotPending
+from service.toolkit.manifest import ToolSpec
+
+
+@dataclass(frozen=True)
+class _Paused:
+    """A call held until the harness answers it: the answer's future, what it awaits (``client`` or ``approval``),
+    its arguments (JSON) and its record."""
+
+    future: asyncio.Future[Any]
+    awaiting: str
+    args: orjson.Fragment
+    record: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ClientAnswer:
+    """A client's result for a client-executed call, strict JSON, not yet checked against the tool's output
+    schema."""
+
+    value: Any
+
+
+class PausedCalls:
+    """One job's calls waiting for the harness, by call id.
+
+    Args:
+        config: the job's ``client_call_timeout_s`` and ``approval_timeout_s``.
+        on_change: called with the number of calls waiting (client-executed calls and calls awaiting approval)
+            whenever it changes; None: not told.
+
+    Event-loop thread only.
+    """
+
+    def __init__(self, config: BrokerConfig, on_change: Callable[[int], None] | None = None) -> None:
+        self._client_timeout = config.client_call_timeout_s
+        self._approval_timeout = config.approval_timeout_s
+        self._on_change = on_change
+        self._paused: dict[str, _Paused] = {}
+
+    @property
+    def pending_calls(self) -> list[dict[str, Any]]:
+        """Calls waiting for the harness, in arrival order: ``{"call_id", "tool", "args", "awaiting"}`` each, with
+        ``awaiting`` ``"client"`` (a client-executed call: ``answer_client_call``) or ``"approval"``
+        (``decide_approval``); ``args`` raw JSON (``orjson.Fragment``)."""
+        waiting = sorted(self._paused.values(), key=lambda paused: int(paused.record["seq"]))
+        return [
+            {"call_id": p.record["call_id"], "tool": p.record["tool"], "args": p.args, "awaiting": p.awaiting}
+            for p in waiting
+            if p.record["status"] == "pending"
+        ]
+
+    def answer_client_call(self, call_id: str, ok: bool, value: Any) -> None:
+        """Resolve a waiting client-executed call with a result (``ok``) or an error ``{"type", "message"}``.
+
+        Raises:
+            CallNotPending: no client-executed call of that id is waiting (unknown, already answered or timed out).
+        """
+        self._waiting(call_id, "client").future.set_result((ok, value))
+
+    def decide_approval(self, call_id: str, approved: bool, by: str, reason: str | None) -> None:
+        """Approve (the call goes on to its endpoint) or deny (the script gets a ``denied`` ToolError) a call
+        awaiting approval; its record's ``approval`` says so at once.
+
+        Args:
+            by: the API key name that decided.
+            reason: free text (at most ``REPORT_FIELD_CAP`` characters kept); a denial's reaches the script.
+
+        Raises:
+            CallNotPending: no call of that id awaits approval (unknown, decided, timed out, or client-executed).
+        """
+        paused = self._waiting(call_id, "approval")
+        paused.record["approval"] = {
+            "decision": "approved" if approved else "denied",
+            "by": by,
+            "at": now(),
+            "reason": reason[:REPORT_FIELD_CAP] if reason is not None else None,
+        }
+        paused.future.set_result(approved)
+
+    async def await_approval(self, tool: ToolSpec, args_json: bytes, record: dict[str, Any]) -> dict[str, Any] | None:
+        """Hold a call that needs approval until it is decided; None when approved, else the failure reply
+        (``denied``, or ``approval_timeout`` once the tool's or the job's approval timeout passes).
+        ``args_json``: its arguments, shown by ``pending_calls``."""
+        timeout = (tool.approval.timeout_s if tool.approval is not None else None) or self._approval_timeout
+        try:
+            approved = await self._pause(record, "approval", args_json, timeout)
+        except TimeoutError:
+            record["approval"] = {"decision": "timed_out", "by": None, "at": now(), "reason": None}
+            message = f"{tool.name}: no approval came within {timeout:g} s; the call was not made"
+            return fail(record, "timeout", "approval_timeout", message)
+        if approved:
+            return None
+        reason = record["approval"]["reason"]
+        return fail(record, "error", "denied", f"{tool.name}: denied" + (f": {reason}" if reason else ""))
+
+    async def ask_client(
+        self, tool: ToolSpec, args_json: bytes, record: dict[str, Any]
+    ) -> ClientAnswer | dict[str, Any]:
+        """Hold a client-executed call until the client answers it (POST /jobs/{id}/calls/{call_id}) or the tool's
+        or the job's timeout passes. Returns the client's result (``ClientAnswer``), or the failure reply: its
+        error (type and message capped at ``REPORT_FIELD_CAP``), ``timeout``, or ``bad_response`` for a result
+        that is not strict JSON. ``args_json``: the call's arguments, shown by ``pending_calls``."""
+        timeout = tool.timeout_s or self._client_timeout
+        try:
+            ok, value = await self._pause(record, "client", args_json, timeout)
+        except TimeoutError:
+            return fail(record, "timeout", "timeout", f"{tool.name}: the client did not answer within {timeout:g} s")
+        if not ok:
+            kind = str(value.get("type", "client_error"))[:REPORT_FIELD_CAP]
+            return fail(record, "error", kind, str(value.get("message", ""))[:REPORT_FIELD_CAP])
+        try:
+            exactjson.strict_dumps(value)  # the API's JSON reader lets NaN and infinities through
+        except ValueError as exc:
+            return fail(record, "error", "bad_response", f"{tool.name}: the client's result is not JSON: {exc}")
+        return ClientAnswer(value)
+
+    def _waiting(self, call_id: str, awaiting: str) -> _Paused:
+        """The paused call ``call_id`` if it waits for ``awaiting``; raises CallNotPending if not (unknown,
+        answered, timed out, or waiting for the other kind of answer)."""
+        paused = self._paused.get(call_id)
+        if paused is None or paused.awaiting != awaiting or paused.future.done():
+            raise CallNotPending(call_id)
+        return paused
+
+    async def _pause(self, record: dict[str, Any], awaiting: str, args_json: bytes, timeout_s: float) -> Any:
+        """Hold the call until the harness answers it (the value ``answer_client_call`` or ``decide_approval`` set)
+        or ``timeout_s`` passes (TimeoutError)."""
+        call_id = record["call_id"]
+        future = asyncio.get_running_loop().create_future()
+        self._paused[call_id] = _Paused(future, awaiting, orjson.Fragment(args_json), record)
+        self._changed()
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            del self._paused[call_id]
+            self._changed()
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change(sum(not p.future.done() for p in self._paused.values()))
