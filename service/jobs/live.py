@@ -128,7 +128,7 @@ class LiveJob(Job):
     normalized: Normalized | None = None  # the script's normalization (no repairs when switched off)
     output_files: OutputFiles | None = None  # what the script left in outputs/, once its run began
     output_budget: FileBudget | None = None  # what its owner may still keep on disk (output and files)
-    record_bytes: int = 0  # bytes of arguments and results its call records keep (``CallRecords.kept_bytes``), once ended
+    record_bytes: int = 0  # bytes of args and results its call records keep (``CallRecords.kept_bytes``), once ended
     stored_bytes: int | None = None  # what it keeps in the store in all, counted once its final row was made
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     saving: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves reach the store in the order they began
