@@ -24,7 +24,7 @@ import httpx
 
 from service.auth import hash_token
 from tests.conftest import start_service
-from tests.unit.test_validation_fairness import ECHO, HAMMER, PICK
+from tests.integration.test_validation_fairness import ECHO, HAMMER, PICK
 
 MALLORY = secrets.token_urlsafe(32)
 

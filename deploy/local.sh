@@ -38,8 +38,9 @@
 #   - for the tests only: Debian's haproxy (the replicas' tests run their own balancer), Debian's PostgreSQL (a cluster started with pg_ctlcluster, no systemd; a role and a
 #     database ptc_test; `test` exports PTC_TEST_STORE_URL for the store tests), Debian's docker-compose when no
 #     `docker compose` works, Debian's
-#     prometheus (a real Prometheus scrapes the service in a test), and Debian's chromium
-#     (a headless browser renders /docs and /redoc with the network off in a test).
+#     prometheus (a real Prometheus scrapes the service in a test), Debian's chromium
+#     (a headless browser renders /docs and /redoc with the network off in a test), and Debian's openssl (the
+#     egress tests make a certificate); under CI=true a test whose prerequisite is missing fails;
 # Env: PTC_REPLICAS_DIR (replicas: env file, work dirs r1 and r2, the store's data; default /var/lib/ptc-sandbox),
 #      PTC_SERVICE_IMAGE (replicas: the service image's tag, default ptc-sandbox:latest),
 #      PTC_TEST_STORE_URL (a PostgreSQL for the tests; default: the local cluster's ptc_test database),
@@ -230,6 +231,12 @@ setup_postgres() {
   pg_test_url="postgresql://ptc_test:$PG_TEST_PASSWORD@127.0.0.1:$port/ptc_test"
 }
 
+# The openssl command for the egress tests' certificate (tests/unit/test_egress.py).
+setup_openssl() {
+  if command -v openssl >/dev/null; then return; fi
+  apt_install --no-install-recommends openssl
+}
+
 # A headless browser for the API documents' test (tests/integration/test_docs_ui.py).
 setup_chromium() {
   if command -v chromium >/dev/null; then return; fi
@@ -251,7 +258,7 @@ setup() {
   setup_engine
   setup_pid_max
   sandbox_image/build.sh --data >/dev/null  # the minimal image, then the data image on it (cached: seconds)
-  if [ "${1:-}" = "[test]" ]; then setup_prometheus; setup_compose; setup_chromium; setup_haproxy; setup_postgres; fi
+  if [ "${1:-}" = "[test]" ]; then setup_prometheus; setup_compose; setup_chromium; setup_openssl; setup_haproxy; setup_postgres; fi
 }
 
 # The replicas' env file: written once (mode 0600), then it is the deployment's configuration (edit it, or

@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import docker
 import httpx
@@ -44,6 +44,16 @@ of the default removes the variable."""
 
 def in_ci() -> bool:
     return os.environ.get("CI") == "true"
+
+
+def missing(problem: str, *, xfail: bool = False) -> NoReturn:
+    """A test's prerequisite (a tool, a package, a free port) is missing: skip (``xfail``: an expected failure)
+    on a developer's machine; under ``CI=true`` fail, as ``deploy/local.sh setup`` installs every one."""
+    if in_ci():
+        pytest.fail(problem)
+    if xfail:
+        pytest.xfail(problem)
+    pytest.skip(problem)
 
 
 def _engine_problem() -> str | None:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import execute
+from tests.conftest import execute, start_service
 from tests.probe import healthz_while
 from tests.toolserver import ToolServer
-from tests.unit.test_broker_limits import ECHO
+
+ECHO = {"kind": "echo"}
 
 
 def nested(levels: int) -> list[object]:
@@ -143,3 +145,22 @@ def test_healthz_stays_responsive_while_a_jobs_http_tool_returns_8_mib(
     # (another test of this file) and of 4.7 s (this one, beside 0.5 s at most): one outlier is let pass.
     worst = sorted(samples)[-2:]
     assert len(samples) > 2 and worst[0] < 2.0 and worst[1] < 8.0, sorted(samples)[-5:]
+
+
+def test_records_past_the_record_cap_keep_the_call_but_not_its_data(scratch: Path) -> None:
+    svc = start_service("pytest-budget", scratch / "budget", PTC_MAX_RECORD_BYTES="100000")
+    try:
+        with svc.client() as api:
+            script = "import tools\nfor i in range(10):\n    print(len(tools.f(x='y' * 20000)['args']['x']))\n"
+            view = execute(api, script, [{"name": "f", "parameters": {"properties": {"x": {}}}, "endpoint": ECHO}])
+            assert view["status"] == "succeeded"
+            assert view["stdout"] == "20000\n" * 10  # every call worked: the cap thins records, not calls
+            assert [c["status"] for c in view["calls"]] == ["ok"] * 10
+            kept = [c for c in view["calls"] if c["args"] is not None]
+            dropped = [c for c in view["calls"] if c["args_dropped_bytes"] is not None]
+            assert kept and dropped and len(kept) + len(dropped) == 10
+            assert kept[0]["args"] == {"x": "y" * 20000} and kept[0]["result"]["args"] == {"x": "y" * 20000}
+            assert all(c["args"] is None and c["args_dropped_bytes"] == len('{"x":""}') + 20000 for c in dropped)
+            assert all(c["result"] is None and c["result_dropped_bytes"] > 20000 for c in dropped)
+    finally:
+        svc.stop()

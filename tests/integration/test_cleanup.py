@@ -11,6 +11,7 @@ from pathlib import Path
 
 import docker
 import httpx
+import pytest
 
 from service.sandbox.labels import LABEL_INSTANCE, instance_labels
 from tests.conftest import IMAGE, labelled_containers, start_service, wait_until
@@ -111,3 +112,13 @@ def test_graceful_stop_sweeps_a_sandbox_nothing_tracks(engine: docker.DockerClie
     finally:
         with contextlib.suppress(docker.errors.NotFound):
             stray.remove(force=True)
+
+
+def test_a_second_instance_cannot_share_a_work_dir(scratch: Path) -> None:
+    first = start_service(f"pytest-{secrets.token_hex(4)}", scratch / "shared")
+    try:
+        with pytest.raises(RuntimeError, match="another ptc-sandbox instance is using"):
+            start_service(f"pytest-{secrets.token_hex(4)}", scratch / "shared")
+        assert first.process.poll() is None
+    finally:
+        first.stop()

@@ -25,7 +25,7 @@ from ptc_sandbox_client import (
 )
 
 from tests.conftest import Service, start_service, wait_until
-from tests.unit.test_jobs import Receiver
+from tests.receiver import Receiver
 
 P = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
 

@@ -22,7 +22,7 @@ import docker
 import httpx
 import pytest
 
-from tests.conftest import IMAGE, ROOT, free_port, in_ci, labelled_containers, script_uids, wait_until
+from tests.conftest import IMAGE, ROOT, free_port, in_ci, labelled_containers, missing, script_uids, wait_until
 from tests.unit.test_deploy import clean_env, compose_command
 
 
@@ -141,7 +141,7 @@ def test_local_sh_replicas_up_job_through_balancer_down(engine: docker.DockerCli
     Replicas). Uses the fixed ports 8080-8082 and 5433 of the profile: skipped when one is taken."""
     busy = [port for port in REPLICAS_PORTS if _port_in_use(port)]
     if busy:
-        pytest.skip(f"ports in use on 127.0.0.1: {busy}")
+        missing(f"ports in use on 127.0.0.1: {busy}")
     token = secrets.token_hex(4)
     project, api_key = f"ptc-test-replicas-{token}", secrets.token_urlsafe(24)
     ids = (f"pytest-replica-{token}-1", f"pytest-replica-{token}-2")

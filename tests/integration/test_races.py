@@ -6,7 +6,8 @@ says what really ended the job, and its exit code, error and output agree with i
 ``wait`` and the list give the same final view. Most trials run in sessions (cheap: no container per trial,
 several sessions in parallel); fewer run on a warm pool and cold. The trial counts are printed (``-s``).
 
-No timing is asserted: a slow machine only moves where the trials fall, never what each one must show.
+No timing is asserted: a slow machine only moves where the trials fall, never what each one must show. But the
+trials must straddle the moment (``check_straddled``): some end each way, else they tested one side only.
 """
 
 from __future__ import annotations
@@ -144,6 +145,12 @@ def check_done_or(view: dict[str, Any], other: str) -> str:
     return status
 
 
+def check_straddled(outcomes: Counter[str], before: str, after: str) -> None:
+    """Some trials ended ``before`` (the service's action came first) and some ``after`` (the script's exit did):
+    the trials straddled the moment, and each side was checked."""
+    assert outcomes[before] > 0 and outcomes[after] > 0, f"the trials did not straddle the moment: {dict(outcomes)}"
+
+
 def calibrate(api: httpx.Client, script: str, session_id: str | None, **body: Any) -> float:
     """Seconds from a submission's answer to the script's end as the client sees it (best of two)."""
     best = 1e9
@@ -202,6 +209,7 @@ def test_exit_vs_stop(api: httpx.Client, cold_api: httpx.Client) -> None:
     outcomes = Counter(v["status"] for v in views)
     print("exit vs stop outcomes:", dict(outcomes))
     assert set(outcomes) <= {"succeeded", "stopped"}
+    check_straddled(outcomes, "stopped", "succeeded")
 
 
 def timeout_trial(api: httpx.Client, session_id: str | None, timeout_s: float) -> dict[str, Any]:
@@ -236,6 +244,7 @@ def test_exit_vs_timeout(api: httpx.Client, cold_api: httpx.Client) -> None:
     outcomes = Counter(v["status"] for v in views)
     print("exit vs timeout outcomes:", dict(outcomes))
     assert set(outcomes) <= {"succeeded", "timed_out"}
+    check_straddled(outcomes, "timed_out", "succeeded")
 
 
 def stop_timeout_trial(api: httpx.Client, session_id: str | None, delay: float, timeout_s: float) -> dict[str, Any]:
@@ -268,17 +277,19 @@ def test_stop_vs_timeout(api: httpx.Client) -> None:
 
         def trial(lane: str, i: int) -> dict[str, Any]:
             index = lanes.index(lane) + i * len(lanes)
-            return stop_timeout_trial(api, lane, timeout_s - 0.01 + index * (0.08 / n), timeout_s)
+            return stop_timeout_trial(api, lane, timeout_s - 0.15 + index * (0.2 / n), timeout_s)
 
         views += in_parallel(lanes, trial, per_lane)
         TRIALS["stop-vs-timeout session"] += n
     finally:
         close(api, lanes)
     n = 4
-    views += [stop_timeout_trial(api, None, timeout_s - 0.01 + i * (0.08 / n), timeout_s) for i in range(n)]
+    views += [stop_timeout_trial(api, None, timeout_s - 0.15 + i * (0.2 / n), timeout_s) for i in range(n)]
     TRIALS["stop-vs-timeout pool"] += n
     check_listed(api, since, views)
-    print("stop vs timeout outcomes:", dict(Counter(v["status"] for v in views)))
+    outcomes = Counter(v["status"] for v in views)
+    print("stop vs timeout outcomes:", dict(outcomes))
+    check_straddled(outcomes, "stopped", "timed_out")
 
 
 OOM_CHILD = (
@@ -287,6 +298,7 @@ OOM_CHILD = (
     "{wait}"
     "time.sleep({s})\n"
     "print('done')\n"
+    "sys.stderr.write('child ' + repr(child.poll()))\n"  # -9: OOM-killed before the script's exit; None: not yet
 )
 
 
@@ -310,6 +322,9 @@ def test_exit_vs_oom(api: httpx.Client) -> None:
 
         views += in_parallel(lanes, trial, per_lane)
         TRIALS["exit-vs-oom session (a child OOM-killed)"] += n
+        child = Counter(v["stderr"].rpartition("child ")[2] for v in views if v["status"] == "succeeded")
+        print("exit vs oom: the child at the script's exit:", dict(child))
+        check_straddled(child, "-9", "None")
         for lane in lanes:
             job_id, _ = submit(api, "x = bytearray(b'1') * (400 * 1024 * 1024)\nprint('done')\n", lane)
             view = final_views(api, job_id)
@@ -358,3 +373,4 @@ def test_sandbox_loss_vs_exit(api: httpx.Client, cold_api: httpx.Client, engine:
     TRIALS["sandbox-loss-vs-exit session"] += n
     outcomes = Counter(v["status"] for v in views)
     print("sandbox loss vs exit outcomes:", dict(outcomes))
+    check_straddled(outcomes, "failed", "succeeded")

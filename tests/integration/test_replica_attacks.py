@@ -16,7 +16,7 @@ from tests.conftest import wait_until
 from tests.integration import replicas
 from tests.integration.replicas import Cluster
 from tests.integration.test_replicas import KILL_BOUND_S, epoch_of, started
-from tests.unit.test_jobs import Receiver
+from tests.receiver import Receiver
 
 cluster = replicas.cluster
 

@@ -22,8 +22,8 @@ from tests import pgstore
 from tests.conftest import labelled_containers, wait_until
 from tests.integration import replicas
 from tests.integration.replicas import Cluster
+from tests.receiver import Receiver
 from tests.toolserver import ToolServer
-from tests.unit.test_jobs import Receiver
 
 cluster = replicas.cluster
 

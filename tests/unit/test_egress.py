@@ -30,6 +30,7 @@ from service.egress import EgressDenied, EgressPolicy, EgressRule, OwnAddress, i
 from service.settings import Settings
 from service.toolkit.endpoints import EndpointClients, ToolCallFailed
 from service.toolkit.manifest import parse_tool
+from tests.conftest import missing
 from tests.toolserver import ToolServer
 
 METADATA_AND_PRIVATE = [
@@ -365,7 +366,7 @@ async def test_names_are_resolved_once_per_call_and_the_checked_address_is_used(
 def tls_server(tmp_path: Path) -> Iterator[tuple[int, Path]]:
     """An https server on 127.0.0.1 whose self-signed certificate names only ``tools.test``; (port, cert)."""
     if shutil.which("openssl") is None:
-        pytest.skip("no openssl to make a certificate")
+        missing("no openssl to make a certificate (deploy/local.sh setup installs it)")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=tools.test",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 
 import httpx
 import pytest
@@ -237,10 +238,13 @@ def test_one_keys_flood_of_relayed_requests_leaves_the_nonce_set_to_the_others(m
         headers = internal.signed_headers(SECRET, "GET", "/jobs/j", caller, "t2", "t1.1", b"")
         return checker.verify("GET", "/jobs/j", headers, b"")
 
+    admitted = 0
     with pytest.raises(internal.InternalRefused) as flooded:
         for _ in range(internal.MAX_NONCES + 1):
-            relayed("mallory")
+            assert relayed("mallory") == "mallory"
+            admitted += 1
     assert flooded.value.outcome == "busy"
+    assert admitted == internal.MAX_NONCES_PER_CALLER  # refused at its own bound, not at the whole set's
     assert relayed("alice") == "alice"
 
 
@@ -253,7 +257,8 @@ async def test_a_replica_named_by_host_name_is_refused_by_its_address_too() -> N
     for url in ("http://localhost:7002/x", "http://127.0.0.1:7002/x", "http://[::ffff:127.0.0.1]:7002/x"):
         with pytest.raises(EgressDenied):
             await policy.resolve(url)
-    await policy.resolve("http://127.0.0.1:7003/x")  # another port: not a replica
+    target, addresses = await policy.resolve("http://127.0.0.1:7003/x")  # another port: not a replica
+    assert (target.host, target.port, addresses) == ("127.0.0.1", 7003, [ipaddress.ip_address("127.0.0.1")])
 
 
 async def test_without_authentication_relays_are_bounded_by_the_connections_only() -> None:

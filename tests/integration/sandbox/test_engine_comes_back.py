@@ -18,7 +18,7 @@ import docker
 import pytest
 
 from service.sandbox.labels import LABEL_INSTANCE, LABEL_POOL
-from tests.conftest import start_service
+from tests.conftest import missing, start_service
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +68,7 @@ class Forwarder:
 def engine_socket() -> str:
     host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
     if not host.startswith("unix://"):
-        pytest.skip(f"the engine is not on a unix socket ({host})")
+        missing(f"the engine is not on a unix socket ({host})")
     return host.removeprefix("unix://")
 
 
