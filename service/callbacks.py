@@ -57,9 +57,9 @@ from typing import Any
 import httpx
 from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from service.auth import named_entries
 from service.egress import EgressDenied
 from service.errors import InsecureConfig
+from service.keys import named_entries
 from service.settings import Settings
 
 WEBHOOK_ID_HEADER = "webhook-id"

@@ -374,7 +374,7 @@ class Settings(BaseSettings):
     )
     callback_timeout_s: float = Field(10, gt=0, description="Time limit of one callback delivery (s).")
 
-    # -- authentication (service/auth.py) --
+    # -- authentication (service/keys.py, service/api/auth.py) --
     auth: Literal["required", "disabled"] = Field(
         "required",
         description="required: every route but /healthz, /readyz (and /metrics when PTC_METRICS_AUTH=open) needs "

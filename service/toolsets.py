@@ -14,8 +14,8 @@ from typing import Any
 
 import orjson
 
-from service.auth import Caller
 from service.errors import InvalidField, RequestLimitError
+from service.keys import Caller
 from service.schemas import McpServer
 from service.store import JobStore
 from service.toolkit.cache import CompiledManifest, ManifestCache

@@ -26,7 +26,7 @@ import docker
 import httpx
 import pytest
 
-from service.auth import hash_token
+from service.keys import hash_token
 from service.sandbox.docker import runtime_problem
 from service.sandbox.labels import LABEL_INSTANCE, LABEL_JOB
 from tests.toolserver import ToolServer

@@ -16,6 +16,7 @@ from starlette.routing import BaseRoute
 
 from service import __version__, callbacks, internal, telemetry
 from service.api import forward, mcp_front, problems
+from service.api.auth import BearerAuth, open_paths
 from service.api.bodies import BODY_THREADS, BodyLimit, ParsedOffLoop
 from service.api.composition import build_jobs
 from service.api.deps import NOT_STARTED, SessionService, ToolsetService
@@ -26,13 +27,13 @@ from service.api.routers import health as health_router
 from service.api.routers import jobs as jobs_router
 from service.api.routers import sessions as sessions_router
 from service.api.routers import tools as tools_router
-from service.auth import BearerAuth, configure, open_paths, single_tenant
 from service.egress import EgressPolicy, OwnAddress
 from service.errors import InsecureConfig, SandboxError
 from service.idempotency import IdempotencyKeys
 from service.jobs import JobManager
 from service.jobs.notify import Listener, Waiters
 from service.jobs.remote import Remote
+from service.keys import configure, single_tenant
 from service.metrics import HttpObserver, Metrics
 from service.openapi import document
 from service.replicas import Replicas

@@ -23,9 +23,9 @@ from typing import Annotated, Any, NoReturn, Protocol
 from fastapi import Depends, Request
 
 from service.api.reads import ReadSlots
-from service.auth import Caller, KeyRing, caller
 from service.idempotency import IdempotencyKeys
 from service.jobs import JobManager
+from service.keys import Caller, KeyRing, caller
 from service.metrics import Metrics
 from service.output import OutputRange
 from service.sandbox.base import SandboxBackend

@@ -35,11 +35,11 @@ from service.api.problems import (
     UNAUTHORIZED,
     rule_for,
 )
-from service.auth import Caller, caller
 from service.errors import OwnerElsewhere, PtcError
 from service.jobs import JobManager
 from service.jobs.live import wait_for_end_or_client
 from service.jobs.remote import Remote
+from service.keys import Caller, caller
 from service.limits import check_execute
 from service.mcp_tools import OperationFailed, build_server
 from service.schemas import ExecuteRequest

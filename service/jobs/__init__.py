@@ -21,7 +21,7 @@ module          what it does
 The parts are built by the app factory (``service.api.build_jobs``, called by ``create_app``), which also
 subscribes metrics, logs and webhooks to ``events``. This module imports only ``model`` and ``service.errors`` at
 run time, so that ``service.logs`` and ``service.metrics`` can import the model without importing the whole
-service (and without an import cycle through ``service.auth`` or ``service.sessions``, which import logs).
+service (and without an import cycle through ``service.keys`` or ``service.sessions``, which import logs).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from service.jobs.model import FINAL, LIVE, Job, JobError, JobStatus
 from service.views import FULL, Selection
 
 if TYPE_CHECKING:
-    from service.auth import Caller
     from service.broker import Broker
     from service.jobs.admission import Intake
     from service.jobs.live import LiveJob
@@ -51,6 +50,7 @@ if TYPE_CHECKING:
     from service.jobs.tasks import Tasks
     from service.jobs.views import JobViews
     from service.jobs.webhooks import Webhooks
+    from service.keys import Caller
     from service.output import OutputRange
     from service.sandbox.base import Stream
     from service.sandbox.folders import SandboxFolders
@@ -160,7 +160,7 @@ class JobManager:
         Returns once the job's first save is done (or its run ended without one).
         """
         if request.session_id is not None:
-            from service.auth import Caller
+            from service.keys import Caller
 
             await self._sessions.locate_open(request.session_id, Caller(owner, admin, internal))
         admitted = await self._intake.admit(request, owner, admin)

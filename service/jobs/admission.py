@@ -18,11 +18,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from service.auth import Caller
 from service.callbacks import CallbackSecrets
 from service.egress import EgressDenied
 from service.errors import EngineUnavailable, InvalidField, QueueFull, SessionNotFound
 from service.jobs.live import OWNER_FILE, SANDBOX_LIMITS, LiveJob, ResolvedLimits, resolve_limits
+from service.keys import Caller
 from service.normalize import Normalized, count, prepare
 from service.output import OutputLog
 from service.quotas import OwnerSlot, Quotas, Slots

@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterator
 import psycopg
 import sqlalchemy as sa
 
-from service.auth import Caller
 from service.errors import JobNotFound, OwnerElsewhere, OwnerUnavailable
+from service.keys import Caller
 from service.replicas import Replicas
 from service.store import JobStore, StoredJob
 from service.store.pg_db import CALLBACKS_CHANNEL, JOBS_CHANNEL, KEYS_CHANNEL, REPLICAS_CHANNEL

@@ -16,7 +16,6 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from service.auth import Caller
 from service.errors import (
     FileRefused,
     InvalidField,
@@ -32,6 +31,7 @@ from service.jobs.live import SANDBOX_LIMITS, LiveJob, resolve_limits
 from service.jobs.notify import Elsewhere
 from service.jobs.placement import Sandboxes
 from service.jobs.runner import Runner
+from service.keys import Caller
 from service.output import OutputRange
 from service.replicas import Replicas
 from service.sandbox.images import Images

@@ -25,7 +25,7 @@ import docker
 import httpx
 import pytest
 
-from service.auth import hash_token
+from service.keys import hash_token
 from service.sandbox.labels import LABEL_SANDBOX, LABEL_UID
 from tests.conftest import RUNTIMES, Service, require_runtime, start_service, stop_clean
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from bench.__main__ import server_timing
-from service.auth import hash_token
+from service.keys import hash_token
 from service.stages import Stages
 from tests.conftest import Service, start_service, stop_clean
 

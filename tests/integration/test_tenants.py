@@ -23,8 +23,8 @@ import pytest
 from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
-from service.auth import IMPLICIT_OWNER
 from service.callbacks import OWNER_HEADER, SIGNATURE_HEADER, verify
+from service.keys import IMPLICIT_OWNER
 from service.schemas import JobSummary, JobView
 from service.store.sqlite import SQLiteJobStore
 from tests.conftest import Service, execute, labelled_containers, start_service, wait_until

@@ -16,10 +16,10 @@ import orjson
 import pytest
 
 from service.api import create_app
-from service.auth import hash_token
 from service.broker import Broker, BrokerConfig
 from service.broker.checks import check_arguments
 from service.errors import CallNotPending, ManifestError
+from service.keys import hash_token
 from service.sandbox.fake import FakeBackend
 from service.schemas import CallRecord
 from service.settings import Settings

@@ -23,9 +23,9 @@ import pytest
 import sqlalchemy as sa
 
 from service.api import create_app
-from service.auth import hash_token
 from service.callbacks import WEBHOOK_ID_HEADER, CallbackSecret, deliver
 from service.errors import LeaseLost
+from service.keys import hash_token
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
 from service.store import CallbackClaim, Incarnation, JobStore, Registration, StoredJob

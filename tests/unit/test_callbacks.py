@@ -30,7 +30,6 @@ from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
 from service.api import create_app
-from service.auth import hash_token
 from service.callbacks import (
     OWNER_HEADER,
     SIGNATURE_HEADER,
@@ -48,6 +47,7 @@ from service.callbacks import (
 )
 from service.errors import InsecureConfig
 from service.jobs import webhooks
+from service.keys import hash_token
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
 

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from service.api import create_app
-from service.auth import hash_token
 from service.errors import RequestLimitError
+from service.keys import hash_token
 from service.limits import check_execute, check_session
 from service.schemas import ExecuteRequest, Limits, SessionRequest
 from service.settings import KeyLimits, Settings

@@ -24,7 +24,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CallToolResult, TextContent, TextResourceContents
 
 from service.api import create_app, mcp_front
-from service.auth import hash_token
+from service.keys import hash_token
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from service.api import create_app
-from service.auth import hash_token
+from service.keys import hash_token
 from service.openapi import PROBLEM
 from service.settings import Settings
 

@@ -21,8 +21,8 @@ import pytest
 from fastapi import FastAPI
 
 from service.api import create_app
-from service.auth import hash_token
 from service.errors import InstanceIdInUse, LeaseLost
+from service.keys import hash_token
 from service.replicas import Replicas, internal_url, work_dir_token
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings

@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from service.api import create_app
-from service.auth import hash_token
+from service.keys import hash_token
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
 

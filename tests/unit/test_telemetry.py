@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from service import logs, telemetry
 from service.api import create_app
-from service.auth import hash_token
+from service.keys import hash_token
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
 from tests.toolserver import ToolServer

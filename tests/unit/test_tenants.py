@@ -21,7 +21,7 @@ import docker
 import httpx
 import pytest
 
-from service.auth import hash_token
+from service.keys import hash_token
 from tests.conftest import Service, labelled_containers, start_service
 from tests.toolserver import ToolServer
 
@@ -129,8 +129,8 @@ def root(tenants: Service) -> Iterator[httpx.Client]:
 
 
 def test_an_admin_name_that_is_no_key_refuses_to_start(tmp_path: Path) -> None:
-    from service.auth import configure
     from service.errors import InsecureConfig
+    from service.keys import configure
     from service.settings import Settings
 
     keys = f"alice:{hash_token(TOKENS['alice'])}"

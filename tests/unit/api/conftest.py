@@ -10,7 +10,7 @@ import pytest
 from fastapi import FastAPI
 
 from service.api import create_app
-from service.auth import hash_token
+from service.keys import hash_token
 from service.settings import Settings
 
 TOKEN = "unit-api-token-0123456789"

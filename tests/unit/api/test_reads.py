@@ -25,8 +25,8 @@ from service.api import create_app
 from service.api.reads import ReadSlots, holding
 from service.api.responses import OUTPUT_SLICE_BYTES
 from service.api.routers import jobs as jobs_router
-from service.auth import hash_token
 from service.errors import QuotaExceeded
+from service.keys import hash_token
 from service.sandbox.fake import FakeBackend
 from service.schemas import JobSummary
 from service.settings import Settings

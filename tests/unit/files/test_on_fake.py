@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from service.api import create_app
-from service.auth import hash_token
+from service.keys import hash_token
 from service.sandbox.fake import FakeBackend
 from service.sandbox.labels import FEATURE_PRIVSEP, FEATURE_SESSION, LABEL_RUNTIME
 from service.settings import Settings

@@ -22,11 +22,11 @@ import pytest
 from fastapi import FastAPI
 
 from service.api import create_app
-from service.auth import IMPLICIT_OWNER, Caller
 from service.errors import JobNotFound
 from service.jobs import JobManager
 from service.jobs import views as job_views
 from service.jobs.resume import InvalidPosition, Position, parse
+from service.keys import IMPLICIT_OWNER, Caller
 from service.sandbox.fake import FakeBackend
 from service.schemas import ExecuteRequest
 from service.settings import Settings

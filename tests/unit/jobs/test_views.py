@@ -9,10 +9,10 @@ from typing import Any, cast
 import orjson
 
 from service import views
-from service.auth import Caller
 from service.jobs.live import stored_job
 from service.jobs.model import JobStatus
 from service.jobs.views import JobViews
+from service.keys import Caller
 from service.views import render_head
 from tests.unit.jobs.conftest import Parts
 

@@ -17,8 +17,8 @@ import pytest
 from fastapi import FastAPI
 
 from service.api import create_app
-from service.auth import hash_token
 from service.idempotency import Claim, IdempotencyKeys
+from service.keys import hash_token
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
 

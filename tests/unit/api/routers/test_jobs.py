@@ -10,7 +10,7 @@ from fastapi import FastAPI
 
 from service.api.deps import job_service
 from service.api.problems import LIMIT_EXCEEDED
-from service.auth import Caller
+from service.keys import Caller
 from service.views import FULL, Selection
 
 
