@@ -14,10 +14,9 @@ from ptc_runtime.files import check_path
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from service.egress import header_problem, url_problem
+from service.settings import MAX_SCRIPT_CHARS, MAX_TOOLS
 from service.toolkit.schema import json_depth
 
-MAX_SCRIPT_CHARS = 8 * 1024 * 1024  # outer bound of the schema; PTC_MAX_SCRIPT_BYTES is the limit (413)
-MAX_TOOLS = 1000
 MAX_METADATA_DEPTH = 32
 MAX_METADATA_BYTES = 64 * 1024
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")

@@ -26,7 +26,7 @@ from service.keys import Caller
 from service.normalize import Normalized, count, prepare
 from service.output import OutputLog
 from service.quotas import OwnerSlot, Quotas, Slots
-from service.sandbox.images import Images
+from service.sandbox.images import Images, image_name
 from service.schemas import ExecuteRequest
 from service.sessions import Session, SessionManager
 from service.settings import DEFAULT_IMAGE, Settings
@@ -229,7 +229,7 @@ class Intake:
             UnknownImage: ``image`` is not a name in ``PTC_IMAGES``.
         """
         if request.session_id is None:
-            return self._settings.image_name(request.image)
+            return image_name(self._settings, request.image)
         session = find_session(self._sessions, request.session_id, caller)
         if request.image is not None and request.image != session.image:
             raise InvalidField(

@@ -27,6 +27,7 @@ from service.jobs.model import INTERNAL_ERROR, SERVICE_STOPPED, ErrorType, Job, 
 from service.normalize import Normalized, view_fields
 from service.output import OutputLog
 from service.sandbox.base import Stream
+from service.sandbox.images import image_name
 from service.schemas import ExecuteRequest, JobSummary, JobView
 from service.settings import DEFAULT_IMAGE, KeyLimits, Settings
 from service.store import JobStore, StoredJob
@@ -66,7 +67,7 @@ def resolve_limits(request: ExecuteRequest, settings: Settings, key: KeyLimits |
         RequestLimitError: naming the field that exceeds its server maximum.
     """
     limits = request.limits
-    defaults = settings.image_defaults_of(settings.image_name(request.image))
+    defaults = settings.image_defaults_of(image_name(settings, request.image))
 
     def pick(value: Any, name: str, maximum: Any, loc: tuple[str, ...]) -> Any:
         if value is None:

@@ -34,7 +34,7 @@ from service.jobs.runner import Runner
 from service.keys import Caller
 from service.output import OutputRange
 from service.replicas import Replicas
-from service.sandbox.images import Images
+from service.sandbox.images import Images, image_name
 from service.sandbox.labels import LABEL_SESSION
 from service.sandbox.spec import sandbox_spec
 from service.schemas import ExecuteRequest, SessionRequest, SessionView
@@ -103,7 +103,7 @@ class SessionJobs:
                 could not start.
         """
         settings = self._settings
-        image = settings.image_name(request.image)
+        image = image_name(settings, request.image)
         limits = resolve_limits(ExecuteRequest(script="", limits=request.limits, image=image), settings)
         lifetimes = {}
         for name, value, default in (
