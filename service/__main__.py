@@ -21,11 +21,12 @@ import prometheus_client
 import uvicorn
 from pydantic import ValidationError
 
-from service import logs, workdir
+from service import workdir
 from service.api import create_app
 from service.connections import ConnectionGuard, guarded_protocol, parse_networks
 from service.errors import InsecureConfig, InstanceIdInUse, SandboxError, StoreUnavailable, WorkDirBusy
 from service.keys import KEY_NAME, hash_token
+from service.observability import logs
 from service.settings import Settings
 
 TOKEN_PREFIX = "ptc_"

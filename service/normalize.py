@@ -49,7 +49,7 @@ warnings off. The sandbox compiles the script again with its own interpreter,
 which stays the authority on what runs.
 
 Every repair made is counted in the Prometheus counter ``NORMALIZATIONS``
-(``ptc_script_normalizations_total{kind}``); ``service.metrics`` registers it
+(``ptc_script_normalizations_total{kind}``); ``service.observability.metrics`` registers it
 with each app's registry.
 """
 

@@ -33,8 +33,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from service import __version__, logs
+from service import __version__
 from service.errors import InsecureConfig, LeaseLost, StoreUnavailable
+from service.observability import logs
 from service.settings import Settings
 from service.store import Incarnation, JobStore, Registration, Replica, StoredJob, StoredSession
 

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from starlette.datastructures import State
 from starlette.routing import BaseRoute
 
-from service import __version__, callbacks, internal, telemetry
+from service import __version__, callbacks, internal
 from service.api import forward, mcp_front, problems
 from service.api.auth import BearerAuth, open_paths
 from service.api.bodies import BODY_THREADS, BodyLimit, ParsedOffLoop
@@ -34,13 +34,14 @@ from service.jobs import JobManager
 from service.jobs.notify import Listener, Waiters
 from service.jobs.remote import Remote
 from service.keys import configure, single_tenant
-from service.metrics import HttpObserver, Metrics
+from service.observability import telemetry
+from service.observability.metrics import HttpObserver, Metrics
+from service.observability.stages import StageTiming
 from service.openapi import document
 from service.replicas import Replicas
 from service.sandbox.base import SandboxBackend
 from service.sandbox.images import Images
 from service.settings import DEFAULT_IMAGE, Settings
-from service.stages import StageTiming
 from service.store import job_store
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.validation import CheckScheduler

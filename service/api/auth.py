@@ -25,11 +25,11 @@ from collections.abc import Callable
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import logs
 from service.internal import SIGNATURE as _SIGNATURE
 from service.internal import SOURCE as SOURCE_HEADER
 from service.internal import InternalRefused, Verifier
 from service.keys import KEY_NAME, KeyRing
+from service.observability import logs
 from service.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from service import callbacks
 from service.jobs import JobManager
 from service.jobs.notify import Elsewhere, Waiters
-from service.metrics import Metrics
+from service.observability.metrics import Metrics
 from service.replicas import Replicas
 from service.sandbox.base import SandboxBackend
 from service.settings import Settings
@@ -35,7 +35,6 @@ def build_jobs(
     Raises:
         InsecureConfig: a malformed ``PTC_CALLBACK_SECRETS``.
     """
-    from service import logs
     from service.broker import CallMemory
     from service.jobs import JobParts
     from service.jobs.admission import Admission, Intake
@@ -51,6 +50,7 @@ def build_jobs(
     from service.jobs.tasks import Tasks
     from service.jobs.views import JobViews
     from service.jobs.webhooks import Webhooks
+    from service.observability import logs
     from service.quotas import HostCapacity, Quotas, Slots
     from service.sandbox.folders import SandboxFolders
     from service.sandbox.images import Images

@@ -26,7 +26,7 @@ from service.api.reads import ReadSlots
 from service.idempotency import IdempotencyKeys
 from service.jobs import JobManager
 from service.keys import Caller, KeyRing, caller
-from service.metrics import Metrics
+from service.observability.metrics import Metrics
 from service.output import OutputRange
 from service.sandbox.base import SandboxBackend
 from service.schemas import McpServer, SessionRequest

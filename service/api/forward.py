@@ -22,7 +22,7 @@ from starlette.responses import Response, StreamingResponse
 from service.api import problems
 from service.errors import OwnerElsewhere, QuotaExceeded
 from service.jobs.remote import RELAYED_HEADERS, Remote
-from service.metrics import Metrics
+from service.observability.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -60,7 +60,7 @@ from service.errors import (
     TooManySessions,
     UnknownImage,
 )
-from service.metrics import Metrics
+from service.observability.metrics import Metrics
 from service.openapi import PROBLEM
 
 log = logging.getLogger(__name__)

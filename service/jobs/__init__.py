@@ -20,7 +20,7 @@ module          what it does
 
 The parts are built by the app factory (``service.api.build_jobs``, called by ``create_app``), which also
 subscribes metrics, logs and webhooks to ``events``. This module imports only ``model`` and ``service.errors`` at
-run time, so that ``service.logs`` and ``service.metrics`` can import the model without importing the whole
+run time, so that ``observability.logs`` and ``observability.metrics`` can import the model without importing the whole
 service (and without an import cycle through ``service.keys`` or ``service.sessions``, which import logs).
 """
 
@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from service import stages
 from service.errors import CallNotPending
 from service.jobs.model import FINAL, LIVE, Job, JobError, JobStatus
+from service.observability import stages
 from service.views import FULL, Selection
 
 if TYPE_CHECKING:

@@ -135,7 +135,9 @@ class LiveJob(Job):
     saving: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves reach the store in the order they began
     status_save_queued: bool = False  # a status save waits to take its view: status changes meanwhile ride on it
     status_saved_at: float = 0.0  # loop time of the last status save (``Runner._save_status``)
-    span: Span | None = None  # its trace span, from admission to its end (``service.telemetry``; None: tracing off)
+    span: Span | None = (
+        None  # its trace span, from admission to its end (``service.observability.telemetry``; None: tracing off)
+    )
     trace_id: str | None = None  # the trace id of ``span`` (32 hex digits), kept in its view
 
     def script(self, request: ExecuteRequest) -> str:

@@ -28,13 +28,14 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 
-from service import exactjson, logs, views
+from service import exactjson, views
 from service.errors import StoreUnavailable
 from service.jobs.events import Events, JobLost
 from service.jobs.live import SLICE_BYTES, STREAMS, ms, now, stored_job
 from service.jobs.model import ErrorType, JobError, JobStatus
 from service.jobs.progress import chunk_name, chunk_start
-from service.metrics import Metrics
+from service.observability import logs
+from service.observability.metrics import Metrics
 from service.output import CappedStream
 from service.replicas import Replicas
 from service.store import Incarnation, JobStore, StoredJob

@@ -23,7 +23,7 @@ import time
 from functools import partial
 from typing import Any
 
-from service import stages, telemetry, verdict, views
+from service import verdict, views
 from service.broker import Broker, BrokerConfig, CallMemory
 from service.files import OutputFiles
 from service.jobs.admission import Admitted, Ticket
@@ -33,6 +33,7 @@ from service.jobs.model import EndedBy, JobStatus, end_of_run
 from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
 from service.jobs.shared import SHARE_AT_ONCE, keep_output
 from service.jobs.tasks import Tasks, until_done
+from service.observability import stages, telemetry
 from service.replicas import Replicas
 from service.sandbox.base import ExitStatus, write_run_files
 from service.sandbox.resident import KILL_CONFIRM_S, ResidentRun, ResidentSandbox

@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from service import callbacks, telemetry, views
+from service import callbacks, views
 from service.callbacks import CallbackSecrets
 from service.egress import EgressPolicy
 from service.errors import LeaseLost, StoreUnavailable
@@ -35,7 +35,8 @@ from service.jobs.events import JobEnded
 from service.jobs.live import stored_job
 from service.jobs.tasks import Tasks
 from service.jobs.views import JobViews
-from service.metrics import Metrics
+from service.observability import telemetry
+from service.observability.metrics import Metrics
 from service.replicas import Replicas
 from service.settings import Settings
 from service.store import Incarnation, JobStore, StoredJob

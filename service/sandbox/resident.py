@@ -33,9 +33,9 @@ from typing import IO, Any
 import orjson
 from ptc_runtime import protocol
 
-from service import logs
 from service.errors import FileRefused, NoSuchFile, SandboxError
 from service.files import OutputFiles
+from service.observability import logs
 from service.quotas import Commitment
 from service.sandbox.base import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec, Stream
 from service.sandbox.labels import LABEL_SANDBOX

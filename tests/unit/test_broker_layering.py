@@ -15,8 +15,8 @@ HIGHER = (
     "service.sessions",
     "service.store",
     "service.replicas",
-    "service.metrics",
-    "service.logs",
+    "service.observability.metrics",
+    "service.observability.logs",
 )
 MODULES = sorted(path.stem for path in PACKAGE.glob("*.py"))
 

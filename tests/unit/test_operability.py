@@ -20,11 +20,11 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from service import logs
 from service.api import create_app
 from service.api.routers.health import READY_PARTS
 from service.errors import InstanceIdInUse, StoreUnavailable
 from service.jobs.notify import Listener, Waiters
+from service.observability import logs
 from service.sandbox.fake import FakeBackend
 from service.sandbox.labels import instance_labels
 from service.settings import Settings

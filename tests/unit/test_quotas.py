@@ -21,7 +21,7 @@ import pytest
 
 from service.errors import QuotaExceeded
 from service.keys import IMPLICIT_OWNER
-from service.metrics import Metrics
+from service.observability.metrics import Metrics
 from service.output import OutputLog
 from service.quotas import REJECTION_REASONS, HostCapacity, OutputBudget, Quotas, Slots, machine_memory_mb
 from service.sandbox.base import SandboxBackend, SandboxSpec

@@ -11,7 +11,7 @@ from service.api.problems import FORBIDDEN, NOT_READY
 from service.errors import SandboxError, StoreUnavailable
 from service.jobs.notify import Listener
 from service.keys import may_scrape
-from service.metrics import CONTENT_TYPE
+from service.observability.metrics import CONTENT_TYPE
 from service.replicas import Replicas
 from service.sandbox.images import Images
 from service.settings import DEFAULT_IMAGE

@@ -15,7 +15,6 @@ from fastapi.responses import FileResponse, Response, StreamingResponse
 from pydantic import BeforeValidator
 from sse_starlette import EventSourceResponse
 
-from service import stages
 from service.api.bodies import ParsedOffLoop
 from service.api.deps import AppSettings, Idempotency, Jobs, Key, Reads, Who
 from service.api.idempotent import KEY_DESCRIPTION, KEY_HEADER, claim_key, replay
@@ -26,6 +25,7 @@ from service.errors import InvalidField, RequestLimitError
 from service.files import DOWNLOAD_HEADERS
 from service.jobs.live import LiveJob, wait_for_end_or_client
 from service.limits import check_execute
+from service.observability import stages
 from service.output import OutputRange
 from service.sandbox.base import Stream
 from service.schemas import (

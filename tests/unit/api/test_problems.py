@@ -19,7 +19,7 @@ from service.api import problems
 from service.api.problems import RULES, TYPES, ProblemType, rule_for
 from service.egress import EgressDenied
 from service.errors import PtcError
-from service.metrics import Metrics
+from service.observability.metrics import Metrics
 from service.openapi import Problem
 from service.settings import Settings
 from tests.unit.test_docs_links import anchors
