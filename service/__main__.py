@@ -4,7 +4,7 @@
 ``ptc-sandbox hash-key NAME [--generate]`` prints the ``PTC_API_KEYS`` entry of a token (read from stdin,
 or a new one printed first); ``ptc-sandbox mcp [--url URL] [--token T] [--toolset ID]`` serves MCP over stdio,
 forwarding to a running service (``mcp_stdio``); ``ptc-sandbox migrate`` upgrades the job store;
-``ptc-sandbox sweep --instance ID [--unregistered]`` removes a retired replica's sandboxes (``service.sweep``).
+``ptc-sandbox sweep --instance ID [--unregistered]`` removes a retired replica's sandboxes (``service.replicas.sweep``).
 """
 
 from __future__ import annotations
@@ -152,12 +152,12 @@ def _migrate(settings: Settings) -> int:
 
 
 def _sweep(settings: Settings, instance_id: str, unregistered: bool) -> int:
-    """``ptc-sandbox sweep --instance ID``: ``service.sweep.sweep_instance`` on the store and engine of the settings;
+    """``ptc-sandbox sweep --instance ID``: ``replicas.sweep.sweep_instance`` on the store and engine of the settings;
     prints how many sandboxes it removed. Exit 1 when refused (the instance is live, or unknown without
     ``--unregistered``) or when the store or the engine does not answer."""
+    from service.replicas.sweep import sweep_instance
     from service.sandbox.docker import DockerBackend
     from service.store import job_store
-    from service.sweep import sweep_instance
 
     store = job_store(settings)
 

@@ -104,7 +104,7 @@ class Caller:
     owner: str
     admin: bool = False
     internal: bool = False
-    """The request came signed from another replica (``service.internal``): it is never forwarded again."""
+    """The request came signed from another replica (``service.replicas.internal``): it is never forwarded again."""
 
     def may_access(self, owner: str | None) -> bool:
         """Whether this caller may see and act on something owned by ``owner`` (None: saved before owners were)."""

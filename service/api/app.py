@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from starlette.datastructures import State
 from starlette.routing import BaseRoute
 
-from service import __version__, callbacks, internal
+from service import __version__, callbacks
 from service.api import forward, mcp_front, problems
 from service.api.auth import BearerAuth, open_paths
 from service.api.bodies import BODY_THREADS, BodyLimit, ParsedOffLoop
@@ -31,14 +31,15 @@ from service.egress import EgressPolicy, OwnAddress
 from service.errors import InsecureConfig, SandboxError
 from service.idempotency import IdempotencyKeys
 from service.jobs import JobManager
-from service.jobs.notify import Listener, Waiters
-from service.jobs.remote import Remote
 from service.keys import configure, single_tenant
 from service.observability import telemetry
 from service.observability.metrics import HttpObserver, Metrics
 from service.observability.stages import StageTiming
 from service.openapi import document
-from service.replicas import Replicas
+from service.replicas import internal
+from service.replicas.notify import Listener, Waiters
+from service.replicas.registration import Replicas
+from service.replicas.remote import Remote
 from service.sandbox.base import SandboxBackend
 from service.sandbox.images import Images
 from service.settings import DEFAULT_IMAGE, Settings

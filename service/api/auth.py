@@ -25,11 +25,11 @@ from collections.abc import Callable
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.internal import SIGNATURE as _SIGNATURE
-from service.internal import SOURCE as SOURCE_HEADER
-from service.internal import InternalRefused, Verifier
 from service.keys import KEY_NAME, KeyRing
 from service.observability import logs
+from service.replicas.internal import SIGNATURE as _SIGNATURE
+from service.replicas.internal import SOURCE as SOURCE_HEADER
+from service.replicas.internal import InternalRefused, Verifier
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def bearer_token(scope: Scope) -> bytes | None:
 class BearerAuth:
     """ASGI middleware: refuse requests without a known key, before their body is read.
 
-    A request that carries ``Ptc-Internal-Signature`` is a signed call of another replica (``service.internal``):
+    A request that carries ``Ptc-Internal-Signature`` is a signed call of another replica (``replicas.internal``):
     its whole body (at most ``body_limit`` bytes) is read here and checked with ``verifier``; on success it runs as
     the key named by ``Ptc-Internal-Caller`` (``key_name``; the admin role from this replica's own keys), with
     ``state.internal`` set to the source instance id. Any failure is a 401 (503 when the nonce set is full), never

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from service import callbacks
 from service.jobs import JobManager
-from service.jobs.notify import Elsewhere, Waiters
 from service.observability.metrics import Metrics
-from service.replicas import Replicas
+from service.replicas.notify import Elsewhere, Waiters
+from service.replicas.registration import Replicas
 from service.sandbox.base import SandboxBackend
 from service.settings import Settings
 from service.store import JobStore
@@ -39,11 +39,8 @@ def build_jobs(
     from service.jobs import JobParts
     from service.jobs.admission import Admission, Intake
     from service.jobs.events import CallEnded, Events, JobEnded, JobLost, SandboxStarted, StatusChanged
-    from service.jobs.fencing import SelfFence
     from service.jobs.live import LiveJob, resolve_limits
     from service.jobs.placement import Sandboxes
-    from service.jobs.progress import ProgressSaver
-    from service.jobs.reaper import Reaper
     from service.jobs.recovery import Recovery
     from service.jobs.runner import Runner
     from service.jobs.sessions import SessionJobs
@@ -52,6 +49,9 @@ def build_jobs(
     from service.jobs.webhooks import Webhooks
     from service.observability import logs
     from service.quotas import HostCapacity, Quotas, Slots
+    from service.replicas.fencing import SelfFence
+    from service.replicas.progress import ProgressSaver
+    from service.replicas.reaper import Reaper
     from service.sandbox.folders import SandboxFolders
     from service.sandbox.images import Images
     from service.sandbox.labels import instance_labels as labels_of

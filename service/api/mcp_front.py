@@ -38,10 +38,10 @@ from service.api.problems import (
 from service.errors import OwnerElsewhere, PtcError
 from service.jobs import JobManager
 from service.jobs.live import wait_for_end_or_client
-from service.jobs.remote import Remote
 from service.keys import Caller, caller
 from service.limits import check_execute
 from service.mcp_tools import OperationFailed, build_server
+from service.replicas.remote import Remote
 from service.schemas import ExecuteRequest
 from service.settings import Settings
 from service.toolkit.validation import CheckScheduler

@@ -24,10 +24,10 @@ from service.files import FILES_FOLDER
 from service.jobs.events import Events, JobLost
 from service.jobs.live import OWNER_FILE, RECORDS_FILE, SLICE_BYTES, STREAMS, now
 from service.jobs.model import ErrorType, JobError
-from service.jobs.reaper import lost_row
 from service.output import CappedStream, read_range
 from service.quotas import Quotas
-from service.replicas import Replicas
+from service.replicas.reaper import lost_row
+from service.replicas.registration import Replicas
 from service.sandbox.base import SandboxBackend
 from service.sandbox.folders import SandboxFolders
 from service.settings import Settings

@@ -34,7 +34,7 @@ from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
 from service.jobs.shared import SHARE_AT_ONCE, keep_output
 from service.jobs.tasks import Tasks, until_done
 from service.observability import stages, telemetry
-from service.replicas import Replicas
+from service.replicas.registration import Replicas
 from service.sandbox.base import ExitStatus, write_run_files
 from service.sandbox.resident import KILL_CONFIRM_S, ResidentRun, ResidentSandbox
 from service.settings import Settings

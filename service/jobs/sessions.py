@@ -28,12 +28,12 @@ from service.errors import (
 )
 from service.jobs.admission import Admission, find_session
 from service.jobs.live import SANDBOX_LIMITS, LiveJob, resolve_limits
-from service.jobs.notify import Elsewhere
 from service.jobs.placement import Sandboxes
 from service.jobs.runner import Runner
 from service.keys import Caller
 from service.output import OutputRange
-from service.replicas import Replicas
+from service.replicas.notify import Elsewhere
+from service.replicas.registration import Replicas
 from service.sandbox.images import Images, image_name
 from service.sandbox.labels import LABEL_SESSION
 from service.sandbox.spec import sandbox_spec

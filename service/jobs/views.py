@@ -22,9 +22,9 @@ from service.errors import InvalidField, JobNotFound, NoSuchFile
 from service.jobs import resume, shared
 from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob, wait_for_end_or_client
 from service.jobs.model import FINAL
-from service.jobs.notify import Elsewhere
 from service.keys import Caller
 from service.output import OutputRange, decode_slice, read_range
+from service.replicas.notify import Elsewhere
 from service.sandbox.base import Stream
 from service.schemas import JobSummary
 from service.store import JobQuery, JobStore

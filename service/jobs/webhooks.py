@@ -37,7 +37,7 @@ from service.jobs.tasks import Tasks
 from service.jobs.views import JobViews
 from service.observability import telemetry
 from service.observability.metrics import Metrics
-from service.replicas import Replicas
+from service.replicas.registration import Replicas
 from service.settings import Settings
 from service.store import Incarnation, JobStore, StoredJob
 from service.views import EncodedView, render_head

@@ -14,7 +14,7 @@ HIGHER = (
     "service.jobs",
     "service.sessions",
     "service.store",
-    "service.replicas",
+    "service.replicas.registration",
     "service.observability.metrics",
     "service.observability.logs",
 )

@@ -9,10 +9,10 @@ from service.api.bodies import ParsedOffLoop
 from service.api.deps import AppMetrics, AppSettings, Backend, Key, Keys, Store
 from service.api.problems import FORBIDDEN, NOT_READY
 from service.errors import SandboxError, StoreUnavailable
-from service.jobs.notify import Listener
 from service.keys import may_scrape
 from service.observability.metrics import CONTENT_TYPE
-from service.replicas import Replicas
+from service.replicas.notify import Listener
+from service.replicas.registration import Replicas
 from service.sandbox.images import Images
 from service.settings import DEFAULT_IMAGE
 

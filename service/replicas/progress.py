@@ -13,7 +13,7 @@ call record since its last progress save gets:
 
 The chunks go with their job (``JobRecords.purge`` deletes every blob of a purged job). A job that ends normally
 keeps them beside its ``stdout``/``stderr`` blobs until purged; a job marked lost has them joined into those
-blobs by the reaper (``service.jobs.reaper``), so every replica serves its output as any ended job's.
+blobs by the reaper (``service.replicas.reaper``), so every replica serves its output as any ended job's.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ live replica of a shared store:
    (``SessionRecords.orphan_holders``);
 2. **ends its orphans**, ``ORPHAN_BATCH`` at a time: unended jobs whose incarnation is not live or draining
    (``JobRecords.orphans``) are saved ``lost`` with the error type ``replica_lost``, their pending calls cancelled,
-   their output and call records as of their owner's last progress save (``service.jobs.progress``): the
+   their output and call records as of their owner's last progress save (``service.replicas.progress``): the
    chunks are joined into the job's ``stdout``/``stderr`` blobs, served by every replica as an ended job's.
    ``JobRecords.save_lost`` writes only an unended row (``NOTIFY <job_id> ended``): of two reapers racing, or of an
    owner saving its end while a survivor marks it, exactly one write counts, and only that replica publishes
@@ -33,11 +33,11 @@ from service.errors import StoreUnavailable
 from service.jobs.events import Events, JobLost
 from service.jobs.live import SLICE_BYTES, STREAMS, ms, now, stored_job
 from service.jobs.model import ErrorType, JobError, JobStatus
-from service.jobs.progress import chunk_name, chunk_start
 from service.observability import logs
 from service.observability.metrics import Metrics
 from service.output import CappedStream
-from service.replicas import Replicas
+from service.replicas.progress import chunk_name, chunk_start
+from service.replicas.registration import Replicas
 from service.store import Incarnation, JobStore, StoredJob
 from service.views import render_head
 

@@ -21,13 +21,13 @@ from service.broker import Broker, BrokerConfig
 from service.egress import EgressPolicy
 from service.errors import LeaseLost
 from service.jobs.events import Events, JobLost
-from service.jobs.fencing import EXIT_FENCED, SelfFence
 from service.jobs.live import LiveJob, stored_job
 from service.jobs.model import JobStatus
-from service.jobs.progress import ProgressSaver, chunk_name
-from service.jobs.reaper import Reaper
 from service.jobs.tasks import Tasks
-from service.replicas import Replicas
+from service.replicas.fencing import EXIT_FENCED, SelfFence
+from service.replicas.progress import ProgressSaver, chunk_name
+from service.replicas.reaper import Reaper
+from service.replicas.registration import Replicas
 from service.settings import Settings
 from service.store import Incarnation, Registration, StoredJob
 from service.store.pg import PostgresJobStore

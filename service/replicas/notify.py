@@ -30,7 +30,7 @@ import sqlalchemy as sa
 
 from service.errors import JobNotFound, OwnerElsewhere, OwnerUnavailable
 from service.keys import Caller
-from service.replicas import Replicas
+from service.replicas.registration import Replicas
 from service.store import JobStore, StoredJob
 from service.store.pg_db import CALLBACKS_CHANNEL, JOBS_CHANNEL, KEYS_CHANNEL, REPLICAS_CHANNEL
 

@@ -14,7 +14,7 @@ cache, and fencing (docs/scaling.md, Replicas and leases; issue 17, point 2).
 - **Fencing** (``fence``): a renewal that matches no row, a save that matches no row (``LeaseLost``), or the
   local deadline passing: this incarnation may no longer act as an owner. It logs ``replica lease_lost`` once,
   answers ``/readyz`` 503, and runs the ``on_fenced`` callbacks: the service's removes every sandbox with this
-  instance's labels, cancels its callback deliveries and exits with status 75 (``service.jobs.fencing``); its
+  instance's labels, cancels its callback deliveries and exits with status 75 (``service.replicas.fencing``); its
   supervisor starts it again as a new incarnation. With SQLite the same code runs, and nothing ever expires the one
   replica.
 """
