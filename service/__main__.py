@@ -3,7 +3,7 @@
 ``ptc-sandbox serve [--host H] [--port P]`` runs the service (settings come from ``PTC_*`` variables);
 ``ptc-sandbox hash-key NAME [--generate]`` prints the ``PTC_API_KEYS`` entry of a token (read from stdin,
 or a new one printed first); ``ptc-sandbox mcp [--url URL] [--token T] [--toolset ID]`` serves MCP over stdio,
-forwarding to a running service (``mcp_stdio``); ``ptc-sandbox migrate`` upgrades the job store;
+forwarding to a running service (``mcp.stdio``); ``ptc-sandbox migrate`` upgrades the job store;
 ``ptc-sandbox sweep --instance ID [--unregistered]`` removes a retired replica's sandboxes (``service.replicas.sweep``).
 """
 
@@ -23,11 +23,11 @@ from pydantic import ValidationError
 
 from service import workdir
 from service.api import create_app
-from service.connections import ConnectionGuard, guarded_protocol, parse_networks
+from service.api.connections import ConnectionGuard, guarded_protocol, parse_networks
 from service.errors import InsecureConfig, InstanceIdInUse, SandboxError, StoreUnavailable, WorkDirBusy
-from service.keys import KEY_NAME, hash_token
 from service.observability import logs
 from service.settings import Settings
+from service.tenancy import KEY_NAME, hash_token
 
 TOKEN_PREFIX = "ptc_"
 
@@ -201,7 +201,7 @@ def _mcp(url: str | None, token: str | None, toolset: str | None) -> int:
     if not url:
         print("mcp: give the service's URL (--url or PTC_URL)", file=sys.stderr)
         return 2
-    from service import mcp_stdio
+    from service.mcp import stdio as mcp_stdio
 
     asyncio.run(mcp_stdio.serve(url, token, toolset))
     return 0

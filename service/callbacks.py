@@ -59,8 +59,8 @@ from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_af
 
 from service.egress import EgressDenied
 from service.errors import InsecureConfig
-from service.keys import named_entries
 from service.settings import Settings
+from service.tenancy import named_entries
 
 WEBHOOK_ID_HEADER = "webhook-id"
 WEBHOOK_TIMESTAMP_HEADER = "webhook-timestamp"

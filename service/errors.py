@@ -91,7 +91,7 @@ class CheckTooCostly(PtcError):
 
 
 class InsecureConfig(PtcError):
-    """The settings would let anyone reach the service without a key (see ``service.keys.configure``)."""
+    """The settings would let anyone reach the service without a key (see ``service.tenancy.configure``)."""
 
 
 class WorkDirBusy(PtcError):

@@ -24,8 +24,11 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 # (and some, e.g. PYTHONMALLOC, could stop it); LD_*: read by the dynamic loader, likewise; PTC_*: the runtime's.
 _RESERVED_ENV = ("PYTHON", "LD_", "PTC_")
 
-# The values of ``service.jobs.model.JobStatus``, spelled out for the OpenAPI document (a unit test keeps them equal).
-JobStatus = Literal["queued", "running", "waiting", "succeeded", "failed", "timed_out", "stopped", "oom_killed", "lost"]
+# The values of ``service.jobs.model.JobStatus``, spelled out for the OpenAPI document (a unit test keeps them
+# equal); named apart from the enum.
+JobStatusValue = Literal[
+    "queued", "running", "waiting", "succeeded", "failed", "timed_out", "stopped", "oom_killed", "lost"
+]
 CallStatus = Literal["pending", "ok", "error", "rejected", "timeout"]
 
 
@@ -530,7 +533,7 @@ class JobView(BaseModel):
     """A job as the API shows it (``service.jobs.live.LiveJob.view_dict`` while live, then the saved view)."""
 
     job_id: str
-    status: JobStatus
+    status: JobStatusValue
     exit_code: int | None
     stdout: str
     stderr: str
@@ -605,7 +608,7 @@ class JobView(BaseModel):
 
 
 class CallSummary(BaseModel):
-    """A call record as ``?calls=summary`` shows it (``service.views.SUMMARY_FIELDS``): no arguments, no result."""
+    """A call record as ``?calls=summary`` shows it (``views.render.SUMMARY_FIELDS``): no arguments, no result."""
 
     seq: int
     call_id: str
@@ -641,7 +644,7 @@ class JobSummary(BaseModel):
     """A job in a listing (no output, no calls)."""
 
     job_id: str
-    status: JobStatus
+    status: JobStatusValue
     exit_code: int | None
     error: JobError | None
     metadata: dict[str, Any]

@@ -15,11 +15,12 @@ from starlette.datastructures import State
 from starlette.routing import BaseRoute
 
 from service import __version__, callbacks
-from service.api import forward, mcp_front, problems
+from service.api import forward, problems
 from service.api.auth import BearerAuth, open_paths
 from service.api.bodies import BODY_THREADS, BodyLimit, ParsedOffLoop
 from service.api.composition import build_jobs
 from service.api.deps import NOT_STARTED, SessionService, ToolsetService
+from service.api.openapi import document
 from service.api.problems import OWNER_UNAVAILABLE, UNAUTHORIZED
 from service.api.reads import ReadSlots
 from service.api.routers import docs as docs_router
@@ -31,19 +32,19 @@ from service.egress import EgressPolicy, OwnAddress
 from service.errors import InsecureConfig, SandboxError
 from service.idempotency import IdempotencyKeys
 from service.jobs import JobManager
-from service.keys import configure, single_tenant
+from service.mcp import front as mcp_front
 from service.observability import telemetry
 from service.observability.metrics import HttpObserver, Metrics
 from service.observability.stages import StageTiming
-from service.openapi import document
 from service.replicas import internal
 from service.replicas.notify import Listener, Waiters
 from service.replicas.registration import Replicas
 from service.replicas.remote import Remote
-from service.sandbox.base import SandboxBackend
+from service.sandbox.backend import SandboxBackend
 from service.sandbox.images import Images
 from service.settings import DEFAULT_IMAGE, Settings
 from service.store import job_store
+from service.tenancy import configure, single_tenant
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.validation import CheckScheduler
 

@@ -1,6 +1,6 @@
 """Authentication over HTTP: the bearer token of a request, checked by an ASGI middleware before a body is read.
 
-A request carries ``Authorization: Bearer <token>``; ``service.keys.KeyRing``
+A request carries ``Authorization: Bearer <token>``; ``service.tenancy.KeyRing``
 tells which key it is, in constant time. The key's name is put on
 ``request.state.key_name`` (None on open paths and when authentication is
 disabled) for logs and metrics.
@@ -25,12 +25,12 @@ from collections.abc import Callable
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.keys import KEY_NAME, KeyRing
 from service.observability import logs
 from service.replicas.internal import SIGNATURE as _SIGNATURE
 from service.replicas.internal import SOURCE as SOURCE_HEADER
 from service.replicas.internal import InternalRefused, Verifier
 from service.settings import Settings
+from service.tenancy import KEY_NAME, KeyRing
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from service.jobs import JobManager
 from service.observability.metrics import Metrics
 from service.replicas.notify import Elsewhere, Waiters
 from service.replicas.registration import Replicas
-from service.sandbox.base import SandboxBackend
+from service.sandbox.backend import SandboxBackend
 from service.settings import Settings
 from service.store import JobStore
 from service.toolkit.endpoints import EndpointClients
@@ -43,9 +43,7 @@ def build_jobs(
     from service.jobs.placement import Sandboxes
     from service.jobs.recovery import Recovery
     from service.jobs.runner import Runner
-    from service.jobs.sessions import SessionJobs
     from service.jobs.tasks import Tasks
-    from service.jobs.views import JobViews
     from service.jobs.webhooks import Webhooks
     from service.observability import logs
     from service.quotas import HostCapacity, Quotas, Slots
@@ -58,10 +56,12 @@ def build_jobs(
     from service.sandbox.pool import WarmPools
     from service.sandbox.spec import sandbox_spec
     from service.schemas import ExecuteRequest
-    from service.sessions import Session, SessionManager
+    from service.sessions.manager import Session, SessionManager
+    from service.sessions.requests import SessionJobs
     from service.toolkit.cache import ManifestCache
     from service.toolsets import Toolsets, installation_salt
-    from service.views import ViewCache
+    from service.views.read import JobViews
+    from service.views.render import ViewCache
 
     instance = settings.instance()
     instance_labels = labels_of(instance)

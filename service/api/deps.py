@@ -25,13 +25,13 @@ from fastapi import Depends, Request
 from service.api.reads import ReadSlots
 from service.idempotency import IdempotencyKeys
 from service.jobs import JobManager
-from service.keys import Caller, KeyRing, caller
 from service.observability.metrics import Metrics
 from service.output import OutputRange
-from service.sandbox.base import SandboxBackend
+from service.sandbox.backend import SandboxBackend
 from service.schemas import McpServer, SessionRequest
 from service.settings import Settings
 from service.store import JobStore
+from service.tenancy import Caller, KeyRing, caller
 from service.toolkit.cache import CompiledManifest
 
 

@@ -52,7 +52,7 @@ from service.broker.checks import (
     valid,
 )
 from service.broker.config import BrokerConfig
-from service.broker.paused import ClientAnswer, PausedCalls
+from service.broker.paused import ClientResult, PausedCalls
 from service.broker.records import CANCELLED, CallMemory, CallRecords, fail
 from service.errors import CheckTooCostly
 from service.observability import telemetry
@@ -244,7 +244,7 @@ class Dispatcher:
             record["repairs"].append(JSON_TEXT_REPAIR)
         if tool.endpoint.kind == "client":
             answer = await self._paused.ask_client(tool, args_json or b"null", record)
-            if not isinstance(answer, ClientAnswer):
+            if not isinstance(answer, ClientResult):
                 return answer
             return await self._accept_result(tool, record, answer.value)
         if checked.needs_approval:

@@ -5,7 +5,7 @@ The package, by stage of one ``POST /execute``:
 ==============  ===================================================================================================
 module          what it does
 ==============  ===================================================================================================
-``model``       statuses, allowed transitions, ``FINAL``/``LIVE``, ``JobError``, the end-of-run rules (no imports)
+``model``       statuses, allowed transitions, ``FINAL``/``LIVE``, ``Failure``, the end-of-run rules (no imports)
 ``live``        a job held in memory (``LiveJob``), its resolved limits, the store's row of a view
 ``admission``   queue bounds, quotas, script slots; a request becomes a live job (``Intake``) or is refused
 ``runner``      the run path (save, sandbox, broker, supervise, end-of-run, final save, then tell)
@@ -21,7 +21,7 @@ module          what it does
 The parts are built by the app factory (``service.api.build_jobs``, called by ``create_app``), which also
 subscribes metrics, logs and webhooks to ``events``. This module imports only ``model`` and ``service.errors`` at
 run time, so that ``observability.logs`` and ``observability.metrics`` can import the model without importing the whole
-service (and without an import cycle through ``service.keys`` or ``service.sessions``, which import logs).
+service (and without an import cycle through ``service.tenancy`` or ``service.sessions.manager``, which import logs).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service.errors import CallNotPending
-from service.jobs.model import FINAL, LIVE, Job, JobError, JobStatus
+from service.jobs.model import FINAL, LIVE, Failure, Job, JobStatus
 from service.observability import stages
-from service.views import FULL, Selection
+from service.views.render import FULL, Selection
 
 if TYPE_CHECKING:
     from service.broker import Broker
@@ -44,26 +44,26 @@ if TYPE_CHECKING:
     from service.jobs.live import LiveJob
     from service.jobs.placement import Sandboxes
     from service.jobs.recovery import Recovery
-    from service.jobs.resume import Position
     from service.jobs.runner import Runner
-    from service.jobs.sessions import SessionJobs
     from service.jobs.tasks import Tasks
-    from service.jobs.views import JobViews
     from service.jobs.webhooks import Webhooks
-    from service.keys import Caller
     from service.output import OutputRange
-    from service.sandbox.base import Stream
+    from service.sandbox.backend import Stream
     from service.sandbox.folders import SandboxFolders
     from service.sandbox.pool import WarmPools
     from service.schemas import ExecuteRequest, JobSummary, McpServer, SessionRequest
-    from service.sessions import SessionManager
+    from service.sessions.manager import SessionManager
+    from service.sessions.requests import SessionJobs
     from service.store import JobQuery
+    from service.tenancy import Caller
     from service.toolkit.cache import CompiledManifest, ManifestCache
     from service.toolkit.validation import CheckScheduler
     from service.toolsets import Toolsets
-    from service.views import Body, EncodedView
+    from service.views.read import JobViews
+    from service.views.render import Body, EncodedView
+    from service.views.resume import Position
 
-__all__ = ["FINAL", "LIVE", "Job", "JobError", "JobManager", "JobParts", "JobStatus"]
+__all__ = ["FINAL", "LIVE", "Failure", "Job", "JobManager", "JobParts", "JobStatus"]
 
 
 @dataclass
@@ -160,7 +160,7 @@ class JobManager:
         Returns once the job's first save is done (or its run ended without one).
         """
         if request.session_id is not None:
-            from service.keys import Caller
+            from service.tenancy import Caller
 
             await self._sessions.locate_open(request.session_id, Caller(owner, admin, internal))
         admitted = await self._intake.admit(request, owner, admin)

@@ -22,14 +22,14 @@ from service.callbacks import CallbackSecrets
 from service.egress import EgressDenied
 from service.errors import EngineUnavailable, InvalidField, QueueFull, SessionNotFound
 from service.jobs.live import OWNER_FILE, SANDBOX_LIMITS, LiveJob, ResolvedLimits, resolve_limits
-from service.keys import Caller
 from service.normalize import Normalized, count, prepare
 from service.output import OutputLog
 from service.quotas import OwnerSlot, Quotas, Slots
 from service.sandbox.images import Images, image_name
 from service.schemas import ExecuteRequest
-from service.sessions import Session, SessionManager
+from service.sessions.manager import Session, SessionManager
 from service.settings import DEFAULT_IMAGE, Settings
+from service.tenancy import Caller
 from service.toolkit.cache import CompiledManifest
 from service.toolkit.endpoints import EndpointClients
 from service.toolsets import Toolsets

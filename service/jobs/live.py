@@ -23,17 +23,17 @@ from opentelemetry.trace import Span
 from service.broker import Broker
 from service.errors import EngineUnavailable, FileRefused, RequestLimitError, SandboxError
 from service.files import FileBudget, OutputFiles
-from service.jobs.model import INTERNAL_ERROR, SERVICE_STOPPED, ErrorType, Job, JobError, JobStatus
+from service.jobs.model import INTERNAL_ERROR, SERVICE_STOPPED, ErrorType, Failure, Job, JobStatus
 from service.normalize import Normalized, view_fields
 from service.output import OutputLog
-from service.sandbox.base import Stream
+from service.sandbox.backend import Stream
 from service.sandbox.images import image_name
 from service.schemas import ExecuteRequest, JobSummary, JobView
 from service.settings import DEFAULT_IMAGE, KeyLimits, Settings
 from service.store import JobStore, StoredJob
 
 if TYPE_CHECKING:
-    from service.views import ViewCache
+    from service.views.render import ViewCache
 
 log = logging.getLogger(__name__)
 
@@ -249,12 +249,12 @@ def end_by_failure(job: LiveJob, exc: BaseException) -> None:
             job.end(JobStatus.LOST, SERVICE_STOPPED)
     elif isinstance(exc, FileRefused):
         if not job.ended:
-            job.end(JobStatus.FAILED, JobError(ErrorType.FILES_REFUSED, str(exc)))
+            job.end(JobStatus.FAILED, Failure(ErrorType.FILES_REFUSED, str(exc)))
     elif isinstance(exc, SandboxError):
         log.error("job %s: sandbox failure: %s", job.id, exc)
         kind = ErrorType.ENGINE_UNAVAILABLE if isinstance(exc, EngineUnavailable) else ErrorType.SANDBOX_ERROR
         if not job.ended:
-            job.end(JobStatus.FAILED, JobError(kind, str(exc)))
+            job.end(JobStatus.FAILED, Failure(kind, str(exc)))
     elif isinstance(exc, Exception):
         log.exception("job %s: unexpected failure", job.id, exc_info=exc)
         if not job.ended:

@@ -23,13 +23,13 @@ from service.jobs.live import LiveJob, now
 from service.jobs.model import JobStatus, session_closed, stopped_before_start
 from service.jobs.tasks import Tasks
 from service.quotas import HostCapacity, OwnerSlot
-from service.sandbox.base import SandboxBackend
+from service.sandbox.backend import SandboxBackend
 from service.sandbox.images import Images
 from service.sandbox.labels import LABEL_JOB
 from service.sandbox.pool import WarmPools
 from service.sandbox.resident import ResidentSandbox
 from service.sandbox.spec import sandbox_spec
-from service.sessions import Session, SessionManager
+from service.sessions.manager import Session, SessionManager
 from service.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -29,10 +29,10 @@ import psycopg
 import sqlalchemy as sa
 
 from service.errors import JobNotFound, OwnerElsewhere, OwnerUnavailable
-from service.keys import Caller
 from service.replicas.registration import Replicas
 from service.store import JobStore, StoredJob
 from service.store.pg_db import CALLBACKS_CHANNEL, JOBS_CHANNEL, KEYS_CHANNEL, REPLICAS_CHANNEL
+from service.tenancy import Caller
 
 log = logging.getLogger(__name__)
 

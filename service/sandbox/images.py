@@ -17,7 +17,7 @@ import logging
 from collections.abc import Mapping
 
 from service.errors import EngineUnavailable, SandboxError, UnknownImage
-from service.sandbox.base import SandboxBackend
+from service.sandbox.backend import SandboxBackend
 from service.sandbox.labels import FEATURE_SESSION, features
 from service.settings import DEFAULT_IMAGE, Settings
 

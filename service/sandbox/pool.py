@@ -54,7 +54,7 @@ from pathlib import Path
 
 from service.errors import SandboxError
 from service.quotas import HostCapacity
-from service.sandbox.base import SandboxBackend, SandboxSpec
+from service.sandbox.backend import SandboxBackend, SandboxSpec
 from service.sandbox.labels import FEATURE_SESSION, LABEL_POOL, features
 from service.sandbox.resident import ResidentSandbox
 

@@ -2,7 +2,7 @@
 
 Every run goes through this type, whatever its placement: a cold one-shot job (a sandbox started for it and removed
 after), a pooled one (started ahead of time by ``service.sandbox.pool``, used once), and a session's turn (the
-session's sandbox, kept for the next script; ``service.sessions``). The sandbox runs the runtime with
+session's sandbox, kept for the next script; ``service.sessions.manager``). The sandbox runs the runtime with
 ``PTC_SESSION=1`` (``sandbox_image/ptc_runtime/session.py``): a resident interpreter, with the stub library
 imported, that forks one process per script and speaks the control protocol of ``ptc_runtime.protocol`` over the
 folder's ``control.sock``.
@@ -37,7 +37,7 @@ from service.errors import FileRefused, NoSuchFile, SandboxError
 from service.files import OutputFiles
 from service.observability import logs
 from service.quotas import Commitment
-from service.sandbox.base import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec, Stream
+from service.sandbox.backend import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec, Stream
 from service.sandbox.labels import LABEL_SANDBOX
 from service.unix_sockets import bind_unix
 

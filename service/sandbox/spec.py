@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
-from service.sandbox.base import SandboxSpec
+from service.sandbox.backend import SandboxSpec
 from service.settings import DEFAULT_IMAGE, Settings
 
 

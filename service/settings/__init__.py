@@ -375,7 +375,7 @@ class Settings(BaseSettings):
     )
     callback_timeout_s: float = Field(10, gt=0, description="Time limit of one callback delivery (s).")
 
-    # -- authentication (service/keys.py, service/api/auth.py) --
+    # -- authentication (service/tenancy.py, service/api/auth.py) --
     auth: Literal["required", "disabled"] = Field(
         "required",
         description="required: every route but /healthz, /readyz (and /metrics when PTC_METRICS_AUTH=open) needs "
@@ -624,7 +624,7 @@ class Settings(BaseSettings):
     @field_validator("trusted_proxies")
     @classmethod
     def _parse_proxies(cls, entries: list[str]) -> list[str]:
-        for entry in entries:  # as service.connections.parse_networks reads them; ValueError names the entry
+        for entry in entries:  # as service.api.connections.parse_networks reads them; ValueError names the entry
             if entry.strip():
                 ipaddress.ip_network(entry.strip(), strict=False)
         return entries

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from bench.__main__ import server_timing
-from service.keys import hash_token
 from service.observability.stages import Stages
+from service.tenancy import hash_token
 from tests.conftest import Service, start_service, stop_clean
 
 OTHER_TOKEN = secrets.token_urlsafe(32)

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "service" / "broker"
 HIGHER = (
     "service.api",
     "service.jobs",
-    "service.sessions",
+    "service.sessions.manager",
     "service.store",
     "service.replicas.registration",
     "service.observability.metrics",

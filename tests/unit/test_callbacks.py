@@ -47,9 +47,9 @@ from service.callbacks import (
 )
 from service.errors import InsecureConfig
 from service.jobs import webhooks
-from service.keys import hash_token
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
+from service.tenancy import hash_token
 
 # The specification's repository publishes this vector with its reference libraries' tests
 # (libraries/python/tests/test_webhooks.py, test_sign_function, of standard-webhooks/standard-webhooks).

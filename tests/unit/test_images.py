@@ -20,7 +20,7 @@ from service.api import create_app
 from service.errors import RequestLimitError, UnknownImage
 from service.jobs.live import resolve_limits
 from service.limits import check_execute, check_session
-from service.sandbox.base import OutputSink, SandboxHandle, SandboxSpec
+from service.sandbox.backend import OutputSink, SandboxHandle, SandboxSpec
 from service.sandbox.fake import RUNTIME_LABELS, FakeBackend
 from service.sandbox.images import Images, ImageUnusable, image_name
 from service.sandbox.labels import LABEL_POOL

@@ -14,10 +14,10 @@ from starlette.types import Message, Receive, Scope, Send
 from service.api.auth import BearerAuth
 from service.egress import EgressDenied, EgressPolicy
 from service.errors import OwnerElsewhere, OwnerUnavailable, QuotaExceeded
-from service.keys import KeyRing, hash_token, parse_keys
 from service.replicas import internal
 from service.replicas import remote as remote_module
 from service.replicas.remote import Remote
+from service.tenancy import KeyRing, hash_token, parse_keys
 from tests.conftest import TEST_EGRESS_RULES
 
 SECRET = b"s" * 32

@@ -22,11 +22,11 @@ from fastapi import FastAPI
 
 from service.api import create_app
 from service.errors import InstanceIdInUse, LeaseLost
-from service.keys import hash_token
 from service.replicas.registration import Replicas, internal_url, work_dir_token
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
 from service.store import Incarnation, JobStore, Registration, StoredJob
+from service.tenancy import hash_token
 from tests.conftest import free_port
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

@@ -19,9 +19,9 @@ import pytest
 import sqlalchemy as sa
 
 from service.api import create_app
-from service.keys import hash_token
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
+from service.tenancy import hash_token
 
 TOOLS = [{"name": "t", "parameters": {"properties": {"x": {"type": "integer"}}}, "endpoint": {"kind": "echo"}}]
 

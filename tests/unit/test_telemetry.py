@@ -24,10 +24,10 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from service.api import create_app
-from service.keys import hash_token
 from service.observability import logs, telemetry
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
+from service.tenancy import hash_token
 from tests.toolserver import ToolServer
 
 ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789"

@@ -25,7 +25,7 @@ from service.api import create_app
 from service.jobs import JobManager
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
-from service.views import SUMMARY_FIELDS, SUMMARY_MESSAGE_CHARS, VIEW_FIELDS
+from service.views.render import SUMMARY_FIELDS, SUMMARY_MESSAGE_CHARS, VIEW_FIELDS
 
 TOOLS = [
     {"name": "echo", "parameters": {"properties": {"text": {"type": "string"}}}, "endpoint": {"kind": "echo"}},

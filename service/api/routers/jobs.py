@@ -27,19 +27,19 @@ from service.jobs.live import LiveJob, wait_for_end_or_client
 from service.limits import check_execute
 from service.observability import stages
 from service.output import OutputRange
-from service.sandbox.base import Stream
+from service.sandbox.backend import Stream
 from service.schemas import (
     ApprovalDecision,
     ClientAnswer,
     ExecuteRequest,
     JobList,
-    JobStatus,
+    JobStatusValue,
     JobSummary,
     JobView,
     JobViewSelection,
 )
 from service.store import IdempotencyRecord, InvalidCursor, JobQuery
-from service.views import CallsMode, Selection, select
+from service.views.render import CallsMode, Selection, select
 
 router = APIRouter(route_class=ParsedOffLoop)
 
@@ -192,7 +192,7 @@ async def list_jobs(
     jobs: Jobs,
     who: Who,
     reads: Reads,
-    status: Annotated[list[JobStatus] | None, Query(description="Keep only these statuses.")] = None,
+    status: Annotated[list[JobStatusValue] | None, Query(description="Keep only these statuses.")] = None,
     created_after: Annotated[IsoDateTime | None, Query(description="ISO 8601; exclusive.")] = None,
     created_before: Annotated[IsoDateTime | None, Query(description="ISO 8601; exclusive.")] = None,
     cursor: Annotated[str | None, Query(description="next_cursor of the previous page.")] = None,

@@ -11,7 +11,6 @@ from typing import Any, cast
 
 import pytest
 
-from service import views
 from service.broker import CallMemory
 from service.jobs.admission import Admission
 from service.jobs.events import Events
@@ -27,6 +26,7 @@ from service.settings import Settings
 from service.store import Incarnation, StoredJob
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.validation import CheckScheduler
+from service.views import render
 
 
 class StoreDown(OSError):
@@ -117,7 +117,7 @@ def parts(tmp_path: Path) -> Parts:
         CallMemory(1 << 20, 1 << 20),
         CheckScheduler(1, 5.0),
         live,
-        views.ViewCache(1 << 20),
+        render.ViewCache(1 << 20),
         tasks,
         "test",
         Replicas.adopted(settings, cast(Any, store), Incarnation("test", 1)),

@@ -16,7 +16,6 @@ from typing import Any, cast
 import orjson
 import pytest
 
-from service import views
 from service.broker import Broker, BrokerConfig
 from service.egress import EgressPolicy
 from service.errors import LeaseLost
@@ -33,7 +32,8 @@ from service.store import Incarnation, Registration, StoredJob
 from service.store.pg import PostgresJobStore
 from service.toolkit.cache import ManifestCache
 from service.toolkit.endpoints import EndpointClients
-from service.views import render_head
+from service.views import render
+from service.views.render import render_head
 from tests.unit.jobs.conftest import Parts
 
 DEAD, ALIVE, OTHER = Incarnation("r1", 1), Incarnation("r2", 1), Incarnation("r3", 1)
@@ -53,7 +53,7 @@ def registration(instance: str, lease_s: float) -> Registration:
 
 async def row(job: LiveJob, instance: str) -> StoredJob:
     view = job.view_dict()
-    encoded = await views.encode(render_head(view), views.snapshot(view["calls"]))
+    encoded = await render.encode(render_head(view), render.snapshot(view["calls"]))
     return stored_job(encoded.head, len(view["calls"]), encoded.body, instance)
 
 
@@ -254,7 +254,7 @@ async def test_the_lease_is_renewed_while_the_start_up_sweep_runs(tmp_path: Path
         SandboxFolders(work_dir / "run", 0),
         Quotas(settings, HostCapacity(1024, 1)),
         Events(),
-        views.ViewCache(1 << 20),
+        render.ViewCache(1 << 20),
         {},
         "r1",
         replicas,

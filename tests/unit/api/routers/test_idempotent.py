@@ -18,9 +18,9 @@ from fastapi import FastAPI
 
 from service.api import create_app
 from service.idempotency import Claim, IdempotencyKeys
-from service.keys import hash_token
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
+from service.tenancy import hash_token
 
 TOKENS = {"alice": "alice-token-0123456789abcdef", "bob": "bob-token-0123456789abcdef0"}
 PROBLEMS = "tag:ptc-sandbox.dev,2026:problems/"

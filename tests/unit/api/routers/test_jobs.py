@@ -10,8 +10,8 @@ from fastapi import FastAPI
 
 from service.api.deps import job_service
 from service.api.problems import LIMIT_EXCEEDED
-from service.keys import Caller
-from service.views import FULL, Selection
+from service.tenancy import Caller
+from service.views.render import FULL, Selection
 
 
 @pytest.mark.parametrize(

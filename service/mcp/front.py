@@ -1,5 +1,5 @@
 """The MCP server front of the service: ``/mcp`` over Streamable HTTP (stateless, JSON answers), behind the
-same ``BearerAuth`` as every route. Its tools (``mcp_tools``) run in-process on the app's job service as the
+same ``BearerAuth`` as every route. Its tools (``mcp.tools``) run in-process on the app's job service as the
 request's API key: a job created through MCP belongs to that key, and another key's jobs are not found.
 
 ``mount(app)`` adds the route (outside the OpenAPI document); ``lifespan(app)`` runs the MCP session manager
@@ -38,14 +38,14 @@ from service.api.problems import (
 from service.errors import OwnerElsewhere, PtcError
 from service.jobs import JobManager
 from service.jobs.live import wait_for_end_or_client
-from service.keys import Caller, caller
 from service.limits import check_execute
-from service.mcp_tools import OperationFailed, build_server
+from service.mcp.server import OperationFailed, build_server
 from service.replicas.remote import Remote
 from service.schemas import ExecuteRequest
 from service.settings import Settings
+from service.tenancy import Caller, caller
 from service.toolkit.validation import CheckScheduler
-from service.views import Body, select
+from service.views.render import Body, select
 
 log = logging.getLogger(__name__)
 

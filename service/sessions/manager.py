@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from service.errors import SessionClosed, SessionNotFound, TooManySessions
-from service.sandbox.base import SandboxBackend, SandboxSpec
+from service.sandbox.backend import SandboxBackend, SandboxSpec
 from service.sandbox.resident import ResidentSandbox
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Sessions as the job service offers them: creating one (limits, runtime, manifest, quotas, room on the host),
 reading and ending them, and stopping a session's running script when it ends.
 
-The sessions resource itself (owners, expiry, the resident sandbox) is ``service.sessions``.
+The sessions resource itself (owners, expiry, the resident sandbox) is ``service.sessions.manager``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from service.jobs.admission import Admission, find_session
 from service.jobs.live import SANDBOX_LIMITS, LiveJob, resolve_limits
 from service.jobs.placement import Sandboxes
 from service.jobs.runner import Runner
-from service.keys import Caller
 from service.output import OutputRange
 from service.replicas.notify import Elsewhere
 from service.replicas.registration import Replicas
@@ -38,9 +37,10 @@ from service.sandbox.images import Images, image_name
 from service.sandbox.labels import LABEL_SESSION
 from service.sandbox.spec import sandbox_spec
 from service.schemas import ExecuteRequest, SessionRequest, SessionView
-from service.sessions import Session, SessionManager
+from service.sessions.manager import Session, SessionManager
 from service.settings import Settings
 from service.store import StoredSession
+from service.tenancy import Caller
 from service.toolsets import Toolsets
 
 log = logging.getLogger(__name__)

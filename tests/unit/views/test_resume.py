@@ -1,4 +1,4 @@
-"""Resumable events without an engine: the event id (``service.jobs.resume``) and reconnecting after any event of a
+"""Resumable events without an engine: the event id (``service.views.resume``) and reconnecting after any event of a
 job's stream, mid-job and after its end, on the whole service with the fake backend. Whatever the cut, the
 output received concatenates to the job's output byte for byte, each call arrives once (they end out of order
 here: client-executed calls answered in another order), and a status is sent again only if it changed."""
@@ -24,13 +24,13 @@ from fastapi import FastAPI
 from service.api import create_app
 from service.errors import JobNotFound
 from service.jobs import JobManager
-from service.jobs import views as job_views
-from service.jobs.resume import InvalidPosition, Position, parse
-from service.keys import IMPLICIT_OWNER, Caller
 from service.sandbox.fake import FakeBackend
 from service.schemas import ExecuteRequest
 from service.settings import Settings
-from service.views import BATCH_BYTES, FULL
+from service.tenancy import IMPLICIT_OWNER, Caller
+from service.views import read as job_views
+from service.views.render import BATCH_BYTES, FULL
+from service.views.resume import InvalidPosition, Position, parse
 from tests.unit.test_view_modes import ARG, RESULT, SCRIPT, TOOLS, fake_service, parse_sse, run_job, wait_for_pending
 
 ANYONE = Caller(IMPLICIT_OWNER)
@@ -209,8 +209,8 @@ async def test_another_owners_job_is_not_found_whatever_the_event_id(app: FastAP
 
 
 def _lines_in_resume(action: Any) -> int:
-    """Python lines ``action()`` runs in ``service/jobs/resume.py`` (a cost that does not depend on the machine)."""
-    from service.jobs import resume
+    """Python lines ``action()`` runs in ``service/views/resume.py`` (a cost that does not depend on the machine)."""
+    from service.views import resume
 
     count = 0
 
