@@ -18,7 +18,6 @@ from service import __version__, callbacks
 from service.api import forward, problems
 from service.api.auth import BearerAuth, open_paths
 from service.api.bodies import BODY_THREADS, BodyLimit, ParsedOffLoop
-from service.api.composition import build_jobs
 from service.api.deps import NOT_STARTED, SessionService, ToolsetService
 from service.api.openapi import document
 from service.api.problems import OWNER_UNAVAILABLE, UNAUTHORIZED
@@ -28,10 +27,10 @@ from service.api.routers import health as health_router
 from service.api.routers import jobs as jobs_router
 from service.api.routers import sessions as sessions_router
 from service.api.routers import tools as tools_router
+from service.composition import JobManager, build_jobs
 from service.egress import EgressPolicy, OwnAddress
 from service.errors import InsecureConfig, SandboxError
 from service.idempotency import IdempotencyKeys
-from service.jobs import JobManager
 from service.mcp import front as mcp_front
 from service.observability import telemetry
 from service.observability.metrics import HttpObserver, Metrics
@@ -234,7 +233,7 @@ def _observed_routes(app: FastAPI) -> list[BaseRoute]:
 
 
 def _serve(state: State, manager: JobManager) -> None:
-    """Make ``manager`` the sessions and toolsets resources of ``deps`` too (it serves both today)."""
-    sessions: SessionService = manager
-    toolsets: ToolsetService = manager
+    """The sessions and toolsets resources of ``deps``: the job service's own parts."""
+    sessions: SessionService = manager.sessions
+    toolsets: ToolsetService = manager.toolsets
     state.sessions, state.toolsets = sessions, toolsets

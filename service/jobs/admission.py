@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from service.callbacks import CallbackSecrets
 from service.egress import EgressDenied
 from service.errors import EngineUnavailable, InvalidField, QueueFull, SessionNotFound
-from service.jobs.live import OWNER_FILE, SANDBOX_LIMITS, LiveJob, ResolvedLimits, resolve_limits
+from service.jobs.live import OWNER_FILE, SANDBOX_LIMITS, LiveJob, LiveJobs, ResolvedLimits, resolve_limits
 from service.normalize import Normalized, count, prepare
 from service.output import OutputLog
 from service.quotas import OwnerSlot, Quotas, Slots
@@ -164,7 +164,7 @@ class Intake:
         endpoints: EndpointClients,
         secrets_: CallbackSecrets,
         output_dir: Path,
-        live: dict[str, LiveJob],
+        live: LiveJobs,
         images: Images | None = None,
     ) -> None:
         self._images = images
@@ -320,5 +320,5 @@ class Intake:
             normalized=normalized,
             output_budget=budget,
         )
-        self._live[job.id] = job
+        self._live.add(job)
         return job, manifest

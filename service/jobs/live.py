@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -240,6 +240,35 @@ async def wait_for_end_or_client(job: LiveJob, timeout_s: float) -> None:
     finally:
         ended.cancel()
         waiting.cancel()
+
+
+class LiveJobs(Mapping[str, LiveJob]):
+    """The jobs this service holds in memory, by id: the one owner of the set.
+
+    Admission ``add``s a job when it admits it; the runner ``remove``s it once its final view is saved (from then
+    on it is read from the store). Every other part (views, sessions, progress saves, the ``ptc_jobs`` gauge)
+    only reads it, as a ``Mapping``. Used from the event loop only.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, LiveJob] = {}
+
+    def __getitem__(self, job_id: str) -> LiveJob:
+        return self._jobs[job_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._jobs)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def add(self, job: LiveJob) -> None:
+        """Hold ``job`` (admitted, not saved as ended yet)."""
+        self._jobs[job.id] = job
+
+    def remove(self, job_id: str) -> None:
+        """Let the job go (its final view is saved); nothing if it is not held."""
+        self._jobs.pop(job_id, None)
 
 
 def end_by_failure(job: LiveJob, exc: BaseException) -> None:

@@ -28,7 +28,7 @@ from service.broker import Broker, BrokerConfig, CallMemory
 from service.files import OutputFiles
 from service.jobs.admission import Admitted, Ticket
 from service.jobs.events import CallEnded, Events, JobEnded, SandboxStarted, StatusChanged
-from service.jobs.live import LiveJob, end_by_failure, note_stored_bytes, now, save_final_again, stored_job
+from service.jobs.live import LiveJob, LiveJobs, end_by_failure, note_stored_bytes, now, save_final_again, stored_job
 from service.jobs.model import EndedBy, JobStatus, end_of_run
 from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
 from service.jobs.shared import SHARE_AT_ONCE, keep_output
@@ -80,7 +80,7 @@ class Runner:
         endpoints: EndpointClients,
         call_memory: CallMemory,
         checks: CheckScheduler,
-        live: dict[str, LiveJob],
+        live: LiveJobs,
         final_views: render.ViewCache,
         tasks: Tasks,
         instance: str,
@@ -375,7 +375,7 @@ class Runner:
             ticket.release()
             job.notify()
             job.done.set()
-            self._live.pop(job.id, None)
+            self._live.remove(job.id)
             self._events.publish(JobEnded(job))
             stages.mark("end-told")
             placement.dispose(job.status)

@@ -35,8 +35,8 @@ from service.api.problems import (
     UNAUTHORIZED,
     rule_for,
 )
+from service.composition import JobManager
 from service.errors import OwnerElsewhere, PtcError
-from service.jobs import JobManager
 from service.jobs.live import wait_for_end_or_client
 from service.limits import check_execute
 from service.mcp.server import OperationFailed, build_server
@@ -134,7 +134,7 @@ class InProcess:
             check_execute(body, self._settings, key)
             job = await self._jobs.submit(body, who.owner, admin=who.admin)
             await wait_for_end_or_client(job, job.limits.wait_s)
-            return await _json(await self._jobs.view(job.id, who, selection=SUMMARY))
+            return await _json(await self._jobs.views.view(job.id, who, selection=SUMMARY))
 
         return await self._guard(run)
 
@@ -164,7 +164,7 @@ class InProcess:
         who, key = self._who(ctx)
         quoted = quote(job_id, safe="")
         return await self._relayed(
-            key, lambda: self._jobs.view(job_id, who, selection=SUMMARY), "GET", f"/jobs/{quoted}?"
+            key, lambda: self._jobs.views.view(job_id, who, selection=SUMMARY), "GET", f"/jobs/{quoted}?"
         )
 
     async def wait(self, ctx: Context[Any, Any], job_id: str, timeout_s: float | None) -> dict[str, Any]:
@@ -177,7 +177,7 @@ class InProcess:
         quoted = quote(job_id, safe="")
         # wait waits here (notifications); a job still running elsewhere then gets its live view: one GET
         return await self._relayed(
-            key, lambda: self._jobs.wait(job_id, who, seconds, SUMMARY), "GET", f"/jobs/{quoted}?"
+            key, lambda: self._jobs.views.wait(job_id, who, seconds, SUMMARY), "GET", f"/jobs/{quoted}?"
         )
 
     async def stop(self, ctx: Context[Any, Any], job_id: str) -> dict[str, Any]:
@@ -191,7 +191,7 @@ class InProcess:
         who, _ = self._who(ctx)
 
         async def module() -> str:
-            compiled = await self._jobs.manifest([], toolset, who)
+            compiled = await self._jobs.toolsets.manifest([], toolset, who)
             return compiled.stub_source
 
         return await self._guard(module)

@@ -267,6 +267,11 @@ def sandbox(name: str, job_id: str | None, sandbox_id: str | None, seconds: floa
     event(name, **{"job_id": job_id, "sandbox_id": ident, **fields, timing: round(seconds * 1000, 3)})
 
 
+def sandbox_stopped(job_id: str | None, sandbox_id: str, seconds: float, folder: str, reason: str | None) -> None:
+    """The ``sandbox_stop`` event of a removed sandbox (``service.sandbox.ports.StopHook``)."""
+    sandbox("sandbox_stop", job_id, sandbox_id, seconds, folder=folder, reason=reason)
+
+
 def _ms(start: datetime | None, end: datetime | None) -> float | None:
     if start is None or end is None:
         return None

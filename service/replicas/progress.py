@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from service.errors import LeaseLost, StoreUnavailable
-from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob
+from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob, LiveJobs
 from service.jobs.model import JobStatus
 from service.output import read_range
 from service.store import JobStore
@@ -75,7 +75,7 @@ class ProgressSaver:
     def __init__(
         self,
         store: JobStore,
-        live: dict[str, LiveJob],
+        live: LiveJobs,
         save: Callable[[LiveJob], Awaitable[None]],
         interval_s: float,
     ) -> None:

@@ -27,7 +27,7 @@ from service.errors import (
     StoreUnavailable,
 )
 from service.jobs.admission import Admission, find_session
-from service.jobs.live import SANDBOX_LIMITS, LiveJob, resolve_limits
+from service.jobs.live import SANDBOX_LIMITS, LiveJobs, resolve_limits
 from service.jobs.placement import Sandboxes
 from service.jobs.runner import Runner
 from service.output import OutputRange
@@ -70,7 +70,7 @@ class SessionJobs:
         admission: Admission,
         toolsets: Toolsets,
         runner: Runner,
-        live: dict[str, LiveJob],
+        live: LiveJobs,
         replicas: Replicas | None = None,
         elsewhere: Elsewhere | None = None,
     ) -> None:

@@ -20,7 +20,7 @@ import orjson
 from service import files
 from service.errors import InvalidField, JobNotFound, NoSuchFile
 from service.jobs import shared
-from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob, wait_for_end_or_client
+from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob, LiveJobs, wait_for_end_or_client
 from service.jobs.model import FINAL
 from service.output import OutputRange, decode_slice, read_range
 from service.replicas.notify import Elsewhere
@@ -51,7 +51,7 @@ class JobViews:
     def __init__(
         self,
         store: JobStore,
-        live: dict[str, LiveJob],
+        live: LiveJobs,
         output_dir: Path,
         cache: render.ViewCache,
         elsewhere: Elsewhere | None = None,

@@ -22,7 +22,7 @@ async def test_late_follower_of_a_job_whose_final_save_failed(parts: Parts) -> N
     job.move(JobStatus.RUNNING)
     encoded = await render.encode(render_head(job.view_dict()), [])
     await parts.store.jobs.put(stored_job(encoded.head, 0, encoded.body, "test"))  # its last successful save
-    parts.live.pop(job.id)  # it ended (its cleanup closed its output files); its final save failed
+    parts.live.remove(job.id)  # it ended (its cleanup closed its output files); its final save failed
     job.stdout.close()
     job.stderr.close()
     job_views = JobViews(cast(Any, parts.store), parts.live, job.output_dir.parent, render.ViewCache(1 << 20))
