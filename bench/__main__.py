@@ -48,8 +48,8 @@ from typing import Any
 import docker
 import httpx
 
+from service.observability.stages import HEADER as STAGES_HEADER
 from service.sandbox.labels import LABEL_JOB, LABEL_POOL
-from service.stages import HEADER as STAGES_HEADER
 from tests.conftest import IMAGE, labelled_containers, start_service, wait_until
 
 ECHO = [
@@ -369,7 +369,7 @@ class Bench:
 
 
 def server_timing(value: str) -> dict[str, float]:
-    """``Server-Timing`` entries (``service.stages``) as name -> ms, in order; ``origin`` -> its ns (``desc``)."""
+    """``Server-Timing`` entries (``observability.stages``) as name -> ms, in order; ``origin`` -> its ns (``desc``)."""
     out: dict[str, float] = {}
     for entry in value.split(","):
         name, *params = (part.strip() for part in entry.split(";"))

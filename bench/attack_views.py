@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from service.auth import hash_token
+from service.tenancy import hash_token
 from tests.probe import HealthProbe
 
 HERE = Path(__file__).resolve().parent.parent

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from service.auth import hash_token
+from service.tenancy import hash_token
 from tests.conftest import start_service
 from tests.probe import HealthProbe
 

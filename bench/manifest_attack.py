@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from service.auth import hash_token
+from service.tenancy import hash_token
 from tests.conftest import start_service
 
 ALICE = secrets.token_urlsafe(32)

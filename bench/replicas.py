@@ -47,7 +47,7 @@ import docker
 import httpx
 
 from bench.__main__ import engine_rate, machine, stats
-from service.auth import hash_token
+from service.tenancy import hash_token
 from tests import pgstore
 from tests.conftest import Service, start_service, stop_clean
 from tests.integration.replicas import REPLICA_ENV, Balancer, haproxy_binary

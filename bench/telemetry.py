@@ -31,7 +31,7 @@ from typing import Any
 import docker
 
 from bench.__main__ import ECHO, SEQUENTIAL_SCRIPT, Bench, stats, timed
-from service import telemetry
+from service.observability import telemetry
 from tests.conftest import start_service, stop_clean
 from tests.integration.test_telemetry import Collector
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from service.api import create_app
-from service.jobs import JobManager
+from service.composition import JobManager
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
 
@@ -91,7 +91,7 @@ async def main() -> None:
                     if phase == "ended":
                         await client.post(f"/jobs/{job_id}/stop")
                     for mode in MODES:
-                        forget = (lambda: jobs._views._views.drop(job_id)) if phase == "stored" else None
+                        forget = (lambda: jobs.views._views.drop(job_id)) if phase == "stored" else None
                         size, times = await timed_reads(client, job_id, mode, options.reads, forget)
                         print(f"{phase:8} {mode:8} {size:>12,} {statistics.median(times):>10.2f} {max(times):>8.2f}")
     finally:

@@ -3,8 +3,8 @@
 ``ptc-sandbox serve [--host H] [--port P]`` runs the service (settings come from ``PTC_*`` variables);
 ``ptc-sandbox hash-key NAME [--generate]`` prints the ``PTC_API_KEYS`` entry of a token (read from stdin,
 or a new one printed first); ``ptc-sandbox mcp [--url URL] [--token T] [--toolset ID]`` serves MCP over stdio,
-forwarding to a running service (``mcp_stdio``); ``ptc-sandbox migrate`` upgrades the job store;
-``ptc-sandbox sweep --instance ID [--unregistered]`` removes a retired replica's sandboxes (``service.sweep``).
+forwarding to a running service (``mcp.stdio``); ``ptc-sandbox migrate`` upgrades the job store;
+``ptc-sandbox sweep --instance ID [--unregistered]`` removes a retired replica's sandboxes (``service.replicas.sweep``).
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ import prometheus_client
 import uvicorn
 from pydantic import ValidationError
 
-from service import logs, workdir
+from service import workdir
 from service.api import create_app
-from service.auth import KEY_NAME, hash_token
-from service.connections import ConnectionGuard, guarded_protocol, parse_networks
+from service.api.connections import ConnectionGuard, guarded_protocol, parse_networks
 from service.errors import InsecureConfig, InstanceIdInUse, SandboxError, StoreUnavailable, WorkDirBusy
+from service.observability import logs
 from service.settings import Settings
+from service.tenancy import KEY_NAME, hash_token
 
 TOKEN_PREFIX = "ptc_"
 
@@ -151,12 +152,12 @@ def _migrate(settings: Settings) -> int:
 
 
 def _sweep(settings: Settings, instance_id: str, unregistered: bool) -> int:
-    """``ptc-sandbox sweep --instance ID``: ``service.sweep.sweep_instance`` on the store and engine of the settings;
+    """``ptc-sandbox sweep --instance ID``: ``replicas.sweep.sweep_instance`` on the store and engine of the settings;
     prints how many sandboxes it removed. Exit 1 when refused (the instance is live, or unknown without
     ``--unregistered``) or when the store or the engine does not answer."""
+    from service.replicas.sweep import sweep_instance
     from service.sandbox.docker import DockerBackend
     from service.store import job_store
-    from service.sweep import sweep_instance
 
     store = job_store(settings)
 
@@ -200,7 +201,7 @@ def _mcp(url: str | None, token: str | None, toolset: str | None) -> int:
     if not url:
         print("mcp: give the service's URL (--url or PTC_URL)", file=sys.stderr)
         return 2
-    from service import mcp_stdio
+    from service.mcp import stdio as mcp_stdio
 
     asyncio.run(mcp_stdio.serve(url, token, toolset))
     return 0

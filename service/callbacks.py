@@ -57,10 +57,10 @@ from typing import Any
 import httpx
 from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from service.auth import named_entries
 from service.egress import EgressDenied
 from service.errors import InsecureConfig
 from service.settings import Settings
+from service.tenancy import named_entries
 
 WEBHOOK_ID_HEADER = "webhook-id"
 WEBHOOK_TIMESTAMP_HEADER = "webhook-timestamp"
@@ -293,7 +293,7 @@ async def deliver(
     Every attempt carries ``msg_id`` in ``webhook-id`` and is signed anew with each of ``secrets``;
     ``on_attempt`` receives ``{"at", "status_code", "error", "duration_ms"}`` after every attempt;
     ``owner`` (the job's, as in the body) is sent in ``X-PTC-Owner``; ``trace_headers`` (the job's W3C
-    ``traceparent``, ``service.telemetry.inject``) with every attempt. ``before_attempt`` is called before each
+    ``traceparent``, ``observability.telemetry.inject``) with every attempt. ``before_attempt`` is called before each
     attempt (the claimer's lease check): what it raises ends the delivery at once, unsent, and propagates.
     """
     retrying = AsyncRetrying(

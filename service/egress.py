@@ -59,13 +59,11 @@ from typing import Any
 import httpx
 
 from service.errors import PtcError
+from service.settings.egress_syntax import SCHEME_DEFAULT_PORT, SCHEMES, IPNetwork, parse_rule
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
-SCHEMES = frozenset({"http", "https"})
 DEFAULT_PORTS = {"http": 80, "https": 443}
-SCHEME_DEFAULT_PORT = -1  # EgressRule.port of a rule without a port: each scheme's default port
 # Cloud metadata services; the link-local and unique-local ones are refused as non-public anyway, the public
 # ones (Azure's wireserver) only by this list. Sources: AWS IMDS (169.254.169.254, fd00:ec2::254), GCP, Azure
 # (168.63.129.16), Alibaba Cloud (100.100.100.200), Oracle (192.0.0.192).
@@ -214,44 +212,8 @@ class EgressRule:
 
     @classmethod
     def parse(cls, text: str) -> EgressRule:
-        """Parse one rule; raises ValueError saying what is wrong."""
-        entry = text.strip()
-        scheme, sep, rest = entry.partition("://")
-        if not sep:
-            scheme, rest = "*", entry
-        scheme = scheme.lower()
-        if scheme not in ({"*"} | SCHEMES):
-            raise ValueError(f"egress rule {text!r}: scheme must be http, https or *")
-        if rest.startswith("["):
-            host, bracket, port_text = rest[1:].partition("]")
-            if not bracket or (port_text and not port_text.startswith(":")):
-                raise ValueError(f"egress rule {text!r}: unbalanced [ ] around an IPv6 address")
-            port_text = port_text[1:]
-        elif ":" in rest:
-            host, _, port_text = rest.rpartition(":")
-        else:
-            host, port_text = rest, ""
-        host = host.lower().rstrip(".")
-        if not host:
-            raise ValueError(f"egress rule {text!r}: no host")
-        schemes = SCHEMES if scheme == "*" else frozenset({scheme})
-        port: int | None
-        if not port_text:
-            port = SCHEME_DEFAULT_PORT
-        elif port_text == "*":
-            port = None
-        elif port_text.isdigit() and 0 < int(port_text) < 65536:
-            port = int(port_text)
-        else:
-            raise ValueError(f"egress rule {text!r}: port must be 1-65535 or *")
-        network: IPNetwork | None
-        try:
-            network = ipaddress.ip_network(host, strict=False)
-        except ValueError:
-            network = None
-        if network is None and ("/" in host or not _valid_name_pattern(host)):
-            raise ValueError(f"egress rule {text!r}: {host!r} is neither a host name nor an address or network")
-        return cls(schemes, None if network else host, network, port)
+        """Parse one rule (``service.settings.egress_syntax``); raises ValueError saying what is wrong."""
+        return cls(*parse_rule(text))
 
     def _port_ok(self, scheme: str, port: int) -> bool:
         if self.port is None:
@@ -289,13 +251,6 @@ def _naming_hint(address: IPAddress | None) -> str:
     if address is None or is_public(address):
         return ""
     return "; loopback and private addresses are reached only when the operator names them, address and port"
-
-
-def _valid_name_pattern(host: str) -> bool:
-    if host == "*":
-        return True
-    labels = host[2:].split(".") if host.startswith("*.") else host.split(".")
-    return all(label and len(label) <= 63 and all(c.isalnum() or c in "-_" for c in label) for label in labels)
 
 
 @dataclass(frozen=True)

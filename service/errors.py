@@ -91,7 +91,7 @@ class CheckTooCostly(PtcError):
 
 
 class InsecureConfig(PtcError):
-    """The settings would let anyone reach the service without a key (see ``service.auth.configure``)."""
+    """The settings would let anyone reach the service without a key (see ``service.tenancy.configure``)."""
 
 
 class WorkDirBusy(PtcError):
@@ -112,7 +112,7 @@ class InstanceIdInUse(PtcError):
 class LeaseLost(PtcError):
     """A fenced write matched no row: this replica's incarnation is no longer the job's owner (another replica
     expired it, or the job was ended by someone else). Internal: never an HTTP answer; the replica fences itself
-    (``service.replicas.Replicas.fence``)."""
+    (``service.replicas.registration.Replicas.fence``)."""
 
     def __init__(self, what: str) -> None:
         super().__init__(f"lease lost: {what}")

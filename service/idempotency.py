@@ -17,7 +17,7 @@ service creates at most one job (or session) per key.
   arriving meanwhile, on any replica, waits up to ``IN_FLIGHT_WAIT_S`` for the claim to be bound (then it
   replays the binding) or released (then it claims the key itself), else answers ``IdempotencyKeyInFlight``
   (409, ``Retry-After``). It is woken by the ``ptc_keys`` notification of the bind or release (PostgreSQL;
-  ``wake_digest``, from ``service/jobs/notify.py``'s listener), by this replica's own, and reads the row every
+  ``wake_digest``, from ``service/replicas/notify.py``'s listener), by this replica's own, and reads the row every
   ``POLL_S`` regardless. A claim never expires by time while its replica lives (a slow session creation never
   makes two sessions); a claim of a replica that died (no longer live or draining, or its lease passed) is taken
   over by the next request with the key (docs/scaling.md, Idempotency keys).

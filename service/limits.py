@@ -25,6 +25,7 @@ import orjson
 
 from service.errors import PayloadTooLarge, RequestLimitError
 from service.files import check_files
+from service.sandbox.images import image_name
 from service.schemas import ExecuteRequest, ManifestRequest, SessionRequest
 from service.settings import KeyLimits, Settings
 
@@ -89,7 +90,7 @@ def check_execute(body: ExecuteRequest, settings: Settings, key_name: str | None
         RequestLimitError: a value, or the number of tools, over the key's or the server's maximum.
         UnknownImage: ``image`` is not a name in ``PTC_IMAGES`` (checked first: before any sandbox starts).
     """
-    settings.image_name(body.image)
+    image_name(settings, body.image)
     script_bytes = len(body.script.encode("utf-8", "surrogatepass"))
     if script_bytes > settings.max_script_bytes:
         raise PayloadTooLarge(
@@ -97,7 +98,7 @@ def check_execute(body: ExecuteRequest, settings: Settings, key_name: str | None
             ("body", "script"),
             settings.max_script_bytes,
         )
-    settings.image_name(body.image)
+    image_name(settings, body.image)
     _check_manifest(body.tools, None, settings, key_name)
     check_files(body.files, settings)
     _cap(body, settings, key_name)
@@ -113,7 +114,7 @@ def check_session(body: SessionRequest, settings: Settings, key_name: str | None
         RequestLimitError: a value, or the number of tools, over the key's or the server's maximum.
         UnknownImage: ``image`` is not a name in ``PTC_IMAGES``.
     """
-    settings.image_name(body.image)
+    image_name(settings, body.image)
     _check_manifest(body.tools, None, settings, key_name)
     check_files(body.files, settings)
     _cap(body, settings, key_name)
@@ -127,7 +128,7 @@ def _cap(body: ExecuteRequest | SessionRequest, settings: Settings, key_name: st
     key = _key_limits(settings, key_name)
     if key is None:
         return
-    defaults = settings.image_defaults_of(settings.image_name(body.image))
+    defaults = settings.image_defaults_of(image_name(settings, body.image))
 
     def capped(value: Any, default: Any, maximum: Any, loc: tuple[str, ...]) -> Any:
         if maximum is None:

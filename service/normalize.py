@@ -49,7 +49,7 @@ warnings off. The sandbox compiles the script again with its own interpreter,
 which stays the authority on what runs.
 
 Every repair made is counted in the Prometheus counter ``NORMALIZATIONS``
-(``ptc_script_normalizations_total{kind}``); ``service.metrics`` registers it
+(``ptc_script_normalizations_total{kind}``); ``service.observability.metrics`` registers it
 with each app's registry.
 """
 
@@ -910,7 +910,7 @@ _REPAIRS: tuple[tuple[str, Callable[[str], list[Candidate]]], ...] = (
 
 
 @dataclass
-class _Budget:
+class _RepairBudget:
     compiles_left: int = MAX_COMPILES
 
     def compiles(self, source: str) -> bool:
@@ -920,7 +920,7 @@ class _Budget:
         return compiles(source)
 
 
-def _search(text: str, used: frozenset[str], budget: _Budget) -> tuple[str, list[Repair]] | None:
+def _search(text: str, used: frozenset[str], budget: _RepairBudget) -> tuple[str, list[Repair]] | None:
     """Depth first: the first sequence of repairs (each kind at most once, in ``_REPAIRS`` order) that compiles."""
     for kind, repair in _REPAIRS:
         if kind in used:
@@ -947,7 +947,7 @@ def normalize(script: str) -> Normalized:
     if len(script) > MAX_CHARS:
         return Normalized(script, script)
     error = _compile_error(script)
-    budget = _Budget()
+    budget = _RepairBudget()
     if error is None:
         found: tuple[str, list[Repair]] | None = (script, [])
     else:
@@ -961,7 +961,7 @@ def normalize(script: str) -> Normalized:
     return Normalized(script, script, hint=_hint(script, error), compile_error=_error_fields(error))
 
 
-def _unwrap_bare_dict(script: str, used: frozenset[str], budget: _Budget) -> tuple[str, list[Repair]] | None:
+def _unwrap_bare_dict(script: str, used: frozenset[str], budget: _RepairBudget) -> tuple[str, list[Repair]] | None:
     """For a compiling ``script`` that is only a dict display, which does nothing (``{"code": "print(1)"}``): the
     code of its one code-like field and the repairs, when that code compiles (after repairs of its own), else None."""
     if "json_wrapper" in used or not _is_bare_dict(script):

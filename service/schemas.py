@@ -14,10 +14,9 @@ from ptc_runtime.files import check_path
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from service.egress import header_problem, url_problem
+from service.settings import MAX_SCRIPT_CHARS, MAX_TOOLS
 from service.toolkit.schema import json_depth
 
-MAX_SCRIPT_CHARS = 8 * 1024 * 1024  # outer bound of the schema; PTC_MAX_SCRIPT_BYTES is the limit (413)
-MAX_TOOLS = 1000
 MAX_METADATA_DEPTH = 32
 MAX_METADATA_BYTES = 64 * 1024
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -25,8 +24,11 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 # (and some, e.g. PYTHONMALLOC, could stop it); LD_*: read by the dynamic loader, likewise; PTC_*: the runtime's.
 _RESERVED_ENV = ("PYTHON", "LD_", "PTC_")
 
-# The values of ``service.jobs.model.JobStatus``, spelled out for the OpenAPI document (a unit test keeps them equal).
-JobStatus = Literal["queued", "running", "waiting", "succeeded", "failed", "timed_out", "stopped", "oom_killed", "lost"]
+# The values of ``service.jobs.model.JobStatus``, spelled out for the OpenAPI document (a unit test keeps them
+# equal); named apart from the enum.
+JobStatusValue = Literal[
+    "queued", "running", "waiting", "succeeded", "failed", "timed_out", "stopped", "oom_killed", "lost"
+]
 CallStatus = Literal["pending", "ok", "error", "rejected", "timeout"]
 
 
@@ -531,7 +533,7 @@ class JobView(BaseModel):
     """A job as the API shows it (``service.jobs.live.LiveJob.view_dict`` while live, then the saved view)."""
 
     job_id: str
-    status: JobStatus
+    status: JobStatusValue
     exit_code: int | None
     stdout: str
     stderr: str
@@ -606,7 +608,7 @@ class JobView(BaseModel):
 
 
 class CallSummary(BaseModel):
-    """A call record as ``?calls=summary`` shows it (``service.views.SUMMARY_FIELDS``): no arguments, no result."""
+    """A call record as ``?calls=summary`` shows it (``views.render.SUMMARY_FIELDS``): no arguments, no result."""
 
     seq: int
     call_id: str
@@ -642,7 +644,7 @@ class JobSummary(BaseModel):
     """A job in a listing (no output, no calls)."""
 
     job_id: str
-    status: JobStatus
+    status: JobStatusValue
     exit_code: int | None
     error: JobError | None
     metadata: dict[str, Any]

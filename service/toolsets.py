@@ -14,10 +14,10 @@ from typing import Any
 
 import orjson
 
-from service.auth import Caller
 from service.errors import InvalidField, RequestLimitError
 from service.schemas import McpServer
 from service.store import JobStore
+from service.tenancy import Caller
 from service.toolkit.cache import CompiledManifest, ManifestCache
 from service.toolkit.endpoints import EndpointClients, ToolCallFailed
 

@@ -26,9 +26,9 @@ import docker
 import httpx
 import pytest
 
-from service.auth import hash_token
 from service.sandbox.docker import runtime_problem
 from service.sandbox.labels import LABEL_INSTANCE, LABEL_JOB
+from service.tenancy import hash_token
 from tests.toolserver import ToolServer
 
 IMAGE = os.environ.get("PTC_SANDBOX_IMAGE", "ptc-sandbox-runtime:latest")

@@ -14,11 +14,12 @@ from fastapi import FastAPI
 from starlette.datastructures import State
 from starlette.routing import BaseRoute
 
-from service import __version__, callbacks, internal, telemetry
-from service.api import forward, mcp_front, problems
+from service import __version__, callbacks
+from service.api import forward, problems
+from service.api.auth import BearerAuth, open_paths
 from service.api.bodies import BODY_THREADS, BodyLimit, ParsedOffLoop
-from service.api.composition import build_jobs
 from service.api.deps import NOT_STARTED, SessionService, ToolsetService
+from service.api.openapi import document
 from service.api.problems import OWNER_UNAVAILABLE, UNAUTHORIZED
 from service.api.reads import ReadSlots
 from service.api.routers import docs as docs_router
@@ -26,21 +27,23 @@ from service.api.routers import health as health_router
 from service.api.routers import jobs as jobs_router
 from service.api.routers import sessions as sessions_router
 from service.api.routers import tools as tools_router
-from service.auth import BearerAuth, configure, open_paths, single_tenant
+from service.composition import JobManager, build_jobs
 from service.egress import EgressPolicy, OwnAddress
 from service.errors import InsecureConfig, SandboxError
 from service.idempotency import IdempotencyKeys
-from service.jobs import JobManager
-from service.jobs.notify import Listener, Waiters
-from service.jobs.remote import Remote
-from service.metrics import HttpObserver, Metrics
-from service.openapi import document
-from service.replicas import Replicas
-from service.sandbox.base import SandboxBackend
+from service.mcp import front as mcp_front
+from service.observability import telemetry
+from service.observability.metrics import HttpObserver, Metrics
+from service.observability.stages import StageTiming
+from service.replicas import internal
+from service.replicas.notify import Listener, Waiters
+from service.replicas.registration import Replicas
+from service.replicas.remote import Remote
+from service.sandbox.backend import SandboxBackend
 from service.sandbox.images import Images
 from service.settings import DEFAULT_IMAGE, Settings
-from service.stages import StageTiming
 from service.store import job_store
+from service.tenancy import configure, single_tenant
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.validation import CheckScheduler
 
@@ -230,7 +233,7 @@ def _observed_routes(app: FastAPI) -> list[BaseRoute]:
 
 
 def _serve(state: State, manager: JobManager) -> None:
-    """Make ``manager`` the sessions and toolsets resources of ``deps`` too (it serves both today)."""
-    sessions: SessionService = manager
-    toolsets: ToolsetService = manager
+    """The sessions and toolsets resources of ``deps``: the job service's own parts."""
+    sessions: SessionService = manager.sessions
+    toolsets: ToolsetService = manager.toolsets
     state.sessions, state.toolsets = sessions, toolsets

@@ -23,15 +23,15 @@ from typing import Annotated, Any, NoReturn, Protocol
 from fastapi import Depends, Request
 
 from service.api.reads import ReadSlots
-from service.auth import Caller, KeyRing, caller
+from service.composition import JobManager
 from service.idempotency import IdempotencyKeys
-from service.jobs import JobManager
-from service.metrics import Metrics
+from service.observability.metrics import Metrics
 from service.output import OutputRange
-from service.sandbox.base import SandboxBackend
+from service.sandbox.backend import SandboxBackend
 from service.schemas import McpServer, SessionRequest
 from service.settings import Settings
 from service.store import JobStore
+from service.tenancy import Caller, KeyRing, caller
 from service.toolkit.cache import CompiledManifest
 
 
@@ -54,16 +54,16 @@ class SessionService(Protocol):
         """End a session (idempotent); raises SessionNotFound."""
         ...
 
-    async def put_session_file(self, session_id: str, caller: Caller, path: str, data: bytes) -> dict[str, Any]:
+    async def put_file(self, session_id: str, caller: Caller, path: str, data: bytes) -> dict[str, Any]:
         """Write a file under the session's /tmp; raises SessionNotFound, SessionClosed, FileRefused."""
         ...
 
-    async def get_session_file(self, session_id: str, caller: Caller, path: str) -> OutputRange:
+    async def get_file(self, session_id: str, caller: Caller, path: str) -> OutputRange:
         """A file under the session's /tmp, as a range to send a slice at a time (the caller closes it); raises
         SessionNotFound, SessionClosed, NoSuchFile, FileRefused."""
         ...
 
-    async def list_session_files(self, session_id: str, caller: Caller) -> dict[str, Any]:
+    async def list_files(self, session_id: str, caller: Caller) -> dict[str, Any]:
         """What is under the session's /tmp; raises SessionNotFound, SessionClosed."""
         ...
 
@@ -75,9 +75,7 @@ class ToolsetService(Protocol):
         """A request's compiled manifest; raises ManifestError, InvalidField."""
         ...
 
-    async def register_toolset(
-        self, tools: list[dict[str, Any]], servers: list[McpServer], owner: str
-    ) -> CompiledManifest:
+    async def register(self, tools: list[dict[str, Any]], servers: list[McpServer], owner: str) -> CompiledManifest:
         """Check and keep a manifest under its content id; raises ManifestError, InvalidField."""
         ...
 

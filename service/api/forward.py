@@ -21,8 +21,8 @@ from starlette.responses import Response, StreamingResponse
 
 from service.api import problems
 from service.errors import OwnerElsewhere, QuotaExceeded
-from service.jobs.remote import RELAYED_HEADERS, Remote
-from service.metrics import Metrics
+from service.observability.metrics import Metrics
+from service.replicas.remote import RELAYED_HEADERS, Remote
 
 log = logging.getLogger(__name__)
 

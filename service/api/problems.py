@@ -17,7 +17,7 @@ Starlette's own HTTP errors (an unknown path's 404, a wrong method's 405 with ``
 
 Answers that are not errors of a route (the 401 of ``auth.BearerAuth``, the 413 of ``bodies.BodyLimit``, the
 403 of ``/metrics``, the 503 of ``/readyz``) use the same problem types through ``ProblemType.response``; the
-connection caps below the app (``service.connections``) answer with ``connection_refusal``.
+connection caps below the app (``service.api.connections``) answer with ``connection_refusal``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.api.openapi import PROBLEM
 from service.errors import (
     CallNotPending,
     EngineUnavailable,
@@ -60,8 +61,7 @@ from service.errors import (
     TooManySessions,
     UnknownImage,
 )
-from service.metrics import Metrics
-from service.openapi import PROBLEM
+from service.observability.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -367,7 +367,7 @@ def _phrase(exc: StarletteHTTPException) -> str:
 
 def raw_answer(type_: ProblemType, detail: str, retry_after_s: int | None = None) -> bytes:
     """A complete HTTP/1.1 problem+json response of ``type_``, as bytes, with ``Connection: close`` (and
-    ``Retry-After``, in seconds, if given): for what answers below the ASGI app (``service.connections``), where
+    ``Retry-After``, in seconds, if given): for what answers below the ASGI app (``service.api.connections``), where
     no response object exists."""
     body = orjson.dumps({"type": type_.uri, "title": type_.title, "status": type_.status, "detail": detail})
     head = [f"HTTP/1.1 {type_.status} {HTTPStatus(type_.status).phrase}", f"content-type: {PROBLEM}"]

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import Response, StreamingResponse
 
 from service.output import OutputRange, StoredRange
-from service.views import BATCH_BYTES, Body
+from service.views.render import BATCH_BYTES, Body
 
 WHOLE_BYTES = 64 * 1024  # a view of at most this is sent whole (a slice, at most BATCH_BYTES, is held the same way)
 

@@ -60,7 +60,7 @@ class Broker:
         budget: what the job's owner may still keep (its ``output_bytes`` quota, shared with its retained output):
             the records' kept bytes are taken from it and stay taken after the job (until its purge gives them
             back: ``records.kept_bytes`` says how many); None: no owner cap.
-        trace_parent: the job's span: each call gets a child span (``service.telemetry``); None: no spans.
+        trace_parent: the job's span: each call gets a child span (``service.observability.telemetry``); None: no spans.
         lease: asked before each call whether this replica still holds its lease (``Replicas.holds_lease``): when
             not, the call fails (``replica_lost``) without reaching any endpoint or client; None: not asked.
         on_call_end: called with each completed record (metrics hook).

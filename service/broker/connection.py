@@ -30,9 +30,9 @@ from typing import Any, Protocol
 
 import orjson
 
-from service import stages
 from service.broker.checks import Request
 from service.broker.config import BrokerConfig
+from service.observability import stages
 from service.unix_sockets import bind_unix
 
 log = logging.getLogger(__name__)

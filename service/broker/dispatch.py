@@ -40,7 +40,6 @@ import orjson
 from opentelemetry.trace import Span
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from service import telemetry
 from service.broker.checks import (
     MAX_JSON_DEPTH,
     VALID,
@@ -53,9 +52,10 @@ from service.broker.checks import (
     valid,
 )
 from service.broker.config import BrokerConfig
-from service.broker.paused import ClientAnswer, PausedCalls
+from service.broker.paused import ClientResult, PausedCalls
 from service.broker.records import CANCELLED, CallMemory, CallRecords, fail
 from service.errors import CheckTooCostly
+from service.observability import telemetry
 from service.toolkit.endpoints import EndpointClients, RawJson, ToolCallFailed
 from service.toolkit.manifest import ToolSpec
 from service.toolkit.validation import CheckScheduler
@@ -91,7 +91,7 @@ class Dispatcher:
         paused: where client-executed calls and calls awaiting approval wait.
         checks: the service's scheduler of checks (shared by every job); None: one of its own, with one thread.
         memory: the service-wide account of request bytes in flight.
-        trace_parent: the job's span: each call gets a child span (``service.telemetry``); None: no spans.
+        trace_parent: the job's span: each call gets a child span (``service.observability.telemetry``); None: no spans.
         lease: asked before each call whether this replica still holds its lease (``Replicas.holds_lease``): when
             not, the call fails (``replica_lost``) without reaching any endpoint or client; None: not asked.
         on_call_end: called with each completed record (metrics hook).
@@ -244,7 +244,7 @@ class Dispatcher:
             record["repairs"].append(JSON_TEXT_REPAIR)
         if tool.endpoint.kind == "client":
             answer = await self._paused.ask_client(tool, args_json or b"null", record)
-            if not isinstance(answer, ClientAnswer):
+            if not isinstance(answer, ClientResult):
                 return answer
             return await self._accept_result(tool, record, answer.value)
         if checked.needs_approval:

@@ -36,7 +36,7 @@ class _Paused:
 
 
 @dataclass(frozen=True)
-class ClientAnswer:
+class ClientResult:
     """A client's result for a client-executed call, strict JSON, not yet checked against the tool's output
     schema."""
 
@@ -118,9 +118,9 @@ class PausedCalls:
 
     async def ask_client(
         self, tool: ToolSpec, args_json: bytes, record: dict[str, Any]
-    ) -> ClientAnswer | dict[str, Any]:
+    ) -> ClientResult | dict[str, Any]:
         """Hold a client-executed call until the client answers it (POST /jobs/{id}/calls/{call_id}) or the tool's
-        or the job's timeout passes. Returns the client's result (``ClientAnswer``), or the failure reply: its
+        or the job's timeout passes. Returns the client's result (``ClientResult``), or the failure reply: its
         error (type and message capped at ``REPORT_FIELD_CAP``), ``timeout``, or ``bad_response`` for a result
         that is not strict JSON. ``args_json``: the call's arguments, shown by ``pending_calls``."""
         timeout = tool.timeout_s or self._client_timeout
@@ -135,7 +135,7 @@ class PausedCalls:
             exactjson.strict_dumps(value)  # the API's JSON reader lets NaN and infinities through
         except ValueError as exc:
             return fail(record, "error", "bad_response", f"{tool.name}: the client's result is not JSON: {exc}")
-        return ClientAnswer(value)
+        return ClientResult(value)
 
     def _waiting(self, call_id: str, awaiting: str) -> _Paused:
         """The paused call ``call_id`` if it waits for ``awaiting``; raises CallNotPending if not (unknown,

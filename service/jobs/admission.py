@@ -18,18 +18,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from service.auth import Caller
 from service.callbacks import CallbackSecrets
 from service.egress import EgressDenied
 from service.errors import EngineUnavailable, InvalidField, QueueFull, SessionNotFound
-from service.jobs.live import OWNER_FILE, SANDBOX_LIMITS, LiveJob, ResolvedLimits, resolve_limits
+from service.jobs.live import OWNER_FILE, SANDBOX_LIMITS, LiveJob, LiveJobs, ResolvedLimits, resolve_limits
 from service.normalize import Normalized, count, prepare
 from service.output import OutputLog
 from service.quotas import OwnerSlot, Quotas, Slots
-from service.sandbox.images import Images
+from service.sandbox.images import Images, image_name
 from service.schemas import ExecuteRequest
-from service.sessions import Session, SessionManager
+from service.sessions.manager import Session, SessionManager
 from service.settings import DEFAULT_IMAGE, Settings
+from service.tenancy import Caller
 from service.toolkit.cache import CompiledManifest
 from service.toolkit.endpoints import EndpointClients
 from service.toolsets import Toolsets
@@ -164,7 +164,7 @@ class Intake:
         endpoints: EndpointClients,
         secrets_: CallbackSecrets,
         output_dir: Path,
-        live: dict[str, LiveJob],
+        live: LiveJobs,
         images: Images | None = None,
     ) -> None:
         self._images = images
@@ -229,7 +229,7 @@ class Intake:
             UnknownImage: ``image`` is not a name in ``PTC_IMAGES``.
         """
         if request.session_id is None:
-            return self._settings.image_name(request.image)
+            return image_name(self._settings, request.image)
         session = find_session(self._sessions, request.session_id, caller)
         if request.image is not None and request.image != session.image:
             raise InvalidField(
@@ -320,5 +320,5 @@ class Intake:
             normalized=normalized,
             output_budget=budget,
         )
-        self._live[job.id] = job
+        self._live.add(job)
         return job, manifest

@@ -1,7 +1,7 @@
 """Job lifecycle events and their subscribers: how metrics, logs and webhooks learn what happened to a job.
 
 The runner saves a job to the store itself, then publishes (so "saved before anyone is told" holds for every
-subscriber); it imports neither ``service.metrics`` nor ``service.logs``. The app factory subscribes them.
+subscriber); it imports neither ``observability.metrics`` nor ``observability.logs``. The app factory subscribes them.
 
 ==================  =====================================================================================
 event               published

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,16 +23,17 @@ from opentelemetry.trace import Span
 from service.broker import Broker
 from service.errors import EngineUnavailable, FileRefused, RequestLimitError, SandboxError
 from service.files import FileBudget, OutputFiles
-from service.jobs.model import INTERNAL_ERROR, SERVICE_STOPPED, ErrorType, Job, JobError, JobStatus
+from service.jobs.model import INTERNAL_ERROR, SERVICE_STOPPED, ErrorType, Failure, Job, JobStatus
 from service.normalize import Normalized, view_fields
 from service.output import OutputLog
-from service.sandbox.base import Stream
+from service.sandbox.backend import Stream
+from service.sandbox.images import image_name
 from service.schemas import ExecuteRequest, JobSummary, JobView
 from service.settings import DEFAULT_IMAGE, KeyLimits, Settings
 from service.store import JobStore, StoredJob
 
 if TYPE_CHECKING:
-    from service.views import ViewCache
+    from service.views.render import ViewCache
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def resolve_limits(request: ExecuteRequest, settings: Settings, key: KeyLimits |
         RequestLimitError: naming the field that exceeds its server maximum.
     """
     limits = request.limits
-    defaults = settings.image_defaults_of(settings.image_name(request.image))
+    defaults = settings.image_defaults_of(image_name(settings, request.image))
 
     def pick(value: Any, name: str, maximum: Any, loc: tuple[str, ...]) -> Any:
         if value is None:
@@ -134,7 +135,9 @@ class LiveJob(Job):
     saving: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves reach the store in the order they began
     status_save_queued: bool = False  # a status save waits to take its view: status changes meanwhile ride on it
     status_saved_at: float = 0.0  # loop time of the last status save (``Runner._save_status``)
-    span: Span | None = None  # its trace span, from admission to its end (``service.telemetry``; None: tracing off)
+    span: Span | None = (
+        None  # its trace span, from admission to its end (``service.observability.telemetry``; None: tracing off)
+    )
     trace_id: str | None = None  # the trace id of ``span`` (32 hex digits), kept in its view
 
     def script(self, request: ExecuteRequest) -> str:
@@ -239,6 +242,35 @@ async def wait_for_end_or_client(job: LiveJob, timeout_s: float) -> None:
         waiting.cancel()
 
 
+class LiveJobs(Mapping[str, LiveJob]):
+    """The jobs this service holds in memory, by id: the one owner of the set.
+
+    Admission ``add``s a job when it admits it; the runner ``remove``s it once its final view is saved (from then
+    on it is read from the store). Every other part (views, sessions, progress saves, the ``ptc_jobs`` gauge)
+    only reads it, as a ``Mapping``. Used from the event loop only.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, LiveJob] = {}
+
+    def __getitem__(self, job_id: str) -> LiveJob:
+        return self._jobs[job_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._jobs)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def add(self, job: LiveJob) -> None:
+        """Hold ``job`` (admitted, not saved as ended yet)."""
+        self._jobs[job.id] = job
+
+    def remove(self, job_id: str) -> None:
+        """Let the job go (its final view is saved); nothing if it is not held."""
+        self._jobs.pop(job_id, None)
+
+
 def end_by_failure(job: LiveJob, exc: BaseException) -> None:
     """Set the status and error of a job whose run raised ``exc`` (the service stopping included)."""
     if isinstance(exc, asyncio.CancelledError):
@@ -246,12 +278,12 @@ def end_by_failure(job: LiveJob, exc: BaseException) -> None:
             job.end(JobStatus.LOST, SERVICE_STOPPED)
     elif isinstance(exc, FileRefused):
         if not job.ended:
-            job.end(JobStatus.FAILED, JobError(ErrorType.FILES_REFUSED, str(exc)))
+            job.end(JobStatus.FAILED, Failure(ErrorType.FILES_REFUSED, str(exc)))
     elif isinstance(exc, SandboxError):
         log.error("job %s: sandbox failure: %s", job.id, exc)
         kind = ErrorType.ENGINE_UNAVAILABLE if isinstance(exc, EngineUnavailable) else ErrorType.SANDBOX_ERROR
         if not job.ended:
-            job.end(JobStatus.FAILED, JobError(kind, str(exc)))
+            job.end(JobStatus.FAILED, Failure(kind, str(exc)))
     elif isinstance(exc, Exception):
         log.exception("job %s: unexpected failure", job.id, exc_info=exc)
         if not job.ended:

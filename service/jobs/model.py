@@ -79,7 +79,7 @@ class IllegalTransition(Exception):
 
 
 @dataclass(frozen=True)
-class JobError:
+class Failure:
     """Why a job did not succeed: ``type`` (an ``ErrorType`` or a verdict's type), a ``message`` for people,
     and an optional one-line ``hint``."""
 
@@ -104,7 +104,7 @@ class Job:
     """A job's lifecycle record: identity, owner, status, exit code, error and times.
 
     ``status`` changes only through ``move`` (or ``end``), which refuses a transition ``TRANSITIONS`` does not
-    allow. ``error`` is the view's ``error`` object (see ``JobError.as_dict`` and ``service.verdict``).
+    allow. ``error`` is the view's ``error`` object (see ``Failure.as_dict`` and ``service.verdict``).
     """
 
     id: str
@@ -122,12 +122,12 @@ class Job:
             raise IllegalTransition(self.id, self.status, to)
         self.status = to
 
-    def end(self, to: JobStatus, error: JobError | dict[str, Any] | None) -> None:
+    def end(self, to: JobStatus, error: Failure | dict[str, Any] | None) -> None:
         """Move to the final status ``to`` with ``error`` (None for a success); raises IllegalTransition."""
         if to not in FINAL:
             raise IllegalTransition(self.id, self.status, to)
         self.move(to)
-        self.error = error.as_dict() if isinstance(error, JobError) else error
+        self.error = error.as_dict() if isinstance(error, Failure) else error
 
     @property
     def ended(self) -> bool:
@@ -136,7 +136,7 @@ class Job:
 
 
 class RunExit(Protocol):
-    """How the script's run ended, as the sandbox reports it (``service.sandbox.base.ExitStatus``)."""
+    """How the script's run ended, as the sandbox reports it (``service.sandbox.backend.ExitStatus``)."""
 
     @property
     def exit_code(self) -> int: ...
@@ -181,14 +181,14 @@ def end_of_run(
         ended_by = None  # the script ended by itself before the service's signal took effect
     if ended_by == "timed_out":
         message = f"the script ran past timeout_s={timeout_s:g} and was killed"
-        return JobStatus.TIMED_OUT, JobError(ErrorType.TIMEOUT, message).as_dict()
+        return JobStatus.TIMED_OUT, Failure(ErrorType.TIMEOUT, message).as_dict()
     if ended_by == "stopped":
-        return JobStatus.STOPPED, JobError(ErrorType.STOPPED, stop_reason or "stopped on request").as_dict()
+        return JobStatus.STOPPED, Failure(ErrorType.STOPPED, stop_reason or "stopped on request").as_dict()
     if run.oom_killed:
         message = f"the sandbox ran out of memory (limit {memory_mb} MiB) and the kernel killed the script"
-        return JobStatus.OOM_KILLED, JobError(ErrorType.OOM, message).as_dict()
+        return JobStatus.OOM_KILLED, Failure(ErrorType.OOM, message).as_dict()
     if run.lost is not None:
-        return JobStatus.FAILED, JobError(ErrorType.SANDBOX_ERROR, run.lost).as_dict()
+        return JobStatus.FAILED, Failure(ErrorType.SANDBOX_ERROR, run.lost).as_dict()
     if run.exit_code == 0:
         return JobStatus.SUCCEEDED, None
     if script_failure is None:
@@ -196,16 +196,16 @@ def end_of_run(
     return JobStatus.FAILED, script_failure
 
 
-def stopped_before_start(reason: str | None = None) -> JobError:
+def stopped_before_start(reason: str | None = None) -> Failure:
     """The error of a job stopped while it waited for its slot, sandbox or turn."""
-    return JobError(ErrorType.STOPPED, reason or "stopped before it started")
+    return Failure(ErrorType.STOPPED, reason or "stopped before it started")
 
 
-def session_closed(session_status: str, before_turn: bool) -> JobError:
+def session_closed(session_status: str, before_turn: bool) -> Failure:
     """The error of a job whose session ended (``session_status``) before or as its turn came."""
     when = " before this script's turn" if before_turn else ""
-    return JobError(ErrorType.SESSION_CLOSED, f"the session ended ({session_status}){when}")
+    return Failure(ErrorType.SESSION_CLOSED, f"the session ended ({session_status}){when}")
 
 
-SERVICE_STOPPED = JobError(ErrorType.SERVICE_STOPPED, "the service stopped while the job ran")
-INTERNAL_ERROR = JobError(ErrorType.INTERNAL_ERROR, "the service failed to run the job; see its log")
+SERVICE_STOPPED = Failure(ErrorType.SERVICE_STOPPED, "the service stopped while the job ran")
+INTERNAL_ERROR = Failure(ErrorType.INTERNAL_ERROR, "the service failed to run the job; see its log")

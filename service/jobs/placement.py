@@ -23,13 +23,14 @@ from service.jobs.live import LiveJob, now
 from service.jobs.model import JobStatus, session_closed, stopped_before_start
 from service.jobs.tasks import Tasks
 from service.quotas import HostCapacity, OwnerSlot
-from service.sandbox.base import SandboxBackend
+from service.sandbox.backend import SandboxBackend
 from service.sandbox.images import Images
 from service.sandbox.labels import LABEL_JOB
 from service.sandbox.pool import WarmPools
+from service.sandbox.ports import StopHook
 from service.sandbox.resident import ResidentSandbox
 from service.sandbox.spec import sandbox_spec
-from service.sessions import Session, SessionManager
+from service.sessions.manager import Session, SessionManager
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class Sandboxes:
     instance_labels: dict[str, str]
     removals: set[asyncio.Future[None]]
     images: Images | None = None
+    on_stop: StopHook | None = None  # told of each one-shot sandbox removed (the sandbox_stop log event)
 
 
 class Placement(Protocol):
@@ -136,7 +138,7 @@ class OneShot:
         while await acquire(job, slot):
             sandbox = sandboxes.pool.take(spec, job.owner)
             if sandbox is None and sandboxes.pool.evict(fits):
-                sandbox = ResidentSandbox(sandboxes.backend, spec)
+                sandbox = ResidentSandbox(sandboxes.backend, spec, sandboxes.on_stop)
                 sandbox.commitment = capacity.commit(spec.memory_mb, spec.cpus)  # given back at its removal
             if sandbox is not None:
                 self._slot, self._sandbox = slot, sandbox

@@ -18,20 +18,21 @@ from datetime import timedelta
 from pathlib import Path
 from typing import IO
 
-from service import views, workdir
+from service import workdir
 from service.errors import SandboxError
 from service.files import FILES_FOLDER
 from service.jobs.events import Events, JobLost
 from service.jobs.live import OWNER_FILE, RECORDS_FILE, SLICE_BYTES, STREAMS, now
-from service.jobs.model import ErrorType, JobError
-from service.jobs.reaper import lost_row
+from service.jobs.model import ErrorType, Failure
 from service.output import CappedStream, read_range
 from service.quotas import Quotas
-from service.replicas import Replicas
-from service.sandbox.base import SandboxBackend
+from service.replicas.reaper import lost_row
+from service.replicas.registration import Replicas
+from service.sandbox.backend import SandboxBackend
 from service.sandbox.folders import SandboxFolders
 from service.settings import Settings
 from service.store import JobStore, StoredJob
+from service.views import render
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class Recovery:
         folders: SandboxFolders,
         quotas: Quotas,
         events: Events,
-        cache: views.ViewCache,
+        cache: render.ViewCache,
         instance_labels: dict[str, str],
         instance: str,
         replicas: Replicas | None = None,
@@ -134,7 +135,7 @@ class Recovery:
         async def replay(stream: str, inline: CappedStream, limit: int) -> int:
             return await self._replay(self.output_dir / stored.job_id / stream, inline, limit)
 
-        error = JobError(
+        error = Failure(
             ErrorType.SERVICE_RESTARTED,
             f"the service stopped while the job was {stored.status}; its sandbox was removed when it started again",
         )

@@ -23,25 +23,27 @@ import time
 from functools import partial
 from typing import Any
 
-from service import stages, telemetry, verdict, views
+from service import verdict
 from service.broker import Broker, BrokerConfig, CallMemory
 from service.files import OutputFiles
 from service.jobs.admission import Admitted, Ticket
 from service.jobs.events import CallEnded, Events, JobEnded, SandboxStarted, StatusChanged
-from service.jobs.live import LiveJob, end_by_failure, note_stored_bytes, now, save_final_again, stored_job
+from service.jobs.live import LiveJob, LiveJobs, end_by_failure, note_stored_bytes, now, save_final_again, stored_job
 from service.jobs.model import EndedBy, JobStatus, end_of_run
 from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
 from service.jobs.shared import SHARE_AT_ONCE, keep_output
 from service.jobs.tasks import Tasks, until_done
-from service.replicas import Replicas
-from service.sandbox.base import ExitStatus, write_run_files
+from service.observability import stages, telemetry
+from service.replicas.registration import Replicas
+from service.sandbox.backend import ExitStatus, write_run_files
 from service.sandbox.resident import KILL_CONFIRM_S, ResidentRun, ResidentSandbox
 from service.settings import Settings
 from service.store import JobStore
 from service.toolkit.cache import CompiledManifest
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.validation import CheckScheduler
-from service.views import render_head, snapshot
+from service.views import render
+from service.views.render import render_head, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ class Runner:
         call_memory: the service-wide bounds of call records and calls in flight.
         checks: the validation threads of tool-call arguments.
         live: the live jobs (job id -> job); a job leaves it once its final view is saved.
-        final_views: where a job's final encoded view is kept for reading (``views.ViewCache``).
+        final_views: where a job's final encoded view is kept for reading (``render.ViewCache``).
         tasks: where run tasks and other background work are held.
         instance: this instance's id, saved with each job.
         replicas: this replica's incarnation, which every save carries (a save that matches no row fences it).
@@ -78,8 +80,8 @@ class Runner:
         endpoints: EndpointClients,
         call_memory: CallMemory,
         checks: CheckScheduler,
-        live: dict[str, LiveJob],
-        final_views: views.ViewCache,
+        live: LiveJobs,
+        final_views: render.ViewCache,
         tasks: Tasks,
         instance: str,
         replicas: Replicas,
@@ -227,12 +229,12 @@ class Runner:
         records = snapshot(view["calls"])
         async with job.saving:  # encoding gives the loop back: a later save must not overtake an earlier one
             try:
-                encoded = await views.encode(render_head(view), records)
+                encoded = await render.encode(render_head(view), records)
             except (ValueError, TypeError):  # a view that cannot be encoded must still be saved: keep what can be
                 log.exception("job %s: its view cannot be encoded; saving it without output and calls", job.id)
-                view.update(views.unencodable(view))
+                view.update(render.unencodable(view))
                 records = []
-                encoded = await views.encode(render_head(view), records)
+                encoded = await render.encode(render_head(view), records)
             row = stored_job(encoded.head, len(records), encoded.body, self._instance)
             if final:  # first: this replica serves the end even while the store refuses it (saved again later)
                 self._final_views.put(job.id, encoded)
@@ -373,7 +375,7 @@ class Runner:
             ticket.release()
             job.notify()
             job.done.set()
-            self._live.pop(job.id, None)
+            self._live.remove(job.id)
             self._events.publish(JobEnded(job))
             stages.mark("end-told")
             placement.dispose(job.status)

@@ -27,19 +27,21 @@ from typing import Any
 
 import httpx
 
-from service import callbacks, telemetry, views
+from service import callbacks
 from service.callbacks import CallbackSecrets
 from service.egress import EgressPolicy
 from service.errors import LeaseLost, StoreUnavailable
 from service.jobs.events import JobEnded
 from service.jobs.live import stored_job
 from service.jobs.tasks import Tasks
-from service.jobs.views import JobViews
-from service.metrics import Metrics
-from service.replicas import Replicas
+from service.observability import telemetry
+from service.observability.metrics import Metrics
+from service.replicas.registration import Replicas
 from service.settings import Settings
 from service.store import Incarnation, JobStore, StoredJob
-from service.views import EncodedView, render_head
+from service.views import render
+from service.views.read import JobViews
+from service.views.render import EncodedView, render_head
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ class Webhooks:
         settings: Settings,
         store: JobStore,
         job_views: JobViews,
-        cache: views.ViewCache,
+        cache: render.ViewCache,
         secrets: CallbackSecrets,
         egress: EgressPolicy,
         metrics: Metrics,
@@ -276,6 +278,6 @@ class Webhooks:
 
     async def _put_view(self, stored: StoredJob, head: dict[str, Any], final: EncodedView) -> None:
         """Save an ended job's view with a new ``head`` (its call records as they were); keep it for reading."""
-        encoded = await views.encode(render_head(head), list(final.records()), final.summaries)
+        encoded = await render.encode(render_head(head), list(final.records()), final.summaries)
         await self._store.jobs.put(stored_job(encoded.head, len(encoded.spans), encoded.body, stored.instance_id))
         self._cache.put(stored.job_id, encoded)

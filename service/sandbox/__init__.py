@@ -12,6 +12,6 @@
 - ``folders`` (the tmpfs that holds the sandboxes' folders) and ``seccomp`` (the sandboxes' seccomp profile).
 """
 
-from service.sandbox.base import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec
+from service.sandbox.backend import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec
 
 __all__ = ["ExitStatus", "OutputSink", "SandboxBackend", "SandboxHandle", "SandboxSpec"]

@@ -32,7 +32,7 @@ from ptc_runtime import protocol
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from service.errors import EngineUnavailable, SandboxError
-from service.sandbox.base import RUN_DIR, ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec
+from service.sandbox.backend import RUN_DIR, ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec
 from service.sandbox.labels import FEATURE_PRIVSEP, LABEL_UID, features, uid_range
 from service.sandbox.seccomp import profile_json
 

@@ -41,7 +41,7 @@ import ptc_runtime
 from ptc_runtime import files, protocol
 
 from service.errors import EngineUnavailable, SandboxError
-from service.sandbox.base import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec, Stream
+from service.sandbox.backend import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec, Stream
 from service.sandbox.labels import FEATURE_FILES, FEATURE_PRIVSEP, FEATURE_SESSION, LABEL_RUNTIME
 from service.sandbox.labels import features as labels_features
 

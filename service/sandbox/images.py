@@ -1,6 +1,6 @@
 """The images requests may choose (``PTC_IMAGES``), and whether the engine can run each.
 
-Requests name an image (``image`` on ``/execute`` and ``POST /sessions``); ``Settings.image_name`` refuses a name
+Requests name an image (``image`` on ``/execute`` and ``POST /sessions``); ``image_name`` refuses a name
 ``PTC_IMAGES`` does not offer (422 ``unknown-image``, listing the names). A name it offers may still be unusable:
 its image is not present on the engine (not built, or removed), or its runtime lacks the ``session`` feature
 (built before the resident interpreter). ``Images.require`` answers that before a job or session is created,
@@ -16,11 +16,25 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from service.errors import EngineUnavailable, SandboxError
-from service.sandbox.base import SandboxBackend
+from service.errors import EngineUnavailable, SandboxError, UnknownImage
+from service.sandbox.backend import SandboxBackend
 from service.sandbox.labels import FEATURE_SESSION, features
+from service.settings import DEFAULT_IMAGE, Settings
 
 log = logging.getLogger(__name__)
+
+
+def image_name(settings: Settings, asked: str | None, loc: tuple[str | int, ...] = ("body", "image")) -> str:
+    """The image name a request gets: ``asked``, or ``default`` when it asks none.
+
+    Raises:
+        UnknownImage: ``asked`` is not a name in ``settings.images`` (the error lists the names, never the images).
+    """
+    if asked is None:
+        return DEFAULT_IMAGE
+    if asked not in settings.images:
+        raise UnknownImage(asked, sorted(settings.images), loc)
+    return asked
 
 
 class ImageUnusable(SandboxError):
@@ -59,7 +73,7 @@ class Images:
         return None
 
     async def require(self, name: str) -> None:
-        """Make sure image ``name`` (a name ``Settings.image_name`` accepted) can run scripts.
+        """Make sure image ``name`` (a name ``image_name`` accepted) can run scripts.
 
         Raises:
             ImageUnusable: it is not present, or its runtime lacks the ``session`` feature (names the image by

@@ -32,7 +32,7 @@ the event loop, never shared) and is never handed out while being destroyed.
 Each pool refills in the background, one sandbox at a time, to ``size``;
 sandboxes idle longer than ``max_age_s`` are replaced.
 
-With a ``HostCapacity``, each pooled sandbox commits its memory and CPUs
+With a ``HostRoom`` (the host capacity), each pooled sandbox commits its memory and CPUs
 before it starts (the job that takes it inherits the commitment); a pool
 refills only into room that no job is waiting for, and ``evict`` gives idle
 pooled sandboxes up when a job or session needs their room.
@@ -53,9 +53,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from service.errors import SandboxError
-from service.quotas import HostCapacity
-from service.sandbox.base import SandboxBackend, SandboxSpec
+from service.sandbox.backend import SandboxBackend, SandboxSpec
 from service.sandbox.labels import FEATURE_SESSION, LABEL_POOL, features
+from service.sandbox.ports import HostRoom, StopHook
 from service.sandbox.resident import ResidentSandbox
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ class WarmPool:
         max_age_s: a sandbox idle longer than this is replaced.
         name: the profile's name (``default``, a short hash, or ``<image name>-<hash>``) for logs and metrics.
         capacity: the host capacity its sandboxes commit to; None: not counted.
+        on_stop: told of each sandbox removed (``ResidentSandbox``).
     """
 
     def __init__(
@@ -107,10 +108,12 @@ class WarmPool:
         size: int,
         max_age_s: float,
         name: str,
-        capacity: HostCapacity | None = None,
+        capacity: HostRoom | None = None,
+        on_stop: StopHook | None = None,
     ) -> None:
         self._backend = backend
         self._capacity = capacity
+        self._on_stop = on_stop
         self._spec = spec
         self._folder = folder
         self._size = size
@@ -203,7 +206,9 @@ class WarmPool:
                 await asyncio.wait_for(self._wake.wait(), timeout=max(self._max_age_s / 4, 1.0))
 
     async def _start_one(self) -> PooledSandbox:
-        sandbox = ResidentSandbox(self._backend, replace(self._spec, job_dir=self._folder / secrets.token_hex(8)))
+        sandbox = ResidentSandbox(
+            self._backend, replace(self._spec, job_dir=self._folder / secrets.token_hex(8)), self._on_stop
+        )
         sandbox.stop_reason = "pool"  # until a job takes it (then the job's status)
         if self._capacity is not None:  # checked by the caller, without an await since
             sandbox.commitment = self._capacity.commit(self._spec.memory_mb, self._spec.cpus)
@@ -234,6 +239,7 @@ class WarmPools:
         capacity: the host capacity pooled sandboxes commit to; None: not counted.
         image_names: image reference -> its name in ``PTC_IMAGES``: a pool of an image other than the default
             one is named ``<name>-<hash>`` (in logs and the ``profile`` label of metrics), else ``<hash>``.
+        on_stop: told of each pooled sandbox removed (``ResidentSandbox``).
     """
 
     def __init__(
@@ -244,11 +250,13 @@ class WarmPools:
         size: int,
         max_age_s: float,
         max_profiles: int,
-        capacity: HostCapacity | None = None,
+        capacity: HostRoom | None = None,
         image_names: Mapping[str, str] | None = None,
+        on_stop: StopHook | None = None,
     ) -> None:
         self._backend = backend
         self._capacity = capacity
+        self._on_stop = on_stop
         self._default = default
         self._image_names = {ref: name for ref, name in (image_names or {}).items() if ref != default.image}
         self._folder = folder
@@ -394,6 +402,7 @@ class WarmPools:
             self._max_age_s,
             name,
             self._capacity,
+            self._on_stop,
         )
         self._pools[profile_key(spec)] = pool
         pool.start()

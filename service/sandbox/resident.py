@@ -2,7 +2,7 @@
 
 Every run goes through this type, whatever its placement: a cold one-shot job (a sandbox started for it and removed
 after), a pooled one (started ahead of time by ``service.sandbox.pool``, used once), and a session's turn (the
-session's sandbox, kept for the next script; ``service.sessions``). The sandbox runs the runtime with
+session's sandbox, kept for the next script; ``service.sessions.manager``). The sandbox runs the runtime with
 ``PTC_SESSION=1`` (``sandbox_image/ptc_runtime/session.py``): a resident interpreter, with the stub library
 imported, that forks one process per script and speaks the control protocol of ``ptc_runtime.protocol`` over the
 folder's ``control.sock``.
@@ -11,7 +11,7 @@ The sandbox's folder is mounted read-only at ``/run/ptc``; the service listens o
 sandbox starts, and writes each run's ``script.py`` and ``tools`` package there, with the run's broker on
 ``tools.sock``. A run's output arrives as ``out`` frames on the control connection and reaches the run's
 ``OutputSink`` on the event loop; its end is the ``exit`` frame, preceded by the files it left in ``outputs/``
-(``file``/``data``/``skipped`` frames into the run's ``service.files.OutputFiles``). Between runs, ``put_files``,
+(``file``/``data``/``skipped`` frames into the run's ``ports.OutputCollector``). Between runs, ``put_files``,
 ``get_file`` and ``list_files`` ask the sandbox for file I/O under its ``/tmp`` (docs/files.md). Nothing the
 sandbox says is trusted: a frame outside the protocol marks the sandbox broken and ends it. When the control
 connection ends (the interpreter died, the container was killed or lost), the running script ends ``lost`` with the
@@ -33,12 +33,10 @@ from typing import IO, Any
 import orjson
 from ptc_runtime import protocol
 
-from service import logs
 from service.errors import FileRefused, NoSuchFile, SandboxError
-from service.files import OutputFiles
-from service.quotas import Commitment
-from service.sandbox.base import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec, Stream
+from service.sandbox.backend import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec, Stream
 from service.sandbox.labels import LABEL_SANDBOX
+from service.sandbox.ports import Held, OutputCollector, StopHook
 from service.unix_sockets import bind_unix
 
 log = logging.getLogger(__name__)
@@ -80,7 +78,7 @@ class ResidentRun:
     """
 
     def __init__(
-        self, sandbox: ResidentSandbox, job_id: str, sink: OutputSink, outputs: OutputFiles | None = None
+        self, sandbox: ResidentSandbox, job_id: str, sink: OutputSink, outputs: OutputCollector | None = None
     ) -> None:
         self.job_id = job_id
         self.sink = sink
@@ -117,6 +115,7 @@ class ResidentSandbox:
         spec: the sandbox; ``job_dir`` is its folder (created by ``start``, removed by ``destroy``), ``env`` is the
             environment of every run (not the container's: see ``run``), ``PTC_SESSION=1`` and a label unique to
             the sandbox are added.
+        on_stop: told once the sandbox is removed (the ``sandbox_stop`` log event); None: nobody.
 
     Attributes:
         handle: the started container (None before ``start``).
@@ -127,15 +126,16 @@ class ResidentSandbox:
         commitment: the host capacity it holds, given back once it is removed.
     """
 
-    def __init__(self, backend: SandboxBackend, spec: SandboxSpec) -> None:
+    def __init__(self, backend: SandboxBackend, spec: SandboxSpec, on_stop: StopHook | None = None) -> None:
         self._backend = backend
         self.spec = spec
+        self.on_stop = on_stop
         self.folder = spec.job_dir
         self.handle: SandboxHandle | None = None
         self.broken: str | None = None
         self.job_id: str | None = None  # the job it ran last (one-shot sandboxes: its only one), for logs
         self.stop_reason = "session"  # what the sandbox_stop log event says when it is removed
-        self.commitment: Commitment | None = None  # host capacity it holds; given back once it is removed
+        self.commitment: Held | None = None  # host capacity it holds; given back once it is removed
         self._server: asyncio.AbstractServer | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._hello: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -448,7 +448,7 @@ class ResidentSandbox:
             raise SandboxError(f"the session's sandbox went away: {exc}") from exc
 
     async def run(
-        self, job_id: str, env: dict[str, str], sink: OutputSink, outputs: OutputFiles | None = None
+        self, job_id: str, env: dict[str, str], sink: OutputSink, outputs: OutputCollector | None = None
     ) -> ResidentRun:
         """Start the script already written to the folder (``script.py``; one run at a time: a session's caller
         holds its turn). Returns the run; raises SandboxError when the sandbox is gone or broken.
@@ -524,7 +524,8 @@ class ResidentSandbox:
             except SandboxError as exc:
                 log.warning("session %s: could not remove its sandbox: %s", self.folder.name, exc)
             stop_s = time.monotonic() - begin
-            logs.sandbox("sandbox_stop", self.job_id, self.handle.id, stop_s, folder=self.folder.name, reason=why)
+            if self.on_stop is not None:
+                self.on_stop(self.job_id, self.handle.id, stop_s, self.folder.name, why)
         if self.commitment is not None:
             self.commitment.release()
         if self._reader is not None and self._reader is not asyncio.current_task():

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
-from service.sandbox.base import SandboxSpec
+from service.sandbox.backend import SandboxSpec
 from service.settings import DEFAULT_IMAGE, Settings
 
 
@@ -40,7 +40,7 @@ def sandbox_spec(
 ) -> SandboxSpec:
     """The sandbox of a run (a job's, or a pooled or session sandbox) with ``limits`` and ``env``.
 
-    ``image`` is a name in ``PTC_IMAGES`` (checked before: ``Settings.image_name``); the spec holds its image
+    ``image`` is a name in ``PTC_IMAGES`` (checked before: ``image_name``); the spec holds its image
     reference, so that sandboxes of two images are never of one warm pool's profile (``pool.profile_key``).
     The runtime, ``file_size_mb`` and ``open_files`` are the settings'; ``env`` is the environment of each
     run (``ResidentSandbox.run``), not the container's; ``labels`` are all of the sandbox's labels (the instance's,

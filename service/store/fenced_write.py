@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 
 from service.store.registry import LIVE_STATES
-from service.store.schema import jobs, sessions
+from service.store.tables import jobs, sessions
 
 
 def fenced_upsert(table: sa.Table, updated: Sequence[str]) -> str:

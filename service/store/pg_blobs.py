@@ -11,7 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from service.store.blobs import JobBlobs
 from service.store.job_records import storable
 from service.store.pg_db import PostgresDatabase
-from service.store.schema import job_blobs
+from service.store.tables import job_blobs
 
 
 class PostgresJobBlobs(JobBlobs):

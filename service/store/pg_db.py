@@ -6,7 +6,7 @@ that is down or slow raises ``StoreUnavailable`` (503 ``store-unavailable``), ne
 password is never logged nor put in an error: ``describe`` hides it, and driver errors (whose text may name the
 server) are chained and logged, not shown.
 
-Tables: ``service.store.schema`` (times as ISO text, as in SQLite, so cursors compare the same); migrations run at
+Tables: ``service.store.tables`` (times as ISO text, as in SQLite, so cursors compare the same); migrations run at
 ``open`` under an advisory lock, so replicas starting together migrate once.
 """
 
@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from service.errors import StoreUnavailable
 from service.store import migrate
 from service.store.registry import LIVE_STATES, Incarnation
-from service.store.schema import replicas
+from service.store.tables import replicas
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

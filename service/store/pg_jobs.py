@@ -15,7 +15,7 @@ from service.store.job_records import JobQuery, JobRecords, StoredJob, decode_cu
 from service.store.pg_db import JOBS_CHANNEL, PostgresDatabase, notify, typed_text
 from service.store.pg_ledger import add_delivering, add_pending
 from service.store.registry import LIVE_STATES, Incarnation
-from service.store.schema import idempotency_keys, iso, job_blobs, jobs, replicas
+from service.store.tables import idempotency_keys, iso, job_blobs, jobs, replicas
 
 _JOB_COLUMNS = (
     jobs.c.job_id,

@@ -13,7 +13,7 @@ from service.store.job_records import storable
 from service.store.keys import IdempotencyRecord, KeyBindings, KeyClaim, held_key, key_digest
 from service.store.pg_db import KEYS_CHANNEL, PostgresDatabase, notify
 from service.store.registry import LIVE_STATES
-from service.store.schema import idempotency_keys, iso, replicas
+from service.store.tables import idempotency_keys, iso, replicas
 
 k = idempotency_keys.c
 _COLUMNS = (

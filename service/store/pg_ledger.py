@@ -12,7 +12,7 @@ from service.store.job_records import storable
 from service.store.ledger import CLAIM_SCAN, CallbackClaim, CallbackLedger, CallbackRow, choose_claims
 from service.store.pg_db import CALLBACKS_CHANNEL, PostgresDatabase, is_live, notify
 from service.store.registry import LIVE_STATES, Incarnation
-from service.store.schema import callbacks, jobs, replicas
+from service.store.tables import callbacks, jobs, replicas
 
 
 async def add_delivering(conn: AsyncConnection, job_id: str, incarnation: Incarnation) -> None:

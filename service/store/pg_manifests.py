@@ -11,7 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from service.store.job_records import storable
 from service.store.manifests import ToolsetManifests
 from service.store.pg_db import PostgresDatabase
-from service.store.schema import toolset_owners, toolsets
+from service.store.tables import toolset_owners, toolsets
 
 
 class PostgresToolsetManifests(ToolsetManifests):

@@ -10,7 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from service.errors import InstanceIdInUse
 from service.store.pg_db import REPLICAS_CHANNEL, PostgresDatabase, notify, seconds
 from service.store.registry import LIVE_STATES, Incarnation, Registration, Replica, ReplicaRegistry, in_use_message
-from service.store.schema import replicas
+from service.store.tables import replicas
 
 r = replicas.c
 

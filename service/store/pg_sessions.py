@@ -12,8 +12,8 @@ from service.store.fenced_write import FENCED_SESSION_SAVE
 from service.store.job_records import storable
 from service.store.pg_db import PostgresDatabase, typed_text
 from service.store.registry import LIVE_STATES, Incarnation
-from service.store.schema import iso, replicas, sessions
 from service.store.session_records import SESSION_BROKEN, SessionRecords, StoredSession, broken_view, session_row
+from service.store.tables import iso, replicas, sessions
 
 s = sessions.c
 _FENCED_SAVE = typed_text(FENCED_SESSION_SAVE, sessions)

@@ -8,9 +8,9 @@ from datetime import datetime
 from service.store.fenced_write import FENCED_JOB_SAVE
 from service.store.job_records import JobQuery, JobRecords, StoredJob, decode_cursor, next_cursor, storable
 from service.store.registry import Incarnation
-from service.store.schema import iso
 from service.store.sqlite_db import SQLiteDatabase, transaction
 from service.store.sqlite_ledger import add_delivering, add_pending
+from service.store.tables import iso
 
 _COLUMNS = "job_id, status, instance_id, created_at, ended_at, view, summary, callback_pending, owner"
 _READ_COLUMNS = _COLUMNS + ", instance_epoch"

@@ -7,8 +7,8 @@ from datetime import datetime
 
 from service.store.job_records import storable
 from service.store.keys import IdempotencyRecord, KeyBindings, KeyClaim, held_key
-from service.store.schema import iso
 from service.store.sqlite_db import SQLiteDatabase, is_live, transaction
+from service.store.tables import iso
 
 _COLUMNS = (
     "owner, key, fingerprint, kind, resource_id, created_at, ends_by, state, claim_token, claimed_by, claimed_epoch"

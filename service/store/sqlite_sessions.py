@@ -8,9 +8,9 @@ from datetime import UTC, datetime
 from service.store.fenced_write import FENCED_SESSION_SAVE
 from service.store.job_records import storable
 from service.store.registry import Incarnation
-from service.store.schema import iso
 from service.store.session_records import SESSION_BROKEN, SessionRecords, StoredSession, broken_view, session_row
 from service.store.sqlite_db import SQLiteDatabase
+from service.store.tables import iso
 
 _COLUMNS = "session_id, owner, instance_id, instance_epoch, status, created_at, ended_at, ends_by, view"
 

@@ -36,8 +36,9 @@ from mcp import ClientSession, MCPError
 from mcp import types as mcp_types
 from mcp.client.streamable_http import streamable_http_client
 
-from service import exactjson, telemetry
+from service import exactjson
 from service.egress import EgressDenied, EgressPolicy
+from service.observability import telemetry
 from service.toolkit.manifest import Endpoint, ToolSpec
 from service.toolkit.mcp_http import mcp_client
 

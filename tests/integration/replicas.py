@@ -25,7 +25,7 @@ import docker
 import httpx
 import pytest
 
-from service.auth import hash_token
+from service.tenancy import hash_token
 from tests.conftest import ROOT, Service, free_port, in_ci, start_service, stop_clean
 
 HAPROXY_CFG = ROOT / "deploy" / "replicas" / "haproxy.cfg"

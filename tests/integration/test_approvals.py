@@ -16,7 +16,7 @@ import docker
 import httpx
 import pytest
 
-from service.auth import hash_token
+from service.tenancy import hash_token
 from tests.conftest import Service, labelled_containers, start_service, wait_until
 from tests.toolserver import ToolServer
 

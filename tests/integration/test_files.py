@@ -25,8 +25,8 @@ import docker
 import httpx
 import pytest
 
-from service.auth import hash_token
 from service.sandbox.labels import LABEL_SANDBOX, LABEL_UID
+from service.tenancy import hash_token
 from tests.conftest import RUNTIMES, Service, require_runtime, start_service, stop_clean
 
 OTHER_TOKEN = secrets.token_urlsafe(32)

@@ -1,4 +1,4 @@
-"""Metrics: the helpers of ``service.metrics`` alone, and ``GET /metrics`` of a real service after a fixed mix."""
+"""Metrics: the helpers of ``observability.metrics`` alone, and ``GET /metrics`` of a real service after a fixed mix."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The served OpenAPI document (service/openapi.py), and schemathesis against the running service.
+"""The served OpenAPI document (service/api/openapi.py), and schemathesis against the running service.
 
 The schemathesis run is bounded: a few examples per operation (``-n``), one
 worker, a request timeout above the service's longest wait, and a hard limit on

@@ -14,7 +14,7 @@ from typing import Any
 import docker
 import httpx
 
-from service.auth import hash_token
+from service.tenancy import hash_token
 from tests.conftest import (
     IMAGE,
     Service,

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from bench.body_attack import attack_body
-from service.auth import hash_token
+from service.tenancy import hash_token
 from tests.conftest import Service, start_service
 from tests.probe import healthz_while
 

@@ -1,5 +1,5 @@
-"""Per-stage timing (``service.stages``): an admin's ``X-PTC-Stages: 1`` gets ``Server-Timing``, with the sandbox's own
-moments placed on the service's time line; nobody else gets it; the sandbox's stamps are not trusted."""
+"""Per-stage timing (``observability.stages``): an admin's ``X-PTC-Stages: 1`` gets ``Server-Timing``, with the
+sandbox's own moments placed on the service's time line; nobody else gets it; the sandbox's stamps are not trusted."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from bench.__main__ import server_timing
-from service.auth import hash_token
-from service.stages import Stages
+from service.observability.stages import Stages
+from service.tenancy import hash_token
 from tests.conftest import Service, start_service, stop_clean
 
 OTHER_TOKEN = secrets.token_urlsafe(32)

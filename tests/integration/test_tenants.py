@@ -23,10 +23,10 @@ import pytest
 from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
-from service.auth import IMPLICIT_OWNER
 from service.callbacks import OWNER_HEADER, SIGNATURE_HEADER, verify
 from service.schemas import JobSummary, JobView
 from service.store.sqlite import SQLiteJobStore
+from service.tenancy import IMPLICIT_OWNER
 from tests.conftest import Service, execute, labelled_containers, start_service, wait_until
 from tests.toolserver import ToolServer
 from tests.unit.test_tenants import (  # noqa: F401

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.auth import hash_token
+from service.tenancy import hash_token
 from tests.conftest import Service, execute, start_service, wait_until
 
 ENUM = [f"v{i}" for i in range(10_000)]

@@ -16,13 +16,13 @@ import orjson
 import pytest
 
 from service.api import create_app
-from service.auth import hash_token
 from service.broker import Broker, BrokerConfig
 from service.broker.checks import check_arguments
 from service.errors import CallNotPending, ManifestError
 from service.sandbox.fake import FakeBackend
 from service.schemas import CallRecord
 from service.settings import Settings
+from service.tenancy import hash_token
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.manifest import parse_tool
 from service.toolkit.stubs import APPROVAL_NOTE, generate_stub_module

@@ -24,9 +24,9 @@ from fastapi import FastAPI, Request
 
 from service.__main__ import main
 from service.api import create_app
-from service.auth import KeyRing, configure, hash_token, is_loopback, parse_keys
 from service.errors import InsecureConfig
 from service.settings import Settings
+from service.tenancy import KeyRing, configure, hash_token, is_loopback, parse_keys
 from tests.conftest import ROOT
 
 ALICE, BOB = "alice-token-0123456789", "bob-token-9876543210"
@@ -92,7 +92,7 @@ def test_every_key_is_compared_whichever_matches(monkeypatch: pytest.MonkeyPatch
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr("service.auth.hmac.compare_digest", counting)
+    monkeypatch.setattr("service.tenancy.hmac.compare_digest", counting)
     for token, expected in [
         (tokens[0], "k0"),
         (tokens[9], "k9"),
@@ -236,14 +236,14 @@ def test_keys_may_come_from_a_file(tmp_path: Path) -> None:
 
 
 def test_disabled_is_loud_and_only_on_loopback(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="service.auth"):
+    with caplog.at_level(logging.WARNING, logger="service.tenancy"):
         assert configure(settings(tmp_path, auth="disabled", host="127.0.0.1")) is None
     assert "AUTHENTICATION DISABLED" in caplog.text
     for host in ("0.0.0.0", "::", "10.1.2.3", "example.com"):
         with pytest.raises(InsecureConfig, match="not a loopback address"):
             configure(settings(tmp_path, auth="disabled", host=host))
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="service.auth"):
+    with caplog.at_level(logging.WARNING, logger="service.tenancy"):
         assert configure(settings(tmp_path, auth="disabled", host="0.0.0.0", auth_force_insecure=True)) is None
     assert any(r.levelno == logging.CRITICAL for r in caplog.records)
 

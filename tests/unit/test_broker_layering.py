@@ -12,11 +12,11 @@ PACKAGE = Path(__file__).resolve().parents[2] / "service" / "broker"
 HIGHER = (
     "service.api",
     "service.jobs",
-    "service.sessions",
+    "service.sessions.manager",
     "service.store",
-    "service.replicas",
-    "service.metrics",
-    "service.logs",
+    "service.replicas.registration",
+    "service.observability.metrics",
+    "service.observability.logs",
 )
 MODULES = sorted(path.stem for path in PACKAGE.glob("*.py"))
 

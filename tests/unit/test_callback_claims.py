@@ -23,7 +23,6 @@ import pytest
 import sqlalchemy as sa
 
 from service.api import create_app
-from service.auth import hash_token
 from service.callbacks import WEBHOOK_ID_HEADER, CallbackSecret, deliver
 from service.errors import LeaseLost
 from service.sandbox.fake import FakeBackend
@@ -31,7 +30,8 @@ from service.settings import Settings
 from service.store import CallbackClaim, Incarnation, JobStore, Registration, StoredJob
 from service.store.pg import PostgresJobStore
 from service.store.pg_db import async_url
-from service.store.schema import callbacks
+from service.store.tables import callbacks
+from service.tenancy import hash_token
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -1,4 +1,4 @@
-"""Slow and greedy HTTP clients (service.connections): header and body deadlines, connection caps.
+"""Slow and greedy HTTP clients (service.api.connections): header and body deadlines, connection caps.
 
 Issue 11, item 12: connections that never finished their headers stayed open for ever. Raw sockets to
 127.0.0.1 play the slow clients; a normal client (from 127.0.0.2 where the per-address cap is tested) is served
@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from service.api.connections import ConnectionGuard, client_key, parse_networks
 from service.api.problems import BAD_REQUEST, REQUEST_TIMEOUT, TOO_MANY_CONNECTIONS_FROM_ADDRESS
-from service.connections import ConnectionGuard, client_key, parse_networks
 from service.settings import Settings
 from tests.conftest import Service, start_service
 

@@ -14,7 +14,7 @@ import orjson
 import pytest
 from ptc_runtime.protocol import CONTROL_SOCKET, MAX_FRAME_BYTES
 
-from service.sandbox.base import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec
+from service.sandbox.backend import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec
 from service.sandbox.resident import ResidentSandbox
 
 Server = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

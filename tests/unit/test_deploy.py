@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from service.egress import EgressDenied, EgressPolicy
-from service.internal import parse_secrets
+from service.replicas.internal import parse_secrets
 from service.settings import Settings
 from tests.conftest import ROOT, free_port, in_ci, wait_until
 

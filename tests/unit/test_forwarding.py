@@ -23,11 +23,11 @@ from fastapi import FastAPI
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
-from service import internal
 from service.api import create_app
 from service.egress import EgressDenied, EgressPolicy
 from service.errors import InsecureConfig
-from service.jobs.remote import Remote
+from service.replicas import internal
+from service.replicas.remote import Remote
 from service.settings import Settings
 from service.store import Incarnation, JobStore, Registration, StoredSession
 from tests.unit.test_replicas import ALICE, BOB, INTERNAL_SECRET, bearer, held_until, replica

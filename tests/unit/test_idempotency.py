@@ -403,7 +403,7 @@ def test_the_body_digest_keeps_nan_and_infinities_apart_from_null() -> None:
 
 
 async def test_a_repeat_on_another_replica_is_woken_by_the_notification(postgres_url: str) -> None:
-    from service.jobs.notify import Listener, Waiters
+    from service.replicas.notify import Listener, Waiters
 
     stores = [PostgresJobStore(postgres_url), PostgresJobStore(postgres_url)]
     for opened in stores:

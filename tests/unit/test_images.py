@@ -20,9 +20,9 @@ from service.api import create_app
 from service.errors import RequestLimitError, UnknownImage
 from service.jobs.live import resolve_limits
 from service.limits import check_execute, check_session
-from service.sandbox.base import OutputSink, SandboxHandle, SandboxSpec
+from service.sandbox.backend import OutputSink, SandboxHandle, SandboxSpec
 from service.sandbox.fake import RUNTIME_LABELS, FakeBackend
-from service.sandbox.images import Images, ImageUnusable
+from service.sandbox.images import Images, ImageUnusable, image_name
 from service.sandbox.labels import LABEL_POOL
 from service.sandbox.pool import profile_key
 from service.sandbox.spec import sandbox_spec
@@ -45,7 +45,7 @@ def settings(tmp_path: Path, **extra: Any) -> Settings:
 def test_without_ptc_images_the_one_image_is_default(tmp_path: Path) -> None:
     config = settings(tmp_path, sandbox_image="mine:1")
     assert config.images == {"default": "mine:1"}
-    assert config.image_name(None) == "default"
+    assert image_name(config, None) == "default"
 
 
 def test_ptc_images_parses_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

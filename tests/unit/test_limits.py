@@ -10,11 +10,11 @@ import httpx
 import pytest
 
 from service.api import create_app
-from service.auth import hash_token
 from service.errors import RequestLimitError
 from service.limits import check_execute, check_session
 from service.schemas import ExecuteRequest, Limits, SessionRequest
 from service.settings import KeyLimits, Settings
+from service.tenancy import hash_token
 
 TOKEN = "limits-test-token-0123456789"
 

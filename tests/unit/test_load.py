@@ -14,12 +14,12 @@ from typing import Any
 
 import orjson
 
-from service import views
 from service.broker import Broker, BrokerConfig, CallMemory
 from service.broker.config import UNBOUNDED
 from service.egress import EgressPolicy
 from service.toolkit.cache import ManifestCache
 from service.toolkit.endpoints import EndpointClients
+from service.views import render
 
 ANY_ARGS = {"type": "object", "additionalProperties": True}
 
@@ -71,7 +71,7 @@ async def broker(tmp_path: Path, **options: Any) -> AsyncIterator[tuple[Broker, 
 
 def decoded(record: dict[str, Any]) -> dict[str, Any]:
     """A record as the API shows it (its fragments decoded)."""
-    value: dict[str, Any] = orjson.loads(views.encode_record(record))
+    value: dict[str, Any] = orjson.loads(render.encode_record(record))
     return value
 
 
@@ -197,30 +197,30 @@ async def test_an_encoded_view_is_the_job_view_and_scans_back_to_the_same_record
         for i in range(1, 50)
     ]
     view = job_view(records)
-    encoded = await views.encode(views.render_head(view), records)
+    encoded = await render.encode(render.render_head(view), records)
     parsed = orjson.loads(encoded.body)
-    assert parsed["calls"] == [orjson.loads(views.encode_record(r)) for r in records]
+    assert parsed["calls"] == [orjson.loads(render.encode_record(r)) for r in records]
     assert parsed["pending_calls"] == [] and parsed["metadata"] == view["metadata"]
     assert [orjson.loads(bytes(r)) for r in encoded.records()] == parsed["calls"]
-    head, spans = views.scan(encoded.body)
+    head, spans = render.scan(encoded.body)
     assert spans == encoded.spans and head == encoded.head
-    streamed = b"".join([piece async for piece in views.stream(views.render_head(view), [], records)])
+    streamed = b"".join([piece async for piece in render.stream(render.render_head(view), [], records)])
     assert streamed == encoded.body
 
 
 def test_a_stored_view_in_the_old_key_order_scans_too() -> None:
     body = orjson.dumps({"job_id": "j", "calls": [{"seq": 1, "args": {"a": "]},"}}, {"seq": 2}], "status": "ok"})
-    head, spans = views.scan(body)
+    head, spans = render.scan(body)
     assert head == {"job_id": "j", "status": "ok"}
     assert [orjson.loads(body[a:b]) for a, b in spans] == [{"seq": 1, "args": {"a": "]},"}}, {"seq": 2}]
 
 
 def test_the_view_cache_keeps_the_latest_views_up_to_its_bytes() -> None:
-    cache = views.ViewCache(250)
+    cache = render.ViewCache(250)
     for name in "abc":
-        cache.put(name, views.EncodedView({}, b"x" * 100, []))
+        cache.put(name, render.EncodedView({}, b"x" * 100, []))
     assert cache.get("a") is None and cache.get("b") is not None and cache.get("c") is not None
-    cache.put("big", views.EncodedView({}, b"x" * 300, []))  # larger than the cache: not kept
+    cache.put("big", render.EncodedView({}, b"x" * 300, []))  # larger than the cache: not kept
     assert cache.get("big") is None and cache.get("b") is not None
 
 

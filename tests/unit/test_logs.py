@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from service import logs
+from service.observability import logs
 from tests.conftest import ROOT
 
 

@@ -1,4 +1,4 @@
-"""Metrics: the helpers of ``service.metrics`` alone, and ``GET /metrics`` of a real service after a fixed mix."""
+"""Metrics: the helpers of ``observability.metrics`` alone, and ``GET /metrics`` of a real service after a fixed mix."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.metrics import Metrics, buckets_up_to, callback_outcome
+from service.observability.metrics import Metrics, buckets_up_to, callback_outcome
 from service.settings import Settings
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

@@ -1,4 +1,4 @@
-"""The served OpenAPI document (service/openapi.py), and schemathesis against the running service.
+"""The served OpenAPI document (service/api/openapi.py), and schemathesis against the running service.
 
 The schemathesis run is bounded: a few examples per operation (``-n``), one
 worker, a request timeout above the service's longest wait, and a hard limit on
@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 
 from service.api import create_app
-from service.auth import hash_token
-from service.openapi import PROBLEM
+from service.api.openapi import PROBLEM
 from service.settings import Settings
+from service.tenancy import hash_token
 
 
 def operations(spec: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, Any]]]:

@@ -20,16 +20,16 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from service import logs
 from service.api import create_app
 from service.api.routers.health import READY_PARTS
 from service.errors import InstanceIdInUse, StoreUnavailable
-from service.jobs.notify import Listener, Waiters
+from service.observability import logs
+from service.replicas.notify import Listener, Waiters
+from service.replicas.sweep import sweep_instance
 from service.sandbox.fake import FakeBackend
 from service.sandbox.labels import instance_labels
 from service.settings import Settings
 from service.store import Incarnation, JobStore, Registration
-from service.sweep import sweep_instance
 from tests.conftest import ROOT
 from tests.unit.test_logs import Capture
 from tests.unit.test_replicas import replica

@@ -19,15 +19,15 @@ from typing import Any, cast
 
 import pytest
 
-from service.auth import IMPLICIT_OWNER
 from service.errors import QuotaExceeded
-from service.metrics import Metrics
+from service.observability.metrics import Metrics
 from service.output import OutputLog
 from service.quotas import REJECTION_REASONS, HostCapacity, OutputBudget, Quotas, Slots, machine_memory_mb
-from service.sandbox.base import SandboxBackend, SandboxSpec
+from service.sandbox.backend import SandboxBackend, SandboxSpec
 from service.sandbox.pool import PooledSandbox, WarmPool, WarmPools
 from service.sandbox.resident import ResidentSandbox
 from service.settings import Settings
+from service.tenancy import IMPLICIT_OWNER
 
 
 def settings(**values: Any) -> Settings:
@@ -78,7 +78,7 @@ def test_one_tenant_has_the_whole_host_by_default_and_explicit_settings_still_wi
 def test_single_tenant_is_authentication_disabled_or_one_key_name(
     tmp_path: Path, keys: str | None, single: bool
 ) -> None:
-    from service.auth import configure, hash_token, single_tenant
+    from service.tenancy import configure, hash_token, single_tenant
 
     if keys is None:
         configured = Settings(work_dir=tmp_path, auth="disabled")

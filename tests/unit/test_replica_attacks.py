@@ -12,12 +12,13 @@ import pytest
 from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
-from service import internal
-from service.auth import BearerAuth, KeyRing, hash_token, parse_keys
+from service.api.auth import BearerAuth
 from service.egress import EgressDenied, EgressPolicy
 from service.errors import OwnerElsewhere, OwnerUnavailable, QuotaExceeded
-from service.jobs import remote as remote_module
-from service.jobs.remote import Remote
+from service.replicas import internal
+from service.replicas import remote as remote_module
+from service.replicas.remote import Remote
+from service.tenancy import KeyRing, hash_token, parse_keys
 from tests.conftest import TEST_EGRESS_RULES
 
 SECRET = b"s" * 32

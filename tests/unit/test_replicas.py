@@ -21,12 +21,12 @@ import pytest
 from fastapi import FastAPI
 
 from service.api import create_app
-from service.auth import hash_token
 from service.errors import InstanceIdInUse, LeaseLost
-from service.replicas import Replicas, internal_url, work_dir_token
+from service.replicas.registration import Replicas, internal_url, work_dir_token
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
 from service.store import Incarnation, JobStore, Registration, StoredJob
+from service.tenancy import hash_token
 from tests.conftest import free_port
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -348,7 +348,7 @@ async def test_the_listener_stops_without_being_cancelled_inside_notifies(postgr
     service's shutdown in a CI run (the test task waited for the listener task for 30 minutes)."""
     import psycopg
 
-    from service.jobs.notify import STOP_CHECK_S, Listener, Waiters
+    from service.replicas.notify import STOP_CHECK_S, Listener, Waiters
     from tests import pgstore
 
     received: list[str] = []

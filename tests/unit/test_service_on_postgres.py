@@ -19,9 +19,9 @@ import pytest
 import sqlalchemy as sa
 
 from service.api import create_app
-from service.auth import hash_token
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
+from service.tenancy import hash_token
 
 TOOLS = [{"name": "t", "parameters": {"properties": {"x": {"type": "integer"}}}, "endpoint": {"kind": "echo"}}]
 
@@ -371,8 +371,8 @@ async def test_each_replica_purges_its_own_ended_jobs(work_dir: Path, other_work
         assert stored is not None and stored.ended_at is not None
         old = datetime.now(UTC) - timedelta(hours=1)  # ended long ago: past the retention
         await store.jobs.put(type(stored)(**{**stored.__dict__, "ended_at": old, "created_at": old}))
-        assert await second.state.jobs.purge_expired() == 0  # not its job
+        assert await second.state.jobs.recovery.purge_expired() == 0  # not its job
         assert await store.jobs.get(view["job_id"]) is not None
-        assert await first.state.jobs.purge_expired() == 1  # its own: the row, and its folder
+        assert await first.state.jobs.recovery.purge_expired() == 1  # its own: the row, and its folder
         assert await store.jobs.get(view["job_id"]) is None
         assert not folder.exists()

@@ -1,4 +1,4 @@
-"""Settings (service/settings.py): a default above its maximum is refused, for every such pair, at start-up."""
+"""Settings (service/settings/): a default above its maximum is refused, for every such pair, at start-up."""
 
 from __future__ import annotations
 

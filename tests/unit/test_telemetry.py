@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (service.telemetry), engine-free: the whole service on the fake backend traced into an
+"""OpenTelemetry traces (observability.telemetry), engine-free: the whole service on the fake backend traced into an
 in-memory exporter: the tree of one ``POST /execute`` with two tool calls, an incoming ``traceparent`` as its
 parent, the ``traceparent`` an http tool endpoint and a callback receive, the trace id in the job view (kept once
 saved) and in the JSON logs, a malformed ``traceparent`` ignored, nothing of arguments or results in a span, and
@@ -23,11 +23,11 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from service import logs, telemetry
 from service.api import create_app
-from service.auth import hash_token
+from service.observability import logs, telemetry
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
+from service.tenancy import hash_token
 from tests.toolserver import ToolServer
 
 ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789"

@@ -21,7 +21,7 @@ import docker
 import httpx
 import pytest
 
-from service.auth import hash_token
+from service.tenancy import hash_token
 from tests.conftest import Service, labelled_containers, start_service
 from tests.toolserver import ToolServer
 
@@ -129,9 +129,9 @@ def root(tenants: Service) -> Iterator[httpx.Client]:
 
 
 def test_an_admin_name_that_is_no_key_refuses_to_start(tmp_path: Path) -> None:
-    from service.auth import configure
     from service.errors import InsecureConfig
     from service.settings import Settings
+    from service.tenancy import configure
 
     keys = f"alice:{hash_token(TOKENS['alice'])}"
     with pytest.raises(InsecureConfig, match="PTC_ADMIN_KEYS names rooot"):

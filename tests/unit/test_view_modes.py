@@ -22,10 +22,10 @@ import pytest
 from fastapi import FastAPI
 
 from service.api import create_app
-from service.jobs import JobManager
+from service.composition import JobManager
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
-from service.views import SUMMARY_FIELDS, SUMMARY_MESSAGE_CHARS, VIEW_FIELDS
+from service.views.render import SUMMARY_FIELDS, SUMMARY_MESSAGE_CHARS, VIEW_FIELDS
 
 TOOLS = [
     {"name": "echo", "parameters": {"properties": {"text": {"type": "string"}}}, "endpoint": {"kind": "echo"}},
@@ -139,7 +139,7 @@ async def test_a_summary_of_a_view_read_back_from_the_store_decodes_the_same(
     cached = (await client.get(f"/jobs/{job_id}", params={"calls": "summary"})).content
     full = (await client.get(f"/jobs/{job_id}")).content
     jobs: JobManager = app.state.jobs
-    jobs._views._views.drop(job_id)  # the view cache forgets it: read back from the store
+    jobs.views._views.drop(job_id)  # the view cache forgets it: read back from the store
     assert (await client.get(f"/jobs/{job_id}")).content == full
     assert (await client.get(f"/jobs/{job_id}", params={"calls": "summary"})).content == cached
 

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service import exactjson, verdict, views
+from service import exactjson, verdict
 from service.broker import Broker, BrokerConfig
 from service.broker.config import REPORT_FIELD_CAP
 from service.broker.dispatch import MAX_TOOL_NAME_SHOWN
@@ -31,6 +31,7 @@ from service.jobs.live import stored_job
 from service.schemas import JobView
 from service.toolkit.cache import ManifestCache
 from service.toolkit.endpoints import EndpointClients
+from service.views import render
 
 BIG = [12345678901234567890123, -(2**70), 2**64, -(2**63) - 1, 2**64 - 1]
 
@@ -247,7 +248,7 @@ def test_a_view_that_cannot_be_encoded_contradicts_nothing() -> None:
     view = view_of([], None)
     view.update(status="succeeded", exit_code=0, error=None, stdout="x" * 27, stdout_bytes=27)
     view["calls"] = [{"status": "ok", "seq": 1}]
-    view.update(views.unencodable(view))
+    view.update(render.unencodable(view))
     consistent({**view, "error": None})
     assert view["stdout_truncated"] and view["error"]["type"] == "internal_error"
 
@@ -274,16 +275,16 @@ def test_whatever_a_script_sends_the_records_stay_bounded_exact_and_servable(
         assert len(record["tool"]) <= MAX_TOOL_NAME_SHOWN
         assert record["error"] is None or len(record["error"]["message"]) <= REPORT_FIELD_CAP + 1
     # the view encodes, validates, reads back from the store and lists; its totals match what it shows
-    view = view_of(views.snapshot(records), broker.records.script_report)
-    head = views.render_head(view)
-    body = asyncio.run(views.encode(head, views.snapshot(records))).body
+    view = view_of(render.snapshot(records), broker.records.script_report)
+    head = render.render_head(view)
+    body = asyncio.run(render.encode(head, render.snapshot(records))).body
     model = JobView.model_validate_json(body)
     shown = json.loads(body)
     shown["calls_by_status"] = {s: sum(r["status"] == s for r in shown["calls"]) for s in ("ok", "rejected", "error")}
     shown["calls_by_status"] = {k: v for k, v in shown["calls_by_status"].items() if v}
     consistent(shown)
     assert model.calls_total == len(model.calls) == len(records)
-    stored_head, spans = views.scan(body)
+    stored_head, spans = render.scan(body)
     assert len(spans) == len(records)
     stored_job(stored_head, len(spans), body, "wire")
     # kept arguments are exactly what was sent

@@ -11,7 +11,7 @@ API key: no other site may frame them).
 ``OPEN_PATHS`` (the pages, their assets and ``/openapi.json``) answer without an API key (``app.create_app``
 adds them to ``auth.open_paths``): the document describes the API the code defines, the same for every key and
 every tenant, and holds no tenant's data. Swagger UI's Authorize button takes a key (the ``bearerAuth`` scheme
-of ``service.openapi``), which its "Try it out" calls then send.
+of ``service.api.openapi``), which its "Try it out" calls then send.
 """
 
 from __future__ import annotations

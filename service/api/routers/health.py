@@ -8,13 +8,13 @@ from fastapi.responses import JSONResponse, Response
 from service.api.bodies import ParsedOffLoop
 from service.api.deps import AppMetrics, AppSettings, Backend, Key, Keys, Store
 from service.api.problems import FORBIDDEN, NOT_READY
-from service.auth import may_scrape
 from service.errors import SandboxError, StoreUnavailable
-from service.jobs.notify import Listener
-from service.metrics import CONTENT_TYPE
-from service.replicas import Replicas
+from service.observability.metrics import CONTENT_TYPE
+from service.replicas.notify import Listener
+from service.replicas.registration import Replicas
 from service.sandbox.images import Images
 from service.settings import DEFAULT_IMAGE
+from service.tenancy import may_scrape
 
 router = APIRouter(route_class=ParsedOffLoop)
 

@@ -15,7 +15,6 @@ from fastapi.responses import FileResponse, Response, StreamingResponse
 from pydantic import BeforeValidator
 from sse_starlette import EventSourceResponse
 
-from service import stages
 from service.api.bodies import ParsedOffLoop
 from service.api.deps import AppSettings, Idempotency, Jobs, Key, Reads, Who
 from service.api.idempotent import KEY_DESCRIPTION, KEY_HEADER, claim_key, replay
@@ -26,20 +25,21 @@ from service.errors import InvalidField, RequestLimitError
 from service.files import DOWNLOAD_HEADERS
 from service.jobs.live import LiveJob, wait_for_end_or_client
 from service.limits import check_execute
+from service.observability import stages
 from service.output import OutputRange
-from service.sandbox.base import Stream
+from service.sandbox.backend import Stream
 from service.schemas import (
     ApprovalDecision,
     ClientAnswer,
     ExecuteRequest,
     JobList,
-    JobStatus,
+    JobStatusValue,
     JobSummary,
     JobView,
     JobViewSelection,
 )
 from service.store import IdempotencyRecord, InvalidCursor, JobQuery
-from service.views import CallsMode, Selection, select
+from service.views.render import CallsMode, Selection, select
 
 router = APIRouter(route_class=ParsedOffLoop)
 
@@ -172,17 +172,17 @@ async def job_answer(job_id: str, jobs: Jobs, who: Who, selection: Selection, jo
         JobNotFound: no such job (purged), or another owner's.
     """
     if job is None:
-        job = jobs.live(job_id, who)
+        job = jobs.views.live(job_id, who)
     if job is not None:
         await wait_for_end_or_client(job, job.limits.wait_s)  # a client call or an approval needs the caller
         stages.mark("end-seen")
         if not job.done.is_set():
-            return view_response(jobs.live_view(job, selection), 202, {"Location": f"/jobs/{job_id}"})
-    final = await jobs.final(job_id, who)  # saved as served
+            return view_response(jobs.views.live_view(job, selection), 202, {"Location": f"/jobs/{job_id}"})
+    final = await jobs.views.final(job_id, who)  # saved as served
     error = final.head.get("error") or {}
     if error.get("type") == "engine_unavailable":
         return ENGINE_UNAVAILABLE.response(str(error.get("message", "")), job_id=job_id)
-    answer = view_response(await jobs.ended_view(job_id, who, selection))
+    answer = view_response(await jobs.views.view(job_id, who, selection=selection))
     stages.mark("view-rendered")
     return answer
 
@@ -192,7 +192,7 @@ async def list_jobs(
     jobs: Jobs,
     who: Who,
     reads: Reads,
-    status: Annotated[list[JobStatus] | None, Query(description="Keep only these statuses.")] = None,
+    status: Annotated[list[JobStatusValue] | None, Query(description="Keep only these statuses.")] = None,
     created_after: Annotated[IsoDateTime | None, Query(description="ISO 8601; exclusive.")] = None,
     created_before: Annotated[IsoDateTime | None, Query(description="ISO 8601; exclusive.")] = None,
     cursor: Annotated[str | None, Query(description="next_cursor of the previous page.")] = None,
@@ -212,7 +212,7 @@ async def list_jobs(
     )
     release = reads.take(who.owner)
     try:
-        first = await jobs.page(query)
+        first = await jobs.views.page(query)
     except BaseException as exc:
         release()
         if isinstance(exc, InvalidCursor):
@@ -236,7 +236,7 @@ async def _job_list(
             sent += len(page)
         if cursor is None or sent >= limit:
             break
-        page, cursor = await jobs.page(replace(query, cursor=cursor, limit=min(LIST_BATCH, limit - sent)))
+        page, cursor = await jobs.views.page(replace(query, cursor=cursor, limit=min(LIST_BATCH, limit - sent)))
     yield b'],"next_cursor":' + orjson.dumps(cursor) + b"}"
 
 
@@ -257,7 +257,7 @@ async def get_job(
 ) -> Response:
     """The job's view: live while it runs, final after."""
     offsets: dict[Stream, int | None] = {"stdout": stdout_offset, "stderr": stderr_offset}
-    return view_response(await jobs.view(job_id, who, offsets, selection))
+    return view_response(await jobs.views.view(job_id, who, offsets, selection))
 
 
 @router.get(
@@ -280,7 +280,7 @@ async def get_output(
     length: Annotated[int, Query(ge=1, le=16 * 1024 * 1024)] = 1024 * 1024,
 ) -> Response:
     """Raw retained bytes of ``stdout`` or ``stderr`` from ``offset`` (``application/octet-stream``)."""
-    retained = await jobs.output_range(job_id, who, stream, offset, length)
+    retained = await jobs.views.output_range(job_id, who, stream, offset, length)
     return StreamingResponse(
         output_slices(retained),
         media_type="application/octet-stream",
@@ -302,7 +302,7 @@ async def get_output(
 async def get_output_file(job_id: str, path: str, jobs: Jobs, who: Who) -> Response:
     """An output file of the job (one its view lists in ``files``: what the script left in ``outputs/``), as it was
     collected when the script ended; kept as long as the job. 404 for an unknown job or path."""
-    host, entry = await jobs.output_file(job_id, who, path)
+    host, entry = await jobs.views.output_file(job_id, who, path)
     media_type = str(entry.get("content_type") or "application/octet-stream")
     headers = {"X-Content-SHA256": str(entry.get("sha256", "")), **DOWNLOAD_HEADERS}
     if isinstance(host, OutputRange):  # an ended job another replica ran: from the shared store, a slice at a time
@@ -328,7 +328,7 @@ async def wait_job(
         raise RequestLimitError(
             f"{timeout_s} exceeds the server maximum of {settings.max_wait_s}", ("query", "timeout_s")
         )
-    return view_response(await jobs.wait(job_id, who, timeout_s, selection))
+    return view_response(await jobs.views.wait(job_id, who, timeout_s, selection))
 
 
 @router.post("/jobs/{job_id}/calls/{call_id}", response_model=ViewAnswer, responses={404: {}, 409: {}, 422: {}})
@@ -407,18 +407,18 @@ async def job_events(
     after ``end``, 204.
     """
     if last_event_id_header:
-        start = await jobs.resume_point(job_id, who, last_event_id_header, ("header", "Last-Event-ID"))
+        start = await jobs.views.resume_point(job_id, who, last_event_id_header, ("header", "Last-Event-ID"))
     elif last_event_id:
-        start = await jobs.resume_point(job_id, who, last_event_id, ("query", "last_event_id"))
+        start = await jobs.views.resume_point(job_id, who, last_event_id, ("query", "last_event_id"))
     else:
         start = None
-        if jobs.live(job_id, who) is None:
-            await jobs.stored_view(job_id, who)  # 404 before the stream starts
+        if jobs.views.live(job_id, who) is None:
+            await jobs.views.stored_view(job_id, who)  # 404 before the stream starts
     if start is not None and start.ended:
         return Response(status_code=204)
 
     async def stream() -> AsyncIterator[bytes]:
-        async for event, data, event_id in jobs.events(job_id, who, selection, start):
+        async for event, data, event_id in jobs.views.events(job_id, who, selection, start):
             if event == "ping":
                 yield b": ping\r\n\r\n"
                 continue

@@ -142,7 +142,7 @@ async def put_session_file(
             ("body",),
             settings.max_files_bytes,
         )
-    written = await sessions.put_session_file(session_id, who, name, data)
+    written = await sessions.put_file(session_id, who, name, data)
     return Response(SessionFile.model_validate(written).model_dump_json().encode(), media_type="application/json")
 
 
@@ -164,7 +164,7 @@ async def get_session_file(session_id: str, path: str, sessions: Sessions, who: 
     name = _file_path(path, outputs=True)
     release = reads.take(who.owner)  # from the read in the sandbox to the last slice sent
     try:
-        spooled = await sessions.get_session_file(session_id, who, name)
+        spooled = await sessions.get_file(session_id, who, name)
     except BaseException:
         release()
         raise
@@ -177,5 +177,5 @@ async def get_session_file(session_id: str, path: str, sessions: Sessions, who: 
 async def list_session_files(session_id: str, sessions: Sessions, who: Who) -> Response:
     """What is under the session's /tmp (at most ``max_files_listed`` entries; folders are walked, symlinks and
     other non-regular entries listed with ``skipped``), at the session's turn."""
-    listed = await sessions.list_session_files(session_id, who)
+    listed = await sessions.list_files(session_id, who)
     return Response(SessionFileList.model_validate(listed).model_dump_json().encode(), media_type="application/json")

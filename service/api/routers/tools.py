@@ -30,5 +30,5 @@ async def toolsets(body: ManifestRequest, registry: Toolsets, who: Who, settings
     check_manifest_request(body, settings, key)
     if body.toolset is not None:
         raise InvalidField("POST /toolsets takes tools, not a toolset", ("body", "toolset"))
-    compiled = await registry.register_toolset(body.tools, body.mcp_servers, who.owner)
+    compiled = await registry.register(body.tools, body.mcp_servers, who.owner)
     return ToolsetView(toolset_id=compiled.toolset_id or "", tools=list(compiled.tools))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from service.errors import EngineUnavailable, SandboxError
-from service.sandbox.base import SandboxBackend, SandboxHandle, SandboxSpec, Stream, write_run_files
+from service.sandbox.backend import SandboxBackend, SandboxHandle, SandboxSpec, Stream, write_run_files
 from service.sandbox.docker import DockerBackend
 from service.sandbox.fake import RUNTIME_LABELS, FakeBackend
 from service.sandbox.labels import FEATURE_SESSION, LABEL_SANDBOX, features

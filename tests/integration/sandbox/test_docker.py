@@ -12,7 +12,7 @@ import docker
 import pytest
 
 from service.errors import SandboxError
-from service.sandbox.base import SandboxSpec, Stream
+from service.sandbox.backend import SandboxSpec, Stream
 from service.sandbox.docker import DockerBackend
 from tests.conftest import IMAGE
 

@@ -10,8 +10,8 @@ import pytest
 from fastapi import FastAPI
 
 from service.api import create_app
-from service.auth import hash_token
 from service.settings import Settings
+from service.tenancy import hash_token
 
 TOKEN = "unit-api-token-0123456789"
 

@@ -16,11 +16,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service import errors
 from service.api import problems
+from service.api.openapi import Problem
 from service.api.problems import RULES, TYPES, ProblemType, rule_for
 from service.egress import EgressDenied
 from service.errors import PtcError
-from service.metrics import Metrics
-from service.openapi import Problem
+from service.observability.metrics import Metrics
 from service.settings import Settings
 from tests.unit.test_docs_links import anchors
 
@@ -45,7 +45,7 @@ def subclasses(cls: type[Exception]) -> set[type[Exception]]:
 
 
 def test_every_error_class_is_mapped_or_declared_never_http() -> None:
-    for module in ("service.jobs", "service.sessions", "service.broker", "service.quotas", "service.store"):
+    for module in ("service.jobs", "service.sessions.manager", "service.broker", "service.quotas", "service.store"):
         __import__(module)  # every module that defines or raises service errors, so that all are subclassed
     for cls in subclasses(PtcError):
         if cls.__module__.startswith("service."):

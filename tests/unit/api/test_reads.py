@@ -25,11 +25,11 @@ from service.api import create_app
 from service.api.reads import ReadSlots, holding
 from service.api.responses import OUTPUT_SLICE_BYTES
 from service.api.routers import jobs as jobs_router
-from service.auth import hash_token
 from service.errors import QuotaExceeded
 from service.sandbox.fake import FakeBackend
 from service.schemas import JobSummary
 from service.settings import Settings
+from service.tenancy import hash_token
 
 ALICE, BOB = "alice-token-0123456789abcdef", "bob-token-0123456789abcdefgh"
 FILE_BYTES = 8 * 1024 * 1024

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi.responses import StreamingResponse
 
 from service.api.responses import WHOLE_BYTES, view_response
-from service.views import BATCH_BYTES
+from service.views.render import BATCH_BYTES
 
 
 def test_a_small_view_is_sent_whole_with_its_length() -> None:

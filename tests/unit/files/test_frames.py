@@ -15,7 +15,7 @@ from ptc_runtime.protocol import CONTROL_SOCKET, MAX_FRAME_BYTES
 
 from service.errors import FileRefused, NoSuchFile, SandboxError
 from service.files import OutputFiles
-from service.sandbox.base import ExitStatus, OutputSink, SandboxHandle, SandboxSpec
+from service.sandbox.backend import ExitStatus, OutputSink, SandboxHandle, SandboxSpec
 from service.sandbox.resident import ResidentSandbox
 from tests.unit.test_control_protocol import StandIn, spec
 

@@ -15,10 +15,10 @@ import httpx
 import pytest
 
 from service.api import create_app
-from service.auth import hash_token
 from service.sandbox.fake import FakeBackend
 from service.sandbox.labels import FEATURE_PRIVSEP, FEATURE_SESSION, LABEL_RUNTIME
 from service.settings import Settings
+from service.tenancy import hash_token
 
 ALICE, BOB = "alice-token-0123456789abcdef", "bob-token-0123456789abcdefgh"
 

@@ -11,22 +11,22 @@ from typing import Any, cast
 
 import pytest
 
-from service import views
 from service.broker import CallMemory
 from service.jobs.admission import Admission
 from service.jobs.events import Events
-from service.jobs.live import LiveJob, resolve_limits
+from service.jobs.live import LiveJob, LiveJobs, resolve_limits
 from service.jobs.placement import Sandboxes
 from service.jobs.runner import Runner
 from service.jobs.tasks import Tasks
 from service.output import OutputLog
 from service.quotas import HostCapacity, Quotas, Slots
-from service.replicas import Replicas
+from service.replicas.registration import Replicas
 from service.schemas import ExecuteRequest
 from service.settings import Settings
 from service.store import Incarnation, StoredJob
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.validation import CheckScheduler
+from service.views import render
 
 
 class StoreDown(OSError):
@@ -90,7 +90,7 @@ class Parts:
     admission: Admission
     events: Events
     tasks: Tasks
-    live: dict[str, LiveJob]
+    live: LiveJobs
     runner: Runner
     new_job: Callable[[str], LiveJob]
 
@@ -104,7 +104,7 @@ def parts(tmp_path: Path) -> Parts:
     sessions_queued: list[int] = [0]
     admission = Admission(settings, quotas, Slots(settings.concurrency()), lambda: sessions_queued[0])
     events, tasks = Events(), Tasks()
-    live: dict[str, LiveJob] = {}
+    live = LiveJobs()
     sandboxes = Sandboxes(
         cast(Any, None), cast(Any, None), capacity, admission, cast(Any, None), tmp_path / "jobs", {}, set()
     )
@@ -117,7 +117,7 @@ def parts(tmp_path: Path) -> Parts:
         CallMemory(1 << 20, 1 << 20),
         CheckScheduler(1, 5.0),
         live,
-        views.ViewCache(1 << 20),
+        render.ViewCache(1 << 20),
         tasks,
         "test",
         Replicas.adopted(settings, cast(Any, store), Incarnation("test", 1)),
@@ -142,7 +142,7 @@ def parts(tmp_path: Path) -> Parts:
             stderr=OutputLog(folder / "stderr", limits.output_bytes, 1 << 20, budget),
             loop=asyncio.get_running_loop(),
         )
-        live[job.id] = job
+        live.add(job)
         return job
 
     return Parts(settings, store, quotas, admission, events, tasks, live, runner, new_job)

@@ -31,7 +31,11 @@ def test_the_model_imports_nothing_of_the_service() -> None:
 
 @pytest.mark.parametrize("module", ["runner", "placement", "admission"])
 def test_the_run_path_imports_neither_metrics_nor_logs(module: str) -> None:
-    assert not {name for name in imported(module) if name.startswith(("service.metrics", "service.logs"))}
+    assert not {
+        name
+        for name in imported(module)
+        if name.startswith(("service.observability.metrics", "service.observability.logs"))
+    }
 
 
 def test_every_module_of_the_package_is_small() -> None:

@@ -14,9 +14,9 @@ from service.jobs.model import (
     LIVE,
     TRANSITIONS,
     ErrorType,
+    Failure,
     IllegalTransition,
     Job,
-    JobError,
     JobStatus,
     end_of_run,
     session_closed,
@@ -37,7 +37,7 @@ PAIRS = list(itertools.product(JobStatus, JobStatus))
 
 
 def test_statuses_are_the_strings_the_api_and_store_use() -> None:
-    assert [s.value for s in JobStatus] == list(get_args(schemas.JobStatus))
+    assert [s.value for s in JobStatus] == list(get_args(schemas.JobStatusValue))
     assert LIVE == {S.QUEUED, S.RUNNING, S.WAITING} and FINAL == set(JobStatus) - LIVE
     assert S.OOM_KILLED.value == "oom_killed" and str(S.TIMED_OUT) == "timed_out" and f"{S.LOST}" == "lost"
 
@@ -73,8 +73,8 @@ def test_end_sets_a_final_status_and_its_error_only() -> None:
 
 
 def test_errors_render_as_the_view_gave_them() -> None:
-    assert JobError(ErrorType.OOM, "m").as_dict() == {"type": "oom", "message": "m"}
-    assert JobError("x", "m", "h").as_dict() == {"type": "x", "message": "m", "hint": "h"}
+    assert Failure(ErrorType.OOM, "m").as_dict() == {"type": "oom", "message": "m"}
+    assert Failure("x", "m", "h").as_dict() == {"type": "x", "message": "m", "hint": "h"}
     assert stopped_before_start("why").as_dict() == {"type": "stopped", "message": "why"}
     assert (
         session_closed("expired", before_turn=True).message == "the session ended (expired) before this script's turn"

@@ -14,7 +14,6 @@ from typing import Any, cast
 import orjson
 import pytest
 
-from service import views
 from service.errors import WorkDirBusy
 from service.jobs.events import Events
 from service.jobs.live import OWNER_FILE, RECORDS_FILE, stored_job
@@ -24,7 +23,8 @@ from service.quotas import HostCapacity, Quotas
 from service.sandbox.folders import SandboxFolders
 from service.settings import Settings
 from service.store import StoredJob
-from service.views import render_head
+from service.views import render
+from service.views.render import render_head
 from tests.unit.jobs.conftest import Parts
 
 
@@ -69,7 +69,7 @@ def recovery(work_dir: Path, store: Store | None = None, quotas: Quotas | None =
         SandboxFolders(work_dir / "run", 0),
         quotas or Quotas(settings, HostCapacity(1024, 1)),
         Events(),
-        views.ViewCache(1 << 20),
+        render.ViewCache(1 << 20),
         {},
         "test",
     )
@@ -135,7 +135,7 @@ async def test_a_job_marked_lost_keeps_its_calls_in_arrival_order(tmp_path: Path
     view = job.view_dict()
     job.stdout.close()
     job.stderr.close()
-    encoded = await views.encode(render_head(view), views.snapshot(view["calls"]))
+    encoded = await render.encode(render_head(view), render.snapshot(view["calls"]))
     store = Store([stored_job(encoded.head, 3, encoded.body, "test")])
     work_dir = tmp_path / "work"
     work_dir.mkdir()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from service.errors import SandboxError
-from service.sandbox.base import SandboxSpec, Stream, write_run_files
+from service.sandbox.backend import SandboxSpec, Stream, write_run_files
 from service.sandbox.fake import FakeBackend
 from service.sandbox.resident import ResidentSandbox
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from service.sandbox import pool as pool_module
-from service.sandbox.base import SandboxHandle, SandboxSpec
+from service.sandbox.backend import SandboxHandle, SandboxSpec
 from service.sandbox.fake import RUNTIME_LABELS, FakeBackend
 from service.sandbox.pool import WarmPools
 

@@ -154,7 +154,7 @@ async def test_postgresql_migrations_make_the_tables_the_store_queries(postgres_
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
 
-    from service.store.schema import metadata
+    from service.store.tables import metadata
 
     store = PostgresJobStore(postgres_url)
     await store.open()

@@ -17,10 +17,10 @@ import pytest
 from fastapi import FastAPI
 
 from service.api import create_app
-from service.auth import hash_token
 from service.idempotency import Claim, IdempotencyKeys
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
+from service.tenancy import hash_token
 
 TOKENS = {"alice": "alice-token-0123456789abcdef", "bob": "bob-token-0123456789abcdef0"}
 PROBLEMS = "tag:ptc-sandbox.dev,2026:problems/"
@@ -241,7 +241,7 @@ async def test_a_purged_job_frees_its_key(work_dir: Path) -> None:
     async with service(work_dir, job_retention_s=0.001) as api:
         first = (await api["alice"].post("/execute", json={"script": script}, headers=key("k"))).json()
         await asyncio.sleep(0.01)
-        assert await api.app.state.jobs.purge_expired() == 1  # what the purge loop does after the retention
+        assert await api.app.state.jobs.recovery.purge_expired() == 1  # what the purge loop does after the retention
         second = await api["alice"].post("/execute", json={"script": script}, headers=key("k"))
         assert second.status_code == 200
         assert "idempotent-replayed" not in second.headers

@@ -10,8 +10,8 @@ from fastapi import FastAPI
 
 from service.api.deps import job_service
 from service.api.problems import LIMIT_EXCEEDED
-from service.auth import Caller
-from service.views import FULL, Selection
+from service.tenancy import Caller
+from service.views.render import FULL, Selection
 
 
 @pytest.mark.parametrize(
@@ -27,11 +27,13 @@ async def test_a_date_outside_utc_names_its_own_parameter(client: httpx.AsyncCli
 
 
 class FakeJobs:
-    """Stands for the job service (``deps.job_service``): records what the routes ask."""
+    """Stands for the job service (``deps.job_service``) and its reading part (``views``): records what the routes
+    ask."""
 
     def __init__(self) -> None:
         self.asked: list[tuple[Any, ...]] = []
         self.selections: list[Selection] = []
+        self.views = self
 
     async def view(
         self, job_id: str, caller: Caller, offsets: dict[str, int | None], selection: Selection = FULL

@@ -23,10 +23,11 @@ from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CallToolResult, TextContent, TextResourceContents
 
-from service.api import create_app, mcp_front
-from service.auth import hash_token
+from service.api import create_app
+from service.mcp import front as mcp_front
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
+from service.tenancy import hash_token
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789"}
 TOOLS = [
@@ -193,7 +194,7 @@ def test_cli_mcp_needs_a_url(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
 async def test_stdio_front_refuses_ids_that_are_not_one_path_segment(job_id: str) -> None:
     from mcp.server.mcpserver.exceptions import ToolError
 
-    from service.mcp_stdio import OverHttp
+    from service.mcp.stdio import OverHttp
 
     def refuse(request: httpx.Request) -> httpx.Response:
         raise AssertionError(f"no request may be sent: {request.url}")
@@ -235,7 +236,7 @@ async def test_a_costly_message_is_refused_before_the_sdk_parses_it_on_the_loop(
 
     async with service() as app, http(app, TOKENS["alice"]) as client:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("service.api.mcp_front.parse_body", spy)
+            patch.setattr("service.mcp.front.parse_body", spy)
             response = await client.post("/mcp", content=_get_job_message(pad), headers=MCP_HEADERS)
         assert response.status_code == 422, response.text
         assert response.headers["content-type"] == "application/problem+json"
@@ -336,7 +337,7 @@ async def test_a_message_that_is_not_sent_as_json_is_a_problem(content_type: str
 
 
 async def test_the_call_lines_of_an_answer_are_capped() -> None:
-    from service.mcp_tools import MAX_CALL_LINES
+    from service.mcp.server import MAX_CALL_LINES
 
     # before: one line per call, up to PTC_MAX_TOOL_CALLS (10,000: 250 KB of lines, twice, in one tool result)
     script = f"import tools\nfor i in range({MAX_CALL_LINES + 50}):\n    tools.echo(text='x')\nprint('done')\n"

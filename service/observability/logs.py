@@ -35,7 +35,7 @@ does appear), header values and secrets. With ``PTC_LOG_LEVEL=debug`` the
 (endpoint headers, the callback secret) never appear at any level. Requests
 of ``/healthz``, ``/readyz`` and ``/metrics`` are logged at debug level only.
 
-With traces on (``service.telemetry``), a line written inside a traced request has ``trace_id``, and every
+With traces on (``service.observability.telemetry``), a line written inside a traced request has ``trace_id``, and every
 ``job`` event its job's ``trace_id`` (32 hex digits).
 
 ``key`` is the name of the API key that made the request: whoever checks keys
@@ -58,8 +58,8 @@ import orjson
 from starlette.requests import Request
 from starlette.types import Scope
 
-from service import telemetry
 from service.jobs.model import FINAL
+from service.observability import telemetry
 
 if TYPE_CHECKING:
     from service.jobs.live import LiveJob
@@ -265,6 +265,11 @@ def sandbox(name: str, job_id: str | None, sandbox_id: str | None, seconds: floa
     timing = "start_ms" if name == "sandbox_start" else "stop_ms"
     ident = sandbox_id[:12] if sandbox_id else None
     event(name, **{"job_id": job_id, "sandbox_id": ident, **fields, timing: round(seconds * 1000, 3)})
+
+
+def sandbox_stopped(job_id: str | None, sandbox_id: str, seconds: float, folder: str, reason: str | None) -> None:
+    """The ``sandbox_stop`` event of a removed sandbox (``service.sandbox.ports.StopHook``)."""
+    sandbox("sandbox_stop", job_id, sandbox_id, seconds, folder=folder, reason=reason)
 
 
 def _ms(start: datetime | None, end: datetime | None) -> float | None:

@@ -1,5 +1,5 @@
 """The MCP server front of the service: ``/mcp`` over Streamable HTTP (stateless, JSON answers), behind the
-same ``BearerAuth`` as every route. Its tools (``mcp_tools``) run in-process on the app's job service as the
+same ``BearerAuth`` as every route. Its tools (``mcp.tools``) run in-process on the app's job service as the
 request's API key: a job created through MCP belongs to that key, and another key's jobs are not found.
 
 ``mount(app)`` adds the route (outside the OpenAPI document); ``lifespan(app)`` runs the MCP session manager
@@ -35,17 +35,17 @@ from service.api.problems import (
     UNAUTHORIZED,
     rule_for,
 )
-from service.auth import Caller, caller
+from service.composition import JobManager
 from service.errors import OwnerElsewhere, PtcError
-from service.jobs import JobManager
 from service.jobs.live import wait_for_end_or_client
-from service.jobs.remote import Remote
 from service.limits import check_execute
-from service.mcp_tools import OperationFailed, build_server
+from service.mcp.server import OperationFailed, build_server
+from service.replicas.remote import Remote
 from service.schemas import ExecuteRequest
 from service.settings import Settings
+from service.tenancy import Caller, caller
 from service.toolkit.validation import CheckScheduler
-from service.views import Body, select
+from service.views.render import Body, select
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class InProcess:
             check_execute(body, self._settings, key)
             job = await self._jobs.submit(body, who.owner, admin=who.admin)
             await wait_for_end_or_client(job, job.limits.wait_s)
-            return await _json(await self._jobs.view(job.id, who, selection=SUMMARY))
+            return await _json(await self._jobs.views.view(job.id, who, selection=SUMMARY))
 
         return await self._guard(run)
 
@@ -164,7 +164,7 @@ class InProcess:
         who, key = self._who(ctx)
         quoted = quote(job_id, safe="")
         return await self._relayed(
-            key, lambda: self._jobs.view(job_id, who, selection=SUMMARY), "GET", f"/jobs/{quoted}?"
+            key, lambda: self._jobs.views.view(job_id, who, selection=SUMMARY), "GET", f"/jobs/{quoted}?"
         )
 
     async def wait(self, ctx: Context[Any, Any], job_id: str, timeout_s: float | None) -> dict[str, Any]:
@@ -177,7 +177,7 @@ class InProcess:
         quoted = quote(job_id, safe="")
         # wait waits here (notifications); a job still running elsewhere then gets its live view: one GET
         return await self._relayed(
-            key, lambda: self._jobs.wait(job_id, who, seconds, SUMMARY), "GET", f"/jobs/{quoted}?"
+            key, lambda: self._jobs.views.wait(job_id, who, seconds, SUMMARY), "GET", f"/jobs/{quoted}?"
         )
 
     async def stop(self, ctx: Context[Any, Any], job_id: str) -> dict[str, Any]:
@@ -191,7 +191,7 @@ class InProcess:
         who, _ = self._who(ctx)
 
         async def module() -> str:
-            compiled = await self._jobs.manifest([], toolset, who)
+            compiled = await self._jobs.toolsets.manifest([], toolset, who)
             return compiled.stub_source
 
         return await self._guard(module)

@@ -1,4 +1,4 @@
-"""Resumable events without an engine: the event id (``service.jobs.resume``) and reconnecting after any event of a
+"""Resumable events without an engine: the event id (``service.views.resume``) and reconnecting after any event of a
 job's stream, mid-job and after its end, on the whole service with the fake backend. Whatever the cut, the
 output received concatenates to the job's output byte for byte, each call arrives once (they end out of order
 here: client-executed calls answered in another order), and a status is sent again only if it changed."""
@@ -22,15 +22,15 @@ import pytest
 from fastapi import FastAPI
 
 from service.api import create_app
-from service.auth import IMPLICIT_OWNER, Caller
+from service.composition import JobManager
 from service.errors import JobNotFound
-from service.jobs import JobManager
-from service.jobs import views as job_views
-from service.jobs.resume import InvalidPosition, Position, parse
 from service.sandbox.fake import FakeBackend
 from service.schemas import ExecuteRequest
 from service.settings import Settings
-from service.views import BATCH_BYTES, FULL
+from service.tenancy import IMPLICIT_OWNER, Caller
+from service.views import read as job_views
+from service.views.render import BATCH_BYTES, FULL
+from service.views.resume import InvalidPosition, Position, parse
 from tests.unit.test_view_modes import ARG, RESULT, SCRIPT, TOOLS, fake_service, parse_sse, run_job, wait_for_pending
 
 ANYONE = Caller(IMPLICIT_OWNER)
@@ -122,8 +122,8 @@ async def test_reconnecting_mid_job_resumes_right_after_the_last_event(app: Fast
     received: list[tuple[str, Any, str]] = []
 
     async def follow(until: Any, last_id: str | None) -> None:
-        start = await jobs.resume_point(job_id, ANYONE, last_id, ("header",)) if last_id else None
-        stream = cast(AsyncGenerator[tuple[str, Any, str]], jobs.events(job_id, ANYONE, FULL, start))
+        start = await jobs.views.resume_point(job_id, ANYONE, last_id, ("header",)) if last_id else None
+        stream = cast(AsyncGenerator[tuple[str, Any, str]], jobs.views.events(job_id, ANYONE, FULL, start))
         try:
             async for event in stream:
                 received.append(event)
@@ -201,16 +201,16 @@ async def test_another_owners_job_is_not_found_whatever_the_event_id(app: FastAP
     jobs: JobManager = app.state.jobs
     job_id = (await client.post("/execute", json={"script": "print(1)"})).json()["job_id"]
     token = Position(stdout=2).token(job_id)
-    assert (await jobs.resume_point(job_id, ANYONE, token, ("header",))).stdout == 2
+    assert (await jobs.views.resume_point(job_id, ANYONE, token, ("header",))).stdout == 2
     with pytest.raises(JobNotFound):
-        await jobs.resume_point(job_id, Caller("mallory"), token, ("header",))
+        await jobs.views.resume_point(job_id, Caller("mallory"), token, ("header",))
     with pytest.raises(JobNotFound):
-        await jobs.resume_point(job_id, Caller("mallory"), "garbage", ("header",))
+        await jobs.views.resume_point(job_id, Caller("mallory"), "garbage", ("header",))
 
 
 def _lines_in_resume(action: Any) -> int:
-    """Python lines ``action()`` runs in ``service/jobs/resume.py`` (a cost that does not depend on the machine)."""
-    from service.jobs import resume
+    """Python lines ``action()`` runs in ``service/views/resume.py`` (a cost that does not depend on the machine)."""
+    from service.views import resume
 
     count = 0
 
@@ -280,14 +280,14 @@ async def test_a_follower_that_stops_reading_in_an_end_event_holds_up_no_other()
             ids: dict[str, list[str]] = {}
             for who in (alice, bob, alice):
                 job = await jobs.submit(request, who.owner)
-                await jobs.wait(job.id, who, 30)
+                await jobs.views.wait(job.id, who, 30)
                 ids.setdefault(who.owner, []).append(job.id)
-            stuck = cast(AsyncGenerator[tuple[str, Any, str]], jobs.events(ids["alice"][0], alice))
+            stuck = cast(AsyncGenerator[tuple[str, Any, str]], jobs.views.events(ids["alice"][0], alice))
             try:
                 while (await anext(stuck))[0] != "end":  # alice's client stops reading in the end event
                     pass
                 for who, job_id in ((bob, ids["bob"][0]), (alice, ids["alice"][1])):
-                    events = await asyncio.wait_for(_all(jobs.events(job_id, who)), 30)
+                    events = await asyncio.wait_for(_all(jobs.views.events(job_id, who)), 30)
                     assert events[-1][0] == "end" and b"x" * 3000 in events[-1][1]
             finally:
                 await stuck.aclose()
@@ -327,7 +327,7 @@ await first
     answer = await client.post("/execute", json={"script": script, "tools": TOOLS, "wait_s": 0})
     job_id = answer.json()["job_id"]
     received: list[tuple[str, Any, str]] = []
-    async for event in jobs.events(job_id, ANYONE):
+    async for event in jobs.views.events(job_id, ANYONE):
         received.append(event)
         if event[0] == "call" and sum(e == "call" for e, _, _ in received) == count:  # every echo; the ask waits
             (pending,) = await wait_for_pending(client, job_id, 1)
@@ -446,7 +446,7 @@ while not answer.done():
                 received: list[str] = []
 
                 async def follow() -> None:
-                    async for event, _, _ in jobs.events(job_id, ANYONE):
+                    async for event, _, _ in jobs.views.events(job_id, ANYONE):
                         received.append(event)
                         if event == "ping" and received.count("ping") == 1:
                             await c.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": 1})

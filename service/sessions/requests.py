@@ -1,7 +1,7 @@
 """Sessions as the job service offers them: creating one (limits, runtime, manifest, quotas, room on the host),
 reading and ending them, and stopping a session's running script when it ends.
 
-The sessions resource itself (owners, expiry, the resident sandbox) is ``service.sessions``.
+The sessions resource itself (owners, expiry, the resident sandbox) is ``service.sessions.manager``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from service.auth import Caller
 from service.errors import (
     FileRefused,
     InvalidField,
@@ -28,19 +27,20 @@ from service.errors import (
     StoreUnavailable,
 )
 from service.jobs.admission import Admission, find_session
-from service.jobs.live import SANDBOX_LIMITS, LiveJob, resolve_limits
-from service.jobs.notify import Elsewhere
+from service.jobs.live import SANDBOX_LIMITS, LiveJobs, resolve_limits
 from service.jobs.placement import Sandboxes
 from service.jobs.runner import Runner
 from service.output import OutputRange
-from service.replicas import Replicas
-from service.sandbox.images import Images
+from service.replicas.notify import Elsewhere
+from service.replicas.registration import Replicas
+from service.sandbox.images import Images, image_name
 from service.sandbox.labels import LABEL_SESSION
 from service.sandbox.spec import sandbox_spec
 from service.schemas import ExecuteRequest, SessionRequest, SessionView
-from service.sessions import Session, SessionManager
+from service.sessions.manager import Session, SessionManager
 from service.settings import Settings
 from service.store import StoredSession
+from service.tenancy import Caller
 from service.toolsets import Toolsets
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class SessionJobs:
         admission: Admission,
         toolsets: Toolsets,
         runner: Runner,
-        live: dict[str, LiveJob],
+        live: LiveJobs,
         replicas: Replicas | None = None,
         elsewhere: Elsewhere | None = None,
     ) -> None:
@@ -103,7 +103,7 @@ class SessionJobs:
                 could not start.
         """
         settings = self._settings
-        image = settings.image_name(request.image)
+        image = image_name(settings, request.image)
         limits = resolve_limits(ExecuteRequest(script="", limits=request.limits, image=image), settings)
         lifetimes = {}
         for name, value, default in (

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from service.errors import SessionClosed, SessionNotFound, TooManySessions
-from service.sandbox.base import SandboxBackend, SandboxSpec
+from service.sandbox.backend import SandboxBackend, SandboxSpec
+from service.sandbox.ports import StopHook
 from service.sandbox.resident import ResidentSandbox
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,7 @@ class SessionManager:
         before_end: awaited when a session ends, after it is marked ended and before its sandbox is removed
             (the job manager stops its running script there).
         on_count: called with the number of live sessions whenever it changes (for the ``ptc_sessions`` gauge).
+        on_stop: told of each session sandbox removed (the ``sandbox_stop`` log event).
     """
 
     def __init__(
@@ -132,8 +134,10 @@ class SessionManager:
         max_sessions: int,
         before_end: Callable[[Session], Awaitable[None]],
         on_count: Callable[[int], None] = lambda _n: None,
+        on_stop: StopHook | None = None,
     ) -> None:
         self._backend = backend
+        self._on_stop = on_stop
         self._before_end = before_end
         self._folder = folder
         self._max = max_sessions
@@ -184,7 +188,7 @@ class SessionManager:
         try:
             session_id = "ses_" + secrets.token_hex(12)
             sandbox = ResidentSandbox(
-                self._backend, SandboxSpec(**{**spec.__dict__, "job_dir": self._folder / session_id})
+                self._backend, SandboxSpec(**{**spec.__dict__, "job_dir": self._folder / session_id}), self._on_stop
             )
             await sandbox.start()
         finally:

@@ -1,4 +1,4 @@
-"""The peers' client: a request relayed to the replica that owns its job or session, signed (``service.internal``),
+"""The peers' client: a request relayed to the replica that owns its job or session, signed (``replicas.internal``),
 its answer streamed back (docs/scaling.md, Internal calls; issue 17, step 3).
 
 One ``httpx.AsyncClient`` for every peer: connect within ``CONNECT_S``, no read timeout (a relayed ``wait`` or
@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 import httpx
 import orjson
 
-from service import internal
 from service.errors import OwnerElsewhere, QuotaExceeded
+from service.replicas import internal
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -19,7 +19,7 @@ before sweeping it.
 from __future__ import annotations
 
 from service.errors import InstanceIdInUse
-from service.sandbox.base import SandboxBackend
+from service.sandbox.backend import SandboxBackend
 from service.sandbox.labels import instance_labels
 from service.store import JobStore
 

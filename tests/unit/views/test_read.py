@@ -8,24 +8,24 @@ from typing import Any, cast
 
 import orjson
 
-from service import views
-from service.auth import Caller
 from service.jobs.live import stored_job
 from service.jobs.model import JobStatus
-from service.jobs.views import JobViews
-from service.views import render_head
+from service.tenancy import Caller
+from service.views import render
+from service.views.read import JobViews
+from service.views.render import render_head
 from tests.unit.jobs.conftest import Parts
 
 
 async def test_late_follower_of_a_job_whose_final_save_failed(parts: Parts) -> None:
     job = parts.new_job("alice")
     job.move(JobStatus.RUNNING)
-    encoded = await views.encode(render_head(job.view_dict()), [])
+    encoded = await render.encode(render_head(job.view_dict()), [])
     await parts.store.jobs.put(stored_job(encoded.head, 0, encoded.body, "test"))  # its last successful save
-    parts.live.pop(job.id)  # it ended (its cleanup closed its output files); its final save failed
+    parts.live.remove(job.id)  # it ended (its cleanup closed its output files); its final save failed
     job.stdout.close()
     job.stderr.close()
-    job_views = JobViews(cast(Any, parts.store), parts.live, job.output_dir.parent, views.ViewCache(1 << 20))
+    job_views = JobViews(cast(Any, parts.store), parts.live, job.output_dir.parent, render.ViewCache(1 << 20))
 
     async def follow() -> list[tuple[str, Any]]:
         return [(event, data) async for event, data, _ in job_views.events(job.id, Caller("alice"))]
@@ -59,17 +59,17 @@ async def test_summaries_are_made_once_beside_the_encoded_view(parts: Parts) -> 
         for seq in (1, 2)
     ]
     head = render_head(job.view_dict())
-    first = await views.encode(head, views.snapshot(job.calls))
-    assert first.summaries == [views.summary_record(record) for record in job.calls]
+    first = await render.encode(head, render.snapshot(job.calls))
+    assert first.summaries == [render.summary_record(record) for record in job.calls]
     assert all(b"ARGS" not in s and b"RESULT" not in s for s in first.summaries)
-    assert first.head_bytes() == head and first.head_end == views.head_end(first.body, first.spans)
+    assert first.head_bytes() == head and first.head_end == render.head_end(first.body, first.spans)
     scanned: list[bytes] = []
-    views.scan(first.body, scanned)
+    render.scan(first.body, scanned)
     assert scanned == first.summaries
-    kept = await views.encode(head, list(first.records()), first.summaries)
+    kept = await render.encode(head, list(first.records()), first.summaries)
     assert kept.body == first.body and kept.summaries == first.summaries
-    bare = await views.encode(head, list(first.records()))
+    bare = await render.encode(head, list(first.records()))
     assert bare.summaries is None
-    job_views = JobViews(cast(Any, parts.store), parts.live, job.output_dir.parent, views.ViewCache(1 << 20))
+    job_views = JobViews(cast(Any, parts.store), parts.live, job.output_dir.parent, render.ViewCache(1 << 20))
     assert await job_views.summaries(bare) == first.summaries
     assert bare.summaries == first.summaries  # kept beside it from now on

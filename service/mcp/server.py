@@ -1,5 +1,5 @@
-"""The MCP server's tools, shared by its two fronts: ``/mcp`` in the service (``api.mcp_front``, jobs run
-in-process as the request's API key) and ``ptc-sandbox mcp`` over stdio (``mcp_stdio``, forwarding to a running
+"""The MCP server's tools, shared by its two fronts: ``/mcp`` in the service (``mcp.front``, jobs run
+in-process as the request's API key) and ``ptc-sandbox mcp`` over stdio (``mcp.stdio``, forwarding to a running
 service over HTTP).
 
 Tools: ``execute`` (run a script against a toolset; answers stdout, status, error and a compact call summary),

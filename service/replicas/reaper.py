@@ -9,7 +9,7 @@ live replica of a shared store:
    (``SessionRecords.orphan_holders``);
 2. **ends its orphans**, ``ORPHAN_BATCH`` at a time: unended jobs whose incarnation is not live or draining
    (``JobRecords.orphans``) are saved ``lost`` with the error type ``replica_lost``, their pending calls cancelled,
-   their output and call records as of their owner's last progress save (``service.jobs.progress``): the
+   their output and call records as of their owner's last progress save (``service.replicas.progress``): the
    chunks are joined into the job's ``stdout``/``stderr`` blobs, served by every replica as an ended job's.
    ``JobRecords.save_lost`` writes only an unended row (``NOTIFY <job_id> ended``): of two reapers racing, or of an
    owner saving its end while a survivor marks it, exactly one write counts, and only that replica publishes
@@ -28,17 +28,19 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 
-from service import exactjson, logs, views
+from service import exactjson
 from service.errors import StoreUnavailable
 from service.jobs.events import Events, JobLost
 from service.jobs.live import SLICE_BYTES, STREAMS, ms, now, stored_job
-from service.jobs.model import ErrorType, JobError, JobStatus
-from service.jobs.progress import chunk_name, chunk_start
-from service.metrics import Metrics
+from service.jobs.model import ErrorType, Failure, JobStatus
+from service.observability import logs
+from service.observability.metrics import Metrics
 from service.output import CappedStream
-from service.replicas import Replicas
+from service.replicas.progress import chunk_name, chunk_start
+from service.replicas.registration import Replicas
 from service.store import Incarnation, JobStore, StoredJob
-from service.views import render_head
+from service.views import render
+from service.views.render import render_head
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ Replay = Callable[[str, CappedStream, int], Awaitable[int]]
 ``inline`` and returns how many it found."""
 
 
-async def lost_row(stored: StoredJob, error: JobError, cancelled: str, replay: Replay, limit: int) -> StoredJob:
+async def lost_row(stored: StoredJob, error: Failure, cancelled: str, replay: Replay, limit: int) -> StoredJob:
     """The ended ``lost`` row of an unfinished job: ``error``, its pending calls ended ``cancelled`` (a message),
     its inline output and byte counts from ``replay`` (at most ``limit`` bytes a stream, the retention)."""
     view = exactjson.loads(stored.view)  # its records may hold integers past 64 bits
@@ -75,7 +77,7 @@ async def lost_row(stored: StoredJob, error: JobError, cancelled: str, replay: R
             }
         )
     calls = [  # in arrival order, as every view keeps them: a record's seq tells its place
-        {**c, "status": "error", "error": JobError(ErrorType.CANCELLED, cancelled).as_dict()}
+        {**c, "status": "error", "error": Failure(ErrorType.CANCELLED, cancelled).as_dict()}
         if c["status"] == "pending"
         else c
         for c in view["calls"]
@@ -91,7 +93,7 @@ async def lost_row(stored: StoredJob, error: JobError, cancelled: str, replay: R
         calls_by_status=dict(Counter(c["status"] for c in calls)),  # its pending calls ended
         pending_calls=[],
     )
-    body = b"".join([part async for part in views.stream(render_head(view), [], view["calls"])])
+    body = b"".join([part async for part in render.stream(render_head(view), [], view["calls"])])
     return dataclasses.replace(
         stored_job(view, len(view["calls"]), body, stored.instance_id), instance_epoch=stored.instance_epoch
     )
@@ -205,7 +207,7 @@ class Reaper:
 
         row = await lost_row(
             stored,
-            JobError(
+            Failure(
                 ErrorType.REPLICA_LOST,
                 f"replica {stored.instance_id} stopped renewing its lease while the job was {stored.status}; its "
                 "output and calls are as of their last progress save",

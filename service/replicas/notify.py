@@ -28,11 +28,11 @@ from collections.abc import Callable, Iterator
 import psycopg
 import sqlalchemy as sa
 
-from service.auth import Caller
 from service.errors import JobNotFound, OwnerElsewhere, OwnerUnavailable
-from service.replicas import Replicas
+from service.replicas.registration import Replicas
 from service.store import JobStore, StoredJob
 from service.store.pg_db import CALLBACKS_CHANNEL, JOBS_CHANNEL, KEYS_CHANNEL, REPLICAS_CHANNEL
+from service.tenancy import Caller
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 from mcp.server.mcpserver import Context
 
-from service.mcp_tools import OperationFailed, build_server
+from service.mcp.server import OperationFailed, build_server
 
 JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 SUMMARY = {"calls": "summary"}  # call records without arguments or results

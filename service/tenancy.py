@@ -1,36 +1,24 @@
-"""Authentication: API keys as bearer tokens, checked in constant time by an ASGI middleware.
+"""API keys: their hashes, the key ring that tells which key a token is, and the ``Caller`` a request acts as.
 
 Keys are configured by their SHA-256 (``PTC_API_KEYS`` = ``name:hex,name:hex``,
 and/or ``PTC_API_KEYS_FILE`` with one ``name:hex`` per line), never by the token
 itself: the service's environment and config hold nothing that would let a
 reader call it. ``ptc-sandbox hash-key NAME`` makes the entry for a token.
-
-A request carries ``Authorization: Bearer <token>``. Its SHA-256 is compared
-with every configured hash by ``hmac.compare_digest`` — all of them, whether or
-not one matched already — so the time taken does not depend on which key, or
-which byte of it, matched. The key's name is put on ``request.state.key_name``
-(None on open paths and when authentication is disabled) for logs and metrics.
-
-Every path needs a key except ``/healthz``, ``/readyz``, with
-``PTC_METRICS_AUTH=open`` ``/metrics``, and the API documents (``/openapi.json``,
-``/docs``, ``/redoc`` and their assets: ``api.routers.docs.OPEN_PATHS``, which
-the app adds; they describe the code, not any tenant's data); that includes
-unknown paths (a caller without a key learns nothing of which exist).
-A missing or wrong key gets ``401`` problem+json with ``WWW-Authenticate: Bearer``
-before the body is read. With ``PTC_METRICS_AUTH=required``, ``/metrics`` (which
-names every tenant's tools and counts everyone's jobs) answers only keys that
-``may_scrape``: the admin role and the keys named in ``PTC_METRICS_KEYS``; any
-other key gets ``403``.
-
-``PTC_AUTH=disabled`` turns all of this off, for development: it is logged as a
-warning at start-up, and refused (``InsecureConfig``) when ``PTC_HOST`` is not a
-loopback address unless ``PTC_AUTH_FORCE_INSECURE=true``.
+A token is identified by comparing its SHA-256 with every configured hash by
+``hmac.compare_digest`` — all of them, whether or not one matched already — so
+the time taken does not depend on which key, or which byte of it, matched.
 
 Owners: every job, session and toolset belongs to the key name that created it
 (``IMPLICIT_OWNER`` when authentication is disabled); a request acts only on what
 its ``Caller`` owns, except for the keys named in ``PTC_ADMIN_KEYS`` (the admin
 role), which act on everything. With authentication disabled there is one
 implicit owner, and it has the admin role (it sees what keys created before too).
+
+``PTC_AUTH=disabled`` turns keys off, for development: ``configure`` logs it as a
+warning, and refuses it (``InsecureConfig``) when ``PTC_HOST`` is not a loopback
+address unless ``PTC_AUTH_FORCE_INSECURE=true``. The HTTP side (the bearer
+header, the middleware that refuses before a body is read) is ``service.api.auth``;
+the job service imports this module, never that one.
 """
 
 from __future__ import annotations
@@ -40,28 +28,17 @@ import hmac
 import ipaddress
 import logging
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from service import logs
 from service.errors import InsecureConfig
-from service.internal import SIGNATURE as _SIGNATURE
-from service.internal import SOURCE as SOURCE_HEADER
-from service.internal import InternalRefused, Verifier
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
 IMPLICIT_OWNER = "anonymous"  # the owner of everything created while authentication is disabled
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
-METRICS_PATH = "/metrics"
 KEY_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # bounded, safe as a log field and a metrics label
 _HEX_DIGEST = re.compile(r"^[0-9a-fA-F]{64}$")
-_BEARER = b"bearer "
-SIGNATURE_HEADER = _SIGNATURE.encode()
 
 
 def hash_token(token: str | bytes) -> str:
@@ -127,7 +104,7 @@ class Caller:
     owner: str
     admin: bool = False
     internal: bool = False
-    """The request came signed from another replica (``service.internal``): it is never forwarded again."""
+    """The request came signed from another replica (``service.replicas.internal``): it is never forwarded again."""
 
     def may_access(self, owner: str | None) -> bool:
         """Whether this caller may see and act on something owned by ``owner`` (None: saved before owners were)."""
@@ -263,146 +240,3 @@ def configure(settings: Settings) -> KeyRing | None:
         settings.host,
     )
     return None
-
-
-def open_paths(settings: Settings) -> frozenset[str]:
-    """The paths that answer without a key."""
-    return OPEN_PATHS | ({METRICS_PATH} if settings.metrics_auth == "open" else frozenset())
-
-
-def bearer_token(scope: Scope) -> bytes | None:
-    """The token of the request's first ``Authorization: Bearer`` header (scheme case-insensitive), or None."""
-    for name, value in scope.get("headers") or ():
-        if name == b"authorization":
-            if value[: len(_BEARER)].lower() == _BEARER:
-                token = value[len(_BEARER) :].strip()
-                return token or None
-            return None
-    return None
-
-
-class BearerAuth:
-    """ASGI middleware: refuse requests without a known key, before their body is read.
-
-    A request that carries ``Ptc-Internal-Signature`` is a signed call of another replica (``service.internal``):
-    its whole body (at most ``body_limit`` bytes) is read here and checked with ``verifier``; on success it runs as
-    the key named by ``Ptc-Internal-Caller`` (``key_name``; the admin role from this replica's own keys), with
-    ``state.internal`` set to the source instance id. Any failure is a 401 (503 when the nonce set is full), never
-    a fall-back to the bearer check.
-
-    Args:
-        app: the application behind it.
-        keys: the key ring; None disables authentication (``key_name`` is then None).
-        open_paths: paths that answer without a key.
-        deny: makes the 401 response from a reason (``api.problems`` owns the problem+json mapping);
-            the middleware adds ``WWW-Authenticate``.
-        verifier: checks signed requests; None: every signed request is refused (no ``PTC_INTERNAL_SECRET``).
-        unavailable: makes the 503 response from a reason (the nonce set is full).
-        body_limit: largest signed body read (``PTC_MAX_BODY_BYTES``); a longer one is refused.
-    """
-
-    def __init__(
-        self,
-        app: ASGIApp,
-        keys: KeyRing | None,
-        open_paths: frozenset[str],
-        deny: Callable[[str], Response],
-        verifier: Verifier | None = None,
-        unavailable: Callable[[str], Response] | None = None,
-        body_limit: int = 8 * 1024 * 1024,
-    ) -> None:
-        self.app = app
-        self.keys = keys
-        self.open_paths = open_paths
-        self.deny = deny
-        self.verifier = verifier
-        self.unavailable = unavailable or deny
-        self.body_limit = body_limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket"):  # lifespan
-            await self.app(scope, receive, send)
-            return
-        state = scope.setdefault("state", {})
-        state["key_name"] = None
-        state["internal"] = None
-        if scope["type"] == "http" and any(name == SIGNATURE_HEADER for name, _ in scope.get("headers") or ()):
-            await self._internal(scope, receive, send)
-            return
-        if self.keys is None or scope["path"] in self.open_paths:
-            await self.app(scope, receive, send)
-            return
-        token = bearer_token(scope)
-        name = self.keys.identify(token) if token is not None else None
-        if name is None:
-            if scope["type"] == "websocket":
-                await send({"type": "websocket.close", "code": 1008, "reason": "API key missing or not valid"})
-                return
-            if token is None:
-                response = self.deny("this route needs an API key: send Authorization: Bearer <token>")
-                response.headers["WWW-Authenticate"] = 'Bearer realm="ptc-sandbox"'
-            else:
-                response = self.deny("the API key is not valid")
-                response.headers["WWW-Authenticate"] = 'Bearer realm="ptc-sandbox", error="invalid_token"'
-            await response(scope, receive, send)
-            return
-        state["key_name"] = name
-        logs.KEY_NAME.set(name)  # the request's log event, and the events of the jobs it submits, name the key
-        await self.app(scope, receive, send)
-
-    async def _internal(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """A signed request of another replica: check its signature, read its body, verify it, run it as its caller
-        (or refuse it)."""
-        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope.get("headers") or ()}
-        raw_path = (scope.get("raw_path") or scope["path"].encode()).split(b"?", 1)[0]
-        query = scope.get("query_string") or b""
-        path = raw_path.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
-        try:
-            if self.verifier is None:
-                raise InternalRefused("bad_signature", "this replica accepts no internal calls")
-            self.verifier.precheck(scope["method"], path, headers)  # a forgery's body is never read
-        except InternalRefused as exc:
-            log.warning("internal call refused (%s) from %s", exc.outcome, headers.get(SOURCE_HEADER, "?")[:64])
-            await self.deny(f"internal call refused: {exc}")(scope, receive, send)
-            return
-        # pieces joined once (``body += piece`` copied the whole body at each piece: quadratic, on the event loop)
-        pieces: list[bytes] = []
-        size, complete = 0, False
-        while not complete:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            piece = message.get("body", b"")
-            pieces.append(piece)
-            size += len(piece)
-            complete = not message.get("more_body", False)
-            if size > self.body_limit:
-                break
-        body = b"".join(pieces)
-        del pieces
-        try:
-            if not complete:
-                raise InternalRefused("bad_signature", "the internal call's body is over the limit")
-            name = self.verifier.verify(scope["method"], path, headers, body)
-            if self.keys is not None and (name is None or not KEY_NAME.match(name)):
-                raise InternalRefused("bad_signature", "the internal call names no API key")
-        except InternalRefused as exc:
-            log.warning("internal call refused (%s) from %s", exc.outcome, headers.get(SOURCE_HEADER, "?")[:64])
-            refuse = self.unavailable if exc.outcome == "busy" else self.deny
-            await refuse(f"internal call refused: {exc}")(scope, receive, send)
-            return
-        state = scope.setdefault("state", {})
-        state["key_name"] = name if self.keys is not None else None
-        state["internal"] = headers.get(SOURCE_HEADER, "")
-        if name is not None:
-            logs.KEY_NAME.set(name)
-        sent = False
-
-        async def replay() -> Message:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)

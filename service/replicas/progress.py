@@ -13,7 +13,7 @@ call record since its last progress save gets:
 
 The chunks go with their job (``JobRecords.purge`` deletes every blob of a purged job). A job that ends normally
 keeps them beside its ``stdout``/``stderr`` blobs until purged; a job marked lost has them joined into those
-blobs by the reaper (``service.jobs.reaper``), so every replica serves its output as any ended job's.
+blobs by the reaper (``service.replicas.reaper``), so every replica serves its output as any ended job's.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from service.errors import LeaseLost, StoreUnavailable
-from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob
+from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob, LiveJobs
 from service.jobs.model import JobStatus
 from service.output import read_range
 from service.store import JobStore
@@ -75,7 +75,7 @@ class ProgressSaver:
     def __init__(
         self,
         store: JobStore,
-        live: dict[str, LiveJob],
+        live: LiveJobs,
         save: Callable[[LiveJob], Awaitable[None]],
         interval_s: float,
     ) -> None:

@@ -86,7 +86,7 @@ class ExitStatus:
     the sandbox could not say (its resident interpreter died or misbehaved), None when it did, and ``killed``:
     whether it died by a signal the sandbox sent at the service's request (stop, timeout) while it still ran;
     ``stamps``: the sandbox's own moments of the run and when its exit was read, for a timed request's breakdown
-    only (``service.stages``; untrusted, never part of a view)."""
+    only (``service.observability.stages``; untrusted, never part of a view)."""
 
     exit_code: int
     oom_killed: bool

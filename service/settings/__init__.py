@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import os
 import re
@@ -14,10 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from service.connections import parse_networks
-from service.egress import EgressRule
-from service.errors import UnknownImage
-from service.schemas import MAX_SCRIPT_CHARS, MAX_TOOLS
+from service.settings.egress_syntax import parse_rule
+
+MAX_SCRIPT_CHARS = 8 * 1024 * 1024  # outer bound of the request schema; PTC_MAX_SCRIPT_BYTES is the limit (413)
+MAX_TOOLS = 1000  # outer bound of a manifest's tools; PTC_MAX_TOOLS is the limit (422)
 
 
 class KeyLimits(BaseModel):
@@ -374,7 +375,7 @@ class Settings(BaseSettings):
     )
     callback_timeout_s: float = Field(10, gt=0, description="Time limit of one callback delivery (s).")
 
-    # -- authentication (service/auth.py) --
+    # -- authentication (service/tenancy.py, service/api/auth.py) --
     auth: Literal["required", "disabled"] = Field(
         "required",
         description="required: every route but /healthz, /readyz (and /metrics when PTC_METRICS_AUTH=open) needs "
@@ -612,18 +613,6 @@ class Settings(BaseSettings):
                 raise ValueError(f"PTC_IMAGE_DEFAULTS of image {name!r}: " + "; ".join(above))
         return self
 
-    def image_name(self, asked: str | None, loc: tuple[str | int, ...] = ("body", "image")) -> str:
-        """The image name a request gets: ``asked``, or ``default`` when it asks none.
-
-        Raises:
-            UnknownImage: ``asked`` is not a name in ``images`` (the error lists the names, never the images).
-        """
-        if asked is None:
-            return DEFAULT_IMAGE
-        if asked not in self.images:
-            raise UnknownImage(asked, sorted(self.images), loc)
-        return asked
-
     def image_defaults_of(self, image: str) -> dict[str, float]:
         """What a request of ``image`` (a name in ``images``) gets for each value it leaves unset: ``timeout_s``,
         ``wait_s``, ``memory_mb``, ``cpus``, ``pids``, ``output_bytes``, ``tmp_mb`` (units as the settings'):
@@ -635,7 +624,9 @@ class Settings(BaseSettings):
     @field_validator("trusted_proxies")
     @classmethod
     def _parse_proxies(cls, entries: list[str]) -> list[str]:
-        parse_networks(entries)  # ValueError names the entry
+        for entry in entries:  # as service.api.connections.parse_networks reads them; ValueError names the entry
+            if entry.strip():
+                ipaddress.ip_network(entry.strip(), strict=False)
         return entries
 
     @field_validator("egress_allow", "admin_keys", "metrics_keys", "trusted_proxies", mode="before")
@@ -649,7 +640,7 @@ class Settings(BaseSettings):
     @classmethod
     def _parse_rules(cls, rules: list[str]) -> list[str]:
         for rule in rules:
-            EgressRule.parse(rule)  # ValueError names the rule
+            parse_rule(rule)  # ValueError names the rule
         return rules
 
     def instance(self) -> str:

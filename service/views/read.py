@@ -1,7 +1,7 @@
 """Reading jobs: views, slices, output ranges, pages and the events stream.
 
 A live job is served from memory (``LiveJob.view_dict``); once saved as ended, from the store: its encoded view
-(``service.views.EncodedView``) is kept in a byte-bounded cache, or read back (once for concurrent readers, one
+(``service.views.render.EncodedView``) is kept in a byte-bounded cache, or read back (once for concurrent readers, one
 view indexed at a time, off the event loop). Every job a caller names goes through ``live`` or ``final``:
 another owner's job answers exactly like one that does not exist (its existence is not revealed).
 """
@@ -17,18 +17,19 @@ from typing import Any
 
 import orjson
 
-from service import files, views
-from service.auth import Caller
+from service import files
 from service.errors import InvalidField, JobNotFound, NoSuchFile
-from service.jobs import resume, shared
-from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob, wait_for_end_or_client
+from service.jobs import shared
+from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob, LiveJobs, wait_for_end_or_client
 from service.jobs.model import FINAL
-from service.jobs.notify import Elsewhere
 from service.output import OutputRange, decode_slice, read_range
-from service.sandbox.base import Stream
+from service.replicas.notify import Elsewhere
+from service.sandbox.backend import Stream
 from service.schemas import JobSummary
 from service.store import JobQuery, JobStore
-from service.views import FULL, Body, EncodedView, Selection, render_head, snapshot, summary_record
+from service.tenancy import Caller
+from service.views import render, resume
+from service.views.render import FULL, Body, EncodedView, Selection, render_head, snapshot, summary_record
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +51,9 @@ class JobViews:
     def __init__(
         self,
         store: JobStore,
-        live: dict[str, LiveJob],
+        live: LiveJobs,
         output_dir: Path,
-        cache: views.ViewCache,
+        cache: render.ViewCache,
         elsewhere: Elsewhere | None = None,
     ) -> None:
         self._store = store
@@ -105,8 +106,8 @@ class JobViews:
             raise JobNotFound(job_id)
         summaries: list[bytes] = []
         async with self._scanning:
-            head, spans = await asyncio.to_thread(views.scan, stored.view, summaries)
-        encoded = EncodedView(head, stored.view, spans, summaries, views.head_end(stored.view, spans))
+            head, spans = await asyncio.to_thread(render.scan, stored.view, summaries)
+        encoded = EncodedView(head, stored.view, spans, summaries, render.head_end(stored.view, spans))
         if job_id not in self._live and stored.ended_at is not None:  # a running view would go stale: not kept
             self._views.put(job_id, encoded)
         return encoded
@@ -135,10 +136,10 @@ class JobViews:
         pending = view.get("pending_calls", []) if selection.wants("pending_calls") else None
         mode = selection.records
         if mode == "none":
-            return views.join(head, pending, None)
+            return render.join(head, pending, None)
         if mode == "summary":
-            return views.join(head, pending, [summary_record(record) for record in view["calls"]])
-        return views.stream(head, pending, snapshot(view["calls"]))
+            return render.join(head, pending, [summary_record(record) for record in view["calls"]])
+        return render.stream(head, pending, snapshot(view["calls"]))
 
     async def _ended(self, final: EncodedView, selection: Selection, head: dict[str, Any] | None = None) -> Body:
         """An ended job's view as ``selection`` says; ``head``: fields that replace the saved head (a slice)."""
@@ -149,10 +150,10 @@ class JobViews:
         pending: list[dict[str, Any]] | None = [] if selection.wants("pending_calls") else None
         mode = selection.records
         if mode == "none":
-            return views.join(rendered, pending, None)
+            return render.join(rendered, pending, None)
         if mode == "summary":
-            return views.join(rendered, pending, await self.summaries(final))
-        return views.stream(rendered, pending, final.records())
+            return render.join(rendered, pending, await self.summaries(final))
+        return render.stream(rendered, pending, final.records())
 
     async def view(
         self,
@@ -306,7 +307,7 @@ class JobViews:
         ``{"offset", "text"}`` for each new piece of output (retained bytes);
         ``call`` with each call record (JSON bytes, or a view of a stored view's; its summary with
         ``calls=summary``, none with ``calls=none``) once it has its outcome; finally ``end`` with the final view
-        (a ``views.Body``: the stored bytes themselves, or pieces rendered as they are sent; as ``selection``
+        (a ``render.Body``: the stored bytes themselves, or pieces rendered as they are sent; as ``selection``
         says); ``ping`` (data None, id "") after ``HEARTBEAT_S`` without a change of a live job. Nothing is
         copied whole per follower beyond one call record: the sender slices what it sends. A follower that
         joins late first gets everything so far. ``id`` is the stream's position after the event
@@ -361,7 +362,7 @@ class JobViews:
                     elif calls == "summary":
                         data = summary_record(record)
                     else:
-                        data = views.encode_record(record) if isinstance(record, dict) else record
+                        data = render.encode_record(record) if isinstance(record, dict) else record
                     yield "call", data, at.token(job_id)
             ended = job is None or (head["status"] in FINAL and job.done.is_set())
             for stream in STREAMS:

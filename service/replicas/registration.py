@@ -14,7 +14,7 @@ cache, and fencing (docs/scaling.md, Replicas and leases; issue 17, point 2).
 - **Fencing** (``fence``): a renewal that matches no row, a save that matches no row (``LeaseLost``), or the
   local deadline passing: this incarnation may no longer act as an owner. It logs ``replica lease_lost`` once,
   answers ``/readyz`` 503, and runs the ``on_fenced`` callbacks: the service's removes every sandbox with this
-  instance's labels, cancels its callback deliveries and exits with status 75 (``service.jobs.fencing``); its
+  instance's labels, cancels its callback deliveries and exits with status 75 (``service.replicas.fencing``); its
   supervisor starts it again as a new incarnation. With SQLite the same code runs, and nothing ever expires the one
   replica.
 """
@@ -33,8 +33,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from service import __version__, logs
+from service import __version__
 from service.errors import InsecureConfig, LeaseLost, StoreUnavailable
+from service.observability import logs
 from service.settings import Settings
 from service.store import Incarnation, JobStore, Registration, Replica, StoredJob, StoredSession
 

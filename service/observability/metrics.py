@@ -61,9 +61,9 @@ from prometheus_client.registry import Collector
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import logs
 from service.jobs.model import LIVE, JobStatus
 from service.normalize import NORMALIZATIONS
+from service.observability import logs
 from service.quotas import REJECTION_REASONS
 from service.settings import Settings
 

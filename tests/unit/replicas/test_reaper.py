@@ -16,24 +16,24 @@ from typing import Any, cast
 import orjson
 import pytest
 
-from service import views
 from service.broker import Broker, BrokerConfig
 from service.egress import EgressPolicy
 from service.errors import LeaseLost
 from service.jobs.events import Events, JobLost
-from service.jobs.fencing import EXIT_FENCED, SelfFence
 from service.jobs.live import LiveJob, stored_job
 from service.jobs.model import JobStatus
-from service.jobs.progress import ProgressSaver, chunk_name
-from service.jobs.reaper import Reaper
 from service.jobs.tasks import Tasks
-from service.replicas import Replicas
+from service.replicas.fencing import EXIT_FENCED, SelfFence
+from service.replicas.progress import ProgressSaver, chunk_name
+from service.replicas.reaper import Reaper
+from service.replicas.registration import Replicas
 from service.settings import Settings
 from service.store import Incarnation, Registration, StoredJob
 from service.store.pg import PostgresJobStore
 from service.toolkit.cache import ManifestCache
 from service.toolkit.endpoints import EndpointClients
-from service.views import render_head
+from service.views import render
+from service.views.render import render_head
 from tests.unit.jobs.conftest import Parts
 
 DEAD, ALIVE, OTHER = Incarnation("r1", 1), Incarnation("r2", 1), Incarnation("r3", 1)
@@ -53,7 +53,7 @@ def registration(instance: str, lease_s: float) -> Registration:
 
 async def row(job: LiveJob, instance: str) -> StoredJob:
     view = job.view_dict()
-    encoded = await views.encode(render_head(view), views.snapshot(view["calls"]))
+    encoded = await render.encode(render_head(view), render.snapshot(view["calls"]))
     return stored_job(encoded.head, len(view["calls"]), encoded.body, instance)
 
 
@@ -254,7 +254,7 @@ async def test_the_lease_is_renewed_while_the_start_up_sweep_runs(tmp_path: Path
         SandboxFolders(work_dir / "run", 0),
         Quotas(settings, HostCapacity(1024, 1)),
         Events(),
-        views.ViewCache(1 << 20),
+        render.ViewCache(1 << 20),
         {},
         "r1",
         replicas,

@@ -1,0 +1,128 @@
+"""The service's layers, read from its source: a module imports nothing of a layer above its own.
+
+Each module of ``service/`` belongs to one layer (``LAYERS``, bottom first; the longest matching prefix decides)
+and may import modules of its own layer and the layers below. Imports under ``if TYPE_CHECKING:`` count too: a
+type named from above is a dependency on it. A new module without a layer fails ``test_every_module_has_a_layer``:
+placing it is a decision, not a default. The broker's and the store's own rules are in
+``test_broker_layering.py`` and ``store/test_layout.py``; the job package's in ``jobs/test_layering.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SERVICE = Path(__file__).resolve().parents[2] / "service"
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "foundation",  # settings, errors, and plain helpers that know nothing of jobs
+        (
+            "service.settings", "service.errors", "service.exactjson", "service.unix_sockets", "service.workdir",
+            "service.collector", "service.normalize", "service.verdict", "service.output", "service.jobs.model",
+            "service.observability.telemetry", "service.observability.stages", "service.replicas.internal",
+        ),
+    ),
+    (
+        "resources",  # what a job is made of: keys, egress, files, quotas, schemas, the store, sandboxes, tool calls
+        (
+            "service.tenancy", "service.egress", "service.files", "service.quotas", "service.schemas",
+            "service.callbacks", "service.store", "service.sandbox", "service.toolkit", "service.broker",
+        ),
+    ),
+    (
+        "job state",  # a job in memory and its rendered views
+        (
+            "service.jobs.live", "service.jobs.events", "service.jobs.tasks", "service.jobs.shared",
+            "service.views.render", "service.views.resume",
+        ),
+    ),
+    (
+        "services",  # what the job service uses: logs and metrics, replicas' registry and peers, sessions, toolsets
+        (
+            "service.observability.logs", "service.observability.metrics", "service.replicas.registration",
+            "service.replicas.notify", "service.replicas.remote", "service.replicas.sweep", "service.idempotency",
+            "service.sessions.manager", "service.toolsets", "service.limits",
+        ),
+    ),
+    (
+        "job service",  # admission, the run path, recovery, webhooks, reading, session requests, replicas' job work
+        (
+            "service.jobs", "service.views.read", "service.sessions.requests", "service.replicas.progress",
+            "service.replicas.reaper", "service.replicas.fencing",
+        ),
+    ),
+    ("composition", ("service.composition",)),
+    ("fronts", ("service.api", "service.mcp", "service.__main__")),
+]  # fmt: skip
+PACKAGES_ONLY = ("service", "service.observability", "service.replicas", "service.sessions", "service.views")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SERVICE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(SERVICE.rglob("*.py"))}
+
+
+def layer_of(module: str) -> int | None:
+    """The index in ``LAYERS`` of the longest prefix that matches ``module``; None: no layer."""
+    best: tuple[int, int] | None = None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), index)
+    return None if best is None else best[1]
+
+
+def imports_of(module: str) -> set[str]:
+    """The modules of the service that ``module`` imports (``from service import x`` names ``service.x``)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module is not None:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                names.add(full if full in MODULES else node.module)
+    return {name for name in names if name == "service" or name.startswith("service.")}
+
+
+def test_every_module_has_a_layer() -> None:
+    assert not [module for module in MODULES if module not in PACKAGES_ONLY and layer_of(module) is None]
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_module_imports_a_higher_layer(module: str) -> None:
+    if module in PACKAGES_ONLY:
+        assert not imports_of(module), "a package of modules only: its __init__ imports nothing"
+        return
+    own = layer_of(module)
+    assert own is not None
+    higher = {name: LAYERS[layer][0] for name in imports_of(module) if (layer := layer_of(name) or 0) > own}
+    assert not higher, f"{module} ({LAYERS[own][0]}) imports from above"
+
+
+def test_settings_import_nothing_of_the_service() -> None:
+    settings = [module for module in MODULES if module.startswith("service.settings")]
+    assert settings and not {name for module in settings for name in imports_of(module)} - set(settings)
+
+
+def test_the_sandbox_layer_imports_no_quotas_logs_or_files() -> None:
+    sandbox = [module for module in MODULES if module.startswith("service.sandbox")]
+    imported = {name for module in sandbox for name in imports_of(module)}
+    forbidden = ("service.quotas", "service.observability", "service.files")
+    assert sandbox and not {name for name in imported if name.startswith(forbidden)}
+
+
+def test_the_job_service_imports_keys_not_http() -> None:
+    below = [module for module in MODULES if (layer := layer_of(module)) is not None and layer < len(LAYERS) - 1]
+    assert not {(module, name) for module in below for name in imports_of(module) if name.startswith("service.api")}
+
+
+def test_no_twin_module_names() -> None:
+    stems = [path.stem for path in SERVICE.rglob("*.py") if path.stem != "__init__" and "migrations" not in path.parts]
+    assert sorted(stem for stem in set(stems) if stems.count(stem) > 1) == []
