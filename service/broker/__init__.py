@@ -40,7 +40,7 @@ from service.broker.paused import PausedCalls
 from service.broker.records import CallMemory, CallRecords
 from service.files import FileBudget
 from service.toolkit.endpoints import EndpointClients
-from service.toolkit.manifest import ToolSpec
+from service.toolkit.specs import ToolSpec
 from service.toolkit.validation import CheckScheduler
 
 __all__ = ["Broker", "BrokerConfig", "CallMemory", "CallRecords", "PausedCalls"]

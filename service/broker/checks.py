@@ -24,7 +24,7 @@ from service.broker.config import REPORT_FIELD_CAP
 from service.collector import gc_paused
 from service.errors import CheckTooCostly
 from service.toolkit.endpoints import RawJson
-from service.toolkit.manifest import ArgumentCheck, ToolSpec
+from service.toolkit.specs import ArgumentCheck, ToolSpec
 from service.toolkit.validation import deeper_than
 
 MAX_JSON_DEPTH = 64  # arguments and results nested deeper are refused

@@ -57,7 +57,7 @@ from service.broker.records import CANCELLED, CallMemory, CallRecords, fail
 from service.errors import CheckTooCostly
 from service.observability import telemetry
 from service.toolkit.endpoints import EndpointClients, RawJson, ToolCallFailed
-from service.toolkit.manifest import ToolSpec
+from service.toolkit.specs import ToolSpec
 from service.toolkit.validation import CheckScheduler
 
 log = logging.getLogger(__name__)

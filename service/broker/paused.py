@@ -21,7 +21,7 @@ from service import exactjson
 from service.broker.config import REPORT_FIELD_CAP, BrokerConfig
 from service.broker.records import fail, now
 from service.errors import CallNotPending
-from service.toolkit.manifest import ToolSpec
+from service.toolkit.specs import ToolSpec
 
 
 @dataclass(frozen=True)

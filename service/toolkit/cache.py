@@ -23,7 +23,8 @@ from typing import Any
 import orjson
 
 from service.errors import CheckTooCostly, ManifestError
-from service.toolkit.manifest import ToolSpec, parse_manifest
+from service.toolkit.manifest import parse_manifest
+from service.toolkit.specs import ToolSpec
 from service.toolkit.stubs import generate_stub_module
 from service.toolkit.validation import CheckScheduler
 

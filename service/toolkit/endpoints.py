@@ -39,8 +39,8 @@ from mcp.client.streamable_http import streamable_http_client
 from service import exactjson
 from service.egress import EgressDenied, EgressPolicy
 from service.observability import telemetry
-from service.toolkit.manifest import Endpoint, ToolSpec
 from service.toolkit.mcp_http import mcp_client
+from service.toolkit.specs import Endpoint, ToolSpec
 
 log = logging.getLogger(__name__)
 

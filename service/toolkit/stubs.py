@@ -37,8 +37,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.toolkit.manifest import ToolSpec
 from service.toolkit.schema import JsonSchema, dict_as_arguments, python_type, safe_identifier, stub_parameters
+from service.toolkit.specs import ToolSpec
 
 USAGE = """\
 Call tools from Python: `import tools`, then `tools.<name>(...)` (blocks until the result; safe in threads).

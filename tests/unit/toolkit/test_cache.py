@@ -15,7 +15,8 @@ import pytest
 from service.errors import ManifestError
 from service.toolkit import cache
 from service.toolkit.cache import ManifestCache, compile_manifest
-from service.toolkit.manifest import parse_tool, schema_problem
+from service.toolkit.manifest import parse_tool
+from service.toolkit.schema_checks import schema_problem
 
 ECHO = {"kind": "echo"}
 

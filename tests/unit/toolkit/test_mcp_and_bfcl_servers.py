@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from service.errors import ManifestError
-from service.toolkit.manifest import Endpoint, parse_endpoint, parse_tool
+from service.toolkit.manifest import parse_endpoint, parse_tool
+from service.toolkit.specs import Endpoint
 
 
 def test_mcp_endpoint_parses_with_its_remote_tool_name() -> None:

@@ -11,7 +11,8 @@ import jsonschema
 import pytest
 
 from service.errors import CheckTooCostly, ManifestError
-from service.toolkit.manifest import Validator, parse_tool
+from service.toolkit.keywords import Validator
+from service.toolkit.manifest import parse_tool
 from service.toolkit.validation import ENUM_SET_MIN, CheckScheduler, canonical, run_budgeted
 
 PADDING = [f"pad{i}" for i in range(ENUM_SET_MIN)]  # makes an enum long enough to be checked by set
