@@ -40,7 +40,7 @@ from service.sandbox.images import Images
 from service.sandbox.labels import instance_labels as labels_of
 from service.sandbox.pool import WarmPools
 from service.sandbox.spec import sandbox_spec
-from service.schemas import ExecuteRequest
+from service.schemas.job_models import ExecuteRequest
 from service.sessions.manager import Session, SessionManager
 from service.sessions.requests import SessionJobs
 from service.settings import Settings

@@ -65,7 +65,7 @@ def content_type(path: str) -> str:
 
 
 def check_files(files: list[Any], settings: Settings) -> None:
-    """Raise PayloadTooLarge (413) when ``files`` (``schemas.FileIn``) are more than ``max_files`` or hold more
+    """Raise PayloadTooLarge (413) when ``files`` (``schemas.common.FileIn``) are more than ``max_files`` or hold more
     than ``max_files_bytes`` decoded bytes in all."""
     if len(files) > settings.max_files:
         raise PayloadTooLarge(

@@ -26,7 +26,9 @@ import orjson
 from service.errors import PayloadTooLarge, RequestLimitError
 from service.files import check_files
 from service.sandbox.images import image_name
-from service.schemas import ExecuteRequest, ManifestRequest, SessionRequest
+from service.schemas.job_models import ExecuteRequest
+from service.schemas.session_models import SessionRequest
+from service.schemas.toolset_models import ManifestRequest
 from service.settings import KeyLimits, Settings
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from service.errors import InvalidField, RequestLimitError
-from service.schemas import McpServer
+from service.schemas.toolset_models import McpServer
 from service.store import JobStore
 from service.tenancy import Caller
 from service.toolkit.cache import CompiledManifest, ManifestCache

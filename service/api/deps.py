@@ -28,7 +28,8 @@ from service.idempotency import IdempotencyKeys
 from service.observability.metrics import Metrics
 from service.output import OutputRange
 from service.sandbox.backend import SandboxBackend
-from service.schemas import McpServer, SessionRequest
+from service.schemas.session_models import SessionRequest
+from service.schemas.toolset_models import McpServer
 from service.settings import Settings
 from service.store import JobStore
 from service.tenancy import Caller, KeyRing, caller

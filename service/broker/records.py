@@ -104,7 +104,7 @@ class CallRecords:
 
     Attributes:
         max_calls: calls that may get a record (``BrokerConfig.max_calls``).
-        calls: the records, in arrival order: dicts with every field of ``schemas.CallRecord``; the job's
+        calls: the records, in arrival order: dicts with every field of ``schemas.job_models.CallRecord``; the job's
             ``calls`` (the same list, read live by its views).
         calls_over_limit: calls refused past ``max_calls``, which got no record.
         script_report: the runtime's last report of the script's uncaught exception (``type``, ``message``,
@@ -136,7 +136,7 @@ class CallRecords:
         return False
 
     def open(self, tool_name: str) -> dict[str, Any]:
-        """A new record, appended: every field of ``schemas.CallRecord`` (in its order), status ``pending``,
+        """A new record, appended: every field of ``schemas.job_models.CallRecord`` (in its order), status ``pending``,
         ``seq`` its place (from 1), a fresh ``call_id``."""
         record = {
             "seq": len(self.calls) + 1,

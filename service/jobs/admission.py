@@ -26,7 +26,7 @@ from service.normalize import Normalized, count, prepare
 from service.output import OutputLog
 from service.quotas import OwnerSlot, Quotas, Slots
 from service.sandbox.images import Images, image_name
-from service.schemas import ExecuteRequest
+from service.schemas.job_models import ExecuteRequest
 from service.sessions.manager import Session, SessionManager
 from service.settings import DEFAULT_IMAGE, Settings
 from service.tenancy import Caller

@@ -28,7 +28,7 @@ from service.normalize import Normalized, view_fields
 from service.output import OutputLog
 from service.sandbox.backend import Stream
 from service.sandbox.images import image_name
-from service.schemas import ExecuteRequest, JobSummary, JobView
+from service.schemas.job_models import ExecuteRequest, JobSummary, JobView
 from service.settings import DEFAULT_IMAGE, KeyLimits, Settings
 from service.store import JobStore, StoredJob
 

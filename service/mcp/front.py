@@ -41,7 +41,7 @@ from service.jobs.live import wait_for_end_or_client
 from service.limits import check_execute
 from service.mcp.server import OperationFailed, build_server
 from service.replicas.remote import Remote
-from service.schemas import ExecuteRequest
+from service.schemas.job_models import ExecuteRequest
 from service.settings import Settings
 from service.tenancy import Caller, caller
 from service.toolkit.validation import CheckScheduler

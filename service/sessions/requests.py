@@ -36,7 +36,8 @@ from service.replicas.registration import Replicas
 from service.sandbox.images import Images, image_name
 from service.sandbox.labels import LABEL_SESSION
 from service.sandbox.spec import sandbox_spec
-from service.schemas import ExecuteRequest, SessionRequest, SessionView
+from service.schemas.job_models import ExecuteRequest
+from service.schemas.session_models import SessionRequest, SessionView
 from service.sessions.manager import Session, SessionManager
 from service.settings import Settings
 from service.store import StoredSession

@@ -23,7 +23,7 @@ class StoredSession:
         instance_id / instance_epoch: the incarnation holding its sandbox.
         status: its status when saved (``ready`` while open; ``closed``, ``expired``, ``broken`` once ended).
         created_at / ended_at / ends_by: UTC times; ``ends_by``: the end of its lifetime (``max_lifetime_s``).
-        view: its view (``schemas.SessionView``) as JSON bytes.
+        view: its view (``schemas.session_models.SessionView``) as JSON bytes.
     """
 
     session_id: str

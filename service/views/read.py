@@ -25,7 +25,7 @@ from service.jobs.model import FINAL
 from service.output import OutputRange, decode_slice, read_range
 from service.replicas.notify import Elsewhere
 from service.sandbox.backend import Stream
-from service.schemas import JobSummary
+from service.schemas.job_models import JobSummary
 from service.store import JobQuery, JobStore
 from service.tenancy import Caller
 from service.views import render, resume

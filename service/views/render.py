@@ -1,6 +1,6 @@
 """Job views as JSON bytes: rendered without a Python tree of the call records, and the ended jobs' kept.
 
-A job view (``schemas.JobView``) is rendered as three parts, always in this order::
+A job view (``schemas.job_models.JobView``) is rendered as three parts, always in this order::
 
     {<head: every other field, validated by JobView>,"pending_calls":[...],"calls":[<record>,<record>,...]}
 
@@ -27,7 +27,7 @@ import orjson
 
 from service import exactjson
 from service.errors import InvalidField
-from service.schemas import JobView
+from service.schemas.job_models import JobView
 
 BATCH_BYTES = 1024 * 1024
 """Bytes rendered between two returns to the event loop, and the size of the slices a body is sent in."""

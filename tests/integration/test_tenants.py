@@ -24,7 +24,7 @@ from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
 
 from service.callbacks import OWNER_HEADER, SIGNATURE_HEADER, verify
-from service.schemas import JobSummary, JobView
+from service.schemas.job_models import JobSummary, JobView
 from service.store.sqlite import SQLiteJobStore
 from service.tenancy import IMPLICIT_OWNER
 from tests.conftest import Service, execute, labelled_containers, start_service, wait_until

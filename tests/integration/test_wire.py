@@ -21,7 +21,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from service.schemas import JobList, JobView
+from service.schemas.job_models import JobList, JobView
 from tests.conftest import execute, labelled_containers, start_service, wait_until
 from tests.toolserver import BIG_RESULT, ToolServer
 from tests.unit.test_wire import (  # noqa: F401

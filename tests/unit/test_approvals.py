@@ -20,7 +20,7 @@ from service.broker import Broker, BrokerConfig
 from service.broker.checks import check_arguments
 from service.errors import CallNotPending, ManifestError
 from service.sandbox.fake import FakeBackend
-from service.schemas import CallRecord
+from service.schemas.job_models import CallRecord
 from service.settings import Settings
 from service.tenancy import hash_token
 from service.toolkit.endpoints import EndpointClients

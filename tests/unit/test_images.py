@@ -26,7 +26,9 @@ from service.sandbox.images import Images, ImageUnusable, image_name
 from service.sandbox.labels import LABEL_POOL
 from service.sandbox.pool import profile_key
 from service.sandbox.spec import sandbox_spec
-from service.schemas import ExecuteRequest, Limits, SessionRequest
+from service.schemas.common import Limits
+from service.schemas.job_models import ExecuteRequest
+from service.schemas.session_models import SessionRequest
 from service.settings import KeyLimits, Settings
 
 ON_SERVICE_LOOP = pytest.mark.asyncio(loop_scope="session")  # the service's lifespan (a fixture) runs on that loop

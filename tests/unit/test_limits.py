@@ -12,7 +12,9 @@ import pytest
 from service.api import create_app
 from service.errors import RequestLimitError
 from service.limits import check_execute, check_session
-from service.schemas import ExecuteRequest, Limits, SessionRequest
+from service.schemas.common import Limits
+from service.schemas.job_models import ExecuteRequest
+from service.schemas.session_models import SessionRequest
 from service.settings import KeyLimits, Settings
 from service.tenancy import hash_token
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from service.normalize import KINDS, NORMALIZATIONS, compiles, normalize, with_hint
-from service.schemas import ScriptRepair
+from service.schemas.job_models import ScriptRepair
 from tests.bfcl_corruption import bytecode
 
 _TEXT = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=12)

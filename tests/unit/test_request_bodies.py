@@ -17,7 +17,8 @@ from pydantic import AfterValidator, BaseModel
 
 from service.api.bodies import INLINE_BODY_BYTES, INLINE_BODY_CONTAINERS, MAX_BODY_DEPTH, ParsedOffLoop, parse_body
 from service.collector import gc_paused
-from service.schemas import ExecuteRequest, check_metadata
+from service.schemas.common import check_metadata
+from service.schemas.job_models import ExecuteRequest
 from service.toolkit.validation import CheckScheduler
 
 ON_LOOP: list[bool] = []

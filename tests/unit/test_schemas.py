@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from service.schemas import check_metadata
+from service.schemas.common import check_metadata
 
 
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, [1, {"x": math.inf}]])

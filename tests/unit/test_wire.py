@@ -28,7 +28,7 @@ from service.broker.config import REPORT_FIELD_CAP
 from service.broker.dispatch import MAX_TOOL_NAME_SHOWN
 from service.egress import EgressPolicy
 from service.jobs.live import stored_job
-from service.schemas import JobView
+from service.schemas.job_models import JobView
 from service.toolkit.cache import ManifestCache
 from service.toolkit.endpoints import EndpointClients
 from service.views import render

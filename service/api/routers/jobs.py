@@ -28,7 +28,7 @@ from service.limits import check_execute
 from service.observability import stages
 from service.output import OutputRange
 from service.sandbox.backend import Stream
-from service.schemas import (
+from service.schemas.job_models import (
     ApprovalDecision,
     ClientAnswer,
     ExecuteRequest,

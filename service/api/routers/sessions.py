@@ -18,7 +18,7 @@ from service.api.responses import output_slices
 from service.errors import InvalidField, PayloadTooLarge
 from service.files import DOWNLOAD_HEADERS, content_type
 from service.limits import check_session
-from service.schemas import SessionFile, SessionFileList, SessionList, SessionRequest, SessionView
+from service.schemas.session_models import SessionFile, SessionFileList, SessionList, SessionRequest, SessionView
 from service.store import IdempotencyRecord
 
 router = APIRouter(route_class=ParsedOffLoop)

@@ -8,7 +8,7 @@ from service.api.bodies import ParsedOffLoop
 from service.api.deps import AppSettings, Key, Toolsets, Who
 from service.errors import InvalidField
 from service.limits import check_manifest_request
-from service.schemas import ManifestRequest, StubsView, ToolsetView
+from service.schemas.toolset_models import ManifestRequest, StubsView, ToolsetView
 from service.toolkit.stubs import USAGE
 
 router = APIRouter(route_class=ParsedOffLoop)

@@ -27,7 +27,7 @@ from service.api.responses import OUTPUT_SLICE_BYTES
 from service.api.routers import jobs as jobs_router
 from service.errors import QuotaExceeded
 from service.sandbox.fake import FakeBackend
-from service.schemas import JobSummary
+from service.schemas.job_models import JobSummary
 from service.settings import Settings
 from service.tenancy import hash_token
 

@@ -21,7 +21,7 @@ from service.jobs.tasks import Tasks
 from service.output import OutputLog
 from service.quotas import HostCapacity, Quotas, Slots
 from service.replicas.registration import Replicas
-from service.schemas import ExecuteRequest
+from service.schemas.job_models import ExecuteRequest
 from service.settings import Settings
 from service.store import Incarnation, StoredJob
 from service.toolkit.endpoints import EndpointClients

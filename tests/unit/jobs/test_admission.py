@@ -13,7 +13,7 @@ from service.errors import QueueFull
 from service.jobs.admission import Admitted, Ticket
 from service.jobs.model import ErrorType, JobStatus
 from service.jobs.placement import InSession
-from service.schemas import ExecuteRequest
+from service.schemas.job_models import ExecuteRequest
 from tests.unit.jobs.conftest import FakeSession, Parts
 
 MANIFEST: Any = type("Manifest", (), {"tools": {}, "stub_source": ""})()

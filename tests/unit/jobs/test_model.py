@@ -8,7 +8,6 @@ from typing import get_args
 
 import pytest
 
-from service import schemas
 from service.jobs.model import (
     FINAL,
     LIVE,
@@ -22,6 +21,7 @@ from service.jobs.model import (
     session_closed,
     stopped_before_start,
 )
+from service.schemas import job_models
 
 S = JobStatus
 ALLOWED = {
@@ -37,7 +37,7 @@ PAIRS = list(itertools.product(JobStatus, JobStatus))
 
 
 def test_statuses_are_the_strings_the_api_and_store_use() -> None:
-    assert [s.value for s in JobStatus] == list(get_args(schemas.JobStatusValue))
+    assert [s.value for s in JobStatus] == list(get_args(job_models.JobStatusValue))
     assert LIVE == {S.QUEUED, S.RUNNING, S.WAITING} and FINAL == set(JobStatus) - LIVE
     assert S.OOM_KILLED.value == "oom_killed" and str(S.TIMED_OUT) == "timed_out" and f"{S.LOST}" == "lost"
 

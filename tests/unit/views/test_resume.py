@@ -25,7 +25,7 @@ from service.api import create_app
 from service.composition import JobManager
 from service.errors import JobNotFound
 from service.sandbox.fake import FakeBackend
-from service.schemas import ExecuteRequest
+from service.schemas.job_models import ExecuteRequest
 from service.settings import Settings
 from service.tenancy import IMPLICIT_OWNER, Caller
 from service.views import read as job_views

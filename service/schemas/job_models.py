@@ -1,28 +1,16 @@
-"""Request and response models of the HTTP API (each route's body and answer; served as ``/openapi.json``)."""
+"""The jobs' request and response models: ``POST /execute``, the job view (``JobView``) and its parts, the
+answers to a paused call, ``GET /jobs``."""
 
 from __future__ import annotations
 
-import base64
-import binascii
-import math
-import re
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-import orjson
-from ptc_runtime.files import check_path
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from service.egress import header_problem, url_problem
+from service.egress import url_problem
+from service.schemas.common import Env, Files, Limits, Metadata
 from service.settings import MAX_SCRIPT_CHARS, MAX_TOOLS
-from service.toolkit.schema import json_depth
-
-MAX_METADATA_DEPTH = 32
-MAX_METADATA_BYTES = 64 * 1024
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
-# PYTHON*: read by the interpreter as it starts, which a sandbox's resident interpreter did before the job came
-# (and some, e.g. PYTHONMALLOC, could stop it); LD_*: read by the dynamic loader, likewise; PTC_*: the runtime's.
-_RESERVED_ENV = ("PYTHON", "LD_", "PTC_")
 
 # The values of ``service.jobs.model.JobStatus``, spelled out for the OpenAPI document (a unit test keeps them
 # equal); named apart from the enum.
@@ -30,136 +18,6 @@ JobStatusValue = Literal[
     "queued", "running", "waiting", "succeeded", "failed", "timed_out", "stopped", "oom_killed", "lost"
 ]
 CallStatus = Literal["pending", "ok", "error", "rejected", "timeout"]
-
-
-def _has_non_finite(value: Any) -> bool:
-    """Whether a JSON-like value holds a float NaN or infinity anywhere (walked without recursion)."""
-    stack = [value]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, float) and not math.isfinite(node):
-            return True
-        if isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return False
-
-
-def check_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
-    """``metadata`` if it is small JSON (size and depth caps); raises ValueError otherwise.
-
-    The size first (orjson, in C): the depth walk, in Python, then only sees at most ``MAX_METADATA_BYTES``.
-    """
-    try:
-        encoded = orjson.dumps(metadata)
-    except orjson.JSONEncodeError as exc:
-        raise ValueError(f"metadata cannot be stored as JSON: {exc}") from None
-    size = len(encoded)
-    if b"null" in encoded and size <= MAX_METADATA_BYTES and _has_non_finite(metadata):
-        # orjson writes NaN and infinities (which the request reader lets through, 1e400 included) as null
-        raise ValueError("metadata cannot be stored as JSON: NaN or an infinity (a number out of range of a double)")
-    if size > MAX_METADATA_BYTES:
-        raise ValueError(f"metadata is larger than {MAX_METADATA_BYTES} bytes of JSON")
-    if json_depth(metadata, MAX_METADATA_DEPTH) > MAX_METADATA_DEPTH:
-        raise ValueError(f"metadata is nested deeper than {MAX_METADATA_DEPTH} levels")
-    return metadata
-
-
-def check_env(env: dict[str, str]) -> dict[str, str]:
-    """``env`` if every name is valid and not reserved by the runtime; raises ValueError otherwise."""
-    for name, value in env.items():
-        if not _ENV_NAME.fullmatch(name):
-            raise ValueError(f"environment variable name {name!r} is not a valid name")
-        if name.startswith(_RESERVED_ENV):
-            raise ValueError(
-                f"environment variable {name!r} is reserved: PYTHON*, LD_* and PTC_* variables act when the "
-                "interpreter starts, before a script's env applies"
-            )
-        if "\x00" in value:
-            raise ValueError(f"environment variable {name!r} contains a NUL character")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"environment variable {name!r} is not valid UTF-8 (a lone surrogate)") from None
-    return env
-
-
-Env = Annotated[dict[str, str], AfterValidator(check_env)]
-Metadata = Annotated[dict[str, Any], AfterValidator(check_metadata)]
-
-
-class Limits(BaseModel):
-    """Per-request sandbox limits; each may be lowered freely or raised up to the server's ``max_*`` setting."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    memory_mb: int | None = Field(None, strict=True, ge=16, description="Memory in MiB (swap is not added).")
-    cpus: float | None = Field(
-        None, strict=True, ge=0.01, description="CPU quota in CPUs (at most the host's CPU count)."
-    )
-    pids: int | None = Field(None, strict=True, ge=8, description="Maximum processes and threads.")
-    output_bytes: int | None = Field(
-        None, strict=True, ge=1024, description="Inline cap per stream in bytes (head and tail kept)."
-    )
-    tmp_mb: int | None = Field(None, strict=True, ge=1, description="Size of the tmpfs /tmp in MiB.")
-
-
-class FileIn(BaseModel):
-    """One file written under the sandbox's working directory (/tmp) before the script starts (docs/files.md)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    path: str = Field(
-        ...,
-        max_length=1024,
-        description="Relative to /tmp: no '..', not absolute, no NUL, not under outputs/ (at most 16 components).",
-    )
-    content: str | None = Field(None, description="The file as UTF-8 text (or content_base64).")
-    content_base64: str | None = Field(None, description="The file's bytes, base64 (standard alphabet, padded).")
-
-    @field_validator("path")
-    @classmethod
-    def _safe_path(cls, path: str) -> str:
-        return check_path(path)
-
-    @model_validator(mode="after")
-    def _one_content(self) -> FileIn:
-        if (self.content is None) == (self.content_base64 is None):
-            raise ValueError("give exactly one of content and content_base64")
-        if self.content_base64 is not None:
-            try:
-                base64.b64decode(self.content_base64, validate=True)
-            except (binascii.Error, ValueError) as exc:
-                raise ValueError(f"content_base64 is not base64: {exc}") from None
-        if self.content is not None:
-            try:
-                self.content.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError("content is not UTF-8 text (lone surrogates): send content_base64") from None
-        return self
-
-    def data(self) -> bytes:
-        """The file's bytes."""
-        if self.content is not None:
-            return self.content.encode("utf-8")
-        return base64.b64decode(self.content_base64 or "", validate=True)
-
-    def size(self) -> int:
-        """The file's size in bytes (decoded), without decoding it."""
-        if self.content is not None:
-            return len(self.content.encode("utf-8"))
-        text = (self.content_base64 or "").rstrip("=")
-        return len(text) * 3 // 4
-
-
-Files = Annotated[
-    list[FileIn],
-    Field(
-        description="Files written under /tmp before the script starts (docs/files.md); at most PTC_MAX_FILES files "
-        "and PTC_MAX_FILES_BYTES bytes (413)."
-    ),
-]
 
 
 class OutputFile(BaseModel):
@@ -176,29 +34,6 @@ class SkippedFile(BaseModel):
 
     path: str
     reason: str
-
-
-class SessionFile(BaseModel):
-    """A file written by PUT /sessions/{id}/files/{path}."""
-
-    path: str
-    bytes: int
-    sha256: str = Field(description="Hex SHA-256 of the bytes written.")
-
-
-class SessionFileEntry(BaseModel):
-    """An entry under a session's /tmp."""
-
-    path: str
-    bytes: int | None = Field(description="Its size; null for an entry that is not a regular file.")
-    skipped: str | None = Field(None, description="Why it is not a regular file (symlink, not a regular file, ...).")
-
-
-class SessionFileList(BaseModel):
-    """Answer of GET /sessions/{id}/files."""
-
-    files: list[SessionFileEntry]
-    truncated: bool = Field(description="More entries than PTC_MAX_FILES_LISTED: the rest are not listed.")
 
 
 class ExecuteRequest(BaseModel):
@@ -262,139 +97,6 @@ class ExecuteRequest(BaseModel):
         if problem:
             raise ValueError(problem)
         return url
-
-
-class SessionRequest(BaseModel):
-    """Body of ``POST /sessions``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    limits: Limits = Field(
-        default_factory=Limits, description="The session sandbox's limits (output_bytes: per script)."
-    )
-    runtime: str | None = Field(
-        None, max_length=64, description="OCI runtime (e.g. runsc); one of PTC_SESSION_RUNTIMES; default: the server's."
-    )
-    image: str | None = Field(
-        None,
-        max_length=64,
-        description="The session sandbox's image, by its name in PTC_IMAGES; default: default.",
-    )
-    tools: list[dict[str, Any]] = Field(
-        default_factory=list, max_length=MAX_TOOLS, description="Manifest for the session's scripts (default)."
-    )
-    toolset: str | None = Field(None, max_length=64, description="Id of a manifest registered with POST /toolsets.")
-    env: Env = Field(default_factory=dict, description="Environment variables of every script.")
-    files: Files = Field(default_factory=list)
-    idle_timeout_s: float | None = Field(
-        None, strict=True, gt=0, description="End the session after this long without a script (s; default 300)."
-    )
-    max_lifetime_s: float | None = Field(
-        None,
-        strict=True,
-        gt=0,
-        description="End the session this long after its creation, busy or not (s; default 3600).",
-    )
-    metadata: Metadata = Field(default_factory=dict, description="Opaque; returned in the session view.")
-
-
-class SessionLimits(BaseModel):
-    """A session sandbox's limits, after defaults."""
-
-    memory_mb: int
-    cpus: float
-    pids: int
-    tmp_mb: int
-    output_bytes: int
-
-
-class SessionView(BaseModel):
-    """A session as the API shows it."""
-
-    session_id: str
-    status: Literal["ready", "busy", "closed", "expired", "broken"] = Field(
-        description="busy while a script runs or waits; closed (deleted), expired, broken: ended, sandbox removed."
-    )
-    error: JobError | None = Field(description="Why the session ended, when it did not end by DELETE.")
-    created_at: datetime
-    last_used_at: datetime = Field(description="When its last script ended (or its creation).")
-    ended_at: datetime | None
-    expires_at: datetime | None = Field(description="When it will expire if unused; None once ended.")
-    idle_timeout_s: float
-    max_lifetime_s: float
-    limits: SessionLimits
-    runtime: str | None
-    image: str = Field("default", description="The name (in PTC_IMAGES) of the session sandbox's image.")
-    executions: int = Field(description="Scripts that ran in it.")
-    queued: int = Field(description="Scripts waiting for their turn.")
-    current_job_id: str | None = Field(description="The job running now.")
-    sandbox_id: str | None = Field(description="The engine's id of the session's container (12 hex digits).")
-    metadata: dict[str, Any]
-    owner: str | None = Field(None, description="The API key name that created it (anonymous without auth).")
-
-
-class SessionList(BaseModel):
-    """Answer of ``GET /sessions``: the live sessions, oldest first."""
-
-    sessions: list[SessionView]
-
-
-class McpServer(BaseModel):
-    """An MCP server whose tools a toolset takes over (discovered with ``tools/list`` at registration)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    url: str = Field(max_length=2048, description="Streamable HTTP endpoint, e.g. http://127.0.0.1:8765/mcp")
-    headers: dict[str, str] = Field(default_factory=dict, description="Sent with every request; stay on the host.")
-    timeout_s: float | None = Field(None, gt=0, le=3600, description="Limit of one call (s).")
-
-    @field_validator("url")
-    @classmethod
-    def _http_url(cls, url: str) -> str:
-        if not url.lower().startswith(("http://", "https://")):
-            raise ValueError("url must be an absolute http(s) URL")
-        problem = url_problem(url)
-        if problem:
-            raise ValueError(problem)
-        return url
-
-    @field_validator("headers")
-    @classmethod
-    def _allowed_headers(cls, headers: dict[str, str]) -> dict[str, str]:
-        for name in headers:
-            problem = header_problem(name)
-            if problem:
-                raise ValueError(problem)
-        return headers
-
-
-class ManifestRequest(BaseModel):
-    """Body of ``POST /stubs`` and ``POST /toolsets``: a manifest, or (for /stubs) a registered toolset."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    tools: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_TOOLS)
-    toolset: str | None = Field(None, max_length=64, description="Id from POST /toolsets (instead of tools).")
-    mcp_servers: list[McpServer] = Field(
-        default_factory=list,
-        max_length=32,
-        description="For POST /toolsets: MCP servers whose tools/list entries join the manifest.",
-    )
-
-
-class StubsView(BaseModel):
-    """Answer of ``POST /stubs``."""
-
-    module: str = Field(description="The exact source of the `tools` package the sandbox imports.")
-    usage: str = Field(description="A short text for the model's system prompt.")
-    toolset_id: str = Field(description="The manifest's content id (what POST /toolsets would return).")
-
-
-class ToolsetView(BaseModel):
-    """Answer of ``POST /toolsets``."""
-
-    toolset_id: str = Field(description="Pass as toolset in /execute or /stubs; the same manifest gives the same id.")
-    tools: list[str] = Field(description="The tools' original names.")
 
 
 class ToolCallError(BaseModel):
