@@ -28,7 +28,7 @@ from service.jobs.tasks import Tasks
 from service.jobs.webhooks import Webhooks
 from service.observability import logs, stages
 from service.observability.metrics import Metrics
-from service.quotas import HostCapacity, Quotas, Slots
+from service.quotas import HostCapacity, Quotas
 from service.replicas.fencing import SelfFence
 from service.replicas.notify import Elsewhere, Waiters
 from service.replicas.progress import ProgressSaver
@@ -44,6 +44,7 @@ from service.schemas.job_models import ExecuteRequest
 from service.sessions.manager import Session, SessionManager
 from service.sessions.requests import SessionJobs
 from service.settings import Settings
+from service.slots import Slots
 from service.store import JobStore
 from service.tenancy import Caller
 from service.toolkit.cache import ManifestCache

@@ -24,11 +24,12 @@ from service.errors import EngineUnavailable, InvalidField, QueueFull, SessionNo
 from service.jobs.live import OWNER_FILE, SANDBOX_LIMITS, LiveJob, LiveJobs, ResolvedLimits, resolve_limits
 from service.normalize import Normalized, count, prepare
 from service.output import OutputLog
-from service.quotas import OwnerSlot, Quotas, Slots
+from service.quotas import Quotas
 from service.sandbox.images import Images, image_name
 from service.schemas.job_models import ExecuteRequest
 from service.sessions.manager import Session, SessionManager
 from service.settings import DEFAULT_IMAGE, Settings
+from service.slots import OwnerSlot, Slots
 from service.tenancy import Caller
 from service.toolkit.cache import CompiledManifest
 from service.toolkit.endpoints import EndpointClients

@@ -22,7 +22,7 @@ from service.jobs.admission import Admission, Ticket
 from service.jobs.live import LiveJob, now
 from service.jobs.model import JobStatus, session_closed, stopped_before_start
 from service.jobs.tasks import Tasks
-from service.quotas import HostCapacity, OwnerSlot
+from service.quotas import HostCapacity
 from service.sandbox.backend import SandboxBackend
 from service.sandbox.images import Images
 from service.sandbox.labels import LABEL_JOB
@@ -32,6 +32,7 @@ from service.sandbox.resident import ResidentSandbox
 from service.sandbox.spec import sandbox_spec
 from service.sessions.manager import Session, SessionManager
 from service.settings import Settings
+from service.slots import OwnerSlot
 
 log = logging.getLogger(__name__)
 

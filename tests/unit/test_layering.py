@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "resources",  # what a job is made of: keys, egress, files, quotas, schemas, the store, sandboxes, tool calls
         (
-            "service.tenancy", "service.egress", "service.files", "service.quotas", "service.schemas",
+            "service.tenancy", "service.egress", "service.files", "service.quotas", "service.slots", "service.schemas",
             "service.callbacks", "service.store", "service.sandbox", "service.toolkit", "service.broker",
         ),
     ),

@@ -22,11 +22,12 @@ import pytest
 from service.errors import QuotaExceeded
 from service.observability.metrics import Metrics
 from service.output import OutputLog
-from service.quotas import REJECTION_REASONS, HostCapacity, OutputBudget, Quotas, Slots, machine_memory_mb
+from service.quotas import REJECTION_REASONS, HostCapacity, OutputBudget, Quotas, machine_memory_mb
 from service.sandbox.backend import SandboxBackend, SandboxSpec
 from service.sandbox.pool import PooledSandbox, WarmPool, WarmPools
 from service.sandbox.resident import ResidentSandbox
 from service.settings import Settings
+from service.slots import Slots
 from service.tenancy import IMPLICIT_OWNER
 
 

@@ -19,10 +19,11 @@ from service.jobs.placement import Sandboxes
 from service.jobs.runner import Runner
 from service.jobs.tasks import Tasks
 from service.output import OutputLog
-from service.quotas import HostCapacity, Quotas, Slots
+from service.quotas import HostCapacity, Quotas
 from service.replicas.registration import Replicas
 from service.schemas.job_models import ExecuteRequest
 from service.settings import Settings
+from service.slots import Slots
 from service.store import Incarnation, StoredJob
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.validation import CheckScheduler
