@@ -5,6 +5,7 @@ and may import modules of its own layer and the layers below. Imports under ``if
 type named from above is a dependency on it. A new module without a layer fails ``test_every_module_has_a_layer``:
 placing it is a decision, not a default. The broker's and the store's own rules are in
 ``test_broker_layering.py`` and ``store/test_layout.py``; the job package's in ``jobs/test_layering.py``.
+No module is longer than ``MAX_MODULE_LINES`` unless ``LARGE_MODULES`` names it with its reason.
 """
 
 from __future__ import annotations
@@ -58,6 +59,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("fronts", ("service.api", "service.mcp", "service.__main__")),
 ]  # fmt: skip
 PACKAGES_ONLY = ("service", "service.observability", "service.replicas", "service.sessions", "service.views")
+MAX_MODULE_LINES = 450
+# Modules allowed past MAX_MODULE_LINES, each with its reason (issue 25). A module leaves this table once it is split.
+LARGE_MODULES = {
+    "service.settings": "a table: the Settings class is one pydantic field per PTC_* variable with its description",
+    "service.sandbox.resident": "not split yet: ResidentSandbox and ResidentRun change with the engine backends",
+    "service.sandbox.docker": "not split yet: the one module that imports docker, every SDK call on its threads",
+    "service.toolkit.endpoints": "not split yet: the MCP session would go, but ToolCallFailed (it raises it) is here",
+    "service.egress": "slightly over: one policy, its rules, the addresses they judge and the transport applying them",
+}
 
 
 def module_name(path: Path) -> str:
@@ -126,3 +136,9 @@ def test_the_job_service_imports_keys_not_http() -> None:
 def test_no_twin_module_names() -> None:
     stems = [path.stem for path in SERVICE.rglob("*.py") if path.stem != "__init__" and "migrations" not in path.parts]
     assert sorted(stem for stem in set(stems) if stems.count(stem) > 1) == []
+
+
+def test_no_module_is_large() -> None:
+    sizes = {module: len(path.read_text().splitlines()) for module, path in MODULES.items()}
+    large = {module: size for module, size in sizes.items() if size > MAX_MODULE_LINES}
+    assert not set(large) - set(LARGE_MODULES), f"split these (or name them in LARGE_MODULES, with why): {large}"
