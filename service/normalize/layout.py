@@ -19,10 +19,10 @@ def crlf(text: str) -> list[Candidate]:
     """``crlf``: CRLF and lone CR line endings made LF."""
     if "\r" not in text:
         return []
-    crlf = text.count("\r\n")
+    pairs = text.count("\r\n")
     fixed = text.replace("\r\n", "\n").replace("\r", "\n")
-    lone = text.count("\r") - crlf
-    parts = [f"{crlf} CRLF"] if crlf else []
+    lone = text.count("\r") - pairs
+    parts = [f"{pairs} CRLF"] if pairs else []
     parts += [f"{lone} lone CR"] if lone else []
     return [(fixed, f"line endings: {' and '.join(parts)} became LF")]
 
@@ -64,8 +64,8 @@ def indent(text: str) -> list[Candidate]:
     dedented, common = dedent(text)
     if not common:
         return []
-    spaces, tabs = common.count(" "), common.count("\t")
-    width = " and ".join(f"{n} {unit}" for n, unit in ((spaces, "space(s)"), (tabs, "tab(s)")) if n)
+    spaces, tab_chars = common.count(" "), common.count("\t")
+    width = " and ".join(f"{n} {unit}" for n, unit in ((spaces, "space(s)"), (tab_chars, "tab(s)")) if n)
     return [(dedented, f"removed the indentation common to every line ({width})")]
 
 

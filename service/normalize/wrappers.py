@@ -26,14 +26,16 @@ _FENCE_OPEN = re.compile(r"^[ \t]*+(?P<fence>`{3,}+|~{3,}+)[ \t]*+(?P<info>[^\s`
 
 
 @dataclass
-class _Fences:
+class Fences:
+    """The fenced blocks of a text's lines, and whether the last one was left open."""
+
     blocks: list[tuple[int, int, str]] = field(default_factory=list)  # (first content line, end, opening fence line)
     unclosed: bool = False
 
 
-def fences(lines: list[str]) -> _Fences:
+def fences(lines: list[str]) -> Fences:
     """Fenced blocks (CommonMark-like: a closing fence is the same character, at least as long, alone on its line)."""
-    found = _Fences()
+    found = Fences()
     opened: tuple[int, str] | None = None
     for number, line in enumerate(lines):
         stripped = line.strip()
@@ -42,8 +44,8 @@ def fences(lines: list[str]) -> _Fences:
             if match:
                 opened = (number, match.group("fence"))
         else:
-            fence = opened[1]
-            if stripped and set(stripped) == {fence[0]} and len(stripped) >= len(fence):
+            opener = opened[1]
+            if stripped and set(stripped) == {opener[0]} and len(stripped) >= len(opener):
                 found.blocks.append((opened[0] + 1, number, lines[opened[0]].strip()))
                 opened = None
     if opened is not None:
