@@ -58,7 +58,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("composition", ("service.composition",)),
     ("fronts", ("service.api", "service.mcp", "service.__main__")),
 ]  # fmt: skip
-PACKAGES_ONLY = ("service", "service.observability", "service.replicas", "service.sessions", "service.views")
+PACKAGES_ONLY = (
+    "service", "service.observability", "service.replicas", "service.schemas", "service.sessions", "service.views"
+)  # fmt: skip
 MAX_MODULE_LINES = 450
 # Modules allowed past MAX_MODULE_LINES, each with its reason (issue 25). A module leaves this table once it is split.
 LARGE_MODULES = {
