@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from service import callbacks
 from service.broker import Broker, CallMemory
+from service.engines import CONTAINER, Engine, Engines
+from service.engines.container import ContainerEngine
 from service.errors import CallNotPending
 from service.jobs.admission import Admission, Intake
 from service.jobs.events import CallEnded, Events, JobEnded, JobLost, SandboxStarted, StatusChanged
@@ -39,6 +42,7 @@ from service.sandbox.folders import SandboxFolders
 from service.sandbox.images import Images
 from service.sandbox.labels import instance_labels as labels_of
 from service.sandbox.pool import WarmPools
+from service.sandbox.ports import StopHook
 from service.sandbox.spec import sandbox_spec
 from service.schemas import ExecuteRequest
 from service.sessions.manager import Session, SessionManager
@@ -68,7 +72,7 @@ class JobParts:
     tasks: Tasks
     sandboxes: Sandboxes
     session_manager: SessionManager
-    pool: WarmPools
+    engines: Engines
     folders: SandboxFolders
     manifests: ManifestCache
     checks: CheckScheduler
@@ -111,7 +115,7 @@ class JobManager:
         await parts.webhooks.resume()
         parts.tasks.spawn(parts.recovery.purge_loop(), "retention purge")
         await parts.session_manager.start()
-        await parts.pool.start()
+        await parts.engines.start()
         for loop in parts.background:  # with a shared store: the reaper, progress saves (docs/scaling.md, step 5)
             parts.tasks.spawn(loop(), loop.__qualname__)
 
@@ -122,7 +126,7 @@ class JobManager:
         if parts.sandboxes.removals:
             await asyncio.gather(*parts.sandboxes.removals, return_exceptions=True)
         await parts.session_manager.close()
-        await parts.pool.close()
+        await parts.engines.close()
         await parts.recovery.sweep("still there at shutdown")
         await asyncio.to_thread(parts.folders.close)
         await parts.webhooks.close()
@@ -229,6 +233,48 @@ class JobManager:
         return await self.views.view(job_id, caller, selection=selection)
 
 
+@dataclass(frozen=True)
+class EngineSite:
+    """What an engine is built from (``ENGINES``): the settings, the sandbox backend, the host's room, the folder
+    its sandboxes' folders go under, this instance's labels, and the report of a removed sandbox."""
+
+    settings: Settings
+    backend: SandboxBackend
+    capacity: HostCapacity
+    folder: Path
+    instance_labels: dict[str, str]
+    on_stop: StopHook | None = None
+
+
+def container_engine(site: EngineSite) -> Engine:
+    """Today's engine (``engines.container``): resident containers on ``site.backend``, with the warm pools of
+    ``PTC_WARM_POOL_*`` (their profile: the default limits and image)."""
+    settings = site.settings
+    jobs_dir = site.folder / "jobs"
+    defaults = resolve_limits(ExecuteRequest(script=""), settings)  # the default profile
+    pool = WarmPools(
+        site.backend,
+        sandbox_spec(settings, defaults, {}, jobs_dir, site.instance_labels),
+        site.folder / "pool",
+        settings.warm_pool_size,
+        settings.warm_pool_max_age_s,
+        settings.warm_pool_max_profiles,
+        capacity=site.capacity,
+        image_names={ref: name for name, ref in settings.images.items()},
+        on_stop=site.on_stop,
+    )
+    images = Images(site.backend, settings.images)
+    return ContainerEngine(
+        settings, site.backend, pool, site.capacity, images, jobs_dir, site.folder / "sessions",
+        site.instance_labels, site.on_stop,
+    )  # fmt: skip
+
+
+EngineFactory = Callable[[EngineSite], Engine]
+ENGINES: dict[str, EngineFactory] = {CONTAINER: container_engine}
+"""The script engines a service runs, by name (``service.engines``); a new engine is one module and one row here."""
+
+
 def build_jobs(
     settings: Settings,
     backend: SandboxBackend,
@@ -239,57 +285,41 @@ def build_jobs(
     waiters: Waiters | None = None,
     *,
     single_tenant: bool = False,
+    engines: Mapping[str, EngineFactory] = ENGINES,
+    default_engine: str = CONTAINER,
 ) -> JobManager:
     """The job service and its parts, with metrics, logs and webhooks subscribed to its lifecycle events.
     Nothing is started: ``JobManager.start`` does that.
 
     ``waiters``: the store listener's (PostgreSQL), which ``wait`` on another replica's job uses.
     ``single_tenant``: one tenant (``tenancy.single_tenant``): per-key shares default to the whole (``Quotas``,
-    ``Webhooks``' deliveries per owner).
+    ``Webhooks``' deliveries per owner). ``engines``: the script engines to build (name -> factory), of which
+    ``default_engine`` runs every request.
 
     Raises:
         InsecureConfig: a malformed ``PTC_CALLBACK_SECRETS``.
+        ValueError: ``default_engine`` is not one of ``engines``.
     """
     instance = settings.instance()
     instance_labels = labels_of(instance)
     capacity = HostCapacity.from_settings(settings)
     quotas = Quotas(settings, capacity, single_tenant=single_tenant)
     folders = SandboxFolders(settings.work_dir / "run", settings.sandbox_folders_tmpfs_mb)
-    jobs_dir, output_dir = folders.path / "jobs", settings.work_dir / "output"
-    defaults = resolve_limits(ExecuteRequest(script=""), settings)  # the default profile
-    pool = WarmPools(
-        backend,
-        sandbox_spec(settings, defaults, {}, jobs_dir, instance_labels),
-        folders.path / "pool",
-        settings.warm_pool_size,
-        settings.warm_pool_max_age_s,
-        settings.warm_pool_max_profiles,
-        capacity=capacity,
-        image_names={ref: name for name, ref in settings.images.items()},
-        on_stop=logs.sandbox_stopped,
-    )
+    output_dir = settings.work_dir / "output"
+    site = EngineSite(settings, backend, capacity, folders.path, instance_labels, logs.sandbox_stopped)
+    built = Engines({name: factory(site) for name, factory in engines.items()}, default_engine)
     manifests = ManifestCache(
         installation_salt(settings.work_dir), threads=settings.manifest_threads, budget_s=settings.manifest_budget_s
     )
     checks = CheckScheduler(settings.validation_threads, settings.validation_budget_s)
     live, events, tasks, cache = LiveJobs(), Events(), Tasks(), ViewCache(settings.view_cache_bytes)
     ending = _SessionEnd()
-    sessions = SessionManager(
-        backend,
-        folders.path / "sessions",
-        settings.max_sessions,
-        before_end=ending,
-        on_count=metrics.set_sessions,
-        on_stop=logs.sandbox_stopped,
-    )
+    sessions = SessionManager(settings.max_sessions, before_end=ending, on_count=metrics.set_sessions)
     admission = Admission(settings, quotas, Slots(settings.concurrency()), lambda: sessions.queued)
-    images = Images(backend, settings.images)
-    sandboxes = Sandboxes(
-        backend, pool, capacity, admission, sessions, jobs_dir, instance_labels, set(), images, logs.sandbox_stopped
-    )
+    sandboxes = Sandboxes(built, admission, sessions, set())
     toolsets = Toolsets(store, manifests, endpoints, settings.max_tools)
     secrets = callbacks.load_secrets(settings)
-    intake = Intake(settings, admission, toolsets, sessions, endpoints, secrets, output_dir, live, images)
+    intake = Intake(settings, admission, toolsets, sessions, endpoints, secrets, output_dir, live, built)
     call_memory = CallMemory(settings.max_record_bytes_total, settings.max_call_bytes_in_flight_total)
     runner = Runner(
         settings, store, events, sandboxes, endpoints, call_memory, checks, live, cache, tasks, instance, replicas
@@ -305,9 +335,9 @@ def build_jobs(
     )
     _observe(events, metrics, webhooks)
     metrics.track_jobs(live)
-    metrics.track_pools(pool.sizes)
+    metrics.track_pools(built.warm)
     parts = JobParts(
-        intake, runner, views, toolsets, ending.jobs, recovery, webhooks, tasks, sandboxes, sessions, pool, folders,
+        intake, runner, views, toolsets, ending.jobs, recovery, webhooks, tasks, sandboxes, sessions, built, folders,
         manifests, checks,
     )  # fmt: skip
     if waiters is not None:

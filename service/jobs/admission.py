@@ -20,12 +20,13 @@ from typing import Any, Protocol
 
 from service.callbacks import CallbackSecrets
 from service.egress import EgressDenied
+from service.engines import Engines
 from service.errors import EngineUnavailable, InvalidField, QueueFull, SessionNotFound
 from service.jobs.live import OWNER_FILE, SANDBOX_LIMITS, LiveJob, LiveJobs, ResolvedLimits, resolve_limits
 from service.normalize import Normalized, count, prepare
 from service.output import OutputLog
 from service.quotas import OwnerSlot, Quotas, Slots
-from service.sandbox.images import Images, image_name
+from service.sandbox.images import image_name
 from service.schemas import ExecuteRequest
 from service.sessions.manager import Session, SessionManager
 from service.settings import DEFAULT_IMAGE, Settings
@@ -152,7 +153,9 @@ class Intake:
         secrets: callback secrets (a callback needs one for its owner).
         output_dir: where each job's output folder is made.
         live: the live jobs (job id -> job): a new job joins it.
-        images: the images of ``PTC_IMAGES``; a one-shot job's must be usable (None: not checked).
+        engines: the script engines: a job's is chosen here (``Engines.choose``; a session's script: its
+            session's), and a one-shot job's image must be usable by it (``Engine.require_image``); None: the
+            default engine's name, images not checked.
     """
 
     def __init__(
@@ -165,9 +168,9 @@ class Intake:
         secrets_: CallbackSecrets,
         output_dir: Path,
         live: LiveJobs,
-        images: Images | None = None,
+        engines: Engines | None = None,
     ) -> None:
-        self._images = images
+        self._engines = engines
         self._settings = settings
         self._admission = admission
         self._toolsets = toolsets
@@ -207,9 +210,10 @@ class Intake:
                 raise InvalidField(str(exc), ("body", "callback_url")) from exc
         if request.session_id is not None:
             return await self._admit_to_session(request, limits, caller, request.session_id)
-        if self._images is not None and image != DEFAULT_IMAGE:  # the default image: /readyz, as before images
+        engine = self._engines.choose() if self._engines is not None else None
+        if engine is not None and image != DEFAULT_IMAGE:  # the default image: /readyz, as before images
             with contextlib.suppress(EngineUnavailable):  # the job's start reports it, as any job's does
-                await self._images.require(image)  # before any sandbox or job: a 503 naming the image
+                await engine.require_image(image)  # before any sandbox or job: a 503 naming the image
         ticket = self._admission.one_shot(caller.owner)
         try:
             job, manifest = await self._new_job(limits, request, request.tools, request.toolset, caller)
@@ -217,6 +221,8 @@ class Intake:
             ticket.release()
             raise
         job.image = image
+        if engine is not None:
+            job.engine = engine.name
         return Admitted(job, request, manifest, ticket, None)
 
     def _image(self, request: ExecuteRequest, caller: Caller) -> str:
@@ -271,6 +277,7 @@ class Intake:
             raise
         job.session_id = session.id
         job.image = session.image
+        job.engine = session.engine
         return Admitted(job, request, manifest, ticket, session)
 
     async def _new_job(
