@@ -1,16 +1,23 @@
-"""The composition root: the job service's parts built from settings, in order, and wired (used by ``create_app``).
+"""The composition root: everything the service runs, built from settings in order and wired (used by
+``create_app``, whose app only installs middleware and routers and runs the lifespan).
 
-``build_jobs`` builds, in this order: the sandbox side (host capacity, quotas, folders, warm pools, sessions,
-placement), the manifest cache and check threads, admission, the runner, reading, session requests, recovery and
-webhooks; then subscribes metrics, logs and webhooks to the lifecycle events, and with a shared store adds the
-replicas' background work (reaper, progress saves, self-fencing). ``JobManager`` holds the result and starts and
-closes it in order. Nothing here is started at import or build: ``JobManager.start`` does that.
+``open_services`` builds and starts, in order: the sandbox backend, the endpoint clients, the store, the replica's
+registration, the job service (``build_jobs``), idempotency, the peers' client and the store's listener; ``Services``
+holds them and closes them in reverse. The script engines are built from one table, ``ENGINES`` (name -> factory
+of an ``EngineSite``): today's is ``container_engine``.
+
+``build_jobs`` builds, in this order: the sandbox side (host capacity, quotas, folders, the engines with their warm
+pools, sessions, placement), the manifest cache and check threads, admission, the runner, reading, session requests,
+recovery and webhooks; then subscribes metrics, logs and webhooks to the lifecycle events, and with a shared store
+adds the replicas' background work (reaper, progress saves, self-fencing). ``JobManager`` holds the result and starts
+and closes it in order. Nothing here is started at import or at ``build_jobs``: ``JobManager.start`` does that.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,9 +25,11 @@ from typing import Any
 
 from service import callbacks
 from service.broker import Broker, CallMemory
+from service.egress import EgressPolicy, OwnAddress
 from service.engines import CONTAINER, Engine, Engines
 from service.engines.container import ContainerEngine
 from service.errors import CallNotPending
+from service.idempotency import IdempotencyKeys
 from service.jobs.admission import Admission, Intake
 from service.jobs.events import CallEnded, Events, JobEnded, JobLost, SandboxStarted, StatusChanged
 from service.jobs.live import LiveJob, LiveJobs, resolve_limits
@@ -29,14 +38,16 @@ from service.jobs.recovery import Recovery
 from service.jobs.runner import Runner
 from service.jobs.tasks import Tasks
 from service.jobs.webhooks import Webhooks
-from service.observability import logs, stages
+from service.observability import logs, stages, telemetry
 from service.observability.metrics import Metrics
 from service.quotas import HostCapacity, Quotas, Slots
 from service.replicas.fencing import SelfFence
-from service.replicas.notify import Elsewhere, Waiters
+from service.replicas.internal import Verifier
+from service.replicas.notify import Elsewhere, Listener, Waiters
 from service.replicas.progress import ProgressSaver
 from service.replicas.reaper import Reaper
 from service.replicas.registration import Replicas
+from service.replicas.remote import Remote
 from service.sandbox.backend import SandboxBackend
 from service.sandbox.folders import SandboxFolders
 from service.sandbox.images import Images
@@ -48,7 +59,7 @@ from service.schemas import ExecuteRequest
 from service.sessions.manager import Session, SessionManager
 from service.sessions.requests import SessionJobs
 from service.settings import Settings
-from service.store import JobStore
+from service.store import JobStore, job_store
 from service.tenancy import Caller
 from service.toolkit.cache import ManifestCache
 from service.toolkit.endpoints import EndpointClients
@@ -56,6 +67,8 @@ from service.toolkit.validation import CheckScheduler
 from service.toolsets import Toolsets, installation_salt
 from service.views.read import JobViews
 from service.views.render import FULL, Body, Selection, ViewCache
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -395,3 +408,115 @@ def _wake_webhooks(waiters: Waiters, webhooks: Webhooks) -> None:
         webhooks.wake()
 
     waiters.on_replicas = replicas_changed
+
+
+@dataclass
+class Services:
+    """Everything the app serves, in the order ``open_services`` started it; ``close`` ends it in reverse.
+
+    Attributes:
+        backend: the sandbox backend (the engines' sandboxes run on it; ``/readyz`` asks it).
+        endpoints: the shared endpoint clients and egress rules.
+        store: the job store, open.
+        replicas: this replica's registration (started: its lease is renewed).
+        jobs: the job service, started.
+        idempotency: the ``Idempotency-Key`` claims and bindings.
+        remote: the peers' client (with ``PTC_INTERNAL_SECRET``), else None.
+        listener: the store's notifications (PostgreSQL), else None.
+    """
+
+    backend: SandboxBackend
+    endpoints: EndpointClients
+    store: JobStore
+    replicas: Replicas
+    jobs: JobManager
+    idempotency: IdempotencyKeys
+    remote: Remote | None
+    listener: Listener | None
+
+    async def close(self) -> None:
+        """Stop the jobs, release the claims, leave the registry, flush the spans, close clients, store, backend."""
+        if self.listener is not None:
+            await self.listener.close()
+        await self.jobs.close()
+        await self.idempotency.drain()  # claims of requests that failed: released before the store closes
+        await self.replicas.close()  # after its jobs' last saves: ``left``
+        await asyncio.to_thread(telemetry.flush)  # the spans of the jobs just ended too
+        await self.endpoints.aclose()
+        if self.remote is not None:
+            await self.remote.aclose()
+        await self.store.close()
+        await self.backend.close()
+
+
+def docker_backend(settings: Settings) -> SandboxBackend:
+    """The Docker backend on ``settings.docker_host`` (its SDK imported only now: tests run without it)."""
+    from service.sandbox.docker import DockerBackend
+
+    return DockerBackend(settings.docker_host, max_workers=4 * settings.concurrency() + 8, runtime=settings.runtime)
+
+
+async def open_services(
+    settings: Settings,
+    metrics: Metrics,
+    verifier: Verifier,
+    secrets: list[bytes],
+    *,
+    backend: SandboxBackend | None = None,
+    single_tenant: bool = False,
+    engines: Mapping[str, EngineFactory] = ENGINES,
+    default_engine: str = CONTAINER,
+) -> Services:
+    """Build and start everything the app serves, in order: the backend (``docker_backend`` unless given), the
+    endpoint clients, the store (opened: migrations first), the replica's registration, the job service
+    (``build_jobs``, started: recovery, the engines), the egress rules' refusal of the replicas' own addresses,
+    idempotency, the peers' client (``secrets``: ``PTC_INTERNAL_SECRET``'s), and with PostgreSQL the listener.
+    ``verifier`` is aimed at this replica's incarnation once it is registered.
+
+    Raises:
+        WorkDirBusy: another running instance holds the work dir.
+        StoreUnavailable: the store cannot be opened (a PostgreSQL down refuses the start).
+        ValueError: ``default_engine`` is not one of ``engines``.
+    """
+    backend = backend if backend is not None else docker_backend(settings)
+    endpoints = EndpointClients(
+        settings.tool_timeout_s,
+        settings.max_tool_result_bytes,
+        EgressPolicy(settings.egress_allow, own=[OwnAddress.of(settings.host, settings.port)]),
+    )
+    store = job_store(settings)
+    await store.open()  # migrations first (docs/operations.md, Job store); a PostgreSQL down refuses the start
+    replicas = Replicas(settings, store, on_count=metrics.set_replicas, on_renewal=metrics.lease_renewal)
+    waiters = Waiters() if settings.store_url is not None else None
+    if waiters is not None:
+        waiters.on_replicas = replicas.refresh_soon
+    jobs = build_jobs(
+        settings, backend, endpoints, store, metrics, replicas, waiters,
+        single_tenant=single_tenant, engines=engines, default_engine=default_engine,
+    )  # fmt: skip
+    await jobs.start()  # registers this replica (after the work-dir lock, before the sweep)
+    incarnation = replicas.incarnation
+    verifier.target = f"{incarnation.instance_id}.{incarnation.epoch}"  # signed calls to this incarnation only
+    replicas.on_registry.append(
+        lambda rows: endpoints.egress.refuse_peers(row.internal_url for row in rows if row.holds_lease)
+    )  # the egress rules refuse every live replica's internal address, as this one's own
+    endpoints.egress.refuse_peers(row.internal_url for row in replicas.registry.values() if row.holds_lease)
+    replicas.start()
+    idempotency = IdempotencyKeys(store, replicas.incarnation)  # claims carry this incarnation
+    if waiters is not None:
+        waiters.on_keys = idempotency.wake_digest  # ptc_keys: another replica bound or released a claim
+    remote = None
+    if secrets:
+        remote = Remote(secrets[0], settings.instance(), single_tenant=single_tenant)
+        remote.alive = lambda owner: replicas.holds_now(owner.instance_id, owner.epoch)
+    listener = None
+    if waiters is not None and settings.store_url is not None:  # LISTEN: wait on other replicas' jobs
+        listener = Listener(
+            settings.store_url.get_secret_value(), waiters, settings.store_timeout_s, metrics.listener_reconnected
+        )
+        listener.start()
+        try:  # a wait must not miss an end for want of a listener; a slow store only delays it
+            await asyncio.wait_for(listener.listening.wait(), settings.store_timeout_s)
+        except TimeoutError:
+            log.warning("the store's notifications are not received yet: waits on other replicas' jobs lag")
+    return Services(backend, endpoints, store, replicas, jobs, idempotency, remote, listener)
