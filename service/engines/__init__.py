@@ -49,11 +49,11 @@ class Engines(Mapping[str, Engine]):
     def __len__(self) -> int:
         return len(self._engines)
 
-    def choose(self, language: str = PYTHON) -> Engine:
-        """The engine of a new job or session with a script in ``language``: the default one (requests name no
-        engine yet). Raises ValueError when it does not run ``language``."""
+    def choose(self, language: str | None = None) -> Engine:
+        """The engine of a new job or session with a script in ``language`` (None: its engine's default): the
+        default engine (requests name neither yet). Raises ValueError when it does not run ``language``."""
         engine = self._engines[self.default]
-        if language not in engine.languages:
+        if language is not None and language not in engine.languages:
             raise ValueError(f"the engine {engine.name!r} does not run {language!r}")
         return engine
 

@@ -17,8 +17,10 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
+from service import normalize
 from service.engines import CONTAINER
 from service.engines.interface import PYTHON, Engine, Sandbox
+from service.normalize import Normalized
 from service.quotas import HostCapacity
 from service.sandbox.backend import SandboxBackend
 from service.sandbox.images import Images
@@ -47,8 +49,12 @@ class ContainerEngine(Engine):
     """
 
     name = CONTAINER
-    languages = frozenset({PYTHON})
+    languages = (PYTHON,)
     kill_confirm_s = KILL_CONFIRM_S
+
+    def prepare(self, script: str, repair: bool) -> Normalized:
+        """Python's repairs of a script that does not compile, and the compile verdict (``service.normalize``)."""
+        return normalize.prepare(script, repair)
 
     def __init__(
         self,

@@ -9,7 +9,8 @@ another (Node.js in a container, an in-process interpreter) is one module more a
 root's table (``service.composition.ENGINES``): the broker, the job model, the views, the quotas and the store do
 not change for it.
 
-- ``Engine``: the engine: its name, the languages it runs, its stubs, where a one-shot job's script runs
+- ``Engine``: the engine: its name, the languages it runs, how a script is prepared (``prepare``: Python's
+  repairs) and its stubs, where a one-shot job's script runs
   (``take``, ``room_released``), a session's sandbox (``hold_room``, ``open_session``), its images
   (``require_image``), its warm sandboxes (``warm``), its start and close.
 - ``Sandbox``: where the engine runs a job's script, one at a time: the run's files (``lay_out``), how calls reach
@@ -27,6 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from service.normalize import Normalized
 from service.sandbox.backend import ExitStatus, OutputSink, Stream
 from service.sandbox.ports import Held, OutputCollector
 from service.sandbox.spec import SandboxLimits
@@ -123,17 +125,30 @@ class Sandbox(Protocol):
 
 class Engine(abc.ABC):
     """One script engine (module docstring): a subclass sets ``name`` and ``languages`` and implements ``stubs``,
-    ``take`` and ``open_session``; the rest has defaults for an engine that holds no host room and no images.
+    ``take`` and ``open_session``; the rest has defaults for an engine that repairs no script and holds no host
+    room and no images.
 
     Attributes:
         name: its name in the registry (``service.engines.Engines``), kept on each job it runs.
-        languages: the script languages it runs (``PYTHON``).
+        languages: the script languages it runs (``PYTHON``, ...); the first is its scripts' when a request names
+            none (requests name no language yet).
         kill_confirm_s: how long a killed script's end may take to be confirmed (s), before the sandbox is ended.
     """
 
     name: str = ""
-    languages: frozenset[str] = frozenset()
+    languages: tuple[str, ...] = ()
     kill_confirm_s: float = 5.0
+
+    @property
+    def language(self) -> str:
+        """The language of its scripts when a request names none: the first of ``languages``."""
+        return self.languages[0]
+
+    def prepare(self, script: str, repair: bool) -> Normalized:
+        """The script to run and the verdict on it before it runs (``normalize.Normalized``): ``repair`` asks for
+        the repairs of a script that does not compile (the request's ``normalize``). CPU-bound: called on a worker
+        thread. The default runs the script as sent, with no verdict."""
+        return Normalized(script, script)
 
     @abc.abstractmethod
     def stubs(self, manifest: CompiledManifest, language: str) -> str | None:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from service.callbacks import CallbackSecrets
 from service.egress import EgressDenied
-from service.engines import Engines
+from service.engines import Engine, Engines
 from service.errors import EngineUnavailable, InvalidField, QueueFull, SessionNotFound
 from service.jobs.live import OWNER_FILE, SANDBOX_LIMITS, LiveJob, LiveJobs, ResolvedLimits, resolve_limits
 from service.normalize import Normalized, count, prepare
@@ -216,13 +216,11 @@ class Intake:
                 await engine.require_image(image)  # before any sandbox or job: a 503 naming the image
         ticket = self._admission.one_shot(caller.owner)
         try:
-            job, manifest = await self._new_job(limits, request, request.tools, request.toolset, caller)
+            job, manifest = await self._new_job(limits, request, request.tools, request.toolset, caller, engine)
         except BaseException:
             ticket.release()
             raise
         job.image = image
-        if engine is not None:
-            job.engine = engine.name
         return Admitted(job, request, manifest, ticket, None)
 
     def _image(self, request: ExecuteRequest, caller: Caller) -> str:
@@ -271,13 +269,13 @@ class Intake:
                 request.tools if own_tools else session.tools,
                 request.toolset if own_tools else session.toolset,
                 job_caller,
+                self._engines[session.engine] if self._engines is not None else None,
             )
         except BaseException:
             ticket.release()
             raise
         job.session_id = session.id
         job.image = session.image
-        job.engine = session.engine
         return Admitted(job, request, manifest, ticket, session)
 
     async def _new_job(
@@ -287,8 +285,10 @@ class Intake:
         tools: list[dict[str, Any]],
         toolset: str | None,
         caller: Caller,
+        engine: Engine | None,
     ) -> tuple[LiveJob, CompiledManifest]:
-        """A job for an admitted ``request`` (live from now on) and its compiled manifest (``tools`` or ``toolset``).
+        """A job for an admitted ``request`` (live from now on) and its compiled manifest (``tools`` or ``toolset``),
+        its script prepared by ``engine`` (``Engine.prepare``; None: the default engine's name, Python's repairs).
 
         Raises:
             ManifestError / InvalidField: the manifest is unusable.
@@ -300,7 +300,7 @@ class Intake:
         budget = self._admission.quotas.output(caller.owner)
 
         def script_and_files() -> tuple[Normalized, OutputLog, OutputLog]:  # CPU and file system: not on the loop
-            normalized = prepare(request.script, request.normalize)
+            normalized = (engine.prepare if engine is not None else prepare)(request.script, request.normalize)
             output_dir.mkdir(mode=0o700)
             (output_dir / OWNER_FILE).write_text(caller.owner)
             logs = [OutputLog(output_dir / name, inline, retain, budget) for name in ("stdout", "stderr")]
@@ -327,5 +327,7 @@ class Intake:
             normalized=normalized,
             output_budget=budget,
         )
+        if engine is not None:
+            job.engine = engine.name
         self._live.add(job)
         return job, manifest

@@ -26,7 +26,7 @@ from typing import Any
 
 from service import verdict
 from service.broker import Broker, BrokerConfig, CallMemory
-from service.engines import PYTHON, Engine, EngineRun, ExitStatus, Sandbox
+from service.engines import Engine, EngineRun, ExitStatus, Sandbox
 from service.files import OutputFiles
 from service.jobs.admission import Admitted, Ticket
 from service.jobs.events import CallEnded, Events, JobEnded, SandboxStarted, StatusChanged
@@ -145,7 +145,8 @@ class Runner:
                     await placement.ready()
                     stages.mark("sandbox-ready")
                     job.sandbox_id = sandbox.sandbox_id
-                    stubs = placement.stubs(self._engine(job).stubs(manifest, PYTHON))
+                    engine = self._engine(job)
+                    stubs = placement.stubs(engine.stubs(manifest, engine.language))
                     await self._lay_out(sandbox, job.script(request), stubs, broker)
                 finally:
                     await saving  # saved running before the script starts (a failed save ends the run, as before)
