@@ -29,6 +29,7 @@ call is read, checked, forwarded and recorded alike (``service.engines.interface
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from typing import Any
 import orjson
 from opentelemetry.trace import Span
 
+from service.broker.checks import INLINE_LINE_BYTES
 from service.broker.config import UNBOUNDED, BrokerConfig
 from service.broker.connection import Connections
 from service.broker.dispatch import Dispatcher
@@ -132,7 +134,12 @@ class Broker:
         request = await self._dispatcher.read(line)
         reply = await self._dispatcher.answer(request, len(line))
         reply.pop("id", None)
-        return reply
+        data = orjson.dumps(reply)  # a result may be the endpoint's body as it came (a fragment): made values
+        if len(data) <= INLINE_LINE_BYTES:
+            decoded: dict[str, Any] = orjson.loads(data)
+        else:
+            decoded = await asyncio.to_thread(orjson.loads, data)
+        return decoded
 
     async def close(self) -> None:
         """Stop listening and reading, cancel calls in flight (records end ``cancelled``), close connections: the
