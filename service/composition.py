@@ -342,7 +342,7 @@ def build_jobs(
     elsewhere = Elsewhere(store, replicas, waiters)
     views = JobViews(store, live, output_dir, cache, elsewhere)
     ending.jobs = SessionJobs(settings, sessions, sandboxes, admission, toolsets, runner, live, replicas, elsewhere)
-    recovery = Recovery(settings, backend, store, folders, quotas, events, cache, instance_labels, instance, replicas)
+    recovery = Recovery(settings, built, store, folders, quotas, events, cache, instance, replicas)
     webhooks = Webhooks(
         settings, store, views, cache, secrets, endpoints.egress, metrics, tasks, instance, replicas, single_tenant
     )

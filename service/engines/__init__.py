@@ -57,6 +57,14 @@ class Engines(Mapping[str, Engine]):
             raise ValueError(f"the engine {engine.name!r} does not run {language!r}")
         return engine
 
+    async def sweep(self) -> int:
+        """Every engine's sweep (``Engine.sweep``), in order; how many sandboxes were removed in all. Raises what the
+        first engine that cannot be asked raises (SandboxError)."""
+        removed = 0
+        for engine in self._engines.values():
+            removed += await engine.sweep()
+        return removed
+
     def warm(self) -> dict[str, int]:
         """Every engine's waiting sandboxes, by profile name (``Engine.warm``)."""
         return {profile: count for engine in self._engines.values() for profile, count in engine.warm().items()}

@@ -151,6 +151,11 @@ class ContainerEngine(Engine):
         when the backend cannot be asked."""
         await self.images.require(image)
 
+    async def sweep(self) -> int:
+        """Remove every container carrying this instance's labels (``SandboxBackend.remove_labelled``). Raises
+        SandboxError, EngineUnavailable."""
+        return await self.backend.remove_labelled(self._labels)
+
     def warm(self) -> dict[str, int]:
         """The warm pools' waiting sandboxes, by profile name."""
         return self.pool.sizes()

@@ -12,7 +12,7 @@ not change for it.
 - ``Engine``: the engine: its name, the languages it runs, how a script is prepared (``prepare``: Python's
   repairs) and its stubs, where a one-shot job's script runs
   (``take``, ``room_released``), a session's sandbox (``hold_room``, ``open_session``), its images
-  (``require_image``), its warm sandboxes (``warm``), its start and close.
+  (``require_image``), its warm sandboxes (``warm``), what an earlier run left (``sweep``), its start and close.
 - ``Sandbox``: where the engine runs a job's script, one at a time: the run's files (``lay_out``), how calls reach
   the broker (``connect``), the run itself (``run``), files in and out between runs, its removal.
 - ``EngineRun``: one running script: wait for its exit, signal it, kill it.
@@ -188,6 +188,12 @@ class Engine(abc.ABC):
         """Raise (``ImageUnusable``, a SandboxError) unless ``image`` (a name in ``PTC_IMAGES``) can run scripts
         here. The default accepts every name."""
         return None
+
+    async def sweep(self) -> int:
+        """Remove every sandbox of this instance the engine keeps outside this process (an earlier run's at start-up;
+        at shutdown, what escaped its owner); returns how many. Raises SandboxError (EngineUnavailable: the engine
+        cannot be asked). The default keeps none."""
+        return 0
 
     def warm(self) -> dict[str, int]:
         """Sandboxes started ahead of time and waiting, by profile name (the ``ptc_sandbox_pool_size`` gauge). The
