@@ -24,7 +24,8 @@ A ``Broker`` is four collaborating parts, one module each:
 
 Its limits are one frozen ``BrokerConfig`` (``config``). A script's calls reach it over its socket (``start``: a
 script in a container) or, from a script engine that runs in this process, one ``call`` at a time: either way a
-call is read, checked, forwarded and recorded alike (``service.engines.interface.CallPort``).
+call is read, checked, forwarded and recorded alike, and the runtime's report kept alike (``report``;
+``service.engines.interface.CallPort``).
 """
 
 from __future__ import annotations
@@ -140,6 +141,11 @@ class Broker:
         else:
             decoded = await asyncio.to_thread(orjson.loads, data)
         return decoded
+
+    def report(self, error: dict[str, Any] | None, ran_as_coroutine: bool = False) -> None:
+        """Keep a report of the script's runtime made from this process, as the line ``{"op": "report", "error":
+        error}`` would be (``CallRecords.note_report``: checked and capped, a claim only)."""
+        self.records.note_report(error, ran_as_coroutine)
 
     async def close(self) -> None:
         """Stop listening and reading, cancel calls in flight (records end ``cancelled``), close connections: the

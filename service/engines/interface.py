@@ -10,14 +10,14 @@ root's table (``service.composition.ENGINES``): the broker, the job model, the v
 not change for it.
 
 - ``Engine``: the engine: its name, the languages it runs, how a script is prepared (``prepare``: Python's
-  repairs) and its stubs, where a one-shot job's script runs
-  (``take``, ``room_released``), a session's sandbox (``hold_room``, ``open_session``), its images
-  (``require_image``), its warm sandboxes (``warm``), what an earlier run left (``sweep``), its start and close.
+  repairs), its stubs, where a one-shot job's script runs (``take``, ``room_released``), a session's sandbox
+  (``hold_room``, ``open_session``), its images (``require_image``), its warm sandboxes (``warm``), what an earlier
+  run left (``sweep``), its start and close.
 - ``Sandbox``: where the engine runs a job's script, one at a time: the run's files (``lay_out``), how calls reach
   the broker (``connect``), the run itself (``run``), files in and out between runs, its removal.
 - ``EngineRun``: one running script: wait for its exit, signal it, kill it.
 - ``CallPort``: what the broker offers an engine: a unix socket to listen on (``start``, for a sandbox in another
-  process) or one call at a time in this process (``call``).
+  process) or, in this process, one call at a time (``call``) and the runtime's report (``report``).
 """
 
 from __future__ import annotations
@@ -54,6 +54,11 @@ class CallPort(Protocol):
     async def call(self, tool: str, args: Any) -> dict[str, Any]:
         """Make one call from this process; returns the reply: ``{"ok": true, "result": value}`` or
         ``{"ok": false, "error": {"type", "message"}}`` (never raises for the call's own failure)."""
+
+    def report(self, error: dict[str, Any] | None, ran_as_coroutine: bool = False) -> None:
+        """Keep the runtime's report of the script's uncaught error (``type``, ``message``, ``line``, ...: the
+        script's claim, kept as ``script_report``, never the verdict) and whether it ran as a coroutine, as the
+        socket's ``{"op": "report"}`` line does."""
 
 
 class EngineRun(Protocol):

@@ -2,7 +2,8 @@
 
 Its language has one command a line: ``print <text>``, ``warn <text>`` (stderr), ``call <tool> <JSON arguments>``
 (through the broker's call port, in this process: the result printed as JSON, a failure to stderr and exit 1),
-``read <path>`` (a file the request gave), ``sleep <seconds>``, ``exit <code>``, ``tools`` (the stubs it was given).
+``read <path>`` (a file the request gave), ``sleep <seconds>``, ``exit <code>``, ``tools`` (the stubs it was given),
+``raise <type> <message>`` (reported to the broker as the runtime's report, then exit 1).
 It is one class (``ToyEngine``) and one row of the engines' table (``create_app(engines=...)``): the jobs it runs go
 through the real admission, runner, broker, views and store, with nothing else changed for it.
 """
@@ -69,6 +70,10 @@ class ToyRun:
                 await asyncio.sleep(float(rest))
             elif command == "exit":
                 return int(rest)
+            elif command == "raise":
+                kind, _, message = rest.partition(" ")
+                port.report({"type": kind, "message": message})
+                return 1
             elif command == "tools":
                 sink("stdout", files.get(".stubs", b""))
             elif command:
@@ -250,6 +255,10 @@ async def test_a_failed_call_and_an_exit_code_end_the_job_by_the_same_rules(serv
     assert [call["status"] for call in refused["calls"]] == ["rejected"]
     exited = await _execute(client, "print before\nexit 3\n")
     assert (exited["status"], exited["exit_code"], exited["stdout"]) == ("failed", 3, "before\n")
+    raised = await _execute(client, "raise MemoryError claimed, not true\n")  # the report rides along, no more
+    assert raised["status"] == "failed" and raised["error"]["type"] == "nonzero_exit", raised["error"]
+    report = raised["error"]["script_report"]
+    assert (report["type"], report["message"]) == ("MemoryError", "claimed, not true"), report
 
 
 async def test_a_client_executed_call_pauses_the_toy_job_until_it_is_answered(served: Served) -> None:
