@@ -1,13 +1,12 @@
-"""The app factory, ``create_app``: the composition root. It reads the settings, builds the services (in the
-lifespan: backend, endpoint clients, store, job manager), the middleware (metrics, authentication, body size),
-the error handler (``problems``) and the served OpenAPI document, and includes one router per resource
-(``routers/``). Routes reach the services through ``deps``."""
+"""The app factory, ``create_app``. It reads the settings, installs the middleware (metrics, authentication, body
+size), the error handler (``problems``) and the served OpenAPI document, includes one router per resource
+(``routers/``), and runs the lifespan: what it serves is built, started and closed by the composition root
+(``service.composition.open_services``). Routes reach the services through ``deps``."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -27,24 +26,18 @@ from service.api.routers import health as health_router
 from service.api.routers import jobs as jobs_router
 from service.api.routers import sessions as sessions_router
 from service.api.routers import tools as tools_router
-from service.composition import JobManager, build_jobs
-from service.egress import EgressPolicy, OwnAddress
+from service.composition import ENGINES, EngineFactory, JobManager, open_services
+from service.engines import CONTAINER
 from service.errors import InsecureConfig, SandboxError
-from service.idempotency import IdempotencyKeys
 from service.mcp import front as mcp_front
 from service.observability import telemetry
 from service.observability.metrics import HttpObserver, Metrics
 from service.observability.stages import StageTiming
 from service.replicas import internal
-from service.replicas.notify import Listener, Waiters
-from service.replicas.registration import Replicas
-from service.replicas.remote import Remote
 from service.sandbox.backend import SandboxBackend
 from service.sandbox.images import Images
 from service.settings import DEFAULT_IMAGE, Settings
-from service.store import job_store
 from service.tenancy import configure, single_tenant
-from service.toolkit.endpoints import EndpointClients
 from service.toolkit.validation import CheckScheduler
 
 log = logging.getLogger(__name__)
@@ -53,12 +46,21 @@ log = logging.getLogger(__name__)
 RESOURCES = (jobs_router, sessions_router, tools_router, health_router, docs_router)
 
 
-def create_app(settings: Settings | None = None, backend: SandboxBackend | None = None) -> FastAPI:
-    """Build the service.
+def create_app(
+    settings: Settings | None = None,
+    backend: SandboxBackend | None = None,
+    *,
+    engines: Mapping[str, EngineFactory] = ENGINES,
+    default_engine: str = CONTAINER,
+) -> FastAPI:
+    """Build the service: its middleware, routers and lifespan; the lifespan builds and starts what it serves
+    (``composition.open_services``) and closes it.
 
     Args:
         settings: configuration; default: read from ``PTC_*`` environment variables.
         backend: sandbox backend; default: ``DockerBackend`` on ``settings.docker_host``.
+        engines: the script engines (name -> factory, ``composition.ENGINES``); ``default_engine`` runs every
+            request (tests register their own).
 
     Raises:
         InsecureConfig: the authentication settings are unusable or unsafe (``auth.configure``).
@@ -84,85 +86,33 @@ def create_app(settings: Settings | None = None, backend: SandboxBackend | None 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        nonlocal backend
-        if backend is None:
-            from service.sandbox.docker import DockerBackend
-
-            backend = DockerBackend(
-                settings.docker_host, max_workers=4 * settings.concurrency() + 8, runtime=settings.runtime
-            )
-        endpoints = EndpointClients(
-            settings.tool_timeout_s,
-            settings.max_tool_result_bytes,
-            EgressPolicy(settings.egress_allow, own=[OwnAddress.of(settings.host, settings.port)]),
-        )
-        store = job_store(settings)
-        await store.open()  # migrations first (docs/operations.md, Job store); a PostgreSQL down refuses the start
-        app.state.store = store
-        replicas = app.state.replicas = Replicas(
-            settings, store, on_count=metrics.set_replicas, on_renewal=metrics.lease_renewal
-        )
-        waiters = Waiters() if settings.store_url is not None else None
-        if waiters is not None:
-            waiters.on_replicas = replicas.refresh_soon
-        jobs = build_jobs(
-            settings, backend, endpoints, store, metrics, replicas, waiters, single_tenant=single_tenant(keys)
-        )
-        await jobs.start()  # registers this replica (after the work-dir lock, before the sweep)
-        incarnation = replicas.incarnation
-        verifier.target = f"{incarnation.instance_id}.{incarnation.epoch}"  # signed calls to this incarnation only
-        replicas.on_registry.append(
-            lambda rows: endpoints.egress.refuse_peers(row.internal_url for row in rows if row.holds_lease)
-        )  # the egress rules refuse every live replica's internal address, as this one's own
-        endpoints.egress.refuse_peers(row.internal_url for row in replicas.registry.values() if row.holds_lease)
-        replicas.start()
-        idempotency = IdempotencyKeys(store, replicas.incarnation)  # claims carry this incarnation
-        if waiters is not None:
-            waiters.on_keys = idempotency.wake_digest  # ptc_keys: another replica bound or released a claim
-        if secrets:
-            app.state.remote = Remote(secrets[0], settings.instance(), single_tenant=single_tenant(keys))
-            app.state.remote.alive = lambda owner: replicas.holds_now(owner.instance_id, owner.epoch)
-        listener = None
-        if waiters is not None and settings.store_url is not None:  # LISTEN: wait on other replicas' jobs
-            listener = Listener(
-                settings.store_url.get_secret_value(), waiters, settings.store_timeout_s, metrics.listener_reconnected
-            )
-            app.state.listener = listener  # /readyz: not ready while it re-opens
-            listener.start()
-            try:  # a wait must not miss an end for want of a listener; a slow store only delays it
-                await asyncio.wait_for(listener.listening.wait(), settings.store_timeout_s)
-            except TimeoutError:
-                log.warning("the store's notifications are not received yet: waits on other replicas' jobs lag")
-        app.state.jobs, app.state.backend = jobs, backend
-        app.state.idempotency = idempotency
-        _serve(app.state, jobs)
-        ok, reason = await backend.ready(settings.sandbox_image)
+        services = await open_services(
+            settings, metrics, verifier, secrets,
+            backend=backend, single_tenant=single_tenant(keys), engines=engines, default_engine=default_engine,
+        )  # fmt: skip
+        state = app.state
+        state.store, state.replicas, state.remote, state.listener = (
+            services.store, services.replicas, services.remote, services.listener,
+        )  # fmt: skip  # /readyz: not ready while the listener re-opens
+        state.jobs, state.backend, state.idempotency = services.jobs, services.backend, services.idempotency
+        _serve(state, services.jobs)
+        ok, reason = await services.backend.ready(settings.sandbox_image)
         if not ok:
             log.warning("not ready yet: %s (GET /readyz answers 503 until this is fixed)", reason)
-        await _check_images(backend, settings)
+        await _check_images(services.backend, settings)
         log.info(
             "ptc-sandbox %s ready: instance %s, image %s, store %s",
             __version__,
             settings.instance(),
             settings.sandbox_image,
-            store.describe(),  # never the password
+            services.store.describe(),  # never the password
         )
         try:
             async with mcp_front.lifespan(app, mcp_endpoint, settings.mcp_toolset):
                 yield
         finally:
-            if listener is not None:
-                await listener.close()
-            await jobs.close()
-            await idempotency.drain()  # claims of requests that failed: released before the store closes
-            await replicas.close()  # after its jobs' last saves: ``left``
-            await asyncio.to_thread(telemetry.flush)  # the spans of the jobs just ended too
-            app.state.bodies.close()
-            await endpoints.aclose()
-            if app.state.remote is not None:
-                await app.state.remote.aclose()
-            await store.close()
-            await backend.close()
+            await services.close()
+            state.bodies.close()
 
     # No trailing-slash redirects: Starlette would build their Location from the request's Host header.
     # /docs and /redoc are docs_router's: FastAPI's own would load their scripts from a CDN.

@@ -22,17 +22,23 @@ A ``Broker`` is four collaborating parts, one module each:
   the loop), forwarded to its endpoint and recorded (``Dispatcher``);
 - ``paused``: calls that wait for the harness (``PausedCalls``): client-executed calls and calls awaiting approval.
 
-Its limits are one frozen ``BrokerConfig`` (``config``).
+Its limits are one frozen ``BrokerConfig`` (``config``). A script's calls reach it over its socket (``start``: a
+script in a container) or, from a script engine that runs in this process, one ``call`` at a time: either way a
+call is read, checked, forwarded and recorded alike, and the runtime's report kept alike (``report``;
+``service.engines.interface.CallPort``).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import orjson
 from opentelemetry.trace import Span
 
+from service.broker.checks import INLINE_LINE_BYTES
 from service.broker.config import UNBOUNDED, BrokerConfig
 from service.broker.connection import Connections
 from service.broker.dispatch import Dispatcher
@@ -91,7 +97,7 @@ class Broker:
         memory = memory or CallMemory(UNBOUNDED, UNBOUNDED)
         self.records = CallRecords(config, memory, budget)
         self.paused = PausedCalls(config, on_paused_calls)
-        dispatcher = Dispatcher(
+        self._dispatcher = dispatcher = Dispatcher(
             tools,
             endpoints,
             config,
@@ -104,14 +110,47 @@ class Broker:
             on_call_end=on_call_end,
         )
         self._connections = Connections(config, dispatcher)
+        self._in_process_calls = 0
+        self._closed = False
 
     async def start(self, path: Path) -> None:
         """Listen on ``path`` (a unix socket, mode 0666 so the sandbox user can connect)."""
         await self._connections.start(path)
 
+    async def call(self, tool: str, args: Any) -> dict[str, Any]:
+        """Make one call of ``tool`` with ``args`` (JSON values) from this process, as the line
+        ``{"id": n, "tool": tool, "args": args}`` on the socket would be: read, checked, forwarded and recorded.
+
+        Returns the reply: ``{"ok": true, "result": value}`` or ``{"ok": false, "error": {"type", "message"}}``
+        (``bad_request`` for arguments JSON cannot carry, ``cancelled`` once the broker is closed). Raises only
+        CancelledError (the call's record then ends ``cancelled`` at ``close``).
+        """
+        if self._closed:
+            return {"ok": False, "error": {"type": "cancelled", "message": "the job's broker is closed"}}
+        self._in_process_calls += 1
+        try:
+            line = orjson.dumps({"id": self._in_process_calls, "tool": tool, "args": args})
+        except TypeError as exc:
+            return {"ok": False, "error": {"type": "bad_request", "message": f"the arguments are not JSON: {exc}"}}
+        request = await self._dispatcher.read(line)
+        reply = await self._dispatcher.answer(request, len(line))
+        reply.pop("id", None)
+        data = orjson.dumps(reply)  # a result may be the endpoint's body as it came (a fragment): made values
+        if len(data) <= INLINE_LINE_BYTES:
+            decoded: dict[str, Any] = orjson.loads(data)
+        else:
+            decoded = await asyncio.to_thread(orjson.loads, data)
+        return decoded
+
+    def report(self, error: dict[str, Any] | None, ran_as_coroutine: bool = False) -> None:
+        """Keep a report of the script's runtime made from this process, as the line ``{"op": "report", "error":
+        error}`` would be (``CallRecords.note_report``: checked and capped, a claim only)."""
+        self.records.note_report(error, ran_as_coroutine)
+
     async def close(self) -> None:
         """Stop listening and reading, cancel calls in flight (records end ``cancelled``), close connections: the
         records are final."""
+        self._closed = True
         await self._connections.stop()
         self.records.cancel_pending()
         await self._connections.wait_closed()

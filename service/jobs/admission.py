@@ -20,12 +20,13 @@ from typing import Any, Protocol
 
 from service.callbacks import CallbackSecrets
 from service.egress import EgressDenied
+from service.engines import Engine, Engines
 from service.errors import EngineUnavailable, InvalidField, QueueFull, SessionNotFound
 from service.jobs.live import OWNER_FILE, SANDBOX_LIMITS, LiveJob, LiveJobs, ResolvedLimits, resolve_limits
 from service.normalize import Normalized, count, prepare
 from service.output import OutputLog
 from service.quotas import Quotas
-from service.sandbox.images import Images, image_name
+from service.sandbox.images import image_name
 from service.schemas.job_models import ExecuteRequest
 from service.sessions.manager import Session, SessionManager
 from service.settings import DEFAULT_IMAGE, Settings
@@ -153,7 +154,9 @@ class Intake:
         secrets: callback secrets (a callback needs one for its owner).
         output_dir: where each job's output folder is made.
         live: the live jobs (job id -> job): a new job joins it.
-        images: the images of ``PTC_IMAGES``; a one-shot job's must be usable (None: not checked).
+        engines: the script engines: a job's is chosen here (``Engines.choose``; a session's script: its
+            session's), and a one-shot job's image must be usable by it (``Engine.require_image``); None: the
+            default engine's name, images not checked.
     """
 
     def __init__(
@@ -166,9 +169,9 @@ class Intake:
         secrets_: CallbackSecrets,
         output_dir: Path,
         live: LiveJobs,
-        images: Images | None = None,
+        engines: Engines | None = None,
     ) -> None:
-        self._images = images
+        self._engines = engines
         self._settings = settings
         self._admission = admission
         self._toolsets = toolsets
@@ -208,12 +211,13 @@ class Intake:
                 raise InvalidField(str(exc), ("body", "callback_url")) from exc
         if request.session_id is not None:
             return await self._admit_to_session(request, limits, caller, request.session_id)
-        if self._images is not None and image != DEFAULT_IMAGE:  # the default image: /readyz, as before images
+        engine = self._engines.choose() if self._engines is not None else None
+        if engine is not None and image != DEFAULT_IMAGE:  # the default image: /readyz, as before images
             with contextlib.suppress(EngineUnavailable):  # the job's start reports it, as any job's does
-                await self._images.require(image)  # before any sandbox or job: a 503 naming the image
+                await engine.require_image(image)  # before any sandbox or job: a 503 naming the image
         ticket = self._admission.one_shot(caller.owner)
         try:
-            job, manifest = await self._new_job(limits, request, request.tools, request.toolset, caller)
+            job, manifest = await self._new_job(limits, request, request.tools, request.toolset, caller, engine)
         except BaseException:
             ticket.release()
             raise
@@ -266,6 +270,7 @@ class Intake:
                 request.tools if own_tools else session.tools,
                 request.toolset if own_tools else session.toolset,
                 job_caller,
+                self._engines[session.engine] if self._engines is not None else None,
             )
         except BaseException:
             ticket.release()
@@ -281,8 +286,10 @@ class Intake:
         tools: list[dict[str, Any]],
         toolset: str | None,
         caller: Caller,
+        engine: Engine | None,
     ) -> tuple[LiveJob, CompiledManifest]:
-        """A job for an admitted ``request`` (live from now on) and its compiled manifest (``tools`` or ``toolset``).
+        """A job for an admitted ``request`` (live from now on) and its compiled manifest (``tools`` or ``toolset``),
+        its script prepared by ``engine`` (``Engine.prepare``; None: the default engine's name, Python's repairs).
 
         Raises:
             ManifestError / InvalidField: the manifest is unusable.
@@ -294,7 +301,7 @@ class Intake:
         budget = self._admission.quotas.output(caller.owner)
 
         def script_and_files() -> tuple[Normalized, OutputLog, OutputLog]:  # CPU and file system: not on the loop
-            normalized = prepare(request.script, request.normalize)
+            normalized = (engine.prepare if engine is not None else prepare)(request.script, request.normalize)
             output_dir.mkdir(mode=0o700)
             (output_dir / OWNER_FILE).write_text(caller.owner)
             logs = [OutputLog(output_dir / name, inline, retain, budget) for name in ("stdout", "stderr")]
@@ -321,5 +328,7 @@ class Intake:
             normalized=normalized,
             output_budget=budget,
         )
+        if engine is not None:
+            job.engine = engine.name
         self._live.add(job)
         return job, manifest

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry.trace import Span
 
 from service.broker import Broker
+from service.engines import CONTAINER
 from service.errors import EngineUnavailable, FileRefused, RequestLimitError, SandboxError
 from service.files import FileBudget, OutputFiles
 from service.jobs.model import INTERNAL_ERROR, SERVICE_STOPPED, ErrorType, Failure, Job, JobStatus
@@ -125,6 +126,7 @@ class LiveJob(Job):
     sandbox_id: str | None = None  # the engine's container id, once the job has one
     session_id: str | None = None  # the session it runs in (not counted in the admission of one-shot jobs)
     image: str = DEFAULT_IMAGE  # the name (in PTC_IMAGES) of its sandbox's image
+    engine: str = CONTAINER  # the name of the script engine that runs it (``service.engines``); not in its view
     stop_reason: str | None = None  # why a stop was asked, when not by POST /jobs/{id}/stop
     normalized: Normalized | None = None  # the script's normalization (no repairs when switched off)
     output_files: OutputFiles | None = None  # what the script left in outputs/, once its run began

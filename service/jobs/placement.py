@@ -1,7 +1,8 @@
 """Where a job's script runs: the two placements of the one run path (``service.jobs.runner``).
 
-- ``OneShot``: a script slot, then a sandbox of the warm pool (``warm``) or a new one (``cold``, room committed
-  on the host first); destroyed once the job's final view is saved.
+- ``OneShot``: a script slot, then a sandbox of the job's engine (``Engine.take``: for the container engine a
+  sandbox of the warm pool, ``warm``, or a new one, ``cold``, room committed on the host first); destroyed once
+  the job's final view is saved.
 - ``InSession``: the session's turn, then a script slot, in the session's sandbox (``session``), which is kept
   for the session's next script; a sandbox found broken ends its session.
 
@@ -14,24 +15,15 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 from service.broker import Broker
+from service.engines import Engine, Engines, Sandbox
 from service.jobs.admission import Admission, Ticket
 from service.jobs.live import LiveJob, now
 from service.jobs.model import JobStatus, session_closed, stopped_before_start
 from service.jobs.tasks import Tasks
-from service.quotas import HostCapacity
-from service.sandbox.backend import SandboxBackend
-from service.sandbox.images import Images
-from service.sandbox.labels import LABEL_JOB
-from service.sandbox.pool import WarmPools
-from service.sandbox.ports import StopHook
-from service.sandbox.resident import ResidentSandbox
-from service.sandbox.spec import sandbox_spec
 from service.sessions.manager import Session, SessionManager
-from service.settings import Settings
 from service.slots import OwnerSlot
 
 log = logging.getLogger(__name__)
@@ -66,23 +58,13 @@ async def acquire(job: LiveJob, slots: Acquirable) -> bool:
 
 @dataclass
 class Sandboxes:
-    """What placements take sandboxes and slots from.
+    """What placements take sandboxes and slots from: the engines (``Engine.take``), the script slots and the
+    sessions; ``removals`` the removals of one-shot sandboxes under way (awaited at shutdown)."""
 
-    ``instance_labels`` go on every sandbox of this instance (the start-up sweep removes them);
-    ``jobs_dir`` holds one-shot jobs' folders; ``removals`` the removals of one-shot sandboxes under way;
-    ``images`` the images of ``PTC_IMAGES`` as the engine knows them (None: made from the settings when needed).
-    """
-
-    backend: SandboxBackend
-    pool: WarmPools
-    capacity: HostCapacity
+    engines: Engines
     admission: Admission
     sessions: SessionManager
-    jobs_dir: Path
-    instance_labels: dict[str, str]
     removals: set[asyncio.Future[None]]
-    images: Images | None = None
-    on_stop: StopHook | None = None  # told of each one-shot sandbox removed (the sandbox_stop log event)
 
 
 class Placement(Protocol):
@@ -90,7 +72,7 @@ class Placement(Protocol):
 
     mode: str | None
 
-    async def enter(self) -> ResidentSandbox | None:
+    async def enter(self) -> Sandbox | None:
         """Wait for the job's turn and sandbox; None when it ended first (its status and error are set)."""
         ...
 
@@ -98,8 +80,8 @@ class Placement(Protocol):
         """Start the sandbox if it is not started yet (the job is ``running`` by then)."""
         ...
 
-    def stubs(self, stub_source: str) -> str | None:
-        """The ``tools`` package to write, None when the sandbox holds this one already."""
+    def stubs(self, stubs: str | None) -> str | None:
+        """The stubs to lay out (the engine's, ``Engine.stubs``), None when the sandbox holds these already."""
         ...
 
     async def leave(self, broker: Broker) -> None:
@@ -112,58 +94,43 @@ class Placement(Protocol):
 
 
 class OneShot:
-    """A pooled or cold sandbox of its own, destroyed after the job."""
+    """A sandbox of its own from the job's engine (pooled or cold for the container engine), destroyed after the
+    job."""
 
-    def __init__(self, sandboxes: Sandboxes, settings: Settings, job: LiveJob) -> None:
+    def __init__(self, sandboxes: Sandboxes, engine: Engine, job: LiveJob) -> None:
         self._sandboxes = sandboxes
+        self._engine = engine
         self._job = job
-        labels = {**sandboxes.instance_labels, LABEL_JOB: job.id}
-        self._spec = sandbox_spec(settings, job.limits, {}, sandboxes.jobs_dir / job.id, labels, job.image)
         self._slot: OwnerSlot | None = None
-        self._sandbox: ResidentSandbox | None = None
+        self._sandbox: Sandbox | None = None
         self.mode: str | None = None
 
-    async def enter(self) -> ResidentSandbox | None:
-        """A script slot and a sandbox: a pooled one, or a new one (not started) with room committed on the host.
+    async def enter(self) -> Sandbox | None:
+        """A script slot and a sandbox (``Engine.take``: started already, ``warm``, or not yet, ``cold``).
 
-        Room is taken from idle pooled sandboxes when needed; when there is none, the job gives its slot back
-        and waits (still ``queued``) for room to be released, so that a job waiting for room never holds a slot
-        a session's script would need to end.
+        When the engine has no room for it, the job gives its slot back and waits (still ``queued``) for room to
+        be released (``Engine.room_released``), so that a job waiting for room never holds a slot a session's
+        script would need to end.
         """
-        job, spec, sandboxes = self._job, self._spec, self._sandboxes
-        capacity, slot = sandboxes.capacity, sandboxes.admission.slot(job.owner)
-
-        def fits() -> bool:
-            return capacity.shortfall(spec.memory_mb, spec.cpus) is None
-
+        job, engine = self._job, self._engine
+        slot = self._sandboxes.admission.slot(job.owner)
         while await acquire(job, slot):
-            sandbox = sandboxes.pool.take(spec, job.owner)
-            if sandbox is None and sandboxes.pool.evict(fits):
-                sandbox = ResidentSandbox(sandboxes.backend, spec, sandboxes.on_stop)
-                sandbox.commitment = capacity.commit(spec.memory_mb, spec.cpus)  # given back at its removal
+            sandbox = engine.take(job.id, job.owner, job.limits, job.image)
             if sandbox is not None:
                 self._slot, self._sandbox = slot, sandbox
-                self.mode = "warm" if sandbox.handle is not None else "cold"
+                self.mode = "warm" if sandbox.started else "cold"
                 return sandbox
             slot.release()
-            changed = asyncio.ensure_future(capacity.changed().wait())
-            stopped = asyncio.ensure_future(job.stop_requested.wait())
-            capacity.waiting += 1
-            try:
-                await asyncio.wait({changed, stopped}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                capacity.waiting -= 1
-                changed.cancel()
-                stopped.cancel()
+            await engine.room_released(job.stop_requested)
         job.end(JobStatus.STOPPED, stopped_before_start())
         return None
 
     async def ready(self) -> None:
-        if self._sandbox is not None and self._sandbox.handle is None:
+        if self._sandbox is not None and not self._sandbox.started:
             await self._sandbox.start()
 
-    def stubs(self, stub_source: str) -> str | None:
-        return stub_source
+    def stubs(self, stubs: str | None) -> str | None:
+        return stubs
 
     async def leave(self, broker: Broker) -> None:
         if self._slot is not None:
@@ -199,7 +166,7 @@ class InSession:
         self._slot: OwnerSlot | None = None
         self.mode: str | None = "session"
 
-    async def enter(self) -> ResidentSandbox | None:
+    async def enter(self) -> Sandbox | None:
         job, session = self._job, self._session
         self._turn = await acquire(job, session.turn)
         self._ticket.leave_queue()
@@ -223,10 +190,10 @@ class InSession:
     async def ready(self) -> None:
         pass
 
-    def stubs(self, stub_source: str) -> str | None:
-        stubs = None if self._session.stub_source == stub_source else stub_source
-        self._session.stub_source = stub_source
-        return stubs
+    def stubs(self, stubs: str | None) -> str | None:
+        laid_out = None if self._session.stub_source == stubs else stubs
+        self._session.stub_source = stubs
+        return laid_out
 
     async def leave(self, broker: Broker) -> None:
         session, job = self._session, self._job

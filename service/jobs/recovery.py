@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO
 
 from service import workdir
+from service.engines import Engines
 from service.errors import SandboxError
 from service.files import FILES_FOLDER
 from service.jobs.events import Events, JobLost
@@ -28,7 +29,6 @@ from service.output import CappedStream, read_range
 from service.quotas import Quotas
 from service.replicas.reaper import lost_row
 from service.replicas.registration import Replicas
-from service.sandbox.backend import SandboxBackend
 from service.sandbox.folders import SandboxFolders
 from service.settings import Settings
 from service.store import JobStore, StoredJob
@@ -42,13 +42,12 @@ class Recovery:
 
     Args:
         settings: ``work_dir``, retention settings.
-        backend: removes the sandboxes an earlier run left (by ``instance_labels``).
+        engines: remove the sandboxes an earlier run of this instance left (``Engines.sweep``).
         store: the job store.
         folders: the sandbox folders (a tmpfs, opened here).
         quotas: output budgets per owner.
         events: ``JobLost`` is published for each job marked lost.
         cache: ended jobs' views kept for reading (a purged job leaves it).
-        instance_labels: the labels of this instance's sandboxes.
         instance: this instance's id.
         replicas: registered in the store once the work dir is locked, before anything is swept (None: not, for
             tests of the sweep alone).
@@ -57,24 +56,22 @@ class Recovery:
     def __init__(
         self,
         settings: Settings,
-        backend: SandboxBackend,
+        engines: Engines,
         store: JobStore,
         folders: SandboxFolders,
         quotas: Quotas,
         events: Events,
         cache: render.ViewCache,
-        instance_labels: dict[str, str],
         instance: str,
         replicas: Replicas | None = None,
     ) -> None:
         self._settings = settings
-        self._backend = backend
+        self._engines = engines
         self._store = store
         self._folders = folders
         self._quotas = quotas
         self._events = events
         self._views = cache
-        self._instance_labels = instance_labels
         self._instance = instance
         self._replicas = replicas
         self.jobs_dir = folders.path / "jobs"
@@ -92,7 +89,7 @@ class Recovery:
         and pool has removed its own: none should remain then); returns how many. A removal logs a warning
         naming ``which`` they were; an engine that cannot be asked is logged, not raised."""
         try:
-            removed = await self._backend.remove_labelled(self._instance_labels)
+            removed = await self._engines.sweep()
         except SandboxError as exc:
             log.warning("could not sweep sandboxes of instance %s: %s", self._instance, exc)
             return 0

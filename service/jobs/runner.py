@@ -1,12 +1,13 @@
 """The run of a job: one path, two placements.
 
 ``Runner.start`` runs an admitted job as a task. The path is the same for every job: let its placement find it a
-sandbox (waiting for a script slot, or its session's turn), saving it ``queued`` if that takes more than a few
-milliseconds (``Runner._enter``); save it ``running`` while the script (and the generated ``tools`` package) is
-written into the sandbox's folder and its broker's socket opened; once that save is done, let the script go;
+sandbox of the job's engine (waiting for a script slot, or its session's turn), saving it ``queued`` if that takes
+more than a few milliseconds (``Runner._enter``); save it ``running`` while the script and the engine's stubs are
+laid out in the sandbox and the calls connected to the job's broker; once that save is done, let the script go;
 enforce ``timeout_s`` and stop requests (``_supervise``); set the final status by the end-of-run rules
 (``model.end_of_run``); save the final view; only then tell anyone (``events.JobEnded``); and finally give the
-sandbox back. The placements (``service.jobs.placement``):
+sandbox back. The run path speaks to the engine's interface only (``service.engines``: ``Sandbox``,
+``EngineRun``, ``Engine.stubs``), never to a sandbox backend. The placements (``service.jobs.placement``):
 
 one-shot (a pooled or a cold sandbox, destroyed after the job), or in-session (the session's, kept for its next script).
 
@@ -25,6 +26,7 @@ from typing import Any
 
 from service import verdict
 from service.broker import Broker, BrokerConfig, CallMemory
+from service.engines import Engine, EngineRun, ExitStatus, Sandbox
 from service.files import OutputFiles
 from service.jobs.admission import Admitted, Ticket
 from service.jobs.events import CallEnded, Events, JobEnded, SandboxStarted, StatusChanged
@@ -35,8 +37,6 @@ from service.jobs.shared import SHARE_AT_ONCE, keep_output
 from service.jobs.tasks import Tasks, until_done
 from service.observability import stages, telemetry
 from service.replicas.registration import Replicas
-from service.sandbox.backend import ExitStatus, write_run_files
-from service.sandbox.resident import KILL_CONFIRM_S, ResidentRun, ResidentSandbox
 from service.settings import Settings
 from service.store import JobStore
 from service.toolkit.cache import CompiledManifest
@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 
 KILL_WAIT_S = 30.0  # how long the sandbox may take to confirm the script's exit after its SIGKILL
 STATUS_SAVE_INTERVAL_S = 0.5  # least time between two saves of a live job's status (running / waiting flips)
-INLINE_SCRIPT_CHARS = 4096  # a script this small, with no stubs to write, is written on the loop
 QUEUED_SAVE_GRACE_S = 0.005  # a job that finds its sandbox within this is not saved ``queued`` first (Runner._enter)
 
 
@@ -60,7 +59,7 @@ class Runner:
         settings: tool-call and output limits, ``stop_grace_s``.
         store: the job store (every status change is saved there first).
         events: where lifecycle events are published.
-        sandboxes: what the one-shot placement takes sandboxes from (pool, backend, host capacity).
+        sandboxes: what placements take sandboxes from (the engines, script slots, sessions).
         endpoints: shared endpoint clients of every job's broker.
         call_memory: the service-wide bounds of call records and calls in flight.
         checks: the validation threads of tool-call arguments.
@@ -110,7 +109,7 @@ class Runner:
         job.trace_id = telemetry.trace_id(job.span)
         placement: Placement
         if admitted.session is None:
-            placement = OneShot(self._sandboxes, self._settings, job)
+            placement = OneShot(self._sandboxes, self._engine(job), job)
         else:
             placement = InSession(admitted.session, self._sandboxes, ticket, job, self._tasks)
         task = self._tasks.spawn(self.run(admitted, placement), f"job {job.id}")
@@ -145,8 +144,10 @@ class Runner:
                     started = time.monotonic()  # a cold job's time limit includes its sandbox's start
                     await placement.ready()
                     stages.mark("sandbox-ready")
-                    job.sandbox_id = sandbox.handle.id[:12] if sandbox.handle is not None else None
-                    await self._lay_out(sandbox, job.script(request), placement.stubs(manifest.stub_source), broker)
+                    job.sandbox_id = sandbox.sandbox_id
+                    engine = self._engine(job)
+                    stubs = placement.stubs(engine.stubs(manifest, engine.language))
+                    await self._lay_out(sandbox, job.script(request), stubs, broker)
                 finally:
                     await saving  # saved running before the script starts (a failed save ends the run, as before)
                     stages.mark("saved-running")
@@ -175,7 +176,11 @@ class Runner:
         finally:
             await asyncio.shield(self._cleanup(job, broker, admitted.ticket, placement))
 
-    async def _enter(self, job: LiveJob, placement: Placement) -> ResidentSandbox | None:
+    def _engine(self, job: LiveJob) -> Engine:
+        """The job's engine (chosen at its admission, kept by name)."""
+        return self._sandboxes.engines[job.engine]
+
+    async def _enter(self, job: LiveJob, placement: Placement) -> Sandbox | None:
         """The job's sandbox from ``placement`` (None: the job ended first). A job that has it within
         ``QUEUED_SAVE_GRACE_S`` is saved first as ``running`` (one save fewer); one that waits longer (its session's
         turn, a slot, room) is saved ``queued`` meanwhile. Either way its first save precedes its answer."""
@@ -193,14 +198,12 @@ class Runner:
                     await entering
 
     @staticmethod
-    async def _lay_out(sandbox: ResidentSandbox, script: str, stubs: str | None, broker: Broker) -> None:
-        """Write the run's files into the sandbox's folder, then let its broker listen on ``tools.sock`` there."""
-        if stubs is None and len(script) <= INLINE_SCRIPT_CHARS:  # a few small writes: less than a hand-off
-            write_run_files(sandbox.folder, script, stubs)
-        else:
-            await asyncio.to_thread(write_run_files, sandbox.folder, script, stubs)
+    async def _lay_out(sandbox: Sandbox, script: str, stubs: str | None, broker: Broker) -> None:
+        """Give the sandbox the run's script and stubs, then connect its calls to the job's broker (the container
+        engine: the broker listens on ``tools.sock`` in the sandbox's folder)."""
+        await sandbox.lay_out(script, stubs)
         stages.mark("run-files-written")
-        await broker.start(sandbox.folder / "tools.sock")
+        await sandbox.connect(broker)
         stages.mark("broker-listening")
 
     def _new_broker(self, job: LiveJob, manifest: CompiledManifest) -> Broker:
@@ -252,7 +255,7 @@ class Runner:
         job.stored.set()
         self._events.publish(StatusChanged(job))
 
-    async def _supervise(self, job: LiveJob, run: ResidentRun, started: float) -> tuple[ExitStatus, EndedBy | None]:
+    async def _supervise(self, job: LiveJob, run: EngineRun, started: float) -> tuple[ExitStatus, EndedBy | None]:
         """Wait for the script to exit, its time limit, or a stop request; returns (exit, what the service asked).
 
         The first of the time limit and a stop that is decided wins (a stop during the SIGTERM grace does not
@@ -390,4 +393,5 @@ class Runner:
             job.stop_reason = reason
         job.stop_requested.set()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(job.done.wait(), self._settings.stop_grace_s + KILL_CONFIRM_S + 1)
+            confirm_s = self._engine(job).kill_confirm_s
+            await asyncio.wait_for(job.done.wait(), self._settings.stop_grace_s + confirm_s + 1)

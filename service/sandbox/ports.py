@@ -3,12 +3,14 @@
 ``HostRoom`` is the host capacity sandboxes commit to (``service.quotas.HostCapacity``), ``Held`` one sandbox's
 commitment (``quotas.Commitment``), ``OutputCollector`` a run's output files as checked frames
 (``service.files.OutputFiles``), ``StopHook`` the report of a removed sandbox (``observability.logs``'s
-``sandbox_stop`` event, handed in by the composition root).
+``sandbox_stop`` event, handed in by the composition root), ``CallSocket`` the job's broker listening for a run's
+tool calls (``service.broker.Broker``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 
@@ -53,6 +55,13 @@ class OutputCollector(Protocol):
 
     def discard(self) -> None:
         """Forget every file (the run broke the protocol mid-way)."""
+
+
+class CallSocket(Protocol):
+    """Where a run's tool calls go: the job's broker, listening on a unix socket in the sandbox's folder."""
+
+    async def start(self, path: Path) -> None:
+        """Listen on the unix socket ``path`` (mode 0666, so the sandbox user can connect)."""
 
 
 StopHook = Callable[[str | None, str, float, str, str | None], None]

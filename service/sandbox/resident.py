@@ -34,9 +34,17 @@ import orjson
 from ptc_runtime import protocol
 
 from service.errors import FileRefused, NoSuchFile, SandboxError
-from service.sandbox.backend import ExitStatus, OutputSink, SandboxBackend, SandboxHandle, SandboxSpec, Stream
+from service.sandbox.backend import (
+    ExitStatus,
+    OutputSink,
+    SandboxBackend,
+    SandboxHandle,
+    SandboxSpec,
+    Stream,
+    write_run_files,
+)
 from service.sandbox.labels import LABEL_SANDBOX
-from service.sandbox.ports import Held, OutputCollector, StopHook
+from service.sandbox.ports import CallSocket, Held, OutputCollector, StopHook
 from service.unix_sockets import bind_unix
 
 log = logging.getLogger(__name__)
@@ -52,6 +60,7 @@ _STREAMS: dict[str, Stream] = {"stdout": "stdout", "stderr": "stderr"}
 _FILE_FRAMES = frozenset((protocol.DATA, protocol.FILE, protocol.SKIPPED, protocol.ENTRY, protocol.DONE))
 SIGNAL_NUMBERS = {protocol.SIGTERM: 15, protocol.SIGKILL: 9}  # the signals the service sends (Linux numbers)
 INLINE_ENV_BYTES = 16 * 1024  # a run's env file up to this size is written on the event loop (a few small writes)
+INLINE_SCRIPT_CHARS = 4096  # a script this small, with no stubs to write, is written on the event loop
 FILE_OP_TIMEOUT_S = 60.0  # how long a file request may take in the sandbox before the sandbox is given up
 _FILE_ERRORS = frozenset(("not_found", "not_a_file", "too_large", "invalid_path", "no_space", "failed"))
 
@@ -147,6 +156,34 @@ class ResidentSandbox:
         self.features: frozenset[str] = frozenset()  # what the runtime said it serves (its hello)
         self._requests: dict[str, _FileRequest] = {}
         self._request_ids = 0
+
+    @property
+    def started(self) -> bool:
+        """Whether its container runs (a pooled or session sandbox; a cold one after ``start``)."""
+        return self.handle is not None
+
+    @property
+    def sandbox_id(self) -> str | None:
+        """The container's short id (12 hex digits), as views show it; None before ``start``."""
+        return self.handle.id[:12] if self.handle is not None else None
+
+    async def lay_out(self, script: str, stubs: str | None) -> None:
+        """Write the next run's ``script.py`` and (unless ``stubs`` is None: unchanged) ``tools`` package into the
+        folder (``backend.write_run_files``); a small script alone is written on the loop. Raises OSError."""
+        if stubs is None and len(script) <= INLINE_SCRIPT_CHARS:  # a few small writes: less than a hand-off
+            write_run_files(self.folder, script, stubs)
+        else:
+            await asyncio.to_thread(write_run_files, self.folder, script, stubs)
+
+    async def connect(self, port: CallSocket) -> None:
+        """Let the run's broker listen on the folder's ``tools.sock``, where the script's stubs connect."""
+        await port.start(self.folder / protocol.TOOLS_SOCKET)
+
+    def forget_env(self) -> None:
+        """Drop the env its runs were given (a session's, once the session ended)."""
+        self.spec = replace(self.spec, env={})
+        if self.handle is not None:
+            self.handle.spec = self.spec
 
     async def start(self) -> None:
         """Create the folder, listen on its control socket, start the sandbox and wait until its interpreter has

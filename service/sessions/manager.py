@@ -1,14 +1,11 @@
 """Sessions: one sandbox kept for a conversation, running its scripts one at a time.
 
-A session's sandbox is a resident sandbox (``service.sandbox.resident``): a
-resident interpreter, with the stub library imported, that forks one process
-per script. Files under the working directory (``/tmp``) persist from one
-script to the next; processes do not. Each script is a job of its own (own
+A session's sandbox is its engine's (``service.engines``: ``Engine.open_session``); for the container engine a
+resident sandbox (``service.sandbox.resident``): a resident interpreter, with the stub library imported, that forks
+one process per script, its folder (``work_dir/run/sessions/<session_id>``) mounted read-only at ``/run/ptc`` with
+each run's ``script.py``, ``tools`` package and broker socket there (the one-shot layout). Files under the working
+directory (``/tmp``) persist from one script to the next; processes do not. Each script is a job of its own (own
 output, call records, time limit and view), run in the order it arrived.
-
-The session's folder (``work_dir/run/sessions/<session_id>``) is mounted
-read-only at ``/run/ptc``, with each run's ``script.py``, ``tools`` package
-and broker socket there (the one-shot layout).
 
 A session ends when it is deleted, idle past ``idle_timeout_s``, older than
 ``max_lifetime_s`` (``expired``), or when its sandbox cannot go on
@@ -23,18 +20,14 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import shutil
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
+from service.engines import CONTAINER, Sandbox
 from service.errors import SessionClosed, SessionNotFound, TooManySessions
-from service.sandbox.backend import SandboxBackend, SandboxSpec
-from service.sandbox.ports import StopHook
-from service.sandbox.resident import ResidentSandbox
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +44,7 @@ class Session:
     """One session: its settings, sandbox, turn lock and counters."""
 
     id: str
-    sandbox: ResidentSandbox
+    sandbox: Sandbox
     limits: dict[str, Any]
     runtime: str | None
     env: dict[str, str]
@@ -70,6 +63,7 @@ class Session:
     queued: int = 0
     current_job_id: str | None = None
     image: str = "default"  # the name (in PTC_IMAGES) of its sandbox's image; its scripts run in it
+    engine: str = CONTAINER  # the script engine of its sandbox; its scripts run on it
     stub_source: str | None = None  # the tools package now in the folder
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     put_bytes_waiting: int = 0  # bytes of PUT bodies waiting for the turn, held in the service's memory
@@ -91,7 +85,6 @@ class Session:
 
     def view(self) -> dict[str, Any]:
         """The session view (see ``schemas.SessionView``)."""
-        handle = self.sandbox.handle
         return {
             "session_id": self.id,
             "status": self.status if self.ended else ("busy" if self.busy() else "ready"),
@@ -108,7 +101,7 @@ class Session:
             "executions": self.executions,
             "queued": self.queued,
             "current_job_id": self.current_job_id,
-            "sandbox_id": handle.id[:12] if handle is not None else None,
+            "sandbox_id": self.sandbox.sandbox_id,
             "metadata": self.metadata,
             "owner": self.owner,
         }
@@ -118,28 +111,19 @@ class SessionManager:
     """Creates, finds, expires and deletes sessions.
 
     Args:
-        backend: the sandbox backend.
-        folder: host folder for the sessions' folders (emptied at start).
         max_sessions: live sessions allowed at once.
         before_end: awaited when a session ends, after it is marked ended and before its sandbox is removed
             (the job manager stops its running script there).
         on_count: called with the number of live sessions whenever it changes (for the ``ptc_sessions`` gauge).
-        on_stop: told of each session sandbox removed (the ``sandbox_stop`` log event).
     """
 
     def __init__(
         self,
-        backend: SandboxBackend,
-        folder: Path,
         max_sessions: int,
         before_end: Callable[[Session], Awaitable[None]],
         on_count: Callable[[int], None] = lambda _n: None,
-        on_stop: StopHook | None = None,
     ) -> None:
-        self._backend = backend
-        self._on_stop = on_stop
         self._before_end = before_end
-        self._folder = folder
         self._max = max_sessions
         self._on_count = on_count
         self._live: dict[str, Session] = {}
@@ -148,9 +132,7 @@ class SessionManager:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Empty the sessions' folder (their sandboxes were swept with the instance's) and start expiring."""
-        await asyncio.to_thread(shutil.rmtree, self._folder, True)
-        self._folder.mkdir(parents=True, mode=0o700)
+        """Start expiring sessions."""
         self._task = asyncio.create_task(self._expire_loop(), name="session expiry")
 
     async def close(self) -> None:
@@ -163,8 +145,10 @@ class SessionManager:
 
     async def create(
         self,
-        spec: SandboxSpec,
+        open_sandbox: Callable[[str], Awaitable[Sandbox]],
         *,
+        engine: str,
+        runtime: str | None,
         limits: dict[str, Any],
         env: dict[str, str],
         tools: list[dict[str, Any]],
@@ -175,8 +159,9 @@ class SessionManager:
         owner: str,
         image: str = "default",
     ) -> Session:
-        """Start a session's sandbox (``spec.job_dir`` is replaced by the session's folder); ``owner`` owns it;
-        ``image`` is the name (in PTC_IMAGES) of ``spec.image``, for its view and its scripts.
+        """Start a session's sandbox (``open_sandbox(session_id)``: ``engine``'s, ``Engine.open_session``);
+        ``owner`` owns it; ``image`` is the name (in PTC_IMAGES) of its image and ``runtime`` its OCI runtime (None:
+        the default), for its view and its scripts.
 
         Raises:
             TooManySessions: ``max_sessions`` are live (or starting) already.
@@ -187,17 +172,14 @@ class SessionManager:
         self._starting += 1
         try:
             session_id = "ses_" + secrets.token_hex(12)
-            sandbox = ResidentSandbox(
-                self._backend, SandboxSpec(**{**spec.__dict__, "job_dir": self._folder / session_id}), self._on_stop
-            )
-            await sandbox.start()
+            sandbox = await open_sandbox(session_id)
         finally:
             self._starting -= 1
         session = Session(
             id=session_id,
             sandbox=sandbox,
             limits=limits,
-            runtime=spec.runtime,
+            runtime=runtime,
             env=env,
             tools=tools,
             toolset=toolset,
@@ -206,6 +188,7 @@ class SessionManager:
             metadata=metadata,
             owner=owner,
             image=image,
+            engine=engine,
         )
         self._live[session_id] = session
         self._on_count(len(self._live))
@@ -235,9 +218,7 @@ class SessionManager:
             session.error = {"type": f"session_{status}", "message": reason}
         self._live.pop(session.id, None)
         session.tools, session.env, session.stub_source = [], {}, None  # an ended session keeps only its view
-        session.sandbox.spec = replace(session.sandbox.spec, env={})
-        if session.sandbox.handle is not None:
-            session.sandbox.handle.spec = session.sandbox.spec
+        session.sandbox.forget_env()
         self._ended[session.id] = session
         while len(self._ended) > ENDED_KEPT:
             self._ended.popitem(last=False)

@@ -12,10 +12,11 @@ import json
 import logging
 import os
 import tempfile
-from dataclasses import replace
+from collections.abc import Awaitable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from service.engines import Sandbox
 from service.errors import (
     FileRefused,
     InvalidField,
@@ -33,9 +34,7 @@ from service.jobs.runner import Runner
 from service.output import OutputRange
 from service.replicas.notify import Elsewhere
 from service.replicas.registration import Replicas
-from service.sandbox.images import Images, image_name
-from service.sandbox.labels import LABEL_SESSION
-from service.sandbox.spec import sandbox_spec
+from service.sandbox.images import image_name
 from service.schemas.job_models import ExecuteRequest
 from service.schemas.session_models import SessionRequest, SessionView
 from service.sessions.manager import Session, SessionManager
@@ -53,7 +52,8 @@ class SessionJobs:
     Args:
         settings: session limits and lifetimes, the sandbox image and runtimes.
         sessions: the sessions resource.
-        sandboxes: backend, warm pool (gives up room), host capacity, labels.
+        sandboxes: the engines (a session's sandbox and its room on the host: ``Engine.hold_room``,
+            ``Engine.open_session``).
         admission: the owners' quotas.
         toolsets: a session's manifest is checked when it is created.
         runner: stops a session's running script when the session ends.
@@ -84,7 +84,6 @@ class SessionJobs:
         self._toolsets = toolsets
         self._runner = runner
         self._live = live
-        self._images = sandboxes.images or Images(sandboxes.backend, settings.images)
 
     async def create_session(self, request: SessionRequest, owner: str, *, admin: bool = False) -> dict[str, Any]:
         """Start a session's sandbox, owned by ``owner``, and return its view.
@@ -123,23 +122,22 @@ class SessionJobs:
                 ("body", "runtime"),
             )
         await self._toolsets.manifest(request.tools, request.toolset, Caller(owner, admin))  # a bad manifest fails now
-        await self._images.require(image)
-        labels = {**self._sandboxes.instance_labels, LABEL_SESSION: "1"}
-        spec = sandbox_spec(settings, limits, request.env, self._sandboxes.jobs_dir, labels, image)
-        spec = replace(spec, runtime=None if runtime == "runc" else runtime)
-        memory_mb, cpus, capacity = limits.memory_mb, limits.cpus, self._sandboxes.capacity
+        engine = self._sandboxes.engines.choose()
+        await engine.require_image(image)
+        runtime = None if runtime == "runc" else runtime
+        memory_mb, cpus = limits.memory_mb, limits.cpus
         self._admission.quotas.admit_session(owner, memory_mb, cpus)  # from here to the commitment: no await
         try:
-
-            def fits() -> bool:
-                return capacity.shortfall(memory_mb, cpus) is None
-
-            if not self._sandboxes.pool.evict(fits):
-                raise capacity.refusal(memory_mb, cpus, capacity.shortfall(memory_mb, cpus) or "")
-            commitment = capacity.commit(memory_mb, cpus)
+            commitment = engine.hold_room(limits)  # QuotaExceeded: no room on the host
             try:
+
+                def open_sandbox(session_id: str) -> Awaitable[Sandbox]:
+                    return engine.open_session(session_id, limits, request.env, image, runtime, commitment)
+
                 session = await self._sessions.create(
-                    spec,
+                    open_sandbox,
+                    engine=engine.name,
+                    runtime=runtime,
                     limits={name: getattr(limits, name) for name in (*SANDBOX_LIMITS, "output_bytes")},
                     env=request.env,
                     tools=request.tools,
@@ -156,7 +154,6 @@ class SessionJobs:
         except BaseException:
             self._admission.quotas.session_ended(owner, memory_mb, cpus)
             raise
-        session.sandbox.commitment = commitment  # given back when its sandbox is removed
         log.info("session %s started in sandbox %s (image %s)", session.id, session.view()["sandbox_id"], image)
         if request.files:
             try:

@@ -4,7 +4,9 @@ Each module of ``service/`` belongs to one layer (``LAYERS``, bottom first; the 
 and may import modules of its own layer and the layers below. Imports under ``if TYPE_CHECKING:`` count too: a
 type named from above is a dependency on it. A new module without a layer fails ``test_every_module_has_a_layer``:
 placing it is a decision, not a default. The broker's and the store's own rules are in
-``test_broker_layering.py`` and ``store/test_layout.py``; the job package's in ``jobs/test_layering.py``.
+``test_broker_layering.py`` and ``store/test_layout.py``; the job package's in ``jobs/test_layering.py``. Engines
+(``service.engines``) sit between the resources they run scripts with (sandboxes, stubs, the broker's port) and
+the job state; the run path reaches sandboxes only through them.
 No module is longer than ``MAX_MODULE_LINES`` unless ``LARGE_MODULES`` names it with its reason.
 """
 
@@ -33,6 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "service.callbacks", "service.store", "service.sandbox", "service.toolkit", "service.broker",
         ),
     ),
+    ("engines", ("service.engines",)),  # script engines: the seam the job service runs scripts through
     (
         "job state",  # a job in memory and its rendered views
         (
@@ -69,6 +72,7 @@ LARGE_MODULES = {
     "service.sandbox.docker": "not split yet: the one module that imports docker, every SDK call on its threads",
     "service.toolkit.endpoints": "not split yet: the MCP session would go, but ToolCallFailed (it raises it) is here",
     "service.egress": "slightly over: one policy, its rules, the addresses they judge and the transport applying them",
+    "service.composition": "not split yet: the engines' table and open_services came in beside build_jobs",
 }
 
 
@@ -128,6 +132,18 @@ def test_the_sandbox_layer_imports_no_quotas_logs_or_files() -> None:
     imported = {name for module in sandbox for name in imports_of(module)}
     forbidden = ("service.quotas", "service.observability", "service.files")
     assert sandbox and not {name for name in imported if name.startswith(forbidden)}
+
+
+RUN_PATH = ("service.jobs.runner", "service.jobs.placement", "service.jobs.admission", "service.sessions")
+
+
+def test_the_run_path_speaks_to_engines_not_to_sandboxes() -> None:
+    """The runner, the placements, admission and sessions reach scripts through ``service.engines`` only: of the
+    sandbox layer they may name images (``PTC_IMAGES``' names), nothing that starts, pools or runs a sandbox."""
+    modules = [module for module in MODULES if module.startswith(RUN_PATH)]
+    imported = {name for module in modules for name in imports_of(module)}
+    assert len(modules) >= 5 and {name for name in imported if name.startswith("service.engines")}
+    assert {name for name in imported if name.startswith("service.sandbox")} <= {"service.sandbox.images"}
 
 
 def test_the_job_service_imports_keys_not_http() -> None:

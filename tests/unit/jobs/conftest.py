@@ -1,5 +1,5 @@
 """Engine-free parts for the job package's unit tests: settings in a temporary work dir, a store that can be told
-to fail, live jobs, a runner wired with stand-ins for what no test here reaches (pool, backend)."""
+to fail, live jobs, a runner wired with stand-ins for what no test here reaches (engines, sessions)."""
 
 from __future__ import annotations
 
@@ -106,9 +106,7 @@ def parts(tmp_path: Path) -> Parts:
     admission = Admission(settings, quotas, Slots(settings.concurrency()), lambda: sessions_queued[0])
     events, tasks = Events(), Tasks()
     live = LiveJobs()
-    sandboxes = Sandboxes(
-        cast(Any, None), cast(Any, None), capacity, admission, cast(Any, None), tmp_path / "jobs", {}, set()
-    )
+    sandboxes = Sandboxes(cast(Any, {}), admission, cast(Any, None), set())
     runner = Runner(
         settings,
         cast(Any, store),

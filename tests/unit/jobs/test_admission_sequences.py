@@ -19,8 +19,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from service import normalize
 from service.api import create_app
-from service.jobs import admission
 from service.normalize import prepare
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
@@ -110,7 +110,7 @@ async def test_a_client_that_gives_up_while_its_output_files_are_made_leaves_non
         release.wait(10)
         return prepare(script, enabled)
 
-    monkeypatch.setattr(admission, "prepare", held)
+    monkeypatch.setattr(normalize, "prepare", held)  # the container engine's preparation (``Engine.prepare``)
     request = asyncio.ensure_future(client.post("/execute", json={"script": "print(3)", "wait_s": 30}))
     assert await asyncio.to_thread(entered.wait, 10)
     request.cancel()

@@ -28,8 +28,8 @@ from service.views.render import render_head
 from tests.unit.jobs.conftest import Parts
 
 
-class Backend:
-    async def remove_labelled(self, labels: dict[str, str]) -> int:
+class Engines:
+    async def sweep(self) -> int:
         return 0
 
 
@@ -64,13 +64,12 @@ def recovery(work_dir: Path, store: Store | None = None, quotas: Quotas | None =
     settings = Settings(work_dir=work_dir, sandbox_folders_tmpfs_mb=0)
     return Recovery(
         settings,
-        cast(Any, Backend()),
+        cast(Any, Engines()),
         cast(Any, store or Store()),
         SandboxFolders(work_dir / "run", 0),
         quotas or Quotas(settings, HostCapacity(1024, 1)),
         Events(),
         render.ViewCache(1 << 20),
-        {},
         "test",
     )
 

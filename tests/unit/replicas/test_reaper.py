@@ -235,7 +235,7 @@ async def test_the_lease_is_renewed_while_the_start_up_sweep_runs(tmp_path: Path
     from service.store.sqlite import SQLiteJobStore
 
     class SlowSweep:
-        async def remove_labelled(self, labels: dict[str, str]) -> int:
+        async def sweep(self) -> int:
             await asyncio.sleep(0.6)
             return 8
 
@@ -255,7 +255,6 @@ async def test_the_lease_is_renewed_while_the_start_up_sweep_runs(tmp_path: Path
         Quotas(settings, HostCapacity(1024, 1)),
         Events(),
         render.ViewCache(1 << 20),
-        {},
         "r1",
         replicas,
     )
