@@ -95,11 +95,8 @@ def _normalized(address: IPAddress) -> IPAddress:
     NAT64 (``64:ff9b::a.b.c.d``, ``64:ff9b:1::/48`` with the IPv4 address in its last 32 bits), 6to4
     (``2002:AABB:CCDD::/48``).
     """
+    address = _same_host(address)
     if isinstance(address, ipaddress.IPv6Address):
-        if address.scope_id:
-            address = ipaddress.IPv6Address(str(address).split("%", 1)[0])
-        if address.ipv4_mapped is not None:
-            return address.ipv4_mapped
         if address.sixtofour is not None:
             return address.sixtofour
         if any(address in prefix for prefix in _NAT64) or (address in _IPV4_COMPATIBLE and int(address) > 1):

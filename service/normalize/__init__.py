@@ -143,6 +143,7 @@ class Normalized:
         return [r.as_dict() for r in self.repairs]
 
 
+_ENCODINGS = ("bom", "crlf")  # taken off before the search (see _search), in this order, first in _REPAIRS
 _REPAIRS: tuple[tuple[str, Callable[[str], list[Candidate]]], ...] = (
     ("bom", bom),
     ("crlf", crlf),
@@ -171,20 +172,39 @@ class _RepairBudget:
 
 
 def _search(text: str, used: frozenset[str], budget: _RepairBudget) -> tuple[str, list[Repair]] | None:
-    """Depth first: the first sequence of repairs (each kind at most once, in ``_REPAIRS`` order) that compiles."""
-    for kind, repair in _REPAIRS:
-        if kind in used:
-            continue
-        for candidate, detail in repair(text):
-            if candidate == text or not candidate.strip():
-                continue
-            if budget.compiles(candidate):
-                return candidate, [Repair(kind, detail)]
+    """The shortest sequence of repairs (each kind at most once) that makes ``text`` compile; among sequences as
+    short, the first in ``_REPAIRS`` order. Breadth first: a script that one repair fixes is never rewritten by a
+    longer sequence whose first step changes what it means (``  x = "\\\\n"`` indented as a whole is dedented, not
+    decoded as an escaped string first). Every sequence tried costs one compile of ``budget``.
+
+    A byte-order mark and CR line endings (``_ENCODINGS``), which no reading of the script needs, are taken off
+    first, in that order, before the search.
+    """
+    repairs: list[Repair] = []
+    for kind, repair in _REPAIRS[: len(_ENCODINGS)]:
+        for candidate, detail in [] if kind in used else repair(text)[:1]:
+            text, used, repairs = candidate, used | {kind}, [*repairs, Repair(kind, detail)]
+            if budget.compiles(text):
+                return text, repairs
             if budget.compiles_left <= 0:
                 return None
-            deeper = _search(candidate, used | {kind}, budget)
-            if deeper is not None:
-                return deeper[0], [Repair(kind, detail), *deeper[1]]
+    level: list[tuple[str, frozenset[str], list[Repair]]] = [(text, used, repairs)]
+    while level:
+        deeper: list[tuple[str, frozenset[str], list[Repair]]] = []
+        for source, done, repairs in level:
+            for kind, repair in _REPAIRS:
+                if kind in done:
+                    continue
+                for candidate, detail in repair(source):
+                    if candidate == source or not candidate.strip():
+                        continue
+                    steps = [*repairs, Repair(kind, detail)]
+                    if budget.compiles(candidate):
+                        return candidate, steps
+                    if budget.compiles_left <= 0:
+                        return None
+                    deeper.append((candidate, done | {kind}, steps))
+        level = deeper
     return None
 
 

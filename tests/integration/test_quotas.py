@@ -317,6 +317,10 @@ def test_call_records_count_against_the_output_quota_until_purged(
             assert kept_record_bytes(view) < len(body) <= stored <= len(body) + 4096  # and its summary
             assert_refused(api.post("/execute", json={"script": "print(1)"}), "output_bytes")
             wait_until(lambda: api.get(f"/jobs/{view['job_id']}").status_code == 404, 30)  # purged
+            # the row goes first (the store's transaction), the bytes come back once the purge has removed the
+            # job's output folder, a moment later: wait for that, then the next job is admitted
+            wait_until(lambda: not (svc.work_dir / "output" / view["job_id"]).exists(), 10)
+            wait_until(lambda: api.post("/execute", json={"script": "print(1)"}).status_code != 429, 5)
             again = api.post("/execute", json={"script": "print(1)"})
             assert again.status_code == 200 and again.json()["status"] == "succeeded", again.text
     finally:

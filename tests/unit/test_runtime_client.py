@@ -281,7 +281,19 @@ def test_a_signal_handlers_exception_during_a_call_leaves_the_client_usable(
     assert client.request({"tool": "e", "args": "blocking"}) == "blocking"
 
 
-def test_keyboard_interrupt_during_a_call_leaves_the_client_usable(fake: FakeBroker, clients: list[Client]) -> None:
+@pytest.fixture
+def sigint() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt for the test, whatever the test run inherited (a shell's background job
+    starts with SIGINT ignored, and Python then installs no handler: the signal would be dropped and the call
+    wait for ever); put back after it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_keyboard_interrupt_during_a_call_leaves_the_client_usable(
+    fake: FakeBroker, clients: list[Client], sigint: None
+) -> None:
     broker = fake
     client = Client(str(broker.path))
     clients.append(client)

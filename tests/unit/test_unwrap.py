@@ -49,7 +49,9 @@ def test_the_issue_inputs_run_the_code_inside(script: str, kind: str) -> None:
         ("Here is the code:\n<code>\nprint('hi')\n</code>\nThis prints hi", ["tag_wrapper"], "hi\n"),
         ("Sure! Running it now: <execute>print('inline')</execute> Done.", ["tag_wrapper"], "inline\n"),
         ("<code>\n```python\nprint('fenced')\n```\n</code>", ["fence"], "fenced\n"),  # the tags are text around it
-        ("```xml\n<code>print('tagged')</code>\n```", ["fence", "tag_wrapper"], "tagged\n"),
+        ("```xml\n<code>print('tagged')</code>\n```", ["tag_wrapper"], "tagged\n"),  # the fences are text around
+        # one repair that keeps the program beats two that change it (a string's "\\n" is not a line break)
+        ('  x = "\\\\n"\n  print(repr(x))', ["indent"], "'\\\\n'\n"),
         ("<code>import sys\\nprint(sys.version_info > (3,))</code>", ["tag_wrapper", "literal_escapes"], "True\n"),
         ("<execute>\n    for i in range(2):\n        print(i)\n</execute>", ["tag_wrapper", "indent"], "0\n1\n"),
         ('{"script": "print(\'hi\')"}', ["json_wrapper"], "hi\n"),
