@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from service.api import create_app
-from service.composition import JobManager
+from service.composition.job_manager import JobManager
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
 

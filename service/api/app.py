@@ -1,7 +1,7 @@
 """The app factory, ``create_app``. It reads the settings, installs the middleware (metrics, authentication, body
 size), the error handler (``problems``) and the served OpenAPI document, includes one router per resource
 (``routers/``), and runs the lifespan: what it serves is built, started and closed by the composition root
-(``service.composition.open_services``). Routes reach the services through ``deps``."""
+(``service.composition.root.open_services``). Routes reach the services through ``deps``."""
 
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ from service.api.routers import health as health_router
 from service.api.routers import jobs as jobs_router
 from service.api.routers import sessions as sessions_router
 from service.api.routers import tools as tools_router
-from service.composition import ENGINES, EngineFactory, JobManager, open_services
+from service.composition.engine_table import ENGINES, EngineFactory
+from service.composition.job_manager import JobManager
+from service.composition.root import open_services
 from service.engines import CONTAINER
 from service.errors import InsecureConfig, SandboxError
 from service.mcp import front as mcp_front
@@ -54,13 +56,13 @@ def create_app(
     default_engine: str = CONTAINER,
 ) -> FastAPI:
     """Build the service: its middleware, routers and lifespan; the lifespan builds and starts what it serves
-    (``composition.open_services``) and closes it.
+    (``composition.root.open_services``) and closes it.
 
     Args:
         settings: configuration; default: read from ``PTC_*`` environment variables.
         backend: sandbox backend; default: ``DockerBackend`` on ``settings.docker_host``.
-        engines: the script engines (name -> factory, ``composition.ENGINES``); ``default_engine`` runs every
-            request (tests register their own).
+        engines: the script engines (name -> factory, ``composition.engine_table.ENGINES``); ``default_engine``
+            runs every request (tests register their own).
 
     Raises:
         InsecureConfig: the authentication settings are unusable or unsafe (``auth.configure``).

@@ -23,7 +23,7 @@ from typing import Annotated, Any, NoReturn, Protocol
 from fastapi import Depends, Request
 
 from service.api.reads import ReadSlots
-from service.composition import JobManager
+from service.composition.job_manager import JobManager
 from service.idempotency import IdempotencyKeys
 from service.observability.metrics import Metrics
 from service.output import OutputRange

@@ -1,5 +1,6 @@
 """Script engines: the seam (``interface``), today's engine (``container``) and the registry of those a service
-runs (``Engines``: name -> engine, built by the composition root from its table, ``service.composition.ENGINES``).
+runs (``Engines``: name -> engine, built by the composition root from its table,
+``service.composition.engine_table.ENGINES``).
 
 A job's engine is chosen when it is admitted (``Engines.choose``) and kept by name on the job; a session's scripts
 run on the session's engine. Requests do not name an engine yet: every one gets the default.

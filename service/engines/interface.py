@@ -6,8 +6,8 @@ sandbox of its own kind, streams its output to the job's sink, ends it on reques
 script's tool calls reach the job's broker through the ``CallPort`` the broker offers. Today's engine is
 ``service.engines.container.ContainerEngine`` (CPython in a container, on the Docker backend or the fake one);
 another (Node.js in a container, an in-process interpreter) is one module more and one row of the composition
-root's table (``service.composition.ENGINES``): the broker, the job model, the views, the quotas and the store do
-not change for it.
+root's table (``service.composition.engine_table.ENGINES``): the broker, the job model, the views, the quotas and
+the store do not change for it.
 
 - ``Engine``: the engine: its name, the languages it runs, how a script is prepared (``prepare``: Python's
   repairs), its stubs, where a one-shot job's script runs (``take``, ``room_released``), a session's sandbox

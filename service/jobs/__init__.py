@@ -19,8 +19,8 @@ module          what it does
 
 Reading jobs is ``service.views.read`` , session requests ``service.sessions.requests``
 , toolsets ``service.toolsets`` . The parts are built by the
-composition root (``service.composition``, with ``JobManager``), which also subscribes metrics, logs and webhooks to
-``events``.
+composition root (``service.composition``: ``assembly.build_jobs``, held by ``job_manager.JobManager``), which also
+subscribes metrics, logs and webhooks to ``events``.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from service.api.problems import (
     UNAUTHORIZED,
     rule_for,
 )
-from service.composition import JobManager
+from service.composition.job_manager import JobManager
 from service.errors import OwnerElsewhere, PtcError
 from service.jobs.live import wait_for_end_or_client
 from service.limits import check_execute

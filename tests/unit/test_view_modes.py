@@ -22,7 +22,7 @@ import pytest
 from fastapi import FastAPI
 
 from service.api import create_app
-from service.composition import JobManager
+from service.composition.job_manager import JobManager
 from service.sandbox.fake import FakeBackend
 from service.settings import Settings
 from service.views.render import SUMMARY_FIELDS, SUMMARY_MESSAGE_CHARS, VIEW_FIELDS

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from service.api import create_app
-from service.composition import ENGINES, EngineSite
+from service.composition.engine_table import ENGINES, EngineSite
 from service.engines import CallPort, Engine, EngineRun, ExitStatus, OutputSink, Sandbox
 from service.errors import NoSuchFile
 from service.sandbox.fake import FakeBackend

@@ -22,7 +22,7 @@ import pytest
 from fastapi import FastAPI
 
 from service.api import create_app
-from service.composition import JobManager
+from service.composition.job_manager import JobManager
 from service.errors import JobNotFound
 from service.sandbox.fake import FakeBackend
 from service.schemas.job_models import ExecuteRequest

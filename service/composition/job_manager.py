@@ -1,0 +1,210 @@
+"""The job service as the fronts use it (``JobManager``): its parts (``JobParts``, built by ``assembly.build_jobs``)
+started and closed in order, and what touches more than one part: submitting a job, the answers and decisions
+about a paused call, stop. Reads, sessions and toolsets are the parts themselves (``views``, ``sessions``,
+``toolsets``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.broker import Broker
+from service.engines import Engines
+from service.errors import CallNotPending
+from service.jobs.admission import Intake
+from service.jobs.live import LiveJob
+from service.jobs.placement import Sandboxes
+from service.jobs.recovery import Recovery
+from service.jobs.runner import Runner
+from service.jobs.tasks import Tasks
+from service.jobs.webhooks import Webhooks
+from service.observability import stages
+from service.sandbox.folders import SandboxFolders
+from service.schemas.job_models import ExecuteRequest
+from service.sessions.manager import SessionManager
+from service.sessions.requests import SessionJobs
+from service.tenancy import Caller
+from service.toolkit.cache import ManifestCache
+from service.toolkit.validation import CheckScheduler
+from service.toolsets import Toolsets
+from service.views.read import JobViews
+from service.views.render import FULL, Body, Selection
+
+
+@dataclass
+class JobParts:
+    """The parts of the job service and what they own (built by ``assembly.build_jobs``)."""
+
+    intake: Intake
+    runner: Runner
+    views: JobViews
+    toolsets: Toolsets
+    sessions: SessionJobs
+    recovery: Recovery
+    webhooks: Webhooks
+    tasks: Tasks
+    sandboxes: Sandboxes
+    session_manager: SessionManager
+    engines: Engines
+    folders: SandboxFolders
+    manifests: ManifestCache
+    checks: CheckScheduler
+    background: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)  # loops run after start
+
+
+class JobManager:
+    """The job service: its start and close in order, and what touches more than one part (submitting a job, the
+    answers and decisions about a paused call, stop). Reads, sessions and toolsets are the parts themselves.
+
+    Args:
+        parts: the parts, built by ``assembly.build_jobs``.
+
+    Attributes:
+        views: reading jobs (``JobViews``): views, output, pages, ``wait``, the event stream.
+        sessions: session requests (``SessionJobs``).
+        toolsets: registered manifests (``Toolsets``).
+        recovery: start-up recovery and the retention purge (``Recovery.purge_expired``).
+    """
+
+    def __init__(self, parts: JobParts) -> None:
+        self._parts = parts
+        self._intake = parts.intake
+        self._runner = parts.runner
+        self.views = parts.views
+        self.sessions = parts.sessions
+        self.toolsets = parts.toolsets
+        self.recovery = parts.recovery
+
+    # -- start-up, shutdown, retention ---------------------------------------------------------
+
+    async def start(self) -> None:
+        """Recover what an earlier run left, resume pending callbacks, start the purge, sessions and the pool.
+
+        Raises:
+            WorkDirBusy: another running instance holds the work dir.
+        """
+        parts = self._parts
+        await parts.recovery.start()
+        await parts.webhooks.resume()
+        parts.tasks.spawn(parts.recovery.purge_loop(), "retention purge")
+        await parts.session_manager.start()
+        await parts.engines.start()
+        for loop in parts.background:  # with a shared store: the reaper, progress saves (docs/scaling.md, step 5)
+            parts.tasks.spawn(loop(), loop.__qualname__)
+
+    async def close(self) -> None:
+        """Stop every job still running (each removes its sandbox and is saved as lost) and background work."""
+        parts = self._parts
+        await parts.tasks.close()
+        if parts.sandboxes.removals:
+            await asyncio.gather(*parts.sandboxes.removals, return_exceptions=True)
+        await parts.session_manager.close()
+        await parts.engines.close()
+        await parts.recovery.sweep("still there at shutdown")
+        await asyncio.to_thread(parts.folders.close)
+        await parts.webhooks.close()
+        parts.checks.close()
+        parts.manifests.close()
+        parts.recovery.release()
+
+    # -- submission and the run ----------------------------------------------------------------
+
+    async def submit(
+        self, request: ExecuteRequest, owner: str, *, admin: bool = False, internal: bool = False
+    ) -> LiveJob:
+        """Check and admit ``request``, and start its job, owned by ``owner`` (the API key's name).
+
+        Its ``session_id`` and ``toolset`` must be ``owner``'s own, unless ``admin`` (the admin role). A session
+        open on another replica raises ``OwnerElsewhere`` (the request is relayed there), unless ``internal`` (a
+        request relayed already: ``OwnerUnavailable``).
+
+        Raises:
+            ManifestError: a tool entry is unusable (names the entry and field).
+            RequestLimitError: a limit exceeds its server maximum.
+            InvalidField: an unknown toolset (another owner's included).
+            SessionNotFound: an unknown session (another owner's included). SessionClosed: it ended.
+            QueueFull: ``concurrency`` jobs run and ``max_queue`` wait already.
+            QuotaExceeded: the owner is at one of its job quotas (``Quotas.admit_job``).
+
+        Returns once the job's first save is done (or its run ended without one).
+        """
+        if request.session_id is not None:
+            await self.sessions.locate_open(request.session_id, Caller(owner, admin, internal))
+        admitted = await self._intake.admit(request, owner, admin)
+        stages.mark("admitted")
+        job = admitted.job
+        self._runner.start(admitted).add_done_callback(lambda _: job.stored.set())
+        await job.stored.wait()  # saved before it is answered: any replica finds the job its id names
+        return job
+
+    async def answer_call(
+        self, job_id: str, caller: Caller, call_id: str, ok: bool, value: Any, selection: Selection = FULL
+    ) -> Body:
+        """Answer a client-executed call of a running job; returns the job's view after it.
+
+        Raises:
+            JobNotFound: no such job, or another owner's (only the job's owner answers its calls).
+            CallNotPending: the job has ended, or that call is not waiting for an answer.
+        """
+        await self._settle(job_id, caller, call_id, lambda broker: broker.paused.answer_client_call(call_id, ok, value))
+        return await self.views.view(job_id, caller, selection=selection)
+
+    async def decide_approval(
+        self,
+        job_id: str,
+        caller: Caller,
+        call_id: str,
+        approved: bool,
+        reason: str | None,
+        selection: Selection = FULL,
+    ) -> Body:
+        """Approve (the call goes on to its endpoint) or deny a call awaiting approval; returns the job's view.
+        The record's ``approval.by`` is the caller's key name.
+
+        Raises:
+            JobNotFound: no such job, or another owner's (only the job's owner, or the admin role, decides).
+            CallNotPending: the job has ended, or that call does not await approval (decided, timed out, unknown).
+        """
+        await self._settle(
+            job_id,
+            caller,
+            call_id,
+            lambda broker: broker.paused.decide_approval(call_id, approved, caller.owner, reason),
+        )
+        return await self.views.view(job_id, caller, selection=selection)
+
+    async def _settle(self, job_id: str, caller: Caller, call_id: str, act: Callable[[Broker], None]) -> None:
+        """Do ``act`` (an answer or a decision about ``call_id``) to a live job's broker, then let the job's task
+        record it before its view is taken: wait for the job to change, at most 1 s.
+
+        Raises:
+            JobNotFound: no such job, or another owner's.
+            CallNotPending: the job has ended, or ``act`` found no such call waiting (the broker's refusal).
+        """
+        job = self.views.live(job_id, caller)
+        if job is None:
+            await self.views.stored_view(job_id, caller)
+            raise CallNotPending(call_id)
+        if job.broker is None:
+            raise CallNotPending(call_id)
+        changed = job.changed()
+        act(job.broker)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), 1.0)
+
+    async def stop(self, job_id: str, caller: Caller, selection: Selection = FULL) -> Body:
+        """Stop the job (SIGTERM to its processes, SIGKILL after the grace); returns its view.
+
+        Idempotent: on an ended job it only returns the final view. The answer is the saved final view (the one
+        ``GET`` and ``wait`` serve), whatever ended the job: the script may have exited by itself first. It waits
+        for the grace and the SIGKILL's confirmation; only a sandbox slower than that gets the live view.
+        Raises JobNotFound (another owner's too).
+        """
+        job = self.views.live(job_id, caller)
+        if job is not None:
+            await self._runner.stop(job)
+        return await self.views.view(job_id, caller, selection=selection)
