@@ -57,7 +57,7 @@ from typing import Any
 import httpx
 from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from service.egress import EgressDenied
+from service.egress import EgressDenied, EgressPolicy
 from service.errors import InsecureConfig
 from service.settings import Settings
 from service.tenancy import named_entries
@@ -201,6 +201,23 @@ class CallbackSecrets:
     def for_owner(self, owner: str | None) -> Secrets | None:
         """The secrets that sign callbacks of ``owner``'s jobs, newest first (None: callbacks cannot be sent)."""
         return self._per_owner.get(owner or "", self._default)
+
+
+@dataclass(frozen=True)
+class CallbackPolicy:
+    """What sending a job's callback takes: checked at admission (``jobs.admission.Intake``), used by each delivery
+    (``jobs.webhooks.Webhooks``).
+
+    Attributes:
+        secrets: the secrets per owner: a callback of an owner without any cannot be sent.
+        egress: the rules a ``callback_url`` and each delivery's connection pass (those of tool endpoints).
+        single_tenant: one tenant (``tenancy.single_tenant``): its callbacks may take every delivery slot, not one
+            owner's share.
+    """
+
+    secrets: CallbackSecrets
+    egress: EgressPolicy
+    single_tenant: bool = False
 
 
 def parse_secrets(text: str, source: str) -> dict[str, Secrets]:

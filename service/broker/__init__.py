@@ -22,7 +22,8 @@ A ``Broker`` is four collaborating parts, one module each:
   the loop), forwarded to its endpoint and recorded (``Dispatcher``);
 - ``paused``: calls that wait for the harness (``PausedCalls``): client-executed calls and calls awaiting approval.
 
-Its limits are one frozen ``BrokerConfig`` (``config``). A script's calls reach it over its socket (``start``: a
+Its limits are one frozen ``BrokerConfig`` (``config``); what it shares with every job's broker and the job's hooks
+are two more (``BrokerShared``, ``BrokerHooks``: ``wiring``). A script's calls reach it over its socket (``start``: a
 script in a container) or, from a script engine that runs in this process, one ``call`` at a time: either way a
 call is read, checked, forwarded and recorded alike, and the runtime's report kept alike (``report``;
 ``service.engines.interface.CallPort``).
@@ -31,25 +32,25 @@ call is read, checked, forwarded and recorded alike, and the runtime's report ke
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import orjson
-from opentelemetry.trace import Span
 
 from service.broker.checks import INLINE_LINE_BYTES
-from service.broker.config import UNBOUNDED, BrokerConfig
+from service.broker.config import BrokerConfig
 from service.broker.connection import Connections
 from service.broker.dispatch import Dispatcher
 from service.broker.paused import PausedCalls
 from service.broker.records import CallMemory, CallRecords
+from service.broker.wiring import NO_HOOKS, BrokerHooks, BrokerShared
 from service.files import FileBudget
-from service.toolkit.endpoints import EndpointClients
 from service.toolkit.specs import ToolSpec
-from service.toolkit.validation import CheckScheduler
 
-__all__ = ["Broker", "BrokerConfig", "CallMemory", "CallRecords", "PausedCalls"]
+__all__ = [
+    "Broker", "BrokerConfig", "BrokerHooks", "BrokerShared", "CallMemory", "CallRecords", "PausedCalls",
+]  # fmt: skip
 
 
 class Broker:
@@ -57,21 +58,14 @@ class Broker:
 
     Args:
         tools: the job's tools by original name.
-        endpoints: the shared endpoint clients.
+        shared: what every job's broker shares (``BrokerShared``): the endpoint clients, the check threads (None:
+            one of the broker's own, with one thread, for a broker used alone as in tests), the service-wide bounds
+            of kept record bytes and request bytes in flight.
         config: the job's limits and timeouts.
-        checks: the service's scheduler of argument and result checks (shared by every job); None: one of the
-            broker's own, with one thread (for a broker used alone, as in tests).
-        memory: the service-wide bounds of kept record bytes and request bytes in flight (shared by every job);
-            None: unbounded.
         budget: what the job's owner may still keep (its ``output_bytes`` quota, shared with its retained output):
             the records' kept bytes are taken from it and stay taken after the job (until its purge gives them
             back: ``records.kept_bytes`` says how many); None: no owner cap.
-        trace_parent: the job's span: each call gets a child span (``service.observability.telemetry``); None: no spans.
-        lease: asked before each call whether this replica still holds its lease (``Replicas.holds_lease``): when
-            not, the call fails (``replica_lost``) without reaching any endpoint or client; None: not asked.
-        on_call_end: called with each completed record (metrics hook).
-        on_paused_calls: called with the number of calls waiting for the harness (client-executed calls and calls
-            awaiting approval), whenever it changes.
+        hooks: the job's span, lease check and callbacks (``BrokerHooks``); by default none.
 
     Attributes:
         records: the job's call records and the script's reports (``CallRecords``); ``records.release()`` once
@@ -83,32 +77,15 @@ class Broker:
     def __init__(
         self,
         tools: Mapping[str, ToolSpec],
-        endpoints: EndpointClients,
+        shared: BrokerShared,
         config: BrokerConfig,
         *,
-        checks: CheckScheduler | None = None,
-        memory: CallMemory | None = None,
         budget: FileBudget | None = None,
-        trace_parent: Span | None = None,
-        lease: Callable[[], bool] | None = None,
-        on_call_end: Callable[[dict[str, Any]], None] | None = None,
-        on_paused_calls: Callable[[int], None] | None = None,
+        hooks: BrokerHooks = NO_HOOKS,
     ) -> None:
-        memory = memory or CallMemory(UNBOUNDED, UNBOUNDED)
-        self.records = CallRecords(config, memory, budget)
-        self.paused = PausedCalls(config, on_paused_calls)
-        self._dispatcher = dispatcher = Dispatcher(
-            tools,
-            endpoints,
-            config,
-            self.records,
-            self.paused,
-            checks=checks,
-            memory=memory,
-            trace_parent=trace_parent,
-            lease=lease,
-            on_call_end=on_call_end,
-        )
+        self.records = CallRecords(config, shared.memory, budget)
+        self.paused = PausedCalls(config, hooks.on_paused_calls)
+        self._dispatcher = dispatcher = Dispatcher(tools, shared, config, self.records, self.paused, hooks)
         self._connections = Connections(config, dispatcher)
         self._in_process_calls = 0
         self._closed = False

@@ -37,7 +37,6 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import orjson
-from opentelemetry.trace import Span
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from service.broker.checks import (
@@ -53,10 +52,11 @@ from service.broker.checks import (
 )
 from service.broker.config import BrokerConfig
 from service.broker.paused import ClientResult, PausedCalls
-from service.broker.records import CANCELLED, CallMemory, CallRecords, fail
+from service.broker.records import CANCELLED, CallRecords, fail
+from service.broker.wiring import BrokerHooks, BrokerShared
 from service.errors import CheckTooCostly
 from service.observability import telemetry
-from service.toolkit.endpoints import EndpointClients, RawJson, ToolCallFailed
+from service.toolkit.endpoints import RawJson, ToolCallFailed
 from service.toolkit.specs import ToolSpec
 from service.toolkit.validation import CheckScheduler
 
@@ -85,42 +85,35 @@ class Dispatcher:
 
     Args:
         tools: the job's tools by original name.
-        endpoints: the shared endpoint clients.
+        shared: what every job's broker shares: the endpoint clients, the scheduler of checks (None: one of its
+            own, with one thread), the service-wide account of request bytes in flight (``BrokerShared``).
         config: the job's limits (``check_group``: the fairness group of its checks).
         records: the job's call records: each call gets one, made final here.
         paused: where client-executed calls and calls awaiting approval wait.
-        checks: the service's scheduler of checks (shared by every job); None: one of its own, with one thread.
-        memory: the service-wide account of request bytes in flight.
-        trace_parent: the job's span: each call gets a child span (``service.observability.telemetry``); None: no spans.
-        lease: asked before each call whether this replica still holds its lease (``Replicas.holds_lease``): when
-            not, the call fails (``replica_lost``) without reaching any endpoint or client; None: not asked.
-        on_call_end: called with each completed record (metrics hook).
+        hooks: the job's span (each call gets a child span), its lease check (a call made without the lease fails
+            ``replica_lost`` without reaching any endpoint or client) and its call-ended callback
+            (``BrokerHooks``; ``on_paused_calls`` is ``paused``'s).
     """
 
     def __init__(
         self,
         tools: Mapping[str, ToolSpec],
-        endpoints: EndpointClients,
+        shared: BrokerShared,
         config: BrokerConfig,
         records: CallRecords,
         paused: PausedCalls,
-        *,
-        checks: CheckScheduler | None,
-        memory: CallMemory,
-        trace_parent: Span | None,
-        lease: Callable[[], bool] | None,
-        on_call_end: Callable[[dict[str, Any]], None] | None,
+        hooks: BrokerHooks,
     ) -> None:
         self._tools = tools
-        self._endpoints = endpoints
+        self._endpoints = shared.endpoints
         self._records = records
         self._paused = paused
-        self._checks = checks or CheckScheduler(1, DEFAULT_CHECK_BUDGET_S)
+        self._checks = shared.checks or CheckScheduler(1, DEFAULT_CHECK_BUDGET_S)
         self._check_group = config.check_group
-        self._memory = memory
-        self._trace_parent = trace_parent
-        self._lease = lease
-        self._on_call_end = on_call_end
+        self._memory = shared.memory
+        self._trace_parent = hooks.trace_parent
+        self._lease = hooks.lease
+        self._on_call_end = hooks.on_call_end
         self._endpoint_slots = asyncio.Semaphore(MAX_ENDPOINT_CALLS)
         self._per_tool: dict[str, asyncio.Semaphore] = {}
         self._hints_left = MAX_HINTS

@@ -11,16 +11,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from service import callbacks
-from service.broker import CallMemory
-from service.composition.engine_table import ENGINES, EngineFactory, EngineSite
+from service.broker import BrokerShared, CallMemory
+from service.callbacks import CallbackPolicy
+from service.composition.engine_table import ENGINES, EngineFactory
 from service.composition.job_manager import JobManager, JobParts
-from service.engines import CONTAINER, Engines
+from service.engines import CONTAINER, Engines, EngineSite
 from service.jobs.admission import Admission, Intake
 from service.jobs.events import CallEnded, Events, JobEnded, JobLost, SandboxStarted, StatusChanged
 from service.jobs.live import LiveJobs
 from service.jobs.placement import Sandboxes
 from service.jobs.recovery import Recovery
 from service.jobs.runner import Runner
+from service.jobs.state import JobState
 from service.jobs.tasks import Tasks
 from service.jobs.webhooks import Webhooks
 from service.observability import logs
@@ -72,8 +74,7 @@ def build_jobs(
         InsecureConfig: a malformed ``PTC_CALLBACK_SECRETS``.
         ValueError: ``default_engine`` is not one of ``engines``.
     """
-    instance = settings.instance()
-    instance_labels = labels_of(instance)
+    instance_labels = labels_of(settings.instance())
     capacity = HostCapacity.from_settings(settings)
     quotas = Quotas(settings, capacity, single_tenant=single_tenant)
     folders = SandboxFolders(settings.work_dir / "run", settings.sandbox_folders_tmpfs_mb)
@@ -84,27 +85,24 @@ def build_jobs(
         installation_salt(settings.work_dir), threads=settings.manifest_threads, budget_s=settings.manifest_budget_s
     )
     checks = CheckScheduler(settings.validation_threads, settings.validation_budget_s)
-    live, events, tasks, cache = LiveJobs(), Events(), Tasks(), ViewCache(settings.view_cache_bytes)
+    state = JobState(LiveJobs(), Events(), Tasks(), ViewCache(settings.view_cache_bytes))
+    live, events, tasks, cache = state.live, state.events, state.tasks, state.final_views
     ending = _SessionEnd()
     sessions = SessionManager(settings.max_sessions, before_end=ending, on_count=metrics.set_sessions)
     admission = Admission(settings, quotas, Slots(settings.concurrency()), lambda: sessions.queued)
     sandboxes = Sandboxes(built, admission, sessions, set())
     toolsets = Toolsets(store, manifests, endpoints, settings.max_tools)
-    secrets = callbacks.load_secrets(settings)
-    intake = Intake(settings, admission, toolsets, sessions, endpoints, secrets, output_dir, live, built)
+    callback_policy = CallbackPolicy(callbacks.load_secrets(settings), endpoints.egress, single_tenant)
+    intake = Intake(settings, admission, toolsets, sessions, callback_policy, live, built)
     call_memory = CallMemory(settings.max_record_bytes_total, settings.max_call_bytes_in_flight_total)
-    runner = Runner(
-        settings, store, events, sandboxes, endpoints, call_memory, checks, live, cache, tasks, instance, replicas
-    )
+    runner = Runner(settings, store, state, sandboxes, BrokerShared(endpoints, checks, call_memory), replicas)
     if waiters is not None:
         waiters.on_ended = cache.drop
     elsewhere = Elsewhere(store, replicas, waiters)
     views = JobViews(store, live, output_dir, cache, elsewhere)
-    ending.jobs = SessionJobs(settings, sessions, sandboxes, admission, toolsets, runner, live, replicas, elsewhere)
-    recovery = Recovery(settings, built, store, folders, quotas, events, cache, instance, replicas)
-    webhooks = Webhooks(
-        settings, store, views, cache, secrets, endpoints.egress, metrics, tasks, instance, replicas, single_tenant
-    )
+    ending.jobs = SessionJobs(settings, sandboxes, toolsets, runner, live, replicas, elsewhere)
+    recovery = Recovery(settings, built, store, folders, quotas, state, replicas)
+    webhooks = Webhooks(settings, store, views, state, callback_policy, metrics, replicas)
     _observe(events, metrics, webhooks)
     metrics.track_jobs(live)
     metrics.track_pools(built.warm)

@@ -10,11 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-from service.engines.interface import PYTHON, CallPort, Engine, EngineRun, ExitStatus, OutputSink, Sandbox, Stream
+from service.engines.interface import (
+    PYTHON,
+    CallPort,
+    Engine,
+    EngineRun,
+    EngineSite,
+    ExitStatus,
+    OutputSink,
+    Sandbox,
+    Stream,
+)
 
 __all__ = [
-    "CONTAINER", "PYTHON", "CallPort", "Engine", "EngineRun", "Engines", "ExitStatus", "OutputSink", "Sandbox",
-    "Stream",
+    "CONTAINER", "PYTHON", "CallPort", "Engine", "EngineRun", "EngineSite", "Engines", "ExitStatus", "OutputSink",
+    "Sandbox", "Stream",
 ]  # fmt: skip
 
 CONTAINER = "container"

@@ -19,17 +19,14 @@ from pathlib import Path
 
 from service import normalize
 from service.engines import CONTAINER
-from service.engines.interface import PYTHON, Engine, Sandbox
+from service.engines.interface import PYTHON, Engine, EngineSite, Sandbox
 from service.normalize import Normalized
-from service.quotas import HostCapacity
-from service.sandbox.backend import SandboxBackend
 from service.sandbox.images import Images
 from service.sandbox.labels import LABEL_JOB, LABEL_SESSION
 from service.sandbox.pool import WarmPools
-from service.sandbox.ports import Held, StopHook
+from service.sandbox.ports import Held
 from service.sandbox.resident import KILL_CONFIRM_S, ResidentSandbox
 from service.sandbox.spec import SandboxLimits, sandbox_spec
-from service.settings import Settings
 from service.toolkit.cache import CompiledManifest
 
 
@@ -37,15 +34,13 @@ class ContainerEngine(Engine):
     """CPython scripts in resident containers (module docstring).
 
     Args:
-        settings: the sandboxes' settings (``sandbox.spec.sandbox_spec``: images, runtime, file limits).
-        backend: the sandbox backend (Docker, or the fake one).
+        site: what it is built from (``EngineSite``): the sandboxes' settings (``sandbox.spec.sandbox_spec``:
+            images, runtime, file limits), the sandbox backend (Docker, or the fake one), the host's room that
+            sandboxes commit to, the folder of its sandboxes' folders (one-shot jobs' under ``<folder>/jobs/<job_id>``,
+            sessions' under ``<folder>/sessions``, emptied at ``start``), this instance's labels (what the start-up
+            sweep removes), the report of each sandbox removed.
         pool: the warm pools (started and closed with the engine).
-        capacity: the host's room that sandboxes commit to.
         images: the images of ``PTC_IMAGES`` as the backend knows them.
-        jobs_dir: where one-shot jobs' sandbox folders are made (``<jobs_dir>/<job_id>``).
-        sessions_dir: where sessions' sandbox folders are made (emptied at ``start``).
-        instance_labels: the labels of every sandbox of this instance (what the start-up sweep removes).
-        on_stop: told of each sandbox removed (the ``sandbox_stop`` log event); None: nobody.
     """
 
     name = CONTAINER
@@ -56,27 +51,16 @@ class ContainerEngine(Engine):
         """Python's repairs of a script that does not compile, and the compile verdict (``service.normalize``)."""
         return normalize.prepare(script, repair)
 
-    def __init__(
-        self,
-        settings: Settings,
-        backend: SandboxBackend,
-        pool: WarmPools,
-        capacity: HostCapacity,
-        images: Images,
-        jobs_dir: Path,
-        sessions_dir: Path,
-        instance_labels: Mapping[str, str],
-        on_stop: StopHook | None = None,
-    ) -> None:
-        self._settings = settings
-        self.backend = backend
+    def __init__(self, site: EngineSite, pool: WarmPools, images: Images) -> None:
+        self._settings = site.settings
+        self.backend = site.backend
         self.pool = pool
-        self._capacity = capacity
+        self._capacity = site.capacity
         self.images = images
-        self._jobs_dir = jobs_dir
-        self._sessions_dir = sessions_dir
-        self._labels = dict(instance_labels)
-        self._on_stop = on_stop
+        self._jobs_dir = site.folder / "jobs"
+        self._sessions_dir = site.folder / "sessions"
+        self._labels = dict(site.instance_labels)
+        self._on_stop = site.on_stop
 
     def stubs(self, manifest: CompiledManifest, language: str) -> str:
         """The ``tools`` package's source (``toolkit.stubs``), generated once per manifest content when the manifest

@@ -18,6 +18,7 @@ the store do not change for it.
 - ``EngineRun``: one running script: wait for its exit, signal it, kill it.
 - ``CallPort``: what the broker offers an engine: a unix socket to listen on (``start``, for a sandbox in another
   process) or, in this process, one call at a time (``call``) and the runtime's report (``report``).
+- ``EngineSite``: what an engine is built from (the composition root's table maps a name to a factory of one).
 """
 
 from __future__ import annotations
@@ -25,16 +26,21 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
 from service.normalize import Normalized
-from service.sandbox.backend import ExitStatus, OutputSink, Stream
-from service.sandbox.ports import Held, OutputCollector
+from service.quotas import HostCapacity
+from service.sandbox.backend import ExitStatus, OutputSink, SandboxBackend, Stream
+from service.sandbox.ports import Held, OutputCollector, StopHook
 from service.sandbox.spec import SandboxLimits
+from service.settings import Settings
 from service.toolkit.cache import CompiledManifest
 
-__all__ = ["PYTHON", "CallPort", "Engine", "EngineRun", "ExitStatus", "OutputSink", "Sandbox", "Stream"]
+__all__ = [
+    "PYTHON", "CallPort", "Engine", "EngineRun", "EngineSite", "ExitStatus", "OutputSink", "Sandbox", "Stream",
+]  # fmt: skip
 
 PYTHON = "python"
 """The language of every script today (the request has no language field yet)."""
@@ -212,3 +218,25 @@ class Engine(abc.ABC):
     async def close(self) -> None:
         """Stop its background work and remove what it keeps (not the jobs' sandboxes). The default has none."""
         return None
+
+
+@dataclass(frozen=True)
+class EngineSite:
+    """What an engine is built from (the composition root's ``ENGINES``: name -> factory of a site), the same for
+    every engine of a service.
+
+    Attributes:
+        settings: the service's settings (the engine reads its own: images, runtime, limits, warm pools).
+        backend: the sandbox backend (Docker, or the fake one in tests).
+        capacity: the host's room that sandboxes commit their memory and CPUs to.
+        folder: the folder its sandboxes' folders go under (``<folder>/jobs``, ``sessions``, ``pool``).
+        instance_labels: the labels of every sandbox of this instance (what the start-up sweep removes).
+        on_stop: told of each sandbox removed (the ``sandbox_stop`` log event); None: nobody.
+    """
+
+    settings: Settings
+    backend: SandboxBackend
+    capacity: HostCapacity
+    folder: Path
+    instance_labels: dict[str, str]
+    on_stop: StopHook | None = None

@@ -15,6 +15,7 @@ module          what it does
 ``recovery``    start-up sweep (work-dir lock, sandboxes left behind, lost jobs) and the retention purge
 ``shared``      ended jobs' output and files in a shared store (PostgreSQL)
 ``tasks``       background tasks, held and their failures logged
+``state``       what the job service holds in memory (``JobState``: live jobs, events, tasks, kept views)
 ==============  ===================================================================================================
 
 Reading jobs is ``service.views.read`` , session requests ``service.sessions.requests``

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from service.callbacks import CallbackSecrets
+from service.callbacks import CallbackPolicy
 from service.egress import EgressDenied
 from service.engines import Engine, Engines
 from service.errors import EngineUnavailable, InvalidField, QueueFull, SessionNotFound
@@ -33,7 +33,6 @@ from service.settings import DEFAULT_IMAGE, Settings
 from service.slots import OwnerSlot, Slots
 from service.tenancy import Caller
 from service.toolkit.cache import CompiledManifest
-from service.toolkit.endpoints import EndpointClients
 from service.toolsets import Toolsets
 
 
@@ -146,13 +145,12 @@ class Intake:
     """Checks a request, admits it and makes its job (``JobManager.submit`` before the run).
 
     Args:
-        settings: limits and retention.
+        settings: limits and retention; ``work_dir``, under whose ``output`` each job's output folder is made.
         admission: bounds and quotas.
         toolsets: compiles the job's manifest.
         sessions: finds the session a script is for.
-        endpoints: the egress rules a ``callback_url`` must pass.
-        secrets: callback secrets (a callback needs one for its owner).
-        output_dir: where each job's output folder is made.
+        callback_policy: what a ``callback_url`` needs: a callback secret for its owner, and to pass the egress
+            rules.
         live: the live jobs (job id -> job): a new job joins it.
         engines: the script engines: a job's is chosen here (``Engines.choose``; a session's script: its
             session's), and a one-shot job's image must be usable by it (``Engine.require_image``); None: the
@@ -165,9 +163,7 @@ class Intake:
         admission: Admission,
         toolsets: Toolsets,
         sessions: SessionManager,
-        endpoints: EndpointClients,
-        secrets_: CallbackSecrets,
-        output_dir: Path,
+        callback_policy: CallbackPolicy,
         live: LiveJobs,
         engines: Engines | None = None,
     ) -> None:
@@ -176,9 +172,9 @@ class Intake:
         self._admission = admission
         self._toolsets = toolsets
         self._sessions = sessions
-        self._endpoints = endpoints
-        self._secrets = secrets_
-        self._output_dir = output_dir
+        self._egress = callback_policy.egress
+        self._secrets = callback_policy.secrets
+        self._output_dir = settings.work_dir / "output"
         self._live = live
 
     async def admit(self, request: ExecuteRequest, owner: str, admin: bool) -> Admitted:
@@ -206,7 +202,7 @@ class Intake:
             )
         if request.callback_url:
             try:
-                self._endpoints.egress.target(request.callback_url)
+                self._egress.target(request.callback_url)
             except EgressDenied as exc:
                 raise InvalidField(str(exc), ("body", "callback_url")) from exc
         if request.session_id is not None:

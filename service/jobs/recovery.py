@@ -22,9 +22,10 @@ from service import workdir
 from service.engines import Engines
 from service.errors import SandboxError
 from service.files import FILES_FOLDER
-from service.jobs.events import Events, JobLost
+from service.jobs.events import JobLost
 from service.jobs.live import OWNER_FILE, RECORDS_FILE, SLICE_BYTES, STREAMS, now
 from service.jobs.model import ErrorType, Failure
+from service.jobs.state import JobState
 from service.output import CappedStream, read_range
 from service.quotas import Quotas
 from service.replicas.reaper import lost_row
@@ -32,7 +33,6 @@ from service.replicas.registration import Replicas
 from service.sandbox.folders import SandboxFolders
 from service.settings import Settings
 from service.store import JobStore, StoredJob
-from service.views import render
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +41,13 @@ class Recovery:
     """The start-up sweep and the retention purge.
 
     Args:
-        settings: ``work_dir``, retention settings.
+        settings: ``work_dir``, retention settings, this instance's id (``Settings.instance``).
         engines: remove the sandboxes an earlier run of this instance left (``Engines.sweep``).
         store: the job store.
         folders: the sandbox folders (a tmpfs, opened here).
         quotas: output budgets per owner.
-        events: ``JobLost`` is published for each job marked lost.
-        cache: ended jobs' views kept for reading (a purged job leaves it).
-        instance: this instance's id.
+        state: its ``events`` (``JobLost`` is published for each job marked lost) and ``final_views`` (ended jobs'
+            views kept for reading: a purged job leaves them).
         replicas: registered in the store once the work dir is locked, before anything is swept (None: not, for
             tests of the sweep alone).
     """
@@ -60,9 +59,7 @@ class Recovery:
         store: JobStore,
         folders: SandboxFolders,
         quotas: Quotas,
-        events: Events,
-        cache: render.ViewCache,
-        instance: str,
+        state: JobState,
         replicas: Replicas | None = None,
     ) -> None:
         self._settings = settings
@@ -70,9 +67,9 @@ class Recovery:
         self._store = store
         self._folders = folders
         self._quotas = quotas
-        self._events = events
-        self._views = cache
-        self._instance = instance
+        self._events = state.events
+        self._views = state.final_views
+        self._instance = settings.instance()
         self._replicas = replicas
         self.jobs_dir = folders.path / "jobs"
         self.output_dir = settings.work_dir / "output"

@@ -25,23 +25,22 @@ from functools import partial
 from typing import Any
 
 from service import verdict
-from service.broker import Broker, BrokerConfig, CallMemory
+from service.broker import Broker, BrokerConfig, BrokerHooks, BrokerShared
 from service.engines import Engine, EngineRun, ExitStatus, Sandbox
 from service.files import OutputFiles
 from service.jobs.admission import Admitted, Ticket
-from service.jobs.events import CallEnded, Events, JobEnded, SandboxStarted, StatusChanged
-from service.jobs.live import LiveJob, LiveJobs, end_by_failure, note_stored_bytes, now, save_final_again, stored_job
+from service.jobs.events import CallEnded, JobEnded, SandboxStarted, StatusChanged
+from service.jobs.live import LiveJob, end_by_failure, note_stored_bytes, now, save_final_again, stored_job
 from service.jobs.model import EndedBy, JobStatus, end_of_run
 from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
 from service.jobs.shared import SHARE_AT_ONCE, keep_output
-from service.jobs.tasks import Tasks, until_done
+from service.jobs.state import JobState
+from service.jobs.tasks import until_done
 from service.observability import stages, telemetry
 from service.replicas.registration import Replicas
 from service.settings import Settings
 from service.store import JobStore
 from service.toolkit.cache import CompiledManifest
-from service.toolkit.endpoints import EndpointClients
-from service.toolkit.validation import CheckScheduler
 from service.views import render
 from service.views.render import render_head, snapshot
 
@@ -56,17 +55,13 @@ class Runner:
     """Runs admitted jobs and keeps their status in the store.
 
     Args:
-        settings: tool-call and output limits, ``stop_grace_s``.
+        settings: tool-call and output limits, ``stop_grace_s``; this instance's id (``Settings.instance``), saved
+            with each job.
         store: the job store (every status change is saved there first).
-        events: where lifecycle events are published.
+        state: the live jobs (a job leaves them once its final view is saved), where lifecycle events are
+            published, where run tasks are held, and where a job's final encoded view is kept for reading.
         sandboxes: what placements take sandboxes from (the engines, script slots, sessions).
-        endpoints: shared endpoint clients of every job's broker.
-        call_memory: the service-wide bounds of call records and calls in flight.
-        checks: the validation threads of tool-call arguments.
-        live: the live jobs (job id -> job); a job leaves it once its final view is saved.
-        final_views: where a job's final encoded view is kept for reading (``render.ViewCache``).
-        tasks: where run tasks and other background work are held.
-        instance: this instance's id, saved with each job.
+        brokers: what every job's broker shares (``BrokerShared``: endpoint clients, check threads, call memory).
         replicas: this replica's incarnation, which every save carries (a save that matches no row fences it).
     """
 
@@ -74,29 +69,21 @@ class Runner:
         self,
         settings: Settings,
         store: JobStore,
-        events: Events,
+        state: JobState,
         sandboxes: Sandboxes,
-        endpoints: EndpointClients,
-        call_memory: CallMemory,
-        checks: CheckScheduler,
-        live: LiveJobs,
-        final_views: render.ViewCache,
-        tasks: Tasks,
-        instance: str,
+        brokers: BrokerShared,
         replicas: Replicas,
     ) -> None:
         self._settings = settings
         self._store = store
-        self._events = events
+        self._events = state.events
         self._sandboxes = sandboxes
-        self._endpoints = endpoints
-        self._call_memory = call_memory
-        self._checks = checks
-        self._live = live
-        self._final_views = final_views
+        self._brokers = brokers
+        self._live = state.live
+        self._final_views = state.final_views
         self._share_slots = asyncio.Semaphore(SHARE_AT_ONCE)  # ended jobs' blobs copied into the store at once
-        self._tasks = tasks
-        self._instance = instance
+        self._tasks = state.tasks
+        self._instance = settings.instance()
         self._replicas = replicas
 
     def start(self, admitted: Admitted) -> asyncio.Task[Any]:
@@ -208,17 +195,18 @@ class Runner:
 
     def _new_broker(self, job: LiveJob, manifest: CompiledManifest) -> Broker:
         """The job's broker (not listening yet); its records are the job's call records."""
-        broker = Broker(
-            manifest.tools,
-            self._endpoints,
-            BrokerConfig.from_settings(self._settings, check_group=job.owner),
-            checks=self._checks,
-            memory=self._call_memory,
-            budget=job.output_budget,  # the records count against the owner's output_bytes quota
+        hooks = BrokerHooks(
             trace_parent=job.span,
             lease=self._replicas.holds_lease,
             on_call_end=lambda record: self._call_ended(job, record),
             on_paused_calls=lambda waiting: self._client_calls_changed(job, waiting),
+        )
+        broker = Broker(
+            manifest.tools,
+            self._brokers,
+            BrokerConfig.from_settings(self._settings, check_group=job.owner),
+            budget=job.output_budget,  # the records count against the owner's output_bytes quota
+            hooks=hooks,
         )
         job.calls = broker.records.calls
         job.broker = broker

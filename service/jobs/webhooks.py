@@ -28,12 +28,11 @@ from typing import Any
 import httpx
 
 from service import callbacks
-from service.callbacks import CallbackSecrets
-from service.egress import EgressPolicy
+from service.callbacks import CallbackPolicy
 from service.errors import LeaseLost, StoreUnavailable
 from service.jobs.events import JobEnded
 from service.jobs.live import stored_job
-from service.jobs.tasks import Tasks
+from service.jobs.state import JobState
 from service.observability import telemetry
 from service.observability.metrics import Metrics
 from service.replicas.registration import Replicas
@@ -59,14 +58,12 @@ class Webhooks:
         settings: attempts, backoff and timeout of deliveries; the scan interval (``replica_scan_s``).
         store: the ``callbacks`` rows, and where each attempt is saved into the job's view.
         job_views: reads an ended job's final view.
-        cache: ended jobs' views kept for reading (updated with each attempt).
-        secrets: the callback secrets per owner.
-        egress: the rules a callback's connection passes.
+        state: its ``final_views`` (ended jobs' views kept for reading, updated with each attempt) and ``tasks``
+            (where deliveries and the worker are held).
+        callback_policy: the callback secrets per owner, the egress rules a callback's connection passes, and
+            whether one tenant's callbacks may take every delivery slot (``single_tenant``).
         metrics: counts attempts and outcomes.
-        tasks: where deliveries and the worker are held.
-        instance: this instance's id.
         replicas: this replica: its incarnation (every claim's) and its lease (checked before each attempt).
-        single_tenant: one tenant (``auth.single_tenant``): its callbacks may take every delivery slot.
     """
 
     def __init__(
@@ -74,30 +71,25 @@ class Webhooks:
         settings: Settings,
         store: JobStore,
         job_views: JobViews,
-        cache: render.ViewCache,
-        secrets: CallbackSecrets,
-        egress: EgressPolicy,
+        state: JobState,
+        callback_policy: CallbackPolicy,
         metrics: Metrics,
-        tasks: Tasks,
-        instance: str,
         replicas: Replicas,
-        single_tenant: bool = False,
     ) -> None:
         self._settings = settings
         self._store = store
         self._views = job_views
-        self._cache = cache
-        self._callback_secrets = secrets
+        self._cache = state.final_views
+        self._callback_secrets = callback_policy.secrets
         self._metrics = metrics
-        self._tasks = tasks
-        self._instance = instance
+        self._tasks = state.tasks
         self._replicas = replicas
         self._http = httpx.AsyncClient(  # callbacks pass the egress rules of tool endpoints
             follow_redirects=False,
-            transport=egress.transport(limits=httpx.Limits(max_connections=CALLBACK_DELIVERIES)),
+            transport=callback_policy.egress.transport(limits=httpx.Limits(max_connections=CALLBACK_DELIVERIES)),
         )
         self._slots = CALLBACK_DELIVERIES
-        self._per_owner = CALLBACK_DELIVERIES if single_tenant else CALLBACK_DELIVERIES_PER_OWNER
+        self._per_owner = CALLBACK_DELIVERIES if callback_policy.single_tenant else CALLBACK_DELIVERIES_PER_OWNER
         self._callback_slots = asyncio.Semaphore(self._slots)
         self._owner_slots: dict[str, asyncio.Semaphore] = {}  # one per owner (API key name): as many as keys
         self._held: Counter[str] = Counter()  # deliveries held here (running or waiting for a slot), per owner

@@ -57,6 +57,7 @@ from service.sandbox.backend import SandboxBackend, SandboxSpec
 from service.sandbox.labels import FEATURE_SESSION, LABEL_POOL, features
 from service.sandbox.ports import HostRoom, StopHook
 from service.sandbox.resident import ResidentSandbox
+from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,27 @@ def profile_key(spec: SandboxSpec) -> tuple[object, ...]:
     )
 
 
+@dataclass(frozen=True)
+class PoolSettings:
+    """How much the warm pools keep (``PTC_WARM_POOL_*``).
+
+    Attributes:
+        size: sandboxes each pool keeps waiting; 0 disables pooling.
+        max_age_s: a sandbox idle longer than this is replaced; a pool (other than the default one) unused this long
+            is closed (s).
+        max_profiles: pools at most (the default one included).
+    """
+
+    size: int
+    max_age_s: float
+    max_profiles: int
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PoolSettings:
+        """``PTC_WARM_POOL_SIZE``, ``PTC_WARM_POOL_MAX_AGE_S`` and ``PTC_WARM_POOL_MAX_PROFILES``."""
+        return cls(settings.warm_pool_size, settings.warm_pool_max_age_s, settings.warm_pool_max_profiles)
+
+
 @dataclass
 class PooledSandbox:
     """A started sandbox waiting for its job, and when it started (for ``max_age_s``)."""
@@ -93,8 +115,8 @@ class WarmPool:
         backend: the sandbox backend.
         spec: the profile (``job_dir`` is replaced per sandbox).
         folder: host folder for the sandboxes' folders.
-        size: sandboxes to keep waiting.
-        max_age_s: a sandbox idle longer than this is replaced.
+        pool_settings: ``size``, the sandboxes to keep waiting, and ``max_age_s``: a sandbox idle longer than this
+            is replaced.
         name: the profile's name (``default``, a short hash, or ``<image name>-<hash>``) for logs and metrics.
         capacity: the host capacity its sandboxes commit to; None: not counted.
         on_stop: told of each sandbox removed (``ResidentSandbox``).
@@ -105,8 +127,7 @@ class WarmPool:
         backend: SandboxBackend,
         spec: SandboxSpec,
         folder: Path,
-        size: int,
-        max_age_s: float,
+        pool_settings: PoolSettings,
         name: str,
         capacity: HostRoom | None = None,
         on_stop: StopHook | None = None,
@@ -116,8 +137,8 @@ class WarmPool:
         self._on_stop = on_stop
         self._spec = spec
         self._folder = folder
-        self._size = size
-        self._max_age_s = max_age_s
+        self._size = pool_settings.size
+        self._max_age_s = pool_settings.max_age_s
         self.name = name
         self._ready: deque[PooledSandbox] = deque()
         self._starting = 0
@@ -233,9 +254,8 @@ class WarmPools:
         backend: the sandbox backend.
         default: the default profile (server image, runtime and default limits).
         folder: host folder for the pools' sandboxes (emptied at start).
-        size: sandboxes each pool keeps waiting; 0 disables pooling.
-        max_age_s: a sandbox idle longer than this is replaced; a pool unused this long is closed.
-        max_profiles: pools at most (the default one included).
+        pool_settings: sandboxes each pool keeps waiting (0 disables pooling), their and the pools' idle age
+            (``max_age_s``), pools at most (``max_profiles``, the default one included).
         capacity: the host capacity pooled sandboxes commit to; None: not counted.
         image_names: image reference -> its name in ``PTC_IMAGES``: a pool of an image other than the default
             one is named ``<name>-<hash>`` (in logs and the ``profile`` label of metrics), else ``<hash>``.
@@ -247,9 +267,7 @@ class WarmPools:
         backend: SandboxBackend,
         default: SandboxSpec,
         folder: Path,
-        size: int,
-        max_age_s: float,
-        max_profiles: int,
+        pool_settings: PoolSettings,
         capacity: HostRoom | None = None,
         image_names: Mapping[str, str] | None = None,
         on_stop: StopHook | None = None,
@@ -260,9 +278,10 @@ class WarmPools:
         self._default = default
         self._image_names = {ref: name for ref, name in (image_names or {}).items() if ref != default.image}
         self._folder = folder
-        self._size = size
-        self._max_age_s = max_age_s
-        self._max_profiles = max_profiles
+        self._pool_settings = pool_settings
+        self._size = pool_settings.size  # 0 once the image turns out unable to serve pooled jobs (``_open``)
+        self._max_age_s = pool_settings.max_age_s
+        self._max_profiles = pool_settings.max_profiles
         self._pools: dict[tuple[object, ...], WarmPool] = {}
         self._retiring: set[WarmPool] = set()  # closed (unused, or given up), their removals perhaps not ended
         self._closing: set[asyncio.Task[None]] = set()  # the closes of pools given up for another key's profile
@@ -398,8 +417,7 @@ class WarmPools:
             self._backend,
             replace(spec, env={}, labels={**self._default.labels, LABEL_POOL: name}),
             self._folder / name,
-            self._size,
-            self._max_age_s,
+            self._pool_settings,  # its size is ``_size``: no pool is made once pooling is off
             name,
             self._capacity,
             self._on_stop,

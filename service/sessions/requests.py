@@ -27,7 +27,7 @@ from service.errors import (
     SessionNotFound,
     StoreUnavailable,
 )
-from service.jobs.admission import Admission, find_session
+from service.jobs.admission import find_session
 from service.jobs.live import SANDBOX_LIMITS, LiveJobs, resolve_limits
 from service.jobs.placement import Sandboxes
 from service.jobs.runner import Runner
@@ -37,7 +37,7 @@ from service.replicas.registration import Replicas
 from service.sandbox.images import image_name
 from service.schemas.job_models import ExecuteRequest
 from service.schemas.session_models import SessionRequest, SessionView
-from service.sessions.manager import Session, SessionManager
+from service.sessions.manager import Session
 from service.settings import Settings
 from service.store import StoredSession
 from service.tenancy import Caller
@@ -51,10 +51,8 @@ class SessionJobs:
 
     Args:
         settings: session limits and lifetimes, the sandbox image and runtimes.
-        sessions: the sessions resource.
         sandboxes: the engines (a session's sandbox and its room on the host: ``Engine.hold_room``,
-            ``Engine.open_session``).
-        admission: the owners' quotas.
+            ``Engine.open_session``), the owners' quotas (``admission``) and the sessions resource (``sessions``).
         toolsets: a session's manifest is checked when it is created.
         runner: stops a session's running script when the session ends.
         live: the live jobs (job id -> job).
@@ -66,9 +64,7 @@ class SessionJobs:
     def __init__(
         self,
         settings: Settings,
-        sessions: SessionManager,
         sandboxes: Sandboxes,
-        admission: Admission,
         toolsets: Toolsets,
         runner: Runner,
         live: LiveJobs,
@@ -78,9 +74,9 @@ class SessionJobs:
         self._replicas = replicas
         self._elsewhere = elsewhere
         self._settings = settings
-        self._sessions = sessions
+        self._sessions = sandboxes.sessions
         self._sandboxes = sandboxes
-        self._admission = admission
+        self._admission = sandboxes.admission
         self._toolsets = toolsets
         self._runner = runner
         self._live = live

@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from service.api import create_app
-from service.broker import Broker, BrokerConfig
+from service.broker import Broker, BrokerConfig, BrokerHooks, BrokerShared
 from service.broker.checks import check_arguments
 from service.errors import CallNotPending, ManifestError
 from service.sandbox.fake import FakeBackend
@@ -115,7 +115,12 @@ async def test_the_broker_holds_a_call_until_it_is_decided(tmp_path: Path) -> No
     endpoints = EndpointClients(5.0, 1 << 20)
     try:
         tools = {"w": tool, "ask": client_tool}
-        broker = Broker(tools, endpoints, BrokerConfig(10, 1 << 20, 1 << 20), on_paused_calls=counts.append)
+        broker = Broker(
+            tools,
+            BrokerShared(endpoints),
+            BrokerConfig(10, 1 << 20, 1 << 20),
+            hooks=BrokerHooks(on_paused_calls=counts.append),
+        )
         await broker.start(tmp_path / "s")
         reader, writer = await asyncio.open_unix_connection(str(tmp_path / "s"))
         for n, (name, args) in enumerate([("w", {"path": "a"}), ("w", {"path": "b"}), ("ask", {})], 1):

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 import pytest
 
-from service.broker import Broker, BrokerConfig, connection, dispatch
+from service.broker import Broker, BrokerConfig, BrokerHooks, BrokerShared, connection, dispatch
 from service.broker.checks import inline_request
 from service.broker.dispatch import Dispatcher
 from service.egress import EgressPolicy
@@ -48,7 +48,8 @@ async def broker(
     manifest = await ManifestCache(b"k" * 32).compile(tools, "pytest")
     endpoints = EndpointClients(30.0, 8 * 1024 * 1024, EgressPolicy(TEST_EGRESS_RULES))  # the tool servers' loopback
     checks = CheckScheduler(2, budget_s)
-    b = Broker(manifest.tools, endpoints, BrokerConfig(10_000, 1024 * 1024, 1 << 30), checks=checks, **options)
+    config = BrokerConfig(10_000, 1024 * 1024, 1 << 30)
+    b = Broker(manifest.tools, BrokerShared(endpoints, checks), config, hooks=BrokerHooks(**options))
     await b.start(tmp_path / "tools.sock")
     try:
         yield b

@@ -7,7 +7,9 @@ placing it is a decision, not a default. The broker's and the store's own rules 
 ``test_broker_layering.py`` and ``store/test_layout.py``; the job package's in ``jobs/test_layering.py``. Engines
 (``service.engines``) sit between the resources they run scripts with (sandboxes, stubs, the broker's port) and
 the job state; the run path reaches sandboxes only through them.
-No module is longer than ``MAX_MODULE_LINES`` unless ``LARGE_MODULES`` names it with its reason.
+No module is longer than ``MAX_MODULE_LINES`` unless ``LARGE_MODULES`` names it with its reason, and no class's own
+``__init__`` takes more than ``MAX_INIT_PARAMETERS`` besides ``self``: parameters that belong together travel as one
+small frozen dataclass (a settings slice, ``BrokerShared``, ``JobState``, ``CallbackPolicy``, ``EngineSite``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "job state",  # a job in memory and its rendered views
         (
             "service.jobs.live", "service.jobs.events", "service.jobs.tasks", "service.jobs.shared",
-            "service.views.render", "service.views.resume",
+            "service.jobs.state", "service.views.render", "service.views.resume",
         ),
     ),
     (
@@ -66,6 +68,7 @@ PACKAGES_ONLY = (
     "service.sessions", "service.views",
 )  # fmt: skip
 MAX_MODULE_LINES = 450
+MAX_INIT_PARAMETERS = 7  # of a written ``def __init__``, ``self`` not counted (dataclasses' own are not read)
 # Modules allowed past MAX_MODULE_LINES, each with its reason (issue 25). A module leaves this table once it is split.
 LARGE_MODULES = {
     "service.settings": "a table: the Settings class is one pydantic field per PTC_* variable with its description",
@@ -160,3 +163,25 @@ def test_no_module_is_large() -> None:
     sizes = {module: len(path.read_text().splitlines()) for module, path in MODULES.items()}
     large = {module: size for module, size in sizes.items() if size > MAX_MODULE_LINES}
     assert not set(large) - set(LARGE_MODULES), f"split these (or name them in LARGE_MODULES, with why): {large}"
+
+
+def init_parameters(module: str) -> dict[str, int]:
+    """Each class of ``module`` with an ``__init__`` of its own (written in its body) -> how many parameters it takes
+    besides ``self``: positional, keyword-only, ``*args`` and ``**kwargs`` each count one."""
+    counts: dict[str, int] = {}
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for item in node.body:
+            if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and item.name == "__init__":
+                args = item.args
+                named = len(args.posonlyargs) + len(args.args) + len(args.kwonlyargs)
+                counts[f"{module}.{node.name}"] = named - 1 + (args.vararg is not None) + (args.kwarg is not None)
+    return counts
+
+
+def test_no_constructor_takes_more_than_seven_parameters() -> None:
+    counts = {name: count for module in MODULES for name, count in init_parameters(module).items()}
+    assert counts, "no class with an __init__ of its own was found: the walk is broken"
+    many = {name: count for name, count in counts.items() if count > MAX_INIT_PARAMETERS}
+    assert not many, f"group the parameters that belong together (a frozen dataclass, a settings slice): {many}"

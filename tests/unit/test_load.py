@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from service.broker import Broker, BrokerConfig, CallMemory
+from service.broker import Broker, BrokerConfig, BrokerShared, CallMemory
 from service.broker.config import UNBOUNDED
 from service.egress import EgressPolicy
 from service.toolkit.cache import ManifestCache
@@ -56,7 +56,8 @@ async def broker(tmp_path: Path, **options: Any) -> AsyncIterator[tuple[Broker, 
         options.pop("max_record_bytes", 1 << 30),
         max_in_flight_bytes=options.pop("max_in_flight_bytes", UNBOUNDED),
     )
-    b = Broker(manifest.tools, endpoints, config, **options)
+    memory = options.pop("memory", None) or CallMemory(UNBOUNDED, UNBOUNDED)
+    b = Broker(manifest.tools, BrokerShared(endpoints, memory=memory), config, **options)
     await asyncio.to_thread(tmp_path.mkdir, parents=True, exist_ok=True)
     path = tmp_path / "tools.sock"
     await b.start(path)

@@ -24,7 +24,7 @@ from service.observability.metrics import Metrics
 from service.output import OutputLog
 from service.quotas import REJECTION_REASONS, HostCapacity, OutputBudget, Quotas, machine_memory_mb
 from service.sandbox.backend import SandboxBackend, SandboxSpec
-from service.sandbox.pool import PooledSandbox, WarmPool, WarmPools
+from service.sandbox.pool import PooledSandbox, PoolSettings, WarmPool, WarmPools
 from service.sandbox.resident import ResidentSandbox
 from service.settings import Settings
 from service.slots import Slots
@@ -256,9 +256,9 @@ async def test_pooled_sandboxes_commit_room_and_give_it_up_to_whoever_needs_it(t
     capacity = HostCapacity(1024, 16)
     backend = cast(SandboxBackend, object())  # never called: these sandboxes were never started
     spec = SandboxSpec("x", tmp_path, memory_mb=256, cpus=1, pids=64, tmp_mb=8, file_size_mb=8, open_files=64)
-    pools = WarmPools(backend, spec, tmp_path / "pool", 2, 600, 2, capacity=capacity)
+    pools = WarmPools(backend, spec, tmp_path / "pool", PoolSettings(2, 600, 2), capacity=capacity)
     for name in ("default", "other"):
-        pool = WarmPool(backend, spec, tmp_path / name, 2, 600, name, capacity)
+        pool = WarmPool(backend, spec, tmp_path / name, PoolSettings(2, 600, 2), name, capacity)
         pools._pools[(name,)] = pool
         for i in range(2):
             sandbox = ResidentSandbox(backend, replace(spec, job_dir=tmp_path / name / str(i)))

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from service import exactjson, verdict
-from service.broker import Broker, BrokerConfig
+from service.broker import Broker, BrokerConfig, BrokerShared
 from service.broker.config import REPORT_FIELD_CAP
 from service.broker.dispatch import MAX_TOOL_NAME_SHOWN
 from service.egress import EgressPolicy
@@ -212,7 +212,7 @@ async def exchange(lines: list[bytes], folder: Path) -> tuple[Broker, list[dict[
     """Send ``lines`` to a real broker over a real unix socket; returns it (closed) and the replies."""
     manifest = await ManifestCache(b"k" * 32).compile([ECHO_ANY, {**TYPED, "endpoint": {"kind": "echo"}}], "pytest")
     endpoints = EndpointClients(30.0, 8 * 1024 * 1024, EgressPolicy([]))
-    broker = Broker(manifest.tools, endpoints, BrokerConfig(100, 1024 * 1024, 64 * 1024))
+    broker = Broker(manifest.tools, BrokerShared(endpoints), BrokerConfig(100, 1024 * 1024, 64 * 1024))
     path = folder / "tools.sock"
     await broker.start(path)
     replies = []

@@ -23,8 +23,8 @@ import httpx
 import pytest
 
 from service.api import create_app
-from service.composition.engine_table import ENGINES, EngineSite
-from service.engines import CallPort, Engine, EngineRun, ExitStatus, OutputSink, Sandbox
+from service.composition.engine_table import ENGINES
+from service.engines import CallPort, Engine, EngineRun, EngineSite, ExitStatus, OutputSink, Sandbox
 from service.errors import NoSuchFile
 from service.sandbox.fake import FakeBackend
 from service.sandbox.ports import Held, OutputCollector

@@ -11,12 +11,13 @@ from typing import Any, cast
 
 import pytest
 
-from service.broker import CallMemory
+from service.broker import BrokerShared, CallMemory
 from service.jobs.admission import Admission
 from service.jobs.events import Events
 from service.jobs.live import LiveJob, LiveJobs, resolve_limits
 from service.jobs.placement import Sandboxes
 from service.jobs.runner import Runner
+from service.jobs.state import JobState
 from service.jobs.tasks import Tasks
 from service.output import OutputLog
 from service.quotas import HostCapacity, Quotas
@@ -98,7 +99,7 @@ class Parts:
 
 @pytest.fixture
 def parts(tmp_path: Path) -> Parts:
-    settings = Settings(work_dir=tmp_path, max_concurrent_sandboxes=2, max_queue=2)
+    settings = Settings(work_dir=tmp_path, max_concurrent_sandboxes=2, max_queue=2, instance_id="test")
     store = FakeStore()
     capacity = HostCapacity(64 * 1024, 64)
     quotas = Quotas(settings, capacity)
@@ -110,15 +111,9 @@ def parts(tmp_path: Path) -> Parts:
     runner = Runner(
         settings,
         cast(Any, store),
-        events,
+        JobState(live, events, tasks, render.ViewCache(1 << 20)),
         sandboxes,
-        EndpointClients(5.0, 1 << 20),
-        CallMemory(1 << 20, 1 << 20),
-        CheckScheduler(1, 5.0),
-        live,
-        render.ViewCache(1 << 20),
-        tasks,
-        "test",
+        BrokerShared(EndpointClients(5.0, 1 << 20), CheckScheduler(1, 5.0), CallMemory(1 << 20, 1 << 20)),
         Replicas.adopted(settings, cast(Any, store), Incarnation("test", 1)),
     )
 

@@ -16,9 +16,11 @@ import pytest
 
 from service.errors import WorkDirBusy
 from service.jobs.events import Events
-from service.jobs.live import OWNER_FILE, RECORDS_FILE, stored_job
+from service.jobs.live import OWNER_FILE, RECORDS_FILE, LiveJobs, stored_job
 from service.jobs.model import JobStatus
 from service.jobs.recovery import Recovery
+from service.jobs.state import JobState
+from service.jobs.tasks import Tasks
 from service.quotas import HostCapacity, Quotas
 from service.sandbox.folders import SandboxFolders
 from service.settings import Settings
@@ -61,16 +63,14 @@ class Store:
 
 
 def recovery(work_dir: Path, store: Store | None = None, quotas: Quotas | None = None) -> Recovery:
-    settings = Settings(work_dir=work_dir, sandbox_folders_tmpfs_mb=0)
+    settings = Settings(work_dir=work_dir, sandbox_folders_tmpfs_mb=0, instance_id="test")
     return Recovery(
         settings,
         cast(Any, Engines()),
         cast(Any, store or Store()),
         SandboxFolders(work_dir / "run", 0),
         quotas or Quotas(settings, HostCapacity(1024, 1)),
-        Events(),
-        render.ViewCache(1 << 20),
-        "test",
+        JobState(LiveJobs(), Events(), Tasks(), render.ViewCache(1 << 20)),
     )
 
 

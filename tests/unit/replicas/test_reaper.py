@@ -16,12 +16,13 @@ from typing import Any, cast
 import orjson
 import pytest
 
-from service.broker import Broker, BrokerConfig
+from service.broker import Broker, BrokerConfig, BrokerHooks, BrokerShared
 from service.egress import EgressPolicy
 from service.errors import LeaseLost
 from service.jobs.events import Events, JobLost
-from service.jobs.live import LiveJob, stored_job
+from service.jobs.live import LiveJob, LiveJobs, stored_job
 from service.jobs.model import JobStatus
+from service.jobs.state import JobState
 from service.jobs.tasks import Tasks
 from service.replicas.fencing import EXIT_FENCED, SelfFence
 from service.replicas.progress import ProgressSaver, chunk_name
@@ -179,7 +180,12 @@ async def test_the_broker_forwards_no_call_once_the_lease_is_lost(tmp_path: Path
     )
     endpoints = EndpointClients(5.0, 1 << 20, EgressPolicy())
     holds = [True]
-    broker = Broker(manifest.tools, endpoints, BrokerConfig(100, 1 << 20, 1 << 20), lease=lambda: holds[0])
+    broker = Broker(
+        manifest.tools,
+        BrokerShared(endpoints),
+        BrokerConfig(100, 1 << 20, 1 << 20),
+        hooks=BrokerHooks(lease=lambda: holds[0]),
+    )
     await broker.start(tmp_path / "tools.sock")
     sock = socket.socket(socket.AF_UNIX)
     try:
@@ -253,9 +259,7 @@ async def test_the_lease_is_renewed_while_the_start_up_sweep_runs(tmp_path: Path
         store,
         SandboxFolders(work_dir / "run", 0),
         Quotas(settings, HostCapacity(1024, 1)),
-        Events(),
-        render.ViewCache(1 << 20),
-        "r1",
+        JobState(LiveJobs(), Events(), Tasks(), render.ViewCache(1 << 20)),
         replicas,
     )
     try:

@@ -15,7 +15,7 @@ import pytest
 from service.sandbox import pool as pool_module
 from service.sandbox.backend import SandboxHandle, SandboxSpec
 from service.sandbox.fake import RUNTIME_LABELS, FakeBackend
-from service.sandbox.pool import WarmPools
+from service.sandbox.pool import PoolSettings, WarmPools
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ async def test_an_engine_down_at_start_delays_the_pool_until_it_answers(
     monkeypatch.setattr(pool_module, "REFILL_BACKOFF_S", 0.05)
     backend = FakeBackend(images={"ptc-fake:1": RUNTIME_LABELS})
     backend.engine_down = True
-    pools = WarmPools(backend, spec(folder), folder / "pool", size=1, max_age_s=600, max_profiles=2)
+    pools = WarmPools(backend, spec(folder), folder / "pool", PoolSettings(1, 600, 2))
     try:
         await pools.start()
         assert not pools.enabled
@@ -77,7 +77,7 @@ async def test_an_image_without_the_session_feature_turns_the_pool_off(
     folder: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     backend = FakeBackend(images={"ptc-old:1": {}})
-    pools = WarmPools(backend, spec(folder, image="ptc-old:1"), folder / "pool", 1, 600, 2)
+    pools = WarmPools(backend, spec(folder, image="ptc-old:1"), folder / "pool", PoolSettings(1, 600, 2))
     with caplog.at_level(logging.WARNING):
         await pools.start()
     try:
@@ -91,7 +91,7 @@ async def test_an_image_without_the_session_feature_turns_the_pool_off(
 
 async def test_a_profile_of_its_own_gets_a_pool_on_first_demand(folder: Path) -> None:
     backend = FakeBackend()
-    pools = WarmPools(backend, spec(folder), folder / "pool", 1, 600, 2)
+    pools = WarmPools(backend, spec(folder), folder / "pool", PoolSettings(1, 600, 2))
     await pools.start()
     try:
         await ready(pools, "default", 1)
@@ -120,7 +120,7 @@ class SlowRemoval(FakeBackend):
 async def test_close_waits_for_every_removal_begun(folder: Path) -> None:
     """Sandboxes evicted (removed in the background) and a start cut short by ``close`` are all gone when it returns."""
     backend = SlowRemoval()
-    pools = WarmPools(backend, spec(folder), folder / "pool", 2, 600, 2)
+    pools = WarmPools(backend, spec(folder), folder / "pool", PoolSettings(2, 600, 2))
     await pools.start()
     try:
         await ready(pools, "default", 2)
@@ -137,7 +137,7 @@ async def test_one_keys_throwaway_profiles_never_keep_another_keys_profile_from_
     pool (a's least recently used is closed for it), a asking for more closes none of b's nor its own, and a pool
     both keys take from is shared: never closed for another profile."""
     backend = FakeBackend()
-    pools = WarmPools(backend, spec(folder), folder / "pool", 1, 600, 4)  # the default + 3
+    pools = WarmPools(backend, spec(folder), folder / "pool", PoolSettings(1, 600, 4))  # the default + 3
     await pools.start()
     try:
         await ready(pools, "default", 1)
