@@ -105,6 +105,7 @@ class JobManager:
         sessions: session requests (``SessionJobs``).
         toolsets: registered manifests (``Toolsets``).
         recovery: start-up recovery and the retention purge (``Recovery.purge_expired``).
+        engines: the script engines (``engines.Engines``; ``GET /readyz`` asks them).
     """
 
     def __init__(self, parts: JobParts) -> None:
@@ -115,6 +116,7 @@ class JobManager:
         self.sessions = parts.sessions
         self.toolsets = parts.toolsets
         self.recovery = parts.recovery
+        self.engines = parts.engines
 
     # -- start-up, shutdown, retention ---------------------------------------------------------
 
@@ -416,7 +418,7 @@ class Services:
     """Everything the app serves, in the order ``open_services`` started it; ``close`` ends it in reverse.
 
     Attributes:
-        backend: the sandbox backend (the engines' sandboxes run on it; ``/readyz`` asks it).
+        backend: the sandbox backend (the engines' sandboxes run on it).
         endpoints: the shared endpoint clients and egress rules.
         store: the job store, open.
         replicas: this replica's registration (started: its lease is renewed).
