@@ -29,7 +29,7 @@ from service.api.routers import tools as tools_router
 from service.composition.engine_table import ENGINES, EngineFactory
 from service.composition.job_manager import JobManager
 from service.composition.root import open_services
-from service.engines import CONTAINER
+from service.engines import CONTAINER, Engines
 from service.errors import InsecureConfig, SandboxError
 from service.mcp import front as mcp_front
 from service.observability import telemetry
@@ -37,8 +37,7 @@ from service.observability.metrics import HttpObserver, Metrics
 from service.observability.stages import StageTiming
 from service.replicas import internal
 from service.sandbox.backend import SandboxBackend
-from service.sandbox.images import Images
-from service.settings import DEFAULT_IMAGE, Settings
+from service.settings import Settings
 from service.tenancy import configure, single_tenant
 from service.toolkit.validation import CheckScheduler
 
@@ -97,11 +96,9 @@ def create_app(
             services.store, services.replicas, services.remote, services.listener,
         )  # fmt: skip  # /readyz: not ready while the listener re-opens
         state.jobs, state.backend, state.idempotency = services.jobs, services.backend, services.idempotency
+        state.engines = services.jobs.engines  # /readyz asks them
         _serve(state, services.jobs)
-        ok, reason = await services.backend.ready(settings.sandbox_image)
-        if not ok:
-            log.warning("not ready yet: %s (GET /readyz answers 503 until this is fixed)", reason)
-        await _check_images(services.backend, settings)
+        await _check_engines(services.jobs.engines, settings)
         log.info(
             "ptc-sandbox %s ready: instance %s, image %s, store %s",
             __version__,
@@ -152,7 +149,7 @@ def create_app(
     app.state.settings, app.state.keys = settings, keys
     app.state.reads = ReadSlots(settings.max_reads_per_key, settings.retry_after_s)
     app.state.jobs = app.state.sessions = app.state.toolsets = app.state.backend = NOT_STARTED  # deps.NotStarted
-    app.state.idempotency = app.state.store = app.state.replicas = NOT_STARTED
+    app.state.idempotency = app.state.store = app.state.replicas = app.state.engines = NOT_STARTED
     app.state.listener = None  # PostgreSQL store only
     app.state.remote, app.state.verifier = None, verifier
     for resource in RESOURCES:
@@ -160,21 +157,29 @@ def create_app(
     return app
 
 
-async def _check_images(backend: SandboxBackend, settings: Settings) -> None:
-    """Log each image of ``PTC_IMAGES`` (the default one aside: checked with the engine) that cannot run scripts
-    now, and the names requests may choose. Never raises: a missing image is reported by ``GET /readyz`` and
-    refused per request (503) until it is built."""
-    others = {name: ref for name, ref in settings.images.items() if name != DEFAULT_IMAGE}
-    if not others:
-        return
-    try:
-        missing = await Images(backend, others).missing()
-    except SandboxError as exc:
-        log.warning("images of PTC_IMAGES not checked: %s", exc)
-        return
-    for name, problem in missing.items():
-        log.warning("%s: %s (GET /readyz answers 503 until this is fixed)", others[name], problem)
-    log.info("images requests may choose: %s", ", ".join(sorted(settings.images)))
+async def _check_engines(engines: Engines, settings: Settings) -> None:
+    """Log each engine that cannot run scripts now (``Engine.ready``), each image of ``PTC_IMAGES`` an engine cannot
+    run (``Engine.missing_images``), and the names requests may choose. Never raises: what is missing is reported by
+    ``GET /readyz`` and refused per request (503) until it is fixed."""
+    for engine in engines.values():
+        ok, reason = await engine.ready()
+        if not ok:
+            log.warning(
+                "not ready yet: engine %r: %s (GET /readyz answers 503 until this is fixed)", engine.name, reason
+            )
+    checked = True
+    for engine in engines.values():
+        try:
+            missing = await engine.missing_images()
+        except SandboxError as exc:
+            log.warning("images of PTC_IMAGES not checked by engine %r: %s", engine.name, exc)
+            checked = False
+            continue
+        for name, problem in missing.items():
+            ref = settings.images.get(name, name)
+            log.warning("%s: %s (GET /readyz answers 503 until this is fixed)", ref, problem)
+    if checked and len(settings.images) > 1:
+        log.info("images requests may choose: %s", ", ".join(sorted(settings.images)))
 
 
 def _observed_routes(app: FastAPI) -> list[BaseRoute]:

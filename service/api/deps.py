@@ -7,13 +7,14 @@ lifespan put them; none is built here.
 - ``AppSettings``: the ``Settings`` the app was built from.
 - ``Key``: the name of the caller's API key (None with authentication disabled, and on an open path);
   ``Who``: the caller as an owner (``auth.Caller``); ``Keys``: every API key (None: authentication disabled).
-- ``AppMetrics``, ``Backend``: the metrics and the sandbox backend, for the health routes.
+- ``AppMetrics``, ``ScriptEngines``: the metrics and the script engines (``engines.Engines``), for the health
+  routes.
 - ``Idempotency``: the bindings of ``Idempotency-Key`` headers (``idempotency.IdempotencyKeys``).
 - ``Reads``: each key's answers under way, bounded (``api.reads.ReadSlots``).
 
-Until the lifespan has started the services, ``Jobs``, ``Sessions``, ``Toolsets``, ``Backend`` and ``Idempotency`` are
-``NOT_STARTED``, which fails on first use: a request served without the lifespan (an in-process test) gets
-every answer that needs no service (validation, limits, 413) as a running service would.
+Until the lifespan has started the services, ``Jobs``, ``Sessions``, ``Toolsets``, ``ScriptEngines`` and
+``Idempotency`` are ``NOT_STARTED``, which fails on first use: a request served without the lifespan (an in-process
+test) gets every answer that needs no service (validation, limits, 413) as a running service would.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from fastapi import Depends, Request
 
 from service.api.reads import ReadSlots
 from service.composition.job_manager import JobManager
+from service.engines import Engines
 from service.idempotency import IdempotencyKeys
 from service.observability.metrics import Metrics
 from service.output import OutputRange
-from service.sandbox.backend import SandboxBackend
 from service.schemas.session_models import SessionRequest
 from service.schemas.toolset_models import McpServer
 from service.settings import Settings
@@ -149,10 +150,10 @@ async def read_slots(request: Request) -> ReadSlots:
     return reads
 
 
-async def sandbox_backend(request: Request) -> SandboxBackend:
-    """``app.state.backend``."""
-    backend: SandboxBackend = request.app.state.backend
-    return backend
+async def script_engines(request: Request) -> Engines:
+    """``app.state.engines``: the script engines, for ``GET /readyz``."""
+    engines: Engines = request.app.state.engines
+    return engines
 
 
 async def job_store(request: Request) -> JobStore:
@@ -175,7 +176,7 @@ Key = Annotated[str | None, Depends(key_name)]
 Keys = Annotated[KeyRing | None, Depends(key_ring)]
 Who = Annotated[Caller, Depends(who)]
 AppMetrics = Annotated[Metrics, Depends(app_metrics)]
-Backend = Annotated[SandboxBackend, Depends(sandbox_backend)]
+ScriptEngines = Annotated[Engines, Depends(script_engines)]
 Idempotency = Annotated[IdempotencyKeys, Depends(idempotency_keys)]
 Store = Annotated[JobStore, Depends(job_store)]
 Reads = Annotated[ReadSlots, Depends(read_slots)]

@@ -68,6 +68,7 @@ class JobManager:
         sessions: session requests (``SessionJobs``).
         toolsets: registered manifests (``Toolsets``).
         recovery: start-up recovery and the retention purge (``Recovery.purge_expired``).
+        engines: the script engines (``engines.Engines``; ``GET /readyz`` asks them).
     """
 
     def __init__(self, parts: JobParts) -> None:
@@ -78,6 +79,7 @@ class JobManager:
         self.sessions = parts.sessions
         self.toolsets = parts.toolsets
         self.recovery = parts.recovery
+        self.engines = parts.engines
 
     # -- start-up, shutdown, retention ---------------------------------------------------------
 

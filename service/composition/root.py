@@ -39,7 +39,7 @@ class Services:
     """Everything the app serves, in the order ``open_services`` started it; ``close`` ends it in reverse.
 
     Attributes:
-        backend: the sandbox backend (the engines' sandboxes run on it; ``/readyz`` asks it).
+        backend: the sandbox backend (the engines' sandboxes run on it).
         endpoints: the shared endpoint clients and egress rules.
         store: the job store, open.
         replicas: this replica's registration (started: its lease is renewed).

@@ -27,6 +27,7 @@ from service.sandbox.pool import WarmPools
 from service.sandbox.ports import Held
 from service.sandbox.resident import KILL_CONFIRM_S, ResidentSandbox
 from service.sandbox.spec import SandboxLimits, sandbox_spec
+from service.settings import DEFAULT_IMAGE
 from service.toolkit.cache import CompiledManifest
 
 
@@ -134,6 +135,18 @@ class ContainerEngine(Engine):
         """Raise ``ImageUnusable`` (503) unless the image is present with the ``session`` feature; EngineUnavailable
         when the backend cannot be asked."""
         await self.images.require(image)
+
+    async def ready(self) -> tuple[bool, str]:
+        """The backend answers, has the runtime of ``PTC_RUNTIME``, and the default image (``PTC_SANDBOX_IMAGE``) is
+        present (``SandboxBackend.ready``)."""
+        return await self.backend.ready(self._settings.sandbox_image)
+
+    async def missing_images(self) -> dict[str, str]:
+        """The images of ``PTC_IMAGES`` but the default one (``ready``'s) that are not present or lack the
+        ``session`` feature, asked anew (``Images.missing``: an image removed since it was used is reported).
+        Raises EngineUnavailable."""
+        others = {name: ref for name, ref in self._settings.images.items() if name != DEFAULT_IMAGE}
+        return await Images(self.backend, others).missing() if others else {}
 
     async def sweep(self) -> int:
         """Remove every container carrying this instance's labels (``SandboxBackend.remove_labelled``). Raises

@@ -11,8 +11,9 @@ the store do not change for it.
 
 - ``Engine``: the engine: its name, the languages it runs, how a script is prepared (``prepare``: Python's
   repairs), its stubs, where a one-shot job's script runs (``take``, ``room_released``), a session's sandbox
-  (``hold_room``, ``open_session``), its images (``require_image``), its warm sandboxes (``warm``), what an earlier
-  run left (``sweep``), its start and close.
+  (``hold_room``, ``open_session``), its images (``require_image``), whether it can run scripts now (``ready``,
+  ``missing_images``: ``GET /readyz`` and the start-up check), its warm sandboxes (``warm``), what an earlier run
+  left (``sweep``), its start and close.
 - ``Sandbox``: where the engine runs a job's script, one at a time: the run's files (``lay_out``), how calls reach
   the broker (``connect``), the run itself (``run``), files in and out between runs, its removal.
 - ``EngineRun``: one running script: wait for its exit, signal it, kill it.
@@ -199,6 +200,20 @@ class Engine(abc.ABC):
         """Raise (``ImageUnusable``, a SandboxError) unless ``image`` (a name in ``PTC_IMAGES``) can run scripts
         here. The default accepts every name."""
         return None
+
+    async def ready(self) -> tuple[bool, str]:
+        """(ok, why not): whether it can run scripts now: it can be asked, and what its scripts need by default is
+        there (the container engine: the engine answers, has the OCI runtime of ``PTC_RUNTIME``, and the default
+        image is present). ``GET /readyz`` answers 503 (``reason`` ``engine``) while it is not. Never raises. The
+        default is always ready."""
+        return True, "ok"
+
+    async def missing_images(self) -> dict[str, str]:
+        """The images of ``PTC_IMAGES`` it cannot run scripts in now, beyond what ``ready`` checks: name -> why
+        (by name, never by reference; empty when every one runs). ``GET /readyz`` answers 503 (``reason``
+        ``images``) while one is. Raises SandboxError (EngineUnavailable: the engine cannot be asked). The default
+        runs every image (as ``require_image``)."""
+        return {}
 
     async def sweep(self) -> int:
         """Remove every sandbox of this instance the engine keeps outside this process (an earlier run's at start-up;

@@ -6,14 +6,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from service.api.bodies import ParsedOffLoop
-from service.api.deps import AppMetrics, AppSettings, Backend, Key, Keys, Store
+from service.api.deps import AppMetrics, AppSettings, Key, Keys, ScriptEngines, Store
 from service.api.problems import FORBIDDEN, NOT_READY
 from service.errors import SandboxError, StoreUnavailable
 from service.observability.metrics import CONTENT_TYPE
 from service.replicas.notify import Listener
 from service.replicas.registration import Replicas
-from service.sandbox.images import Images
-from service.settings import DEFAULT_IMAGE
 from service.tenancy import may_scrape
 
 router = APIRouter(route_class=ParsedOffLoop)
@@ -44,17 +42,18 @@ async def metrics_route(metrics: AppMetrics, keys: Keys, key: Key) -> Response:
 
 
 @router.get("/readyz", responses={503: {}})
-async def readyz(request: Request, backend: Backend, settings: AppSettings, store: Store) -> Response:
+async def readyz(request: Request, engines: ScriptEngines, settings: AppSettings, store: Store) -> Response:
     """Readiness (docs/scaling.md, Operability): this replica holds its lease (``Replicas.ready``: not fenced, not
     within a heartbeat of its deadline) and is not draining, the job store answers ``SELECT 1`` (within
-    ``PTC_STORE_TIMEOUT_S``), its listener is connected (PostgreSQL), the engine answers, the sandbox image is
-    present, and so is every other image of ``PTC_IMAGES`` (with the ``session`` feature).
+    ``PTC_STORE_TIMEOUT_S``), its listener is connected (PostgreSQL), and every script engine is ready
+    (``Engine.ready``: the container engine's backend answers and the sandbox image is present) and can run every
+    other image of ``PTC_IMAGES`` (``Engine.missing_images``: present, with the ``session`` feature).
 
     A 503 names the failing part in ``reason`` (``READY_PARTS``: ``lease``, ``draining``, ``store``,
-    ``listener``, ``engine``, ``images``), each missing image by its name (``missing_images``), and never the
-    store's URL. The 200 lists the names requests may choose (``images``), the default image's reference
-    (``image``), the store's kind (``store``: ``postgresql`` or ``sqlite``) and the replicas holding their lease
-    in the registry at this replica's last read (``replicas``).
+    ``listener``, ``engine``, ``images``), the engine at fault in ``detail``, each missing image by its name
+    (``missing_images``), and never the store's URL. The 200 lists the names requests may choose (``images``), the
+    default image's reference (``image``), the store's kind (``store``: ``postgresql`` or ``sqlite``) and the
+    replicas holding their lease in the registry at this replica's last read (``replicas``).
     """
     replicas = request.app.state.replicas
     registered = isinstance(replicas, Replicas)
@@ -73,16 +72,18 @@ async def readyz(request: Request, backend: Backend, settings: AppSettings, stor
             "the job store's notifications are not received (its listening connection is re-opening)",
             reason="listener",
         )
-    ok, why = await backend.ready(settings.sandbox_image)
-    if not ok:
-        return NOT_READY.response(why, reason="engine")
-    others = Images(backend, {name: ref for name, ref in settings.images.items() if name != DEFAULT_IMAGE})
-    try:
-        missing = await others.missing()
-    except SandboxError as exc:
-        return NOT_READY.response(str(exc), reason="engine")
-    if missing:
-        return NOT_READY.response("; ".join(missing.values()), reason="images", missing_images=sorted(missing))
+    for engine in engines.values():
+        ok, why = await engine.ready()
+        if not ok:
+            return NOT_READY.response(f"engine {engine.name!r}: {why}", reason="engine")
+    for engine in engines.values():
+        try:
+            missing = await engine.missing_images()
+        except SandboxError as exc:
+            return NOT_READY.response(f"engine {engine.name!r}: {exc}", reason="engine")
+        if missing:
+            detail = f"engine {engine.name!r}: " + "; ".join(missing.values())
+            return NOT_READY.response(detail, reason="images", missing_images=sorted(missing))
     live = sum(1 for row in replicas.registry.values() if row.holds_lease) if registered else 0
     return JSONResponse(
         {

@@ -196,13 +196,13 @@ Served = tuple[httpx.AsyncClient, ToyEngine]
 
 
 @asynccontextmanager
-async def _served() -> AsyncIterator[Served]:
+async def _served(toy: ToyEngine | None = None) -> AsyncIterator[Served]:
     work_dir = Path(tempfile.mkdtemp(prefix="ptct", dir="/tmp"))
     settings = Settings(
         work_dir=work_dir, auth="disabled", sandbox_folders_tmpfs_mb=0, warm_pool_size=0, stop_grace_s=0.5,
         instance_id="toy-" + work_dir.name,
     )  # fmt: skip
-    toy = ToyEngine()
+    toy = toy or ToyEngine()
 
     def toy_engine(site: EngineSite) -> Engine:
         return toy
@@ -313,3 +313,36 @@ async def test_a_toy_session_keeps_its_sandbox_and_files_between_scripts(served:
     deleted = await client.delete(f"/sessions/{session_id}")
     assert deleted.status_code == 200 and deleted.json()["status"] == "closed"
     assert session_sandbox.destroyed and session_sandbox.env == {}  # an ended session keeps only its view
+
+
+class UnreadyToy(ToyEngine):
+    """A toy engine that cannot run scripts yet (``Engine.ready``), or cannot run an image (``missing_images``)."""
+
+    def __init__(self, why: str | None = None, missing: dict[str, str] | None = None) -> None:
+        super().__init__()
+        self.why = why
+        self.missing = missing or {}
+
+    async def ready(self) -> tuple[bool, str]:
+        return (False, self.why) if self.why is not None else (True, "ok")
+
+    async def missing_images(self) -> dict[str, str]:
+        return self.missing
+
+
+async def test_readyz_asks_every_engine_and_names_the_one_not_ready(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("WARNING", logger="service.api.app")
+    async with _served(UnreadyToy(why="its interpreter is not installed")) as (client, _):
+        answer = await client.get("/readyz")  # the container engine beside it, on the fake backend, is ready
+        assert answer.status_code == 503 and answer.headers["content-type"] == "application/problem+json"
+        body = answer.json()
+        assert (body["reason"], body["detail"]) == ("engine", "engine 'toy': its interpreter is not installed"), body
+        assert "missing_images" not in body
+    assert "not ready yet: engine 'toy': its interpreter is not installed" in caplog.text  # said at start-up too
+    async with _served(UnreadyToy(missing={"default": "the toy has no 'default' image"})) as (client, _):
+        body = (await client.get("/readyz")).json()
+        assert (body["reason"], body["missing_images"]) == ("images", ["default"]), body
+        assert body["detail"] == "engine 'toy': the toy has no 'default' image", body
+    async with _served() as (client, _):  # a toy with the defaults: ready, every image runs
+        ready = await client.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["images"] == ["default"], ready.text
