@@ -21,7 +21,7 @@ from service import files, views
 from service.auth import Caller
 from service.errors import InvalidField, JobNotFound, NoSuchFile
 from service.jobs import resume, shared
-from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob, wait_for_end_or_client
+from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob, unless_ending, wait_for_end_or_client
 from service.jobs.model import FINAL
 from service.jobs.notify import Elsewhere
 from service.output import OutputRange, decode_slice, read_range
@@ -167,7 +167,7 @@ class JobViews:
         Raises:
             JobNotFound: no such job, or another owner's.
         """
-        job = self.live(job_id, caller)
+        job = await unless_ending(self.live(job_id, caller))  # a final status is served once saved
         wanted = {stream: offset for stream, offset in (offsets or {}).items() if offset is not None}
         if job is not None:
             view = job.view_dict()
