@@ -261,7 +261,7 @@ class JobViews:
         parsed = await asyncio.to_thread(lambda: [JobSummary.model_validate_json(s) if s else None for s in kept])
         summaries = []
         for row, summary in zip(stored, parsed, strict=True):
-            live = self._live.get(row.job_id)
+            live = await unless_ending(self._live.get(row.job_id))  # an ending job: its saved view, once saved
             if live is not None:
                 view = live.view_dict()
                 summaries.append(JobSummary.model_validate({**view, "calls": len(view["calls"])}))

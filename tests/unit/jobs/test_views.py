@@ -13,6 +13,7 @@ from service.auth import Caller
 from service.jobs.live import now, stored_job
 from service.jobs.model import JobStatus
 from service.jobs.views import JobViews
+from service.store import JobQuery
 from service.views import render_head
 from tests.unit.jobs.conftest import Parts
 
@@ -103,3 +104,30 @@ async def test_a_read_does_not_show_the_end_before_the_final_view_is_saved(parts
     body = await asyncio.wait_for(reading, 5)
     assert isinstance(body, bytes) and orjson.loads(body)["status"] == "succeeded"
     assert parts.store.rows[job.id].status == "succeeded"
+
+
+async def test_a_listing_does_not_show_the_end_before_the_final_view_is_saved(parts: Parts) -> None:
+    """As above for ``GET /jobs``: a live job's summary comes from its live view, except once its final status is
+    set, when the page waits for the final save and lists the saved summary."""
+    job = parts.new_job("alice")
+    job.move(JobStatus.RUNNING)
+    running = await views.encode(render_head(job.view_dict()), [])
+    await parts.store.put(stored_job(running.head, 0, running.body, "test"))
+    cache = views.ViewCache(1 << 20)
+    job_views = JobViews(cast(Any, parts.store), parts.live, job.output_dir.parent, cache)
+    [summary], _ = await job_views.page(JobQuery(owner="alice"))
+    assert summary.status == "running"  # live, not ending: its live view
+    job.stdout.close()
+    job.stderr.close()
+    job.ended_at = now()
+    job.end(JobStatus.SUCCEEDED, None)
+    listing = asyncio.ensure_future(job_views.page(JobQuery(owner="alice")))
+    done, _ = await asyncio.wait({listing}, timeout=0.5)  # its summaries are parsed in a thread: give it time
+    assert not done, "the live summary (succeeded) was listed before the final view was saved"
+    final = await views.encode(render_head(job.view_dict()), [])
+    cache.put(job.id, final)
+    await parts.store.put(stored_job(final.head, 0, final.body, "test"))
+    job.done.set()
+    parts.live.pop(job.id)
+    listed, _ = await asyncio.wait_for(listing, 5)
+    assert [summary.status for summary in listed] == ["succeeded"]
