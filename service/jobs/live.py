@@ -244,6 +244,16 @@ async def wait_for_end_or_client(job: LiveJob, timeout_s: float) -> None:
         waiting.cancel()
 
 
+async def unless_ending(job: LiveJob | None) -> LiveJob | None:
+    """``job`` while its live view may be served (not ended); None, once its final view is saved, for a job whose final
+    status is set: the runner sets it, then saves the final view, and only then tells anyone (``Runner._cleanup``), so
+    a read in between waits for the save (a live view saying ``succeeded`` would tell the end before it is saved)."""
+    if job is not None and job.ended:
+        await job.done.wait()
+        return None
+    return job
+
+
 class LiveJobs(Mapping[str, LiveJob]):
     """The jobs this service holds in memory, by id: the one owner of the set.
 

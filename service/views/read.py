@@ -20,7 +20,7 @@ import orjson
 from service import files
 from service.errors import InvalidField, JobNotFound, NoSuchFile
 from service.jobs import shared
-from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob, LiveJobs, wait_for_end_or_client
+from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob, LiveJobs, unless_ending, wait_for_end_or_client
 from service.jobs.model import FINAL
 from service.output import OutputRange, decode_slice, read_range
 from service.replicas.notify import Elsewhere
@@ -168,7 +168,7 @@ class JobViews:
         Raises:
             JobNotFound: no such job, or another owner's.
         """
-        job = self.live(job_id, caller)
+        job = await unless_ending(self.live(job_id, caller))  # a final status is served once saved
         wanted = {stream: offset for stream, offset in (offsets or {}).items() if offset is not None}
         if job is not None:
             view = job.view_dict()
@@ -262,7 +262,7 @@ class JobViews:
         parsed = await asyncio.to_thread(lambda: [JobSummary.model_validate_json(s) if s else None for s in kept])
         summaries = []
         for row, summary in zip(stored, parsed, strict=True):
-            live = self._live.get(row.job_id)
+            live = await unless_ending(self._live.get(row.job_id))  # an ending job: its saved view, once saved
             if live is not None:
                 view = live.view_dict()
                 summaries.append(JobSummary.model_validate({**view, "calls": len(view["calls"])}))

@@ -176,6 +176,8 @@ async def job_answer(job_id: str, jobs: Jobs, who: Who, selection: Selection, jo
     if job is not None:
         await wait_for_end_or_client(job, job.limits.wait_s)  # a client call or an approval needs the caller
         stages.mark("end-seen")
+        if job.ended:
+            await job.done.wait()  # its final status is told once its final view is saved (Runner._cleanup)
         if not job.done.is_set():
             return view_response(jobs.views.live_view(job, selection), 202, {"Location": f"/jobs/{job_id}"})
     final = await jobs.views.final(job_id, who)  # saved as served

@@ -63,6 +63,10 @@ class FakeStore:
     async def get(self, job_id: str) -> StoredJob | None:
         return self.rows.get(job_id)
 
+    async def page(self, query: Any) -> tuple[list[StoredJob], str | None]:
+        """Every row, in one page (no filter, no order: enough for one job's tests)."""
+        return list(self.rows.values()), None
+
 
 @dataclass
 class FakeSession:
