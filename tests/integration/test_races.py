@@ -314,7 +314,10 @@ def test_exit_vs_oom(api: httpx.Client) -> None:
         def trial(lane: str, i: int) -> dict[str, Any]:
             index = lanes.index(lane) + i * len(lanes)
             wait = "child.wait()\n" if index % 4 == 0 else ""  # then the OOM kill surely came before the exit
-            script = OOM_CHILD.format(s=round(index * (1.2 / n), 3), wait=wait)
+            # the moment (the child's start and its allocation: tens of ms, more under load) lies somewhere between
+            # 0 and a few seconds: the script's pauses double from 5 ms, so some fall before it and some after
+            pause = 0.0 if index < 2 else 0.005 * 2 ** (index - 2)
+            script = OOM_CHILD.format(s=round(pause, 3), wait=wait)
             job_id, _ = submit(api, script, lane, timeout_s=20)
             view = final_views(api, job_id)
             check_done_or(view, "oom_killed")  # succeeded, unless the OOM killer chose the script itself

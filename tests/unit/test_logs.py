@@ -73,7 +73,7 @@ def test_events_carry_their_fields_and_render_as_text(captured: Capture) -> None
 @pytest.mark.parametrize("fmt", ["json", "text"])
 def test_configure_writes_events_and_uvicorn_lines_to_stderr_in_the_chosen_format(fmt: str) -> None:
     code = (
-        "import logging\nfrom service import logs\n"
+        "import logging\nfrom service.observability import logs\n"
         f"logs.configure('info', {fmt!r})\n"
         "logs.event('job', job_id='job_1', status='queued')\n"
         "logging.getLogger('uvicorn.error').info('started')\n"

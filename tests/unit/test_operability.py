@@ -163,7 +163,7 @@ def captured() -> Iterator[Capture]:
 @pytest.mark.parametrize("fmt", ["json", "text"])
 def test_every_line_carries_the_instance_id(fmt: str) -> None:
     code = (
-        "import logging\nfrom service import logs\n"
+        "import logging\nfrom service.observability import logs\n"
         f"logs.configure('info', {fmt!r}, 'r-7')\n"
         "logs.event('job', job_id='job_1', status='queued')\n"
         "logging.getLogger('uvicorn.error').info('started')\n"
@@ -187,7 +187,7 @@ def test_every_line_carries_the_instance_id(fmt: str) -> None:
 
 
 def test_without_an_instance_lines_have_no_instance_field() -> None:
-    code = "from service import logs\nlogs.configure('info', 'json')\nlogs.event('job', job_id='j')\n"
+    code = "from service.observability import logs\nlogs.configure('info', 'json')\nlogs.event('job', job_id='j')\n"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert "instance" not in json.loads(done.stderr.splitlines()[0])
 
