@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import psycopg
 import sqlalchemy as sa
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_fixed
 
 ENV = "PTC_TEST_STORE_URL"
 
@@ -50,5 +51,14 @@ def fresh_database() -> Iterator[str]:
     try:
         yield sa.make_url(url).set(drivername="postgresql", database=name).render_as_string(hide_password=False)
     finally:
-        with psycopg.connect(_libpq(url), autocommit=True) as admin:
-            admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        # FORCE ends the database's connections; one still logging in has no role yet, and ending it needs
+        # pg_signal_backend, which the test role lacks ("must be a member of the role whose process is being
+        # terminated"): a moment later it has logged in as the test role and is ended.
+        for attempt in Retrying(
+            retry=retry_if_exception_type(psycopg.errors.InsufficientPrivilege),
+            stop=stop_after_attempt(20),
+            wait=wait_fixed(0.1),
+            reraise=True,
+        ):
+            with attempt, psycopg.connect(_libpq(url), autocommit=True) as admin:
+                admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
