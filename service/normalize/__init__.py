@@ -5,9 +5,9 @@ compiles is returned byte for byte (and so is one longer than ``MAX_CHARS``), wi
 exactly one expression statement whose value is a dict display with one code-like string field
 (``{"code": "print(1)"}``, which would do nothing) runs that field's code (``json_wrapper``) when it compiles,
 after repairs of its own if need be; so does a repaired script of that form. For one that does not, a small
-depth-first search applies the repairs below (each at most once, in this
-order) and keeps the first sequence whose result compiles; when none does, the
-script is returned unchanged, with a one-line ``hint`` when a known mechanical
+breadth-first search applies the repairs below (each at most once) and keeps the shortest sequence whose result
+compiles (among sequences as short, the first in this order; a byte-order mark and CR line endings are taken off
+first); when none does, the script is returned unchanged, with a one-line ``hint`` when a known mechanical
 cause was recognized (it is added to the job's ``SyntaxError``).
 
 ==================  ========================================================================
