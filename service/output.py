@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
+
+log = logging.getLogger(__name__)
 
 ELISION_MARK = "\n[... {n} bytes elided by ptc-sandbox ...]\n"
 
@@ -128,9 +131,13 @@ class OutputLog:
     grants them; later bytes are counted but not kept. The inline view gets
     every byte either way. Written by one writer (the job's output sink, on the
     event loop: ``ResidentSandbox`` hands it each output frame), read by any.
+    The file is created at the first byte kept: a stream with none has no file,
+    which every reader takes as nothing retained (a new file costs the file
+    system far more than a write to an open one: docs/performance.md).
+    A file that cannot be created is logged and the stream keeps no more bytes.
 
     Args:
-        path: the file of retained bytes (created empty).
+        path: the file of retained bytes (created at the first byte kept).
         inline_bytes: cap of the inline view (head and tail).
         retain_bytes: how many bytes to keep on disk.
         budget: what the job's owner may still retain (``take(n)`` grants at most ``n``); None: no owner cap.
@@ -142,28 +149,44 @@ class OutputLog:
         self._retain = retain_bytes
         self._budget = budget
         self.retained_bytes = 0
-        self._file = open(path, "wb", buffering=0)
+        self._file: BinaryIO | None = None
+        self._closed = False
 
     def write(self, data: bytes) -> None:
         """Append one chunk."""
         self.inline.write(data)
         room = self._retain - self.retained_bytes
-        if room > 0 and not self._file.closed:
+        if room > 0 and not self._closed:
+            if self._file is None and not self._create():
+                return
             kept = data[:room]
             if self._budget is not None:
                 kept = kept[: self._budget.take(len(kept))]
             if kept:
+                assert self._file is not None
                 self._file.write(kept)
                 self.retained_bytes += len(kept)
 
+    def _create(self) -> bool:
+        """Create the file of retained bytes; False (logged, no more bytes kept) when the file system refuses."""
+        try:
+            self._file = open(self.path, "wb", buffering=0)
+        except OSError as exc:
+            log.warning("cannot keep the output in %s: %s", self.path, exc)
+            self._closed = True
+            return False
+        return True
+
     def close(self) -> None:
         """No more writes (idempotent)."""
-        self._file.close()
+        self._closed = True
+        if self._file is not None:
+            self._file.close()
 
     @property
     def closed(self) -> bool:
-        """Whether ``close`` was called (the file of retained bytes is closed)."""
-        return self._file.closed
+        """Whether ``close`` was called (no more bytes are kept)."""
+        return self._closed
 
 
 class OutputRange:

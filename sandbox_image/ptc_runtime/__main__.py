@@ -117,14 +117,20 @@ def referenced_names(code: types.CodeType) -> Set[str]:
     return names
 
 
+_NO_TOOLS = '["aio", "ToolError"]'  # the ``__all__`` of a generated package with no tool (service.toolkit.stubs)
+
+
 def tool_names(package: str) -> Set[str]:
     """The names the generated ``tools`` package at ``package`` exports (its one-line ``__all__``), read without
     importing it; empty when there is no such package."""
     try:
-        with open(os.path.join(package, "__init__.py"), encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("__all__ = ["):
-                    names = ast.literal_eval(line.split("=", 1)[1].strip())
+        with open(os.path.join(package, "__init__.py"), "rb") as f:  # bytes: no text layer made for one line
+            for raw in f:
+                if raw.startswith(b"__all__ = ["):
+                    line = raw.decode("utf-8").split("=", 1)[1].strip()
+                    if line == _NO_TOOLS:  # what a manifest with no tools gives: nothing to compile
+                        return set()
+                    names = ast.literal_eval(line)
                     return {n for n in names if isinstance(n, str)} - {"aio", "ToolError"}
     except (OSError, ValueError, SyntaxError, UnicodeDecodeError):
         pass
@@ -352,15 +358,15 @@ if __name__ == "__main__":
     sys.path[:] = [p for p in sys.path if p not in ("", os.getcwd())]
     compiled = None
     if os.environ.get(SESSION_ENV) == "1":
-        from ptc_runtime.confine import CLEAN_IMPORT_ENV
+        from ptc_runtime.confine import CLEAN_IMPORT_ENV, set_env
         from ptc_runtime.session import serve
 
         run = serve()
         if run is None:  # the service closed the session
             sys.exit(0)
         compiled, env = run  # in the forked child of one script: run it like a one-shot job
-        os.environ.update(env)
-        os.environ.update(CLEAN_IMPORT_ENV)  # never the run's to change (the service refuses PYTHON* names anyway)
+        set_env(env)
+        set_env(CLEAN_IMPORT_ENV)  # never the run's to change (the service refuses PYTHON* names anyway)
         if "TZ" in env:
             import time
 

@@ -152,6 +152,24 @@ def install_filter(program: Optional[bytes]) -> bool:
         return False
 
 
+def set_env(changes: Dict[str, str], removed: Tuple[str, ...] = ()) -> None:
+    """Set ``changes`` in ``os.environ`` and take out ``removed``, touching only what differs: each change writes
+    the process's memory, which in a forked script's process means pages copied from the interpreter's."""
+    for name in removed:
+        if name in os.environ:
+            del os.environ[name]
+    for name, value in changes.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+
+
+def script_env() -> None:
+    """The environment a script's process gets from ``drop``: ``SCRIPT_UID_ENV`` gone (the script sees the
+    environment it always saw), ``CLEAN_IMPORT_ENV`` set. A session's interpreter sets it once, after reading
+    ``script_ids``, so that its forks find it done."""
+    set_env(CLEAN_IMPORT_ENV, (SCRIPT_UID_ENV,))
+
+
 def set_dumpable(dumpable: bool) -> None:
     """prctl(PR_SET_DUMPABLE). Best effort: without ctypes or prctl the process stays as it is."""
     try:
@@ -160,10 +178,11 @@ def set_dumpable(dumpable: bool) -> None:
         pass
 
 
-def drop(program: Optional[bytes], own_session: bool = True) -> None:
+def drop(program: Optional[bytes], own_session: bool = True, env: bool = True) -> None:
     """Make this process a script's (see the module docstring); ``own_session`` False keeps the session (the
-    one-shot runtime is the sandbox's init already). Raises OSError when the user cannot be changed: a script
-    must never run as root."""
+    one-shot runtime is the sandbox's init already); ``env`` False: the environment is the script's already (a
+    session's interpreter set it before forking: ``script_env``). Raises OSError when the user cannot be changed:
+    a script must never run as root."""
     uid, gid = script_ids()
     if own_session:
         os.setsid()
@@ -175,10 +194,13 @@ def drop(program: Optional[bytes], own_session: bool = True) -> None:
             raise OSError("the script's process is still root")
     set_dumpable(True)
     try:  # the script, not the interpreter, is the one the OOM killer takes when the sandbox runs out of memory
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write("1000")
+        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+        try:
+            os.write(fd, b"1000")
+        finally:
+            os.close(fd)
     except OSError:
         pass
     install_filter(program)
-    os.environ.pop(SCRIPT_UID_ENV, None)  # the script sees the environment it always saw
-    os.environ.update(CLEAN_IMPORT_ENV)
+    if env:
+        script_env()

@@ -116,7 +116,7 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ptc_runtime import files, protocol
-from ptc_runtime.confine import drop, no_user_namespaces_filter, prepare, script_ids, set_dumpable
+from ptc_runtime.confine import drop, no_user_namespaces_filter, prepare, script_env, script_ids, set_dumpable, set_env
 from ptc_runtime.ring import ASLEEP, STDERR_RING_BYTES, STDOUT_RING_BYTES, Ring, RingReader, install
 from ptc_runtime.stdio import UNBUFFERED_ENV
 
@@ -238,6 +238,12 @@ class Server:
         self.filter = no_user_namespaces_filter()
         prepare(self.filter)
         script_ids()  # the scripts' user, read (and checked: ValueError) once, before any fork
+        # Every script's environment, set once here, where each fork inherits it (changed in a script's process, each
+        # change would copy pages of this interpreter's memory there): the environment a one-shot job's script sees
+        # (``script_env``: no ``PTC_SCRIPT_UID``, the clean import path; no ``PTC_SESSION``), and Python interpreters
+        # it starts write each line to the pipe at once (``UNBUFFERED_ENV``).
+        script_env()
+        set_env(UNBUFFERED_ENV, (protocol.SESSION_ENV,))
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
 
@@ -439,12 +445,10 @@ class Server:
     def become_child(self, out_w: int, err_w: int, rings: List[Ring], nudge_w: int, ack_r: int) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any Python process
         try:
-            drop(self.filter)  # its own session, the sandbox user, no capability (ptc_runtime.confine)
+            drop(self.filter, env=False)  # its own session, the sandbox user, no capability (ptc_runtime.confine)
         except (OSError, ValueError) as exc:
             os.write(err_w, ("ptc_runtime: cannot drop privileges: %s\n" % exc).encode())
             os._exit(126)
-        os.environ.pop("PTC_SESSION", None)  # the script sees the environment a one-shot job sees
-        os.environ.update(UNBUFFERED_ENV)  # Python interpreters it starts write each line to the pipe at once
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         self.selector.close()
@@ -743,9 +747,11 @@ def serve() -> Optional[Tuple[Any, Dict[str, str]]]:
     # ids too: matplotlib checks its folder with os.access (the real user), and one it finds unwritable it replaces
     # by a temporary folder that an atexit hook of every forked script removes.
     with files.as_sandbox_user(real=True):
-        imported = preload(os.environ.get(PRELOAD_ENV, ""))
-    if imported:
-        gc.freeze()  # what the imports made stays out of every script's collections (and its pages unshared)
+        preload(os.environ.get(PRELOAD_ENV, ""))
+    # What the imports made stays out of every script's collections: a collection in a script's process would write
+    # the header of every object it walks, copying this interpreter's pages there.
+    gc.collect()
+    gc.freeze()
     set_dumpable(False)
     no_stdin()
     control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -299,7 +299,7 @@ class Intake:
         def script_and_files() -> tuple[Normalized, OutputLog, OutputLog]:  # CPU and file system: not on the loop
             normalized = (engine.prepare if engine is not None else prepare)(request.script, request.normalize)
             output_dir.mkdir(mode=0o700)
-            (output_dir / OWNER_FILE).write_text(caller.owner)
+            (output_dir / OWNER_FILE).write_text(caller.owner + "\n")  # a line: the stored bytes follow at the end
             logs = [OutputLog(output_dir / name, inline, retain, budget) for name in ("stdout", "stderr")]
             return normalized, logs[0], logs[1]
 

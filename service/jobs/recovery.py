@@ -184,19 +184,21 @@ def _removal_failed(function: object, path: str, excinfo: tuple[type[BaseExcepti
 
 def _retained(folder: Path) -> tuple[str | None, int]:
     """The owner of a job's output folder and the bytes it makes the service keep: its retained output, its output
-    files and its call records' (``RECORDS_FILE``) (blocking: run it in a thread)."""
-    try:
-        owner: str | None = (folder / OWNER_FILE).read_text()
-    except OSError:
-        owner = None  # written before owners were recorded: counted against nobody
+    files and what it keeps in the store (``OWNER_FILE``'s second line; ``RECORDS_FILE`` in older folders)
+    (blocking: run it in a thread)."""
+    owner: str | None = None  # written before owners were recorded: counted against nobody
+    stored: str | None = None
+    with contextlib.suppress(OSError):
+        owner, _, rest = (folder / OWNER_FILE).read_text().partition("\n")
+        stored = rest.partition("\n")[0] or None
     size = 0
     for stream in STREAMS:
         with contextlib.suppress(OSError):
             size += (folder / stream).stat().st_size
     with contextlib.suppress(OSError):  # its output files (service.files) count too
         size += sum(entry.stat().st_size for entry in (folder / FILES_FOLDER).iterdir())
-    with contextlib.suppress(OSError, ValueError):  # and the bytes its call records keep in the store
-        size += max(int((folder / RECORDS_FILE).read_text()), 0)
+    with contextlib.suppress(OSError, ValueError):  # and the bytes it keeps in the store (older folders: own file)
+        size += max(int(stored if stored is not None else (folder / RECORDS_FILE).read_text()), 0)
     return owner, size
 
 
