@@ -40,9 +40,14 @@ class Slots:
         """The slot handle of one job of ``owner`` (whose cap is ``cap``)."""
         return OwnerSlot(self, owner, cap)
 
-    async def _acquire(self, owner: str, cap: int) -> None:
+    def _take_now(self, owner: str, cap: int) -> bool:
         if self._free > 0 and self._held[owner] < cap:  # then no waiter can be served (see _serve)
             self._grant(owner)
+            return True
+        return False
+
+    async def _acquire(self, owner: str, cap: int) -> None:
+        if self._take_now(owner, cap):
             return
         future = asyncio.get_running_loop().create_future()
         entry = (owner, cap, future)
@@ -93,6 +98,10 @@ class OwnerSlot:
         """Wait for a slot (cancellable; nothing is held if cancelled). Returns True, as a semaphore does."""
         await self._slots._acquire(self._owner, self._cap)
         return True
+
+    def take_now(self) -> bool:
+        """Take a slot if one is free for this owner now (what ``acquire`` would grant without waiting)."""
+        return self._slots._take_now(self._owner, self._cap)
 
     def release(self) -> None:
         """Give the slot back."""

@@ -442,6 +442,33 @@ def _dup2(function: Callable[..., int]) -> Callable[..., int]:
     return dup2
 
 
+def hook() -> None:
+    """Wrap the ``os``/``subprocess`` functions named in the module docstring so that they first empty the rings,
+    and register the fork handlers; once per process (a session's interpreter calls it before it forks any
+    script's process, which inherits the wrapped functions: made there, they would cost each script's process
+    pages copied from the interpreter's). Until ``install`` has run in a process every wrapper and handler does
+    nothing but call through."""
+    if _hooked:
+        return
+    _hooked.append(True)
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+    os.write = _synced_on_std_fd(os.write)
+    os.writev = _synced_on_std_fd(os.writev)
+    os.dup2 = _dup2(os.dup2)
+    for name in ("system", "execv", "execve", "posix_spawn", "posix_spawnp"):
+        if hasattr(os, name):
+            setattr(os, name, _synced(getattr(os, name)))
+    import _posixsubprocess
+
+    _posixsubprocess.fork_exec = _synced(_posixsubprocess.fork_exec)
+    subprocess = sys.modules.get("subprocess")
+    if subprocess is not None and getattr(subprocess, "_fork_exec", None) is not None:
+        subprocess._fork_exec = _posixsubprocess.fork_exec  # type: ignore[attr-defined]
+
+
+_hooked: List[bool] = []
+
+
 def install(rings: List[Ring], nudge: int, ack: int) -> None:
     """In the script's process (fds 1 and 2 are the run's pipes): ``sys.stdout``/``sys.stderr`` (and
     ``sys.__stdout__``/``sys.__stderr__``) become text streams over ``rings[0]``/``rings[1]``, with the encoding
@@ -473,16 +500,4 @@ def install(rings: List[Ring], nudge: int, ack: int) -> None:
     sys.stdout = sys.__stdout__ = _streams[0]  # type: ignore[misc]
     sys.stderr = sys.__stderr__ = _streams[1]  # type: ignore[misc]
     _child = child
-    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
-    os.write = _synced_on_std_fd(os.write)
-    os.writev = _synced_on_std_fd(os.writev)
-    os.dup2 = _dup2(os.dup2)
-    for name in ("system", "execv", "execve", "posix_spawn", "posix_spawnp"):
-        if hasattr(os, name):
-            setattr(os, name, _synced(getattr(os, name)))
-    import _posixsubprocess
-
-    _posixsubprocess.fork_exec = _synced(_posixsubprocess.fork_exec)
-    subprocess = sys.modules.get("subprocess")
-    if subprocess is not None and getattr(subprocess, "_fork_exec", None) is not None:
-        subprocess._fork_exec = _posixsubprocess.fork_exec  # type: ignore[attr-defined]
+    hook()  # a no-op where the interpreter made them already

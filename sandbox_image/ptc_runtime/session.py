@@ -117,7 +117,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ptc_runtime import files, protocol
 from ptc_runtime.confine import drop, no_user_namespaces_filter, prepare, script_env, script_ids, set_dumpable, set_env
-from ptc_runtime.ring import ASLEEP, STDERR_RING_BYTES, STDOUT_RING_BYTES, Ring, RingReader, install
+from ptc_runtime.ring import ASLEEP, STDERR_RING_BYTES, STDOUT_RING_BYTES, Ring, RingReader, hook, install
 from ptc_runtime.stdio import UNBUFFERED_ENV
 
 CONTROL_SOCKET = os.path.join(protocol.RUN_DIR, protocol.CONTROL_SOCKET)
@@ -748,6 +748,7 @@ def serve() -> Optional[Tuple[Any, Dict[str, str]]]:
     # by a temporary folder that an atexit hook of every forked script removes.
     with files.as_sandbox_user(real=True):
         preload(os.environ.get(PRELOAD_ENV, ""))
+    hook()  # the rings' wrappers of os and subprocess functions, made once here (``ptc_runtime.ring.hook``)
     # What the imports made stays out of every script's collections: a collection in a script's process would write
     # the header of every object it walks, copying this interpreter's pages there.
     gc.collect()

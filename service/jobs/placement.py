@@ -39,6 +39,11 @@ class Acquirable(Protocol):
 
 async def acquire(job: LiveJob, slots: Acquirable) -> bool:
     """Wait for a script slot (or the session's turn); False (and nothing held) if the job was stopped first."""
+    if job.stop_requested.is_set():
+        return False
+    take_now = getattr(slots, "take_now", None)  # ``OwnerSlot``: a free slot taken with no task made
+    if take_now is not None and take_now():
+        return True
     acquiring = asyncio.ensure_future(slots.acquire())
     stopped = asyncio.ensure_future(job.stop_requested.wait())
     try:
