@@ -495,13 +495,15 @@ class ResidentSandbox:
         under gVisor) holds only the image's defaults and ``PTC_SESSION``. To a runtime that reads it from a file
         (``protocol.FEATURE_ENV_FILE``) it goes as the folder's ``protocol.ENV_FILE`` (mode 0644, removed when the
         run ends): the script's process reads it, the resident interpreter never holds it, so no later script of a
-        session finds an earlier run's env in the memory it inherits from the interpreter.
+        session finds an earlier run's env in the memory it inherits from the interpreter. An empty env, which holds
+        nothing to keep from later scripts, goes in the run frame itself (no file: a new file is far dearer to the
+        file system than the frame, docs/performance.md).
         """
         if protocol.FEATURE_FILES not in self.features:
             outputs = None  # an older runtime: no outputs (the view lists none)
         every = {**self.spec.env, **env}
         message: dict[str, Any] = {protocol.FIELD_OP: protocol.RUN, "id": job_id, "env": every}
-        if protocol.FEATURE_ENV_FILE in self.features:
+        if every and protocol.FEATURE_ENV_FILE in self.features:
             data = orjson.dumps(every)
             if len(data) <= INLINE_ENV_BYTES:  # a small write: less than a hand-off to a thread
                 self._write_env(data)
