@@ -52,7 +52,9 @@ ring's ``HEAD``, then the pipe (at most its capacity: what was in it when the pa
 another writer write its fds (the order rule: ``ptc_runtime.ring``). While output flows a pass runs every ``REST_S``
 (sooner after a pipe was half full), so that many short lines cost one wake-up and a few frames per pass. A pass
 that finds nothing sets the rings' ``ASLEEP`` flag, watches the pipes and sleeps up to ``IDLE_S``: the script's next
-write nudges the server awake (one byte on the nudge pipe), a pipe's data wakes it too. A printed line therefore
+write nudges the server awake (one byte on the nudge pipe), a pipe's data wakes it too. A run starts as if output
+flowed (``ASLEEP`` clear, the first pass ``REST_S`` after its go), so that a short script's output goes with its
+``exit``, in one write (``Server.corked``), with no nudge and no wake-up before. A printed line therefore
 reaches the service within about ``REST_S`` (``IDLE_S`` at worst). A full ring makes the script wait for the
 server's ack (back-pressure, like a full pipe). The stdout pipe is enlarged to ``STDOUT_PIPE_BYTES`` where the
 kernel allows it (the pages count against the creating user's ``pipe-user-pages-soft``, 64 MiB by default, shared
@@ -104,6 +106,7 @@ and gVisor's OOM kill ends the whole sandbox, which the engine reports.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import fcntl
 import gc
 import json
@@ -117,12 +120,13 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ptc_runtime import files, protocol
 from ptc_runtime.confine import drop, no_user_namespaces_filter, prepare, script_env, script_ids, set_dumpable, set_env
-from ptc_runtime.ring import ASLEEP, STDERR_RING_BYTES, STDOUT_RING_BYTES, Ring, RingReader, hook, install
+from ptc_runtime.ring import STDERR_RING_BYTES, STDOUT_RING_BYTES, Ring, RingReader, hook, install
 from ptc_runtime.stdio import UNBUFFERED_ENV
 
 CONTROL_SOCKET = os.path.join(protocol.RUN_DIR, protocol.CONTROL_SOCKET)
 SCRIPT = os.path.join(protocol.RUN_DIR, protocol.SCRIPT)
 READ_BYTES = protocol.MAX_FRAME_BYTES  # a read of a pipe or a ring is one output frame at most
+CORK_BYTES = 64 * 1024  # frames kept at most before a corked send (``Server.corked``) writes them
 REST_S = 0.01  # while output flows, how long the rings and pipes are left to fill between passes
 IDLE_S = 0.1  # a pass that found nothing: the longest sleep (bounds a printed line's delay should a nudge be missed)
 F_SETPIPE_SZ = 1031
@@ -235,6 +239,8 @@ class Server:
         self.run: Optional[_Run] = None
         self.spare: Optional[_Run] = None  # the next script's process, confined and waiting for its run frame
         self.wake_r, self.wake_w = os.pipe()
+        self.cork: Optional[List[bytes]] = None  # frames kept to go out in one write (``corked``)
+        self.cork_bytes = 0
         self.filter = no_user_namespaces_filter()
         prepare(self.filter)
         script_ids()  # the scripts' user, read (and checked: ValueError) once, before any fork
@@ -248,7 +254,38 @@ class Server:
         os.set_blocking(self.wake_w, False)
 
     def send(self, message: Dict[str, Any], payload: bytes = b"") -> None:
-        self.control.sendall(json.dumps(message).encode() + b"\n" + payload)
+        """Send one frame; while corked (``corked``), keep it to go out with the others in one write."""
+        frame = json.dumps(message).encode() + b"\n" + payload
+        if self.cork is None:
+            self.control.sendall(frame)
+            return
+        self.cork.append(frame)
+        self.cork_bytes += len(frame)
+        if self.cork_bytes >= CORK_BYTES:
+            self.flush_cork()
+
+    def flush_cork(self) -> None:
+        """Send the frames kept so far, in one write."""
+        if self.cork:
+            frames, self.cork[:] = b"".join(self.cork), []
+            self.cork_bytes = 0
+            self.control.sendall(frames)
+
+    @contextlib.contextmanager
+    def corked(self) -> Iterator[None]:
+        """Frames sent inside go out together when it ends (or each ``CORK_BYTES``): the output a pass or the end of
+        a run finds and the ``exit`` after it cost the service one read, not one per frame."""
+        if self.cork is not None:  # corked already: the outer one sends
+            yield
+            return
+        self.cork, self.cork_bytes = [], 0
+        try:
+            yield
+        finally:
+            try:
+                self.flush_cork()
+            finally:
+                self.cork = None
 
     def serve(self) -> Optional[Tuple[Any, Dict[str, str]]]:
         """Follow the service until it hangs up (returns None); in a forked child, return (None, env) once its run
@@ -359,8 +396,8 @@ class Server:
         ack_r, ack_w = os.pipe()
         go_r, go_w = os.pipe()
         rings = [Ring(STDOUT_RING_BYTES), Ring(STDERR_RING_BYTES)]
-        for ring in rings:
-            ring.header[ASLEEP] = 1  # the child's first write nudges
+        # ``ASLEEP`` clear (a new mapping is zeros): the run starts as if output flowed, its first pass ``REST_S``
+        # after the go (the module docstring).
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         pid = os.fork()
@@ -412,7 +449,7 @@ class Server:
             self.selector.register(run.nudge, selectors.EVENT_READ, "nudge")
         self.run = run
         self.watch(run, True)
-        run.next_pass = time.monotonic() + IDLE_S
+        run.next_pass = time.monotonic() + REST_S
         self.send_go(run, go)
         run.stamps.update(run_received=received, go_sent=time.monotonic_ns())
         self.reap()  # a child that ended before the handler was of interest
@@ -495,6 +532,11 @@ class Server:
         return max(0.0, run.next_pass - time.monotonic())
 
     def take_pass(self, run: _Run) -> None:
+        """``pass_over`` with its frames sent in one write (``corked``)."""
+        with self.corked():
+            self.pass_over(run)
+
+    def pass_over(self, run: _Run) -> None:
         """Send what each stream holds (``take``); ack a child that waits. Output found: the next pass in
         ``REST_S`` (sooner for a pipe that was half full). Nothing: the streams sleep (``ASLEEP`` set, the rings
         looked at once more, the pipes watched) for up to ``IDLE_S``."""
@@ -603,6 +645,11 @@ class Server:
             time.sleep(0.0005)
 
     def end_run(self, hung_up: bool) -> None:
+        """``finish_run`` with its frames (the last output, files out, ``exit``) sent in one write (``corked``)."""
+        with self.corked():
+            self.finish_run(hung_up)
+
+    def finish_run(self, hung_up: bool) -> None:
         """The script's process has ended (or the service left): kill the rest, send the output, then exit."""
         run = self.run
         if run is None:
