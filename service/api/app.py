@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from starlette.datastructures import State
 from starlette.routing import BaseRoute
 
-from service import __version__, callbacks
+from service import __version__, callbacks, collector
 from service.api import forward, problems
 from service.api.auth import BearerAuth, open_paths
 from service.api.bodies import BODY_THREADS, BodyLimit, ParsedOffLoop
@@ -99,6 +99,7 @@ def create_app(
         state.engines = services.jobs.engines  # /readyz asks them
         _serve(state, services.jobs)
         await _check_engines(services.jobs.engines, settings)
+        collector.freeze_startup()
         log.info(
             "ptc-sandbox %s ready: instance %s, image %s, store %s",
             __version__,

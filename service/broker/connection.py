@@ -174,9 +174,10 @@ class Connections:
 
     async def wait_closed(self) -> None:
         """Wait (at most 1 s) for the server to close; its failures are ignored."""
-        if self._server is not None:
+        server, self._server = self._server, None  # let go of it: it refers back here (no cycle for the collector)
+        if server is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+                await asyncio.wait_for(server.wait_closed(), 1.0)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._closing or len(self._writers) >= MAX_CONNECTIONS:

@@ -363,6 +363,7 @@ class Runner:
                 self._tasks.spawn(again, f"final save {job.id}")  # meanwhile served from the view cache
         finally:
             broker.records.release()
+            job.broker = None  # its records are taken: no cycle (job, broker, its hooks, job) waits for the collector
             ticket.release()
             job.notify()
             job.done.set()
