@@ -469,22 +469,31 @@ def hook() -> None:
 _hooked: List[bool] = []
 
 
-def install(rings: List[Ring], nudge: int, ack: int) -> None:
-    """In the script's process (fds 1 and 2 are the run's pipes): ``sys.stdout``/``sys.stderr`` (and
-    ``sys.__stdout__``/``sys.__stderr__``) become text streams over ``rings[0]``/``rings[1]``, with the encoding
-    and error handler they had; the ``os``/``subprocess`` functions named in the module docstring first empty the
-    rings. ``nudge``: the write end of the nudge pipe; ``ack``: the read end of the ack pipe."""
-    global _child
+class Streams:
+    """The script's ``sys.stdout`` and ``sys.stderr`` over both rings (``make_streams``), to be put in place in the
+    script's process (``install``)."""
+
+    def __init__(self, child: _Child, raws: List[RingRaw], streams: List[io.TextIOWrapper]) -> None:
+        self.child = child
+        self.raws = raws
+        self.streams = streams
+
+
+def make_streams(rings: List[Ring], nudge: int, ack: int) -> Streams:
+    """Text streams over ``rings[0]``/``rings[1]`` for fds 1 and 2, with the encoding and error handler of this
+    process's ``sys.stdout``/``sys.stderr``; ``nudge``: the write end of the nudge pipe, ``ack``: the read end of
+    the ack pipe (both made non-blocking). Nothing of this process changes: a session's interpreter makes them
+    before it forks the script's process (made there, they cost that process no pages of its own)."""
     child = _Child(nudge, ack)
     os.set_blocking(nudge, False)
     os.set_blocking(ack, False)  # waited for with poll (``_Child.wait``)
+    raws: List[RingRaw] = []
+    streams: List[io.TextIOWrapper] = []
     for index, (fd, name, old) in enumerate(((1, "<stdout>", sys.stdout), (2, "<stderr>", sys.stderr))):
-        st = os.fstat(fd)
-        _pipe_ids.append((st.st_dev, st.st_ino))
         writer = _Writer(rings[index], child)
         child.writers.append(writer)
         raw = RingRaw(writer, fd, name)
-        _raws.append(raw)
+        raws.append(raw)
         stream = io.TextIOWrapper(
             raw,
             encoding=getattr(old, "encoding", None) or "utf-8",
@@ -494,10 +503,22 @@ def install(rings: List[Ring], nudge: int, ack: int) -> None:
             write_through=False,
         )
         stream.mode = "w"  # type: ignore[misc]
-        _streams.append(stream)
-        _replaced.append(old)
-    _replaced.extend((sys.__stdout__, sys.__stderr__))
+        streams.append(stream)
+    return Streams(child, raws, streams)
+
+
+def install(streams: Streams) -> None:
+    """In the script's process (fds 1 and 2 are the run's pipes): ``sys.stdout``/``sys.stderr`` (and
+    ``sys.__stdout__``/``sys.__stderr__``) become ``streams`` (``make_streams``); the ``os``/``subprocess``
+    functions named in the module docstring first empty the rings (``hook``)."""
+    global _child
+    for fd in (1, 2):
+        st = os.fstat(fd)
+        _pipe_ids.append((st.st_dev, st.st_ino))
+    _raws.extend(streams.raws)
+    _streams.extend(streams.streams)
+    _replaced.extend((sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__))
     sys.stdout = sys.__stdout__ = _streams[0]  # type: ignore[misc]
     sys.stderr = sys.__stderr__ = _streams[1]  # type: ignore[misc]
-    _child = child
+    _child = streams.child
     hook()  # a no-op where the interpreter made them already

@@ -119,8 +119,26 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ptc_runtime import files, protocol
-from ptc_runtime.confine import drop, no_user_namespaces_filter, prepare, script_env, script_ids, set_dumpable, set_env
-from ptc_runtime.ring import STDERR_RING_BYTES, STDOUT_RING_BYTES, Ring, RingReader, hook, install
+from ptc_runtime.confine import (
+    drop,
+    install_filter,
+    no_user_namespaces_filter,
+    prepare,
+    script_env,
+    script_ids,
+    set_dumpable,
+    set_env,
+)
+from ptc_runtime.ring import (
+    STDERR_RING_BYTES,
+    STDOUT_RING_BYTES,
+    Ring,
+    RingReader,
+    Streams,
+    hook,
+    install,
+    make_streams,
+)
 from ptc_runtime.stdio import UNBUFFERED_ENV
 
 CONTROL_SOCKET = os.path.join(protocol.RUN_DIR, protocol.CONTROL_SOCKET)
@@ -215,6 +233,7 @@ class _Run:
         self.outputs: Optional[Dict[str, Any]] = None  # the run's caps on files out (None: the service wants none)
         self.status: Optional[int] = None
         self.stamps: Dict[str, int] = {}  # time.monotonic_ns() of the run's moments (the exit frame's "stamps")
+        self.script_streams: Optional[Streams] = None  # its sys.stdout and sys.stderr, made here before the fork
 
     def ended(self) -> bool:
         """Whether the script's process has ended (collected, or a zombie not collected yet)."""
@@ -243,6 +262,11 @@ class Server:
         self.cork_bytes = 0
         self.filter = no_user_namespaces_filter()
         prepare(self.filter)
+        # The filter on this interpreter itself (it makes no user namespace either): every script's process, forked
+        # from it, inherits it, so none installs its own (``drop`` with None). Where the kernel refuses it here,
+        # each script's process installs it, as before.
+        if install_filter(self.filter):
+            self.filter = None
         script_ids()  # the scripts' user, read (and checked: ValueError) once, before any fork
         # Every script's environment, set once here, where each fork inherits it (changed in a script's process, each
         # change would copy pages of this interpreter's memory there): the environment a one-shot job's script sees
@@ -398,13 +422,14 @@ class Server:
         rings = [Ring(STDOUT_RING_BYTES), Ring(STDERR_RING_BYTES)]
         # ``ASLEEP`` clear (a new mapping is zeros): the run starts as if output flowed, its first pass ``REST_S``
         # after the go (the module docstring).
+        script_streams = make_streams(rings, nudge_w, ack_r)  # made here: the child only puts them in place
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         pid = os.fork()
         if pid == 0:
             for fd in (out_r, err_r, nudge_r, ack_w, go_w):
                 os.close(fd)
-            self.become_child(out_w, err_w, rings, nudge_w, ack_r)
+            self.become_child(out_w, err_w, script_streams)
             return None, wait_for_go(go_r)
         for fd in (out_w, err_w, nudge_w, ack_r, go_r):
             os.close(fd)
@@ -412,6 +437,9 @@ class Server:
         for fd in (out_r, err_r, nudge_r, ack_w):
             os.set_blocking(fd, False)
         self.spare = _Run(pid, streams, nudge_r, ack_w, go_w)
+        # Kept until the run ends (``close_run``): let go of now, they would be freed while the spare shares this
+        # interpreter's pages, each page they are on copied.
+        self.spare.script_streams = script_streams
         return None
 
     def start(
@@ -472,6 +500,7 @@ class Server:
 
     def discard(self, spare: _Run) -> None:
         """Release the pipes and rings of a spare process that ended before its run (collected already)."""
+        spare.script_streams = None
         for stream in spare.streams:
             self.close_pipe(spare, stream)
             stream.ring.close()
@@ -479,7 +508,7 @@ class Server:
             if fd is not None:
                 os.close(fd)
 
-    def become_child(self, out_w: int, err_w: int, rings: List[Ring], nudge_w: int, ack_r: int) -> None:
+    def become_child(self, out_w: int, err_w: int, streams: Streams) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any Python process
         try:
             drop(self.filter, env=False)  # its own session, the sandbox user, no capability (ptc_runtime.confine)
@@ -496,7 +525,7 @@ class Server:
         os.dup2(err_w, 2)
         os.close(out_w)
         os.close(err_w)
-        install(rings, nudge_w, ack_r)  # sys.stdout and sys.stderr write into the rings (ptc_runtime.ring)
+        install(streams)  # sys.stdout and sys.stderr write into the rings (ptc_runtime.ring)
 
     def watch(self, run: _Run, watching: bool) -> None:
         """Put the run's pipes in the selector (the streams sleep: data wakes the server) or take them out (output
@@ -697,6 +726,7 @@ class Server:
 
     def close_run(self, run: _Run) -> None:
         """Release the run's pipes and rings."""
+        run.script_streams = None
         for stream in run.streams:
             self.close_pipe(run, stream)
             stream.ring.close()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "sandbox_image"))  # the runtime, as in the image
 
-from ptc_runtime.ring import ASLEEP, HEAD, TAIL, WAITING, Ring, RingReader, install
+from ptc_runtime.ring import ASLEEP, HEAD, TAIL, WAITING, Ring, RingReader, install, make_streams
 
 
 def test_the_reader_stays_in_bounds_whatever_the_header_says() -> None:
@@ -53,7 +53,7 @@ def test_a_forked_writer_wraps_and_waits_and_every_byte_arrives_in_order() -> No
             os.close(ack_w)
             os.dup2(out_w, 1)
             os.dup2(out_w, 2)
-            install(rings, nudge_w, ack_r)
+            install(make_streams(rings, nudge_w, ack_r))
             for chunk in chunks:
                 sys.stdout.buffer.write(chunk)
             for i in range(5000):
@@ -146,7 +146,7 @@ def _run_writer(body: object, alarm: bool = False) -> tuple[int, list[bytes]]:
             os.close(ack_w)
             os.dup2(out_w, 1)
             os.dup2(out_w, 2)
-            install(rings, nudge_w, ack_r)
+            install(make_streams(rings, nudge_w, ack_r))
             body()  # type: ignore[operator]
             sys.stdout.flush()
             sys.stderr.flush()
