@@ -22,7 +22,8 @@ from service.callbacks import CallbackPolicy
 from service.egress import EgressDenied
 from service.engines import Engine, Engines
 from service.errors import EngineUnavailable, InvalidField, QueueFull, SessionNotFound
-from service.jobs.live import OWNER_FILE, SANDBOX_LIMITS, LiveJob, LiveJobs, ResolvedLimits, resolve_limits
+from service.jobs.live import SANDBOX_LIMITS, LiveJob, LiveJobs, ResolvedLimits, resolve_limits
+from service.jobs.marks import mark_owner
 from service.normalize import Normalized, count, prepare
 from service.output import OutputLog
 from service.quotas import Quotas
@@ -299,7 +300,7 @@ class Intake:
         def script_and_files() -> tuple[Normalized, OutputLog, OutputLog]:  # CPU and file system: not on the loop
             normalized = (engine.prepare if engine is not None else prepare)(request.script, request.normalize)
             output_dir.mkdir(mode=0o700)
-            (output_dir / OWNER_FILE).write_text(caller.owner + "\n")  # a line: the stored bytes follow at the end
+            mark_owner(output_dir, caller.owner)
             logs = [OutputLog(output_dir / name, inline, retain, budget) for name in ("stdout", "stderr")]
             return normalized, logs[0], logs[1]
 

@@ -1,10 +1,9 @@
 """A job while the service holds it in memory (``LiveJob``), its resolved limits, and the store's row of a view.
 
 Output bytes of a job are kept on disk under ``work_dir/output/<job_id>/`` (see ``service.output.OutputLog``)
-for offset reads; ``OWNER_FILE`` there names whose output budget they count against (its first line) and, once the
-job has ended, how many bytes the job keeps in the store (its second line: its call records' arguments and results,
-its stored view and summary), which count against it too. Folders written before that second line kept the count in
-``RECORDS_FILE``.
+for offset reads; the folder's marks (``service.jobs.marks``) say whose output budget they count against and, once the
+job has ended, how many bytes the job keeps in the store (its call records' arguments and results, its stored view
+and summary), which count against it too.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from service.broker import Broker
 from service.engines import CONTAINER
 from service.errors import EngineUnavailable, FileRefused, RequestLimitError, SandboxError
 from service.files import FileBudget, OutputFiles
+from service.jobs.marks import mark_stored
 from service.jobs.model import INTERNAL_ERROR, SERVICE_STOPPED, ErrorType, Failure, Job, JobStatus
 from service.normalize import Normalized, view_fields
 from service.output import OutputLog
@@ -42,8 +42,6 @@ log = logging.getLogger(__name__)
 STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
 SUMMARY_FIELDS = tuple(name for name in JobSummary.model_fields if name != "calls")  # all are the view's too
 SLICE_BYTES = 1024 * 1024  # the most bytes of a stream read into memory at once
-OWNER_FILE = "owner"  # in a job's output folder: its owner's name, then (ended) the bytes it keeps in the store
-RECORDS_FILE = "record_bytes"  # in folders of older versions: the bytes the job keeps in the store (decimal)
 SANDBOX_LIMITS = ("memory_mb", "cpus", "pids", "tmp_mb")  # a sandbox's own limits (a session's are fixed)
 
 
@@ -220,8 +218,8 @@ async def note_stored_bytes(job: LiveJob, row: StoredJob) -> None:
     row is saved: from then on the job may be purged): its call records' arguments and results (taken already,
     ``job.record_bytes``) and the rest of ``row`` (its view, with the script, metadata and inline output, and its
     summary), charged even past the quota (a finished result is never dropped; the owner's next job is refused
-    until a purge gives bytes back). The total is appended to ``OWNER_FILE`` (its second line; appended, never
-    rewritten: the owner's line survives any crash), which the purge gives back. Failures to write it are logged."""
+    until a purge gives bytes back). The total is marked on the job's output folder (``marks.mark_stored``: one
+    attribute, written on the loop), which the purge gives back. Failures to write it are logged."""
     if job.stored_bytes is not None:
         return  # counted at the first attempt of its final save
     rest = max(len(row.view) + len(row.summary) - job.record_bytes, 0)
@@ -229,18 +227,9 @@ async def note_stored_bytes(job: LiveJob, row: StoredJob) -> None:
         job.output_budget.charge(rest)
     job.stored_bytes = job.record_bytes + rest
     try:
-        await asyncio.to_thread(_append_line, job.output_dir / OWNER_FILE, str(job.stored_bytes))
+        mark_stored(job.output_dir, job.stored_bytes)
     except OSError:
         log.exception("job %s: could not note the bytes it keeps in the store", job.id)
-
-
-def _append_line(path: Path, line: str) -> None:
-    """Append ``line`` and a line break to the existing file ``path`` (blocking; OSError when it is missing)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)
 
 
 async def wait_for_end_or_client(job: LiveJob, timeout_s: float) -> None:

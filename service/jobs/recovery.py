@@ -23,7 +23,8 @@ from service.engines import Engines
 from service.errors import SandboxError
 from service.files import FILES_FOLDER
 from service.jobs.events import JobLost
-from service.jobs.live import OWNER_FILE, RECORDS_FILE, SLICE_BYTES, STREAMS, now
+from service.jobs.live import SLICE_BYTES, STREAMS, now
+from service.jobs.marks import read_marks
 from service.jobs.model import ErrorType, Failure
 from service.jobs.state import JobState
 from service.output import CappedStream, read_range
@@ -184,21 +185,14 @@ def _removal_failed(function: object, path: str, excinfo: tuple[type[BaseExcepti
 
 def _retained(folder: Path) -> tuple[str | None, int]:
     """The owner of a job's output folder and the bytes it makes the service keep: its retained output, its output
-    files and what it keeps in the store (``OWNER_FILE``'s second line; ``RECORDS_FILE`` in older folders)
-    (blocking: run it in a thread)."""
-    owner: str | None = None  # written before owners were recorded: counted against nobody
-    stored: str | None = None
-    with contextlib.suppress(OSError):
-        owner, _, rest = (folder / OWNER_FILE).read_text().partition("\n")
-        stored = rest.partition("\n")[0] or None
-    size = 0
+    files and what it keeps in the store (``marks``) (blocking: run it in a thread)."""
+    owner, stored = read_marks(folder)  # no owner: written before owners were recorded, counted against nobody
+    size = stored or 0
     for stream in STREAMS:
         with contextlib.suppress(OSError):
             size += (folder / stream).stat().st_size
     with contextlib.suppress(OSError):  # its output files (service.files) count too
         size += sum(entry.stat().st_size for entry in (folder / FILES_FOLDER).iterdir())
-    with contextlib.suppress(OSError, ValueError):  # and the bytes it keeps in the store (older folders: own file)
-        size += max(int(stored if stored is not None else (folder / RECORDS_FILE).read_text()), 0)
     return owner, size
 
 

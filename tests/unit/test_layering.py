@@ -41,8 +41,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "job state",  # a job in memory and its rendered views
         (
-            "service.jobs.live", "service.jobs.events", "service.jobs.tasks", "service.jobs.shared",
-            "service.jobs.state", "service.views.render", "service.views.resume",
+            "service.jobs.live", "service.jobs.marks", "service.jobs.events", "service.jobs.tasks",
+            "service.jobs.shared", "service.jobs.state", "service.views.render", "service.views.resume",
         ),
     ),
     (

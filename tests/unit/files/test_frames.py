@@ -205,7 +205,7 @@ async def test_an_old_runtime_is_refused_clearly(tmp_path: Path) -> None:
 
 
 def test_a_file_past_the_owners_quota_is_not_kept_and_its_bytes_given_back(tmp_path: Path) -> None:
-    from service.jobs.live import OWNER_FILE
+    from service.jobs.marks import OWNER_FILE
     from service.jobs.recovery import _retained
     from service.quotas import OutputBudget
 

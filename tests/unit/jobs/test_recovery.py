@@ -16,7 +16,8 @@ import pytest
 
 from service.errors import WorkDirBusy
 from service.jobs.events import Events
-from service.jobs.live import OWNER_FILE, RECORDS_FILE, LiveJobs, stored_job
+from service.jobs.live import LiveJobs, stored_job
+from service.jobs.marks import OWNER_FILE, RECORDS_FILE
 from service.jobs.model import JobStatus
 from service.jobs.recovery import Recovery
 from service.jobs.state import JobState
@@ -101,7 +102,7 @@ async def test_the_bytes_call_records_keep_count_against_their_owner_until_purge
     folder.mkdir(parents=True)
     (folder / OWNER_FILE).write_text("alice")
     (folder / "stdout").write_bytes(b"x" * 100)
-    (folder / RECORDS_FILE).write_text("5000")  # written by the runner before the job's final save
+    (folder / RECORDS_FILE).write_text("5000")  # a folder written before the marks: the runner wrote this file
     store = Store()
     started = recovery(tmp_path, store, quotas)
     await started.start()  # counted again at start-up, with its retained output
