@@ -143,8 +143,11 @@ def offer_tools(module: types.ModuleType, code: types.CodeType) -> bool:
     none, say through ``globals()`` or ``eval`` only); returns whether it did."""
     path = module.__file__ or ""
     builtin_names = vars(builtins)
+    wanted = referenced_names(code) - builtin_names.keys()
+    if not wanted:  # no tool is offered under a builtin's name: nothing to read (``print(1)``)
+        return False
     offerable = tool_names(os.path.join(os.path.dirname(path), "tools")) - builtin_names.keys()
-    if not offerable & referenced_names(code):
+    if not offerable & wanted:
         return False
     offered = _toolbox_call("script_globals")
     for name, value in offered.items():
