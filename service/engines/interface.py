@@ -171,7 +171,15 @@ class Engine(abc.ABC):
     def take(self, job_id: str, owner: str, limits: SandboxLimits, image: str) -> Sandbox | None:
         """A sandbox for one-shot job ``job_id`` of ``owner`` (started or not: ``Sandbox.started``), with its host
         room committed; None when the host has no room for it now (``room_released`` then says when to ask
-        again). Never waits."""
+        again). Never waits.
+
+        Raises:
+            SandboxError: the engine cannot give the job a sandbox (any other exception is taken as a fault of the
+                engine). Either way the job ends ``failed`` (error ``sandbox_error``, ``engine_unavailable`` or
+                ``internal_error``: ``jobs.live.end_by_failure``) without running, and its script slot is given
+                back by the caller; the engine must hold nothing for the job when it raises (room committed before
+                the raise given back, a pooled sandbox taken returned or removed).
+        """
 
     async def room_released(self, stop: asyncio.Event) -> None:
         """Wait until room on the host may have been released, or ``stop`` is set. The default waits for ``stop``
