@@ -14,8 +14,8 @@ top-level ``await`` and ran as a coroutine (``ran_as_coroutine``, also a claim).
 
 A ``Broker`` is four collaborating parts, one module each:
 
-- ``connection``: the socket (``Connections``): connections, reading lines at a pace (``Pacer``), the requests
-  and bytes in flight, replies written together;
+- ``connection``: the ports (``Connections``): the socket's connections, the in-process port's lines, the line cap,
+  reading lines at a pace (``Pacer``), the requests and bytes in flight, replies written together;
 - ``records``: the call records (``CallRecords``): one per call, final once the broker has closed, the bytes they
   keep within the job's, the service's (``CallMemory``) and the owner's caps, and the runtime's reports;
 - ``dispatch`` and ``checks``: each call read, checked (on the shared check threads, or within a small budget on
@@ -25,7 +25,8 @@ A ``Broker`` is four collaborating parts, one module each:
 Its limits are one frozen ``BrokerConfig`` (``config``); what it shares with every job's broker and the job's hooks
 are two more (``BrokerShared``, ``BrokerHooks``: ``wiring``). A script's calls reach it over its socket (``start``: a
 script in a container) or, from a script engine that runs in this process, one ``call`` at a time: either way a
-call is read, checked, forwarded and recorded alike, and the runtime's report kept alike (``report``;
+call is bounded alike (``max_line_bytes``, the requests and bytes in flight, the pace: ``Connections``), read,
+checked, forwarded and recorded alike, and the runtime's report kept alike (``report``;
 ``service.engines.interface.CallPort``).
 """
 
@@ -85,10 +86,9 @@ class Broker:
     ) -> None:
         self.records = CallRecords(config, shared.memory, budget)
         self.paused = PausedCalls(config, hooks.on_paused_calls)
-        self._dispatcher = dispatcher = Dispatcher(tools, shared, config, self.records, self.paused, hooks)
-        self._connections = Connections(config, dispatcher)
+        dispatcher = Dispatcher(tools, shared, config, self.records, self.paused, hooks)
+        self._connections = Connections(config, dispatcher)  # both ports: the socket and ``call``'s lines
         self._in_process_calls = 0
-        self._closed = False
 
     async def start(self, path: Path) -> None:
         """Listen on ``path`` (a unix socket, mode 0666 so the sandbox user can connect)."""
@@ -96,21 +96,21 @@ class Broker:
 
     async def call(self, tool: str, args: Any) -> dict[str, Any]:
         """Make one call of ``tool`` with ``args`` (JSON values) from this process, as the line
-        ``{"id": n, "tool": tool, "args": args}`` on the socket would be: read, checked, forwarded and recorded.
+        ``{"id": n, "tool": tool, "args": args}`` on the socket would be: bounded (``Connections.call``: a line over
+        ``max_line_bytes`` closes the port as it would a connection; the requests and bytes in flight, the pace),
+        read, checked, forwarded and recorded.
 
         Returns the reply: ``{"ok": true, "result": value}`` or ``{"ok": false, "error": {"type", "message"}}``
-        (``bad_request`` for arguments JSON cannot carry, ``cancelled`` once the broker is closed). Raises only
-        CancelledError (the call's record then ends ``cancelled`` at ``close``).
+        (``bad_request`` for arguments JSON cannot carry, ``broker_unavailable`` from a line over
+        ``max_line_bytes`` on, ``cancelled`` once the broker is closed, ``internal_error`` for a fault of the
+        service). Raises only CancelledError (the call's record then ends ``cancelled`` at ``close``).
         """
-        if self._closed:
-            return {"ok": False, "error": {"type": "cancelled", "message": "the job's broker is closed"}}
         self._in_process_calls += 1
         try:
             line = orjson.dumps({"id": self._in_process_calls, "tool": tool, "args": args})
         except TypeError as exc:
             return {"ok": False, "error": {"type": "bad_request", "message": f"the arguments are not JSON: {exc}"}}
-        request = await self._dispatcher.read(line)
-        reply = await self._dispatcher.answer(request, len(line))
+        reply = await self._connections.call(line)
         reply.pop("id", None)
         data = orjson.dumps(reply)  # a result may be the endpoint's body as it came (a fragment): made values
         if len(data) <= INLINE_LINE_BYTES:
@@ -127,7 +127,6 @@ class Broker:
     async def close(self) -> None:
         """Stop listening and reading, cancel calls in flight (records end ``cancelled``), close connections: the
         records are final."""
-        self._closed = True
         await self._connections.stop()
         self.records.cancel_pending()
         await self._connections.wait_closed()

@@ -10,6 +10,9 @@ Nothing from the sandbox is trusted, and one job cannot starve the others:
 - at most ``MAX_IN_FLIGHT`` requests and ``BrokerConfig.max_in_flight_bytes`` of request lines per job are handled
   at once (past that the broker stops reading, so a flooding script blocks on its own socket);
 - a job begins its request lines in batches of about ``PACE_TURN_S`` of the event loop each (``Pacer``);
+- the lines of an engine in this process (``Connections.call``, the in-process call port) meet the same bounds:
+  a line over ``max_line_bytes`` closes that port as it would a connection, and every line takes its place among
+  the requests and bytes in flight and its turn of the pace before it is read;
 - the replies that one connection's calls produce in one turn of the loop are written together, and a call
   stays in flight while its connection's write buffer is full;
 - any fault of the service while handling a request becomes an ``internal_error`` reply (logged with its
@@ -37,6 +40,8 @@ from service.unix_sockets import bind_unix
 
 log = logging.getLogger(__name__)
 
+CONNECTION_CLOSED = "the broker closed the connection"  # what the sandbox's client (``ptc_runtime.client``) answers
+# every call with once the broker closed its connection: the in-process port's calls get it too once it is closed
 MAX_CONNECTIONS = 32
 MAX_IN_FLIGHT = 1024
 PACE_TURN_S = 0.004  # how long a turn of the event loop may take while a job begins request lines: past it, the job
@@ -130,7 +135,8 @@ def _error(request_id: Any, type_: str, message: str) -> dict[str, Any]:
 
 
 class Connections:
-    """One job's unix-socket server: its connections, the lines read from them, the requests in flight.
+    """One job's unix-socket server: its connections, the lines read from them, the requests in flight; and the
+    in-process call port (``call``), whose lines meet the same bounds.
 
     Args:
         config: the job's ``max_line_bytes`` and ``max_in_flight_bytes``.
@@ -149,6 +155,7 @@ class Connections:
         self._in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
         self._pacer = Pacer()
         self._closing = False
+        self._port_closed = False  # the in-process port met a line over ``max_line_bytes`` (``call``)
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
@@ -159,6 +166,39 @@ class Connections:
         sock = bind_unix(path)  # an address without the work dir's path (a sandbox's /proc/net/unix shows it)
         self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=self._max_line)
         os.chmod(path, 0o666)
+
+    async def call(self, line: bytes) -> dict[str, Any]:
+        """Answer one request line (JSON, no newline) made in this process (``Broker.call``) within the bounds of a
+        line read from the socket; returns the reply with the line's id (None when the line is unreadable).
+
+        A line over ``max_line_bytes`` is refused as the socket refuses it: unread, unrecorded, logged, and the
+        port closed as the line's connection would be; this call and every later one are answered
+        ``broker_unavailable`` (``CONNECTION_CLOSED``), as the sandbox's client answers its calls once its
+        connection is closed. Calls already in flight through the port are still answered. A line within the cap
+        waits, as a socket's does, for a place among the requests and bytes in flight and for its turn (``_enter``);
+        once ``stop`` has begun it is answered ``cancelled``. Raises only CancelledError (nothing then stays
+        counted in flight).
+        """
+        if self._closing:
+            return _error(None, "cancelled", "the job's broker is closed")
+        if not self._port_closed and len(line) > self._max_line:
+            self._line_too_long("the in-process call port")
+            self._port_closed = True
+        if self._port_closed:
+            return _error(None, "broker_unavailable", CONNECTION_CLOSED)
+        size = await self._enter(len(line))
+        if size is None:
+            return _error(None, "cancelled", "the job's broker is closed")
+        try:
+            reply, parse_ns, answer_ns = await self._answer(line)
+        finally:
+            self._leave(size)
+        if self._stages is not None:
+            self._stages.call({"parse": parse_ns, "answer": answer_ns})
+        return reply
+
+    def _line_too_long(self, closing: str) -> None:
+        log.info("broker: request line over %d bytes; closing %s", self._max_line, closing)
 
     async def stop(self) -> None:
         """Stop listening and reading, close the connections, cancel the requests in flight and wait for them."""
@@ -190,7 +230,7 @@ class Connections:
                 try:
                     line = await reader.readline()
                 except (ValueError, asyncio.LimitOverrunError):
-                    log.info("broker: request line over %d bytes; closing the connection", self._max_line)
+                    self._line_too_long("the connection")
                     return
                 except ConnectionError:
                     return
@@ -199,11 +239,8 @@ class Connections:
                 if not line.strip():  # a blank line is no request, but reading it is work: paced like one
                     await self._pacer.pace()
                     continue
-                await self._in_flight.acquire()
-                size = await self._flight_room(len(line))
-                await self._pacer.pace()
-                if self._closing:  # checked after the last wait: no call begins once ``stop`` has begun
-                    self._task_done(None, size)
+                size = await self._enter(len(line))
+                if size is None:  # no call begins once ``stop`` has begun
                     return
                 outbox.handling += 1
                 task = asyncio.create_task(self._handle(line, outbox))
@@ -212,6 +249,30 @@ class Connections:
         finally:
             self._writers.discard(writer)
             writer.close()
+
+    async def _enter(self, size: int) -> int | None:
+        """Wait for a request line of ``size`` bytes (the socket's or the in-process port's) to be handled: a place
+        among the job's ``MAX_IN_FLIGHT`` requests, room among its request bytes in flight (``_flight_room``), its
+        turn of the pace (``Pacer``). Returns the bytes counted (give them back with ``_leave``), or None (nothing
+        held) when ``stop`` has begun meanwhile; cancelled, it holds nothing."""
+        await self._in_flight.acquire()
+        counted = 0
+        try:
+            counted = await self._flight_room(size)
+            await self._pacer.pace()
+        except BaseException:
+            self._leave(counted)
+            raise
+        if self._closing:  # checked after the last wait: no call begins once ``stop`` has begun
+            self._leave(counted)
+            return None
+        return counted
+
+    def _leave(self, counted: int) -> None:
+        """A request line ``_enter`` let in (``counted`` bytes) has been answered."""
+        self._in_flight.release()
+        self._flight_bytes -= counted
+        self._flight_freed.set()
 
     async def _flight_room(self, size: int) -> int:
         """Wait until this job's requests in flight leave room for ``size`` bytes (one fits alone); returns the
@@ -223,38 +284,39 @@ class Connections:
         self._flight_bytes += size
         return size
 
-    def _task_done(self, task: asyncio.Task[None] | None, size: int) -> None:
-        if task is not None:
-            self._tasks.discard(task)
-        self._in_flight.release()
-        self._flight_bytes -= size
-        self._flight_freed.set()
+    def _task_done(self, task: asyncio.Task[None], size: int) -> None:
+        self._tasks.discard(task)
+        self._leave(size)
 
     async def _handle(self, line: bytes, outbox: _Outbox) -> None:
-        """Answer one request line. Whatever goes wrong, the script gets a reply (``internal_error`` for a fault of
-        the service, logged with its traceback)."""
-        request_id: int | str | None = None
-        began = time.perf_counter_ns()
-        parsed = answered = began
+        """Answer one request line read from a connection, on that connection."""
         try:
-            try:
-                request = await self._requests.read(line)
-                parsed = time.perf_counter_ns()
-                request_id = request.id
-                reply = await self._requests.answer(request, len(line))
-                answered = time.perf_counter_ns()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("broker: handling a request failed unexpectedly")
-                reply = _error(None, "internal_error", "the service failed to handle this request; see the service log")
-            reply["id"] = request_id
+            reply, parse_ns, answer_ns = await self._answer(line)
+            answered = time.perf_counter_ns()
             await self._reply(outbox, reply)
         finally:
             outbox.handling -= 1
         if self._stages is not None:
-            done = time.perf_counter_ns()
-            self._stages.call({"parse": parsed - began, "answer": answered - parsed, "reply": done - answered})
+            self._stages.call({"parse": parse_ns, "answer": answer_ns, "reply": time.perf_counter_ns() - answered})
+
+    async def _answer(self, line: bytes) -> tuple[dict[str, Any], int, int]:
+        """The reply to one request line, with the request's id (None when the line is unreadable), and how long
+        reading it and answering it took (ns). Whatever goes wrong, there is a reply (``internal_error`` for a
+        fault of the service, logged with its traceback). Raises only CancelledError."""
+        request_id: int | str | None = None
+        began = parsed = time.perf_counter_ns()
+        try:
+            request = await self._requests.read(line)
+            parsed = time.perf_counter_ns()
+            request_id = request.id
+            reply = await self._requests.answer(request, len(line))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("broker: handling a request failed unexpectedly")
+            reply = _error(None, "internal_error", "the service failed to handle this request; see the service log")
+        reply["id"] = request_id
+        return reply, parsed - began, time.perf_counter_ns() - parsed
 
     async def _reply(self, outbox: _Outbox, reply: dict[str, Any]) -> None:
         """Queue ``reply`` on its connection (written with the others of this turn of the loop), then wait while

@@ -70,7 +70,9 @@ class ContainerEngine(Engine):
 
     def take(self, job_id: str, owner: str, limits: SandboxLimits, image: str) -> Sandbox | None:
         """A pooled sandbox of the job's profile (started: ``warm``), or a new one (``cold``) with its room
-        committed, idle pooled sandboxes evicted for it when needed; None when they cannot make room."""
+        committed, idle pooled sandboxes evicted for it when needed; None when they cannot make room. The room is
+        committed last, once the sandbox is made: a raise before it leaves nothing held for the job
+        (``Engine.take``)."""
         capacity = self._capacity
         labels = {**self._labels, LABEL_JOB: job_id}
         spec = sandbox_spec(self._settings, limits, {}, self._jobs_dir / job_id, labels, image)

@@ -50,8 +50,9 @@ PYTHON = "python"
 class CallPort(Protocol):
     """How a script's tool calls reach its job's broker (``service.broker.Broker`` is one).
 
-    A call made either way is read, checked, forwarded, recorded and answered the same way: the records, quotas,
-    paused calls and views do not know which way it came.
+    A call made either way is bounded (the line cap, the requests and bytes in flight, the pace), read, checked,
+    forwarded, recorded and answered the same way: the records, quotas, paused calls and views do not know which
+    way it came.
     """
 
     async def start(self, path: Path) -> None:
@@ -60,7 +61,9 @@ class CallPort(Protocol):
 
     async def call(self, tool: str, args: Any) -> dict[str, Any]:
         """Make one call from this process; returns the reply: ``{"ok": true, "result": value}`` or
-        ``{"ok": false, "error": {"type", "message"}}`` (never raises for the call's own failure)."""
+        ``{"ok": false, "error": {"type", "message"}}`` (never raises for the call's own failure). A call whose line
+        would pass the socket's line cap closes the port as it would a connection: it and every later call are
+        answered ``broker_unavailable``."""
 
     def report(self, error: dict[str, Any] | None, ran_as_coroutine: bool = False) -> None:
         """Keep the runtime's report of the script's uncaught error (``type``, ``message``, ``line``, ...: the
@@ -171,7 +174,15 @@ class Engine(abc.ABC):
     def take(self, job_id: str, owner: str, limits: SandboxLimits, image: str) -> Sandbox | None:
         """A sandbox for one-shot job ``job_id`` of ``owner`` (started or not: ``Sandbox.started``), with its host
         room committed; None when the host has no room for it now (``room_released`` then says when to ask
-        again). Never waits."""
+        again). Never waits.
+
+        Raises:
+            SandboxError: the engine cannot give the job a sandbox (any other exception is taken as a fault of the
+                engine). Either way the job ends ``failed`` (error ``sandbox_error``, ``engine_unavailable`` or
+                ``internal_error``: ``jobs.live.end_by_failure``) without running, and its script slot is given
+                back by the caller; the engine must hold nothing for the job when it raises (room committed before
+                the raise given back, a pooled sandbox taken returned or removed).
+        """
 
     async def room_released(self, stop: asyncio.Event) -> None:
         """Wait until room on the host may have been released, or ``stop`` is set. The default waits for ``stop``

@@ -115,12 +115,17 @@ class OneShot:
 
         When the engine has no room for it, the job gives its slot back and waits (still ``queued``) for room to
         be released (``Engine.room_released``), so that a job waiting for room never holds a slot a session's
-        script would need to end.
+        script would need to end. When ``take`` raises, the slot is given back before the error goes on (the run
+        then ends the job ``failed``: ``live.end_by_failure``); the engine holds nothing for the job then.
         """
         job, engine = self._job, self._engine
         slot = self._sandboxes.admission.slot(job.owner)
         while await acquire(job, slot):
-            sandbox = engine.take(job.id, job.owner, job.limits, job.image)
+            try:
+                sandbox = engine.take(job.id, job.owner, job.limits, job.image)
+            except BaseException:
+                slot.release()  # not ours yet (``leave`` gives back ``_slot`` only): else it is never given back
+                raise
             if sandbox is not None:
                 self._slot, self._sandbox = slot, sandbox
                 self.mode = "warm" if sandbox.started else "cold"

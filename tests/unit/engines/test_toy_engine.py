@@ -21,11 +21,12 @@ from typing import IO, Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 
 from service.api import create_app
 from service.composition.engine_table import ENGINES
 from service.engines import CallPort, Engine, EngineRun, EngineSite, ExitStatus, OutputSink, Sandbox
-from service.errors import NoSuchFile
+from service.errors import NoSuchFile, SandboxError
 from service.sandbox.fake import FakeBackend
 from service.sandbox.ports import Held, OutputCollector
 from service.sandbox.spec import SandboxLimits
@@ -193,14 +194,23 @@ class ToyEngine(Engine):
 
 
 Served = tuple[httpx.AsyncClient, ToyEngine]
+Service = tuple[FastAPI, httpx.AsyncClient, ToyEngine]
 
 
 @asynccontextmanager
 async def _served(toy: ToyEngine | None = None) -> AsyncIterator[Served]:
+    async with _service(toy) as (_, client, toy):
+        yield client, toy
+
+
+@asynccontextmanager
+async def _service(toy: ToyEngine | None = None, **overrides: Any) -> AsyncIterator[Service]:
+    """The whole service (its app, a client of it, its toy engine) with ``toy`` as its default engine;
+    ``overrides``: settings of its own."""
     work_dir = Path(tempfile.mkdtemp(prefix="ptct", dir="/tmp"))
     settings = Settings(
         work_dir=work_dir, auth="disabled", sandbox_folders_tmpfs_mb=0, warm_pool_size=0, stop_grace_s=0.5,
-        instance_id="toy-" + work_dir.name,
+        instance_id="toy-" + work_dir.name, **overrides,
     )  # fmt: skip
     toy = toy or ToyEngine()
 
@@ -212,7 +222,7 @@ async def _served(toy: ToyEngine | None = None) -> AsyncIterator[Served]:
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://toy", timeout=60) as client:
-                yield client, toy
+                yield app, client, toy
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
 
@@ -346,3 +356,50 @@ async def test_readyz_asks_every_engine_and_names_the_one_not_ready(caplog: pyte
     async with _served() as (client, _):  # a toy with the defaults: ready, every image runs
         ready = await client.get("/readyz")
         assert ready.status_code == 200 and ready.json()["images"] == ["default"], ready.text
+
+
+class FailingTake(ToyEngine):
+    """A toy engine whose ``take`` raises ``failure`` once (the engine cannot make the job's sandbox)."""
+
+    def __init__(self, failure: Exception) -> None:
+        super().__init__()
+        self.failure: Exception | None = failure
+
+    def take(self, job_id: str, owner: str, limits: SandboxLimits, image: str) -> Sandbox:
+        failure, self.failure = self.failure, None
+        if failure is not None:
+            raise failure
+        return super().take(job_id, owner, limits, image)
+
+
+@pytest.mark.parametrize(
+    ("failure", "error_type", "shown"),
+    [
+        (SandboxError("the engine could not make a sandbox"), "sandbox_error", True),
+        (RuntimeError("a fault of the engine"), "internal_error", False),  # an unexpected error's text stays inside
+    ],
+)
+async def test_a_take_that_raises_ends_the_job_failed_and_gives_its_script_slot_back(
+    failure: Exception, error_type: str, shown: bool
+) -> None:
+    """Issue 25 review: ``OneShot.enter`` took a script slot, then ``Engine.take`` raised, and the slot was never
+    given back (``leave`` gave back only a slot kept after a ``take`` that answered): with one slot, every later
+    job queued for ever."""
+    async with _service(FailingTake(failure), max_concurrent_sandboxes=1) as (app, client, toy):
+        admission = app.state.jobs._parts.sandboxes.admission
+
+        def held(owner: str) -> dict[str, int]:  # what a job holds while it is admitted, queued or running
+            return {
+                "script slots": admission._slots.in_use,
+                "admitted one-shot jobs": admission.admitted,
+                "owner's jobs": admission.quotas.usage(owner).jobs,
+            }
+
+        first = await _execute(client, "print a\n", wait_s=5)
+        assert first["status"] == "failed" and first["error"]["type"] == error_type, first
+        assert (str(failure) in first["error"]["message"]) is shown, first["error"]
+        assert first["exit_code"] is None and first["sandbox_id"] is None and not toy.sandboxes
+        assert held(first["owner"]) == dict.fromkeys(held(first["owner"]), 0)
+        second = await _execute(client, "print b\n", wait_s=5)  # with the slot leaked: still ``queued`` at wait_s
+        assert second["status"] == "succeeded" and second["stdout"] == "b\n", second
+        assert held(first["owner"]) == dict.fromkeys(held(first["owner"]), 0)
