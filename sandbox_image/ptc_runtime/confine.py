@@ -21,8 +21,10 @@ itself, before the script runs):
 - a seccomp filter that refuses new user namespaces (``clone``/``unshare`` with ``CLONE_NEWUSER``: EPERM;
   ``clone3``, whose flags a filter cannot read: ENOSYS, on which the C library falls back to ``clone``; the
   x32 and any other ABI, e.g. i386 through ``int 0x80``: ENOSYS). The engine's profile refuses them under
-  runc already; gVisor applies no profile.
-- ``PYTHONSAFEPATH=1`` and ``PYTHONNOUSERSITE=1`` in its environment: a ``python3`` it starts puts neither
+  runc already; gVisor applies no profile. A session's interpreter installs it on itself (``install_filter``)
+  and its forks inherit it: ``drop`` is then given no program;
+- ``PYTHONSAFEPATH=1`` and ``PYTHONNOUSERSITE=1`` in its environment (``script_env``; set by a session's
+  interpreter before it forks): a ``python3`` it starts puts neither
   the working directory (``-c``, ``-m``) nor the script's folder nor ``~/.local`` (HOME is ``/tmp``) on
   ``sys.path``, so no ``tools`` package, module or ``.pth`` file a session's earlier script left in ``/tmp``
   runs there (Python >= 3.11 reads ``PYTHONSAFEPATH``; the image's Python is 3.11 or 3.12).

@@ -467,7 +467,8 @@ def _list(root: int, request: Dict[str, Any], send: Send, rid: str, done: Dict[s
 
 def send_outputs(job_id: str, caps: Dict[str, Any], send: Send, workdir: str, switch_user: bool) -> int:
     """Send what is under ``OUTPUTS`` in ``workdir`` (``file``/``data``/``skipped`` frames), at most
-    ``caps["max_files"]`` files and ``caps["max_bytes"]`` bytes in all, then empty the folder; returns how many
+    ``caps["max_files"]`` files and ``caps["max_bytes"]`` bytes in all, then empty the folder (if it held anything:
+    the next run's ``prepare_outputs`` makes it writable again whatever a script did to it); returns how many
     entries were left out (past a cap, or not regular files; a ``skipped`` frame for the first ``SKIPPED_FRAMES``
     of them). Never raises: an error ends the collection."""
     from ptc_runtime import protocol
@@ -483,6 +484,8 @@ def send_outputs(job_id: str, caps: Dict[str, Any], send: Send, workdir: str, sw
                 except OSError:
                     return 0
                 try:
+                    if not os.listdir(outputs):  # nothing to send or empty (its mode: ``prepare_outputs`` resets it)
+                        return 0
                     for path, size, reason in walk(outputs):
                         path = OUTPUTS + "/" + path
                         shown = _shown(path)
