@@ -41,7 +41,15 @@ def mark_stored(folder: Path, stored: int) -> None:
         return
     except OSError:
         pass
-    fd = os.open(folder / OWNER_FILE, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)  # never made here: no owner line
+    owner = _attribute(folder, OWNER_ATTR)  # its owner an attribute, but no room for this one: the file holds both
+    if owner is not None:
+        with contextlib.suppress(FileExistsError):
+            fd = os.open(folder / OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, (owner + "\n").encode())
+            finally:
+                os.close(fd)
+    fd = os.open(folder / OWNER_FILE, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)  # never made with no owner line
     try:
         os.write(fd, f"{stored}\n".encode())
     finally:

@@ -61,3 +61,20 @@ def test_a_mark_that_is_not_a_count_counts_nothing(tmp_path: Path) -> None:
     os.setxattr(tmp_path, marks.OWNER_ATTR, b"dave")
     os.setxattr(tmp_path, marks.STORED_ATTR, b"lots")
     assert read_marks(tmp_path) == ("dave", None)
+
+
+def test_an_owner_attribute_with_no_room_for_the_stored_bytes_moves_to_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mark_owner(tmp_path, "erin")
+    real = os.setxattr
+
+    def full(path: object, name: str, *args: object) -> None:
+        if name == marks.STORED_ATTR:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, name, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "setxattr", full)
+    mark_stored(tmp_path, 9)
+    assert (tmp_path / OWNER_FILE).read_text() == "erin\n9\n"
+    assert read_marks(tmp_path) == ("erin", 9)
