@@ -281,6 +281,12 @@ def _names(fd: int, most: int) -> Tuple[List[str], int]:
     return names, more
 
 
+def _is_empty(fd: int) -> bool:
+    """Whether the folder ``fd`` holds nothing (one entry read at most, however large it is)."""
+    with os.scandir(fd) as entries:
+        return next(entries, None) is None
+
+
 def walk(root: int, prefix: str = "", depth: int = 0) -> Iterator[Tuple[str, Optional[int], Optional[str]]]:
     """Every entry below ``root`` that is not a folder, depth first in name order: (path, size, None) for a
     regular file, (path, None, reason) for anything else (a symlink, a fifo, a device, a folder too deep or one
@@ -484,7 +490,7 @@ def send_outputs(job_id: str, caps: Dict[str, Any], send: Send, workdir: str, sw
                 except OSError:
                     return 0
                 try:
-                    if not os.listdir(outputs):  # nothing to send or empty (its mode: ``prepare_outputs`` resets it)
+                    if _is_empty(outputs):  # nothing to send or empty (its mode: ``prepare_outputs`` resets it)
                         return 0
                     for path, size, reason in walk(outputs):
                         path = OUTPUTS + "/" + path

@@ -22,18 +22,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import logging
 import os
 import shutil
 import time
 from dataclasses import replace
-from typing import IO, Any
+from typing import Any
 
 import orjson
 from ptc_runtime import protocol
 
-from service.errors import FileRefused, NoSuchFile, SandboxError
+from service.errors import SandboxError
 from service.sandbox.backend import (
     ExitStatus,
     OutputSink,
@@ -45,6 +44,7 @@ from service.sandbox.backend import (
 )
 from service.sandbox.labels import LABEL_SANDBOX
 from service.sandbox.ports import CallSocket, Held, OutputCollector, StopHook
+from service.sandbox.resident_files import FileRequest, SandboxFiles
 from service.unix_sockets import bind_unix
 
 log = logging.getLogger(__name__)
@@ -61,20 +61,6 @@ _FILE_FRAMES = frozenset((protocol.DATA, protocol.FILE, protocol.SKIPPED, protoc
 SIGNAL_NUMBERS = {protocol.SIGTERM: 15, protocol.SIGKILL: 9}  # the signals the service sends (Linux numbers)
 INLINE_ENV_BYTES = 16 * 1024  # a run's env file up to this size is written on the event loop (a few small writes)
 INLINE_SCRIPT_CHARS = 4096  # a script this small, with no stubs to write, is written on the event loop
-FILE_OP_TIMEOUT_S = 60.0  # how long a file request may take in the sandbox before the sandbox is given up
-_FILE_ERRORS = frozenset(("not_found", "not_a_file", "too_large", "invalid_path", "no_space", "failed"))
-
-
-class _FileRequest:
-    """A file request (``put``/``get``/``list``) waiting for its ``done``: its data and entries so far."""
-
-    def __init__(self, max_bytes: int = 0, max_entries: int = 0, into: IO[bytes] | None = None) -> None:
-        self.done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self.into = into  # where a get's bytes go, a frame at a time
-        self.received = 0
-        self.max_bytes = max_bytes
-        self.entries: list[dict[str, Any]] = []
-        self.max_entries = max_entries
 
 
 class ResidentRun:
@@ -116,7 +102,7 @@ class ResidentRun:
         await self._sandbox.destroy(f"the sandbox did not end a script within {KILL_CONFIRM_S:g} s of SIGKILL")
 
 
-class ResidentSandbox:
+class ResidentSandbox(SandboxFiles):
     """The service's side of one resident sandbox: container, folder and control connection.
 
     Args:
@@ -154,7 +140,7 @@ class ResidentSandbox:
         self._stray_lines = 0
         self._stray = bytearray()
         self.features: frozenset[str] = frozenset()  # what the runtime said it serves (its hello)
-        self._requests: dict[str, _FileRequest] = {}
+        self._requests: dict[str, FileRequest] = {}
         self._request_ids = 0
 
     @property
@@ -325,16 +311,11 @@ class ResidentSandbox:
             if type(size) is not int or not 0 <= size <= protocol.MAX_FRAME_BYTES:
                 raise ValueError(f"a data frame of {str(size)[:20]} bytes")
             data = await reader.readexactly(size)
-            request = self._requests.get(rid) if isinstance(rid, str) else None
-            if request is not None:
-                if request.into is None or request.received + size > request.max_bytes:
-                    raise ValueError("more file bytes than asked for")
-                request.received += size
-                request.into.write(data)  # a frame (MAX_FRAME_BYTES) into a spool file: a page-cache write
-            elif run is not None and rid == run.job_id and run.outputs is not None:
-                run.outputs.add(data)
-            else:
+            if self._request_data(rid, data):  # a file request's (``resident_files``)
+                return
+            if run is None or rid != run.job_id or run.outputs is None:
                 raise ValueError("a data frame of no request")
+            run.outputs.add(data)
         elif op in (protocol.FILE, protocol.SKIPPED):
             if run is None or rid != run.job_id or run.outputs is None:
                 raise ValueError("an output file of no run")
@@ -343,105 +324,7 @@ class ResidentSandbox:
             else:
                 run.outputs.skip(message["path"], message.get("reason"))
         else:
-            request = self._requests.get(rid) if isinstance(rid, str) else None
-            if request is None:
-                raise ValueError(f"a {op} frame of no request")
-            if op == protocol.ENTRY:
-                size, skipped = message.get("bytes"), message.get("skipped")
-                if len(request.entries) >= request.max_entries or not isinstance(message["path"], str):
-                    raise ValueError("more entries than asked for")
-                if not (size is None or (type(size) is int and size >= 0)):
-                    raise ValueError("an entry's size")
-                entry = {"path": message["path"][:1024], "bytes": size}
-                request.entries.append({**entry, "skipped": None if skipped is None else str(skipped)[:100]})
-            else:  # done
-                error = message.get("error")
-                if error is not None and error not in _FILE_ERRORS:
-                    raise ValueError("an unknown file error")
-                self._requests.pop(rid, None)
-                if not request.done.done():
-                    request.done.set_result(message)
-
-    async def _file_request(self, message: dict[str, Any], request: _FileRequest) -> dict[str, Any]:
-        """Send a file request (between runs) and wait for its ``done``; raises SandboxError when the sandbox
-        cannot serve it (then it is given up), FileRefused / NoSuchFile for an error it reports."""
-        if protocol.FEATURE_FILES not in self.features:
-            raise SandboxError(
-                "the sandbox image cannot take or give files (an image older than the service? rebuild it with "
-                "sandbox_image/build.sh)"
-            )
-        self._request_ids += 1
-        rid = f"f{self._request_ids}"
-        self._requests[rid] = request
-        try:
-            await self.send({**message, "id": rid})
-            try:
-                done = await asyncio.wait_for(asyncio.shield(request.done), FILE_OP_TIMEOUT_S)
-            except TimeoutError:
-                await self.destroy(f"the sandbox did not answer a file request within {FILE_OP_TIMEOUT_S:g} s")
-                raise SandboxError(self.broken or "the sandbox did not answer") from None
-        finally:
-            self._requests.pop(rid, None)
-        error = done.get("error")
-        if error == "not_found":
-            raise NoSuchFile(str(done.get("message") or "no such file")[:500])
-        if error is not None:
-            index = done.get("index")
-            raise FileRefused(
-                str(error), str(done.get("message") or error)[:500], index if type(index) is int else None
-            )
-        return done
-
-    async def put_files(self, files: list[tuple[str, bytes]]) -> None:
-        """Write ``files`` ((path, bytes): paths already checked) under the sandbox's working directory, as its
-        user, never following a symlink. The bytes go through the folder's ``.files-in/`` (read-only in the sandbox),
-        emptied after. No script may run meanwhile (the caller holds the sandbox's turn).
-
-        Raises:
-            FileRefused: the sandbox could not write one (``index``: which; ``code``: no_space, not_a_file, ...).
-            SandboxError: the sandbox is gone, broken or too old.
-        """
-        if not files:
-            return
-        sources = self.folder / protocol.FILES_DIR
-
-        def lay_out() -> None:
-            sources.mkdir(mode=0o755, exist_ok=True)
-            os.chmod(sources, 0o755)
-            for index, (_, data) in enumerate(files):
-                target = sources / str(index)
-                target.write_bytes(data)
-                os.chmod(target, 0o644)
-
-        await asyncio.to_thread(lay_out)
-        try:
-            listed = [{"path": path, "source": str(index)} for index, (path, _) in enumerate(files)]
-            await self._file_request({protocol.FIELD_OP: protocol.PUT, "files": listed}, _FileRequest())
-        finally:
-            await asyncio.to_thread(shutil.rmtree, sources, True)
-
-    async def get_file(self, path: str, max_bytes: int) -> bytes:
-        """The bytes of the regular file ``path`` (checked) under the working directory, held in memory (small
-        files; a download uses ``get_file_into``). Raises as ``get_file_into``."""
-        into = io.BytesIO()
-        await self.get_file_into(path, max_bytes, into)
-        return into.getvalue()
-
-    async def get_file_into(self, path: str, max_bytes: int, into: IO[bytes]) -> int:
-        """Write the regular file ``path`` (checked) under the working directory to ``into`` as its frames arrive
-        (at most ``protocol.MAX_FRAME_BYTES`` held at a time), read as the sandbox user without following a
-        symlink; returns its size (bytes). Raises NoSuchFile, FileRefused (``too_large`` past ``max_bytes``,
-        ``not_a_file``), SandboxError."""
-        request = _FileRequest(max_bytes=max_bytes, into=into)
-        await self._file_request({protocol.FIELD_OP: protocol.GET, "path": path, "max_bytes": max_bytes}, request)
-        return request.received
-
-    async def list_files(self, max_entries: int) -> tuple[list[dict[str, Any]], bool]:
-        """(entries, truncated): what is under the working directory (path, bytes; ``skipped`` says why an entry
-        is not a regular file), at most ``max_entries``. Raises SandboxError."""
-        request = _FileRequest(max_entries=max_entries)
-        done = await self._file_request({protocol.FIELD_OP: protocol.LIST, "max_entries": max_entries}, request)
-        return request.entries, done.get("truncated") is True
+            self._request_frame(op, rid, message)
 
     async def _lost(self) -> None:
         """The control connection ended: the sandbox cannot go on. End the running script from the engine's view."""
@@ -521,29 +404,6 @@ class ResidentSandbox:
             self._run = None
             raise
         return run
-
-    def _write_env(self, data: bytes) -> None:
-        """Write a run's env (JSON) to the folder's ``protocol.ENV_FILE``, readable by the sandbox user.
-
-        Whatever is at that path is removed first and the file is made anew (never opened through a link or an
-        existing file), though the folder is read-only to scripts. Raises OSError when it cannot be written.
-        """
-        path = self.folder / protocol.ENV_FILE
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        try:
-            os.fchmod(fd, 0o644)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-
-    def _drop_env(self) -> None:
-        """Remove the ended run's env file (a later script must not find it in the folder)."""
-        with contextlib.suppress(OSError):
-            os.unlink(self.folder / protocol.ENV_FILE)
 
     async def destroy(self, reason: str | None = None) -> None:
         """Remove the sandbox and its folder (idempotent); ``reason`` marks the sandbox broken."""
