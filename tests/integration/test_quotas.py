@@ -21,6 +21,7 @@ import docker
 import httpx
 import pytest
 
+from service.jobs.marks import read_marks
 from service.tenancy import hash_token
 from tests.conftest import Service, labelled_containers, start_service, wait_until
 
@@ -278,6 +279,13 @@ ECHO = [{"name": "echo", "parameters": {"properties": {"data": {"type": "string"
 BIG_CALLS = "import tools\nfor i in range(6):\n    tools.echo(data=str(i) * 50_000)\nprint('called')"
 
 
+def stored_bytes(folder: Path) -> int:
+    """What an ended job's output folder says it keeps in the store (``service.jobs.marks``)."""
+    _, stored = read_marks(folder)
+    assert stored is not None, f"{folder} is not marked with its stored bytes"
+    return stored
+
+
 def kept_record_bytes(view: dict[str, Any]) -> int:
     """Bytes of arguments and results the view's call records keep (compact JSON, as the service counts them)."""
     return sum(
@@ -312,7 +320,7 @@ def test_call_records_count_against_the_output_quota_until_purged(
             assert 0 < kept_record_bytes(view) <= RECORDS_QUOTA
             dropped = [call for call in view["calls"] if call["result"] is None]
             assert dropped and all(call["result_dropped_bytes"] > 50_000 for call in dropped), view["calls"]
-            stored = int((svc.work_dir / "output" / view["job_id"] / "record_bytes").read_text())
+            stored = stored_bytes(svc.work_dir / "output" / view["job_id"])
             body = api.get(f"/jobs/{view['job_id']}").content  # the stored view, records included
             assert kept_record_bytes(view) < len(body) <= stored <= len(body) + 4096  # and its summary
             assert_refused(api.post("/execute", json={"script": "print(1)"}), "output_bytes")
@@ -353,7 +361,7 @@ def test_what_an_ended_job_keeps_in_the_store_counts_against_the_output_quota(
         with svc.client() as api:
             first = api.post("/execute", json=request).json()
             assert first["status"] == "succeeded" and first["normalization"], first["error"]
-            stored = int((svc.work_dir / "output" / first["job_id"] / "record_bytes").read_text())
+            stored = stored_bytes(svc.work_dir / "output" / first["job_id"])
             assert stored >= 240_000
             second = api.post("/execute", json=request)
             assert second.status_code == 200 and second.json()["status"] == "succeeded", second.text
