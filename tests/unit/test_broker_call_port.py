@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from service.broker.config import UNBOUNDED
 from service.broker.connection import CONNECTION_CLOSED
 from service.toolkit.cache import ManifestCache
 from service.toolkit.endpoints import EndpointClients
+from tests.unit.test_load import until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "sandbox_image"))  # the runtime, as in the image
 
@@ -101,14 +102,6 @@ async def test_a_call_within_the_line_cap_still_goes_through_the_port() -> None:
         reply = await b.call("echo", {"x": "y" * 900})  # a line of ~940 bytes
     assert reply == {"ok": True, "result": {"tool": "echo", "args": {"x": "y" * 900}}}
     assert [record["status"] for record in b.records.calls] == ["ok"]
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    for _ in range(200):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not met within 2 s")
 
 
 async def test_calls_through_the_port_past_the_jobs_bytes_in_flight_wait_for_room() -> None:
