@@ -141,13 +141,11 @@ def test_healthz_stays_responsive_while_a_jobs_http_tool_returns_8_mib(
     )
     view, samples = healthz_while(str(api.base_url), lambda: execute(api, script, [tool], timeout_s=60), 30)
     assert (view["status"], view["stdout"]) == ("succeeded", "8\n"), view
-    # Before: one stall of 12.5 s. Then lone outliers of 2.5-4.7 s on loaded CI machines. One cause found: each
-    # collection while the parsed results lived walked their millions of objects (~150 ms each, several in a row)
-    # with the event loop waiting; results are now checked with the collector paused until their objects are gone
-    # (tests/unit/test_result_collector.py): the worst here 0.18-0.30 s (0.42 s before). A fresh-clone CI run with
-    # no outlier allowed failed this test once (its message not seen), so one outlier under 8 s is still let pass.
-    worst = sorted(samples)[-2:]
-    assert len(samples) > 2 and worst[0] < 2.0 and worst[1] < 8.0, (len(samples), sorted(samples)[-5:])
+    # Before: one stall of 12.5 s (fixed). Then lone outliers of 2.5-4.7 s on loaded CI machines: the probe, a thread
+    # of this process, was timing this test's own parse of the 8 MiB view (tests/probe.py); it has a process of its
+    # own now. One cause in the service too: collections walking the parsed results' million objects with the event
+    # loop waiting (~150 ms each; tests/unit/test_result_collector.py). The worst here: 0.18-0.30 s.
+    assert len(samples) > 2 and max(samples) < 2.0, (len(samples), sorted(samples)[-5:])
 
 
 def test_records_past_the_record_cap_keep_the_call_but_not_its_data(scratch: Path) -> None:
