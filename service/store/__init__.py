@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from service.store.base import JobStore
 from service.store.blobs import JobBlobs
+from service.store.call_log import CallLog, LoggedCall
 from service.store.job_records import InvalidCursor, JobQuery, JobRecords, StoredJob
 from service.store.keys import IdempotencyRecord, KeyBindings, KeyClaim, key_digest
 from service.store.ledger import CallbackClaim, CallbackLedger, CallbackRow
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from service.settings import Settings
 
 __all__ = [
+    "CallLog",
     "CallbackClaim",
     "CallbackLedger",
     "CallbackRow",
@@ -36,6 +38,7 @@ __all__ = [
     "JobStore",
     "KeyBindings",
     "KeyClaim",
+    "LoggedCall",
     "Registration",
     "Replica",
     "ReplicaRegistry",

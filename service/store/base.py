@@ -1,4 +1,4 @@
-"""``JobStore``: one database and the seven resources kept in it, each behind its own small interface.
+"""``JobStore``: one database and the eight resources kept in it, each behind its own small interface.
 
     store.jobs       JobRecords        jobs (job_records.py)
     store.blobs      JobBlobs          ended jobs' output and files (blobs.py)
@@ -7,6 +7,7 @@
     store.callbacks  CallbackLedger    completion callbacks (ledger.py)
     store.replicas   ReplicaRegistry   the replica registry (registry.py)
     store.sessions   SessionRecords    sessions (session_records.py)
+    store.runs       CallLog           durable jobs' run specs and call logs (call_log.py)
 
 ``SQLiteJobStore`` (``sqlite.py``) is the embedded default and ``PostgresJobStore`` (``pg.py``) the shared one
 (``PTC_STORE_URL``); ``service.store.job_store`` chooses between them.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import abc
 
 from service.store.blobs import JobBlobs
+from service.store.call_log import CallLog
 from service.store.job_records import JobRecords
 from service.store.keys import KeyBindings
 from service.store.ledger import CallbackLedger
@@ -30,7 +32,7 @@ class JobStore(abc.ABC):
     safe to call concurrently.
 
     Attributes:
-        jobs / blobs / toolsets / keys / callbacks / replicas / sessions: the resources (see the module).
+        jobs / blobs / toolsets / keys / callbacks / replicas / sessions / runs: the resources (see the module).
         shares_output: the store keeps each ended job's retained output and output files (``blobs``), for any
             replica to serve when the job's folder is not on its disk (True for PostgreSQL).
     """
@@ -43,6 +45,7 @@ class JobStore(abc.ABC):
     callbacks: CallbackLedger
     replicas: ReplicaRegistry
     sessions: SessionRecords
+    runs: CallLog
 
     @abc.abstractmethod
     async def open(self) -> None:

@@ -53,7 +53,8 @@ class CallLog(Protocol):
         ...
 
     async def write(self, job_id: str, calls: Sequence[LoggedCall]) -> None:
-        """Write ``calls`` of one job in one transaction, each replacing the row of its ``seq``."""
+        """Write ``calls`` of one job in one transaction, each replacing the row of its ``seq`` (a ``seq`` given
+        twice: its last); none: nothing is written."""
         ...
 
     async def calls(self, job_id: str) -> list[LoggedCall]:

@@ -169,10 +169,10 @@ class JobRecords(Protocol):
         shared by replicas each purges its own, whose output folders and quotas only it can free); returns their
         ids.
 
-        Their blobs, callbacks and idempotency keys go with them, in the same transaction, and so do session keys
-        whose session ended (at the latest) before ``ended_before``, and job keys older than it whose job was
-        never saved (the service stopped between the binding and the job's first save), and claims made before it
-        (their requests are long gone).
+        Their blobs, run specs and call logs, callbacks and idempotency keys go with them, in the same
+        transaction, and so do session keys whose session ended (at the latest) before ``ended_before``, and job
+        keys older than it whose job was never saved (the service stopped between the binding and the job's first
+        save), and claims made before it (their requests are long gone).
         """
         ...
 

@@ -3,8 +3,9 @@
 
 Both stores run the same revisions: ``0001`` makes today's tables (on SQLite it adopts a ``jobs.sqlite3`` made
 before migrations: its rows stay, and what it lacks is added), ``0002`` adds ``job_blobs``, ``0003`` the
-replicas' registry. Upgrading a store at ``HEAD`` changes nothing. Blocking: call it from a thread, never on
-the event loop.
+replicas' registry, ``0004`` ``sessions``, ``0006`` ``callbacks``, ``0007`` the idempotency keys' claims, ``0008``
+durable jobs' run specs and call logs (``job_runs``, ``job_calls``). Upgrading a store at ``HEAD`` changes
+nothing. Blocking: call it from a thread, never on the event loop.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from service.store.base import JobStore
 from service.store.pg_blobs import PostgresJobBlobs
+from service.store.pg_call_log import PostgresCallLog
 from service.store.pg_db import PostgresDatabase
 from service.store.pg_jobs import PostgresJobRecords
 from service.store.pg_keys import PostgresKeyBindings
@@ -34,6 +35,7 @@ class PostgresJobStore(JobStore):
         self.callbacks = PostgresCallbackLedger(self._db)
         self.replicas = PostgresReplicaRegistry(self._db)
         self.sessions = PostgresSessionRecords(self._db)
+        self.runs = PostgresCallLog(self._db)
 
     @property
     def url(self) -> str:

@@ -15,7 +15,7 @@ from service.store.job_records import JobQuery, JobRecords, StoredJob, decode_cu
 from service.store.pg_db import JOBS_CHANNEL, PostgresDatabase, notify, typed_text
 from service.store.pg_ledger import add_delivering, add_pending
 from service.store.registry import LIVE_STATES, Incarnation
-from service.store.tables import idempotency_keys, iso, job_blobs, jobs, replicas
+from service.store.tables import idempotency_keys, iso, job_blobs, job_calls, job_runs, jobs, replicas
 
 _JOB_COLUMNS = (
     jobs.c.job_id,
@@ -195,6 +195,8 @@ class PostgresJobRecords(JobRecords):
             keys = idempotency_keys.c
             await conn.execute(sa.delete(idempotency_keys).where(keys.kind == "job", keys.resource_id.in_(expired)))
             await conn.execute(sa.delete(job_blobs).where(job_blobs.c.job_id.in_(expired)))
+            await conn.execute(sa.delete(job_calls).where(job_calls.c.job_id.in_(expired)))
+            await conn.execute(sa.delete(job_runs).where(job_runs.c.job_id.in_(expired)))
             await conn.execute(sa.delete(jobs).where(jobs.c.job_id.in_(expired)))
             await conn.execute(sa.delete(idempotency_keys).where(keys.kind == "session", keys.ends_by < cutoff))
             await conn.execute(sa.delete(idempotency_keys).where(keys.state == "claimed", keys.created_at < cutoff))

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from service.store.base import JobStore
 from service.store.sqlite_blobs import SQLiteJobBlobs
+from service.store.sqlite_call_log import SQLiteCallLog
 from service.store.sqlite_db import SQLiteDatabase
 from service.store.sqlite_jobs import SQLiteJobRecords
 from service.store.sqlite_keys import SQLiteKeyBindings
@@ -32,6 +33,7 @@ class SQLiteJobStore(JobStore):
         self.callbacks = SQLiteCallbackLedger(self._db)
         self.replicas = SQLiteReplicaRegistry(self._db)
         self.sessions = SQLiteSessionRecords(self._db)
+        self.runs = SQLiteCallLog(self._db)
 
     @property
     def path(self) -> Path:

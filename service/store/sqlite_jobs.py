@@ -144,6 +144,8 @@ class SQLiteJobRecords(JobRecords):
                 ids = [r[0] for r in db.execute(expired, given)]
                 db.execute(f"DELETE FROM idempotency_keys WHERE kind = 'job' AND resource_id IN ({expired})", given)
                 db.execute(f"DELETE FROM job_blobs WHERE job_id IN ({expired})", given)
+                db.execute(f"DELETE FROM job_calls WHERE job_id IN ({expired})", given)
+                db.execute(f"DELETE FROM job_runs WHERE job_id IN ({expired})", given)
                 db.execute(f"DELETE FROM callbacks WHERE job_id IN ({expired})", given)  # no foreign keys here
                 db.execute(f"DELETE FROM jobs WHERE job_id IN ({expired})", given)
                 db.execute("DELETE FROM idempotency_keys WHERE kind = 'session' AND ends_by < ?", (cutoff,))

@@ -143,3 +143,25 @@ sessions = sa.Table(
 creation and at its end."""
 sa.Index("sessions_open", sessions.c.instance_id, postgresql_where=sessions.c.ended_at.is_(None))
 sa.Index("sessions_by_owner", sessions.c.owner, sessions.c.created_at)
+
+job_runs = sa.Table(
+    "job_runs",
+    metadata,
+    sa.Column("job_id", sa.Text, primary_key=True),
+    sa.Column("spec", sa.LargeBinary, nullable=False),
+)
+"""Durable jobs' run specs (``CallLog``): what a job's replay is made from (JSON bytes). Its rows go with their job
+(``JobRecords.purge``), or earlier once the job has ended (``CallLog.forget``)."""
+
+job_calls = sa.Table(
+    "job_calls",
+    metadata,
+    sa.Column("job_id", sa.Text, primary_key=True),
+    sa.Column("seq", sa.Integer, primary_key=True),
+    sa.Column("call_id", sa.Text, nullable=False),
+    sa.Column("tool", sa.Text, nullable=False),
+    sa.Column("args", sa.LargeBinary, nullable=False),
+    sa.Column("outcome", sa.LargeBinary),
+)
+"""Durable jobs' call logs (``CallLog``): one row per tool call at its place ``seq`` (from 1), its arguments and,
+once it has one, its ``outcome`` (JSON bytes; NULL: the intent only). Its rows go as ``job_runs``'."""

@@ -1,7 +1,7 @@
 """Alembic migrations of the job store (both SQLite and PostgreSQL), run by ``service.store.migrate``; the
 revisions are in ``versions/``."""
 
-HEAD = "0007"
+HEAD = "0008"
 """The newest revision: a store whose ``alembic_version`` holds it needs nothing (kept here, free of imports, so
 that opening a SQLite store at ``HEAD`` does not import Alembic)."""
 
