@@ -123,6 +123,9 @@ class Budget(Protocol):
         ...
 
 
+RESUME_SLICE_BYTES = 1024 * 1024  # the most bytes of a stream read at once to take it up again (``OutputLog.resume``)
+
+
 class OutputLog:
     """One stream of a job: the inline ``CappedStream`` plus the retained bytes on disk.
 
@@ -151,9 +154,31 @@ class OutputLog:
         self.retained_bytes = 0
         self._file: BinaryIO | None = None
         self._closed = False
+        self._skip = 0  # bytes still to drop: a resumed job's replay writing what its file holds already
+
+    def resume(self) -> None:
+        """Take up the stream an earlier run of the job began (a resumed durable job; blocking: call it on a worker
+        thread): the bytes its file keeps are the stream so far (the inline view is made from them again), and as
+        many of the next bytes written are dropped, being the same again (the replay's). Its bytes were counted
+        against the owner's budget already (at start-up)."""
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return
+        with open(self.path, "rb") as kept:
+            while chunk := kept.read(RESUME_SLICE_BYTES):
+                self.inline.write(chunk)
+        self._file = open(self.path, "ab", buffering=0)
+        self.retained_bytes = self._skip = size
 
     def write(self, data: bytes) -> None:
         """Append one chunk."""
+        if self._skip:
+            dropped = min(self._skip, len(data))
+            self._skip -= dropped
+            data = data[dropped:]
+            if not data:
+                return
         self.inline.write(data)
         room = self._retain - self.retained_bytes
         if room > 0 and not self._closed:

@@ -43,6 +43,7 @@ from service.broker.checks import INLINE_LINE_BYTES
 from service.broker.config import BrokerConfig
 from service.broker.connection import Connections
 from service.broker.dispatch import Dispatcher
+from service.broker.durable import DurableLog
 from service.broker.paused import PausedCalls
 from service.broker.records import CallMemory, CallRecords
 from service.broker.wiring import NO_HOOKS, BrokerHooks, BrokerShared
@@ -67,6 +68,7 @@ class Broker:
             the records' kept bytes are taken from it and stay taken after the job (until its purge gives them
             back: ``records.kept_bytes`` says how many); None: no owner cap.
         hooks: the job's span, lease check and callbacks (``BrokerHooks``); by default none.
+        durable: the job's call log (``service.broker.durable``); None: the job is not durable.
 
     Attributes:
         records: the job's call records and the script's reports (``CallRecords``); ``records.release()`` once
@@ -83,10 +85,12 @@ class Broker:
         *,
         budget: FileBudget | None = None,
         hooks: BrokerHooks = NO_HOOKS,
+        durable: DurableLog | None = None,
     ) -> None:
         self.records = CallRecords(config, shared.memory, budget)
         self.paused = PausedCalls(config, hooks.on_paused_calls)
-        dispatcher = Dispatcher(tools, shared, config, self.records, self.paused, hooks)
+        self.durable = durable
+        dispatcher = Dispatcher(tools, shared, config, self.records, self.paused, hooks, durable)
         self._connections = Connections(config, dispatcher)  # both ports: the socket and ``call``'s lines
         self._in_process_calls = 0
 

@@ -33,7 +33,7 @@ import contextlib
 import difflib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import orjson
@@ -51,6 +51,7 @@ from service.broker.checks import (
     valid,
 )
 from service.broker.config import BrokerConfig
+from service.broker.durable import DurableLog
 from service.broker.paused import ClientResult, PausedCalls
 from service.broker.records import CANCELLED, CallRecords, fail
 from service.broker.wiring import BrokerHooks, BrokerShared
@@ -91,8 +92,10 @@ class Dispatcher:
         records: the job's call records: each call gets one, made final here.
         paused: where client-executed calls and calls awaiting approval wait.
         hooks: the job's span (each call gets a child span), its lease check (a call made without the lease fails
-            ``replica_lost`` without reaching any endpoint or client) and its call-ended callback
-            (``BrokerHooks``; ``on_paused_calls`` is ``paused``'s).
+            ``replica_lost`` without reaching any endpoint or client), its call-ended callback and what to call when
+            its replay diverged (``BrokerHooks``; ``on_paused_calls`` is ``paused``'s).
+        durable: the job's call log (``DurableLog``: each call's intent stored before it goes out, its outcome
+            before the script sees it, calls of a resumed job answered from it); None: the job is not durable.
     """
 
     def __init__(
@@ -103,8 +106,11 @@ class Dispatcher:
         records: CallRecords,
         paused: PausedCalls,
         hooks: BrokerHooks,
+        durable: DurableLog | None = None,
     ) -> None:
         self._tools = tools
+        self._durable = durable
+        self._on_diverged = hooks.on_diverged
         self._endpoints = shared.endpoints
         self._records = records
         self._paused = paused
@@ -181,7 +187,10 @@ class Dispatcher:
         span = telemetry.start_call(self._trace_parent, record)
         try:
             with telemetry.current(span):  # the endpoint's request names the call's span
-                reply = await self._dispatch(tool_name, request, record)
+                if self._durable is None:
+                    reply = await self._dispatch(tool_name, request, record)
+                else:
+                    reply = await self._logged(self._durable, tool_name, request, record, started)
         except asyncio.CancelledError:
             record.update(status="error", error=dict(CANCELLED))
             raise
@@ -191,11 +200,24 @@ class Dispatcher:
                 record, "error", "internal_error", "the service failed to handle this call; see the service log"
             )
         finally:
-            record["duration_ms"] = round((time.perf_counter() - started) * 1000, 3)
+            if record["duration_ms"] is None:  # a call answered from the log keeps its first run's
+                record["duration_ms"] = round((time.perf_counter() - started) * 1000, 3)
             telemetry.end_call(span, record)
             if self._on_call_end is not None:
                 self._on_call_end(record)
         return reply
+
+    async def _logged(
+        self, durable: DurableLog, tool_name: str, request: Request, record: dict[str, Any], started: float
+    ) -> dict[str, Any]:
+        """A durable job's call: logged, made and its outcome logged, or answered from the log
+        (``DurableLog.run``)."""
+        args = request.args_json if request.args_json is not None else b""
+
+        def make() -> Awaitable[dict[str, Any]]:
+            return self._dispatch(tool_name, request, record)
+
+        return await durable.run(tool_name, args, record, make, self._records.keep, self._on_diverged, started)
 
     async def _dispatch(self, tool_name: str, request: Request, record: dict[str, Any]) -> dict[str, Any]:
         """Take a recorded call through the lease, the tool, its arguments' checks and its pause, if any, to its
@@ -261,7 +283,7 @@ class Dispatcher:
         ``small``: the call's line was read on the loop. Returns the reply."""
         try:
             async with self._endpoint_slots, self._tool_slots(tool):
-                result, attempts = await self._call_endpoint(tool, args)
+                result, attempts = await self._call_endpoint(tool, args, record["call_id"])
         except ToolCallFailed as exc:
             if exc.attempts > 1:
                 record["attempts"] = exc.attempts
@@ -304,11 +326,12 @@ class Dispatcher:
             slots = self._per_tool[tool.name] = asyncio.Semaphore(tool.max_concurrency)
         return slots
 
-    async def _call_endpoint(self, tool: ToolSpec, args: dict[str, Any]) -> tuple[Any, int]:
-        """Call the endpoint; an idempotent tool is retried (exponential backoff, tenacity) after a failure
-        that may pass (timeout, unreachable, 5xx), up to ``tool.retries`` more times. Returns (result, attempts)."""
+    async def _call_endpoint(self, tool: ToolSpec, args: dict[str, Any], call_id: str) -> tuple[Any, int]:
+        """Call the endpoint (an HTTP endpoint gets ``call_id`` as ``Idempotency-Key``, every attempt); an
+        idempotent tool is retried (exponential backoff, tenacity) after a failure that may pass (timeout,
+        unreachable, 5xx), up to ``tool.retries`` more times. Returns (result, attempts)."""
         if not tool.idempotent or tool.retries == 0:
-            return await self._endpoints.call(tool, args, raw=True), 1
+            return await self._endpoints.call(tool, args, raw=True, call_id=call_id), 1
         attempts = 0
         retrying = AsyncRetrying(
             stop=stop_after_attempt(tool.retries + 1),
@@ -320,7 +343,7 @@ class Dispatcher:
             async for attempt in retrying:
                 with attempt:
                     attempts += 1
-                    return await self._endpoints.call(tool, args, raw=True), attempts
+                    return await self._endpoints.call(tool, args, raw=True, call_id=call_id), attempts
         except ToolCallFailed as exc:
             exc.attempts = attempts
             raise

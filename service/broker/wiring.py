@@ -49,12 +49,15 @@ class BrokerHooks:
         on_call_end: called with each completed record (the job's ``CallEnded`` event: metrics and logs).
         on_paused_calls: called with the number of calls waiting for the harness (client-executed calls and calls
             awaiting approval), whenever it changes.
+        on_diverged: called with the message when a resumed job's replay diverged from its call log
+            (``service.broker.durable``): the job must end ``failed`` (``replay_diverged``).
     """
 
     trace_parent: Span | None = None
     lease: Callable[[], bool] | None = None
     on_call_end: Callable[[dict[str, Any]], None] | None = None
     on_paused_calls: Callable[[int], None] | None = None
+    on_diverged: Callable[[str], None] | None = None
 
 
 NO_HOOKS = BrokerHooks()

@@ -84,7 +84,8 @@ class JobManager:
     # -- start-up, shutdown, retention ---------------------------------------------------------
 
     async def start(self) -> None:
-        """Recover what an earlier run left, resume pending callbacks, start the purge, sessions and the pool.
+        """Recover what an earlier run left, resume pending callbacks, start the purge, sessions and the pool, then
+        resume the durable jobs an earlier run left unfinished.
 
         Raises:
             WorkDirBusy: another running instance holds the work dir.
@@ -95,6 +96,7 @@ class JobManager:
         parts.tasks.spawn(parts.recovery.purge_loop(), "retention purge")
         await parts.session_manager.start()
         await parts.engines.start()
+        await parts.recovery.resume(parts.intake, parts.runner.start)  # durable jobs left unfinished, by replay
         for loop in parts.background:  # with a shared store: the reaper, progress saves (docs/scaling.md, step 5)
             parts.tasks.spawn(loop(), loop.__qualname__)
 

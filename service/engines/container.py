@@ -68,19 +68,22 @@ class ContainerEngine(Engine):
         was compiled (``toolkit.cache``, on the manifest threads)."""
         return manifest.stub_source
 
-    def take(self, job_id: str, owner: str, limits: SandboxLimits, image: str) -> Sandbox | None:
+    def take(
+        self, job_id: str, owner: str, limits: SandboxLimits, image: str, hash_seed: int | None = None
+    ) -> Sandbox | None:
         """A pooled sandbox of the job's profile (started: ``warm``), or a new one (``cold``) with its room
         committed, idle pooled sandboxes evicted for it when needed; None when they cannot make room. The room is
         committed last, once the sandbox is made: a raise before it leaves nothing held for the job
-        (``Engine.take``)."""
+        (``Engine.take``). With ``hash_seed`` (a replay), always a new one, its interpreter seeded so."""
         capacity = self._capacity
         labels = {**self._labels, LABEL_JOB: job_id}
         spec = sandbox_spec(self._settings, limits, {}, self._jobs_dir / job_id, labels, image)
+        spec = replace(spec, hash_seed=hash_seed)
 
         def fits() -> bool:
             return capacity.shortfall(spec.memory_mb, spec.cpus) is None
 
-        sandbox = self.pool.take(spec, owner)
+        sandbox = self.pool.take(spec, owner) if hash_seed is None else None
         if sandbox is None and self.pool.evict(fits):
             sandbox = ResidentSandbox(self.backend, spec, self._on_stop)
             sandbox.commitment = capacity.commit(spec.memory_mb, spec.cpus)  # given back at its removal

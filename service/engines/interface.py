@@ -94,6 +94,8 @@ class Sandbox(Protocol):
         sandbox_id: what a job's and a session's view show as ``sandbox_id`` (None before it started).
         broken: why it can run nothing more (None while it can): its session then ends ``broken``.
         stop_reason: what the report of its removal says (``session``, ``pool``, or the job's status).
+        hash_seed: the seed its scripts hash strings with (``PYTHONHASHSEED``), kept with a durable job for its
+            replays (``Engine.take``); None: its engine has none.
     """
 
     @property
@@ -104,6 +106,7 @@ class Sandbox(Protocol):
 
     broken: str | None
     stop_reason: str
+    hash_seed: int | None
 
     async def start(self) -> None:
         """Make it able to run scripts (a cold start). Raises SandboxError (nothing is left behind)."""
@@ -171,10 +174,13 @@ class Engine(abc.ABC):
         Python), None when it needs nothing laid out."""
 
     @abc.abstractmethod
-    def take(self, job_id: str, owner: str, limits: SandboxLimits, image: str) -> Sandbox | None:
+    def take(
+        self, job_id: str, owner: str, limits: SandboxLimits, image: str, hash_seed: int | None = None
+    ) -> Sandbox | None:
         """A sandbox for one-shot job ``job_id`` of ``owner`` (started or not: ``Sandbox.started``), with its host
         room committed; None when the host has no room for it now (``room_released`` then says when to ask
-        again). Never waits.
+        again). Never waits. ``hash_seed``: a replay's (``Sandbox.hash_seed`` of the job's first run), for an engine
+        whose scripts hash strings with a seed; one without ignores it.
 
         Raises:
             SandboxError: the engine cannot give the job a sandbox (any other exception is taken as a fault of the

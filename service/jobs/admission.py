@@ -14,14 +14,16 @@ import contextlib
 import secrets
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from service.broker.durable import Logged
 from service.callbacks import CallbackPolicy
 from service.egress import EgressDenied
 from service.engines import Engine, Engines
 from service.errors import EngineUnavailable, InvalidField, QueueFull, SessionNotFound
+from service.jobs.durable import RunSpec
 from service.jobs.live import SANDBOX_LIMITS, LiveJob, LiveJobs, ResolvedLimits, resolve_limits
 from service.jobs.marks import mark_owner
 from service.normalize import Normalized, count, prepare
@@ -140,6 +142,9 @@ class Admitted:
     manifest: CompiledManifest
     ticket: Ticket
     session: Session | None
+    replay: list[Logged] = field(default_factory=list)  # a resumed job's call log (``service.broker.durable``)
+    resumed: bool = False  # its spec is stored already
+    admin: bool = False  # its owner had the admin role (a resume resolves its toolset as then)
 
 
 class Intake:
@@ -207,6 +212,11 @@ class Intake:
             except EgressDenied as exc:
                 raise InvalidField(str(exc), ("body", "callback_url")) from exc
         if request.session_id is not None:
+            if request.durable:
+                raise InvalidField(
+                    "a session's scripts are not durable: they run in the session's sandbox, kept between them",
+                    ("body", "durable"),
+                )
             return await self._admit_to_session(request, limits, caller, request.session_id)
         engine = self._engines.choose() if self._engines is not None else None
         if engine is not None and image != DEFAULT_IMAGE:  # the default image: /readyz, as before images
@@ -219,7 +229,32 @@ class Intake:
             ticket.release()
             raise
         job.image = image
-        return Admitted(job, request, manifest, ticket, None)
+        job.durable = request.durable is not False
+        return Admitted(job, request, manifest, ticket, None, admin=admin)
+
+    async def readmit(self, spec: RunSpec, replay: list[Logged], resume: dict[str, Any]) -> Admitted:
+        """A durable one-shot job an earlier run of the service left unfinished, admitted again from its run spec
+        to be resumed by replaying ``replay`` (its call log); ``resume`` is the view's entry for it. Counted as a new
+        job would be (``Admission.one_shot``).
+
+        Raises:
+            QueueFull / QuotaExceeded, ManifestError, InvalidField, UnknownImage, RequestLimitError: as ``admit``
+            (the job cannot be resumed: it is marked lost instead).
+        """
+        caller, request = Caller(spec.owner, spec.admin), spec.request
+        limits = resolve_limits(request.model_copy(update={"image": spec.image}), self._settings, None)
+        engine = self._engines[spec.engine] if self._engines is not None else None
+        ticket = self._admission.one_shot(caller.owner)
+        try:
+            job, manifest = await self._new_job(
+                limits, request, request.tools, request.toolset, caller, engine, spec.job_id
+            )
+        except BaseException:
+            ticket.release()
+            raise
+        job.image, job.durable, job.hash_seed, job.created_at = spec.image, True, spec.hash_seed, spec.created_at
+        job.resumes = [*spec.resumes, resume]
+        return Admitted(job, request, manifest, ticket, None, replay, resumed=True, admin=spec.admin)
 
     def _image(self, request: ExecuteRequest, caller: Caller) -> str:
         """The image name of ``request``'s job: with ``session_id``, the session's (``image`` must be absent or
@@ -284,24 +319,30 @@ class Intake:
         toolset: str | None,
         caller: Caller,
         engine: Engine | None,
+        resumed: str | None = None,
     ) -> tuple[LiveJob, CompiledManifest]:
         """A job for an admitted ``request`` (live from now on) and its compiled manifest (``tools`` or ``toolset``),
         its script prepared by ``engine`` (``Engine.prepare``; None: the default engine's name, Python's repairs).
+        ``resumed``: the id of a durable job resumed (its output folder taken up: ``OutputLog.resume``).
 
         Raises:
             ManifestError / InvalidField: the manifest is unusable.
         """
         manifest = await self._toolsets.manifest(tools, toolset, caller)
-        job_id = "job_" + secrets.token_hex(12)
+        job_id = resumed or "job_" + secrets.token_hex(12)
         output_dir = self._output_dir / job_id
         retain, inline = self._settings.output_retention_bytes, limits.output_bytes
         budget = self._admission.quotas.output(caller.owner)
 
         def script_and_files() -> tuple[Normalized, OutputLog, OutputLog]:  # CPU and file system: not on the loop
             normalized = (engine.prepare if engine is not None else prepare)(request.script, request.normalize)
-            output_dir.mkdir(mode=0o700)
-            mark_owner(output_dir, caller.owner)
+            if resumed is None:
+                output_dir.mkdir(mode=0o700)
+                mark_owner(output_dir, caller.owner)
             logs = [OutputLog(output_dir / name, inline, retain, budget) for name in ("stdout", "stderr")]
+            if resumed is not None:
+                for log in logs:
+                    log.resume()
             return normalized, logs[0], logs[1]
 
         work = asyncio.ensure_future(asyncio.to_thread(script_and_files))  # one hand-off to a thread

@@ -132,6 +132,10 @@ class LiveJob(Job):
     output_budget: FileBudget | None = None  # what its owner may still keep on disk (output and files)
     record_bytes: int = 0  # bytes of args and results its call records keep (``CallRecords.kept_bytes``), once ended
     stored_bytes: int | None = None  # what it keeps in the store in all, counted once its final row was made
+    durable: bool = False  # its calls are logged and it resumes by replay (``service.broker.durable``)
+    resumes: list[dict[str, Any]] = field(default_factory=list)  # the view's ``resumes``: at, reason, instance
+    diverged: Failure | None = None  # its replay diverged from its call log: it ends ``failed`` with this
+    hash_seed: int | None = None  # its interpreter's string-hash seed, once its sandbox has one (a replay's too)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     saving: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves reach the store in the order they began
     status_save_queued: bool = False  # a status save waits to take its view: status changes meanwhile ride on it
@@ -202,6 +206,9 @@ class LiveJob(Job):
             or (self.broker is not None and self.broker.records.ran_as_coroutine),
             **view_fields(self.normalized),
             **self.files_view(),
+            "durable": self.durable,
+            "resumes": self.resumes,
+            "parked_at": None,
         }
 
     def files_view(self) -> dict[str, Any]:

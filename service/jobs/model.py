@@ -65,6 +65,7 @@ class ErrorType(enum.StrEnum):
     SERVICE_RESTARTED = "service_restarted"  # found unfinished at start-up
     REPLICA_LOST = "replica_lost"  # its replica's lease passed (another replica marked it lost)
     CANCELLED = "cancelled"  # a tool call's error: the service stopped before it ended
+    REPLAY_DIVERGED = "replay_diverged"  # resumed, its script made a call its call log does not hold
 
 
 class IllegalTransition(Exception):

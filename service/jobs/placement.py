@@ -122,7 +122,7 @@ class OneShot:
         slot = self._sandboxes.admission.slot(job.owner)
         while await acquire(job, slot):
             try:
-                sandbox = engine.take(job.id, job.owner, job.limits, job.image)
+                sandbox = engine.take(job.id, job.owner, job.limits, job.image, job.hash_seed)
             except BaseException:
                 slot.release()  # not ours yet (``leave`` gives back ``_slot`` only): else it is never given back
                 raise

@@ -1,8 +1,9 @@
 """Recovery: what a previous run left (start-up sweep, lost jobs), and retention (purge of old jobs).
 
 At start-up, before anything is served: take the work dir's lock (``service.workdir``), remove the sandboxes an
-earlier run of this instance left, empty the job folders, mark every job the store holds unfinished for this
-instance ``lost`` (its output as far as it was kept), and count the output bytes each owner retains against its
+earlier run of this instance left, empty the job folders, set aside the durable jobs the store holds unfinished for
+this instance (``resumable``: the job service resumes them by replay, ``service.jobs.durable``) and mark every other
+one ``lost`` (its output as far as it was kept), and count the output bytes each owner retains against its
 budget. Then, every ``purge_interval_s``, ended jobs older than ``job_retention_s`` are deleted with their output.
 """
 
@@ -14,14 +15,21 @@ import logging
 import os
 import shutil
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import IO
 
+import orjson
+
 from service import workdir
+from service.broker.config import REPORT_FIELD_CAP
 from service.engines import Engines
 from service.errors import SandboxError
 from service.files import FILES_FOLDER
+from service.jobs.admission import Admitted, Intake
+from service.jobs.durable import RunSpec, logged_calls
 from service.jobs.events import JobLost
 from service.jobs.live import SLICE_BYTES, STREAMS, now
 from service.jobs.marks import read_marks
@@ -75,6 +83,7 @@ class Recovery:
         self.jobs_dir = folders.path / "jobs"
         self.output_dir = settings.work_dir / "output"
         self._lock: IO[str] | None = None
+        self.resumable: list[RunSpec] = []  # durable jobs left unfinished, with their run specs (``start``)
 
     def release(self) -> None:
         """Give the work dir's lock back (at shutdown; the kernel would at the process's exit anyway)."""
@@ -119,21 +128,39 @@ class Recovery:
         # Only root (the service) enters the work dir: the engine mounts job folders into sandboxes itself.
         os.chmod(self._settings.work_dir, 0o700)
         for stored in await self._store.jobs.unfinished(self._instance):
-            await self._mark_lost(stored)
+            spec = await self._spec(stored)
+            if spec is None:
+                await self.mark_lost(stored)
+            else:
+                self.resumable.append(spec)
         for owner, retained in (await asyncio.to_thread(_retained_by_owner, self.output_dir)).items():
             self._quotas.output(owner).take(retained)
 
-    async def _mark_lost(self, stored: StoredJob) -> None:
+    async def _spec(self, stored: StoredJob) -> RunSpec | None:
+        """The run spec of a durable job left unfinished, with the resumes its last saved view lists; None for a
+        job that has none (not durable, or stopped before its script started), or one this version cannot read."""
+        data = await self._store.runs.spec(stored.job_id)
+        if data is None:
+            return None
+        try:
+            spec = RunSpec.decode(data)
+            resumes = orjson.loads(stored.view).get("resumes") or [] if stored.view else []
+        except ValueError:
+            log.exception("job %s: its run spec cannot be read; it cannot be resumed", stored.job_id)
+            return None
+        return replace(spec, resumes=tuple(resumes), stored=stored)
+
+    async def mark_lost(self, stored: StoredJob, why: str | None = None) -> None:
         """End a job a previous run left unfinished: status ``lost``, its output as far as it was kept (unless
-        another replica's reaper marked it first: ``JobRecords.save_lost``)."""
+        another replica's reaper marked it first: ``JobRecords.save_lost``); ``why``: what stopped its resume."""
 
         async def replay(stream: str, inline: CappedStream, limit: int) -> int:
             return await self._replay(self.output_dir / stored.job_id / stream, inline, limit)
 
-        error = Failure(
-            ErrorType.SERVICE_RESTARTED,
-            f"the service stopped while the job was {stored.status}; its sandbox was removed when it started again",
+        message = (
+            f"the service stopped while the job was {stored.status}; its sandbox was removed when it started again"
         )
+        error = Failure(ErrorType.SERVICE_RESTARTED, message if why is None else f"{message}; not resumed: {why}")
         row = await lost_row(stored, error, "the service stopped", replay, self._settings.output_retention_bytes)
         # Ended only if nobody ended it meanwhile; its callback's row, pending, in the same transaction: any replica
         # delivers it (docs/scaling.md, Callbacks, exactly once).
@@ -141,6 +168,38 @@ class Recovery:
             return
         self._events.publish(JobLost(stored.job_id, stored.status))
         log.warning("job %s was %s when the service last stopped: marked lost", stored.job_id, stored.status)
+
+    async def resume(self, intake: Intake, start: Callable[[Admitted], object]) -> int:
+        """Resume the durable jobs ``start`` set aside (``resumable``): each admitted again from its run spec with
+        its call log (``Intake.readmit``) and run (``start``: ``Runner.start``); one that cannot be is marked lost,
+        saying why. Call once the engines have started. Returns how many were resumed."""
+        resumed = 0
+        specs, self.resumable = self.resumable, []
+        for spec in specs:
+            assert spec.stored is not None
+            entry = {"at": now(), "reason": "service_restarted", "instance": self._instance}
+            stored = spec.stored
+            if self._replicas is not None:  # its saves are this incarnation's from now on (fenced by it)
+                me = self._replicas.incarnation
+                mine = (me.instance_id, me.epoch)
+                if not await self._store.jobs.adopt(spec.job_id, (stored.instance_id, stored.instance_epoch), mine):
+                    continue  # ended, or taken, meanwhile
+            try:
+                replay = await logged_calls(self._store, spec.job_id)
+                admitted = await intake.readmit(spec, replay, entry)
+            except Exception as exc:
+                log.exception("job %s could not be resumed", spec.job_id)
+                await self.mark_lost(spec.stored, f"{type(exc).__name__}: {exc}"[:REPORT_FIELD_CAP])
+                continue
+            start(admitted)
+            resumed += 1
+            log.warning(
+                "job %s was %s when the service last stopped: resumed, replaying %d logged call(s)",
+                spec.job_id,
+                spec.stored.status,
+                len(replay),
+            )
+        return resumed
 
     @staticmethod
     async def _replay(path: Path, inline: CappedStream, limit: int) -> int:

@@ -26,12 +26,14 @@ from typing import Any
 
 from service import verdict
 from service.broker import Broker, BrokerConfig, BrokerHooks, BrokerShared
+from service.broker.durable import DurableLog, Logged
 from service.engines import Engine, EngineRun, ExitStatus, Sandbox
 from service.files import OutputFiles
 from service.jobs.admission import Admitted, Ticket
+from service.jobs.durable import log_port, run_spec
 from service.jobs.events import CallEnded, JobEnded, SandboxStarted, StatusChanged
 from service.jobs.live import LiveJob, end_by_failure, note_stored_bytes, now, save_final_again, stored_job
-from service.jobs.model import EndedBy, JobStatus, end_of_run
+from service.jobs.model import EndedBy, ErrorType, Failure, JobStatus, end_of_run
 from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
 from service.jobs.shared import SHARE_AT_ONCE, keep_output
 from service.jobs.state import JobState
@@ -115,7 +117,7 @@ class Runner:
         """The run path of one job in ``placement`` (see the module's docstring). Never raises but
         CancelledError (the service stopping: the job ends ``lost``)."""
         job, request, manifest = admitted.job, admitted.request, admitted.manifest
-        broker = self._new_broker(job, manifest)
+        broker = self._new_broker(job, manifest, admitted.replay)
         try:
             try:
                 sandbox = await self._enter(job, placement)
@@ -132,6 +134,9 @@ class Runner:
                     await placement.ready()
                     stages.mark("sandbox-ready")
                     job.sandbox_id = sandbox.sandbox_id
+                    if job.durable and not admitted.resumed:  # before its script starts: what a resume needs
+                        job.hash_seed = sandbox.hash_seed
+                        await self._store.runs.put_spec(job.id, run_spec(admitted).encode())
                     engine = self._engine(job)
                     stubs = placement.stubs(engine.stubs(manifest, engine.language))
                     await self._lay_out(sandbox, job.script(request), stubs, broker)
@@ -193,20 +198,24 @@ class Runner:
         await sandbox.connect(broker)
         stages.mark("broker-listening")
 
-    def _new_broker(self, job: LiveJob, manifest: CompiledManifest) -> Broker:
-        """The job's broker (not listening yet); its records are the job's call records."""
+    def _new_broker(self, job: LiveJob, manifest: CompiledManifest, replay: list[Logged]) -> Broker:
+        """The job's broker (not listening yet); its records are the job's call records. A durable job's logs its
+        calls in the store (``service.broker.durable``), a resumed one's answers them from ``replay`` first."""
         hooks = BrokerHooks(
             trace_parent=job.span,
             lease=self._replicas.holds_lease,
             on_call_end=lambda record: self._call_ended(job, record),
             on_paused_calls=lambda waiting: self._client_calls_changed(job, waiting),
+            on_diverged=lambda message: self._diverged(job, message),
         )
+        durable = DurableLog(job.id, log_port(self._store, job.id), replay) if job.durable else None
         broker = Broker(
             manifest.tools,
             self._brokers,
             BrokerConfig.from_settings(self._settings, check_group=job.owner),
             budget=job.output_budget,  # the records count against the owner's output_bytes quota
             hooks=hooks,
+            durable=durable,
         )
         job.calls = broker.records.calls
         job.broker = broker
@@ -285,7 +294,17 @@ class Runner:
             stop_reason=job.stop_reason,
             script_failure=script_failure,
         )
+        if job.diverged is not None:  # stopped for it: the replay's divergence is why it ended
+            status, error = JobStatus.FAILED, job.diverged.as_dict()
         job.end(status, error)
+
+    @staticmethod
+    def _diverged(job: LiveJob, message: str) -> None:
+        """A resumed job's replay diverged from its call log: stop it; it ends ``failed`` (``replay_diverged``)."""
+        if job.diverged is None:
+            job.diverged = Failure(ErrorType.REPLAY_DIVERGED, message)
+            job.stop_reason = "its replay diverged from its call log"
+            job.stop_requested.set()
 
     def _call_ended(self, job: LiveJob, record: dict[str, Any]) -> None:
         """A tool call of ``job`` has its outcome: wake followers, tell subscribers."""
@@ -352,6 +371,8 @@ class Runner:
             try:
                 await self.save(job, final=True)
                 stages.mark("saved-final")
+                if job.durable:  # nothing resumes an ended job
+                    await self._store.runs.forget(job.id)
             except Exception:
                 log.exception("job %s: could not save its final view; saving it again later", job.id)
                 retry = partial(

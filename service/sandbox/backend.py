@@ -65,6 +65,8 @@ class SandboxSpec:
         labels: engine labels: the instance (for the start-up sweep) and one unique to the sandbox (a start that
             fails removes whatever carries all of them).
         runtime: OCI runtime name (``runsc`` for gVisor), None for the engine default.
+        hash_seed: the seed of the interpreter's string hashing (``PYTHONHASHSEED``, 1 to 2**32 - 1): a replay of a
+            job runs with its first run's; None: one drawn for each sandbox (``ResidentSandbox``).
     """
 
     image: str
@@ -78,6 +80,7 @@ class SandboxSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     labels: Mapping[str, str] = field(default_factory=dict)
     runtime: str | None = None
+    hash_seed: int | None = None
 
 
 @dataclass(frozen=True)

@@ -235,6 +235,8 @@ class DockerBackend(SandboxBackend):
             runtime=spec.runtime,
         )
         environment, labels = dict(spec.env), dict(spec.labels)
+        if spec.hash_seed is not None:  # the resident interpreter's, which every script it forks inherits
+            environment["PYTHONHASHSEED"] = str(spec.hash_seed)
         if uid is not None:
             environment[protocol.SCRIPT_UID_ENV] = str(uid)
             labels[LABEL_UID] = str(uid)

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 import time
 from dataclasses import replace
@@ -60,6 +61,7 @@ _STREAMS: dict[str, Stream] = {"stdout": "stdout", "stderr": "stderr"}
 _FILE_FRAMES = frozenset((protocol.DATA, protocol.FILE, protocol.SKIPPED, protocol.ENTRY, protocol.DONE))
 SIGNAL_NUMBERS = {protocol.SIGTERM: 15, protocol.SIGKILL: 9}  # the signals the service sends (Linux numbers)
 INLINE_ENV_BYTES = 16 * 1024  # a run's env file up to this size is written on the event loop (a few small writes)
+HASH_SEED_MAX = 2**32 - 1  # PYTHONHASHSEED: 0 (no randomization) to this; a sandbox draws from 1 up
 INLINE_SCRIPT_CHARS = 4096  # a script this small, with no stubs to write, is written on the event loop
 
 
@@ -123,7 +125,10 @@ class ResidentSandbox(SandboxFiles):
 
     def __init__(self, backend: SandboxBackend, spec: SandboxSpec, on_stop: StopHook | None = None) -> None:
         self._backend = backend
+        if spec.hash_seed is None:  # each sandbox its own (a script can infer its seed from hash values)
+            spec = replace(spec, hash_seed=secrets.randbelow(HASH_SEED_MAX) + 1)
         self.spec = spec
+        self.hash_seed: int | None = spec.hash_seed
         self.on_stop = on_stop
         self.folder = spec.job_dir
         self.handle: SandboxHandle | None = None

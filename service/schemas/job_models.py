@@ -80,6 +80,13 @@ class ExecuteRequest(BaseModel):
         strict=True,
         description="Repair a script that does not compile (fences, wrappers, literal \\n; docs/normalization.md).",
     )
+    durable: bool | None = Field(
+        None,
+        strict=True,
+        description="Log every tool call in the job store and, if the service stops under the job, resume it by "
+        "replaying its script against that log (docs/durability.md). Default: true for a one-shot job; a session's "
+        "scripts are never durable (true with session_id is refused).",
+    )
 
     @field_validator("script")
     @classmethod
@@ -231,6 +238,14 @@ class CallbackState(BaseModel):
     attempts: list[CallbackAttempt]
 
 
+class JobResume(BaseModel):
+    """One resume of a durable job (docs/durability.md): when, why, and on which instance."""
+
+    at: datetime
+    reason: str = Field(description="service_restarted: the service was found stopped under the job.")
+    instance: str = Field(description="The instance id (PTC_INSTANCE_ID) that resumed it.")
+
+
 class JobView(BaseModel):
     """A job as the API shows it (``service.jobs.live.LiveJob.view_dict`` while live, then the saved view)."""
 
@@ -307,6 +322,11 @@ class JobView(BaseModel):
     files_skipped: list[SkippedFile] = Field(
         default_factory=list, description="The first 100 entries not collected, with why."
     )
+    durable: bool = Field(
+        False, description="Its tool calls are logged and it resumes by replay if the service stops under it."
+    )
+    resumes: list[JobResume] = Field(default_factory=list, description="Each time the job was resumed, in order.")
+    parked_at: datetime | None = Field(None, description="When the job was parked (null: it is not parked).")
 
 
 class CallSummary(BaseModel):

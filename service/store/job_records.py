@@ -164,6 +164,17 @@ class JobRecords(Protocol):
         """
         ...
 
+    async def adopt(self, job_id: str, previous: tuple[str, int | None], owner: tuple[str, int]) -> bool:
+        """Make the incarnation ``owner`` (instance id, epoch) the owner of an unfinished job that ``previous``
+        (instance id, epoch, None for a row saved without one) owned: a durable job resumed (docs/durability.md),
+        whose saves are fenced by its owner from then on. Only while the row is not ended and still ``previous``'s:
+        of several incarnations adopting one job, one succeeds.
+
+        Returns:
+            whether the row is ``owner``'s now.
+        """
+        ...
+
     async def purge(self, ended_before: datetime, instance_id: str | None = None) -> list[str]:
         """Delete jobs that ended before ``ended_before`` (only those ``instance_id`` ran, when given: in a store
         shared by replicas each purges its own, whose output folders and quotas only it can free); returns their

@@ -182,6 +182,19 @@ class PostgresJobRecords(JobRecords):
 
         return await self._db.call("save_lost", run, write=True)
 
+    async def adopt(self, job_id: str, previous: tuple[str, int | None], owner: tuple[str, int]) -> bool:
+        epoch = jobs.c.instance_epoch.is_(None) if previous[1] is None else jobs.c.instance_epoch == previous[1]
+        take = (
+            sa.update(jobs)
+            .where(jobs.c.job_id == job_id, jobs.c.ended_at.is_(None), jobs.c.instance_id == previous[0], epoch)
+            .values(instance_id=owner[0], instance_epoch=owner[1])
+        )
+
+        async def run(conn: AsyncConnection) -> bool:
+            return bool((await conn.execute(take)).rowcount)
+
+        return await self._db.call("adopt", run, write=True)
+
     async def purge(self, ended_before: datetime, instance_id: str | None = None) -> list[str]:
         cutoff = ended_before.isoformat()
         expired = sa.select(jobs.c.job_id).where(jobs.c.ended_at < cutoff)

@@ -135,6 +135,20 @@ class SQLiteJobRecords(JobRecords):
 
         return await self._db.run(end)
 
+    async def adopt(self, job_id: str, previous: tuple[str, int | None], owner: tuple[str, int]) -> bool:
+        def take(db: sqlite3.Connection) -> bool:
+            with transaction(db):
+                return (
+                    db.execute(
+                        "UPDATE jobs SET instance_id = ?, instance_epoch = ? WHERE job_id = ? AND ended_at IS NULL "
+                        "AND instance_id = ? AND instance_epoch IS ?",
+                        (*owner, job_id, *previous),
+                    ).rowcount
+                    > 0
+                )
+
+        return await self._db.run(take)
+
     async def purge(self, ended_before: datetime, instance_id: str | None = None) -> list[str]:
         def delete(db: sqlite3.Connection) -> list[str]:
             cutoff = ended_before.isoformat()

@@ -4,7 +4,9 @@ Dispatch is by ``Endpoint.kind`` through the table in ``EndpointClients``:
 
 - ``echo``: returns ``{"tool": name, "args": args}`` without contacting anything.
 - ``http``: POST the arguments as a
-  JSON object to ``url`` with the endpoint's headers; a 2xx JSON body is the
+  JSON object to ``url`` with the endpoint's headers and the call's id as
+  ``Idempotency-Key`` (the same on every attempt and every replay of the call:
+  a tool may drop a repeat); a 2xx JSON body is the
   result; anything else is a ``ToolCallFailed`` carrying the status and a capped
   excerpt of the body. Redirects are not followed. The endpoint's ``timeout_s``
   bounds the whole call (connect, send, every read), not each read.
@@ -296,7 +298,7 @@ class EndpointClients:
         telemetry.instrument_client(self._http)  # a span per http call, its traceparent sent (tracing on)
         self._mcp_sessions: dict[tuple[str, tuple[tuple[str, str], ...]], _McpSession] = {}  # oldest use first
         self._retiring: set[asyncio.Task[None]] = set()
-        self._dispatch: dict[str, Callable[[ToolSpec, dict[str, Any]], Awaitable[Any]]] = {
+        self._dispatch: dict[str, Callable[[ToolSpec, dict[str, Any], str | None], Awaitable[Any]]] = {
             "echo": self._echo,
             "http": self._post,
             "mcp": self._mcp,
@@ -308,18 +310,18 @@ class EndpointClients:
         await asyncio.gather(*(session.aclose() for session in sessions), *self._retiring)
         await self._http.aclose()
 
-    async def call(self, tool: ToolSpec, args: dict[str, Any], *, raw: bool = False) -> Any:
+    async def call(self, tool: ToolSpec, args: dict[str, Any], *, raw: bool = False, call_id: str | None = None) -> Any:
         # ``client`` endpoints never come here: the broker pauses those calls for the client to answer.
         """Run one call; returns the JSON result or raises ToolCallFailed.
 
         ``raw``: an ``http`` endpoint's answer is returned as ``RawJson`` (its body, unparsed), for the caller
         to parse off the event loop (the broker does); without it the body is parsed here, on the event loop
-        (for small answers and tests).
+        (for small answers and tests). ``call_id``: sent to an ``http`` endpoint as ``Idempotency-Key``.
 
         Raises:
             ToolCallFailed: see its ``type``s; ``bad_response`` for a body that is not JSON (not ``raw``).
         """
-        result = await self._dispatch[tool.endpoint.kind](tool, args)
+        result = await self._dispatch[tool.endpoint.kind](tool, args, call_id)
         if isinstance(result, RawJson) and not raw:
             try:
                 return exactjson.loads(result.body)
@@ -327,14 +329,17 @@ class EndpointClients:
                 raise ToolCallFailed("bad_response", f"the endpoint's answer is not JSON: {exc}") from exc
         return result
 
-    async def _echo(self, tool: ToolSpec, args: dict[str, Any]) -> Any:
+    async def _echo(self, tool: ToolSpec, args: dict[str, Any], call_id: str | None) -> Any:
         return {"tool": tool.name, "args": args}
 
-    async def _post(self, tool: ToolSpec, args: dict[str, Any]) -> Any:
+    async def _post(self, tool: ToolSpec, args: dict[str, Any], call_id: str | None) -> Any:
         endpoint: Endpoint = tool.endpoint
         assert endpoint.url is not None
         timeout = tool.timeout_s or endpoint.timeout_s or self._default_timeout_s
         headers = {"content-type": "application/json", **endpoint.headers}
+        if call_id is not None:  # the service's, never one the manifest names
+            headers = {name: value for name, value in headers.items() if name.lower() != "idempotency-key"}
+            headers["idempotency-key"] = call_id
         telemetry.inject(headers)  # the current span's traceparent (the tool call's), when tracing is on
         try:
             self.egress.target(endpoint.url)  # refused at once, without resolving the name
@@ -363,7 +368,7 @@ class EndpointClients:
             raise ToolCallFailed("http_error", f"HTTP {response.status_code}: {excerpt}{more}")
         return RawJson(bytes(body)) if body else None  # parsed by the caller (``call``), off the loop if it wants
 
-    async def _mcp(self, tool: ToolSpec, args: dict[str, Any]) -> Any:
+    async def _mcp(self, tool: ToolSpec, args: dict[str, Any], call_id: str | None) -> Any:
         endpoint: Endpoint = tool.endpoint
         assert endpoint.url is not None
         timeout = tool.timeout_s or endpoint.timeout_s or self._default_timeout_s

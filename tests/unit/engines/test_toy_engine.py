@@ -114,6 +114,7 @@ class ToySandbox:
         self.sandbox_id: str | None = name
         self.broken: str | None = None
         self.stop_reason = "session"
+        self.hash_seed: int | None = None
         self.destroyed = False
         self.env = dict(env)
         self.files: dict[str, bytes] = {}
@@ -174,7 +175,7 @@ class ToyEngine(Engine):
         assert language == TOY
         return "".join(f"{name}\n" for name in sorted(manifest.tools))
 
-    def take(self, job_id: str, owner: str, limits: SandboxLimits, image: str) -> Sandbox:
+    def take(self, job_id: str, owner: str, limits: SandboxLimits, image: str, hash_seed: int | None = None) -> Sandbox:
         sandbox = ToySandbox(f"toy-{job_id[4:16]}", {})
         self.sandboxes.append(sandbox)
         return sandbox
@@ -365,7 +366,7 @@ class FailingTake(ToyEngine):
         super().__init__()
         self.failure: Exception | None = failure
 
-    def take(self, job_id: str, owner: str, limits: SandboxLimits, image: str) -> Sandbox:
+    def take(self, job_id: str, owner: str, limits: SandboxLimits, image: str, hash_seed: int | None = None) -> Sandbox:
         failure, self.failure = self.failure, None
         if failure is not None:
             raise failure

@@ -1,0 +1,268 @@
+"""A durable job's call log as its broker keeps it: every call's intent stored before its request goes out, its
+outcome stored before the script sees it, and, when the job is resumed, each call answered from the log.
+
+- **Ids.** A logged call's id is derived from the job and the call's place in the log (``call_id``): the same
+  call keeps its id across every run of the job, and HTTP endpoints get it as ``Idempotency-Key``.
+- **Writes.** ``DurableLog.intent`` and ``outcome`` hand their entry to one writer per job, which writes what
+  arrived in one turn of the event loop as one batch (``CallLogPort.write``), batches in order; each caller waits
+  for its batch. A call whose intent could not be stored is not made.
+- **Replay.** A resumed job's broker starts with the log of its earlier runs (``logged``). A call takes the first
+  unconsumed entry of the same tool and arguments (the arguments' JSON bytes as the script sent them, so
+  concurrent calls match in any order): an entry with an outcome answers it from the log (``Replayed``); one with
+  only an intent (the earlier run died with its request perhaps sent) is made again, with the same id. A call
+  that matches nothing while entries remain waits until the log is consumed (then it goes live) or until no call
+  has consumed an entry for ``SETTLE_S``: the replay has diverged (``Diverged``), and no waiting call ever reaches
+  an endpoint.
+
+An outcome is stored as one line of JSON (the reply's ``ok`` and ``error``, and the record's fields) followed by
+a newline and the result's JSON bytes as the endpoint gave them (nothing to parse to answer from the log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol
+
+import orjson
+
+from service.broker.records import fail
+
+log = logging.getLogger(__name__)
+
+SETTLE_S = 2.0  # how long an unmatched call waits for the log to be consumed by others before the replay diverged
+ARGS_SHOWN = 200  # characters of a call's arguments a divergence message quotes
+RECORD_FIELDS = ("status", "error", "repaired", "repairs", "caller", "attempts", "duration_ms", "approval")
+
+
+def call_id(job_id: str, seq: int) -> str:
+    """The id of the ``seq``-th logged call of ``job_id`` (``call_`` and 16 hex digits of SHA-256): the same on
+    every run of the job, unguessable without the job's id."""
+    return "call_" + hashlib.sha256(f"{job_id}/{seq}".encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Logged:
+    """One entry of a call log (``service.store.call_log.LoggedCall`` as the broker sees it): place, id, tool,
+    arguments (JSON bytes as sent), outcome (``encode_outcome``) or None while only the intent is stored."""
+
+    seq: int
+    call_id: str
+    tool: str
+    args: bytes
+    outcome: bytes | None = None
+
+
+class CallLogPort(Protocol):
+    """Where a job's call log is stored (the job service adapts its store to it)."""
+
+    def __call__(self, entries: Sequence[Logged]) -> Awaitable[None]:
+        """Store ``entries`` (each replacing the entry of its ``seq``) in one transaction; raises what the store
+        raises."""
+        ...
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """A call answered from the log: the reply the script gets and the record's fields as the first run ended
+    them (``result``: the result's JSON bytes, None without one)."""
+
+    reply: dict[str, Any]
+    fields: dict[str, Any]
+    result: bytes | None
+
+
+class Diverged(Exception):
+    """The replay made a call the log does not hold while logged calls remained unconsumed."""
+
+
+def encode_outcome(record: dict[str, Any], reply: dict[str, Any]) -> bytes:
+    """A finished call's outcome as stored: one JSON line (``ok``, ``error``, the record's ``RECORD_FIELDS`` and
+    ``started_at``), a newline, then the result's JSON bytes (none when the call failed)."""
+    head = {name: record.get(name) for name in RECORD_FIELDS}
+    head["started_at"] = record["started_at"].isoformat() if record.get("started_at") else None
+    head["ok"] = bool(reply.get("ok"))
+    head["error"] = reply.get("error")
+    result = reply.get("result") if reply.get("ok") else None
+    tail = b"" if result is None else orjson.dumps(result)  # a fragment (an endpoint's body) as it is
+    return orjson.dumps(head) + b"\n" + tail
+
+
+def decode_outcome(outcome: bytes) -> Replayed:
+    """A stored outcome (``encode_outcome``) as the reply and record fields it gives."""
+    line, _, tail = outcome.partition(b"\n")
+    head = orjson.loads(line)
+    fields = {name: head.get(name) for name in RECORD_FIELDS}
+    if head.get("started_at"):
+        fields["started_at"] = datetime.fromisoformat(head["started_at"])
+    if head["ok"]:
+        return Replayed({"ok": True, "result": orjson.Fragment(tail or b"null")}, fields, tail or b"null")
+    return Replayed({"ok": False, "error": head["error"]}, fields, None)
+
+
+class DurableLog:
+    """One durable job's call log in its broker (event-loop thread only).
+
+    Args:
+        job_id: the job (the calls' ids derive from it).
+        port: where entries are stored.
+        logged: the log of the job's earlier runs, by ``seq`` (empty for a first run).
+        settle_s: how long an unmatched call waits before the replay is declared diverged.
+    """
+
+    def __init__(
+        self, job_id: str, port: CallLogPort, logged: Sequence[Logged] = (), settle_s: float = SETTLE_S
+    ) -> None:
+        self._job_id = job_id
+        self._port = port
+        self._unconsumed: list[Logged] = sorted(logged, key=lambda entry: entry.seq)
+        self._next_seq = max((entry.seq for entry in logged), default=0) + 1
+        self._settle_s = settle_s
+        self._consumed = asyncio.Event()  # set whenever an entry is consumed (waiting calls look again)
+        self._diverged: str | None = None
+        self._batch: dict[int, Logged] = {}
+        self._batch_done: asyncio.Future[None] | None = None
+        self._writing = asyncio.Lock()  # batches reach the store in order
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.replayed = 0  # calls answered from the log
+
+    @property
+    def replaying(self) -> bool:
+        """Whether logged calls remain unconsumed."""
+        return bool(self._unconsumed)
+
+    async def begin(self, tool: str, args: bytes) -> tuple[int, str, Replayed | None]:
+        """Place a call in the log: ``(seq, call_id, replayed)``, ``replayed`` set when the log answers it (nothing
+        to store or send). Otherwise its intent is stored before this returns (a logged intent without outcome is
+        made again under its id).
+
+        Raises:
+            Diverged: the replay made a call the log does not hold (see the module).
+            Exception: what the store raises (the call must not be made).
+        """
+        entry = await self._match(tool, args)
+        if entry is None:
+            seq, self._next_seq = self._next_seq, self._next_seq + 1
+            entry = Logged(seq, call_id(self._job_id, seq), tool, args)
+        elif entry.outcome is not None:
+            self.replayed += 1
+            return entry.seq, entry.call_id, decode_outcome(entry.outcome)
+        await self._write(entry)
+        return entry.seq, entry.call_id, None
+
+    async def run(
+        self,
+        tool: str,
+        args: bytes,
+        record: dict[str, Any],
+        make: Callable[[], Awaitable[dict[str, Any]]],
+        keep: Callable[[dict[str, Any], str, bytes], None],
+        on_diverged: Callable[[str], None] | None,
+        started: float,
+    ) -> dict[str, Any]:
+        """One call of the job, ``record`` its record: its intent stored, then made (``make``: the reply), its
+        outcome stored, then the reply; or answered from the log, ``record`` restored as the first run ended it
+        (the result kept through ``keep``, within the record caps). A call the replay diverged at (``on_diverged``
+        is told) or whose intent the store refused is not made: its reply says so. ``started``: the call's
+        ``time.perf_counter()`` at arrival (its duration is stored with its outcome)."""
+        try:
+            seq, call, replayed = await self.begin(tool, args)
+        except Diverged as exc:
+            if on_diverged is not None:
+                on_diverged(str(exc))
+            return fail(record, "rejected", "replay_diverged", str(exc))
+        except Exception:
+            log.exception("broker: the call log did not take an intent of tool %r", tool)
+            return fail(record, "error", "store_unavailable", "the job store did not take this call: it was not made")
+        record["call_id"] = call
+        if replayed is not None:
+            record.update(replayed.fields)
+            if replayed.result is not None:
+                keep(record, "result", replayed.result)
+            return replayed.reply
+        reply = await make()
+        record["duration_ms"] = round((time.perf_counter() - started) * 1000, 3)
+        try:
+            await self.outcome(seq, (call, tool, args), record, reply)
+        except Exception:
+            log.exception("broker: the call log did not take an outcome of tool %r", tool)
+            message = f"the job store did not take this call's outcome (the call was made, as {call})"
+            return fail(record, "error", "store_unavailable", message)
+        return reply
+
+    async def outcome(
+        self, seq: int, ids: tuple[str, str, bytes], record: dict[str, Any], reply: dict[str, Any]
+    ) -> None:
+        """Store a made call's outcome (``ids``: its call id, tool and arguments) before the script sees it;
+        raises what the store raises."""
+        call, tool, args = ids
+        await self._write(Logged(seq, call, tool, args, encode_outcome(record, reply)))
+
+    async def _match(self, tool: str, args: bytes) -> Logged | None:
+        """Consume the first unconsumed entry of ``tool`` and ``args``; None once the log is consumed (a live
+        call). A call that matches nothing waits while others consume the log (see the module)."""
+        while self._unconsumed:
+            for index, entry in enumerate(self._unconsumed):
+                if entry.tool == tool and entry.args == args:
+                    del self._unconsumed[index]
+                    self._consumed.set()
+                    self._consumed = asyncio.Event()
+                    return entry
+            if self._diverged is None:
+                consumed = self._consumed
+                try:
+                    await asyncio.wait_for(consumed.wait(), self._settle_s)
+                    continue
+                except TimeoutError:
+                    if not self._unconsumed:
+                        break
+                    first = self._unconsumed[0]
+                    self._diverged = (
+                        f"the replay called {_shown(tool, args)}, which the call log does not hold, while "
+                        f"{len(self._unconsumed)} logged call(s) were not made again, the first: "
+                        f"{_shown(first.tool, first.args)} (call {first.seq})"
+                    )
+            raise Diverged(self._diverged)
+        return None
+
+    async def _write(self, entry: Logged) -> None:
+        """Store ``entry`` with the others of this loop turn; returns once its batch is stored."""
+        self._batch[entry.seq] = entry
+        if self._batch_done is None:
+            loop = asyncio.get_running_loop()
+            self._batch_done = loop.create_future()
+            loop.call_soon(self._flush)
+        await asyncio.shield(self._batch_done)
+
+    def _flush(self) -> None:
+        batch, done = self._batch, self._batch_done
+        self._batch, self._batch_done = {}, None
+        assert done is not None
+        task = asyncio.ensure_future(self._store(list(batch.values()), done))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _store(self, entries: list[Logged], done: asyncio.Future[None]) -> None:
+        async with self._writing:
+            try:
+                await self._port(entries)
+            except BaseException as exc:
+                if not done.done():
+                    done.set_exception(exc)
+                    done.exception()  # retrieved: a batch nobody waits for any more is not logged as lost
+                if not isinstance(exc, Exception):
+                    raise
+            else:
+                if not done.done():
+                    done.set_result(None)
+
+
+def _shown(tool: str, args: bytes) -> str:
+    """``tool(<args>)`` for a message, the arguments cut at ``ARGS_SHOWN`` characters."""
+    text = args.decode("utf-8", "replace")
+    return f"{tool}({text[:ARGS_SHOWN]}{' [...]' if len(text) > ARGS_SHOWN else ''})"
