@@ -4,7 +4,8 @@
 #   deploy/local.sh serve   set everything up, then run the service in the foreground (without
 #                           PTC_API_KEYS: with PTC_AUTH=disabled, on loopback only; without PTC_EGRESS_ALLOW:
 #                           tools and callbacks may reach the demo tool server http://127.0.0.1:8765 only)
-#   deploy/local.sh test    set everything up, then run ruff, mypy --strict and the whole test suite
+#   deploy/local.sh test    set everything up, then run ruff, mypy --strict and the whole test suite (args passed
+#                           on to pytest: `deploy/local.sh test tests/unit` runs the unit tests only)
 #   deploy/local.sh setup   only set up: Python venv, Docker engine, gVisor, sandbox images (minimal and data)
 #   deploy/local.sh engine  only the Docker engine and gVisor steps
 #   deploy/local.sh haproxy   only HAProxy for the tests (installed, never started as a service)

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from service import workdir
 from service.api import create_app
 from service.api.connections import ConnectionGuard, guarded_protocol, parse_networks
+from service.api.draining import DrainingServer
 from service.errors import InsecureConfig, InstanceIdInUse, SandboxError, StoreUnavailable, WorkDirBusy
 from service.observability import logs
 from service.settings import Settings
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     except (InsecureConfig, WorkDirBusy) as exc:
         logging.getLogger("service").critical("refusing to start: %s", exc)
         return 2
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             settings.body_timeout_s,
         ),
     )
+    DrainingServer(config, app, settings.drain_s, settings.retry_after_s).run()
     return 0
 
 

@@ -269,6 +269,17 @@ class QueueFull(PtcError):
         self.reason = "queue_full"
 
 
+class Draining(PtcError):
+    """This replica is shutting down (SIGTERM) and takes no new work; retry after ``retry_after_s`` seconds (another
+    replica, or this one once restarted)."""
+
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__(
+            f"this replica is draining (shutting down) and takes no new work; retry after {retry_after_s} s"
+        )
+        self.retry_after_s = retry_after_s
+
+
 class QuotaExceeded(PtcError):
     """A request would take a key past one of its quotas, or the sandboxes past the host's capacity.
 

@@ -162,6 +162,7 @@ def start_service(instance_id: str, work_dir: Path, probe: str = "/readyz", **en
         "PTC_METRICS_KEYS": "pytest",  # the suite scrapes /metrics with its key (the metrics and monitoring tests)
         "PTC_INTERNAL_SECRET": INTERNAL_SECRET,  # needed with PTC_STORE_URL; the same for every replica of a test
         "PTC_EGRESS_ALLOW": os.environ.get("PTC_EGRESS_ALLOW", ",".join(TEST_EGRESS_RULES)),
+        "PTC_DRAIN_S": "3",  # a stop waits at most this for running jobs (Service.stop gives the process 20 s)
         **{name: value for name, value in env.items() if value is not None},
     }
     for name in [name for name, value in env.items() if value is None]:

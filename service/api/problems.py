@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from service.api.openapi import PROBLEM
 from service.errors import (
     CallNotPending,
+    Draining,
     EngineUnavailable,
     FileRefused,
     HostCapacityExceeded,
@@ -116,6 +117,7 @@ STORE_UNAVAILABLE = ProblemType("store-unavailable", 503, "Job store unavailable
 OWNER_UNAVAILABLE = ProblemType("owner-unavailable", 503, "Job owner unavailable")
 SANDBOX_FAILURE = ProblemType("sandbox-failure", 503, "Sandbox failure")
 NOT_READY = ProblemType("not-ready", 503, "Not ready")
+DRAINING = ProblemType("draining", 503, "Draining")
 INTERNAL_ERROR = ProblemType("internal-error", 500, "Internal error")
 BAD_REQUEST = ProblemType("bad-request", 400, "Bad request")
 ROUTE_NOT_FOUND = ProblemType("route-not-found", 404, "Route not found")
@@ -305,6 +307,7 @@ RULES: dict[type[Exception], Rule] = dict(
             lambda exc: Answer(str(exc), headers={"Retry-After": str(exc.retry_after_s)}),
         ),
         _rule(SandboxError, SANDBOX_FAILURE, _message),
+        _rule(Draining, DRAINING, lambda exc: Answer(str(exc), headers={"Retry-After": str(exc.retry_after_s)})),
     ]
 )
 """Each error class a route may raise -> its problem type (``type`` URI, status, title) and its answer."""

@@ -205,7 +205,10 @@ class DurableLog:
 
     async def _match(self, tool: str, args: bytes) -> Logged | None:
         """Consume the first unconsumed entry of ``tool`` and ``args``; None once the log is consumed (a live
-        call). A call that matches nothing waits while others consume the log (see the module)."""
+        call). A call that matches nothing waits while others consume the log (see the module); once the replay has
+        diverged, every call raises."""
+        if self._diverged is not None:
+            raise Diverged(self._diverged)
         while self._unconsumed:
             for index, entry in enumerate(self._unconsumed):
                 if entry.tool == tool and entry.args == args:

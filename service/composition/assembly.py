@@ -17,7 +17,7 @@ from service.composition.engine_table import ENGINES, EngineFactory
 from service.composition.job_manager import JobManager, JobParts
 from service.engines import CONTAINER, Engines, EngineSite
 from service.jobs.admission import Admission, Intake
-from service.jobs.events import CallEnded, Events, JobEnded, JobLost, SandboxStarted, StatusChanged
+from service.jobs.events import CallEnded, Events, JobEnded, JobLost, JobParked, SandboxStarted, StatusChanged
 from service.jobs.live import LiveJobs
 from service.jobs.placement import Sandboxes
 from service.jobs.recovery import Recovery
@@ -153,6 +153,7 @@ def _observe(events: Events, metrics: Metrics, webhooks: Webhooks) -> None:
     events.subscribe(JobEnded, job_ended)
     events.subscribe(JobEnded, webhooks.job_ended)
     events.subscribe(JobLost, lambda _: metrics.job_lost())
+    events.subscribe(JobParked, lambda _: metrics.parked.inc())
 
 
 def _wake_webhooks(waiters: Waiters, webhooks: Webhooks) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from service.broker import Broker
 from service.engines import Engines
-from service.errors import CallNotPending
+from service.errors import CallNotPending, Draining
 from service.jobs.admission import Intake
 from service.jobs.live import LiveJob
 from service.jobs.placement import Sandboxes
@@ -80,6 +80,7 @@ class JobManager:
         self.toolsets = parts.toolsets
         self.recovery = parts.recovery
         self.engines = parts.engines
+        self.draining: Draining | None = None  # set by ``drain``: what a new job or session is refused with
 
     # -- start-up, shutdown, retention ---------------------------------------------------------
 
@@ -100,9 +101,31 @@ class JobManager:
         for loop in parts.background:  # with a shared store: the reaper, progress saves (docs/scaling.md, step 5)
             parts.tasks.spawn(loop(), loop.__qualname__)
 
+    async def drain(self, within_s: float, retry_after_s: int) -> int:
+        """Take no new job or session (``Draining``: 503 with ``Retry-After: retry_after_s``), then wait up to
+        ``within_s`` seconds for the live jobs to end (on SIGTERM, before the server stops: ``close`` then parks the
+        durable ones still running). Returns how many are still live."""
+        self.draining = Draining(retry_after_s)
+        self.sessions.draining = self.draining
+        live = self._intake.live
+        deadline = asyncio.get_running_loop().time() + within_s
+        while len(live) and (left := deadline - asyncio.get_running_loop().time()) > 0:
+            waiting = [asyncio.ensure_future(live[job_id].done.wait()) for job_id in list(live)]
+            try:
+                await asyncio.wait(waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waiting:
+                    waiter.cancel()
+        return len(live)
+
     async def close(self) -> None:
-        """Stop every job still running (each removes its sandbox and is saved as lost) and background work."""
+        """Stop every job still running: each removes its sandbox and is saved lost, but a durable one-shot job is
+        parked (left unfinished in the store for a resume by replay: ``Runner._park``); then background work."""
         parts = self._parts
+        live = self._intake.live
+        for job_id in list(live):
+            job = live[job_id]
+            job.parking = job.durable and job.session_id is None and not job.ended
         await parts.tasks.close()
         if parts.sandboxes.removals:
             await asyncio.gather(*parts.sandboxes.removals, return_exceptions=True)
@@ -133,9 +156,12 @@ class JobManager:
             SessionNotFound: an unknown session (another owner's included). SessionClosed: it ended.
             QueueFull: ``concurrency`` jobs run and ``max_queue`` wait already.
             QuotaExceeded: the owner is at one of its job quotas (``Quotas.admit_job``).
+            Draining: the service is shutting down (``drain``).
 
         Returns once the job's first save is done (or its run ended without one).
         """
+        if self.draining is not None:
+            raise self.draining
         if request.session_id is not None:
             await self.sessions.locate_open(request.session_id, Caller(owner, admin, internal))
         admitted = await self._intake.admit(request, owner, admin)

@@ -23,7 +23,7 @@ from service.callbacks import CallbackPolicy
 from service.egress import EgressDenied
 from service.engines import Engine, Engines
 from service.errors import EngineUnavailable, InvalidField, QueueFull, SessionNotFound
-from service.jobs.durable import RunSpec
+from service.jobs.durability import RunSpec
 from service.jobs.live import SANDBOX_LIMITS, LiveJob, LiveJobs, ResolvedLimits, resolve_limits
 from service.jobs.marks import mark_owner
 from service.normalize import Normalized, count, prepare
@@ -181,7 +181,7 @@ class Intake:
         self._egress = callback_policy.egress
         self._secrets = callback_policy.secrets
         self._output_dir = settings.work_dir / "output"
-        self._live = live
+        self.live = live
 
     async def admit(self, request: ExecuteRequest, owner: str, admin: bool) -> Admitted:
         """Check and admit ``request`` of ``owner`` (``admin``: the admin role) and make its job (live from now on).
@@ -368,5 +368,5 @@ class Intake:
         )
         if engine is not None:
             job.engine = engine.name
-        self._live.add(job)
+        self.live.add(job)
         return job, manifest

@@ -68,8 +68,15 @@ class JobLost:
     status: str
 
 
-Event = StatusChanged | CallEnded | SandboxStarted | JobEnded | JobLost
-E = TypeVar("E", StatusChanged, CallEnded, SandboxStarted, JobEnded, JobLost)
+@dataclass(frozen=True)
+class JobParked:
+    """A durable job was parked as the service stopped: left unfinished in the store, resumed at the next start."""
+
+    job: LiveJob
+
+
+Event = StatusChanged | CallEnded | SandboxStarted | JobEnded | JobLost | JobParked
+E = TypeVar("E", StatusChanged, CallEnded, SandboxStarted, JobEnded, JobLost, JobParked)
 
 
 class Events:

@@ -136,6 +136,8 @@ class LiveJob(Job):
     resumes: list[dict[str, Any]] = field(default_factory=list)  # the view's ``resumes``: at, reason, instance
     diverged: Failure | None = None  # its replay diverged from its call log: it ends ``failed`` with this
     hash_seed: int | None = None  # its interpreter's string-hash seed, once its sandbox has one (a replay's too)
+    parking: bool = False  # the service is stopping: a durable job is parked (left unfinished for a resume), not lost
+    parked_at: datetime | None = None  # when it was parked
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     saving: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves reach the store in the order they began
     status_save_queued: bool = False  # a status save waits to take its view: status changes meanwhile ride on it
@@ -208,7 +210,7 @@ class LiveJob(Job):
             **self.files_view(),
             "durable": self.durable,
             "resumes": self.resumes,
-            "parked_at": None,
+            "parked_at": self.parked_at,
         }
 
     def files_view(self) -> dict[str, Any]:

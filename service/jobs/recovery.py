@@ -2,7 +2,7 @@
 
 At start-up, before anything is served: take the work dir's lock (``service.workdir``), remove the sandboxes an
 earlier run of this instance left, empty the job folders, set aside the durable jobs the store holds unfinished for
-this instance (``resumable``: the job service resumes them by replay, ``service.jobs.durable``) and mark every other
+this instance (``resumable``: the job service resumes them by replay, ``service.jobs.durability``) and mark every other
 one ``lost`` (its output as far as it was kept), and count the output bytes each owner retains against its
 budget. Then, every ``purge_interval_s``, ended jobs older than ``job_retention_s`` are deleted with their output.
 """
@@ -29,7 +29,7 @@ from service.engines import Engines
 from service.errors import SandboxError
 from service.files import FILES_FOLDER
 from service.jobs.admission import Admitted, Intake
-from service.jobs.durable import RunSpec, logged_calls
+from service.jobs.durability import RunSpec, logged_calls
 from service.jobs.events import JobLost
 from service.jobs.live import SLICE_BYTES, STREAMS, now
 from service.jobs.marks import read_marks
@@ -144,11 +144,13 @@ class Recovery:
             return None
         try:
             spec = RunSpec.decode(data)
-            resumes = orjson.loads(stored.view).get("resumes") or [] if stored.view else []
+            view = orjson.loads(stored.view) if stored.view else {}
         except ValueError:
             log.exception("job %s: its run spec cannot be read; it cannot be resumed", stored.job_id)
             return None
-        return replace(spec, resumes=tuple(resumes), stored=stored)
+        return replace(
+            spec, resumes=tuple(view.get("resumes") or ()), parked=bool(view.get("parked_at")), stored=stored
+        )
 
     async def mark_lost(self, stored: StoredJob, why: str | None = None) -> None:
         """End a job a previous run left unfinished: status ``lost``, its output as far as it was kept (unless
@@ -177,7 +179,8 @@ class Recovery:
         specs, self.resumable = self.resumable, []
         for spec in specs:
             assert spec.stored is not None
-            entry = {"at": now(), "reason": "service_restarted", "instance": self._instance}
+            reason = "drained" if spec.parked else "service_restarted"  # parked at a SIGTERM, or the service died
+            entry = {"at": now(), "reason": reason, "instance": self._instance}
             stored = spec.stored
             if self._replicas is not None:  # its saves are this incarnation's from now on (fenced by it)
                 me = self._replicas.incarnation

@@ -26,14 +26,14 @@ from typing import Any
 
 from service import verdict
 from service.broker import Broker, BrokerConfig, BrokerHooks, BrokerShared
-from service.broker.durable import DurableLog, Logged
+from service.broker.durable import Logged
 from service.engines import Engine, EngineRun, ExitStatus, Sandbox
 from service.files import OutputFiles
 from service.jobs.admission import Admitted, Ticket
-from service.jobs.durable import log_port, run_spec
+from service.jobs.durability import call_log, forget_run, keep_spec, park, stop_diverged
 from service.jobs.events import CallEnded, JobEnded, SandboxStarted, StatusChanged
 from service.jobs.live import LiveJob, end_by_failure, note_stored_bytes, now, save_final_again, stored_job
-from service.jobs.model import EndedBy, ErrorType, Failure, JobStatus, end_of_run
+from service.jobs.model import EndedBy, JobStatus, end_of_run
 from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
 from service.jobs.shared import SHARE_AT_ONCE, keep_output
 from service.jobs.state import JobState
@@ -134,9 +134,7 @@ class Runner:
                     await placement.ready()
                     stages.mark("sandbox-ready")
                     job.sandbox_id = sandbox.sandbox_id
-                    if job.durable and not admitted.resumed:  # before its script starts: what a resume needs
-                        job.hash_seed = sandbox.hash_seed
-                        await self._store.runs.put_spec(job.id, run_spec(admitted).encode())
+                    await keep_spec(self._store, admitted, sandbox.hash_seed)  # a durable job's, before it starts
                     engine = self._engine(job)
                     stubs = placement.stubs(engine.stubs(manifest, engine.language))
                     await self._lay_out(sandbox, job.script(request), stubs, broker)
@@ -162,7 +160,8 @@ class Runner:
             finally:
                 await placement.leave(broker)
         except BaseException as exc:
-            end_by_failure(job, exc)
+            if not (job.parking and isinstance(exc, asyncio.CancelledError)):  # a parked job has not ended
+                end_by_failure(job, exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
@@ -206,9 +205,9 @@ class Runner:
             lease=self._replicas.holds_lease,
             on_call_end=lambda record: self._call_ended(job, record),
             on_paused_calls=lambda waiting: self._client_calls_changed(job, waiting),
-            on_diverged=lambda message: self._diverged(job, message),
+            on_diverged=lambda message: stop_diverged(job, message),
         )
-        durable = DurableLog(job.id, log_port(self._store, job.id), replay) if job.durable else None
+        durable = call_log(self._store, job, replay)
         broker = Broker(
             manifest.tools,
             self._brokers,
@@ -294,17 +293,8 @@ class Runner:
             stop_reason=job.stop_reason,
             script_failure=script_failure,
         )
-        if job.diverged is not None:  # stopped for it: the replay's divergence is why it ended
-            status, error = JobStatus.FAILED, job.diverged.as_dict()
-        job.end(status, error)
-
-    @staticmethod
-    def _diverged(job: LiveJob, message: str) -> None:
-        """A resumed job's replay diverged from its call log: stop it; it ends ``failed`` (``replay_diverged``)."""
-        if job.diverged is None:
-            job.diverged = Failure(ErrorType.REPLAY_DIVERGED, message)
-            job.stop_reason = "its replay diverged from its call log"
-            job.stop_requested.set()
+        diverged = job.diverged  # stopped for it: the replay's divergence is why it ended
+        job.end(*((status, error) if diverged is None else (JobStatus.FAILED, diverged.as_dict())))
 
     def _call_ended(self, job: LiveJob, record: dict[str, Any]) -> None:
         """A tool call of ``job`` has its outcome: wake followers, tell subscribers."""
@@ -362,8 +352,11 @@ class Runner:
             job.record_bytes = broker.records.kept_bytes  # counted with the rest of its row at the final save
             for output in (job.stdout, job.stderr):
                 output.close()
-            job.ended_at = now()
             stages.mark("broker-closed")
+            if not job.ended and job.parking:
+                await park(job, self.save, self._events)
+                return
+            job.ended_at = now()
             if not job.ended:
                 job.end(JobStatus.LOST, job.error)
             if self._store.shares_output:  # before the final view: a reader of an ended job finds its output
@@ -371,8 +364,7 @@ class Runner:
             try:
                 await self.save(job, final=True)
                 stages.mark("saved-final")
-                if job.durable:  # nothing resumes an ended job
-                    await self._store.runs.forget(job.id)
+                await forget_run(self._store, job)
             except Exception:
                 log.exception("job %s: could not save its final view; saving it again later", job.id)
                 retry = partial(
@@ -389,7 +381,8 @@ class Runner:
             job.notify()
             job.done.set()
             self._live.remove(job.id)
-            self._events.publish(JobEnded(job))
+            if job.ended:  # a parked job has not: it is resumed later
+                self._events.publish(JobEnded(job))
             stages.mark("end-told")
             placement.dispose(job.status)
             telemetry.end_job(job.span, job.status.value, (job.error or {}).get("type"))

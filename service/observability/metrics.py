@@ -31,6 +31,8 @@ metric                                          labels (values)
 ``ptc_lease_expired_jobs_total``                jobs it marked ``lost`` after their replica's lease expired
 ``ptc_lease_expired_sessions_total``            sessions it marked ``broken`` so
 ``ptc_store_listener_reconnects_total``         ``LISTEN`` connections re-opened (PostgreSQL store)
+``ptc_job_resumes_total``                       ``reason`` drained|service_restarted, ``outcome`` status|replay_diverged
+``ptc_jobs_parked_total``                       durable jobs parked at a shutdown (resumed at the next start)
 ==============================================  ===============================================================
 
 No label holds an instance id, a job id or an address: Prometheus adds the scraped replica as its own
@@ -213,6 +215,11 @@ class Metrics:
         )
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason=reason)
+        self.resumes = Counter(
+            "ptc_job_resumes", "Resumed durable jobs once ended, by their last resume's reason and their final status "
+            "(replay_diverged: their replay diverged from their call log).", ["reason", "outcome"], registry=reg,
+        )  # fmt: skip
+        self.parked = Counter("ptc_jobs_parked", "Durable jobs parked as this replica stopped.", registry=reg)
         self._state = _StateCollector()
         reg.register(self._state)
         reg.register(NORMALIZATIONS)  # process-wide, counted where scripts are normalized
@@ -287,6 +294,8 @@ class Metrics:
         for stream, log in (("stdout", job.stdout), ("stderr", job.stderr)):
             if log.inline.total_bytes > job.limits.output_bytes:  # more than the cap: head and tail kept
                 self.output_truncated.labels(stream=stream).inc()
+        if job.resumes:  # outcome: its status, or replay_diverged
+            self.resumes.labels(job.resumes[-1]["reason"], "replay_diverged" if job.diverged else job.status).inc()
 
     def job_lost(self) -> None:
         """Count a job an earlier run of the service left unfinished (found at start-up, marked ``lost``)."""

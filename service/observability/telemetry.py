@@ -264,10 +264,12 @@ def start_call(parent: Span | None, record: Mapping[str, Any]) -> Span | None:
 
 
 def end_call(span: Span | None, record: Mapping[str, Any]) -> None:
-    """End a tool call's span with its record's ``status``, ``duration_ms`` and error ``type`` (never arguments,
-    results or error messages)."""
+    """End a tool call's span with its record's ``status``, ``duration_ms``, error ``type`` (never arguments,
+    results or error messages) and ``call_id`` again (a durable job's is set once the call has its place in the
+    job's call log, after the span began)."""
     if span is None:
         return
+    span.set_attribute("ptc.tool.call_id", str(record["call_id"]))
     status = str(record.get("status"))
     span.set_attribute("ptc.tool.status", status)
     if record.get("duration_ms") is not None:

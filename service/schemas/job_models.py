@@ -242,7 +242,10 @@ class JobResume(BaseModel):
     """One resume of a durable job (docs/durability.md): when, why, and on which instance."""
 
     at: datetime
-    reason: str = Field(description="service_restarted: the service was found stopped under the job.")
+    reason: str = Field(
+        description="drained: the job was parked when its service stopped (SIGTERM); service_restarted: the service "
+        "was found dead under it (a crash, kill -9)."
+    )
     instance: str = Field(description="The instance id (PTC_INSTANCE_ID) that resumed it.")
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from service.engines import Sandbox
 from service.errors import (
+    Draining,
     FileRefused,
     InvalidField,
     LeaseLost,
@@ -80,6 +81,7 @@ class SessionJobs:
         self._toolsets = toolsets
         self._runner = runner
         self._live = live
+        self.draining: Draining | None = None  # the service is shutting down: new sessions get this
 
     async def create_session(self, request: SessionRequest, owner: str, *, admin: bool = False) -> dict[str, Any]:
         """Start a session's sandbox, owned by ``owner``, and return its view.
@@ -97,7 +99,10 @@ class SessionJobs:
                 ``host_cpus``).
             SandboxError: the image is not present or cannot run sessions (``Images.require``), or the sandbox
                 could not start.
+            Draining: the service is shutting down (``JobManager.drain``).
         """
+        if self.draining is not None:
+            raise self.draining
         settings = self._settings
         image = image_name(settings, request.image)
         limits = resolve_limits(ExecuteRequest(script="", limits=request.limits, image=image), settings)

@@ -355,6 +355,13 @@ class Settings(BaseSettings):
         description="OCI runtimes a session may ask for by name (JSON list); the server's runtime is always allowed.",
     )
     stop_grace_s: float = Field(2.0, ge=0, description="Time between SIGTERM and SIGKILL when a job is stopped (s).")
+    drain_s: float = Field(
+        20.0,
+        ge=0,
+        description="On SIGTERM: how long running jobs have to end while the service takes no new work (503 "
+        "draining) before the durable ones are parked for a resume and the others end lost (s). Keep a "
+        "supervisor's grace period above it (Kubernetes: terminationGracePeriodSeconds 30).",
+    )
     callback_secret: SecretStr | None = Field(
         None,
         description="Secret that signs completion callbacks (Standard Webhooks webhook-signature; also the "

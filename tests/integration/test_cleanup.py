@@ -25,7 +25,8 @@ def test_sweep_at_start_removes_what_a_killed_instance_left(engine: docker.Docke
     def long_job() -> None:
         try:
             with first.client() as api:
-                api.post("/execute", json={"script": "import time\ntime.sleep(60)", "timeout_s": 60})
+                body = {"script": "import time\ntime.sleep(60)", "timeout_s": 60, "durable": False}  # not resumed
+                api.post("/execute", json=body)
         except httpx.HTTPError as exc:  # the service dies under it
             errors.append(exc)
 

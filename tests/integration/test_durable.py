@@ -166,3 +166,43 @@ def test_a_session_script_cannot_be_durable(api: httpx.Client) -> None:
         assert view["status"] == "succeeded" and view["durable"] is False
     finally:
         api.delete(f"/sessions/{session}")
+
+
+def test_sigterm_drains_then_parks_durable_jobs_and_the_next_start_resumes_them(
+    durable_service: tuple[str, Path], tool_server: ToolServer
+) -> None:
+    instance, work_dir = durable_service
+    marker = secrets.token_hex(4)
+    tool = remember_tool(tool_server)
+    tool["parameters"]["properties"]["marker"] = {"type": "string"}
+    first = start_service(instance, work_dir, PTC_DRAIN_S="3")
+    durable = submit(first, with_marker(SCRIPT, marker), [tool])
+    lost = submit(first, "import time\nprint('x', flush=True)\ntime.sleep(60)\n", [], durable=False)
+    short = submit(first, "import time\ntime.sleep(1)\nprint('short')\n", [])
+    wait_until(lambda: len(calls_seen(tool_server, marker)) >= 1, 60)
+    first.process.terminate()
+    with first.client() as api:  # during the drain: no new work, /readyz says why
+        refused = api.post("/execute", json={"script": "print(1)"})
+        assert refused.status_code == 503 and refused.json()["type"].endswith("/draining"), refused.text
+        assert int(refused.headers["retry-after"]) >= 1
+        assert api.post("/sessions", json={}).status_code == 503
+        ready = api.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["reason"] == "draining"
+    assert first.process.wait(30) is not None
+    assert "parked" in first.log()
+    again = start_service(instance, work_dir)
+    try:
+        assert final_view(again, short)["status"] == "succeeded"  # ended within the drain
+        gone = final_view(again, lost)
+        assert gone["status"] == "lost" and gone["resumes"] == [], gone
+        view = final_view(again, durable)
+        assert view["status"] == "succeeded", view
+        names = list(dict.fromkeys(args["name"] for args, _ in calls_seen(tool_server, marker)))
+        expected = "".join(f"calling {i}\ngot {name} {i}\n" for i, name in enumerate(names)) + "done\n"
+        assert view["stdout"] == expected and [r["reason"] for r in view["resumes"]] == ["drained"], view
+        assert view["parked_at"] is None
+        with again.client() as api:
+            metrics = api.get("/metrics").text
+        assert 'ptc_job_resumes_total{outcome="succeeded",reason="drained"} 1.0' in metrics
+    finally:
+        again.stop()

@@ -165,13 +165,16 @@ def test_events_stream_shows_every_call_and_the_final_status(api: httpx.Client) 
 
 
 def test_restart_keeps_ended_jobs_and_marks_running_ones_lost(engine: docker.DockerClient, scratch: Path) -> None:
+    """A job that is not durable is lost with the service (a durable one resumes: test_durable.py)."""
     instance = f"pytest-durable-{secrets.token_hex(4)}"
     first = start_service(instance, scratch / "durable", PTC_WARM_POOL_SIZE="0")
     tools = [{"name": "t", "endpoint": {"kind": "echo"}}]
     with first.client() as api:
         ended = [execute(api, f"import tools\ntools.t()\nprint({i})", tools) for i in range(3)]
         ended.append(execute(api, "raise ValueError('x')"))
-        running = api.post("/execute", json={"script": "import time\ntime.sleep(60)", "wait_s": 0}).json()
+        running = api.post(
+            "/execute", json={"script": "import time\ntime.sleep(60)", "wait_s": 0, "durable": False}
+        ).json()
         wait_until(lambda: api.get(f"/jobs/{running['job_id']}").json()["status"] == "running", 20)
         time.sleep(0.5)  # the view in memory says running as the store's save of it starts: let that save land
     first.process.send_signal(signal.SIGKILL)
@@ -242,6 +245,7 @@ def test_callbacks_and_lost_jobs_survive_a_crash(engine: docker.DockerClient, sc
                 "script": "print('r', flush=True)\nimport time\ntime.sleep(60)",
                 "wait_s": 0,
                 "callback_url": receiver.url,
+                "durable": False,  # else resumed at the restart (test_durable.py)
             },
         ).json()
         wait_until(lambda: api.get(f"/jobs/{running['job_id']}").json()["stdout"] == "r\n", 20)

@@ -198,7 +198,7 @@ def test_a_job_lost_to_a_restart_keeps_exact_values_and_consistent_totals(
     script = "import tools\ntools.echo_any(x=2**70)\ntools.ask(x=-(2**70))\n"
     first = start_service(instance, scratch / "wire-lost", PTC_WARM_POOL_SIZE="0")
     with first.client() as api:
-        job = api.post("/execute", json={"script": script, "tools": tools, "wait_s": 20}).json()
+        job = api.post("/execute", json={"script": script, "tools": tools, "wait_s": 20, "durable": False}).json()
         assert job["status"] == "waiting", job
         time.sleep(0.5)  # let the save of the waiting view land in the store
     first.process.send_signal(signal.SIGKILL)

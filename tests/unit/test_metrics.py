@@ -67,7 +67,7 @@ def test_ended_jobs_count_oom_kills_timeouts_truncations_and_callbacks() -> None
     metrics = Metrics(settings())
     created = datetime(2026, 1, 1, tzinfo=UTC)
 
-    def ended(status: str, stdout_bytes: int, started: bool = True) -> Any:
+    def ended(status: str, stdout_bytes: int, started: bool = True, resumed: str | None = None) -> Any:
         streams = {
             name: SimpleNamespace(inline=SimpleNamespace(total_bytes=n))
             for name, n in (("stdout", stdout_bytes), ("stderr", 0))
@@ -78,12 +78,16 @@ def test_ended_jobs_count_oom_kills_timeouts_truncations_and_callbacks() -> None
             started_at=created + timedelta(seconds=1) if started else None,
             ended_at=created + timedelta(seconds=3),
             limits=SimpleNamespace(output_bytes=1024),
+            resumes=[{"reason": resumed}] if resumed else [],
+            diverged=object() if status == "failed" and resumed else None,
             **streams,
         )
 
     metrics.job_ended(ended("oom_killed", 10))
     metrics.job_ended(ended("timed_out", 5000))
     metrics.job_ended(ended("stopped", 0, started=False))  # stopped while queued: waited 3 s, ran 0 s
+    metrics.job_ended(ended("succeeded", 0, resumed="drained"))
+    metrics.job_ended(ended("failed", 0, resumed="service_restarted"))  # its replay diverged
     metrics.job_lost()
     metrics.callback_attempt({"status_code": 503, "error": "HTTP 503"})
     metrics.callback_attempt({"status_code": 200, "error": None})
@@ -93,9 +97,11 @@ def test_ended_jobs_count_oom_kills_timeouts_truncations_and_callbacks() -> None
     assert value(samples, "ptc_output_truncated_total", stream="stdout") == 1
     assert value(samples, "ptc_output_truncated_total", stream="stderr") == 0
     assert value(samples, "ptc_executions_total", status="lost") == 1
-    assert value(samples, "ptc_execution_duration_seconds_count") == 3
-    assert value(samples, "ptc_execution_duration_seconds_sum") == 4  # 2 + 2 + 0
-    assert value(samples, "ptc_queue_wait_seconds_sum") == 5  # 1 + 1 + 3
+    assert value(samples, "ptc_execution_duration_seconds_count") == 5
+    assert value(samples, "ptc_execution_duration_seconds_sum") == 8  # 2 + 2 + 0 + 2 + 2
+    assert value(samples, "ptc_queue_wait_seconds_sum") == 7  # 1 + 1 + 3 + 1 + 1
+    assert value(samples, "ptc_job_resumes_total", reason="drained", outcome="succeeded") == 1
+    assert value(samples, "ptc_job_resumes_total", reason="service_restarted", outcome="replay_diverged") == 1
     assert value(samples, "ptc_callback_deliveries_total", outcome="http_error") == 1
     assert value(samples, "ptc_callback_deliveries_total", outcome="delivered") == 1
     assert value(samples, "ptc_callbacks_total", state="delivered") == 1

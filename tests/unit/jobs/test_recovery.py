@@ -48,6 +48,13 @@ class Store:
     def jobs(self) -> Store:
         return self
 
+    @property
+    def runs(self) -> Store:  # no run specs: no job is resumed
+        return self
+
+    async def spec(self, job_id: str) -> bytes | None:
+        return None
+
     async def unfinished(self, instance_id: str) -> list[StoredJob]:
         return self.left
 

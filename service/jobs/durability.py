@@ -10,20 +10,26 @@ Both are dropped once the job's final view is saved.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from service.broker.durable import CallLogPort, Logged
+from service.broker.durable import CallLogPort, DurableLog, Logged
+from service.jobs.events import Events, JobParked
+from service.jobs.live import LiveJob, now
+from service.jobs.model import ErrorType, Failure
 from service.schemas.job_models import ExecuteRequest
 from service.store import JobStore, StoredJob
 from service.store.call_log import LoggedCall
 
 if TYPE_CHECKING:
     from service.jobs.admission import Admitted
+
+log = logging.getLogger(__name__)
 
 SPEC_VERSION = 1
 
@@ -42,6 +48,7 @@ class RunSpec:
     request: ExecuteRequest
     resumes: tuple[dict[str, Any], ...] = ()  # the earlier resumes its last saved view lists (not stored here)
     stored: StoredJob | None = None  # its row as last saved, when read back to resume it (not stored here)
+    parked: bool = False  # its last saved view says it was parked (a drain), when read back (not stored here)
 
     def encode(self) -> bytes:
         """The spec as stored (JSON)."""
@@ -78,12 +85,51 @@ class RunSpec:
         )
 
 
-def run_spec(admitted: Admitted) -> RunSpec:
-    """The run spec of an admitted durable job whose sandbox is ready (``job.hash_seed`` set)."""
+async def keep_spec(store: JobStore, admitted: Admitted, hash_seed: int | None) -> None:
+    """Store the run spec of an admitted durable job whose sandbox is ready (its interpreter's ``hash_seed``
+    known), before its script starts (not again for a resumed one: it is stored); raises what the store raises."""
     job = admitted.job
-    return RunSpec(
-        job.id, job.owner, admitted.admin, job.engine, job.image, job.created_at, job.hash_seed, admitted.request
+    if not job.durable or admitted.resumed:
+        return
+    job.hash_seed = hash_seed
+    spec = RunSpec(
+        job.id, job.owner, admitted.admin, job.engine, job.image, job.created_at, hash_seed, admitted.request
     )
+    await store.runs.put_spec(job.id, spec.encode())
+
+
+def stop_diverged(job: LiveJob, message: str) -> None:
+    """A resumed job's replay diverged from its call log (the broker's ``on_diverged``): stop it; it ends
+    ``failed``, ``replay_diverged`` (``Runner._finish``)."""
+    if job.diverged is None:
+        job.diverged = Failure(ErrorType.REPLAY_DIVERGED, message)
+        job.stop_reason = "its replay diverged from its call log"
+        job.stop_requested.set()
+
+
+async def park(job: LiveJob, save: Callable[[LiveJob], Awaitable[None]], events: Events) -> None:
+    """Leave a durable job unfinished in the store, its run spec and call log with it, for a resume by replay at
+    the next start (the service is stopping: ``JobManager.close``); its view says when (``parked_at``), saved
+    through ``save`` (``Runner.save``), then ``JobParked`` is published. Never raises."""
+    job.parked_at = now()
+    try:
+        await save(job)
+    except Exception:  # its last saved row is unfinished still: it is resumed all the same
+        log.exception("job %s: could not save it parked", job.id)
+    log.warning("job %s parked: it is resumed by replay when the service starts again", job.id)
+    events.publish(JobParked(job))
+
+
+def call_log(store: JobStore, job: LiveJob, replay: list[Logged]) -> DurableLog | None:
+    """A durable job's call log for its broker, stored in ``store.runs`` (``replay``: a resumed job's earlier
+    log); None for a job that is not durable."""
+    return DurableLog(job.id, log_port(store, job.id), replay) if job.durable else None
+
+
+async def forget_run(store: JobStore, job: LiveJob) -> None:
+    """Drop an ended durable job's run spec and call log (its final view is saved: nothing resumes it)."""
+    if job.durable:
+        await store.runs.forget(job.id)
 
 
 def log_port(store: JobStore, job_id: str) -> CallLogPort:
