@@ -96,6 +96,7 @@ async def keep_spec(store: JobStore, admitted: Admitted, hash_seed: int | None) 
         job.id, job.owner, admitted.admin, job.engine, job.image, job.created_at, hash_seed, admitted.request
     )
     await store.runs.put_spec(job.id, spec.encode())
+    job.spec_kept = True
 
 
 def stop_diverged(job: LiveJob, message: str) -> None:
@@ -107,12 +108,16 @@ def stop_diverged(job: LiveJob, message: str) -> None:
         job.stop_requested.set()
 
 
-async def park(job: LiveJob, save: Callable[[LiveJob], Awaitable[None]], events: Events) -> None:
+async def park(admitted: Admitted, store: JobStore, save: Callable[[LiveJob], Awaitable[None]], events: Events) -> None:
     """Leave a durable job unfinished in the store, its run spec and call log with it, for a resume by replay at
     the next start (the service is stopping: ``JobManager.close``); its view says when (``parked_at``), saved
-    through ``save`` (``Runner.save``), then ``JobParked`` is published. Never raises."""
+    through ``save`` (``Runner.save``), then ``JobParked`` is published. A job parked before its script started
+    has its spec stored now (no hash seed: its resume is its first run). Never raises."""
+    job = admitted.job
     job.parked_at = now()
     try:
+        if not job.spec_kept:
+            await keep_spec(store, admitted, None)
         await save(job)
     except Exception:  # its last saved row is unfinished still: it is resumed all the same
         log.exception("job %s: could not save it parked", job.id)

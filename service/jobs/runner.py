@@ -29,7 +29,7 @@ from service.broker import Broker, BrokerConfig, BrokerHooks, BrokerShared
 from service.broker.durable import Logged
 from service.engines import Engine, EngineRun, ExitStatus, Sandbox
 from service.files import OutputFiles
-from service.jobs.admission import Admitted, Ticket
+from service.jobs.admission import Admitted
 from service.jobs.durability import call_log, forget_run, keep_spec, park, stop_diverged
 from service.jobs.events import CallEnded, JobEnded, SandboxStarted, StatusChanged
 from service.jobs.live import LiveJob, end_by_failure, note_stored_bytes, now, save_final_again, stored_job
@@ -165,7 +165,7 @@ class Runner:
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
-            await asyncio.shield(self._cleanup(job, broker, admitted.ticket, placement))
+            await asyncio.shield(self._cleanup(admitted, broker, placement))
 
     def _engine(self, job: LiveJob) -> Engine:
         """The job's engine (chosen at its admission, kept by name)."""
@@ -336,12 +336,11 @@ class Runner:
             job.status_saved_at = job.loop.time()
             await self._save_and_tell(job)
 
-    async def _cleanup(self, job: LiveJob, broker: Broker, ticket: Ticket, placement: Placement) -> None:
-        """Save the final view, then tell waiters and subscribers, then give the sandbox back. Never raises.
-
-        A one-shot sandbox is removed after the answer (it has exited, or was killed, and its output is all
-        in), so a caller does not wait ~40 ms for the engine.
-        """
+    async def _cleanup(self, admitted: Admitted, broker: Broker, placement: Placement) -> None:
+        """Save the final view (or park the job: ``durability.park``), then tell waiters and subscribers, then give
+        the sandbox back. Never raises. A one-shot sandbox is removed after the answer (it has exited, or was killed,
+        and its output is all in), so a caller does not wait ~40 ms for the engine."""
+        job, ticket = admitted.job, admitted.ticket
         try:
             try:
                 await broker.close()
@@ -354,7 +353,7 @@ class Runner:
                 output.close()
             stages.mark("broker-closed")
             if not job.ended and job.parking:
-                await park(job, self.save, self._events)
+                await park(admitted, self._store, self.save, self._events)
                 return
             job.ended_at = now()
             if not job.ended:

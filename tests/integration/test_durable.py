@@ -175,10 +175,10 @@ def test_sigterm_drains_then_parks_durable_jobs_and_the_next_start_resumes_them(
     marker = secrets.token_hex(4)
     tool = remember_tool(tool_server)
     tool["parameters"]["properties"]["marker"] = {"type": "string"}
-    first = start_service(instance, work_dir, PTC_DRAIN_S="3")
+    first = start_service(instance, work_dir, PTC_DRAIN_S="2", PTC_MAX_CONCURRENT_SANDBOXES="2")
     durable = submit(first, with_marker(SCRIPT, marker), [tool])
     lost = submit(first, "import time\nprint('x', flush=True)\ntime.sleep(60)\n", [], durable=False)
-    short = submit(first, "import time\ntime.sleep(1)\nprint('short')\n", [])
+    queued = submit(first, "print('never started before the stop')\n", [])  # both slots are taken
     wait_until(lambda: len(calls_seen(tool_server, marker)) >= 1, 60)
     first.process.terminate()
     with first.client() as api:  # during the drain: no new work, /readyz says why
@@ -192,7 +192,9 @@ def test_sigterm_drains_then_parks_durable_jobs_and_the_next_start_resumes_them(
     assert "parked" in first.log()
     again = start_service(instance, work_dir)
     try:
-        assert final_view(again, short)["status"] == "succeeded"  # ended within the drain
+        started_later = final_view(again, queued)  # parked before its script started: its first run now
+        assert started_later["status"] == "succeeded" and started_later["stdout"] == "never started before the stop\n"
+        assert [r["reason"] for r in started_later["resumes"]] == ["drained"]
         gone = final_view(again, lost)
         assert gone["status"] == "lost" and gone["resumes"] == [], gone
         view = final_view(again, durable)
@@ -203,6 +205,6 @@ def test_sigterm_drains_then_parks_durable_jobs_and_the_next_start_resumes_them(
         assert view["parked_at"] is None
         with again.client() as api:
             metrics = api.get("/metrics").text
-        assert 'ptc_job_resumes_total{outcome="succeeded",reason="drained"} 1.0' in metrics
+        assert 'ptc_job_resumes_total{outcome="succeeded",reason="drained"} 2.0' in metrics  # it and the queued one
     finally:
         again.stop()
