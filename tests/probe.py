@@ -35,7 +35,8 @@ class HealthProbe:
 
     ``latencies``: seconds, one per answer, in order. A non-2xx answer counts as a latency too when ``strict`` is
     False; with ``strict``, or when a request fails, the probe ends and ``ProbeFailed`` is raised on leaving the
-    block (unless the block raised).
+    block (unless the block raised). ``stalls``: seconds, how late the probe process's own 10 ms sleeps woke, the
+    worst of each second: what the host's scheduling alone added to any latency then (a loaded machine).
     """
 
     def __init__(self, url: str, timeout_s: float = 120, interval_s: float = 0.05, strict: bool = True) -> None:
@@ -44,6 +45,7 @@ class HealthProbe:
         self.interval_s = interval_s
         self.strict = strict
         self.latencies: list[float] = []
+        self.stalls: list[float] = []
         self._problem: str | None = None
         self._first = threading.Event()
         self._process: subprocess.Popen[str] | None = None
@@ -55,6 +57,8 @@ class HealthProbe:
             kind, _, value = line.rstrip("\n").partition(" ")
             if kind == "latency":
                 self.latencies.append(float(value))
+            elif kind == "stall":
+                self.stalls.append(float(value))
             else:
                 self._problem = value
             self._first.set()
@@ -110,21 +114,38 @@ class HealthProbe:
 
 def healthz_while(url: str, work: Callable[[], T], timeout_s: float = 120) -> tuple[T, list[float]]:
     """Run ``work()`` under a ``HealthProbe`` of ``url``; returns its result and the latencies (s)."""
+    result, probe = probed(url, work, timeout_s)
+    return result, probe.latencies
+
+
+def probed(url: str, work: Callable[[], T], timeout_s: float = 120) -> tuple[T, HealthProbe]:
+    """Run ``work()`` under a ``HealthProbe`` of ``url``; returns its result and the probe (latencies, stalls)."""
     with HealthProbe(url, timeout_s=timeout_s) as probe:
         result = work()
-    return result, probe.latencies
+    return result, probe
 
 
 def _probe(url: str, timeout_s: float, interval_s: float, strict: bool) -> None:
     """The probe process: one line per answer on stdout (``latency <seconds>``), or ``problem <text>`` and the end;
-    stops at the end of its stdin."""
+    each second, ``stall <seconds>``: the worst lateness of its own 10 ms sleeps; stops at the end of its stdin."""
     stopping = threading.Event()
 
     def wait_for_the_end() -> None:
         sys.stdin.read()
         stopping.set()
 
+    def watch_the_clock() -> None:
+        worst, since = 0.0, time.monotonic()
+        while not stopping.is_set():
+            began = time.monotonic()
+            time.sleep(0.01)
+            worst = max(worst, time.monotonic() - began - 0.01)
+            if time.monotonic() - since >= 1:
+                print("stall", worst, flush=True)
+                worst, since = 0.0, time.monotonic()
+
     threading.Thread(target=wait_for_the_end, daemon=True).start()
+    threading.Thread(target=watch_the_clock, daemon=True).start()
     with httpx.Client(timeout=timeout_s) as client:
         while not stopping.is_set():
             begin = time.perf_counter()

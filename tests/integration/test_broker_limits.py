@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.conftest import execute, start_service
-from tests.probe import healthz_while
+from tests.probe import probed
 from tests.toolserver import ToolServer
 
 ECHO = {"kind": "echo"}
@@ -139,13 +139,15 @@ def test_healthz_stays_responsive_while_a_jobs_http_tool_returns_8_mib(
         # A loaded host may take more than the check's CPU budget (1 s) for a result: refused, after the work
         "print(sum(len(line) > 8_000_000 or b'limit_exceeded' in line for line in lines))\n"
     )
-    view, samples = healthz_while(str(api.base_url), lambda: execute(api, script, [tool], timeout_s=60), 30)
+    view, probe = probed(str(api.base_url), lambda: execute(api, script, [tool], timeout_s=60), 30)
+    samples = probe.latencies
     assert (view["status"], view["stdout"]) == ("succeeded", "8\n"), view
     # Before: one stall of 12.5 s (fixed). Then lone outliers of 2.5-4.7 s on loaded CI machines: the probe, a thread
     # of this process, was timing this test's own parse of the 8 MiB view (tests/probe.py); it has a process of its
     # own now. One cause in the service too: collections walking the parsed results' million objects with the event
     # loop waiting (~150 ms each; tests/unit/test_result_collector.py). The worst here: 0.18-0.30 s.
-    assert len(samples) > 2 and max(samples) < 2.0, (len(samples), sorted(samples)[-5:])
+    # On failure: the probe process's own worst scheduling lateness too (a loaded host delays every process).
+    assert len(samples) > 2 and max(samples) < 2.0, (len(samples), sorted(samples)[-5:], sorted(probe.stalls)[-3:])
 
 
 def test_records_past_the_record_cap_keep_the_call_but_not_its_data(scratch: Path) -> None:
