@@ -6,6 +6,9 @@ outcome stored before the script sees it, and, when the job is resumed, each cal
 - **Writes.** ``DurableLog.intent`` and ``outcome`` hand their entry to one writer per job, which writes what
   arrived in one turn of the event loop as one batch (``CallLogPort.write``), batches in order; each caller waits
   for its batch. A call whose intent could not be stored is not made.
+- **Bounded.** A job's log holds at most ``max_bytes`` of arguments and outcomes: a call that would pass it makes
+  the job give up durability (``give_up``: its log and run spec dropped before anything more happens); it and
+  every later call are made unlogged.
 - **Replay.** A resumed job's broker starts with the log of its earlier runs (``logged``). A call takes the first
   unconsumed entry of the same tool and arguments (the arguments' JSON bytes as the script sent them, so
   concurrent calls match in any order): an entry with an outcome answers it from the log (``Replayed``); one with
@@ -81,6 +84,10 @@ class Diverged(Exception):
     """The replay made a call the log does not hold while logged calls remained unconsumed."""
 
 
+class LogFull(Exception):
+    """The call log would pass its bytes cap: the job has given up durability (``DurableLog.give_up``)."""
+
+
 def encode_outcome(record: dict[str, Any], reply: dict[str, Any]) -> bytes:
     """A finished call's outcome as stored: one JSON line (``ok``, ``error``, the record's ``RECORD_FIELDS`` and
     ``started_at``), a newline, then the result's JSON bytes (none when the call failed)."""
@@ -113,13 +120,24 @@ class DurableLog:
         port: where entries are stored.
         logged: the log of the job's earlier runs, by ``seq`` (empty for a first run).
         settle_s: how long an unmatched call waits before the replay is declared diverged.
+        bounds: the most bytes of arguments and outcomes the log may hold (``PTC_MAX_CALL_LOG_BYTES``), and what
+            drops the log and the run spec when a call would pass it (``give_up``; None: no cap).
     """
 
     def __init__(
-        self, job_id: str, port: CallLogPort, logged: Sequence[Logged] = (), settle_s: float = SETTLE_S
+        self,
+        job_id: str,
+        port: CallLogPort,
+        logged: Sequence[Logged] = (),
+        settle_s: float = SETTLE_S,
+        bounds: tuple[int, Callable[[], Awaitable[None]]] | None = None,
     ) -> None:
         self._job_id = job_id
         self._port = port
+        self._bounds = bounds
+        self.logged_bytes = sum(len(entry.args) + len(entry.outcome or b"") for entry in logged)
+        self._counted = {entry.seq for entry in logged}  # entries whose arguments ``logged_bytes`` counts
+        self.given_up = False
         self._unconsumed: list[Logged] = sorted(logged, key=lambda entry: entry.seq)
         self._next_seq = max((entry.seq for entry in logged), default=0) + 1
         self._settle_s = settle_s
@@ -170,8 +188,12 @@ class DurableLog:
         (the result kept through ``keep``, within the record caps). A call the replay diverged at (``on_diverged``
         is told) or whose intent the store refused is not made: its reply says so. ``started``: the call's
         ``time.perf_counter()`` at arrival (its duration is stored with its outcome)."""
+        if self.given_up:
+            return await make()
         try:
             seq, call, replayed = await self.begin(tool, args)
+        except LogFull:
+            return await make()
         except Diverged as exc:
             if on_diverged is not None:
                 on_diverged(str(exc))
@@ -189,6 +211,8 @@ class DurableLog:
         record["duration_ms"] = round((time.perf_counter() - started) * 1000, 3)
         try:
             await self.outcome(seq, (call, tool, args), record, reply)
+        except LogFull:
+            return reply
         except Exception:
             log.exception("broker: the call log did not take an outcome of tool %r", tool)
             message = f"the job store did not take this call's outcome (the call was made, as {call})"
@@ -233,8 +257,26 @@ class DurableLog:
             raise Diverged(self._diverged)
         return None
 
+    async def give_up(self) -> None:
+        """Stop logging (the cap was reached): the job's log and run spec are dropped (``bounds``' hook) before
+        this returns; later calls are made unlogged. Raises what the hook raises."""
+        if not self.given_up:
+            self.given_up = True
+            if self._bounds is not None:
+                await self._bounds[1]()
+
     async def _write(self, entry: Logged) -> None:
-        """Store ``entry`` with the others of this loop turn; returns once its batch is stored."""
+        """Store ``entry`` with the others of this loop turn; returns once its batch is stored. Raises LogFull
+        (after ``give_up``) when the log would pass its cap."""
+        if self.given_up:
+            raise LogFull()
+        if self._bounds is not None:
+            size = (0 if entry.seq in self._counted else len(entry.args)) + len(entry.outcome or b"")
+            if self.logged_bytes + size > self._bounds[0]:
+                await self.give_up()
+                raise LogFull()
+            self.logged_bytes += size
+            self._counted.add(entry.seq)
         self._batch[entry.seq] = entry
         if self._batch_done is None:
             loop = asyncio.get_running_loop()

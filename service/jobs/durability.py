@@ -125,10 +125,17 @@ async def park(admitted: Admitted, store: JobStore, save: Callable[[LiveJob], Aw
     events.publish(JobParked(job))
 
 
-def call_log(store: JobStore, job: LiveJob, replay: list[Logged]) -> DurableLog | None:
+def call_log(store: JobStore, job: LiveJob, replay: list[Logged], max_bytes: int) -> DurableLog | None:
     """A durable job's call log for its broker, stored in ``store.runs`` (``replay``: a resumed job's earlier
-    log); None for a job that is not durable."""
-    return DurableLog(job.id, log_port(store, job.id), replay) if job.durable else None
+    log), of at most ``max_bytes`` (``PTC_MAX_CALL_LOG_BYTES``: past it the job is durable no more, its log and
+    run spec dropped); None for a job that is not durable."""
+
+    async def give_up() -> None:
+        job.durable = False
+        log.warning("job %s: its call log reached %d bytes; it is not durable any more", job.id, max_bytes)
+        await store.runs.forget(job.id)
+
+    return DurableLog(job.id, log_port(store, job.id), replay, bounds=(max_bytes, give_up)) if job.durable else None
 
 
 async def forget_run(store: JobStore, job: LiveJob) -> None:

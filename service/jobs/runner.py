@@ -207,7 +207,7 @@ class Runner:
             on_paused_calls=lambda waiting: self._client_calls_changed(job, waiting),
             on_diverged=lambda message: stop_diverged(job, message),
         )
-        durable = call_log(self._store, job, replay)
+        durable = call_log(self._store, job, replay, self._settings.max_call_log_bytes)
         broker = Broker(
             manifest.tools,
             self._brokers,

@@ -194,6 +194,13 @@ class Settings(BaseSettings):
         "output_bytes quota) a record keeps its call but not its args/result (args_dropped_bytes, "
         "result_dropped_bytes) (bytes).",
     )
+    max_call_log_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=0,
+        description="Bytes of arguments and results (JSON) a durable job's call log may hold in the job store; a "
+        "job that would pass it stops being durable (its log and run spec are dropped: it is lost if the service "
+        "stops under it) and runs on (bytes).",
+    )
     max_record_bytes_total: int = Field(
         512 * 1024 * 1024,
         ge=0,

@@ -137,3 +137,26 @@ async def test_a_diverged_replay_tells_its_hook_and_makes_no_call() -> None:
     finally:
         await broker.close()
         await shared.endpoints.aclose()
+
+
+async def test_a_log_past_its_cap_gives_up_durability_once_and_calls_go_on_unlogged() -> None:
+    port, gave_up = Port(), []
+
+    async def give_up() -> None:
+        gave_up.append(len(port.stored))
+
+    log = DurableLog("job_a", port, bounds=(100, give_up))
+    made: list[int] = []
+
+    async def call(i: int) -> dict[str, Any]:
+        async def make() -> dict[str, Any]:
+            made.append(i)
+            return {"ok": True, "result": "x" * 30}
+
+        return await log.run("t", b'{"i":%d}' % i, record(), make, lambda *_: None, None, 0.0)
+
+    for i in range(5):
+        assert await call(i) == {"ok": True, "result": "x" * 30}
+    assert made == [0, 1, 2, 3, 4]  # every call made, logged or not
+    assert log.given_up and gave_up == [1] and log.logged_bytes <= 100
+    assert sorted(port.stored) == [1] and port.stored[1].outcome is None  # its outcome would pass the cap
