@@ -36,7 +36,7 @@ from tests.conftest import pool_ready, start_service, wait_until
 def one_shot(api: httpx.Client, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     """One job as a one-shot ``/execute``; (round trip ms, view)."""
     started = time.perf_counter()
-    view: dict[str, Any] = api.post("/execute", json={**body, "timeout_s": 600, "wait_s": 600}).json()
+    view: dict[str, Any] = api.post("/execute", json={**body, "timeout_s": 600, "wait_s": 300}).json()
     elapsed = (time.perf_counter() - started) * 1000
     if view.get("status") != "succeeded":
         raise RuntimeError(f"{body['script'][:40]!r}: {view.get('status')} {view.get('error')}")

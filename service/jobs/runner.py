@@ -129,24 +129,25 @@ class Runner:
                 job.sandbox_start = placement.mode
                 job.started_at = now()
                 saving = asyncio.ensure_future(self._set_status(job, JobStatus.RUNNING))  # while the run is laid out
+                keeping: asyncio.Future[None] | None = None  # a durable job's run spec, stored before it starts
                 try:
                     started = time.monotonic()  # a cold job's time limit includes its sandbox's start
                     await placement.ready()
                     stages.mark("sandbox-ready")
                     job.sandbox_id = sandbox.sandbox_id
-                    await keep_spec(self._store, admitted, sandbox.hash_seed)  # a durable job's, before it starts
+                    keeping = asyncio.ensure_future(keep_spec(self._store, admitted, sandbox.hash_seed))
                     engine = self._engine(job)
                     stubs = placement.stubs(engine.stubs(manifest, engine.language))
                     await self._lay_out(sandbox, job.script(request), stubs, broker)
                 finally:
                     await saving  # saved running before the script starts (a failed save ends the run, as before)
                     stages.mark("saved-running")
+                    if keeping is not None:
+                        await keeping
                 if request.files:  # before the script: written as the sandbox user, no symlink followed
                     await sandbox.put_files([(item.path, item.data()) for item in request.files])
-                settings = self._settings
-                job.output_files = OutputFiles(
-                    job.output_dir, settings.max_output_files, settings.max_output_files_bytes, job.output_budget
-                )
+                caps = self._settings.max_output_files, self._settings.max_output_files_bytes
+                job.output_files = OutputFiles(job.output_dir, *caps, job.output_budget)
                 sending = time.perf_counter_ns()
                 run = await sandbox.run(job.id, request.env, job.sink, job.output_files)
                 stages.mark("run-sent")
@@ -320,12 +321,11 @@ class Runner:
 
     async def _save_status(self, job: LiveJob) -> None:
         """Save a live job's status once the saves begun before it have reached the store, with the view as it is
-        then: the status changes of that time ride on this one save. A script whose calls wait a millisecond each
-        (a 1 ms approval or client timeout) flips ``running``/``waiting`` thousands of times; a save per flip wrote
-        the whole view (up to the record budget) each time, gigabytes for one job. Nothing to do once the job has
-        ended: its final save follows. Saves of one job's status are ``STATUS_SAVE_INTERVAL_S`` apart at least (the
-        job's own view, live, is never late; its status in the store, which ``GET /jobs?status=`` filters by, is
-        at most that late)."""
+        then: the status changes of that time ride on this one save (a script whose calls wait a millisecond each
+        flips ``running``/``waiting`` thousands of times; a save per flip wrote gigabytes for one job). Nothing to
+        do once the job has ended: its final save follows. Saves of one job's status are ``STATUS_SAVE_INTERVAL_S``
+        apart at least (its live view is never late; its status in the store, which ``GET /jobs?status=`` filters
+        by, is at most that late)."""
         async with job.saving:
             pass
         delay = job.status_saved_at + STATUS_SAVE_INTERVAL_S - job.loop.time()
