@@ -208,3 +208,32 @@ def test_sigterm_drains_then_parks_durable_jobs_and_the_next_start_resumes_them(
         assert 'ptc_job_resumes_total{outcome="succeeded",reason="drained"} 2.0' in metrics  # it and the queued one
     finally:
         again.stop()
+
+
+def test_a_job_waiting_for_a_client_call_when_the_service_died_waits_again_for_the_same_call(
+    durable_service: tuple[str, Path],
+) -> None:
+    instance, work_dir = durable_service
+    tools = [
+        {"name": "ask", "parameters": {"properties": {"q": {"type": "string"}}}, "endpoint": {"kind": "client"}},
+    ]
+    script = "import tools\nprint('asking', flush=True)\nprint('answer:', tools.ask(q='deploy?'))\n"
+    first = start_service(instance, work_dir)
+    job_id = submit(first, script, tools)
+    with first.client() as api:
+        wait_until(lambda: api.get(f"/jobs/{job_id}").json()["status"] == "waiting", 30)
+        [pending] = api.get(f"/jobs/{job_id}").json()["pending_calls"]
+    first.kill()
+    again = start_service(instance, work_dir)
+    try:
+        with again.client() as api:
+            wait_until(lambda: api.get(f"/jobs/{job_id}").json()["status"] == "waiting", 30)
+            [waiting] = api.get(f"/jobs/{job_id}").json()["pending_calls"]
+            assert waiting["call_id"] == pending["call_id"] and waiting["args"] == {"q": "deploy?"}
+            answered = api.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": "yes"})
+            assert answered.status_code == 200, answered.text
+        view = final_view(again, job_id)
+        assert view["status"] == "succeeded" and view["stdout"] == "asking\nanswer: yes\n", view
+        assert [r["reason"] for r in view["resumes"]] == ["service_restarted"]
+    finally:
+        again.stop()
