@@ -198,6 +198,27 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def key_names(settings: Settings) -> frozenset[str] | None:
+    """The names of the configured API keys (``PTC_API_KEYS``, ``PTC_API_KEYS_FILE``); None with authentication
+    disabled. For what outlives a request (a durable job resumed at start-up: its owner's key must still exist).
+
+    Raises:
+        InsecureConfig: a key entry is malformed, or the keys file cannot be read (as ``configure``).
+    """
+    return frozenset(key.name for key in _keys(settings)) if settings.auth == "required" else None
+
+
+def _keys(settings: Settings) -> list[ApiKey]:
+    """The key entries of ``PTC_API_KEYS`` and ``PTC_API_KEYS_FILE``; raises InsecureConfig (malformed, unreadable)."""
+    try:
+        keys = parse_keys(settings.api_keys or "")
+        if settings.api_keys_file is not None:
+            keys += parse_keys(settings.api_keys_file.read_text(), f"PTC_API_KEYS_FILE ({settings.api_keys_file})")
+    except (OSError, ValueError) as exc:
+        raise InsecureConfig(str(exc)) from exc
+    return keys
+
+
 def configure(settings: Settings) -> KeyRing | None:
     """The key ring the service authenticates with, or None when authentication is disabled.
 
@@ -205,12 +226,7 @@ def configure(settings: Settings) -> KeyRing | None:
         InsecureConfig: ``PTC_AUTH=required`` without any key, or ``PTC_AUTH=disabled`` on a
             non-loopback ``PTC_HOST`` without ``PTC_AUTH_FORCE_INSECURE``; or a key entry is malformed.
     """
-    try:
-        keys = parse_keys(settings.api_keys or "")
-        if settings.api_keys_file is not None:
-            keys += parse_keys(settings.api_keys_file.read_text(), f"PTC_API_KEYS_FILE ({settings.api_keys_file})")
-    except (OSError, ValueError) as exc:
-        raise InsecureConfig(str(exc)) from exc
+    keys = _keys(settings)
     if settings.auth == "required":
         if not keys:
             raise InsecureConfig(

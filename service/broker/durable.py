@@ -27,6 +27,7 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -138,11 +139,18 @@ class DurableLog:
         self.logged_bytes = sum(len(entry.args) + len(entry.outcome or b"") for entry in logged)
         self._counted = {entry.seq for entry in logged}  # entries whose arguments ``logged_bytes`` counts
         self.given_up = False
-        self._unconsumed: list[Logged] = sorted(logged, key=lambda entry: entry.seq)
+        self._unconsumed: dict[tuple[str, bytes], deque[Logged]] = {}  # by (tool, arguments), each by seq
+        for entry in sorted(logged, key=lambda entry: entry.seq):
+            self._unconsumed.setdefault((entry.tool, entry.args), deque()).append(entry)
+        self._left = len(logged)
         self._next_seq = max((entry.seq for entry in logged), default=0) + 1
         self._settle_s = settle_s
-        self._consumed = asyncio.Event()  # set whenever an entry is consumed (waiting calls look again)
+        self._held = 0  # calls waiting for the log to be consumed (they match nothing in it)
+        self._consumed_at = 0.0  # loop time of the last consumption (the settle watchdog reads it)
+        self._settled = asyncio.Event()  # set once the log is consumed or the replay has diverged
+        self._watchdog: asyncio.Task[None] | None = None
         self._diverged: str | None = None
+        self._first_held: tuple[str, bytes] = ("", b"")  # the first call still waiting, for the message
         self._batch: dict[int, Logged] = {}
         self._batch_done: asyncio.Future[None] | None = None
         self._writing = asyncio.Lock()  # batches reach the store in order
@@ -152,7 +160,7 @@ class DurableLog:
     @property
     def replaying(self) -> bool:
         """Whether logged calls remain unconsumed."""
-        return bool(self._unconsumed)
+        return self._left > 0
 
     async def begin(self, tool: str, args: bytes) -> tuple[int, str, Replayed | None]:
         """Place a call in the log: ``(seq, call_id, replayed)``, ``replayed`` set when the log answers it (nothing
@@ -199,7 +207,11 @@ class DurableLog:
                 on_diverged(str(exc))
             return fail(record, "rejected", "replay_diverged", str(exc))
         except Exception:
-            log.exception("broker: the call log did not take an intent of tool %r", tool)
+            log.exception("broker: the call log did not take an intent of tool %r; the job is durable no more", tool)
+            try:  # a refusal the log does not hold would make a replay diverge: the job is not resumed
+                await self.give_up()
+            except Exception:
+                log.exception("broker: the job's call log could not be dropped either")
             return fail(record, "error", "store_unavailable", "the job store did not take this call: it was not made")
         record["call_id"] = call
         if replayed is not None:
@@ -229,33 +241,56 @@ class DurableLog:
 
     async def _match(self, tool: str, args: bytes) -> Logged | None:
         """Consume the first unconsumed entry of ``tool`` and ``args``; None once the log is consumed (a live
-        call). A call that matches nothing waits while others consume the log (see the module); once the replay has
-        diverged, every call raises."""
+        call). A call that matches nothing waits, without any work per later call, until the log is consumed
+        (then it goes live) or until no entry has been consumed for ``settle_s`` (one watchdog per job: the replay
+        has diverged); once it has, every call raises.
+
+        Raises:
+            Diverged: see the module.
+        """
         if self._diverged is not None:
             raise Diverged(self._diverged)
-        while self._unconsumed:
-            for index, entry in enumerate(self._unconsumed):
-                if entry.tool == tool and entry.args == args:
-                    del self._unconsumed[index]
-                    self._consumed.set()
-                    self._consumed = asyncio.Event()
-                    return entry
-            if self._diverged is None:
-                consumed = self._consumed
-                try:
-                    await asyncio.wait_for(consumed.wait(), self._settle_s)
-                    continue
-                except TimeoutError:
-                    if not self._unconsumed:
-                        break
-                    first = self._unconsumed[0]
-                    self._diverged = (
-                        f"the replay called {_shown(tool, args)}, which the call log does not hold, while "
-                        f"{len(self._unconsumed)} logged call(s) were not made again, the first: "
-                        f"{_shown(first.tool, first.args)} (call {first.seq})"
-                    )
+        if not self._left:
+            return None
+        entries = self._unconsumed.get((tool, args))
+        if entries:
+            entry = entries.popleft()
+            if not entries:
+                del self._unconsumed[(tool, args)]
+            self._left -= 1
+            self._consumed_at = asyncio.get_running_loop().time()
+            if not self._left:
+                self._settled.set()
+            return entry
+        self._held += 1
+        self._first_held = self._first_held if self._held > 1 else (tool, args)
+        if self._watchdog is None:
+            self._watchdog = asyncio.ensure_future(self._watch())
+        try:
+            await self._settled.wait()
+        finally:
+            self._held -= 1
+        if self._diverged is not None:
             raise Diverged(self._diverged)
         return None
+
+    async def _watch(self) -> None:
+        """While calls wait and entries remain: the replay has diverged once none was consumed for ``settle_s``."""
+        loop = asyncio.get_running_loop()
+        self._consumed_at = max(self._consumed_at, loop.time())
+        while self._held and self._left and self._diverged is None:
+            quiet = loop.time() - self._consumed_at
+            if quiet < self._settle_s:
+                await asyncio.sleep(self._settle_s - quiet)
+                continue
+            tool, args = self._first_held
+            first = min((entries[0] for entries in self._unconsumed.values()), key=lambda entry: entry.seq)
+            self._diverged = (
+                f"the replay called {_shown(tool, args)}, which the call log does not hold, while {self._left} "
+                f"logged call(s) were not made again, the first: {_shown(first.tool, first.args)} (call {first.seq})"
+            )
+            self._settled.set()
+        self._watchdog = None
 
     async def give_up(self) -> None:
         """Stop logging (the cap was reached): the job's log and run spec are dropped (``bounds``' hook) before

@@ -42,6 +42,7 @@ from service.replicas.registration import Replicas
 from service.sandbox.folders import SandboxFolders
 from service.settings import Settings
 from service.store import JobStore, StoredJob
+from service.tenancy import key_names
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ class Recovery:
         try:
             spec = RunSpec.decode(data)
             view = orjson.loads(stored.view) if stored.view else {}
-        except ValueError:
+        except Exception:  # any spec this version cannot read (a missing field, a wrong type): lost, not a crash
             log.exception("job %s: its run spec cannot be read; it cannot be resumed", stored.job_id)
             return None
         return replace(
@@ -166,7 +167,9 @@ class Recovery:
         row = await lost_row(stored, error, "the service stopped", replay, self._settings.output_retention_bytes)
         # Ended only if nobody ended it meanwhile; its callback's row, pending, in the same transaction: any replica
         # delivers it (docs/scaling.md, Callbacks, exactly once).
-        if not await self._store.jobs.save_lost(row):
+        ended = await self._store.jobs.save_lost(row)
+        await self._store.runs.forget(stored.job_id)  # its run spec (with its env) and call log: nothing resumes it
+        if not ended:
             return
         self._events.publish(JobLost(stored.job_id, stored.status))
         log.warning("job %s was %s when the service last stopped: marked lost", stored.job_id, stored.status)
@@ -177,11 +180,16 @@ class Recovery:
         saying why. Call once the engines have started. Returns how many were resumed."""
         resumed = 0
         specs, self.resumable = self.resumable, []
+        names = key_names(self._settings)  # an owner's key must still exist, its role is today's
         for spec in specs:
-            assert spec.stored is not None
+            stored = spec.stored
+            assert stored is not None
+            if names is not None and spec.owner not in names:
+                await self.mark_lost(stored, f"its owner's API key {spec.owner!r} is no longer configured")
+                continue
+            spec = replace(spec, admin=names is None or spec.owner in self._settings.admin_keys)
             reason = "drained" if spec.parked else "service_restarted"  # parked at a SIGTERM, or the service died
             entry = {"at": now(), "reason": reason, "instance": self._instance}
-            stored = spec.stored
             if self._replicas is not None:  # its saves are this incarnation's from now on (fenced by it)
                 me = self._replicas.incarnation
                 mine = (me.instance_id, me.epoch)
@@ -192,14 +200,14 @@ class Recovery:
                 admitted = await intake.readmit(spec, replay, entry)
             except Exception as exc:
                 log.exception("job %s could not be resumed", spec.job_id)
-                await self.mark_lost(spec.stored, f"{type(exc).__name__}: {exc}"[:REPORT_FIELD_CAP])
+                await self.mark_lost(stored, f"{type(exc).__name__}: {exc}"[:REPORT_FIELD_CAP])
                 continue
             start(admitted)
             resumed += 1
             log.warning(
                 "job %s was %s when the service last stopped: resumed, replaying %d logged call(s)",
                 spec.job_id,
-                spec.stored.status,
+                stored.status,
                 len(replay),
             )
         return resumed

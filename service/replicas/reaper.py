@@ -218,7 +218,9 @@ class Reaper:
         )
         # The joined output first: a reader that finds the job ended finds its output too.
         await self._store.blobs.put(stored.job_id, {s: d for s, d in joined.items() if d})
-        if not await self._store.jobs.save_lost(row):
+        ended = await self._store.jobs.save_lost(row)
+        await self._store.runs.forget(stored.job_id)  # a durable job's run spec and call log: nothing resumes it
+        if not ended:
             return False  # another replica (or its owner) ended it first
         self._events.publish(JobLost(stored.job_id, stored.status))
         log.warning("job %s of replica %s was %s when its lease passed: marked lost", stored.job_id,

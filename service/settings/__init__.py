@@ -363,11 +363,12 @@ class Settings(BaseSettings):
     )
     stop_grace_s: float = Field(2.0, ge=0, description="Time between SIGTERM and SIGKILL when a job is stopped (s).")
     drain_s: float = Field(
-        20.0,
+        15.0,
         ge=0,
         description="On SIGTERM: how long running jobs have to end while the service takes no new work (503 "
-        "draining) before the durable ones are parked for a resume and the others end lost (s). Keep a "
-        "supervisor's grace period above it (Kubernetes: terminationGracePeriodSeconds 30).",
+        "draining) before the durable ones are parked for a resume and the others end lost (s). Then open "
+        "requests get up to 10 s more: keep a supervisor's grace period above both (Kubernetes: "
+        "terminationGracePeriodSeconds 30).",
     )
     callback_secret: SecretStr | None = Field(
         None,

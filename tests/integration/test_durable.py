@@ -6,6 +6,7 @@ server that keeps every call's ``Idempotency-Key``."""
 from __future__ import annotations
 
 import secrets
+import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import docker
 import httpx
 import pytest
 
+from service.tenancy import hash_token
 from tests.conftest import Service, start_service, stop_clean, wait_until
 from tests.toolserver import ToolServer
 
@@ -235,5 +237,43 @@ def test_a_job_waiting_for_a_client_call_when_the_service_died_waits_again_for_t
         view = final_view(again, job_id)
         assert view["status"] == "succeeded" and view["stdout"] == "asking\nanswer: yes\n", view
         assert [r["reason"] for r in view["resumes"]] == ["service_restarted"]
+    finally:
+        again.stop()
+
+
+def test_a_run_spec_this_version_cannot_read_marks_its_job_lost_and_the_service_starts(
+    durable_service: tuple[str, Path],
+) -> None:
+    instance, work_dir = durable_service
+    first = start_service(instance, work_dir)
+    job_id = submit(first, "import time\nprint('started', flush=True)\ntime.sleep(60)\n", [])
+    with first.client() as api:
+        wait_until(lambda: api.get(f"/jobs/{job_id}").json()["stdout"] == "started\n", 30)
+    first.kill()
+    with sqlite3.connect(work_dir / "jobs.sqlite3") as db:
+        assert db.execute("UPDATE job_runs SET spec = ? WHERE job_id = ?", (b'{"version": 1}', job_id)).rowcount
+    again = start_service(instance, work_dir)
+    try:
+        view = final_view(again, job_id)
+        assert view["status"] == "lost" and view["error"]["type"] == "service_restarted", view
+        with sqlite3.connect(work_dir / "jobs.sqlite3") as db:  # nothing of it is kept to resume it
+            assert db.execute("SELECT COUNT(*) FROM job_runs WHERE job_id = ?", (job_id,)).fetchone() == (0,)
+    finally:
+        again.stop()
+
+
+def test_a_job_whose_owners_key_is_gone_is_not_resumed(durable_service: tuple[str, Path]) -> None:
+    instance, work_dir = durable_service
+    token = secrets.token_urlsafe(32)
+    first = start_service(instance, work_dir, PTC_API_KEYS=f"gone:{hash_token(token)}", PTC_METRICS_KEYS="")
+    with httpx.Client(base_url=first.url, headers={"Authorization": f"Bearer {token}"}) as api:
+        script = "import time\nprint('started', flush=True)\ntime.sleep(60)\n"
+        job_id = api.post("/execute", json={"script": script, "wait_s": 0}).json()["job_id"]
+        wait_until(lambda: api.get(f"/jobs/{job_id}").json()["stdout"] == "started\n", 30)
+    first.kill()
+    again = start_service(instance, work_dir, PTC_ADMIN_KEYS="pytest")  # only the key pytest now
+    try:
+        view = final_view(again, job_id)
+        assert view["status"] == "lost" and "'gone' is no longer configured" in view["error"]["message"], view
     finally:
         again.stop()

@@ -160,3 +160,41 @@ async def test_a_log_past_its_cap_gives_up_durability_once_and_calls_go_on_unlog
     assert made == [0, 1, 2, 3, 4]  # every call made, logged or not
     assert log.given_up and gave_up == [1] and log.logged_bytes <= 100
     assert sorted(port.stored) == [1] and port.stored[1].outcome is None  # its outcome would pass the cap
+
+
+async def test_calls_waiting_on_the_log_cost_nothing_per_later_consumption() -> None:
+    """A replay holding hundreds of calls that match nothing while it consumes the log one call at a time: each
+    consumption is one lookup, the waiting calls are not woken (they were rescanning the whole log each time)."""
+    logged = [
+        Logged(n, call_id("job_a", n), "t", b'{"i":%d}' % n, encode_outcome(record(), {"ok": True, "result": n}))
+        for n in range(1, 2001)
+    ]
+    log = DurableLog("job_a", Port(), logged, settle_s=60)
+    held = [asyncio.ensure_future(log.begin("other", b'{"j":%d}' % j)) for j in range(500)]
+    await asyncio.sleep(0)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    for n in range(1, 2000):
+        assert (await log.begin("t", b'{"i":%d}' % n))[2] is not None
+    assert loop.time() - began < 1.0 and not any(call.done() for call in held)
+    assert (await log.begin("t", b'{"i":2000}'))[2] is not None  # the last one: the held calls go live
+    placed = await asyncio.gather(*held)
+    assert sorted(seq for seq, _, replayed in placed if replayed is None) == list(range(2001, 2501))
+
+
+async def test_an_intent_the_store_refuses_ends_the_jobs_durability_and_the_call_is_not_made() -> None:
+    gave_up: list[bool] = []
+
+    async def give_up() -> None:
+        gave_up.append(True)
+
+    log = DurableLog("job_a", Port(fail=True), bounds=(1 << 30, give_up))
+    made: list[bool] = []
+
+    async def make() -> dict[str, Any]:
+        made.append(True)
+        return {"ok": True, "result": 1}
+
+    reply = await log.run("t", b"{}", record(), make, lambda *_: None, None, 0.0)
+    assert reply["error"]["type"] == "store_unavailable" and not made and gave_up == [True] and log.given_up
+    assert await log.run("t", b"{}", record(), make, lambda *_: None, None, 0.0) == {"ok": True, "result": 1}

@@ -55,6 +55,9 @@ class Store:
     async def spec(self, job_id: str) -> bytes | None:
         return None
 
+    async def forget(self, job_id: str) -> None:
+        pass
+
     async def unfinished(self, instance_id: str) -> list[StoredJob]:
         return self.left
 
