@@ -3,12 +3,12 @@ outcome stored before the script sees it, and, when the job is resumed, each cal
 
 - **Ids.** A logged call's id is derived from the job and the call's place in the log (``call_id``): the same
   call keeps its id across every run of the job, and HTTP endpoints get it as ``Idempotency-Key``.
-- **Writes.** ``DurableLog.intent`` and ``outcome`` hand their entry to one writer per job, which writes what
-  arrived in one turn of the event loop as one batch (``CallLogPort.write``), batches in order; each caller waits
-  for its batch. A call whose intent could not be stored is not made.
-- **Bounded.** A job's log holds at most ``max_bytes`` of arguments and outcomes: a call that would pass it makes
-  the job give up durability (``give_up``: its log and run spec dropped before anything more happens); it and
-  every later call are made unlogged.
+- **Writes.** ``DurableLog.begin`` (a call's intent) and ``outcome`` hand their entry to the job's writer, which
+  stores what arrived in one turn of the event loop as one batch (``CallLogPort``), batches in order; each caller
+  waits for its batch. A call whose intent could not be stored is not made, and the job gives up durability.
+- **Bounded.** A job's log holds at most the bytes of its ``bounds`` (arguments and outcomes): a call that would
+  pass them makes the job give up durability (``give_up``: its log and run spec dropped before anything more
+  happens); it and every later call are made unlogged.
 - **Replay.** A resumed job's broker starts with the log of its earlier runs (``logged``). A call takes the first
   unconsumed entry of the same tool and arguments (the arguments' JSON bytes as the script sent them, so
   concurrent calls match in any order): an entry with an outcome answers it from the log (``Replayed``); one with

@@ -80,7 +80,7 @@ class JobManager:
         self.toolsets = parts.toolsets
         self.recovery = parts.recovery
         self.engines = parts.engines
-        self.draining: Draining | None = None  # set by ``drain``: what a new job or session is refused with
+        self.draining: int | None = None  # set by ``drain``: the Retry-After (s) new jobs and sessions are refused with
 
     # -- start-up, shutdown, retention ---------------------------------------------------------
 
@@ -105,8 +105,7 @@ class JobManager:
         """Take no new job or session (``Draining``: 503 with ``Retry-After: retry_after_s``), then wait up to
         ``within_s`` seconds for the live jobs to end (on SIGTERM, before the server stops: ``close`` then parks the
         durable ones still running). Returns how many are still live."""
-        self.draining = Draining(retry_after_s)
-        self.sessions.draining = self.draining
+        self.draining = self.sessions.draining = retry_after_s
         live = self._intake.live
         deadline = asyncio.get_running_loop().time() + within_s
         while len(live) and (left := deadline - asyncio.get_running_loop().time()) > 0:
@@ -120,7 +119,7 @@ class JobManager:
 
     async def close(self) -> None:
         """Stop every job still running: each removes its sandbox and is saved lost, but a durable one-shot job is
-        parked (left unfinished in the store for a resume by replay: ``Runner._park``); then background work."""
+        parked (left unfinished in the store for a resume by replay: ``durability.park``); then background work."""
         parts = self._parts
         live = self._intake.live
         for job_id in list(live):
@@ -161,7 +160,7 @@ class JobManager:
         Returns once the job's first save is done (or its run ended without one).
         """
         if self.draining is not None:
-            raise self.draining
+            raise Draining(self.draining)
         if request.session_id is not None:
             await self.sessions.locate_open(request.session_id, Caller(owner, admin, internal))
         admitted = await self._intake.admit(request, owner, admin)

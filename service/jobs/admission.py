@@ -242,7 +242,8 @@ class Intake:
             (the job cannot be resumed: it is marked lost instead).
         """
         caller, request = Caller(spec.owner, spec.admin), spec.request
-        limits = resolve_limits(request.model_copy(update={"image": spec.image}), self._settings, None)
+        key = self._settings.key_limits.get(spec.owner)
+        limits = resolve_limits(request.model_copy(update={"image": spec.image}), self._settings, key)
         engine = self._engines[spec.engine] if self._engines is not None else None
         ticket = self._admission.one_shot(caller.owner)
         try:
@@ -336,7 +337,7 @@ class Intake:
 
         def script_and_files() -> tuple[Normalized, OutputLog, OutputLog]:  # CPU and file system: not on the loop
             normalized = (engine.prepare if engine is not None else prepare)(request.script, request.normalize)
-            if resumed is None:
+            if resumed is None or not output_dir.exists():  # a resumed job's is there (unless removed since)
                 output_dir.mkdir(mode=0o700)
                 mark_owner(output_dir, caller.owner)
             logs = [OutputLog(output_dir / name, inline, retain, budget) for name in ("stdout", "stderr")]

@@ -81,7 +81,7 @@ class SessionJobs:
         self._toolsets = toolsets
         self._runner = runner
         self._live = live
-        self.draining: Draining | None = None  # the service is shutting down: new sessions get this
+        self.draining: int | None = None  # the service is shutting down: new sessions get 503 with this Retry-After
 
     async def create_session(self, request: SessionRequest, owner: str, *, admin: bool = False) -> dict[str, Any]:
         """Start a session's sandbox, owned by ``owner``, and return its view.
@@ -102,7 +102,7 @@ class SessionJobs:
             Draining: the service is shutting down (``JobManager.drain``).
         """
         if self.draining is not None:
-            raise self.draining
+            raise Draining(self.draining)
         settings = self._settings
         image = image_name(settings, request.image)
         limits = resolve_limits(ExecuteRequest(script="", limits=request.limits, image=image), settings)
