@@ -129,8 +129,10 @@ class Broker:
         self.records.note_report(error, ran_as_coroutine)
 
     async def close(self) -> None:
-        """Stop listening and reading, cancel calls in flight (records end ``cancelled``), close connections: the
-        records are final."""
+        """Stop listening and reading, cancel calls in flight (records end ``cancelled``), close connections, let the
+        call log's writes under way land: the records are final."""
         await self._connections.stop()
         self.records.cancel_pending()
         await self._connections.wait_closed()
+        if self.durable is not None:
+            await self.durable.flushed()

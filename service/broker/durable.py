@@ -292,6 +292,13 @@ class DurableLog:
             self._settled.set()
         self._watchdog = None
 
+    async def flushed(self) -> None:
+        """Wait for the writes under way to reach the store (the broker closes: its job's log may be dropped next,
+        and no batch may land after that). Never raises."""
+        if self._batch_done is not None:
+            self._flush()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
     async def give_up(self) -> None:
         """Stop logging (the cap was reached): the job's log and run spec are dropped (``bounds``' hook) before
         this returns; later calls are made unlogged. Raises what the hook raises."""
@@ -321,8 +328,9 @@ class DurableLog:
 
     def _flush(self) -> None:
         batch, done = self._batch, self._batch_done
+        if done is None:  # flushed already (``flushed``)
+            return
         self._batch, self._batch_done = {}, None
-        assert done is not None
         task = asyncio.ensure_future(self._store(list(batch.values()), done))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

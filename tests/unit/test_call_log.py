@@ -198,3 +198,14 @@ async def test_an_intent_the_store_refuses_ends_the_jobs_durability_and_the_call
     reply = await log.run("t", b"{}", record(), make, lambda *_: None, None, 0.0)
     assert reply["error"]["type"] == "store_unavailable" and not made and gave_up == [True] and log.given_up
     assert await log.run("t", b"{}", record(), make, lambda *_: None, None, 0.0) == {"ok": True, "result": 1}
+
+
+async def test_a_closing_broker_waits_for_the_writes_under_way() -> None:
+    port = Port()
+    log = DurableLog("job_a", port)
+    pending = [asyncio.ensure_future(log.begin("t", b'{"i":%d}' % i)) for i in range(3)]
+    await asyncio.sleep(0)  # the calls have handed their intents to the writer; its batch is not stored yet
+    assert not port.stored
+    await log.flushed()
+    assert sorted(port.stored) == [1, 2, 3]
+    await asyncio.gather(*pending)
