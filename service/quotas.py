@@ -331,6 +331,10 @@ class Quotas:
         if quota.jobs_per_minute is not None:  # no limit: nothing to remember
             window.append(now)
 
+    def count_job(self, owner: str) -> None:
+        """Count a job of ``owner`` without any check (a durable job resumed: it was admitted once)."""
+        self.usage(owner).jobs += 1
+
     def job_ended(self, owner: str) -> None:
         """A job ``admit_job`` counted has ended (or was never started)."""
         usage = self.usage(owner)

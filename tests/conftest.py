@@ -230,7 +230,8 @@ def scratch() -> Iterator[Path]:
     """A short temporary folder (unix socket paths must stay under 108 bytes)."""
     path = Path(tempfile.mkdtemp(prefix="ptc", dir="/tmp"))
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    if not os.environ.get("PTC_TEST_KEEP_SCRATCH"):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,10 @@ class Broker:
             the records' kept bytes are taken from it and stay taken after the job (until its purge gives them
             back: ``records.kept_bytes`` says how many); None: no owner cap.
         hooks: the job's span, lease check and callbacks (``BrokerHooks``); by default none.
-        durable: the job's call log (``service.broker.durable``); None: the job is not durable.
+        durable: the job's call log (``service.broker.durable``); None: the job is not durable. A job resumed after
+            it was parked takes the answers given meanwhile from it (``DurableLog.answers``).
+        carried: a job resumed after it was parked: the calls that waited then, unanswered (call id -> what they
+            await and when they expire: ``PausedCalls``).
 
     Attributes:
         records: the job's call records and the script's reports (``CallRecords``); ``records.release()`` once
@@ -86,9 +90,11 @@ class Broker:
         budget: FileBudget | None = None,
         hooks: BrokerHooks = NO_HOOKS,
         durable: DurableLog | None = None,
+        carried: Mapping[str, tuple[str, datetime]] | None = None,
     ) -> None:
         self.records = CallRecords(config, shared.memory, budget)
-        self.paused = PausedCalls(config, hooks.on_paused_calls)
+        answers = durable.answers if durable is not None else None
+        self.paused = PausedCalls(config, hooks.on_paused_calls, answers, carried)
         self.durable = durable
         dispatcher = Dispatcher(tools, shared, config, self.records, self.paused, hooks, durable)
         self._connections = Connections(config, dispatcher)  # both ports: the socket and ``call``'s lines

@@ -26,6 +26,7 @@ class BrokerConfig:
         client_call_timeout_s: how long a client-executed call waits for its answer, for tools without
             ``timeout_s`` (s).
         approval_timeout_s: how long a call waits for approval, for tools without ``approval_timeout_s`` (s).
+        max_pause_s: the longest any call waits for the harness, whatever its tool says (``PTC_MAX_PARK_S``, s).
         check_group: the fairness group of the job's checks (the API key that owns the job,
             ``CheckScheduler``); empty for a broker used alone.
     """
@@ -36,13 +37,14 @@ class BrokerConfig:
     max_in_flight_bytes: int = UNBOUNDED
     client_call_timeout_s: float = 270.0
     approval_timeout_s: float = 270.0
+    max_pause_s: float = 7 * 86400.0
     check_group: str = ""
 
     @classmethod
     def from_settings(cls, settings: Settings, check_group: str) -> BrokerConfig:
         """The limits of a job owned by ``check_group`` (its API key), from ``PTC_MAX_TOOL_CALLS``,
         ``PTC_MAX_REQUEST_LINE_BYTES``, ``PTC_MAX_RECORD_BYTES``, ``PTC_MAX_CALL_BYTES_IN_FLIGHT``,
-        ``PTC_CLIENT_CALL_TIMEOUT_S`` and ``PTC_APPROVAL_TIMEOUT_S``."""
+        ``PTC_CLIENT_CALL_TIMEOUT_S``, ``PTC_APPROVAL_TIMEOUT_S`` and ``PTC_MAX_PARK_S``."""
         return cls(
             max_calls=settings.max_tool_calls,
             max_line_bytes=settings.max_request_line_bytes,
@@ -50,5 +52,6 @@ class BrokerConfig:
             max_in_flight_bytes=settings.max_call_bytes_in_flight,
             client_call_timeout_s=settings.client_call_timeout_s,
             approval_timeout_s=settings.approval_timeout_s,
+            max_pause_s=settings.max_park_s,
             check_group=check_group,
         )

@@ -19,6 +19,12 @@ outcome stored before the script sees it, and, when the job is resumed, each cal
 
 An outcome is stored as one line of JSON (the reply's ``ok`` and ``error``, and the record's fields) followed by
 a newline and the result's JSON bytes as the endpoint gave them (nothing to parse to answer from the log).
+
+- **Answers.** A call that waited for the harness when its job was parked (``service.jobs.parking``) has only its
+  intent; the harness's answer to it (or its expiry) is stored in its entry's place as ``{"answer": ...}``
+  (``encode_answer``), not as its outcome: the replay makes the call again, under its id, and the answer is handed
+  to it (``answers``, for ``PausedCalls``), so that it goes through the same checks (and, approved, to its
+  endpoint) as a live answer would.
 """
 
 from __future__ import annotations
@@ -101,6 +107,19 @@ def encode_outcome(record: dict[str, Any], reply: dict[str, Any]) -> bytes:
     return orjson.dumps(head) + b"\n" + tail
 
 
+def encode_answer(answer: dict[str, Any]) -> bytes:
+    """An answer given to a parked job's waiting call, as stored in the call's entry (see the module)."""
+    return orjson.dumps({"answer": answer})
+
+
+def decode_answer(outcome: bytes | None) -> dict[str, Any] | None:
+    """The answer an entry holds in place of its outcome (``encode_answer``); None for an outcome or none."""
+    if outcome is None or not outcome.startswith(b'{"answer":'):
+        return None
+    answer: dict[str, Any] = orjson.loads(outcome)["answer"]
+    return answer
+
+
 def decode_outcome(outcome: bytes) -> Replayed:
     """A stored outcome (``encode_outcome``) as the reply and record fields it gives."""
     line, _, tail = outcome.partition(b"\n")
@@ -136,14 +155,21 @@ class DurableLog:
         self._job_id = job_id
         self._port = port
         self._bounds = bounds
-        self.logged_bytes = sum(len(entry.args) + len(entry.outcome or b"") for entry in logged)
-        self._counted = {entry.seq for entry in logged}  # entries whose arguments ``logged_bytes`` counts
+        self.answers: dict[str, dict[str, Any]] = {}  # answers given while the job was parked, by call id
+        entries = list(logged)
+        for index, entry in enumerate(entries):
+            answer = decode_answer(entry.outcome)
+            if answer is not None:
+                self.answers[entry.call_id] = answer
+                entries[index] = Logged(entry.seq, entry.call_id, entry.tool, entry.args)  # its intent only
+        self.logged_bytes = sum(len(entry.args) + len(entry.outcome or b"") for entry in entries)
+        self._counted = {entry.seq for entry in entries}  # entries whose arguments ``logged_bytes`` counts
         self.given_up = False
         self._unconsumed: dict[tuple[str, bytes], deque[Logged]] = {}  # by (tool, arguments), each by seq
-        for entry in sorted(logged, key=lambda entry: entry.seq):
+        for entry in sorted(entries, key=lambda entry: entry.seq):
             self._unconsumed.setdefault((entry.tool, entry.args), deque()).append(entry)
-        self._left = len(logged)
-        self._next_seq = max((entry.seq for entry in logged), default=0) + 1
+        self._left = len(entries)
+        self._next_seq = max((entry.seq for entry in entries), default=0) + 1
         self._settle_s = settle_s
         self._held = 0  # calls waiting for the log to be consumed (they match nothing in it)
         self._consumed_at = 0.0  # loop time of the last consumption (the settle watchdog reads it)

@@ -6,13 +6,20 @@ on to its endpoint; denied, it ends ``error`` with type ``denied``; undecided fo
 with type ``approval_timeout`` (the endpoint never saw it). Its record's ``approval`` says who decided, and when.
 A client's answer is held to the same rules as an endpoint's (NaN, infinities and lone surrogates refused,
 ``bad_response``); the dispatcher then checks it as a result.
+
+No call waits past ``BrokerConfig.max_pause_s`` (``PTC_MAX_PARK_S``), whatever its tool says. A durable job parked
+while calls waited (``service.jobs.parking``) resumes with the answers given meanwhile (``answers``: each is taken
+by its call when the replay makes it again, at once) and the expiry of the calls still unanswered (``carried``:
+such a call, made again, waits only until its first expiry, and an answer to it that comes before the replay made
+it again is kept for it).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 import orjson
@@ -27,12 +34,19 @@ from service.toolkit.specs import ToolSpec
 @dataclass(frozen=True)
 class _Paused:
     """A call held until the harness answers it: the answer's future, what it awaits (``client`` or ``approval``),
-    its arguments (JSON) and its record."""
+    its arguments (JSON), its record and when it stops waiting."""
 
     future: asyncio.Future[Any]
     awaiting: str
     args: orjson.Fragment
     record: dict[str, Any]
+    expires_at: datetime
+
+
+Answer = dict[str, Any]
+"""An answer given while its job was parked (stored in its call log, ``durable.encode_answer``):
+``{"kind": "client", "ok": bool, "value": result or {"type", "message"}}``, ``{"kind": "approval", "approval":
+{"decision", "by", "at", "reason"}}`` or ``{"kind": "timeout"}``."""
 
 
 @dataclass(frozen=True)
@@ -54,11 +68,26 @@ class PausedCalls:
     Event-loop thread only.
     """
 
-    def __init__(self, config: BrokerConfig, on_change: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: BrokerConfig,
+        on_change: Callable[[int], None] | None = None,
+        answers: Mapping[str, Answer] | None = None,
+        carried: Mapping[str, tuple[str, datetime]] | None = None,
+    ) -> None:
         self._client_timeout = config.client_call_timeout_s
         self._approval_timeout = config.approval_timeout_s
+        self._max_pause = config.max_pause_s
         self._on_change = on_change
         self._paused: dict[str, _Paused] = {}
+        self._answers: dict[str, Answer] = dict(answers or {})  # given while parked, by call id (see the module)
+        self._carried: dict[str, tuple[str, datetime]] = dict(carried or {})  # awaiting, expiry, by call id
+        self.waiting_since: float | None = None  # loop time since which some call has waited without a break
+
+    @property
+    def waiting(self) -> int:
+        """How many calls wait for the harness now."""
+        return sum(not p.future.done() for p in self._paused.values())
 
     @property
     def pending_calls(self) -> list[dict[str, Any]]:
@@ -67,7 +96,13 @@ class PausedCalls:
         (``decide_approval``); ``args`` raw JSON (``orjson.Fragment``)."""
         waiting = sorted(self._paused.values(), key=lambda paused: int(paused.record["seq"]))
         return [
-            {"call_id": p.record["call_id"], "tool": p.record["tool"], "args": p.args, "awaiting": p.awaiting}
+            {
+                "call_id": p.record["call_id"],
+                "tool": p.record["tool"],
+                "args": p.args,
+                "awaiting": p.awaiting,
+                "expires_at": p.expires_at,
+            }
             for p in waiting
             if p.record["status"] == "pending"
         ]
@@ -78,6 +113,8 @@ class PausedCalls:
         Raises:
             CallNotPending: no client-executed call of that id is waiting (unknown, already answered or timed out).
         """
+        if self._keep_early(call_id, "client", {"kind": "client", "ok": ok, "value": value}):
+            return
         self._waiting(call_id, "client").future.set_result((ok, value))
 
     def decide_approval(self, call_id: str, approved: bool, by: str, reason: str | None) -> None:
@@ -91,14 +128,21 @@ class PausedCalls:
         Raises:
             CallNotPending: no call of that id awaits approval (unknown, decided, timed out, or client-executed).
         """
+        decision = approval_decision(approved, by, reason)
+        if self._keep_early(call_id, "approval", {"kind": "approval", "approval": decision}):
+            return
         paused = self._waiting(call_id, "approval")
-        paused.record["approval"] = {
-            "decision": "approved" if approved else "denied",
-            "by": by,
-            "at": now(),
-            "reason": reason[:REPORT_FIELD_CAP] if reason is not None else None,
-        }
+        paused.record["approval"] = decision
         paused.future.set_result(approved)
+
+    def _keep_early(self, call_id: str, awaiting: str, answer: Answer) -> bool:
+        """Keep an answer to a call its parked job had waiting, which its replay has not made again yet; False
+        for any other call."""
+        carried = self._carried.get(call_id)
+        if carried is None or carried[0] != awaiting or call_id in self._paused or call_id in self._answers:
+            return False
+        self._answers[call_id] = answer
+        return True
 
     async def await_approval(self, tool: ToolSpec, args_json: bytes, record: dict[str, Any]) -> dict[str, Any] | None:
         """Hold a call that needs approval until it is decided; None when approved, else the failure reply
@@ -106,7 +150,7 @@ class PausedCalls:
         ``args_json``: its arguments, shown by ``pending_calls``."""
         timeout = (tool.approval.timeout_s if tool.approval is not None else None) or self._approval_timeout
         try:
-            approved = await self._pause(record, "approval", args_json, timeout)
+            approved = await self._pause(record, "approval", args_json, min(timeout, self._max_pause))
         except TimeoutError:
             record["approval"] = {"decision": "timed_out", "by": None, "at": now(), "reason": None}
             message = f"{tool.name}: no approval came within {timeout:g} s; the call was not made"
@@ -123,7 +167,7 @@ class PausedCalls:
         or the job's timeout passes. Returns the client's result (``ClientResult``), or the failure reply: its
         error (type and message capped at ``REPORT_FIELD_CAP``), ``timeout``, or ``bad_response`` for a result
         that is not strict JSON. ``args_json``: the call's arguments, shown by ``pending_calls``."""
-        timeout = tool.timeout_s or self._client_timeout
+        timeout = min(tool.timeout_s or self._client_timeout, self._max_pause)
         try:
             ok, value = await self._pause(record, "client", args_json, timeout)
         except TimeoutError:
@@ -147,10 +191,19 @@ class PausedCalls:
 
     async def _pause(self, record: dict[str, Any], awaiting: str, args_json: bytes, timeout_s: float) -> Any:
         """Hold the call until the harness answers it (the value ``answer_client_call`` or ``decide_approval`` set)
-        or ``timeout_s`` passes (TimeoutError)."""
+        or ``timeout_s`` passes (TimeoutError); an answer given while its job was parked is taken at once, and a
+        call its parked job had waiting waits only until its first expiry."""
         call_id = record["call_id"]
+        carried = self._carried.pop(call_id, None)
+        answer = self._answers.pop(call_id, None)
+        if answer is not None:
+            return _taken(answer, record)
+        expires_at = now() + timedelta(seconds=timeout_s)
+        if carried is not None:
+            expires_at = min(expires_at, carried[1])
+            timeout_s = max((expires_at - now()).total_seconds(), 0.0)
         future = asyncio.get_running_loop().create_future()
-        self._paused[call_id] = _Paused(future, awaiting, orjson.Fragment(args_json), record)
+        self._paused[call_id] = _Paused(future, awaiting, orjson.Fragment(args_json), record, expires_at)
         self._changed()
         try:
             return await asyncio.wait_for(future, timeout_s)
@@ -159,5 +212,31 @@ class PausedCalls:
             self._changed()
 
     def _changed(self) -> None:
+        waiting = self.waiting
+        if not waiting:
+            self.waiting_since = None
+        elif self.waiting_since is None:
+            self.waiting_since = asyncio.get_running_loop().time()
         if self._on_change is not None:
-            self._on_change(sum(not p.future.done() for p in self._paused.values()))
+            self._on_change(waiting)
+
+
+def approval_decision(approved: bool, by: str, reason: str | None) -> dict[str, Any]:
+    """A call record's ``approval`` for a decision made now by the key ``by``: ``{"decision", "by", "at",
+    "reason"}``, the reason capped at ``REPORT_FIELD_CAP`` characters."""
+    return {
+        "decision": "approved" if approved else "denied",
+        "by": by,
+        "at": now(),
+        "reason": reason[:REPORT_FIELD_CAP] if reason is not None else None,
+    }
+
+
+def _taken(answer: Answer, record: dict[str, Any]) -> Any:
+    """What ``_pause`` returns for an answer given while the job was parked (raises TimeoutError for a timeout)."""
+    if answer["kind"] == "timeout":
+        raise TimeoutError
+    if answer["kind"] == "approval":
+        record["approval"] = answer["approval"]
+        return answer["approval"]["decision"] == "approved"
+    return answer["ok"], answer["value"]

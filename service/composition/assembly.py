@@ -19,6 +19,7 @@ from service.engines import CONTAINER, Engines, EngineSite
 from service.jobs.admission import Admission, Intake
 from service.jobs.events import CallEnded, Events, JobEnded, JobLost, JobParked, SandboxStarted, StatusChanged
 from service.jobs.live import LiveJobs
+from service.jobs.parking import ParkedJobs
 from service.jobs.placement import Sandboxes
 from service.jobs.recovery import Recovery
 from service.jobs.runner import Runner
@@ -85,7 +86,8 @@ def build_jobs(
         installation_salt(settings.work_dir), threads=settings.manifest_threads, budget_s=settings.manifest_budget_s
     )
     checks = CheckScheduler(settings.validation_threads, settings.validation_budget_s)
-    state = JobState(LiveJobs(), Events(), Tasks(), ViewCache(settings.view_cache_bytes))
+    parked = ParkedJobs(settings.max_parked_jobs, shared=not single_tenant)
+    state = JobState(LiveJobs(), Events(), Tasks(), ViewCache(settings.view_cache_bytes), parked)
     live, events, tasks, cache = state.live, state.events, state.tasks, state.final_views
     ending = _SessionEnd()
     sessions = SessionManager(settings.max_sessions, before_end=ending, on_count=metrics.set_sessions)
@@ -108,7 +110,7 @@ def build_jobs(
     metrics.track_pools(built.warm)
     parts = JobParts(
         intake, runner, views, toolsets, ending.jobs, recovery, webhooks, tasks, sandboxes, sessions, built, folders,
-        manifests, checks,
+        manifests, checks, parked, store,
     )  # fmt: skip
     if waiters is not None:
         _wake_webhooks(waiters, webhooks)

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 from service.broker import Broker
+from service.broker.paused import approval_decision
 from service.engines import Engines
-from service.errors import CallNotPending, Draining
+from service.errors import CallNotPending, Draining, JobNotFound
 from service.jobs.admission import Intake
 from service.jobs.live import LiveJob
+from service.jobs.parking import TIMEOUT_ANSWER, ParkedJob, ParkedJobs, store_answer
 from service.jobs.placement import Sandboxes
 from service.jobs.recovery import Recovery
 from service.jobs.runner import Runner
@@ -27,12 +30,15 @@ from service.sandbox.folders import SandboxFolders
 from service.schemas.job_models import ExecuteRequest
 from service.sessions.manager import SessionManager
 from service.sessions.requests import SessionJobs
+from service.store import JobStore
 from service.tenancy import Caller
 from service.toolkit.cache import ManifestCache
 from service.toolkit.validation import CheckScheduler
 from service.toolsets import Toolsets
 from service.views.read import JobViews
 from service.views.render import FULL, Body, Selection
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,6 +59,8 @@ class JobParts:
     folders: SandboxFolders
     manifests: ManifestCache
     checks: CheckScheduler
+    parked: ParkedJobs
+    store: JobStore
     background: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)  # loops run after start
 
 
@@ -80,6 +88,8 @@ class JobManager:
         self.toolsets = parts.toolsets
         self.recovery = parts.recovery
         self.engines = parts.engines
+        self._parked = parts.parked
+        self._store = parts.store
         self.draining: int | None = None  # set by ``drain``: the Retry-After (s) new jobs and sessions are refused with
 
     # -- start-up, shutdown, retention ---------------------------------------------------------
@@ -98,6 +108,7 @@ class JobManager:
         await parts.session_manager.start()
         await parts.engines.start()
         await parts.recovery.resume(parts.intake, parts.runner.start)  # durable jobs left unfinished, by replay
+        parts.tasks.spawn(self._parked.expiry_loop(self._expire_parked), "parked calls' expiry")
         for loop in parts.background:  # with a shared store: the reaper, progress saves (docs/scaling.md, step 5)
             parts.tasks.spawn(loop(), loop.__qualname__)
 
@@ -179,7 +190,12 @@ class JobManager:
             JobNotFound: no such job, or another owner's (only the job's owner answers its calls).
             CallNotPending: the job has ended, or that call is not waiting for an answer.
         """
-        await self._settle(job_id, caller, call_id, lambda broker: broker.paused.answer_client_call(call_id, ok, value))
+        answer = {"kind": "client", "ok": ok, "value": value}
+
+        def act(broker: Broker) -> None:
+            broker.paused.answer_client_call(call_id, ok, value)
+
+        await self._settle(job_id, caller, call_id, ("client", answer), act)
         return await self.views.view(job_id, caller, selection=selection)
 
     async def decide_approval(
@@ -198,23 +214,45 @@ class JobManager:
             JobNotFound: no such job, or another owner's (only the job's owner, or the admin role, decides).
             CallNotPending: the job has ended, or that call does not await approval (decided, timed out, unknown).
         """
+        answer = {"kind": "approval", "approval": approval_decision(approved, caller.owner, reason)}
         await self._settle(
             job_id,
             caller,
             call_id,
+            ("approval", answer),
             lambda broker: broker.paused.decide_approval(call_id, approved, caller.owner, reason),
         )
         return await self.views.view(job_id, caller, selection=selection)
 
-    async def _settle(self, job_id: str, caller: Caller, call_id: str, act: Callable[[Broker], None]) -> None:
+    async def _settle(
+        self,
+        job_id: str,
+        caller: Caller,
+        call_id: str,
+        parked_answer: tuple[str, dict[str, Any]],
+        act: Callable[[Broker], None],
+    ) -> None:
         """Do ``act`` (an answer or a decision about ``call_id``) to a live job's broker, then let the job's task
-        record it before its view is taken: wait for the job to change, at most 1 s.
+        record it before its view is taken: wait for the job to change, at most 1 s. A parked job gets the same
+        answer (``parked_answer``: what the call awaits, and the answer) stored instead, and is resumed by replay
+        (``_answer_parked``).
 
         Raises:
             JobNotFound: no such job, or another owner's.
             CallNotPending: the job has ended, or ``act`` found no such call waiting (the broker's refusal).
         """
         job = self.views.live(job_id, caller)
+        if job is not None and job.parking:  # being parked: answered as a parked job once it is
+            await job.done.wait()
+            job = self.views.live(job_id, caller)
+        if job is None:
+            parked = self._parked.get(job_id)
+            if parked is not None:
+                if not caller.may_access(parked.owner):
+                    raise JobNotFound(job_id)
+                if await self._answer_parked(parked, call_id, *parked_answer):
+                    return
+                job = self.views.live(job_id, caller)  # resumed meanwhile: answered live
         if job is None:
             await self.views.stored_view(job_id, caller)
             raise CallNotPending(call_id)
@@ -224,6 +262,48 @@ class JobManager:
         act(job.broker)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(changed.wait(), 1.0)
+
+    async def _answer_parked(self, parked: ParkedJob, call_id: str, awaiting: str, answer: dict[str, Any]) -> bool:
+        """Store ``answer`` to the call ``call_id`` (awaiting ``awaiting``) of a parked job and resume the job by
+        replay (``Recovery.resume_job``, reason ``answered``); False if it was resumed meanwhile (answer it live).
+
+        Raises:
+            CallNotPending: the job waits for no such call (unknown, answered, or awaiting the other kind of answer).
+        """
+        async with parked.lock:
+            if self._parked.get(parked.job_id) is not parked:
+                return False
+            waits = parked.calls.get(call_id)
+            if waits is None or waits[0] != awaiting:
+                raise CallNotPending(call_id)
+            if not await store_answer(self._store, parked.job_id, call_id, answer):
+                raise CallNotPending(call_id)
+            del parked.calls[call_id]
+            await self._resume_parked(parked, "answered")
+        return True
+
+    async def _expire_parked(self, parked: ParkedJob, call_id: str) -> None:
+        """A call a parked job waits for has reached its ``expires_at``: store its timeout and resume the job
+        (reason ``expired``) so that its script sees it. Never raises (a failure is logged; the job stays parked
+        until the next start)."""
+        try:
+            async with parked.lock:
+                if self._parked.get(parked.job_id) is not parked or call_id not in parked.calls:
+                    return
+                await store_answer(self._store, parked.job_id, call_id, TIMEOUT_ANSWER)
+                del parked.calls[call_id]
+                await self._resume_parked(parked, "expired")
+        except Exception:
+            log.exception("job %s: its parked call %s expired; the job could not be resumed", parked.job_id, call_id)
+
+    async def _resume_parked(self, parked: ParkedJob, reason: str) -> None:
+        """Resume a parked job by replay, with the calls it still waits for (``Recovery.resume_job``)."""
+        self._parked.take(parked.job_id)
+        spec = await self.recovery.load(parked.job_id)
+        if spec is None:  # ended or taken meanwhile, or its spec is unreadable (then it is marked lost)
+            log.warning("job %s: parked, but it has no run spec to resume it from", parked.job_id)
+            return
+        await self.recovery.resume_job(spec, reason, self._intake, self._runner.start, parked)
 
     async def stop(self, job_id: str, caller: Caller, selection: Selection = FULL) -> Body:
         """Stop the job (SIGTERM to its processes, SIGKILL after the grace); returns its view.

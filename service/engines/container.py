@@ -12,6 +12,7 @@ sandbox commits its room the same way and is kept for the session's scripts. Cal
 from __future__ import annotations
 
 import asyncio
+import secrets
 import shutil
 from collections.abc import Mapping
 from dataclasses import replace
@@ -74,10 +75,12 @@ class ContainerEngine(Engine):
         """A pooled sandbox of the job's profile (started: ``warm``), or a new one (``cold``) with its room
         committed, idle pooled sandboxes evicted for it when needed; None when they cannot make room. The room is
         committed last, once the sandbox is made: a raise before it leaves nothing held for the job
-        (``Engine.take``). With ``hash_seed`` (a replay), always a new one, its interpreter seeded so."""
+        (``Engine.take``). With ``hash_seed`` (a replay), always a new one, its interpreter seeded so, in a folder
+        of its own (the job's earlier sandbox may not be removed yet: a job parked and answered at once)."""
         capacity = self._capacity
         labels = {**self._labels, LABEL_JOB: job_id}
-        spec = sandbox_spec(self._settings, limits, {}, self._jobs_dir / job_id, labels, image)
+        folder = job_id if hash_seed is None else f"{job_id}.{secrets.token_hex(4)}"
+        spec = sandbox_spec(self._settings, limits, {}, self._jobs_dir / folder, labels, image)
         spec = replace(spec, hash_seed=hash_seed)
 
         def fits() -> bool:

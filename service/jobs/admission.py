@@ -13,8 +13,9 @@ import asyncio
 import contextlib
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -119,6 +120,12 @@ class Admission:
         self.admitted += 1  # counted before any await, so admission is exact under concurrency
         return Ticket(self, owner, None)
 
+    def resumed(self, owner: str) -> Ticket:
+        """Count a durable job resumed by replay as running again; never refused (it was admitted once)."""
+        self.quotas.count_job(owner)
+        self.admitted += 1
+        return Ticket(self, owner, None)
+
     def in_session(self, queue: Queue, owner: str) -> Ticket:
         """Count a script of ``owner`` queued for its session's turn; raises QueueFull or QuotaExceeded."""
         max_queue = self._settings.max_queue
@@ -145,6 +152,7 @@ class Admitted:
     replay: list[Logged] = field(default_factory=list)  # a resumed job's call log (``service.broker.durable``)
     resumed: bool = False  # its spec is stored already
     admin: bool = False  # its owner had the admin role (a resume resolves its toolset as then)
+    carried: Mapping[str, tuple[str, datetime]] = field(default_factory=dict)  # a parked job's unanswered calls
 
 
 class Intake:
@@ -232,20 +240,28 @@ class Intake:
         job.durable = request.durable is not False
         return Admitted(job, request, manifest, ticket, None, admin=admin)
 
-    async def readmit(self, spec: RunSpec, replay: list[Logged], resume: dict[str, Any]) -> Admitted:
-        """A durable one-shot job an earlier run of the service left unfinished, admitted again from its run spec
-        to be resumed by replaying ``replay`` (its call log); ``resume`` is the view's entry for it. Counted as a new
-        job would be (``Admission.one_shot``).
+    async def readmit(
+        self,
+        spec: RunSpec,
+        replay: list[Logged],
+        resume: dict[str, Any],
+        parked: tuple[Mapping[str, tuple[str, datetime]], float] | None = None,
+    ) -> Admitted:
+        """A durable one-shot job left unfinished (by an earlier run of the service, or parked), admitted again from
+        its run spec to be resumed by replaying ``replay`` (its call log); ``resume`` is the view's entry for it;
+        ``parked``: a job parked while it waited for the harness: the calls it still waits for (``PausedCalls``'
+        ``carried``) and the seconds its runs took. Counted as a running job again, never refused for its owner's
+        quotas or the queue's bound (``Admission.resumed``: it was admitted once).
 
         Raises:
-            QueueFull / QuotaExceeded, ManifestError, InvalidField, UnknownImage, RequestLimitError: as ``admit``
-            (the job cannot be resumed: it is marked lost instead).
+            ManifestError, InvalidField, UnknownImage, RequestLimitError: as ``admit`` (the job cannot be resumed:
+            it is marked lost instead).
         """
         caller, request = Caller(spec.owner, spec.admin), spec.request
         key = self._settings.key_limits.get(spec.owner)
         limits = resolve_limits(request.model_copy(update={"image": spec.image}), self._settings, key)
         engine = self._engines[spec.engine] if self._engines is not None else None
-        ticket = self._admission.one_shot(caller.owner)
+        ticket = self._admission.resumed(caller.owner)
         try:
             job, manifest = await self._new_job(
                 limits, request, request.tools, request.toolset, caller, engine, spec.job_id
@@ -255,7 +271,8 @@ class Intake:
             raise
         job.image, job.durable, job.hash_seed, job.created_at = spec.image, True, spec.hash_seed, spec.created_at
         job.resumes = [*spec.resumes, resume]
-        return Admitted(job, request, manifest, ticket, None, replay, resumed=True, admin=spec.admin)
+        carried, job.active_s = parked if parked is not None else ({}, 0.0)
+        return Admitted(job, request, manifest, ticket, None, replay, True, spec.admin, carried)
 
     def _image(self, request: ExecuteRequest, caller: Caller) -> str:
         """The image name of ``request``'s job: with ``session_id``, the session's (``image`` must be absent or

@@ -22,11 +22,13 @@ from service.broker.durable import CallLogPort, DurableLog, Logged
 from service.jobs.events import Events, JobParked
 from service.jobs.live import LiveJob, now
 from service.jobs.model import ErrorType, Failure
+from service.jobs.parking import ParkedJob
 from service.schemas.job_models import ExecuteRequest
 from service.store import JobStore, StoredJob
 from service.store.call_log import LoggedCall
 
 if TYPE_CHECKING:
+    from service.broker import Broker
     from service.jobs.admission import Admitted
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,8 @@ class RunSpec:
     request: ExecuteRequest
     resumes: tuple[dict[str, Any], ...] = ()  # the earlier resumes its last saved view lists (not stored here)
     stored: StoredJob | None = None  # its row as last saved, when read back to resume it (not stored here)
-    parked: bool = False  # its last saved view says it was parked (a drain), when read back (not stored here)
+    parked: bool = False  # its last saved view says it was parked, when read back (not stored here)
+    waits: ParkedJob | None = None  # parked waiting for the harness: for what, when read back (not stored here)
 
     def encode(self) -> bytes:
         """The spec as stored (JSON)."""
@@ -109,20 +112,37 @@ def stop_diverged(job: LiveJob, message: str) -> None:
 
 
 async def park(admitted: Admitted, store: JobStore, save: Callable[[LiveJob], Awaitable[None]], events: Events) -> None:
-    """Leave a durable job unfinished in the store, its run spec and call log with it, for a resume by replay at
-    the next start (the service is stopping: ``JobManager.close``); its view says when (``parked_at``), saved
+    """Leave a durable job unfinished in the store, its run spec and call log with it, for a resume by replay: at
+    the next start (the service is stopping: ``JobManager.close``), or when a call it waits for is answered or
+    expires (it waited for the harness: ``service.jobs.parking``); its view says when (``parked_at``), saved
     through ``save`` (``Runner.save``), then ``JobParked`` is published. A job parked before its script started
-    has its spec stored now (no hash seed: its resume is its first run). Never raises."""
+    has its spec stored now (no hash seed: its resume is its first run). The calls it waits for
+    (``LiveJob.parked_calls``) stay ``pending`` in its records. Never raises."""
     job = admitted.job
     job.parked_at = now()
+    waited = {call["call_id"] for call in job.parked_calls}
+    for record in job.calls:  # closing the broker cancelled their waits: they still wait, for the harness now
+        if record.get("call_id") in waited:
+            record.update(status="pending", error=None)
     try:
         if not job.spec_kept:
             await keep_spec(store, admitted, None)
         await save(job)
     except Exception:  # its last saved row is unfinished still: it is resumed all the same
         log.exception("job %s: could not save it parked", job.id)
-    log.warning("job %s parked: it is resumed by replay when the service starts again", job.id)
+    if job.parked_calls:
+        log.info("job %s parked: an answer to a call it waits for resumes it by replay", job.id)
+    else:
+        log.warning("job %s parked: it is resumed by replay when the service starts again", job.id)
     events.publish(JobParked(job))
+
+
+def waiting_for(broker: Broker) -> list[dict[str, Any]]:
+    """The calls a job being parked waits for (``pending_calls``), when every call it has in flight waits for the
+    harness: an answer resumes it then (``service.jobs.parking``); else none (it is resumed at the next start)."""
+    pending = broker.paused.pending_calls
+    in_flight = sum(record["status"] == "pending" for record in broker.records.calls)
+    return pending if pending and in_flight == len(pending) else []
 
 
 def call_log(store: JobStore, job: LiveJob, replay: list[Logged], max_bytes: int) -> DurableLog | None:

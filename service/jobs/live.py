@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -139,6 +140,9 @@ class LiveJob(Job):
     parking: bool = False  # the service is stopping: a durable job is parked (left unfinished for a resume), not lost
     spec_kept: bool = False  # its run spec is in the store (``service.jobs.durability.keep_spec``)
     parked_at: datetime | None = None  # when it was parked
+    parked_calls: list[dict[str, Any]] = field(default_factory=list)  # the calls it waits for while parked
+    active_s: float = 0.0  # seconds its earlier runs took (parked time excluded): its timeout_s counts them too
+    run_began: float | None = None  # monotonic time its current run's time limit began, while it runs
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     saving: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves reach the store in the order they began
     status_save_queued: bool = False  # a status save waits to take its view: status changes meanwhile ride on it
@@ -198,7 +202,9 @@ class LiveJob(Job):
             "stdout_retained_bytes": self.stdout.retained_bytes,
             "stderr_retained_bytes": self.stderr.retained_bytes,
             "callback": {"url": self.callback_url, "state": "pending", "attempts": []} if self.callback_url else None,
-            "pending_calls": self.broker.paused.pending_calls if self.broker is not None else [],
+            "pending_calls": self.parked_calls
+            if self.parked_at is not None
+            else (self.broker.paused.pending_calls if self.broker is not None else []),
             "sandbox_start": self.sandbox_start,
             "sandbox_id": self.sandbox_id,
             "session_id": self.session_id,
@@ -212,7 +218,13 @@ class LiveJob(Job):
             "durable": self.durable,
             "resumes": self.resumes,
             "parked_at": self.parked_at,
+            "active_ms": round(self.active_time() * 1000, 3),
         }
+
+    def active_time(self) -> float:
+        """Seconds its runs have taken so far, parked time excluded (what its ``timeout_s`` bounds)."""
+        began = self.run_began
+        return self.active_s + (time.monotonic() - began if began is not None else 0.0)
 
     def files_view(self) -> dict[str, Any]:
         """The view's ``files``, ``files_omitted`` and ``files_skipped`` (only files complete so far)."""

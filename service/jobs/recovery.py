@@ -2,8 +2,9 @@
 
 At start-up, before anything is served: take the work dir's lock (``service.workdir``), remove the sandboxes an
 earlier run of this instance left, empty the job folders, set aside the durable jobs the store holds unfinished for
-this instance (``resumable``: the job service resumes them by replay, ``service.jobs.durability``) and mark every other
-one ``lost`` (its output as far as it was kept), and count the output bytes each owner retains against its
+this instance (``resumable``: the job service resumes them by replay, ``service.jobs.durability``; one parked waiting
+for the harness is held parked instead, ``service.jobs.parking``) and mark every other one ``lost`` (its output as
+far as it was kept), and count the output bytes each owner retains against its
 budget. Then, every ``purge_interval_s``, ended jobs older than ``job_retention_s`` are deleted with their output.
 """
 
@@ -17,9 +18,9 @@ import shutil
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import orjson
 
@@ -34,6 +35,7 @@ from service.jobs.events import JobLost
 from service.jobs.live import SLICE_BYTES, STREAMS, now
 from service.jobs.marks import read_marks
 from service.jobs.model import ErrorType, Failure
+from service.jobs.parking import ParkedJob
 from service.jobs.state import JobState
 from service.output import CappedStream, read_range
 from service.quotas import Quotas
@@ -79,6 +81,7 @@ class Recovery:
         self._quotas = quotas
         self._events = state.events
         self._views = state.final_views
+        self._parked = state.parked
         self._instance = settings.instance()
         self._replicas = replicas
         self.jobs_dir = folders.path / "jobs"
@@ -132,6 +135,8 @@ class Recovery:
             spec = await self._spec(stored)
             if spec is None:
                 await self.mark_lost(stored)
+            elif spec.waits is not None:  # parked waiting for the harness: an answer or an expiry resumes it
+                self._parked.add(spec.waits)
             else:
                 self.resumable.append(spec)
         for owner, retained in (await asyncio.to_thread(_retained_by_owner, self.output_dir)).items():
@@ -149,9 +154,17 @@ class Recovery:
         except Exception:  # any spec this version cannot read (a missing field, a wrong type): lost, not a crash
             log.exception("job %s: its run spec cannot be read; it cannot be resumed", stored.job_id)
             return None
-        return replace(
-            spec, resumes=tuple(view.get("resumes") or ()), parked=bool(view.get("parked_at")), stored=stored
-        )
+        parked = bool(view.get("parked_at"))
+        waits = _waits(stored.job_id, spec.owner, view) if parked else None
+        return replace(spec, resumes=tuple(view.get("resumes") or ()), parked=parked, stored=stored, waits=waits)
+
+    async def load(self, job_id: str) -> RunSpec | None:
+        """The run spec of ``job_id`` with its stored row (``_spec``); None when it has none or cannot be read, or
+        the job is not unfinished."""
+        stored = await self._store.jobs.get(job_id)
+        if stored is None or stored.ended_at is not None:
+            return None
+        return await self._spec(stored)
 
     async def mark_lost(self, stored: StoredJob, why: str | None = None) -> None:
         """End a job a previous run left unfinished: status ``lost``, its output as far as it was kept (unless
@@ -178,39 +191,51 @@ class Recovery:
         """Resume the durable jobs ``start`` set aside (``resumable``): each admitted again from its run spec with
         its call log (``Intake.readmit``) and run (``start``: ``Runner.start``); one that cannot be is marked lost,
         saying why. Call once the engines have started. Returns how many were resumed."""
-        resumed = 0
         specs, self.resumable = self.resumable, []
-        names = key_names(self._settings)  # an owner's key must still exist, its role is today's
+        resumed = 0
         for spec in specs:
-            stored = spec.stored
-            assert stored is not None
-            if names is not None and spec.owner not in names:
-                await self.mark_lost(stored, f"its owner's API key {spec.owner!r} is no longer configured")
-                continue
-            spec = replace(spec, admin=names is None or spec.owner in self._settings.admin_keys)
             reason = "drained" if spec.parked else "service_restarted"  # parked at a SIGTERM, or the service died
-            entry = {"at": now(), "reason": reason, "instance": self._instance}
-            if self._replicas is not None:  # its saves are this incarnation's from now on (fenced by it)
-                me = self._replicas.incarnation
-                mine = (me.instance_id, me.epoch)
-                if not await self._store.jobs.adopt(spec.job_id, (stored.instance_id, stored.instance_epoch), mine):
-                    continue  # ended, or taken, meanwhile
-            try:
-                replay = await logged_calls(self._store, spec.job_id)
-                admitted = await intake.readmit(spec, replay, entry)
-            except Exception as exc:
-                log.exception("job %s could not be resumed", spec.job_id)
-                await self.mark_lost(stored, f"{type(exc).__name__}: {exc}"[:REPORT_FIELD_CAP])
-                continue
-            start(admitted)
-            resumed += 1
-            log.warning(
-                "job %s was %s when the service last stopped: resumed, replaying %d logged call(s)",
-                spec.job_id,
-                stored.status,
-                len(replay),
-            )
+            resumed += await self.resume_job(spec, reason, intake, start)
         return resumed
+
+    async def resume_job(
+        self,
+        spec: RunSpec,
+        reason: str,
+        intake: Intake,
+        start: Callable[[Admitted], object],
+        parked: ParkedJob | None = None,
+    ) -> bool:
+        """Resume one durable job left unfinished, by replay (see ``resume``); ``reason`` goes in its view's
+        ``resumes``; ``parked``: it was parked waiting for the harness (``service.jobs.parking``), and these are the
+        calls it still waits for. Its owner's key must still be configured (its role is today's). Returns whether
+        it was resumed (else it is marked lost, or another replica took it). Raises what the store raises."""
+        stored = spec.stored
+        assert stored is not None
+        names = key_names(self._settings)  # an owner's key must still exist, its role is today's
+        if names is not None and spec.owner not in names:
+            await self.mark_lost(stored, f"its owner's API key {spec.owner!r} is no longer configured")
+            return False
+        spec = replace(spec, admin=names is None or spec.owner in self._settings.admin_keys)
+        entry = {"at": now(), "reason": reason, "instance": self._instance}
+        if self._replicas is not None:  # its saves are this incarnation's from now on (fenced by it)
+            me = self._replicas.incarnation
+            mine = (me.instance_id, me.epoch)
+            if not await self._store.jobs.adopt(spec.job_id, (stored.instance_id, stored.instance_epoch), mine):
+                return False  # ended, or taken, meanwhile
+        try:
+            replay = await logged_calls(self._store, spec.job_id)
+            waits = (parked.calls, parked.active_s) if parked is not None else None
+            admitted = await intake.readmit(spec, replay, entry, waits)
+        except Exception as exc:
+            log.exception("job %s could not be resumed", spec.job_id)
+            await self.mark_lost(stored, f"{type(exc).__name__}: {exc}"[:REPORT_FIELD_CAP])
+            return False
+        start(admitted)
+        log.warning(
+            "job %s (%s) resumed (%s), replaying %d logged call(s)", spec.job_id, stored.status, reason, len(replay)
+        )
+        return True
 
     @staticmethod
     async def _replay(path: Path, inline: CappedStream, limit: int) -> int:
@@ -246,6 +271,16 @@ class Recovery:
         if ids:
             log.info("purged %d job(s) ended before %s", len(ids), cutoff.isoformat())
         return len(ids)
+
+
+def _waits(job_id: str, owner: str, view: dict[str, Any]) -> ParkedJob | None:
+    """What a job parked waiting for the harness waits for, from its saved view (its ``pending_calls`` and
+    ``active_ms``); None for a job parked by a draining service with no such wait (resumed at start-up)."""
+    pending = view.get("pending_calls") or []
+    if not pending:
+        return None
+    calls = {c["call_id"]: (c["awaiting"], datetime.fromisoformat(c["expires_at"])) for c in pending}
+    return ParkedJob(job_id, owner, calls, float(view.get("active_ms") or 0.0) / 1000)
 
 
 def _removal_failed(function: object, path: str, excinfo: tuple[type[BaseException], BaseException, object]) -> None:

@@ -21,6 +21,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
+from datetime import datetime
 from functools import partial
 from typing import Any
 
@@ -30,10 +32,11 @@ from service.broker.durable import Logged
 from service.engines import Engine, EngineRun, ExitStatus, Sandbox
 from service.files import OutputFiles
 from service.jobs.admission import Admitted
-from service.jobs.durability import call_log, forget_run, keep_spec, park, stop_diverged
+from service.jobs.durability import call_log, forget_run, keep_spec, park, stop_diverged, waiting_for
 from service.jobs.events import CallEnded, JobEnded, SandboxStarted, StatusChanged
 from service.jobs.live import LiveJob, end_by_failure, note_stored_bytes, now, save_final_again, stored_job
 from service.jobs.model import EndedBy, JobStatus, end_of_run
+from service.jobs.parking import ParkedJob
 from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
 from service.jobs.shared import SHARE_AT_ONCE, keep_output
 from service.jobs.state import JobState
@@ -85,6 +88,7 @@ class Runner:
         self._final_views = state.final_views
         self._share_slots = asyncio.Semaphore(SHARE_AT_ONCE)  # ended jobs' blobs copied into the store at once
         self._tasks = state.tasks
+        self._parked = state.parked
         self._instance = settings.instance()
         self._replicas = replicas
 
@@ -117,7 +121,7 @@ class Runner:
         """The run path of one job in ``placement`` (see the module's docstring). Never raises but
         CancelledError (the service stopping: the job ends ``lost``)."""
         job, request, manifest = admitted.job, admitted.request, admitted.manifest
-        broker = self._new_broker(job, manifest, admitted.replay)
+        broker = self._new_broker(job, manifest, admitted.replay, admitted.carried)
         try:
             try:
                 sandbox = await self._enter(job, placement)
@@ -131,7 +135,7 @@ class Runner:
                 saving = asyncio.ensure_future(self._set_status(job, JobStatus.RUNNING))  # while the run is laid out
                 keeping: asyncio.Future[None] | None = None  # a durable job's run spec, stored before it starts
                 try:
-                    started = time.monotonic()  # a cold job's time limit includes its sandbox's start
+                    started = job.run_began = time.monotonic()  # a cold job's time limit includes its sandbox's start
                     await placement.ready()
                     stages.mark("sandbox-ready")
                     job.sandbox_id = sandbox.sandbox_id
@@ -155,9 +159,10 @@ class Runner:
                 telemetry.interval(
                     job.span, "sandbox start", begin_at, now(), **{"ptc.sandbox.start": placement.mode or ""}
                 )
-                exit_status, ended_by = await self._supervise(job, run, started)
+                exit_status, ended_by = await self._supervise(job, run, started, broker)
                 stages.exit_seen(exit_status.stamps, sending)
-                self._finish(job, exit_status, ended_by, broker)
+                if not job.parking:
+                    self._finish(job, exit_status, ended_by, broker)
             finally:
                 await placement.leave(broker)
         except BaseException as exc:
@@ -198,9 +203,16 @@ class Runner:
         await sandbox.connect(broker)
         stages.mark("broker-listening")
 
-    def _new_broker(self, job: LiveJob, manifest: CompiledManifest, replay: list[Logged]) -> Broker:
+    def _new_broker(
+        self,
+        job: LiveJob,
+        manifest: CompiledManifest,
+        replay: list[Logged],
+        carried: Mapping[str, tuple[str, datetime]] | None = None,
+    ) -> Broker:
         """The job's broker (not listening yet); its records are the job's call records. A durable job's logs its
-        calls in the store (``service.broker.durable``), a resumed one's answers them from ``replay`` first."""
+        calls in the store (``service.broker.durable``), a resumed one's answers them from ``replay`` first
+        (``carried``: the calls a parked job waited for, unanswered: ``PausedCalls``)."""
         hooks = BrokerHooks(
             trace_parent=job.span,
             lease=self._replicas.holds_lease,
@@ -216,6 +228,7 @@ class Runner:
             budget=job.output_budget,  # the records count against the owner's output_bytes quota
             hooks=hooks,
             durable=durable,
+            carried=carried,
         )
         job.calls = broker.records.calls
         job.broker = broker
@@ -229,7 +242,8 @@ class Runner:
         records = snapshot(view["calls"])
         async with job.saving:  # encoding gives the loop back: a later save must not overtake an earlier one
             try:
-                encoded = await render.encode(render_head(view), records)
+                pending = view["pending_calls"] if job.parked_at is not None else None  # what an answer resumes
+                encoded = await render.encode(render_head(view), records, pending=pending)
             except (ValueError, TypeError):  # a view that cannot be encoded must still be saved: keep what can be
                 log.exception("job %s: its view cannot be encoded; saving it without output and calls", job.id)
                 view.update(render.unencodable(view))
@@ -252,8 +266,12 @@ class Runner:
         job.stored.set()
         self._events.publish(StatusChanged(job))
 
-    async def _supervise(self, job: LiveJob, run: EngineRun, started: float) -> tuple[ExitStatus, EndedBy | None]:
-        """Wait for the script to exit, its time limit, or a stop request; returns (exit, what the service asked).
+    async def _supervise(
+        self, job: LiveJob, run: EngineRun, started: float, broker: Broker
+    ) -> tuple[ExitStatus, EndedBy | None]:
+        """Wait for the script to exit, its time limit (less what the job's earlier runs took), a stop request, or
+        the moment to park it (``_park_due``: then ``job.parking`` is set and the script killed); returns (exit,
+        what the service asked).
 
         The first of the time limit and a stop that is decided wins (a stop during the SIGTERM grace does not
         become a timeout, nor a stop after the timeout's SIGKILL a stop); whether it ended the script is for
@@ -261,11 +279,17 @@ class Runner:
         """
         waiting = asyncio.ensure_future(run.wait())
         stop = asyncio.ensure_future(job.stop_requested.wait())
+        watch: set[asyncio.Future[Any]] = {stop}
+        if job.durable and job.session_id is None and self._settings.park_after_s > 0:
+            watch.add(asyncio.ensure_future(self._park_due(job, broker)))
         try:
-            remaining = max(job.limits.timeout_s - (time.monotonic() - started), 0)
-            done, _ = await asyncio.wait({waiting, stop}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            remaining = max(job.limits.timeout_s - job.active_s - (time.monotonic() - started), 0)
+            done, _ = await asyncio.wait({waiting, *watch}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
             ended_by: EndedBy | None = None
-            if waiting not in done:
+            if waiting not in done and done and stop not in done:  # parked: the job waits for the harness
+                job.parking = True
+                await run.kill()
+            elif waiting not in done:
                 if stop in done:
                     ended_by = "stopped"
                     await run.signal("SIGTERM")
@@ -277,9 +301,26 @@ class Runner:
                     await run.kill()
             return await asyncio.wait_for(waiting, KILL_WAIT_S), ended_by
         finally:
-            stop.cancel()
+            for watcher in watch:
+                watcher.cancel()
             if not waiting.done():
                 waiting.cancel()
+
+    async def _park_due(self, job: LiveJob, broker: Broker) -> None:
+        """Return once the job should be parked: every call it has in flight has waited for the harness
+        (``PausedCalls``) for ``PTC_PARK_AFTER_S`` without a break, it is still durable, and its owner may park
+        one more job (``ParkedJobs.room``); checked at most once a second after that."""
+        after, paused, loop = self._settings.park_after_s, broker.paused, asyncio.get_running_loop()
+        while True:
+            since = paused.waiting_since
+            due = after if since is None else since + after - loop.time()
+            if due > 0:
+                await asyncio.sleep(min(due, after))
+                continue
+            in_flight = sum(record["status"] == "pending" for record in broker.records.calls)
+            if job.durable and in_flight == paused.waiting and self._parked.room(job.owner):
+                return
+            await asyncio.sleep(1.0)
 
     @staticmethod
     def _finish(job: LiveJob, exit_status: ExitStatus, ended_by: EndedBy | None, broker: Broker) -> None:
@@ -304,7 +345,9 @@ class Runner:
 
     def _client_calls_changed(self, job: LiveJob, waiting: int) -> None:
         """``waiting`` while calls wait for the harness (client-executed ones, or approvals), ``running`` again when
-        none does."""
+        none does (not once it is being parked: its calls still wait, for the harness now)."""
+        if job.parking:
+            return
         if waiting and job.status == JobStatus.RUNNING:
             job.move(JobStatus.WAITING)
             job.waiting.set()
@@ -342,6 +385,10 @@ class Runner:
         and its output is all in), so a caller does not wait ~40 ms for the engine."""
         job, ticket = admitted.job, admitted.ticket
         try:
+            if job.run_began is not None:  # its timeout_s counts each run's time, not the time it is parked
+                job.active_s, job.run_began = job.active_time(), None
+            if job.parking and not job.ended:  # what it waits for, before closing the broker cancels the waits
+                job.parked_calls = waiting_for(broker)
             try:
                 await broker.close()
             except Exception:
@@ -354,6 +401,9 @@ class Runner:
             stages.mark("broker-closed")
             if not job.ended and job.parking:
                 await park(admitted, self._store, self.save, self._events)
+                if job.parked_calls:  # an answer (or an expiry) resumes it; not the next start
+                    calls = {c["call_id"]: (c["awaiting"], c["expires_at"]) for c in job.parked_calls}
+                    self._parked.add(ParkedJob(job.id, job.owner, calls, job.active_s))
                 return
             job.ended_at = now()
             if not job.ended:

@@ -201,6 +201,10 @@ class PendingCall(BaseModel):
     awaiting: Literal["client", "approval"] = Field(
         "client", description="client: the client executes the call; approval: a human approves or denies it."
     )
+    expires_at: datetime | None = Field(
+        None,
+        description="When the call stops waiting: the script then gets its timeout (approval_timeout for approvals).",
+    )
 
 
 class ApprovalDecision(BaseModel):
@@ -244,7 +248,8 @@ class JobResume(BaseModel):
     at: datetime
     reason: str = Field(
         description="drained: the job was parked when its service stopped (SIGTERM); service_restarted: the service "
-        "was found dead under it (a crash, kill -9)."
+        "was found dead under it (a crash, kill -9); answered: it was parked waiting for the harness and a call it "
+        "waited for was answered; expired: likewise, and a call it waited for reached its expires_at."
     )
     instance: str = Field(description="The instance id (PTC_INSTANCE_ID) that resumed it.")
 
@@ -329,7 +334,14 @@ class JobView(BaseModel):
         False, description="Its tool calls are logged and it resumes by replay if the service stops under it."
     )
     resumes: list[JobResume] = Field(default_factory=list, description="Each time the job was resumed, in order.")
-    parked_at: datetime | None = Field(None, description="When the job was parked (null: it is not parked).")
+    parked_at: datetime | None = Field(
+        None,
+        description="When the job was parked (null: it is not parked): its sandbox is released; it waits for the "
+        "pending_calls listed (an answer resumes it by replay) or, parked by a draining service, for the next start.",
+    )
+    active_ms: float = Field(
+        0.0, description="Time the job's runs have taken so far, parked time excluded: what its timeout_s bounds (ms)."
+    )
 
 
 class CallSummary(BaseModel):

@@ -370,6 +370,25 @@ class Settings(BaseSettings):
         "requests get up to 10 s more: keep a supervisor's grace period above both (Kubernetes: "
         "terminationGracePeriodSeconds 30).",
     )
+    park_after_s: float = Field(
+        30.0,
+        ge=0,
+        description="A durable one-shot job whose calls have all waited this long for the harness (a client-executed "
+        "call, an approval) is parked: its sandbox, script slot and memory are released, and an answer resumes it "
+        "by replay (docs/durability.md) (s).",
+    )
+    max_park_s: float = Field(
+        7 * 86400.0,
+        gt=0,
+        description="The longest any call waits for the harness (a client tool's timeout_s, an approval_timeout_s "
+        "and the defaults above are cut to it); then the script gets its timeout (s; default 7 days).",
+    )
+    max_parked_jobs: int = Field(
+        10000,
+        ge=0,
+        description="Jobs parked at once on this service; with several keys each may park a quarter of it. A job "
+        "past its key's share waits in its sandbox instead.",
+    )
     callback_secret: SecretStr | None = Field(
         None,
         description="Secret that signs completion callbacks (Standard Webhooks webhook-signature; also the "

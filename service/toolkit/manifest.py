@@ -40,6 +40,8 @@ from service.toolkit.validation import tick
 MAX_TOOL_NAME = 256
 MAX_NAME_SEGMENTS = 16
 MAX_SCHEMA_DEPTH = 64
+MAX_CALL_S = 3600  # the largest timeout_s of a tool its endpoint answers (http, mcp)
+MAX_PAUSE_S = 30 * 86400  # the largest timeout_s of a client-executed tool and approval_timeout_s (PTC_MAX_PARK_S cuts)
 
 # No "$ref" is ever fetched: a manifest could otherwise make the service GET any URL, and block on it.
 _NO_RETRIEVAL: referencing.Registry[Any] = referencing.Registry()
@@ -151,7 +153,7 @@ def parse_tool(entry: Any, loc: tuple[str | int, ...]) -> ToolSpec:
         approval=approval,
         cheap_arguments=approval is None and cheap_schema(parameters),
         cheap_result=output_schema is None or cheap_schema(output_schema),
-        **_policy(outer, inner, loc),
+        **_policy(outer, inner, loc, MAX_PAUSE_S if endpoint.kind == "client" else MAX_CALL_S),
     )
 
 
@@ -163,9 +165,10 @@ def _approval(
     raw = outer.get("approval", inner.get("approval"))
     timeout = outer.get("approval_timeout_s", inner.get("approval_timeout_s"))
     if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0.001 <= timeout <= 3600
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0.001 <= timeout <= MAX_PAUSE_S
     ):
-        raise ManifestError("approval_timeout_s must be a number in [0.001, 3600]", (*loc, "approval_timeout_s"))
+        message = f"approval_timeout_s must be a number in [0.001, {MAX_PAUSE_S}]"
+        raise ManifestError(message, (*loc, "approval_timeout_s"))
     if raw is None or raw == "never":
         return None
     where = (*loc, "approval")
@@ -210,8 +213,11 @@ _HEADER_VALUE = regex.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")
 CODE_CALLERS = ("code", "code_execution", "programmatic")
 
 
-def _policy(outer: Mapping[str, Any], inner: Mapping[str, Any], loc: tuple[str | int, ...]) -> dict[str, Any]:
-    """The per-tool policy fields of an entry (on the entry itself, or inside an OpenAI ``function``)."""
+def _policy(
+    outer: Mapping[str, Any], inner: Mapping[str, Any], loc: tuple[str | int, ...], max_timeout_s: float
+) -> dict[str, Any]:
+    """The per-tool policy fields of an entry (on the entry itself, or inside an OpenAI ``function``);
+    ``max_timeout_s``: the largest ``timeout_s`` (``MAX_PAUSE_S`` for a client-executed tool, else ``MAX_CALL_S``)."""
 
     def get(key: str) -> Any:
         return outer.get(key, inner.get(key))
@@ -232,7 +238,7 @@ def _policy(outer: Mapping[str, Any], inner: Mapping[str, Any], loc: tuple[str |
     callers = get("allowed_callers")
     if callers is not None and (not isinstance(callers, list) or not all(isinstance(c, str) for c in callers)):
         raise ManifestError("allowed_callers must be a list of strings", (*loc, "allowed_callers"))
-    timeout = number("timeout_s", 0.001, 3600, integer=False)
+    timeout = number("timeout_s", 0.001, max_timeout_s, integer=False)
     return {
         "timeout_s": float(timeout) if timeout is not None else None,
         "idempotent": bool(idempotent),

@@ -147,7 +147,8 @@ class JobViews:
             return final.body
         cut = final.head_bytes() if head is None and selection.fields is None else None
         rendered = cut if cut is not None else render_head(final.head if head is None else head, selection)
-        pending: list[dict[str, Any]] | None = [] if selection.wants("pending_calls") else None
+        wants = selection.wants("pending_calls")  # stored only for a parked job (``service.jobs.parking``)
+        pending: list[dict[str, Any]] | None = (final.head.get("pending_calls") or []) if wants else None
         mode = selection.records
         if mode == "none":
             return render.join(rendered, pending, None)

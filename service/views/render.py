@@ -261,9 +261,13 @@ def head_end(body: bytes, spans: list[tuple[int, int]]) -> int | None:
 
 
 async def encode(
-    head: bytes, records: Iterable[dict[str, Any] | bytes | memoryview], summaries: list[bytes] | None = None
+    head: bytes,
+    records: Iterable[dict[str, Any] | bytes | memoryview],
+    summaries: list[bytes] | None = None,
+    pending: list[dict[str, Any]] | None = None,
 ) -> EncodedView:
-    """Encode an ended job's view (no pending calls), giving the event loop back every ``BATCH_BYTES``.
+    """Encode a job's view as it is stored, giving the event loop back every ``BATCH_BYTES``; ``pending``: its
+    ``pending_calls`` (only a parked job's are stored: ``service.jobs.parking``; else none).
 
     The records' summaries are made as they are encoded when all are dicts (else ``summaries``, the same
     records' summaries when the caller has them, or None).
@@ -283,7 +287,7 @@ async def encode(
                     made = None
             yield record
 
-    for i, part in enumerate(_parts(head, [], summarized())):
+    for i, part in enumerate(_parts(head, pending or [], summarized())):
         if i >= 1 and part != b"," and part != b"]}":
             spans.append((offset, offset + len(part)))
         parts.append(part)

@@ -1,0 +1,231 @@
+"""Parking (docs/durability.md): a durable job whose calls all wait for the harness longer than ``PTC_PARK_AFTER_S``
+gives its sandbox and script slot back; an answer, a decision or an expiry resumes it by replay, and it ends as if it
+had waited in its sandbox; its ``timeout_s`` does not count the time it was parked; it stays parked across a
+restart. Real engine, a real HTTP tool server."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import docker
+import httpx
+import pytest
+
+from service.tenancy import hash_token
+from tests.conftest import Service, labelled_containers, start_service, wait_until
+from tests.toolserver import ToolServer
+
+ASK = {"name": "ask", "parameters": {"properties": {"q": {"type": "string"}}}, "endpoint": {"kind": "client"}}
+ASK_SCRIPT = "import tools\nprint('asking', flush=True)\nprint('answer:', tools.ask(q='deploy?'))\n"
+OTHER = secrets.token_urlsafe(32)  # a second key: a parked job is not its to see or answer
+
+
+@pytest.fixture(scope="module")
+def parking(engine: docker.DockerClient, scratch: Path, tool_server: ToolServer) -> Iterator[Service]:
+    """A service that parks after 1 s, with one script slot (a parked job must give it back), and a second key."""
+    port = tool_server.url("").rsplit(":", 1)[1].split("/")[0]
+    svc = start_service(
+        f"pytest-parking-{secrets.token_hex(3)}",
+        scratch / "parking",
+        PTC_PARK_AFTER_S="1",
+        PTC_MAX_CONCURRENT_SANDBOXES="1",
+        PTC_WARM_POOL_SIZE="0",
+        PTC_EGRESS_ALLOW=f"http://127.0.0.1:{port}",
+    )
+    yield svc
+    svc.stop()
+    assert not labelled_containers(engine, svc.instance_id, include_pool=True)
+
+
+def parked_view(api: httpx.Client, job_id: str, within_s: float = 30) -> dict[str, Any]:
+    """The job's view once it is parked."""
+    wait_until(lambda: api.get(f"/jobs/{job_id}").json()["parked_at"] is not None, within_s)
+    view: dict[str, Any] = api.get(f"/jobs/{job_id}").json()
+    return view
+
+
+def parked_total(api: httpx.Client) -> float:
+    """``ptc_jobs_parked_total`` as the service's metrics give it."""
+    [line] = [line for line in api.get("/metrics").text.splitlines() if line.startswith("ptc_jobs_parked_total ")]
+    return float(line.split()[1])
+
+
+def ended(api: httpx.Client, job_id: str) -> dict[str, Any]:
+    """The job's final view (``wait`` returns at once while the job waits for the harness, parked or not)."""
+    views: list[dict[str, Any]] = []
+
+    def at_end() -> bool:
+        views.append(api.post(f"/jobs/{job_id}/wait", params={"timeout_s": 60}).json())
+        return views[-1]["ended_at"] is not None
+
+    wait_until(at_end, 60)
+    return views[-1]
+
+
+def test_a_job_waiting_for_a_client_call_is_parked_and_the_answer_resumes_it(
+    parking: Service, engine: docker.DockerClient
+) -> None:
+    with parking.client(timeout=90) as api:
+        job_id = api.post("/execute", json={"script": ASK_SCRIPT, "tools": [ASK], "wait_s": 0}).json()["job_id"]
+        view = parked_view(api, job_id)
+        assert view["status"] == "waiting" and view["stdout"] == "asking\n", view
+        [pending] = view["pending_calls"]
+        assert pending["awaiting"] == "client" and pending["args"] == {"q": "deploy?"} and pending["expires_at"]
+        assert [c["status"] for c in view["calls"]] == ["pending"]
+        wait_until(lambda: not labelled_containers(engine, parking.instance_id), 30)  # its sandbox is gone
+        # Its script slot is free: with one slot, another job runs to its end while it is parked.
+        other = api.post("/execute", json={"script": "print('meanwhile')", "wait_s": 30}).json()
+        assert other["status"] == "succeeded" and other["stdout"] == "meanwhile\n", other
+        assert parked_total(api) >= 1
+        answered = api.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": "yes"})
+        assert answered.status_code == 200, answered.text
+        again = api.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": "twice"})
+        assert again.status_code == 409, again.text  # answered once only
+        view = ended(api, job_id)
+    assert view["status"] == "succeeded" and view["stdout"] == "asking\nanswer: yes\n", view
+    assert [r["reason"] for r in view["resumes"]] == ["answered"] and view["parked_at"] is None
+    [record] = view["calls"]
+    assert record["call_id"] == pending["call_id"] and record["status"] == "ok" and record["result"] == "yes"
+
+
+def test_an_approval_given_while_parked_sends_the_call_to_its_endpoint_once(
+    parking: Service, tool_server: ToolServer
+) -> None:
+    marker = secrets.token_hex(6)
+    publish = {
+        "name": "publish",
+        "parameters": {"properties": {"text": {"type": "string"}}},
+        "endpoint": {"kind": "http", "url": tool_server.url("echo")},
+        "approval": "always",
+        "approval_timeout_s": 7 * 86400,  # days: a parked job costs only its rows
+    }
+    script = f"import tools\nprint('published', tools.publish(text={marker!r})['args']['text'])\n"
+    with parking.client(timeout=90) as api:
+        job_id = api.post("/execute", json={"script": script, "tools": [publish], "wait_s": 0}).json()["job_id"]
+        [pending] = parked_view(api, job_id)["pending_calls"]
+        assert pending["awaiting"] == "approval"
+        seen = [h for (p, a), h in zip(tool_server.requests, tool_server.headers, strict=True) if a == {"text": marker}]
+        assert not seen
+        approved = api.post(f"/jobs/{job_id}/calls/{pending['call_id']}/approve", json={"reason": "fine"})
+        assert approved.status_code == 200, approved.text
+        view = ended(api, job_id)
+    assert view["status"] == "succeeded" and view["stdout"] == f"published {marker}\n", (view["error"], view["calls"])
+    [record] = view["calls"]
+    assert record["approval"]["decision"] == "approved" and record["approval"]["by"] == "pytest"
+    seen = [h for (p, a), h in zip(tool_server.requests, tool_server.headers, strict=True) if a == {"text": marker}]
+    assert len(seen) == 1  # once, under the call's id
+    assert {k.lower(): v for k, v in seen[0].items()}["idempotency-key"] == pending["call_id"]
+
+
+def test_a_denial_while_parked_reaches_the_script(parking: Service) -> None:
+    tool = {"name": "drop", "parameters": {}, "endpoint": {"kind": "echo"}, "approval": "always"}
+    script = "import tools\ntry:\n    tools.drop()\nexcept tools.ToolError as e:\n    print(e.type, '|', e.message)\n"
+    with parking.client(timeout=90) as api:
+        job_id = api.post("/execute", json={"script": script, "tools": [tool], "wait_s": 0}).json()["job_id"]
+        [pending] = parked_view(api, job_id)["pending_calls"]
+        denied = api.post(f"/jobs/{job_id}/calls/{pending['call_id']}/deny", json={"reason": "no"})
+        assert denied.status_code == 200, denied.text
+        view = ended(api, job_id)
+    assert view["status"] == "succeeded" and view["stdout"] == "denied | drop: denied: no\n", view
+
+
+def test_a_parked_call_that_expires_resumes_its_job_with_the_timeout(parking: Service) -> None:
+    ask = {**ASK, "timeout_s": 4}
+    script = "import tools\ntry:\n    tools.ask(q='x')\nexcept tools.ToolError as e:\n    print('gave up:', e.type)\n"
+    with parking.client(timeout=90) as api:
+        job_id = api.post("/execute", json={"script": script, "tools": [ask], "wait_s": 0}).json()["job_id"]
+        parked_view(api, job_id)
+        view = ended(api, job_id)
+    assert view["status"] == "succeeded" and view["stdout"] == "gave up: timeout\n", view
+    assert [r["reason"] for r in view["resumes"]] == ["expired"]
+
+
+def test_parked_time_does_not_count_against_the_jobs_timeout(parking: Service) -> None:
+    with parking.client(timeout=90) as api:
+        body = {"script": ASK_SCRIPT, "tools": [ASK], "wait_s": 0, "timeout_s": 6.0}
+        job_id = api.post("/execute", json=body).json()["job_id"]
+        [pending] = parked_view(api, job_id)["pending_calls"]
+        time.sleep(7)  # past its timeout_s, parked
+        assert api.get(f"/jobs/{job_id}").json()["status"] == "waiting"
+        assert api.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": "late"}).status_code == 200
+        view = ended(api, job_id)
+    assert view["status"] == "succeeded" and view["stdout"] == "asking\nanswer: late\n", view
+    assert view["active_ms"] < 6000, view
+
+
+def test_calls_gathered_while_parked_are_answered_one_by_one(parking: Service) -> None:
+    script = (
+        "import asyncio, tools\n"
+        "async def main():\n"
+        "    a, b = await asyncio.gather(tools.aio.ask(q='a'), tools.aio.ask(q='b'))\n"
+        "    print(a, b)\n"
+        "asyncio.run(main())\n"
+    )
+    with parking.client(timeout=90) as api:
+        job_id = api.post("/execute", json={"script": script, "tools": [ASK], "wait_s": 0}).json()["job_id"]
+        pending = {c["args"]["q"]: c["call_id"] for c in parked_view(api, job_id)["pending_calls"]}
+        assert sorted(pending) == ["a", "b"]
+        assert api.post(f"/jobs/{job_id}/calls/{pending['a']}", json={"result": "A"}).status_code == 200
+        # Resumed, or parked again: either way the other call is answered under its id.
+        wait_until(
+            lambda: api.post(f"/jobs/{job_id}/calls/{pending['b']}", json={"result": "B"}).status_code == 200, 30
+        )
+        view = ended(api, job_id)
+    assert view["status"] == "succeeded" and view["stdout"] == "A B\n", view
+
+
+def test_another_key_cannot_see_or_answer_a_parked_job(engine: docker.DockerClient, scratch: Path) -> None:
+    mine = secrets.token_urlsafe(32)
+    keys = scratch / f"parking-{secrets.token_hex(3)}.keys"
+    keys.write_text(f"mine:{hash_token(mine)}\nother:{hash_token(OTHER)}\n")
+    svc = start_service(
+        f"pytest-parking-keys-{secrets.token_hex(3)}", scratch / f"parking-keys-{secrets.token_hex(3)}",
+        PTC_PARK_AFTER_S="1", PTC_WARM_POOL_SIZE="0", PTC_API_KEYS_FILE=str(keys), PTC_API_KEYS=None,
+        PTC_METRICS_KEYS=None,
+    )  # fmt: skip
+    try:
+        with (
+            httpx.Client(base_url=svc.url, timeout=60, headers={"Authorization": f"Bearer {mine}"}) as me,
+            httpx.Client(base_url=svc.url, timeout=60, headers={"Authorization": f"Bearer {OTHER}"}) as other,
+        ):
+            job_id = me.post("/execute", json={"script": ASK_SCRIPT, "tools": [ASK], "wait_s": 0}).json()["job_id"]
+            [pending] = parked_view(me, job_id)["pending_calls"]
+            assert other.get(f"/jobs/{job_id}").status_code == 404
+            stolen = other.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": "theirs"})
+            assert stolen.status_code == 404, stolen.text
+            assert me.post(f"/jobs/{job_id}/calls/call_0000000000000000", json={"result": 1}).status_code == 409
+            assert me.post(f"/jobs/{job_id}/calls/{pending['call_id']}/approve").status_code == 409  # a client call
+            assert me.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": "mine"}).status_code == 200
+            view = me.post(f"/jobs/{job_id}/wait", params={"timeout_s": 60}).json()
+        assert view["status"] == "succeeded" and view["stdout"] == "asking\nanswer: mine\n", view
+    finally:
+        svc.stop()
+    assert not labelled_containers(engine, svc.instance_id, include_pool=True)
+
+
+def test_a_parked_job_stays_parked_across_a_restart_and_is_answered_after_it(
+    engine: docker.DockerClient, scratch: Path
+) -> None:
+    instance, work_dir = f"pytest-parked-restart-{secrets.token_hex(3)}", scratch / f"parked-{secrets.token_hex(3)}"
+    first = start_service(instance, work_dir, PTC_PARK_AFTER_S="1", PTC_WARM_POOL_SIZE="0")
+    with first.client() as api:
+        job_id = api.post("/execute", json={"script": ASK_SCRIPT, "tools": [ASK], "wait_s": 0}).json()["job_id"]
+        [pending] = parked_view(api, job_id)["pending_calls"]
+    first.stop()
+    again = start_service(instance, work_dir, PTC_PARK_AFTER_S="1", PTC_WARM_POOL_SIZE="0")
+    try:
+        with again.client(timeout=90) as api:
+            view = api.get(f"/jobs/{job_id}").json()
+            assert view["status"] == "waiting" and view["parked_at"] and view["resumes"] == [], view
+            assert not labelled_containers(engine, instance)  # not resumed at the start: it waits, parked
+            assert api.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": "after"}).status_code == 200
+            view = api.post(f"/jobs/{job_id}/wait", params={"timeout_s": 60}).json()
+        assert view["status"] == "succeeded" and view["stdout"] == "asking\nanswer: after\n", view
+        assert [r["reason"] for r in view["resumes"]] == ["answered"]
+    finally:
+        again.stop()
+    assert not labelled_containers(engine, instance, include_pool=True)
