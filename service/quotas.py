@@ -298,16 +298,7 @@ class Quotas:
                 ``jobs_per_minute`` or ``output_bytes``.
         """
         quota, usage, now = self.of(owner), self.usage(owner), time.monotonic()
-        held = quota.running_jobs + quota.queued_jobs
-        if usage.jobs >= held:
-            reason = "queued_jobs" if quota.queued_jobs else "running_jobs"
-            raise QuotaExceeded(
-                f"key {owner!r} has {usage.jobs} jobs running or waiting, its quota "
-                f"(running_jobs {quota.running_jobs} + queued_jobs {quota.queued_jobs}); retry when one has ended",
-                reason,
-                held,
-                self._settings.retry_after_s,
-            )
+        self.room_for_job(owner)
         window = usage.admitted_at
         while window and now - window[0] >= RATE_WINDOW_S:
             window.popleft()
@@ -330,6 +321,21 @@ class Quotas:
         usage.jobs += 1
         if quota.jobs_per_minute is not None:  # no limit: nothing to remember
             window.append(now)
+
+    def room_for_job(self, owner: str) -> None:
+        """Raise QuotaExceeded (reason ``queued_jobs``, or ``running_jobs`` when the key may queue none) when
+        ``owner`` holds ``running_jobs + queued_jobs`` jobs that have not ended (parked ones are not counted)."""
+        quota, usage = self.of(owner), self.usage(owner)
+        held = quota.running_jobs + quota.queued_jobs
+        if usage.jobs >= held:
+            reason = "queued_jobs" if quota.queued_jobs else "running_jobs"
+            raise QuotaExceeded(
+                f"key {owner!r} has {usage.jobs} jobs running or waiting, its quota "
+                f"(running_jobs {quota.running_jobs} + queued_jobs {quota.queued_jobs}); retry when one has ended",
+                reason,
+                held,
+                self._settings.retry_after_s,
+            )
 
     def count_job(self, owner: str) -> None:
         """Count a job of ``owner`` without any check (a durable job resumed: it was admitted once)."""

@@ -107,6 +107,7 @@ def build_jobs(
     webhooks = Webhooks(settings, store, views, state, callback_policy, metrics, replicas)
     _observe(events, metrics, webhooks)
     metrics.track_jobs(live)
+    metrics.track_parked(lambda: len(parked))
     metrics.track_pools(built.warm)
     parts = JobParts(
         intake, runner, views, toolsets, ending.jobs, recovery, webhooks, tasks, sandboxes, sessions, built, folders,

@@ -269,6 +269,8 @@ class JobManager:
 
         Raises:
             CallNotPending: the job waits for no such call (unknown, answered, or awaiting the other kind of answer).
+            QueueFull, QuotaExceeded: the job could not be admitted again now (``Admission.room_to_resume``);
+                nothing is stored.
         """
         async with parked.lock:
             if self._parked.get(parked.job_id) is not parked:
@@ -276,6 +278,7 @@ class JobManager:
             waits = parked.calls.get(call_id)
             if waits is None or waits[0] != awaiting:
                 raise CallNotPending(call_id)
+            self._parts.sandboxes.admission.room_to_resume(parked.owner)  # else 429 (the harness retries)
             if not await store_answer(self._store, parked.job_id, call_id, answer):
                 raise CallNotPending(call_id)
             del parked.calls[call_id]
@@ -314,6 +317,18 @@ class JobManager:
         Raises JobNotFound (another owner's too).
         """
         job = self.views.live(job_id, caller)
+        if job is not None and job.parking:  # being parked: stopped as a parked job once it is
+            await job.done.wait()
+            job = self.views.live(job_id, caller)
+        parked = self._parked.get(job_id) if job is None else None
+        if parked is not None and caller.may_access(parked.owner):  # admitted again, stopped before it starts
+            async with parked.lock:
+                if self._parked.get(job_id) is parked:
+                    await self._resume_parked(parked, "stopped")
+            job = self.views.live(job_id, caller)
+            if job is not None:
+                await self._runner.stop(job, "stopped while parked")
+                return await self.views.view(job_id, caller, selection=selection)
         if job is not None:
             await self._runner.stop(job)
         return await self.views.view(job_id, caller, selection=selection)

@@ -120,6 +120,13 @@ class Admission:
         self.admitted += 1  # counted before any await, so admission is exact under concurrency
         return Ticket(self, owner, None)
 
+    def room_to_resume(self, owner: str) -> None:
+        """Raise QueueFull or QuotaExceeded when a parked job of ``owner`` could not be admitted now as a new job
+        would be (its answer is refused: the harness retries); ``jobs_per_minute`` does not apply to it."""
+        if self.admitted >= self._settings.concurrency() + self._settings.max_queue:
+            raise QueueFull(self._settings.retry_after_s)
+        self.quotas.room_for_job(owner)
+
     def resumed(self, owner: str) -> Ticket:
         """Count a durable job resumed by replay as running again; never refused (it was admitted once)."""
         self.quotas.count_job(owner)

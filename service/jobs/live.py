@@ -146,7 +146,7 @@ class LiveJob(Job):
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     saving: asyncio.Lock = field(default_factory=asyncio.Lock)  # saves reach the store in the order they began
     status_save_queued: bool = False  # a status save waits to take its view: status changes meanwhile ride on it
-    status_saved_at: float = 0.0  # loop time of the last status save (``Runner._save_status``)
+    status_saved_at: float = 0.0  # loop time of the last status save (``StatusSaves``)
     span: Span | None = (
         None  # its trace span, from admission to its end (``service.observability.telemetry``; None: tracing off)
     )

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from service.broker import Broker
 from service.broker.durable import encode_answer
-from service.jobs.live import now
+from service.jobs.live import LiveJob, now
 from service.store import JobStore
 from service.store.call_log import LoggedCall
 
@@ -127,6 +128,23 @@ class ParkedJobs:
                 await asyncio.wait_for(self._changed.wait(), max(delay, 0.0) + 0.001)
             except TimeoutError:
                 pass
+
+
+async def park_due(job: LiveJob, broker: Broker, after_s: float, room: Callable[[str], bool]) -> None:
+    """Return once ``job`` should be parked: every call it has in flight has waited for the harness
+    (``PausedCalls``) for ``after_s`` (``PTC_PARK_AFTER_S``) without a break, it is still durable, and its owner
+    may park one more job (``room``: ``ParkedJobs.room``); checked at most once a second after that."""
+    paused, loop = broker.paused, asyncio.get_running_loop()
+    while True:
+        since = paused.waiting_since
+        due = after_s if since is None else since + after_s - loop.time()
+        if due > 0:
+            await asyncio.sleep(min(due, after_s))
+            continue
+        in_flight = sum(record["status"] == "pending" for record in broker.records.calls)
+        if job.durable and in_flight == paused.waiting and room(job.owner):
+            return
+        await asyncio.sleep(1.0)
 
 
 async def store_answer(store: JobStore, job_id: str, call_id: str, answer: dict[str, Any]) -> bool:

@@ -132,7 +132,7 @@ class OneShot:
                 return sandbox
             slot.release()
             await engine.room_released(job.stop_requested)
-        job.end(JobStatus.STOPPED, stopped_before_start())
+        job.end(JobStatus.STOPPED, stopped_before_start(job.stop_reason))
         return None
 
     async def ready(self) -> None:

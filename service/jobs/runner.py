@@ -36,10 +36,11 @@ from service.jobs.durability import call_log, forget_run, keep_spec, park, stop_
 from service.jobs.events import CallEnded, JobEnded, SandboxStarted, StatusChanged
 from service.jobs.live import LiveJob, end_by_failure, note_stored_bytes, now, save_final_again, stored_job
 from service.jobs.model import EndedBy, JobStatus, end_of_run
-from service.jobs.parking import ParkedJob
+from service.jobs.parking import ParkedJob, park_due
 from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
 from service.jobs.shared import SHARE_AT_ONCE, keep_output
 from service.jobs.state import JobState
+from service.jobs.status_saves import StatusSaves
 from service.jobs.tasks import until_done
 from service.observability import stages, telemetry
 from service.replicas.registration import Replicas
@@ -52,7 +53,6 @@ from service.views.render import render_head, snapshot
 log = logging.getLogger(__name__)
 
 KILL_WAIT_S = 30.0  # how long the sandbox may take to confirm the script's exit after its SIGKILL
-STATUS_SAVE_INTERVAL_S = 0.5  # least time between two saves of a live job's status (running / waiting flips)
 QUEUED_SAVE_GRACE_S = 0.005  # a job that finds its sandbox within this is not saved ``queued`` first (Runner._enter)
 
 
@@ -89,6 +89,7 @@ class Runner:
         self._share_slots = asyncio.Semaphore(SHARE_AT_ONCE)  # ended jobs' blobs copied into the store at once
         self._tasks = state.tasks
         self._parked = state.parked
+        self._statuses = StatusSaves(state.tasks, self._save_and_tell)
         self._instance = settings.instance()
         self._replicas = replicas
 
@@ -217,7 +218,7 @@ class Runner:
             trace_parent=job.span,
             lease=self._replicas.holds_lease,
             on_call_end=lambda record: self._call_ended(job, record),
-            on_paused_calls=lambda waiting: self._client_calls_changed(job, waiting),
+            on_paused_calls=lambda waiting: self._statuses.calls_changed(job, waiting),
             on_diverged=lambda message: stop_diverged(job, message),
         )
         durable = call_log(self._store, job, replay, self._settings.max_call_log_bytes)
@@ -281,7 +282,7 @@ class Runner:
         stop = asyncio.ensure_future(job.stop_requested.wait())
         watch: set[asyncio.Future[Any]] = {stop}
         if job.durable and job.session_id is None and self._settings.park_after_s > 0:
-            watch.add(asyncio.ensure_future(self._park_due(job, broker)))
+            watch.add(asyncio.ensure_future(park_due(job, broker, self._settings.park_after_s, self._parked.room)))
         try:
             remaining = max(job.limits.timeout_s - job.active_s - (time.monotonic() - started), 0)
             done, _ = await asyncio.wait({waiting, *watch}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
@@ -306,22 +307,6 @@ class Runner:
             if not waiting.done():
                 waiting.cancel()
 
-    async def _park_due(self, job: LiveJob, broker: Broker) -> None:
-        """Return once the job should be parked: every call it has in flight has waited for the harness
-        (``PausedCalls``) for ``PTC_PARK_AFTER_S`` without a break, it is still durable, and its owner may park
-        one more job (``ParkedJobs.room``); checked at most once a second after that."""
-        after, paused, loop = self._settings.park_after_s, broker.paused, asyncio.get_running_loop()
-        while True:
-            since = paused.waiting_since
-            due = after if since is None else since + after - loop.time()
-            if due > 0:
-                await asyncio.sleep(min(due, after))
-                continue
-            in_flight = sum(record["status"] == "pending" for record in broker.records.calls)
-            if job.durable and in_flight == paused.waiting and self._parked.room(job.owner):
-                return
-            await asyncio.sleep(1.0)
-
     @staticmethod
     def _finish(job: LiveJob, exit_status: ExitStatus, ended_by: EndedBy | None, broker: Broker) -> None:
         """Set the job's final status, exit code and error from what ended the script (``model.end_of_run``)."""
@@ -342,42 +327,6 @@ class Runner:
         """A tool call of ``job`` has its outcome: wake followers, tell subscribers."""
         job.notify()
         self._events.publish(CallEnded(job, record))
-
-    def _client_calls_changed(self, job: LiveJob, waiting: int) -> None:
-        """``waiting`` while calls wait for the harness (client-executed ones, or approvals), ``running`` again when
-        none does (not once it is being parked: its calls still wait, for the harness now)."""
-        if job.parking:
-            return
-        if waiting and job.status == JobStatus.RUNNING:
-            job.move(JobStatus.WAITING)
-            job.waiting.set()
-        elif not waiting and job.status == JobStatus.WAITING:
-            job.move(JobStatus.RUNNING)
-            job.waiting.clear()
-        else:
-            job.notify()
-            return
-        job.notify()
-        if not job.status_save_queued:  # else the save already queued takes this status with it
-            job.status_save_queued = True
-            self._tasks.spawn(self._save_status(job), f"save {job.id}")
-
-    async def _save_status(self, job: LiveJob) -> None:
-        """Save a live job's status once the saves begun before it have reached the store, with the view as it is
-        then: the status changes of that time ride on this one save (a script whose calls wait a millisecond each
-        flips ``running``/``waiting`` thousands of times; a save per flip wrote gigabytes for one job). Nothing to
-        do once the job has ended: its final save follows. Saves of one job's status are ``STATUS_SAVE_INTERVAL_S``
-        apart at least (its live view is never late; its status in the store, which ``GET /jobs?status=`` filters
-        by, is at most that late)."""
-        async with job.saving:
-            pass
-        delay = job.status_saved_at + STATUS_SAVE_INTERVAL_S - job.loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        job.status_save_queued = False
-        if not job.ended:
-            job.status_saved_at = job.loop.time()
-            await self._save_and_tell(job)
 
     async def _cleanup(self, admitted: Admitted, broker: Broker, placement: Placement) -> None:
         """Save the final view (or park the job: ``durability.park``), then tell waiters and subscribers, then give

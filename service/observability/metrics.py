@@ -31,8 +31,9 @@ metric                                          labels (values)
 ``ptc_lease_expired_jobs_total``                jobs it marked ``lost`` after their replica's lease expired
 ``ptc_lease_expired_sessions_total``            sessions it marked ``broken`` so
 ``ptc_store_listener_reconnects_total``         ``LISTEN`` connections re-opened (PostgreSQL store)
-``ptc_job_resumes_total``                       ``reason`` drained|service_restarted, ``outcome`` status|replay_diverged
-``ptc_jobs_parked_total``                       durable jobs parked at a shutdown (resumed at the next start)
+``ptc_job_resumes_total``                       ``reason`` (a view's ``resumes``), ``outcome`` status|replay_diverged
+``ptc_jobs_parked_total``                       durable jobs parked (at a shutdown, or waiting for the harness)
+``ptc_parked_jobs``                             (gauge) jobs parked now, waiting for the harness without a sandbox
 ==============================================  ===============================================================
 
 No label holds an instance id, a job id or an address: Prometheus adds the scraped replica as its own
@@ -52,20 +53,18 @@ client_call_timeout_s, approval_timeout_s)``.
 from __future__ import annotations
 
 import time
-from collections import Counter as Tally
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.jobs.model import LIVE, JobStatus
+from service.jobs.model import JobStatus
 from service.normalize import NORMALIZATIONS
 from service.observability import logs
+from service.observability.state_metrics import StateCollector
 from service.quotas import REJECTION_REASONS
 from service.settings import Settings
 
@@ -219,8 +218,12 @@ class Metrics:
             "ptc_job_resumes", "Resumed durable jobs once ended, by their last resume's reason and their final status "
             "(replay_diverged: their replay diverged from their call log).", ["reason", "outcome"], registry=reg,
         )  # fmt: skip
-        self.parked = Counter("ptc_jobs_parked", "Durable jobs parked as this replica stopped.", registry=reg)
-        self._state = _StateCollector()
+        self.parked = Counter(
+            "ptc_jobs_parked",
+            "Durable jobs parked: as this replica stopped, or waiting for the harness without a sandbox.",
+            registry=reg,
+        )
+        self._state = StateCollector()
         reg.register(self._state)
         reg.register(NORMALIZATIONS)  # process-wide, counted where scripts are normalized
         for mode in START_MODES:  # the series exist from the start, at zero
@@ -239,6 +242,10 @@ class Metrics:
     def track_jobs(self, live: Mapping[str, Any]) -> None:
         """Report ``ptc_jobs{status}`` from ``live`` (job id -> job with a ``status``), read at each scrape."""
         self._state.live = live
+
+    def track_parked(self, count: Callable[[], int]) -> None:
+        """Report ``ptc_parked_jobs`` from ``count()`` (jobs parked waiting for the harness), read at each scrape."""
+        self._state.parked = count
 
     def track_pools(self, sizes: Callable[[], Mapping[str, int]]) -> None:
         """Report ``ptc_sandbox_pool_size{profile}`` from ``sizes()`` (profile name -> waiting sandboxes), read at
@@ -362,41 +369,6 @@ def _seconds(start: datetime | None, end: datetime | None) -> float:
     if start is None or end is None:
         return 0.0
     return max((end - start).total_seconds(), 0.0)
-
-
-class _StateCollector(Collector):
-    """``ptc_jobs`` and ``ptc_sandbox_pool_size``, computed when scraped (no bookkeeping on the hot path)."""
-
-    def __init__(self) -> None:
-        self.live: Mapping[str, Any] = {}
-        self.pools: Callable[[], Mapping[str, int]] = dict
-
-    def describe(self) -> Iterable[Metric]:
-        return [_jobs_family(), _pool_family()]
-
-    def collect(self) -> Iterator[Metric]:
-        counts = Tally({status.value: 0 for status in LIVE})
-        counts.update(str(job.status) for job in list(self.live.values()))
-        jobs = _jobs_family()
-        for status, count in sorted(counts.items()):
-            jobs.add_metric([status], count)
-        yield jobs
-        pools = _pool_family()
-        for profile, ready in sorted(self.pools().items()):
-            pools.add_metric([profile], ready)
-        yield pools
-
-
-def _jobs_family() -> GaugeMetricFamily:
-    return GaugeMetricFamily(
-        "ptc_jobs", "Jobs the service holds now (not yet saved as ended), by status.", labels=["status"]
-    )
-
-
-def _pool_family() -> GaugeMetricFamily:
-    return GaugeMetricFamily(
-        "ptc_sandbox_pool_size", "Warm pool sandboxes waiting for a job, by profile.", labels=["profile"]
-    )
 
 
 class HttpObserver:

@@ -34,6 +34,7 @@ from service.views.render import FULL, Body, EncodedView, Selection, render_head
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 15.0
+PARKED_POLL_S = 1.0  # how often a follower of a parked job looks whether it was resumed (s)
 """Seconds without an event after which a follower of a live job gets a ``ping`` (a comment in the stream)."""
 
 
@@ -313,8 +314,10 @@ class JobViews:
         copied whole per follower beyond one call record: the sender slices what it sends. A follower that
         joins late first gets everything so far. ``id`` is the stream's position after the event
         (``resume``); ``start``: resume after such a position (only what was not sent, a status only if it
-        changed). A job that is no longer live has ended: if its final save failed, the store holds an
-        earlier status, and ``end`` carries that saved view. Raises JobNotFound (for another owner's job too).
+        changed). A parked job (``service.jobs.parking``) is followed on: it is looked at again every
+        ``PARKED_POLL_S`` until an answer resumes it. Any other job that is no longer live has ended: if its final
+        save failed, the store holds an earlier status, and ``end`` carries that saved view. Raises JobNotFound (for
+        another owner's job too).
         """
         job = self.live(job_id, caller)
         final = await self.final(job_id, caller) if job is None else None
@@ -365,7 +368,9 @@ class JobViews:
                     else:
                         data = render.encode_record(record) if isinstance(record, dict) else record
                     yield "call", data, at.token(job_id)
-            ended = job is None or (head["status"] in FINAL and job.done.is_set())
+            # a parked job (not live, saved unfinished with parked_at) has not ended: an answer resumes it
+            parked = job is None and head.get("parked_at") is not None and head.get("ended_at") is None
+            ended = (job is None and not parked) or (job is not None and head["status"] in FINAL and job.done.is_set())
             for stream in STREAMS:
                 retained = head[f"{stream}_retained_bytes"]
                 offset = at.stdout if stream == "stdout" else at.stderr
@@ -386,6 +391,14 @@ class JobViews:
                 at.ended = True
                 yield "end", await self._ended(end, selection), at.token(job_id)
                 return
+            if parked:  # looked at again each PARKED_POLL_S, a ping after HEARTBEAT_S, until it is resumed
+                if loop.time() - quiet_since >= HEARTBEAT_S:
+                    quiet_since = loop.time()
+                    yield "ping", None, ""
+                await asyncio.sleep(PARKED_POLL_S)
+                job = self._live.get(job_id)
+                final = None if job is not None else await self._load(job_id)
+                continue
             if changed is not None:
                 # a ping after HEARTBEAT_S without an event, though the job changed meanwhile (output past its
                 # retention sends nothing): a proxy's idle timeout must not cut a stream that is alive

@@ -5,7 +5,9 @@ restart. Real engine, a real HTTP tool server."""
 
 from __future__ import annotations
 
+import json
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -229,3 +231,46 @@ def test_a_parked_job_stays_parked_across_a_restart_and_is_answered_after_it(
     finally:
         again.stop()
     assert not labelled_containers(engine, instance, include_pool=True)
+
+
+def test_a_stop_while_parked_ends_the_job_stopped_with_its_output(parking: Service) -> None:
+    with parking.client(timeout=90) as api:
+        job_id = api.post("/execute", json={"script": ASK_SCRIPT, "tools": [ASK], "wait_s": 0}).json()["job_id"]
+        [pending] = parked_view(api, job_id)["pending_calls"]
+        stopped = api.post(f"/jobs/{job_id}/stop")
+        assert stopped.status_code == 200, stopped.text
+        view = ended(api, job_id)
+        assert api.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": 1}).status_code == 409
+    assert view["status"] == "stopped" and view["error"]["message"] == "stopped while parked", view
+    assert view["stdout"] == "asking\n" and [r["reason"] for r in view["resumes"]] == ["stopped"], view
+
+
+def test_the_event_stream_follows_a_parked_job_to_its_end(parking: Service) -> None:
+    events: list[tuple[str, str]] = []
+
+    def follow(job_id: str) -> None:
+        with (
+            parking.client(timeout=90) as api,
+            api.stream("GET", f"/jobs/{job_id}/events", timeout=90) as response,
+        ):
+            name = ""
+            for line in response.iter_lines():
+                if line.startswith("event:"):
+                    name = line.partition(":")[2].strip()
+                elif line.startswith("data:"):
+                    events.append((name, line.partition(":")[2].strip()))
+                    if name == "end":
+                        return
+
+    with parking.client(timeout=90) as api:
+        job_id = api.post("/execute", json={"script": ASK_SCRIPT, "tools": [ASK], "wait_s": 0}).json()["job_id"]
+        follower = threading.Thread(target=follow, args=(job_id,))
+        follower.start()
+        [pending] = parked_view(api, job_id)["pending_calls"]
+        time.sleep(2.5)  # followed while parked: no end yet
+        assert follower.is_alive() and not [e for e in events if e[0] == "end"], events
+        assert api.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": "go"}).status_code == 200
+        follower.join(60)
+    assert not follower.is_alive()
+    assert events[-1][0] == "end" and '"status":"succeeded"' in events[-1][1], events[-3:]
+    assert "".join(json.loads(data)["text"] for name, data in events if name == "stdout") == "asking\nanswer: go\n"

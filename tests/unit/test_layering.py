@@ -42,13 +42,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "job state",  # a job in memory and its rendered views
         (
             "service.jobs.live", "service.jobs.marks", "service.jobs.events", "service.jobs.tasks",
-            "service.jobs.shared", "service.jobs.state", "service.views.render", "service.views.resume",
+            "service.jobs.shared", "service.jobs.state", "service.jobs.parking", "service.views.render",
+            "service.views.resume",
         ),
     ),
     (
         "services",  # what the job service uses: logs and metrics, replicas' registry and peers, sessions, toolsets
         (
-            "service.observability.logs", "service.observability.metrics", "service.replicas.registration",
+            "service.observability.logs", "service.observability.metrics", "service.observability.state_metrics",
+            "service.replicas.registration",
             "service.replicas.notify", "service.replicas.remote", "service.replicas.sweep", "service.idempotency",
             "service.sessions.manager", "service.toolsets", "service.limits",
         ),
