@@ -11,6 +11,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from service.broker import Broker
@@ -18,7 +19,7 @@ from service.broker.paused import approval_decision
 from service.engines import Engines
 from service.errors import CallNotPending, Draining, JobNotFound
 from service.jobs.admission import Intake
-from service.jobs.live import LiveJob
+from service.jobs.live import LiveJob, now
 from service.jobs.parking import TIMEOUT_ANSWER, ParkedJob, ParkedJobs, store_answer
 from service.jobs.placement import Sandboxes
 from service.jobs.recovery import Recovery
@@ -39,6 +40,8 @@ from service.views.read import JobViews
 from service.views.render import FULL, Body, Selection
 
 log = logging.getLogger(__name__)
+
+EXPIRY_RETRY_S = 10.0  # a parked job whose expiry could not be handled (the store failed) is tried again after this
 
 
 @dataclass
@@ -281,32 +284,37 @@ class JobManager:
             self._parts.sandboxes.admission.room_to_resume(parked.owner)  # else 429 (the harness retries)
             if not await store_answer(self._store, parked.job_id, call_id, answer):
                 raise CallNotPending(call_id)
-            del parked.calls[call_id]
-            await self._resume_parked(parked, "answered")
+            try:
+                await self._resume_parked(parked, "answered")
+            except BaseException:
+                self._parked.add(parked)  # still parked: its answer is stored (a new one replaces it)
+                raise
         return True
 
     async def _expire_parked(self, parked: ParkedJob, call_id: str) -> None:
         """A call a parked job waits for has reached its ``expires_at``: store its timeout and resume the job
-        (reason ``expired``) so that its script sees it. Never raises (a failure is logged; the job stays parked
-        until the next start)."""
-        try:
-            async with parked.lock:
-                if self._parked.get(parked.job_id) is not parked or call_id not in parked.calls:
-                    return
+        (reason ``expired``) so that its script sees it. Never raises (a failure is logged, and tried again
+        ``EXPIRY_RETRY_S`` later)."""
+        async with parked.lock:
+            if self._parked.get(parked.job_id) is not parked or call_id not in parked.calls:
+                return
+            try:
                 await store_answer(self._store, parked.job_id, call_id, TIMEOUT_ANSWER)
-                del parked.calls[call_id]
                 await self._resume_parked(parked, "expired")
-        except Exception:
-            log.exception("job %s: its parked call %s expired; the job could not be resumed", parked.job_id, call_id)
+            except Exception:
+                log.exception(
+                    "job %s: its parked call %s expired; the job could not be resumed", parked.job_id, call_id
+                )
+                parked.calls[call_id] = (parked.calls[call_id][0], now() + timedelta(seconds=EXPIRY_RETRY_S))
+                self._parked.add(parked)  # tried again later
 
     async def _resume_parked(self, parked: ParkedJob, reason: str) -> None:
-        """Resume a parked job by replay, with the calls it still waits for (``Recovery.resume_job``)."""
+        """Resume a parked job by replay, with the calls it still waits for (``Recovery.resume_job``); it leaves
+        the parked jobs first. Raises what the store raises (the caller puts it back)."""
         self._parked.take(parked.job_id)
-        spec = await self.recovery.load(parked.job_id)
-        if spec is None:  # ended or taken meanwhile, or its spec is unreadable (then it is marked lost)
-            log.warning("job %s: parked, but it has no run spec to resume it from", parked.job_id)
-            return
-        await self.recovery.resume_job(spec, reason, self._intake, self._runner.start, parked)
+        spec = await self.recovery.load(parked.job_id)  # None: ended meanwhile, or marked lost (unreadable spec)
+        if spec is not None:
+            await self.recovery.resume_job(spec, reason, self._intake, self._runner.start, parked)
 
     async def stop(self, job_id: str, caller: Caller, selection: Selection = FULL) -> Body:
         """Stop the job (SIGTERM to its processes, SIGKILL after the grace); returns its view.

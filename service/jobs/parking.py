@@ -105,8 +105,8 @@ class ParkedJobs:
         while self._expiries:
             expires_at, job_id, call_id = self._expiries[0]
             parked = self._jobs.get(job_id)
-            if parked is None or call_id not in parked.calls:
-                heapq.heappop(self._expiries)
+            if parked is None or call_id not in parked.calls or parked.calls[call_id][1] != expires_at:
+                heapq.heappop(self._expiries)  # resumed, answered, or given another expiry since
                 continue
             if expires_at > now():
                 return None

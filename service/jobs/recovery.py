@@ -159,12 +159,15 @@ class Recovery:
         return replace(spec, resumes=tuple(view.get("resumes") or ()), parked=parked, stored=stored, waits=waits)
 
     async def load(self, job_id: str) -> RunSpec | None:
-        """The run spec of ``job_id`` with its stored row (``_spec``); None when it has none or cannot be read, or
-        the job is not unfinished."""
+        """The run spec of an unfinished job (``_spec``), to resume it; None when the job has ended, or has no spec
+        this version can read (then it is marked lost). Raises what the store raises."""
         stored = await self._store.jobs.get(job_id)
         if stored is None or stored.ended_at is not None:
             return None
-        return await self._spec(stored)
+        spec = await self._spec(stored)
+        if spec is None:
+            await self.mark_lost(stored, "its run spec cannot be read")
+        return spec
 
     async def mark_lost(self, stored: StoredJob, why: str | None = None) -> None:
         """End a job a previous run left unfinished: status ``lost``, its output as far as it was kept (unless

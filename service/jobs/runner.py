@@ -106,7 +106,8 @@ class Runner:
             placement = OneShot(self._sandboxes, self._engine(job), job)
         else:
             placement = InSession(admitted.session, self._sandboxes, ticket, job, self._tasks)
-        task = self._tasks.spawn(self.run(admitted, placement), f"job {job.id}")
+        broker = self._new_broker(job, admitted.manifest, admitted.replay, admitted.carried)  # answers find it at once
+        task = self._tasks.spawn(self.run(admitted, placement, broker), f"job {job.id}")
 
         def ended(_: asyncio.Task[Any]) -> None:
             ticket.release()
@@ -118,11 +119,11 @@ class Runner:
         task.add_done_callback(ended)
         return task
 
-    async def run(self, admitted: Admitted, placement: Placement) -> None:
+    async def run(self, admitted: Admitted, placement: Placement, broker: Broker | None = None) -> None:
         """The run path of one job in ``placement`` (see the module's docstring). Never raises but
         CancelledError (the service stopping: the job ends ``lost``)."""
         job, request, manifest = admitted.job, admitted.request, admitted.manifest
-        broker = self._new_broker(job, manifest, admitted.replay, admitted.carried)
+        broker = broker or self._new_broker(job, manifest, admitted.replay, admitted.carried)
         try:
             try:
                 sandbox = await self._enter(job, placement)
