@@ -10,7 +10,10 @@ machine's drift falls on both alike:
 - one echo call's round trip inside a script (ms, each of ``--calls`` sequential calls timed in the script): a
   durable call's intent and outcome are written before it goes on and before the script sees it;
 - the wall time of ``--fanout`` concurrent echo calls (``asyncio.gather``; ms, ``--rounds`` per job): their
-  intents and outcomes written in batches, one per turn of the event loop.
+  intents and outcomes written in batches, one per turn of the event loop;
+- a client-executed call answered after the job has waited 1.5 s, from the answer's POST to the job's end (ms,
+  ``--parks`` jobs per mode): a durable job is parked after 1 s (``PTC_PARK_AFTER_S``) and resumed by replay in a
+  new sandbox; one that is not durable waits in its sandbox.
 
 A session's scripts are never durable: ``print(1)`` in a session costs the same either way (not measured here).
 Not a test: figures for the closing note and docs/durability.md.
@@ -43,12 +46,35 @@ def one_shot(api: httpx.Client, body: dict[str, Any]) -> tuple[float, dict[str, 
     return elapsed, view
 
 
+ASK = [{"name": "ask", "parameters": {"properties": {"q": {"type": "string"}}}, "endpoint": {"kind": "client"}}]
+
+
+def answered(api: httpx.Client, durable: bool) -> float:
+    """A job that waits 1.5 s for a client-executed call (parked after 1 s when ``durable``), then gets its answer:
+    ms from the answer's POST to the job's end."""
+    body = {"script": "import tools\nprint(tools.ask(q='x'))", "tools": ASK, "durable": durable, "wait_s": 0}
+    job_id = api.post("/execute", json=body).json()["job_id"]
+    wait_until(lambda: api.get(f"/jobs/{job_id}").json()["status"] == "waiting", 60)
+    time.sleep(1.5)
+    [pending] = api.get(f"/jobs/{job_id}").json()["pending_calls"]
+    if durable and api.get(f"/jobs/{job_id}").json()["parked_at"] is None:
+        raise RuntimeError("a durable job waiting for 1.5 s was not parked")
+    started = time.perf_counter()
+    api.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": "y"}).raise_for_status()
+    while (view := api.post(f"/jobs/{job_id}/wait", params={"timeout_s": 60}).json())["ended_at"] is None:
+        pass
+    if view["status"] != "succeeded" or view["stdout"] != "y\n":
+        raise RuntimeError(f"an answered job: {view['status']} {view['error']}")
+    return (time.perf_counter() - started) * 1000
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=30, help="print(1) jobs per mode (default 30)")
     parser.add_argument("--calls", type=int, default=300, help="sequential echo calls per job (default 300)")
     parser.add_argument("--fanout", type=int, default=1000, help="concurrent echo calls (default 1000)")
     parser.add_argument("--rounds", type=int, default=5, help="fan-outs per job (default 5)")
+    parser.add_argument("--parks", type=int, default=10, help="answered client calls per mode (default 10)")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="ptcd", dir="/tmp"))
     service = start_service(
@@ -57,11 +83,13 @@ def main() -> None:
         PTC_LOG_LEVEL="warning",
         PTC_WARM_POOL_SIZE="2",
         PTC_QUOTA_JOBS_PER_MINUTE="100000",
+        PTC_PARK_AFTER_S="1",
     )
     modes = {"durable": True, "not durable": False}
     print1: dict[str, list[float]] = {mode: [] for mode in modes}
     round_trips: dict[str, list[float]] = {mode: [] for mode in modes}
     fanouts: dict[str, list[float]] = {mode: [] for mode in modes}
+    answers: dict[str, list[float]] = {mode: [] for mode in modes}
     try:
         with service.client(timeout=900) as api:
             for _ in range(args.runs):
@@ -78,6 +106,9 @@ def main() -> None:
                     script = FANOUT_SCRIPT.format(n=args.fanout, rounds=args.rounds)
                     view = one_shot(api, {"script": script, "tools": ECHO, "durable": durable})[1]
                     fanouts[mode] += json.loads(view["stdout"])
+            for _ in range(args.parks):
+                for mode, durable in modes.items():
+                    answers[mode].append(answered(api, durable))
     finally:
         service.stop()
         shutil.rmtree(scratch, ignore_errors=True)
@@ -88,6 +119,7 @@ def main() -> None:
         ("one-shot `print(1)` from the warm pool, round trip", print1),
         ("one echo call's round trip in a script", round_trips),
         (f"{args.fanout} concurrent echo calls, wall", fanouts),
+        ("a client call answered after 1.5 s (durable: parked), answer to end", answers),
     ):
         on, off = stats(figures["durable"]), stats(figures["not durable"])
         print(f"| {name} | {on['median']:.2f} | {on['p90']:.2f} | {off['median']:.2f} | {off['p90']:.2f} | {on['n']} |")
