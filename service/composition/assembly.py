@@ -120,6 +120,9 @@ def build_jobs(
         progress = ProgressSaver(store, live, runner.save, settings.progress_save_s)
         parts.background += [reaper.loop, progress.loop]
         replicas.on_fenced.append(SelfFence(recovery.sweep, tasks))
+        manager = JobManager(parts)
+        reaper.adopt = manager.adopt_orphan  # a dead replica's durable jobs are resumed here
+        return manager
     return JobManager(parts)
 
 

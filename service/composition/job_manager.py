@@ -31,7 +31,7 @@ from service.sandbox.folders import SandboxFolders
 from service.schemas.job_models import ExecuteRequest
 from service.sessions.manager import SessionManager
 from service.sessions.requests import SessionJobs
-from service.store import JobStore
+from service.store import JobStore, StoredJob
 from service.tenancy import Caller
 from service.toolkit.cache import ManifestCache
 from service.toolkit.validation import CheckScheduler
@@ -315,6 +315,21 @@ class JobManager:
         spec = await self.recovery.load(parked.job_id)  # None: ended meanwhile, or marked lost (unreadable spec)
         if spec is not None:
             await self.recovery.resume_job(spec, reason, self._intake, self._runner.start, parked)
+
+    async def adopt_orphan(self, stored: StoredJob) -> bool:
+        """Take over a durable job a dead replica left (the reaper's ``adopt``): resumed here by replay (reason
+        ``replica_lost``), or, parked waiting for the harness there, held parked here. Returns True when it was taken
+        over, by this replica or another first; False for a job that is not durable (the reaper marks it lost).
+        Raises what the store raises."""
+        spec = await self.recovery.spec_of(stored)
+        if spec is None:
+            return False
+        if spec.waits is None:
+            await self.recovery.resume_job(spec, "replica_lost", self._intake, self._runner.start)
+        elif await self.recovery.adopt(stored):
+            self._parked.add(spec.waits)
+            log.warning("job %s, parked on replica %s, which died: parked here", stored.job_id, stored.instance_id)
+        return True
 
     async def stop(self, job_id: str, caller: Caller, selection: Selection = FULL) -> Body:
         """Stop the job (SIGTERM to its processes, SIGKILL after the grace); returns its view.

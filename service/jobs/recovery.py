@@ -158,6 +158,22 @@ class Recovery:
         waits = _waits(stored.job_id, spec.owner, view) if parked else None
         return replace(spec, resumes=tuple(view.get("resumes") or ()), parked=parked, stored=stored, waits=waits)
 
+    async def adopt(self, stored: StoredJob) -> bool:
+        """Make an unfinished job this incarnation's (its saves are fenced by it from now on), if it is still the
+        incarnation's ``stored`` names (``JobRecords.adopt``); whether it is. With one replica (no registry): True.
+        Raises what the store raises."""
+        if self._replicas is None:
+            return True
+        me = self._replicas.incarnation
+        return await self._store.jobs.adopt(
+            stored.job_id, (stored.instance_id, stored.instance_epoch), (me.instance_id, me.epoch)
+        )
+
+    async def spec_of(self, stored: StoredJob) -> RunSpec | None:
+        """The run spec of an unfinished job another replica left (``_spec``); None: it is not durable, or its spec
+        cannot be read."""
+        return await self._spec(stored)
+
     async def load(self, job_id: str) -> RunSpec | None:
         """The run spec of an unfinished job (``_spec``), to resume it; None when the job has ended, or has no spec
         this version can read (then it is marked lost). Raises what the store raises."""
@@ -221,11 +237,8 @@ class Recovery:
             return False
         spec = replace(spec, admin=names is None or spec.owner in self._settings.admin_keys)
         entry = {"at": now(), "reason": reason, "instance": self._instance}
-        if self._replicas is not None:  # its saves are this incarnation's from now on (fenced by it)
-            me = self._replicas.incarnation
-            mine = (me.instance_id, me.epoch)
-            if not await self._store.jobs.adopt(spec.job_id, (stored.instance_id, stored.instance_epoch), mine):
-                return False  # ended, or taken, meanwhile
+        if not await self.adopt(stored):
+            return False  # ended, or taken, meanwhile
         try:
             replay = await logged_calls(self._store, spec.job_id)
             waits = (parked.calls, parked.active_s) if parked is not None else None

@@ -7,8 +7,10 @@ live replica of a shared store:
    each by one replica, ``NOTIFY ptc_replicas``), logs ``replica expired`` and breaks its sessions
    (``SessionRecords.mark_broken``), and those of any other incarnation that is not live
    (``SessionRecords.orphan_holders``);
-2. **ends its orphans**, ``ORPHAN_BATCH`` at a time: unended jobs whose incarnation is not live or draining
-   (``JobRecords.orphans``) are saved ``lost`` with the error type ``replica_lost``, their pending calls cancelled,
+2. **takes over or ends its orphans**, ``ORPHAN_BATCH`` at a time: unended jobs whose incarnation is not live or
+   draining (``JobRecords.orphans``). A durable one (a run spec in the store) is taken over by this replica
+   (``adopt``: resumed by replay here, or held parked here when it was parked waiting for the harness); any other
+   is saved ``lost`` with the error type ``replica_lost``, their pending calls cancelled,
    their output and call records as of their owner's last progress save (``service.replicas.progress``): the
    chunks are joined into the job's ``stdout``/``stderr`` blobs, served by every replica as an ended job's.
    ``JobRecords.save_lost`` writes only an unended row (``NOTIFY <job_id> ended``): of two reapers racing, or of an
@@ -109,6 +111,10 @@ class Reaper:
         scan_s: ``PTC_REPLICA_SCAN_S`` (s).
         retention_bytes: ``PTC_OUTPUT_RETENTION_BYTES``: the most bytes of a stream a lost job keeps.
         metrics: counts expiries, the jobs marked lost and the sessions marked broken (``Metrics.replica_expired``).
+
+    Attributes:
+        adopt: takes over an orphan that is durable (the job service's, set once it is built: ``JobManager``);
+            True when it was taken over (by this replica, or by another first): it is not marked lost then.
     """
 
     def __init__(
@@ -126,6 +132,7 @@ class Reaper:
         self._metrics = metrics
         self._scan_s = scan_s
         self._retention = retention_bytes
+        self.adopt: Callable[[StoredJob], Awaitable[bool]] | None = None
 
     async def loop(self) -> None:
         """Scan every ``scan_s`` (jittered) until this replica is fenced or the task is cancelled; a store that does
@@ -162,6 +169,8 @@ class Reaper:
                 for stored in batch:
                     if self._replicas.fenced:
                         return ended.total()
+                    if self.adopt is not None and await self.adopt(stored):
+                        continue
                     if await self.end(stored):
                         ended[Incarnation(stored.instance_id, stored.instance_epoch or 0)] += 1
                 if len(batch) < ORPHAN_BATCH:

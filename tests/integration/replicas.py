@@ -144,8 +144,9 @@ class Balancer:
 
 
 @pytest.fixture(scope="module")
-def cluster(engine: docker.DockerClient, postgres: None) -> Iterator[Cluster]:
-    """The module's cluster: a fresh PostgreSQL database, ``t1`` and ``t2``, HAProxy; all stopped after."""
+def cluster(engine: docker.DockerClient, postgres: None, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """The module's cluster: a fresh PostgreSQL database, ``t1`` and ``t2``, HAProxy; all stopped after. A test
+    module's ``CLUSTER_ENV`` (a dict), if it has one, is added to both replicas' settings."""
     from tests import pgstore
 
     binary = haproxy_binary()
@@ -157,6 +158,7 @@ def cluster(engine: docker.DockerClient, postgres: None) -> Iterator[Cluster]:
         "PTC_API_KEYS": f"pytest:{hash_token(token)},other:{hash_token(other)}",  # other: another tenant
         "PTC_INTERNAL_SECRET": secrets.token_urlsafe(32) + " " + secrets.token_urlsafe(32),  # the same on both
         **REPLICA_ENV,
+        **getattr(request.module, "CLUSTER_ENV", {}),
     }
     try:
         with pgstore.fresh_database() as store_url, ExitStack() as stack:

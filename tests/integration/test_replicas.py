@@ -315,7 +315,7 @@ def test_replicas_kill_9(
         ran = c2.post("/execute", json={"script": "x = 1\nprint(x)", "session_id": session_id})
         assert ran.status_code == 200 and ran.json()["stdout"] == "1\n", ran.text
         on_t1 = [started(c1) for _ in range(2)]
-        on_t2 = [started(c2, **hook) for _ in range(3)]
+        on_t2 = [started(c2, **hook, durable=False) for _ in range(3)]  # a survivor resumes durable ones instead
         time.sleep(1.5)  # three progress saves (PTC_PROGRESS_SAVE_S=0.5): the printed line is in the store
         t1_containers = {c.id for c in labelled_containers(engine, cluster.t1.instance_id, include_pool=True)}
         t1_sandboxes = {c1.get(f"/jobs/{job_id}").json()["sandbox_id"] for job_id in on_t1}
@@ -373,7 +373,7 @@ def test_replicas_restart(cluster: Cluster, engine: docker.DockerClient) -> None
     with cluster.client(cluster.t1.url) as c1:
         if cluster.t2.process.poll() is None:  # run alone: kill t2 with a job running
             with cluster.client(cluster.t2.url) as c2:
-                started(c2)
+                started(c2, durable=False)
             cluster.t2.kill()
         epoch, _ = epoch_of(cluster, "t2")
         on_t1 = started(c1)
