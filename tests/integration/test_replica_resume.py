@@ -5,6 +5,7 @@ cluster (tests/integration/replicas.py): two replicas on PostgreSQL behind HAPro
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from typing import Any
@@ -83,3 +84,58 @@ def test_a_dead_replicas_durable_jobs_are_resumed_or_held_parked_by_the_survivor
         assert [r["reason"] for r in final["resumes"]] == ["answered"]
     cluster.restart("t2")
     assert not labelled_containers(engine, cluster.t2.instance_id)  # what t2 left, removed at its start
+
+
+def test_a_rolling_restart_of_both_replicas_loses_no_job(cluster: Cluster, tool_server: ToolServer) -> None:
+    """SIGTERM t2 (it drains, then parks what still runs; t1 takes those over), start it again, then the same for
+    t1: every job ends ``succeeded`` with its whole output, every tool call made (a repeat only under its id)."""
+    for name in ("t1", "t2"):
+        if cluster.members[name].process.poll() is not None:
+            cluster.restart(name)
+    marker = secrets.token_hex(4)
+    remember = {
+        "name": "remember",
+        "parameters": {"properties": {"job": {"type": "integer"}, "i": {"type": "integer"}, "m": {"type": "string"}}},
+        "endpoint": {"kind": "http", "url": tool_server.url("echo")},
+    }
+    script = (
+        "import time, tools\n"
+        "for i in range(4):\n"
+        f"    tools.remember(job={{n}}, i=i, m={marker!r})\n"
+        "    print('step', i, flush=True)\n"
+        "    time.sleep(2)\n"
+        "print('done')\n"
+    )
+    jobs = 12
+    with cluster.balancer() as api:
+        ids = []
+        for n in range(jobs):
+            body = {"script": script.replace("{n}", str(n)), "tools": [remember], "wait_s": 0}
+            body["limits"] = {"cpus": 0.25, "memory_mb": 64}
+            answer = api.post("/execute", json=body)
+            assert answer.status_code == 202, answer.text
+            ids.append(answer.json()["job_id"])
+        time.sleep(1.5)
+        for name in ("t2", "t1"):  # a rolling deploy: one replica at a time, the other serving
+            cluster.members[name].stop()
+            cluster.restart(name)
+        views: dict[str, dict[str, Any]] = {}
+
+        def ended(job_id: str) -> bool:
+            views[job_id] = api.get(f"/jobs/{job_id}").json()
+            return views[job_id]["ended_at"] is not None
+
+        for job_id in ids:
+            wait_until(functools.partial(ended, job_id), 120)
+    expected = "".join(f"step {i}\n" for i in range(4)) + "done\n"
+    assert [(v["status"], v["stdout"]) for v in views.values()] == [("succeeded", expected)] * jobs, views
+    resumed = [r["reason"] for v in views.values() for r in v["resumes"]]
+    assert resumed and set(resumed) <= {"replica_lost", "drained"}, resumed
+    seen: dict[tuple[int, int], set[str | None]] = {}
+    for (path, args), headers in zip(tool_server.requests, tool_server.headers, strict=True):
+        if path == "/echo" and isinstance(args, dict) and args.get("m") == marker:
+            key = next((v for k, v in headers.items() if k.lower() == "idempotency-key"), None)
+            seen.setdefault((args["job"], args["i"]), set()).add(key)
+    assert sorted(seen) == [(n, i) for n in range(jobs) for i in range(4)]
+    assert all(len(keys) == 1 for keys in seen.values()), seen  # a call made twice went under one id
+    print(f"rolling restart: {jobs} jobs, {len(resumed)} resumes ({sorted(set(resumed))}), none lost")
