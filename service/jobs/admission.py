@@ -278,7 +278,7 @@ class Intake:
             raise
         job.image, job.durable, job.hash_seed, job.created_at = spec.image, True, spec.hash_seed, spec.created_at
         job.resumes = [*spec.resumes, resume]
-        carried, job.active_s = parked if parked is not None else ({}, 0.0)
+        carried, job.active_s = parked if parked is not None else ({}, spec.active_s)
         return Admitted(job, request, manifest, ticket, None, replay, True, spec.admin, carried)
 
     def _image(self, request: ExecuteRequest, caller: Caller) -> str:

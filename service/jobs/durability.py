@@ -52,6 +52,7 @@ class RunSpec:
     stored: StoredJob | None = None  # its row as last saved, when read back to resume it (not stored here)
     parked: bool = False  # its last saved view says it was parked, when read back (not stored here)
     waits: ParkedJob | None = None  # parked waiting for the harness: for what, when read back (not stored here)
+    active_s: float = 0.0  # the time its runs took as its last saved view says (``active_ms``; not stored here)
 
     def encode(self) -> bytes:
         """The spec as stored (JSON)."""

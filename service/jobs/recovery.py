@@ -156,7 +156,9 @@ class Recovery:
             return None
         parked = bool(view.get("parked_at"))
         waits = _waits(stored.job_id, spec.owner, view) if parked else None
-        return replace(spec, resumes=tuple(view.get("resumes") or ()), parked=parked, stored=stored, waits=waits)
+        active_s = float(view.get("active_ms") or 0.0) / 1000
+        resumes = tuple(view.get("resumes") or ())
+        return replace(spec, resumes=resumes, parked=parked, stored=stored, waits=waits, active_s=active_s)
 
     async def adopt(self, stored: StoredJob) -> bool:
         """Make an unfinished job this incarnation's (its saves are fenced by it from now on), if it is still the

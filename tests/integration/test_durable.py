@@ -205,6 +205,7 @@ def test_sigterm_drains_then_parks_durable_jobs_and_the_next_start_resumes_them(
         expected = "".join(f"calling {i}\ngot {name} {i}\n" for i, name in enumerate(names)) + "done\n"
         assert view["stdout"] == expected and [r["reason"] for r in view["resumes"]] == ["drained"], view
         assert view["parked_at"] is None
+        assert view["active_ms"] > 6000, view  # the drained run's time (at least the 2 s drain) and the replay's 4.5 s
         with again.client() as api:
             metrics = api.get("/metrics").text
         assert 'ptc_job_resumes_total{outcome="succeeded",reason="drained"} 2.0' in metrics  # it and the queued one
