@@ -95,7 +95,7 @@ def test_a_job_waiting_for_a_client_call_is_parked_and_the_answer_resumes_it(
 
 
 def test_an_approval_given_while_parked_sends_the_call_to_its_endpoint_once(
-    parking: Service, tool_server: ToolServer
+    parking: Service, tool_server: ToolServer, engine: docker.DockerClient
 ) -> None:
     marker = secrets.token_hex(6)
     publish = {
@@ -112,6 +112,9 @@ def test_an_approval_given_while_parked_sends_the_call_to_its_endpoint_once(
         assert pending["awaiting"] == "approval"
         seen = [h for (p, a), h in zip(tool_server.requests, tool_server.headers, strict=True) if a == {"text": marker}]
         assert not seen
+        wait_until(lambda: not labelled_containers(engine, parking.instance_id), 30)  # its sandbox is gone
+        other = api.post("/execute", json={"script": "print('in its slot')", "wait_s": 30}).json()  # one slot
+        assert other["status"] == "succeeded", other
         approved = api.post(f"/jobs/{job_id}/calls/{pending['call_id']}/approve", json={"reason": "fine"})
         assert approved.status_code == 200, approved.text
         view = ended(api, job_id)
@@ -209,14 +212,22 @@ def test_another_key_cannot_see_or_answer_a_parked_job(engine: docker.DockerClie
     assert not labelled_containers(engine, svc.instance_id, include_pool=True)
 
 
+@pytest.mark.parametrize("awaiting", ["client", "approval"])
 def test_a_parked_job_stays_parked_across_a_restart_and_is_answered_after_it(
-    engine: docker.DockerClient, scratch: Path
+    engine: docker.DockerClient, scratch: Path, awaiting: str
 ) -> None:
     instance, work_dir = f"pytest-parked-restart-{secrets.token_hex(3)}", scratch / f"parked-{secrets.token_hex(3)}"
     first = start_service(instance, work_dir, PTC_PARK_AFTER_S="1", PTC_WARM_POOL_SIZE="0")
+    tool = ASK if awaiting == "client" else {**ASK, "endpoint": {"kind": "echo"}, "approval": "always"}
+    script = (
+        ASK_SCRIPT
+        if awaiting == "client"
+        else ASK_SCRIPT.replace("tools.ask(q='deploy?')", "tools.ask(q='deploy?')['args']['q']")
+    )
     with first.client() as api:
-        job_id = api.post("/execute", json={"script": ASK_SCRIPT, "tools": [ASK], "wait_s": 0}).json()["job_id"]
+        job_id = api.post("/execute", json={"script": script, "tools": [tool], "wait_s": 0}).json()["job_id"]
         [pending] = parked_view(api, job_id)["pending_calls"]
+        assert pending["awaiting"] == awaiting
     first.stop()
     again = start_service(instance, work_dir, PTC_PARK_AFTER_S="1", PTC_WARM_POOL_SIZE="0")
     try:
@@ -224,9 +235,14 @@ def test_a_parked_job_stays_parked_across_a_restart_and_is_answered_after_it(
             view = api.get(f"/jobs/{job_id}").json()
             assert view["status"] == "waiting" and view["parked_at"] and view["resumes"] == [], view
             assert not labelled_containers(engine, instance)  # not resumed at the start: it waits, parked
-            assert api.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": "after"}).status_code == 200
-            view = api.post(f"/jobs/{job_id}/wait", params={"timeout_s": 60}).json()
-        assert view["status"] == "succeeded" and view["stdout"] == "asking\nanswer: after\n", view
+            if awaiting == "client":
+                answer = api.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": "after"})
+            else:
+                answer = api.post(f"/jobs/{job_id}/calls/{pending['call_id']}/approve")
+            assert answer.status_code == 200, answer.text
+            view = ended(api, job_id)
+        said = "after" if awaiting == "client" else "deploy?"
+        assert view["status"] == "succeeded" and view["stdout"] == f"asking\nanswer: {said}\n", view
         assert [r["reason"] for r in view["resumes"]] == ["answered"]
     finally:
         again.stop()
