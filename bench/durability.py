@@ -15,7 +15,8 @@ machine's drift falls on both alike:
   ``--parks`` jobs per mode): a durable job is parked after 1 s (``PTC_PARK_AFTER_S``) and resumed by replay in a
   new sandbox; one that is not durable waits in its sandbox.
 
-A session's scripts are never durable: ``print(1)`` in a session costs the same either way (not measured here).
+A session's scripts are never durable: ``print(1)`` in a session is measured once, in the same run, as the yardstick
+(the same code path either way).
 Not a test: figures for the closing note and docs/durability.md.
 """
 
@@ -90,6 +91,7 @@ def main() -> None:
     round_trips: dict[str, list[float]] = {mode: [] for mode in modes}
     fanouts: dict[str, list[float]] = {mode: [] for mode in modes}
     answers: dict[str, list[float]] = {mode: [] for mode in modes}
+    in_session: list[float] = []
     try:
         with service.client(timeout=900) as api:
             for _ in range(args.runs):
@@ -106,6 +108,10 @@ def main() -> None:
                     script = FANOUT_SCRIPT.format(n=args.fanout, rounds=args.rounds)
                     view = one_shot(api, {"script": script, "tools": ECHO, "durable": durable})[1]
                     fanouts[mode] += json.loads(view["stdout"])
+            session_id = api.post("/sessions", json={}).raise_for_status().json()["session_id"]
+            for _ in range(args.runs):
+                in_session.append(one_shot(api, {"script": "print(1)", "session_id": session_id})[0])
+            api.delete(f"/sessions/{session_id}")
             for _ in range(args.parks):
                 for mode, durable in modes.items():
                     answers[mode].append(answered(api, durable))
@@ -123,6 +129,9 @@ def main() -> None:
     ):
         on, off = stats(figures["durable"]), stats(figures["not durable"])
         print(f"| {name} | {on['median']:.2f} | {on['p90']:.2f} | {off['median']:.2f} | {off['p90']:.2f} | {on['n']} |")
+    session = stats(in_session)
+    row = f"{session['median']:.2f} | {session['p90']:.2f} | {session['n']}"
+    print(f"| `print(1)` in a session (never durable) | | | {row} |")
 
 
 if __name__ == "__main__":
