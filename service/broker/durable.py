@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from service import exactjson
 from service.broker.records import fail
 
 log = logging.getLogger(__name__)
@@ -108,15 +109,17 @@ def encode_outcome(record: dict[str, Any], reply: dict[str, Any]) -> bytes:
 
 
 def encode_answer(answer: dict[str, Any]) -> bytes:
-    """An answer given to a parked job's waiting call, as stored in the call's entry (see the module)."""
-    return orjson.dumps({"answer": answer})
+    """An answer given to a parked job's waiting call, as stored in the call's entry (see the module): exactly
+    (integers of any size). Raises ValueError for a value JSON cannot carry exactly (NaN, infinities, a lone
+    surrogate: ``PausedCalls.invalid_answer`` stands for such a client result)."""
+    return b'{"answer":' + exactjson.strict_dumps(answer) + b"}"
 
 
 def decode_answer(outcome: bytes | None) -> dict[str, Any] | None:
     """The answer an entry holds in place of its outcome (``encode_answer``); None for an outcome or none."""
     if outcome is None or not outcome.startswith(b'{"answer":'):
         return None
-    answer: dict[str, Any] = orjson.loads(outcome)["answer"]
+    answer: dict[str, Any] = exactjson.loads(outcome)["answer"]
     return answer
 
 
@@ -317,6 +320,17 @@ class DurableLog:
             )
             self._settled.set()
         self._watchdog = None
+
+    def unmade(self) -> str | None:
+        """What a replay left unconsumed, said as a divergence (the script ended without making these calls
+        again); None once the log was consumed, or for a job not resumed."""
+        if not self._left or self._diverged is not None:
+            return None
+        first = min((entries[0] for entries in self._unconsumed.values()), key=lambda entry: entry.seq)
+        return (
+            f"the replay ended with {self._left} logged call(s) not made again, the first: "
+            f"{_shown(first.tool, first.args)} (call {first.seq})"
+        )
 
     async def flushed(self) -> None:
         """Wait for the writes under way to reach the store (the broker closes: its job's log may be dropped next,

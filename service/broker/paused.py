@@ -27,7 +27,7 @@ import orjson
 from service import exactjson
 from service.broker.config import REPORT_FIELD_CAP, BrokerConfig
 from service.broker.records import fail, now
-from service.errors import CallNotPending
+from service.errors import CallNotPending, PayloadTooLarge
 from service.toolkit.specs import ToolSpec
 
 
@@ -81,6 +81,7 @@ class PausedCalls:
         self._on_change = on_change
         self._paused: dict[str, _Paused] = {}
         self._answers: dict[str, Answer] = dict(answers or {})  # given while parked, by call id (see the module)
+        self._early_bytes, self._max_early_bytes = 0, config.max_in_flight_bytes  # answers kept before their call
         self._carried: dict[str, tuple[str, datetime]] = dict(carried or {})  # awaiting, expiry, by call id
         self.waiting_since: float | None = None  # loop time since which some call has waited without a break
 
@@ -107,17 +108,21 @@ class PausedCalls:
             if p.record["status"] == "pending"
         ]
 
-    def answer_client_call(self, call_id: str, ok: bool, value: Any) -> None:
-        """Resolve a waiting client-executed call with a result (``ok``) or an error ``{"type", "message"}``.
+    def answer_client_call(self, call_id: str, ok: bool, value: Any) -> bool:
+        """Resolve a waiting client-executed call with a result (``ok``) or an error ``{"type", "message"}``; True
+        when the answer was kept for a call the resumed job has not made again yet (``carried``: the caller stores
+        it in the job's call log too).
 
         Raises:
             CallNotPending: no client-executed call of that id is waiting (unknown, already answered or timed out).
+            PayloadTooLarge: an answer kept early would take the job's early answers past ``max_in_flight_bytes``.
         """
-        if self._keep_early(call_id, "client", {"kind": "client", "ok": ok, "value": value}):
-            return
+        if self._keep_early(call_id, "client", client_answer(ok, value)):
+            return True
         self._waiting(call_id, "client").future.set_result((ok, value))
+        return False
 
-    def decide_approval(self, call_id: str, approved: bool, by: str, reason: str | None) -> None:
+    def decide_approval(self, call_id: str, approved: bool, by: str, reason: str | None) -> bool:
         """Approve (the call goes on to its endpoint) or deny (the script gets a ``denied`` ToolError) a call
         awaiting approval; its record's ``approval`` says so at once.
 
@@ -130,17 +135,26 @@ class PausedCalls:
         """
         decision = approval_decision(approved, by, reason)
         if self._keep_early(call_id, "approval", {"kind": "approval", "approval": decision}):
-            return
+            return True
         paused = self._waiting(call_id, "approval")
         paused.record["approval"] = decision
         paused.future.set_result(approved)
+        return False
 
     def _keep_early(self, call_id: str, awaiting: str, answer: Answer) -> bool:
-        """Keep an answer to a call its parked job had waiting, which its replay has not made again yet; False
-        for any other call."""
+        """Keep an answer to a call its parked job had waiting, which its replay has not made again yet, within
+        ``max_in_flight_bytes`` for all such answers of the job (else PayloadTooLarge); False for any other call."""
         carried = self._carried.get(call_id)
         if carried is None or carried[0] != awaiting or call_id in self._paused or call_id in self._answers:
             return False
+        size = len(exactjson.dumps(answer.get("value"))) if answer["kind"] == "client" else 0
+        if self._early_bytes + size > self._max_early_bytes:
+            message = (
+                f"this job holds {self._max_early_bytes} bytes of answers to calls its resumed script has not made "
+                "again yet; answer this call once it is listed in pending_calls"
+            )
+            raise PayloadTooLarge(message, ("body",), self._max_early_bytes)
+        self._early_bytes += size
         self._answers[call_id] = answer
         return True
 
@@ -172,6 +186,8 @@ class PausedCalls:
             ok, value = await self._pause(record, "client", args_json, timeout)
         except TimeoutError:
             return fail(record, "timeout", "timeout", f"{tool.name}: the client did not answer within {timeout:g} s")
+        if isinstance(value, InvalidAnswer):  # given while the job was parked: refused as it would have been then
+            return fail(record, "error", "bad_response", f"{tool.name}: {value.message}")
         if not ok:
             kind = str(value.get("type", "client_error"))[:REPORT_FIELD_CAP]
             return fail(record, "error", kind, str(value.get("message", ""))[:REPORT_FIELD_CAP])
@@ -232,10 +248,32 @@ def approval_decision(approved: bool, by: str, reason: str | None) -> dict[str, 
     }
 
 
+@dataclass(frozen=True)
+class InvalidAnswer:
+    """A client's result given while its job was parked that JSON cannot carry exactly (NaN, infinities, a lone
+    surrogate): stored as ``{"kind": "client", "invalid": message}`` and refused (``bad_response``) when taken, as
+    a live answer would be."""
+
+    message: str
+
+
+def client_answer(ok: bool, value: Any) -> Answer:
+    """A client's answer as a parked job's call log stores it (``Answer``): a result JSON cannot carry exactly
+    becomes ``invalid`` with the refusal's message."""
+    if ok:
+        try:
+            exactjson.strict_dumps(value)
+        except ValueError as exc:
+            return {"kind": "client", "invalid": f"the client's result is not JSON: {exc}"}
+    return {"kind": "client", "ok": ok, "value": value}
+
+
 def _taken(answer: Answer, record: dict[str, Any]) -> Any:
     """What ``_pause`` returns for an answer given while the job was parked (raises TimeoutError for a timeout)."""
     if answer["kind"] == "timeout":
         raise TimeoutError
+    if "invalid" in answer:
+        return True, InvalidAnswer(str(answer["invalid"]))
     if answer["kind"] == "approval":
         record["approval"] = answer["approval"]
         return answer["approval"]["decision"] == "approved"

@@ -15,10 +15,10 @@ from datetime import timedelta
 from typing import Any
 
 from service.broker import Broker
-from service.broker.paused import approval_decision
+from service.broker.paused import approval_decision, client_answer
 from service.engines import Engines
-from service.errors import CallNotPending, Draining, JobNotFound
-from service.jobs.admission import Intake
+from service.errors import CallNotPending, Draining, JobNotFound, QueueFull, QuotaExceeded
+from service.jobs.admission import Intake, Ticket
 from service.jobs.live import LiveJob, now
 from service.jobs.parking import TIMEOUT_ANSWER, ParkedJob, ParkedJobs, store_answer
 from service.jobs.placement import Sandboxes
@@ -41,7 +41,7 @@ from service.views.render import FULL, Body, Selection
 
 log = logging.getLogger(__name__)
 
-EXPIRY_RETRY_S = 10.0  # a parked job whose expiry could not be handled (the store failed) is tried again after this
+EXPIRY_RETRY_S = 5.0  # an expiry that could not resume its job (its key at its quota, the store failing): retried
 
 
 @dataclass
@@ -193,10 +193,10 @@ class JobManager:
             JobNotFound: no such job, or another owner's (only the job's owner answers its calls).
             CallNotPending: the job has ended, or that call is not waiting for an answer.
         """
-        answer = {"kind": "client", "ok": ok, "value": value}
+        answer = client_answer(ok, value)
 
-        def act(broker: Broker) -> None:
-            broker.paused.answer_client_call(call_id, ok, value)
+        def act(broker: Broker) -> bool:
+            return broker.paused.answer_client_call(call_id, ok, value)
 
         await self._settle(job_id, caller, call_id, ("client", answer), act)
         return await self.views.view(job_id, caller, selection=selection)
@@ -217,7 +217,8 @@ class JobManager:
             JobNotFound: no such job, or another owner's (only the job's owner, or the admin role, decides).
             CallNotPending: the job has ended, or that call does not await approval (decided, timed out, unknown).
         """
-        answer = {"kind": "approval", "approval": approval_decision(approved, caller.owner, reason)}
+        decision = approval_decision(approved, caller.owner, reason)
+        answer = {"kind": "approval", "approval": {**decision, "at": decision["at"].isoformat()}}
         await self._settle(
             job_id,
             caller,
@@ -233,12 +234,13 @@ class JobManager:
         caller: Caller,
         call_id: str,
         parked_answer: tuple[str, dict[str, Any]],
-        act: Callable[[Broker], None],
+        act: Callable[[Broker], bool],
     ) -> None:
         """Do ``act`` (an answer or a decision about ``call_id``) to a live job's broker, then let the job's task
         record it before its view is taken: wait for the job to change, at most 1 s. A parked job gets the same
         answer (``parked_answer``: what the call awaits, and the answer) stored instead, and is resumed by replay
-        (``_answer_parked``).
+        (``_answer_parked``); so does a resumed job's call its replay has not made again yet (``act`` says so: the
+        answer is kept for it, and stored, so that a crash meanwhile does not lose it).
 
         Raises:
             JobNotFound: no such job, or another owner's.
@@ -262,7 +264,8 @@ class JobManager:
         if job.broker is None:
             raise CallNotPending(call_id)
         changed = job.changed()
-        act(job.broker)
+        if act(job.broker) and job.durable:  # kept for a call its replay has not made again: in its log too
+            await store_answer(self._store, job_id, call_id, parked_answer[1])
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(changed.wait(), 1.0)
 
@@ -281,40 +284,56 @@ class JobManager:
             waits = parked.calls.get(call_id)
             if waits is None or waits[0] != awaiting:
                 raise CallNotPending(call_id)
-            self._parts.sandboxes.admission.room_to_resume(parked.owner)  # else 429 (the harness retries)
-            if not await store_answer(self._store, parked.job_id, call_id, answer):
-                raise CallNotPending(call_id)
+            ticket = self._parts.sandboxes.admission.take_resume(parked.owner)  # else 429 (the harness retries)
             try:
-                await self._resume_parked(parked, "answered")
+                if not await store_answer(self._store, parked.job_id, call_id, answer):
+                    raise CallNotPending(call_id)
+                await self._resume_parked(parked, "answered", ticket)
             except BaseException:
-                self._parked.add(parked)  # still parked: its answer is stored (a new one replaces it)
+                ticket.release()
+                if self._parked.get(parked.job_id) is None and parked.job_id not in self._intake.live:
+                    self._parked.add(parked)  # still parked: its answer is stored (a new one replaces it)
                 raise
         return True
 
     async def _expire_parked(self, parked: ParkedJob, call_id: str) -> None:
         """A call a parked job waits for has reached its ``expires_at``: store its timeout and resume the job
-        (reason ``expired``) so that its script sees it. Never raises (a failure is logged, and tried again
-        ``EXPIRY_RETRY_S`` later)."""
+        (reason ``expired``) so that its script sees it, counted as an answer's resume is (``take_resume``). Never
+        raises: a job whose key is at its quota, or whose store failed (logged), is tried again ``EXPIRY_RETRY_S``
+        later."""
         async with parked.lock:
             if self._parked.get(parked.job_id) is not parked or call_id not in parked.calls:
                 return
+            try:  # counted as an answer's resume is: one key's expiries cannot crowd out the others' jobs
+                ticket = self._parts.sandboxes.admission.take_resume(parked.owner)
+            except (QueueFull, QuotaExceeded):
+                self._retry_expiry(parked, call_id)
+                return
             try:
                 await store_answer(self._store, parked.job_id, call_id, TIMEOUT_ANSWER)
-                await self._resume_parked(parked, "expired")
+                await self._resume_parked(parked, "expired", ticket)
             except Exception:
-                log.exception(
-                    "job %s: its parked call %s expired; the job could not be resumed", parked.job_id, call_id
-                )
-                parked.calls[call_id] = (parked.calls[call_id][0], now() + timedelta(seconds=EXPIRY_RETRY_S))
-                self._parked.add(parked)  # tried again later
+                ticket.release()
+                log.exception("job %s: its parked call %s expired; it could not be resumed", parked.job_id, call_id)
+                self._retry_expiry(parked, call_id)
 
-    async def _resume_parked(self, parked: ParkedJob, reason: str) -> None:
-        """Resume a parked job by replay, with the calls it still waits for (``Recovery.resume_job``); it leaves
-        the parked jobs first. Raises what the store raises (the caller puts it back)."""
+    def _retry_expiry(self, parked: ParkedJob, call_id: str) -> None:
+        """Hold a parked job whose expiry could not resume it again, that expiry ``EXPIRY_RETRY_S`` later."""
+        self._parked.take(parked.job_id)
+        parked.calls[call_id] = (parked.calls[call_id][0], now() + timedelta(seconds=EXPIRY_RETRY_S))
+        self._parked.add(parked)
+
+    async def _resume_parked(self, parked: ParkedJob, reason: str, ticket: Ticket | None = None) -> None:
+        """Resume a parked job by replay, with the calls it still waits for (``Recovery.resume_job``; ``ticket``:
+        its admission, taken already, given back if it is not resumed); it leaves the parked jobs first. Raises
+        what the store raises (the caller puts it back)."""
         self._parked.take(parked.job_id)
         spec = await self.recovery.load(parked.job_id)  # None: ended meanwhile, or marked lost (unreadable spec)
-        if spec is not None:
-            await self.recovery.resume_job(spec, reason, self._intake, self._runner.start, parked)
+        if spec is None:
+            if ticket is not None:
+                ticket.release()
+            return
+        await self.recovery.resume_job(spec, reason, self._intake, self._runner.start, parked, ticket)
 
     async def adopt_orphan(self, stored: StoredJob) -> bool:
         """Take over a durable job a dead replica left (the reaper's ``adopt``): resumed here by replay (reason
@@ -344,14 +363,16 @@ class JobManager:
             await job.done.wait()
             job = self.views.live(job_id, caller)
         parked = self._parked.get(job_id) if job is None else None
-        if parked is not None and caller.may_access(parked.owner):  # admitted again, stopped before it starts
+        if parked is not None and caller.may_access(parked.owner):  # ended from its saved view, not run again
             async with parked.lock:
                 if self._parked.get(job_id) is parked:
-                    await self._resume_parked(parked, "stopped")
-            job = self.views.live(job_id, caller)
-            if job is not None:
-                await self._runner.stop(job, "stopped while parked")
-                return await self.views.view(job_id, caller, selection=selection)
+                    self._parked.take(job_id)
+                    try:
+                        await self.recovery.stop_parked(job_id)
+                    except BaseException:
+                        self._parked.add(parked)  # still parked
+                        raise
+            job = self.views.live(job_id, caller)  # resumed by an answer first: stopped as a live job
         if job is not None:
             await self._runner.stop(job)
         return await self.views.view(job_id, caller, selection=selection)

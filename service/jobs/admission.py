@@ -120,12 +120,13 @@ class Admission:
         self.admitted += 1  # counted before any await, so admission is exact under concurrency
         return Ticket(self, owner, None)
 
-    def room_to_resume(self, owner: str) -> None:
-        """Raise QueueFull or QuotaExceeded when a parked job of ``owner`` could not be admitted now as a new job
-        would be (its answer is refused: the harness retries); ``jobs_per_minute`` does not apply to it."""
+    def take_resume(self, owner: str) -> Ticket:
+        """Count a parked job of ``owner`` resumed by its harness's answer, as a new job would be (``jobs_per_minute``
+        aside); raises QueueFull or QuotaExceeded (nothing counted: the answer is refused, the harness retries)."""
         if self.admitted >= self._settings.concurrency() + self._settings.max_queue:
             raise QueueFull(self._settings.retry_after_s)
         self.quotas.room_for_job(owner)
+        return self.resumed(owner)
 
     def resumed(self, owner: str) -> Ticket:
         """Count a durable job resumed by replay as running again; never refused (it was admitted once)."""
@@ -253,12 +254,13 @@ class Intake:
         replay: list[Logged],
         resume: dict[str, Any],
         parked: tuple[Mapping[str, tuple[str, datetime]], float] | None = None,
+        ticket: Ticket | None = None,
     ) -> Admitted:
         """A durable one-shot job left unfinished (by an earlier run of the service, or parked), admitted again from
         its run spec to be resumed by replaying ``replay`` (its call log); ``resume`` is the view's entry for it;
         ``parked``: a job parked while it waited for the harness: the calls it still waits for (``PausedCalls``'
-        ``carried``) and the seconds its runs took. Counted as a running job again, never refused for its owner's
-        quotas or the queue's bound (``Admission.resumed``: it was admitted once).
+        ``carried``) and the seconds its runs took. Counted as a running job again (``ticket``, taken already), or
+        else never refused for its owner's quotas or the queue's bound (``Admission.resumed``: it was admitted once).
 
         Raises:
             ManifestError, InvalidField, UnknownImage, RequestLimitError: as ``admit`` (the job cannot be resumed:
@@ -268,7 +270,7 @@ class Intake:
         key = self._settings.key_limits.get(spec.owner)
         limits = resolve_limits(request.model_copy(update={"image": spec.image}), self._settings, key)
         engine = self._engines[spec.engine] if self._engines is not None else None
-        ticket = self._admission.resumed(caller.owner)
+        ticket = ticket or self._admission.resumed(caller.owner)
         try:
             job, manifest = await self._new_job(
                 limits, request, request.tools, request.toolset, caller, engine, spec.job_id

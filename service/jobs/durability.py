@@ -22,7 +22,7 @@ from service.broker.durable import CallLogPort, DurableLog, Logged
 from service.jobs.events import Events, JobParked
 from service.jobs.live import LiveJob, now
 from service.jobs.model import ErrorType, Failure
-from service.jobs.parking import ParkedJob
+from service.jobs.parking import ParkedJob, ParkedJobs
 from service.schemas.job_models import ExecuteRequest
 from service.store import JobStore, StoredJob
 from service.store.call_log import LoggedCall
@@ -112,13 +112,20 @@ def stop_diverged(job: LiveJob, message: str) -> None:
         job.stop_requested.set()
 
 
-async def park(admitted: Admitted, store: JobStore, save: Callable[[LiveJob], Awaitable[None]], events: Events) -> None:
+async def park(
+    admitted: Admitted,
+    store: JobStore,
+    save: Callable[[LiveJob], Awaitable[None]],
+    events: Events,
+    parked: ParkedJobs,
+) -> None:
     """Leave a durable job unfinished in the store, its run spec and call log with it, for a resume by replay: at
     the next start (the service is stopping: ``JobManager.close``), or when a call it waits for is answered or
     expires (it waited for the harness: ``service.jobs.parking``); its view says when (``parked_at``), saved
     through ``save`` (``Runner.save``), then ``JobParked`` is published. A job parked before its script started
     has its spec stored now (no hash seed: its resume is its first run). The calls it waits for
-    (``LiveJob.parked_calls``) stay ``pending`` in its records. Never raises."""
+    (``LiveJob.parked_calls``) stay ``pending`` in its records; a job that waits for the harness joins ``parked``
+    (an answer or an expiry resumes it, not the next start), in the place it reserved. Never raises."""
     job = admitted.job
     job.parked_at = now()
     waited = {call["call_id"] for call in job.parked_calls}
@@ -135,7 +142,21 @@ async def park(admitted: Admitted, store: JobStore, save: Callable[[LiveJob], Aw
         log.info("job %s parked: an answer to a call it waits for resumes it by replay", job.id)
     else:
         log.warning("job %s parked: it is resumed by replay when the service starts again", job.id)
+    if job.parked_calls:
+        calls = {c["call_id"]: (c["awaiting"], c["expires_at"]) for c in job.parked_calls}
+        parked.add(ParkedJob(job.id, job.owner, calls, job.active_s), reserved=job.park_reserved)
+    elif job.park_reserved:
+        parked.release(job.owner)
+    job.park_reserved = False
     events.publish(JobParked(job))
+
+
+def left_unmade(broker: Broker, ended_by: str | None) -> Failure | None:
+    """``replay_diverged`` for a resumed job whose script ended by itself (``ended_by`` None: not stopped, not timed
+    out) while logged calls were never made again (it took another path: an answer given to a call it no longer
+    makes would be lost unseen); None otherwise."""
+    unmade = broker.durable.unmade() if broker.durable is not None and ended_by is None else None
+    return Failure(ErrorType.REPLAY_DIVERGED, unmade) if unmade is not None else None
 
 
 def waiting_for(broker: Broker) -> list[dict[str, Any]]:

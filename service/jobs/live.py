@@ -138,6 +138,7 @@ class LiveJob(Job):
     diverged: Failure | None = None  # its replay diverged from its call log: it ends ``failed`` with this
     hash_seed: int | None = None  # its interpreter's string-hash seed, once its sandbox has one (a replay's too)
     parking: bool = False  # the service is stopping: a durable job is parked (left unfinished for a resume), not lost
+    park_reserved: bool = False  # a place among the parked jobs is reserved for it (``ParkedJobs.reserve``)
     spec_kept: bool = False  # its run spec is in the store (``service.jobs.durability.keep_spec``)
     parked_at: datetime | None = None  # when it was parked
     parked_calls: list[dict[str, Any]] = field(default_factory=list)  # the calls it waits for while parked

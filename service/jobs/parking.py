@@ -63,6 +63,7 @@ class ParkedJobs:
         self._per_owner = max(max_jobs // PARKED_SHARE, 1) if shared else max_jobs
         self._jobs: dict[str, ParkedJob] = {}
         self._by_owner: Counter[str] = Counter()
+        self._reserved: Counter[str] = Counter()  # places taken by jobs being parked (``reserve``), by owner
         self._expiries: list[tuple[datetime, str, str]] = []  # (expires_at, job id, call id), a heap
         self._changed = asyncio.Event()
 
@@ -78,11 +79,30 @@ class ParkedJobs:
         return self._by_owner[owner]
 
     def room(self, owner: str) -> bool:
-        """Whether a job of ``owner`` may be parked now (``PTC_MAX_PARKED_JOBS`` and the key's share)."""
-        return len(self._jobs) < self._max and self._by_owner[owner] < self._per_owner
+        """Whether a job of ``owner`` may be parked now (``PTC_MAX_PARKED_JOBS`` and the key's share), counting the
+        places reserved by jobs being parked."""
+        held = len(self._jobs) + self._reserved.total()
+        return held < self._max and self._by_owner[owner] + self._reserved[owner] < self._per_owner
 
-    def add(self, parked: ParkedJob) -> None:
-        """Hold a job that has just been parked (or found parked at start-up)."""
+    def reserve(self, owner: str) -> bool:
+        """Take a place for a job of ``owner`` about to be parked (``room``); False when there is none. The place is
+        ``add``'s (``reserved``) or given back (``release``)."""
+        if not self.room(owner):
+            return False
+        self._reserved[owner] += 1
+        return True
+
+    def release(self, owner: str) -> None:
+        """Give back a place ``reserve`` took (the job was not parked after all)."""
+        self._reserved[owner] -= 1
+        if self._reserved[owner] <= 0:
+            del self._reserved[owner]
+
+    def add(self, parked: ParkedJob, reserved: bool = False) -> None:
+        """Hold a job that has just been parked (``reserved``: in the place it reserved) or found parked at
+        start-up, or taken over from a dead replica."""
+        if reserved:
+            self.release(parked.owner)
         if parked.job_id in self._jobs:
             return
         self._jobs[parked.job_id] = parked
@@ -130,10 +150,10 @@ class ParkedJobs:
                 pass
 
 
-async def park_due(job: LiveJob, broker: Broker, after_s: float, room: Callable[[str], bool]) -> None:
+async def park_due(job: LiveJob, broker: Broker, after_s: float, parked: ParkedJobs) -> None:
     """Return once ``job`` should be parked: every call it has in flight has waited for the harness
-    (``PausedCalls``) for ``after_s`` (``PTC_PARK_AFTER_S``) without a break, it is still durable, and its owner
-    may park one more job (``room``: ``ParkedJobs.room``); checked at most once a second after that."""
+    (``PausedCalls``) for ``after_s`` (``PTC_PARK_AFTER_S``) without a break, it is still durable, and a place was
+    reserved for it (``ParkedJobs.reserve``: ``job.park_reserved``); checked at most once a second after that."""
     paused, loop = broker.paused, asyncio.get_running_loop()
     while True:
         since = paused.waiting_since
@@ -142,7 +162,8 @@ async def park_due(job: LiveJob, broker: Broker, after_s: float, room: Callable[
             await asyncio.sleep(min(due, after_s))
             continue
         in_flight = sum(record["status"] == "pending" for record in broker.records.calls)
-        if job.durable and in_flight == paused.waiting and room(job.owner):
+        if job.durable and in_flight == paused.waiting and parked.reserve(job.owner):
+            job.park_reserved = True
             return
         await asyncio.sleep(1.0)
 

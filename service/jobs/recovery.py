@@ -29,12 +29,12 @@ from service.broker.config import REPORT_FIELD_CAP
 from service.engines import Engines
 from service.errors import SandboxError
 from service.files import FILES_FOLDER
-from service.jobs.admission import Admitted, Intake
+from service.jobs.admission import Admitted, Intake, Ticket
 from service.jobs.durability import RunSpec, logged_calls
 from service.jobs.events import JobLost
 from service.jobs.live import SLICE_BYTES, STREAMS, now
 from service.jobs.marks import read_marks
-from service.jobs.model import ErrorType, Failure
+from service.jobs.model import ErrorType, Failure, JobStatus
 from service.jobs.parking import ParkedJob
 from service.jobs.state import JobState
 from service.output import CappedStream, read_range
@@ -190,23 +190,34 @@ class Recovery:
     async def mark_lost(self, stored: StoredJob, why: str | None = None) -> None:
         """End a job a previous run left unfinished: status ``lost``, its output as far as it was kept (unless
         another replica's reaper marked it first: ``JobRecords.save_lost``); ``why``: what stopped its resume."""
-
-        async def replay(stream: str, inline: CappedStream, limit: int) -> int:
-            return await self._replay(self.output_dir / stored.job_id / stream, inline, limit)
-
         message = (
             f"the service stopped while the job was {stored.status}; its sandbox was removed when it started again"
         )
         error = Failure(ErrorType.SERVICE_RESTARTED, message if why is None else f"{message}; not resumed: {why}")
-        row = await lost_row(stored, error, "the service stopped", replay, self._settings.output_retention_bytes)
-        # Ended only if nobody ended it meanwhile; its callback's row, pending, in the same transaction: any replica
-        # delivers it (docs/scaling.md, Callbacks, exactly once).
+        if await self._end(stored, error, "the service stopped", JobStatus.LOST):
+            self._events.publish(JobLost(stored.job_id, stored.status))
+            log.warning("job %s was %s when the service last stopped: marked lost", stored.job_id, stored.status)
+
+    async def stop_parked(self, job_id: str) -> None:
+        """End a parked job ``stopped`` (``POST /jobs/{id}/stop``) from its saved view, without running it again:
+        its output and call records as parked, the calls it waited for ``cancelled``. Raises what the store raises."""
+        stored = await self._store.jobs.get(job_id)
+        if stored is not None and stored.ended_at is None:
+            error = Failure(ErrorType.STOPPED, "stopped while parked")
+            await self._end(stored, error, "the job was stopped while parked", JobStatus.STOPPED)
+
+    async def _end(self, stored: StoredJob, error: Failure, cancelled: str, status: JobStatus) -> bool:
+        """Save an unfinished job ended (``lost_row``) unless another ended it first (``JobRecords.save_lost``, with
+        its callback's row, pending, in the same transaction: any replica delivers it, docs/scaling.md, Callbacks,
+        exactly once), then drop its run spec and call log; whether this call ended it."""
+
+        async def replay(stream: str, inline: CappedStream, limit: int) -> int:
+            return await self._replay(self.output_dir / stored.job_id / stream, inline, limit)
+
+        row = await lost_row(stored, error, cancelled, replay, self._settings.output_retention_bytes, status)
         ended = await self._store.jobs.save_lost(row)
         await self._store.runs.forget(stored.job_id)  # its run spec (with its env) and call log: nothing resumes it
-        if not ended:
-            return
-        self._events.publish(JobLost(stored.job_id, stored.status))
-        log.warning("job %s was %s when the service last stopped: marked lost", stored.job_id, stored.status)
+        return ended
 
     async def resume(self, intake: Intake, start: Callable[[Admitted], object]) -> int:
         """Resume the durable jobs ``start`` set aside (``resumable``): each admitted again from its run spec with
@@ -226,11 +237,30 @@ class Recovery:
         intake: Intake,
         start: Callable[[Admitted], object],
         parked: ParkedJob | None = None,
+        ticket: Ticket | None = None,
     ) -> bool:
         """Resume one durable job left unfinished, by replay (see ``resume``); ``reason`` goes in its view's
         ``resumes``; ``parked``: it was parked waiting for the harness (``service.jobs.parking``), and these are the
-        calls it still waits for. Its owner's key must still be configured (its role is today's). Returns whether
-        it was resumed (else it is marked lost, or another replica took it). Raises what the store raises."""
+        calls it still waits for; ``ticket``: its admission, taken already (given back if it is not resumed). Its
+        owner's key must still be configured (its role is today's). Returns whether it was resumed (else it is
+        marked lost, or another replica took it). Raises what the store raises."""
+        resumed = False
+        try:
+            resumed = await self._resume_job(spec, reason, intake, start, parked, ticket)
+            return resumed
+        finally:
+            if ticket is not None and not resumed:
+                ticket.release()
+
+    async def _resume_job(
+        self,
+        spec: RunSpec,
+        reason: str,
+        intake: Intake,
+        start: Callable[[Admitted], object],
+        parked: ParkedJob | None,
+        ticket: Ticket | None,
+    ) -> bool:
         stored = spec.stored
         assert stored is not None
         names = key_names(self._settings)  # an owner's key must still exist, its role is today's
@@ -244,7 +274,7 @@ class Recovery:
         try:
             replay = await logged_calls(self._store, spec.job_id)
             waits = (parked.calls, parked.active_s) if parked is not None else None
-            admitted = await intake.readmit(spec, replay, entry, waits)
+            admitted = await intake.readmit(spec, replay, entry, waits, ticket)
         except Exception as exc:
             log.exception("job %s could not be resumed", spec.job_id)
             await self.mark_lost(stored, f"{type(exc).__name__}: {exc}"[:REPORT_FIELD_CAP])

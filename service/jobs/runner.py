@@ -32,11 +32,11 @@ from service.broker.durable import Logged
 from service.engines import Engine, EngineRun, ExitStatus, Sandbox
 from service.files import OutputFiles
 from service.jobs.admission import Admitted
-from service.jobs.durability import call_log, forget_run, keep_spec, park, stop_diverged, waiting_for
+from service.jobs.durability import call_log, forget_run, keep_spec, left_unmade, park, stop_diverged, waiting_for
 from service.jobs.events import CallEnded, JobEnded, SandboxStarted, StatusChanged
 from service.jobs.live import LiveJob, end_by_failure, note_stored_bytes, now, save_final_again, stored_job
 from service.jobs.model import EndedBy, JobStatus, end_of_run
-from service.jobs.parking import ParkedJob, park_due
+from service.jobs.parking import park_due
 from service.jobs.placement import InSession, OneShot, Placement, Sandboxes
 from service.jobs.shared import SHARE_AT_ONCE, keep_output
 from service.jobs.state import JobState
@@ -283,7 +283,7 @@ class Runner:
         stop = asyncio.ensure_future(job.stop_requested.wait())
         watch: set[asyncio.Future[Any]] = {stop}
         if job.durable and job.session_id is None and self._settings.park_after_s > 0:
-            watch.add(asyncio.ensure_future(park_due(job, broker, self._settings.park_after_s, self._parked.room)))
+            watch.add(asyncio.ensure_future(park_due(job, broker, self._settings.park_after_s, self._parked)))
         try:
             remaining = max(job.limits.timeout_s - job.active_s - (time.monotonic() - started), 0)
             done, _ = await asyncio.wait({waiting, *watch}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
@@ -305,6 +305,9 @@ class Runner:
         finally:
             for watcher in watch:
                 watcher.cancel()
+            if job.park_reserved and not job.parking:  # its place was reserved as it ended by itself
+                job.park_reserved = False
+                self._parked.release(job.owner)
             if not waiting.done():
                 waiting.cancel()
 
@@ -321,7 +324,7 @@ class Runner:
             stop_reason=job.stop_reason,
             script_failure=script_failure,
         )
-        diverged = job.diverged  # stopped for it: the replay's divergence is why it ended
+        diverged = job.diverged or left_unmade(broker, ended_by)  # stopped for it, or it ended another way
         job.end(*((status, error) if diverged is None else (JobStatus.FAILED, diverged.as_dict())))
 
     def _call_ended(self, job: LiveJob, record: dict[str, Any]) -> None:
@@ -350,10 +353,7 @@ class Runner:
                 output.close()
             stages.mark("broker-closed")
             if not job.ended and job.parking:
-                await park(admitted, self._store, self.save, self._events)
-                if job.parked_calls:  # an answer (or an expiry) resumes it; not the next start
-                    calls = {c["call_id"]: (c["awaiting"], c["expires_at"]) for c in job.parked_calls}
-                    self._parked.add(ParkedJob(job.id, job.owner, calls, job.active_s))
+                await park(admitted, self._store, self.save, self._events, self._parked)
                 return
             job.ended_at = now()
             if not job.ended:

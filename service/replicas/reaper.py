@@ -58,9 +58,12 @@ Replay = Callable[[str, CappedStream, int], Awaitable[int]]
 ``inline`` and returns how many it found."""
 
 
-async def lost_row(stored: StoredJob, error: Failure, cancelled: str, replay: Replay, limit: int) -> StoredJob:
-    """The ended ``lost`` row of an unfinished job: ``error``, its pending calls ended ``cancelled`` (a message),
-    its inline output and byte counts from ``replay`` (at most ``limit`` bytes a stream, the retention)."""
+async def lost_row(
+    stored: StoredJob, error: Failure, cancelled: str, replay: Replay, limit: int, status: JobStatus = JobStatus.LOST
+) -> StoredJob:
+    """The ended row of an unfinished job (``lost``, or ``status``): ``error``, its pending calls ended
+    ``cancelled`` (a message), its inline output and byte counts from ``replay`` (at most ``limit`` bytes a stream,
+    the retention)."""
     view = exactjson.loads(stored.view)  # its records may hold integers past 64 bits
     ended = now()
     started = datetime.fromisoformat(view["started_at"]) if view.get("started_at") else None
@@ -85,7 +88,7 @@ async def lost_row(stored: StoredJob, error: Failure, cancelled: str, replay: Re
         for c in view["calls"]
     ]
     view.update(
-        status=JobStatus.LOST.value,
+        status=status.value,
         ended_at=ended,
         error=error.as_dict(),
         duration_ms=ms(started, ended),

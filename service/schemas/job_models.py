@@ -250,8 +250,7 @@ class JobResume(BaseModel):
         description="drained: the job was parked when its service stopped (SIGTERM); service_restarted: the service "
         "was found dead under it (a crash, kill -9); replica_lost: another replica took it over from a dead one; "
         "answered: it was parked waiting for the harness and a call it waited for was answered; expired: likewise, "
-        "and a call it waited for reached its expires_at; stopped: likewise, and a stop was asked (it ends stopped "
-        "without running again)."
+        "and a call it waited for reached its expires_at."
     )
     instance: str = Field(description="The instance id (PTC_INSTANCE_ID) that resumed it.")
 

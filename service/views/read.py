@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from service import files
+from service import exactjson, files
 from service.errors import InvalidField, JobNotFound, NoSuchFile
 from service.jobs import shared
 from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob, LiveJobs, unless_ending, wait_for_end_or_client
@@ -36,6 +36,13 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 15.0
 PARKED_POLL_S = 1.0  # how often a follower of a parked job looks whether it was resumed (s)
 """Seconds without an event after which a follower of a live job gets a ``ping`` (a comment in the stream)."""
+
+
+def _status(record: dict[str, Any] | bytes | memoryview) -> str | None:
+    """A call record's ``status`` (a stored view's record is its JSON bytes)."""
+    if isinstance(record, dict):
+        return str(record["status"])
+    return str(exactjson.loads(bytes(record)).get("status"))
 
 
 class JobViews:
@@ -344,6 +351,8 @@ class JobViews:
                 records = list(final.records())
             else:  # not reachable: a job that is not live has its saved view
                 raise JobNotFound(job_id)
+            # a parked job (not live, saved unfinished with parked_at) has not ended: an answer resumes it
+            parked = job is None and head.get("parked_at") is not None and head.get("ended_at") is None
             if head["status"] != at.status:
                 at.status = head["status"]
                 yield "status", {"status": at.status}, at.token(job_id)
@@ -357,7 +366,10 @@ class JobViews:
                     record = records[index]
                     if at.sent(index + 1):
                         continue
-                    if job is not None and record["status"] == "pending":
+                    # sent once it has its outcome (a job being parked: its waits' records are cancelled, then pending)
+                    if (job is not None and job.parking) or (
+                        (job is not None or parked) and _status(record) == "pending"
+                    ):
                         pending.append(index)
                         continue
                     at.mark(index + 1)
@@ -368,8 +380,6 @@ class JobViews:
                     else:
                         data = render.encode_record(record) if isinstance(record, dict) else record
                     yield "call", data, at.token(job_id)
-            # a parked job (not live, saved unfinished with parked_at) has not ended: an answer resumes it
-            parked = job is None and head.get("parked_at") is not None and head.get("ended_at") is None
             ended = (job is None and not parked) or (job is not None and head["status"] in FINAL and job.done.is_set())
             for stream in STREAMS:
                 retained = head[f"{stream}_retained_bytes"]

@@ -341,7 +341,8 @@ def scan(body: bytes, summaries: list[bytes] | None = None) -> tuple[dict[str, A
         i = _skip(text, i)
         if text[i] == ",":
             i = _skip(text, i + 1)
-    head.pop("pending_calls", None)
+    if not head.get("pending_calls"):  # kept only for a parked job's (``JobViews`` serves them from the head)
+        head.pop("pending_calls", None)
     if len(text) == len(body):  # ASCII: characters are bytes
         offsets = marks
     else:

@@ -5,6 +5,7 @@ restart. Real engine, a real HTTP tool server."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import secrets
 import threading
@@ -258,7 +259,9 @@ def test_a_stop_while_parked_ends_the_job_stopped_with_its_output(parking: Servi
         view = ended(api, job_id)
         assert api.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": 1}).status_code == 409
     assert view["status"] == "stopped" and view["error"]["message"] == "stopped while parked", view
-    assert view["stdout"] == "asking\n" and [r["reason"] for r in view["resumes"]] == ["stopped"], view
+    assert view["stdout"] == "asking\n" and view["resumes"] == [], view  # not run again
+    [record] = view["calls"]  # the call it waited for, kept
+    assert record["call_id"] == pending["call_id"] and record["error"]["type"] == "cancelled", record
 
 
 def test_the_event_stream_follows_a_parked_job_to_its_end(parking: Service) -> None:
@@ -289,4 +292,152 @@ def test_the_event_stream_follows_a_parked_job_to_its_end(parking: Service) -> N
         follower.join(60)
     assert not follower.is_alive()
     assert events[-1][0] == "end" and '"status":"succeeded"' in events[-1][1], events[-3:]
+    [call] = [json.loads(data) for name, data in events if name == "call"]  # sent once, with its outcome
+    assert call["status"] == "ok" and call["result"] == "go", call
     assert "".join(json.loads(data)["text"] for name, data in events if name == "stdout") == "asking\nanswer: go\n"
+
+
+def test_a_parked_jobs_pending_calls_show_in_every_selection_and_odd_answers_are_judged_as_live(
+    parking: Service,
+) -> None:
+    script = (
+        "import tools\n"
+        "for q in ('nan', 'big'):\n"
+        "    try:\n"
+        "        print(q, repr(tools.ask(q=q)), flush=True)\n"
+        "    except tools.ToolError as e:\n"
+        "        print(q, e.type, flush=True)\n"
+    )
+    with parking.client(timeout=90) as api:
+        job_id = api.post("/execute", json={"script": script, "tools": [ASK], "wait_s": 0}).json()["job_id"]
+        [pending] = parked_view(api, job_id)["pending_calls"]
+        for query in ({"calls": "summary"}, {"calls": "none"}, {"fields": "status,pending_calls"}):
+            listed = api.get(f"/jobs/{job_id}", params=query).json()["pending_calls"]
+            assert [c["call_id"] for c in listed] == [pending["call_id"]], (query, listed)
+        nan = b'{"result": NaN}'
+        headers = {"content-type": "application/json"}
+        answered = api.post(f"/jobs/{job_id}/calls/{pending['call_id']}", content=nan, headers=headers)
+        assert answered.status_code == 200, answered.text
+        wait_until(
+            lambda: (
+                api.get(f"/jobs/{job_id}").json()["parked_at"] is not None
+                and "nan" in api.get(f"/jobs/{job_id}").json()["stdout"]
+            ),
+            30,
+        )
+        [big] = api.get(f"/jobs/{job_id}").json()["pending_calls"]
+        huge = b'{"result": 123456789012345678901234567890}'
+        answered = api.post(f"/jobs/{job_id}/calls/{big['call_id']}", content=huge, headers=headers)
+        assert answered.status_code == 200, answered.text
+        view = ended(api, job_id)
+    assert view["stdout"] == "nan bad_response\nbig 123456789012345678901234567890\n", view
+
+
+def test_a_keys_parked_places_hold_when_its_jobs_park_at_the_same_instant(
+    engine: docker.DockerClient, scratch: Path
+) -> None:
+    svc = start_service(
+        f"pytest-parking-budget-{secrets.token_hex(3)}", scratch / f"parking-budget-{secrets.token_hex(3)}",
+        PTC_PARK_AFTER_S="1", PTC_WARM_POOL_SIZE="0", PTC_MAX_PARKED_JOBS="1", PTC_MAX_CONCURRENT_SANDBOXES="3",
+    )  # fmt: skip
+    try:
+        with svc.client(timeout=90) as api:
+            at = time.time() + 4
+            script = f"import time, tools\ntime.sleep(max({at} - time.time(), 0))\nprint(tools.ask(q='x'))\n"
+            ids = [
+                api.post("/execute", json={"script": script, "tools": [ASK], "wait_s": 0}).json()["job_id"]
+                for _ in range(3)
+            ]
+            wait_until(lambda: any(api.get(f"/jobs/{j}").json()["parked_at"] for j in ids), 30)
+            time.sleep(2)  # the others had their chance to park too
+            views = [api.get(f"/jobs/{j}").json() for j in ids]
+            assert sum(bool(v["parked_at"]) for v in views) == 1, views  # one place: the others wait in sandboxes
+            assert [v["status"] for v in views] == ["waiting"] * 3
+            assert len(labelled_containers(engine, svc.instance_id)) == 2
+            for job_id, view in zip(ids, views, strict=True):
+                answer = api.post(f"/jobs/{job_id}/calls/{view['pending_calls'][0]['call_id']}", json={"result": 1})
+                assert answer.status_code == 200, answer.text
+            assert [ended(api, j)["stdout"] for j in ids] == ["1\n"] * 3
+    finally:
+        svc.stop()
+    assert not labelled_containers(engine, svc.instance_id, include_pool=True)
+
+
+def test_resumes_of_parked_jobs_are_admitted_within_the_keys_quota(engine: docker.DockerClient, scratch: Path) -> None:
+    """One slot and a queue of one: answers to three parked jobs at once admit two (the third gets 429), and
+    expiries wait for room instead of crowding the queue."""
+    svc = start_service(
+        f"pytest-parking-quota-{secrets.token_hex(3)}", scratch / f"parking-quota-{secrets.token_hex(3)}",
+        PTC_PARK_AFTER_S="1", PTC_WARM_POOL_SIZE="0", PTC_MAX_CONCURRENT_SANDBOXES="1", PTC_MAX_QUEUE="1",
+    )  # fmt: skip
+    slow = "import time, tools\nprint(tools.ask(q='x'))\ntime.sleep(2)\n"
+    try:
+        with svc.client(timeout=90) as api:
+            ids = []
+            for _ in range(3):  # one at a time: each parks and gives its slot back before the next
+                ids.append(api.post("/execute", json={"script": slow, "tools": [ASK], "wait_s": 0}).json()["job_id"])
+                parked_view(api, ids[-1])
+            calls = [api.get(f"/jobs/{j}").json()["pending_calls"][0]["call_id"] for j in ids]
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                codes = list(
+                    pool.map(
+                        lambda jc: api.post(f"/jobs/{jc[0]}/calls/{jc[1]}", json={"result": 1}).status_code,
+                        zip(ids, calls, strict=True),
+                    )
+                )
+            assert sorted(codes) == [200, 200, 429], codes
+            refused = ids[codes.index(429)]
+            wait_until(
+                lambda: (
+                    api.post(f"/jobs/{refused}/calls/{calls[codes.index(429)]}", json={"result": 1}).status_code == 200
+                ),
+                60,
+            )
+            assert [ended(api, j)["status"] for j in ids] == ["succeeded"] * 3
+    finally:
+        svc.stop()
+    assert not labelled_containers(engine, svc.instance_id, include_pool=True)
+
+
+def test_an_answer_kept_for_a_call_not_yet_made_again_survives_a_crash(
+    engine: docker.DockerClient, scratch: Path
+) -> None:
+    instance, work_dir = f"pytest-parked-early-{secrets.token_hex(3)}", scratch / f"early-{secrets.token_hex(3)}"
+    env = {"PTC_PARK_AFTER_S": "1", "PTC_WARM_POOL_SIZE": "0", "PTC_MAX_CONCURRENT_SANDBOXES": "1"}
+    script = (
+        "import asyncio, tools\n"
+        "async def main():\n"
+        "    print(*await asyncio.gather(tools.aio.ask(q='a'), tools.aio.ask(q='b')))\n"
+        "asyncio.run(main())\n"
+    )
+    first = start_service(instance, work_dir, **env)
+    with first.client(timeout=90) as api:
+        job_id = api.post("/execute", json={"script": script, "tools": [ASK], "wait_s": 0}).json()["job_id"]
+        pending = {c["args"]["q"]: c["call_id"] for c in parked_view(api, job_id)["pending_calls"]}
+        blocker = api.post("/execute", json={"script": "import time\ntime.sleep(60)", "wait_s": 0, "durable": False})
+        wait_until(lambda: api.get(f"/jobs/{blocker.json()['job_id']}").json()["status"] == "running", 30)
+        assert api.post(f"/jobs/{job_id}/calls/{pending['a']}", json={"result": "A"}).status_code == 200
+        assert api.get(f"/jobs/{job_id}").json()["status"] == "queued"  # resumed, waiting for the one slot
+        assert api.post(f"/jobs/{job_id}/calls/{pending['b']}", json={"result": "B"}).status_code == 200  # early
+    first.kill()
+    again = start_service(instance, work_dir, **env)
+    try:
+        with again.client(timeout=90) as api:
+            view = ended(api, job_id)
+        assert view["status"] == "succeeded" and view["stdout"] == "A B\n", view
+    finally:
+        again.stop()
+    assert not labelled_containers(engine, instance, include_pool=True)
+
+
+def test_a_replay_that_no_longer_makes_the_answered_call_ends_replay_diverged(parking: Service) -> None:
+    with parking.client(timeout=90) as api:
+        until = time.time() + 3
+        script = f"import time, tools\nif time.time() < {until}:\n    print(tools.ask(q='now?'))\nprint('end')\n"
+        job_id = api.post("/execute", json={"script": script, "tools": [ASK], "wait_s": 0}).json()["job_id"]
+        [pending] = parked_view(api, job_id)["pending_calls"]
+        time.sleep(max(until - time.time(), 0) + 0.5)  # its replay takes the other branch
+        assert api.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": "yes"}).status_code == 200
+        view = ended(api, job_id)
+    assert view["status"] == "failed" and view["error"]["type"] == "replay_diverged", view
+    assert "not made again" in view["error"]["message"]

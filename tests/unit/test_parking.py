@@ -11,8 +11,8 @@ import pytest
 
 from service.broker.config import BrokerConfig
 from service.broker.durable import DurableLog, Logged, decode_answer, encode_answer, encode_outcome
-from service.broker.paused import ClientResult, PausedCalls, approval_decision
-from service.errors import CallNotPending
+from service.broker.paused import ClientResult, PausedCalls, approval_decision, client_answer
+from service.errors import CallNotPending, PayloadTooLarge
 from service.jobs.parking import ParkedJob, ParkedJobs
 from service.toolkit.manifest import parse_manifest
 
@@ -136,3 +136,43 @@ async def test_expiries_come_in_order_and_skip_answered_calls() -> None:
     finally:
         loop.cancel()
     assert seen == [("early", "c2"), ("late", "c1")]
+
+
+def test_a_place_reserved_while_a_job_is_being_parked_counts_until_it_is_added_or_released() -> None:
+    parked = ParkedJobs(4, shared=True)  # one place per key
+    assert parked.reserve("alice") and not parked.reserve("alice")  # the second job of the same instant waits
+    parked.add(ParkedJob("a", "alice", {}), reserved=True)
+    assert not parked.room("alice") and parked.count("alice") == 1
+    assert parked.reserve("bob")
+    parked.release("bob")
+    assert parked.room("bob")
+
+
+async def test_answers_kept_before_their_call_is_made_again_are_bounded_in_bytes() -> None:
+    later = datetime.now(UTC) + timedelta(days=1)
+    small = BrokerConfig(max_calls=10, max_line_bytes=1 << 20, max_record_bytes=1 << 20, max_in_flight_bytes=1000)
+    paused = PausedCalls(small, carried={"c1": ("client", later), "c2": ("client", later)})
+    assert paused.answer_client_call("c1", True, "x" * 900)  # kept early
+    with pytest.raises(PayloadTooLarge):
+        paused.answer_client_call("c2", True, "y" * 200)
+    assert paused.answer_client_call("c2", True, "y" * 50)
+
+
+async def test_an_answer_json_cannot_carry_is_refused_when_taken_as_it_would_be_live() -> None:
+    answer = client_answer(True, float("nan"))
+    assert "invalid" in answer and decode_answer(encode_answer(answer)) == answer
+    big = client_answer(True, 123456789012345678901234567890)
+    assert decode_answer(encode_answer(big)) == big  # exactly, past 64 bits
+    with pytest.raises(ValueError):
+        encode_answer({"kind": "client", "ok": True, "value": "\ud800"})
+    reply = await PausedCalls(CONFIG, answers={"c1": answer}).ask_client(TOOLS["ask"], b"{}", record("c1"))
+    assert isinstance(reply, dict) and reply["error"]["type"] == "bad_response", reply
+
+
+async def test_a_replay_that_ends_with_logged_calls_not_made_again_says_so() -> None:
+    log = DurableLog("job_a", port, [Logged(1, "c1", "ask", b'{"q":1}'), Logged(2, "c2", "ask", b'{"q":2}')])
+    assert log.unmade() is not None and "2 logged call(s) not made again" in (log.unmade() or "")
+    await log.begin("ask", b'{"q":1}')
+    await log.begin("ask", b'{"q":2}')
+    assert log.unmade() is None
+    assert DurableLog("job_b", port).unmade() is None  # not resumed
