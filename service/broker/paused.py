@@ -81,7 +81,8 @@ class PausedCalls:
         self._on_change = on_change
         self._paused: dict[str, _Paused] = {}
         self._answers: dict[str, Answer] = dict(answers or {})  # given while parked, by call id (see the module)
-        self._early_bytes, self._max_early_bytes = 0, config.max_in_flight_bytes  # answers kept before their call
+        self._early: dict[str, int] = {}  # bytes of each answer kept before its call was made again
+        self._max_early_bytes = config.max_in_flight_bytes
         self._carried: dict[str, tuple[str, datetime]] = dict(carried or {})  # awaiting, expiry, by call id
         self.waiting_since: float | None = None  # loop time since which some call has waited without a break
 
@@ -148,13 +149,13 @@ class PausedCalls:
         if carried is None or carried[0] != awaiting or call_id in self._paused or call_id in self._answers:
             return False
         size = len(exactjson.dumps(answer.get("value"))) if answer["kind"] == "client" else 0
-        if self._early_bytes + size > self._max_early_bytes:
+        if sum(self._early.values()) + size > self._max_early_bytes:
             message = (
                 f"this job holds {self._max_early_bytes} bytes of answers to calls its resumed script has not made "
                 "again yet; answer this call once it is listed in pending_calls"
             )
             raise PayloadTooLarge(message, ("body",), self._max_early_bytes)
-        self._early_bytes += size
+        self._early[call_id] = size
         self._answers[call_id] = answer
         return True
 
@@ -212,6 +213,7 @@ class PausedCalls:
         call_id = record["call_id"]
         carried = self._carried.pop(call_id, None)
         answer = self._answers.pop(call_id, None)
+        self._early.pop(call_id, None)  # taken: its bytes are the call's now
         if answer is not None:
             return _taken(answer, record)
         expires_at = now() + timedelta(seconds=timeout_s)

@@ -140,13 +140,12 @@ async def park(
         log.exception("job %s: could not save it parked", job.id)
     if job.parked_calls:
         log.info("job %s parked: an answer to a call it waits for resumes it by replay", job.id)
-    else:
-        log.warning("job %s parked: it is resumed by replay when the service starts again", job.id)
-    if job.parked_calls:
         calls = {c["call_id"]: (c["awaiting"], c["expires_at"]) for c in job.parked_calls}
         parked.add(ParkedJob(job.id, job.owner, calls, job.active_s), reserved=job.park_reserved)
-    elif job.park_reserved:
-        parked.release(job.owner)
+    else:
+        log.warning("job %s parked: it is resumed by replay when the service starts again", job.id)
+        if job.park_reserved:
+            parked.release(job.owner)
     job.park_reserved = False
     events.publish(JobParked(job))
 
