@@ -192,6 +192,7 @@ class JobManager:
         Raises:
             JobNotFound: no such job, or another owner's (only the job's owner answers its calls).
             CallNotPending: the job has ended, or that call is not waiting for an answer.
+            QueueFull, QuotaExceeded, PayloadTooLarge: a parked job's answer refused for now (``_settle``).
         """
         answer = client_answer(ok, value)
 
@@ -216,6 +217,7 @@ class JobManager:
         Raises:
             JobNotFound: no such job, or another owner's (only the job's owner, or the admin role, decides).
             CallNotPending: the job has ended, or that call does not await approval (decided, timed out, unknown).
+            QueueFull, QuotaExceeded: a parked job's decision refused for now (``_settle``).
         """
         decision = approval_decision(approved, caller.owner, reason)
         answer = {"kind": "approval", "approval": {**decision, "at": decision["at"].isoformat()}}
@@ -245,6 +247,8 @@ class JobManager:
         Raises:
             JobNotFound: no such job, or another owner's.
             CallNotPending: the job has ended, or ``act`` found no such call waiting (the broker's refusal).
+            QueueFull, QuotaExceeded: a parked job could not be admitted again now (``_answer_parked``).
+            PayloadTooLarge: the answers kept for calls a resumed job has not made again would pass their bound.
         """
         job = self.views.live(job_id, caller)
         if job is not None and job.parking:  # being parked: answered as a parked job once it is
@@ -275,7 +279,7 @@ class JobManager:
 
         Raises:
             CallNotPending: the job waits for no such call (unknown, answered, or awaiting the other kind of answer).
-            QueueFull, QuotaExceeded: the job could not be admitted again now (``Admission.room_to_resume``);
+            QueueFull, QuotaExceeded: the job could not be admitted again now (``Admission.take_resume``);
                 nothing is stored.
         """
         async with parked.lock:
