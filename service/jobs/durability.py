@@ -22,7 +22,7 @@ from service.broker.durable import CallLogPort, DurableLog, Logged
 from service.jobs.events import Events, JobParked
 from service.jobs.live import LiveJob, now
 from service.jobs.model import ErrorType, Failure
-from service.jobs.parking import ParkedJob, ParkedJobs
+from service.jobs.parking import ParkedJob, ParkedJobs, only_waits
 from service.schemas.job_models import ExecuteRequest
 from service.store import JobStore, StoredJob
 from service.store.call_log import LoggedCall
@@ -162,8 +162,7 @@ def waiting_for(broker: Broker) -> list[dict[str, Any]]:
     """The calls a job being parked waits for (``pending_calls``), when every call it has in flight waits for the
     harness: an answer resumes it then (``service.jobs.parking``); else none (it is resumed at the next start)."""
     pending = broker.paused.pending_calls
-    in_flight = sum(record["status"] == "pending" for record in broker.records.calls)
-    return pending if pending and in_flight == len(pending) else []
+    return pending if pending and only_waits(broker) else []
 
 
 def call_log(store: JobStore, job: LiveJob, replay: list[Logged], max_bytes: int) -> DurableLog | None:

@@ -150,6 +150,12 @@ class ParkedJobs:
                 pass
 
 
+def only_waits(broker: Broker) -> bool:
+    """Whether every call the job has in flight (a ``pending`` record) waits for the harness (``PausedCalls``)."""
+    in_flight: int = sum(record["status"] == "pending" for record in broker.records.calls)
+    return in_flight == broker.paused.waiting
+
+
 async def park_due(job: LiveJob, broker: Broker, after_s: float, parked: ParkedJobs) -> None:
     """Return once ``job`` should be parked: every call it has in flight has waited for the harness
     (``PausedCalls``) for ``after_s`` (``PTC_PARK_AFTER_S``) without a break, it is still durable, and a place was
@@ -161,8 +167,7 @@ async def park_due(job: LiveJob, broker: Broker, after_s: float, parked: ParkedJ
         if due > 0:
             await asyncio.sleep(min(due, after_s))
             continue
-        in_flight = sum(record["status"] == "pending" for record in broker.records.calls)
-        if job.durable and in_flight == paused.waiting and parked.reserve(job.owner):
+        if job.durable and only_waits(broker) and parked.reserve(job.owner):
             job.park_reserved = True
             return
         await asyncio.sleep(1.0)

@@ -132,7 +132,7 @@ class Recovery:
         # Only root (the service) enters the work dir: the engine mounts job folders into sandboxes itself.
         os.chmod(self._settings.work_dir, 0o700)
         for stored in await self._store.jobs.unfinished(self._instance):
-            spec = await self._spec(stored)
+            spec = await self.spec_of(stored)
             if spec is None:
                 await self.mark_lost(stored)
             elif spec.waits is not None:  # parked waiting for the harness: an answer or an expiry resumes it
@@ -142,7 +142,7 @@ class Recovery:
         for owner, retained in (await asyncio.to_thread(_retained_by_owner, self.output_dir)).items():
             self._quotas.output(owner).take(retained)
 
-    async def _spec(self, stored: StoredJob) -> RunSpec | None:
+    async def spec_of(self, stored: StoredJob) -> RunSpec | None:
         """The run spec of a durable job left unfinished, with the resumes its last saved view lists; None for a
         job that has none (not durable, or stopped before its script started), or one this version cannot read."""
         data = await self._store.runs.spec(stored.job_id)
@@ -171,18 +171,13 @@ class Recovery:
             stored.job_id, (stored.instance_id, stored.instance_epoch), (me.instance_id, me.epoch)
         )
 
-    async def spec_of(self, stored: StoredJob) -> RunSpec | None:
-        """The run spec of an unfinished job another replica left (``_spec``); None: it is not durable, or its spec
-        cannot be read."""
-        return await self._spec(stored)
-
     async def load(self, job_id: str) -> RunSpec | None:
-        """The run spec of an unfinished job (``_spec``), to resume it; None when the job has ended, or has no spec
+        """The run spec of an unfinished job (``spec_of``), to resume it; None when the job has ended, or has no spec
         this version can read (then it is marked lost). Raises what the store raises."""
         stored = await self._store.jobs.get(job_id)
         if stored is None or stored.ended_at is not None:
             return None
-        spec = await self._spec(stored)
+        spec = await self.spec_of(stored)
         if spec is None:
             await self.mark_lost(stored, "its run spec cannot be read")
         return spec
