@@ -48,17 +48,26 @@ async def acquire(job: LiveJob, slots: Acquirable) -> bool:
     stopped = asyncio.ensure_future(job.stop_requested.wait())
     try:
         await asyncio.wait({acquiring, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    except BaseException:  # cancelled, perhaps just as the slot was granted: a slot granted is given back
         stopped.cancel()
-        if not acquiring.done():
-            acquiring.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await acquiring
-    got = acquiring.done() and not acquiring.cancelled()
+        if await _settled(acquiring):
+            slots.release()
+        raise
+    stopped.cancel()
+    got = await _settled(acquiring)
     if got and job.stop_requested.is_set():
         slots.release()
         return False
     return got
+
+
+async def _settled(acquiring: asyncio.Future[bool]) -> bool:
+    """Whether ``acquiring`` holds the slot, once it is done (cancelled first if it is still waiting)."""
+    if not acquiring.done():
+        acquiring.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await acquiring
+    return not acquiring.cancelled() and acquiring.exception() is None
 
 
 @dataclass

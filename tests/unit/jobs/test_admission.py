@@ -12,7 +12,7 @@ import pytest
 from service.errors import QueueFull
 from service.jobs.admission import Admitted, Ticket
 from service.jobs.model import ErrorType, JobStatus
-from service.jobs.placement import InSession
+from service.jobs.placement import InSession, acquire
 from service.schemas.job_models import ExecuteRequest
 from tests.unit.jobs.conftest import FakeSession, Parts
 
@@ -118,3 +118,18 @@ async def test_broker_close_failures_are_logged(
     assert f"job {other_admitted.job.id}: closing its broker failed" in caplog.text and not session.turn.locked()
     for output in (other_admitted.job.stdout, other_admitted.job.stderr):  # never run: its cleanup is ours
         output.close()
+
+
+async def test_a_wait_for_a_turn_cancelled_as_the_turn_is_granted_gives_it_back(parts: Parts) -> None:
+    """The session turn a queued job's wait is granted in the same loop step as the wait is cancelled (its first save
+    failing meanwhile) is given back: before the fix it stayed held and the session's next script never ran."""
+    turn, job = asyncio.Lock(), parts.new_job("alice")
+    await turn.acquire()
+    waiting = asyncio.ensure_future(acquire(job, turn))
+    for _ in range(3):
+        await asyncio.sleep(0)  # waiting on the lock
+    turn.release()  # granted: the lock's waiter runs first in the next loop step...
+    waiting.cancel()  # ...and the wait itself is cancelled in the same step
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert not turn.locked()
