@@ -25,7 +25,6 @@ from collections.abc import Callable
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.observability import logs
 from service.replicas.internal import SIGNATURE as _SIGNATURE
 from service.replicas.internal import SOURCE as SOURCE_HEADER
 from service.replicas.internal import InternalRefused, Verifier
@@ -121,8 +120,7 @@ class BearerAuth:
                 response.headers["WWW-Authenticate"] = 'Bearer realm="ptc-sandbox", error="invalid_token"'
             await response(scope, receive, send)
             return
-        state["key_name"] = name
-        logs.KEY_NAME.set(name)  # the request's log event, and the events of the jobs it submits, name the key
+        state["key_name"] = name  # the request's log event names the key
         await self.app(scope, receive, send)
 
     async def _internal(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -169,8 +167,6 @@ class BearerAuth:
         state = scope.setdefault("state", {})
         state["key_name"] = name if self.keys is not None else None
         state["internal"] = headers.get(SOURCE_HEADER, "")
-        if name is not None:
-            logs.KEY_NAME.set(name)
         sent = False
 
         async def replay() -> Message:

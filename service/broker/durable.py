@@ -108,16 +108,19 @@ def encode_outcome(record: dict[str, Any], reply: dict[str, Any]) -> bytes:
     return orjson.dumps(head) + b"\n" + tail
 
 
+ANSWER = b'{"answer":'  # how an entry holding an answer (``encode_answer``) begins; no outcome begins so
+
+
 def encode_answer(answer: dict[str, Any]) -> bytes:
     """An answer given to a parked job's waiting call, as stored in the call's entry (see the module): exactly
     (integers of any size). Raises ValueError for a value JSON cannot carry exactly (NaN, infinities, a lone
     surrogate: ``PausedCalls.invalid_answer`` stands for such a client result)."""
-    return b'{"answer":' + exactjson.strict_dumps(answer) + b"}"
+    return ANSWER + exactjson.strict_dumps(answer) + b"}"
 
 
 def decode_answer(outcome: bytes | None) -> dict[str, Any] | None:
     """The answer an entry holds in place of its outcome (``encode_answer``); None for an outcome or none."""
-    if outcome is None or not outcome.startswith(b'{"answer":'):
+    if outcome is None or not outcome.startswith(ANSWER):
         return None
     answer: dict[str, Any] = exactjson.loads(outcome)["answer"]
     return answer

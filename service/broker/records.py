@@ -190,10 +190,13 @@ class CallRecords:
         record[field] = None
         record[f"{field}_dropped_bytes"] = None
 
-    def release(self) -> None:
+    def release(self, keep_budget: bool = True) -> None:
         """Return the kept record bytes to the service-wide account (the job's final view has been saved); the
-        owner's budget keeps them taken."""
+        owner's budget keeps them taken, unless not ``keep_budget`` (the job was parked: the replay of its resume
+        keeps them, and takes them, again)."""
         self._memory.forget(self._held)
+        if not keep_budget and self._budget is not None:
+            self._budget.give_back(self.kept_bytes)
         self._held = 0
 
     def cancel_pending(self) -> None:

@@ -17,8 +17,18 @@ from service.composition.engine_table import ENGINES, EngineFactory
 from service.composition.job_manager import JobManager, JobParts
 from service.engines import CONTAINER, Engines, EngineSite
 from service.jobs.admission import Admission, Intake
-from service.jobs.events import CallEnded, Events, JobEnded, JobLost, JobParked, SandboxStarted, StatusChanged
+from service.jobs.events import (
+    CallEnded,
+    Events,
+    JobEnded,
+    JobLost,
+    JobParked,
+    ParkedJobStopped,
+    SandboxStarted,
+    StatusChanged,
+)
 from service.jobs.live import LiveJobs
+from service.jobs.model import JobStatus
 from service.jobs.parking import ParkedJobs
 from service.jobs.placement import Sandboxes
 from service.jobs.recovery import Recovery
@@ -158,7 +168,8 @@ def _observe(events: Events, metrics: Metrics, webhooks: Webhooks) -> None:
     events.subscribe(SandboxStarted, sandbox_started)
     events.subscribe(JobEnded, job_ended)
     events.subscribe(JobEnded, webhooks.job_ended)
-    events.subscribe(JobLost, lambda _: metrics.job_lost())
+    events.subscribe(JobLost, lambda _: metrics.ended_from_store(JobStatus.LOST))
+    events.subscribe(ParkedJobStopped, lambda _: metrics.ended_from_store(JobStatus.STOPPED))
     events.subscribe(JobParked, lambda _: metrics.parked.inc())
 
 

@@ -275,7 +275,8 @@ class JobManager:
 
     async def _answer_parked(self, parked: ParkedJob, call_id: str, awaiting: str, answer: dict[str, Any]) -> bool:
         """Store ``answer`` to the call ``call_id`` (awaiting ``awaiting``) of a parked job and resume the job by
-        replay (``Recovery.resume_job``, reason ``answered``); False if it was resumed meanwhile (answer it live).
+        replay (``Recovery.resume_job``, reason ``answered``); False if it is parked here no more (resumed
+        meanwhile: answer it live; taken over by another replica, or ended: its stored view says).
 
         Raises:
             CallNotPending: the job waits for no such call (unknown, answered, or awaiting the other kind of answer).
@@ -290,13 +291,15 @@ class JobManager:
                 raise CallNotPending(call_id)
             ticket = self._parts.sandboxes.admission.take_resume(parked.owner)  # else 429 (the harness retries)
             try:
+                stored = await self._claim(parked)
+                if stored is None:
+                    ticket.release()
+                    return False
                 if not await store_answer(self._store, parked.job_id, call_id, answer):
                     raise CallNotPending(call_id)
-                await self._resume_parked(parked, "answered", ticket)
-            except BaseException:
+                await self._resume_parked(parked, stored, "answered", ticket)  # failing, it stays parked
+            except BaseException:  # its answer may be stored: a new one replaces it, an expiry does not
                 ticket.release()
-                if self._parked.get(parked.job_id) is None and parked.job_id not in self._intake.live:
-                    self._parked.add(parked)  # still parked: its answer is stored (a new one replaces it)
                 raise
         return True
 
@@ -314,8 +317,13 @@ class JobManager:
                 self._retry_expiry(parked, call_id)
                 return
             try:
-                await store_answer(self._store, parked.job_id, call_id, TIMEOUT_ANSWER)
-                await self._resume_parked(parked, "expired", ticket)
+                stored = await self._claim(parked)
+                if stored is None:
+                    ticket.release()
+                    return
+                # not over an answer stored already (its resume failed): the script gets the answer
+                await store_answer(self._store, parked.job_id, call_id, TIMEOUT_ANSWER, over=False)
+                await self._resume_parked(parked, stored, "expired", ticket)
             except Exception:
                 ticket.release()
                 log.exception("job %s: its parked call %s expired; it could not be resumed", parked.job_id, call_id)
@@ -327,17 +335,29 @@ class JobManager:
         parked.calls[call_id] = (parked.calls[call_id][0], now() + timedelta(seconds=EXPIRY_RETRY_S))
         self._parked.add(parked)
 
-    async def _resume_parked(self, parked: ParkedJob, reason: str, ticket: Ticket | None = None) -> None:
-        """Resume a parked job by replay, with the calls it still waits for (``Recovery.resume_job``; ``ticket``:
-        its admission, taken already, given back if it is not resumed); it leaves the parked jobs first. Raises
-        what the store raises (the caller puts it back)."""
+    async def _claim(self, parked: ParkedJob) -> StoredJob | None:
+        """The stored row of a job parked here, read now, if it is still this replica's to act on
+        (``Recovery.holds``); else None, and it leaves the parked jobs (it ended, or another replica took it over:
+        a request about it goes there). Raises what the store raises."""
+        stored = await self._store.jobs.get(parked.job_id)
+        if stored is not None and self.recovery.holds(stored):
+            return stored
         self._parked.take(parked.job_id)
-        spec = await self.recovery.load(parked.job_id)  # None: ended meanwhile, or marked lost (unreadable spec)
+        return None
+
+    async def _resume_parked(self, parked: ParkedJob, stored: StoredJob, reason: str, ticket: Ticket) -> None:
+        """Resume a parked job (``stored``: its row, ``_claim``'s) by replay, with the calls it still waits for
+        (``Recovery.resume_job``; ``ticket``: its admission, taken already, given back if it is not resumed). It
+        leaves the parked jobs once it is live (an answer or a stop meanwhile waits for ``parked.lock``, then finds
+        it live), or once it could not be resumed (then it is marked lost, or another replica took it). Raises what
+        the store raises: then it stays parked."""
+        spec = await self.recovery.spec_of(stored)
         if spec is None:
-            if ticket is not None:
-                ticket.release()
-            return
-        await self.recovery.resume_job(spec, reason, self._intake, self._runner.start, parked, ticket)
+            ticket.release()
+            await self.recovery.mark_lost(stored, "its run spec cannot be read")
+        else:
+            await self.recovery.resume_job(spec, reason, self._intake, self._runner.start, parked, ticket)
+        self._parked.take(parked.job_id)
 
     async def adopt_orphan(self, stored: StoredJob) -> bool:
         """Take over a durable job a dead replica left (the reaper's ``adopt``): resumed here by replay (reason
@@ -349,8 +369,9 @@ class JobManager:
             return False
         if spec.waits is None:
             await self.recovery.resume_job(spec, "replica_lost", self._intake, self._runner.start)
-        elif await self.recovery.adopt(stored):
-            self._parked.add(spec.waits)
+        elif (resumed := await self.recovery.hold_parked(spec, "replica_lost")) is not None:
+            await self.recovery.resume_job(*resumed, self._intake, self._runner.start, spec.waits)
+        elif self._parked.get(stored.job_id) is not None:
             log.warning("job %s, parked on replica %s, which died: parked here", stored.job_id, stored.instance_id)
         return True
 
@@ -369,13 +390,9 @@ class JobManager:
         parked = self._parked.get(job_id) if job is None else None
         if parked is not None and caller.may_access(parked.owner):  # ended from its saved view, not run again
             async with parked.lock:
-                if self._parked.get(job_id) is parked:
+                if self._parked.get(job_id) is parked and (stored := await self._claim(parked)) is not None:
+                    await self.recovery.stop_parked(stored)  # failing, it stays parked
                     self._parked.take(job_id)
-                    try:
-                        await self.recovery.stop_parked(job_id)
-                    except BaseException:
-                        self._parked.add(parked)  # still parked
-                        raise
             job = self.views.live(job_id, caller)  # resumed by an answer first: stopped as a live job
         if job is not None:
             await self._runner.stop(job)

@@ -11,6 +11,7 @@ event               published
 ``SandboxStarted``  when its script was let go in its sandbox, ``seconds`` after its slot was granted
 ``JobEnded``        after its final view was saved (or its save failed: logged), once it is no longer live
 ``JobLost``         at start-up, for a job an earlier run left unfinished, once it was saved as ``lost``
+``ParkedJobStopped``  for a parked job stopped (``POST /jobs/{id}/stop``), once it was saved as ``stopped``
 ==================  =====================================================================================
 
 Subscribers run synchronously on the event loop, in the order they subscribed; one that raises is logged
@@ -69,14 +70,21 @@ class JobLost:
 
 
 @dataclass(frozen=True)
+class ParkedJobStopped:
+    """A parked job was stopped and saved as such from its stored view (it had no live run to end)."""
+
+    job_id: str
+
+
+@dataclass(frozen=True)
 class JobParked:
     """A durable job was parked as the service stopped: left unfinished in the store, resumed at the next start."""
 
     job: LiveJob
 
 
-Event = StatusChanged | CallEnded | SandboxStarted | JobEnded | JobLost | JobParked
-E = TypeVar("E", StatusChanged, CallEnded, SandboxStarted, JobEnded, JobLost, JobParked)
+Event = StatusChanged | CallEnded | SandboxStarted | JobEnded | JobLost | JobParked | ParkedJobStopped
+E = TypeVar("E", StatusChanged, CallEnded, SandboxStarted, JobEnded, JobLost, JobParked, ParkedJobStopped)
 
 
 class Events:

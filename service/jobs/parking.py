@@ -29,10 +29,9 @@ from datetime import datetime
 from typing import Any
 
 from service.broker import Broker
-from service.broker.durable import encode_answer
+from service.broker.durable import ANSWER, encode_answer
 from service.jobs.live import LiveJob, now
 from service.store import JobStore
-from service.store.call_log import LoggedCall
 
 PARKED_SHARE = 4  # with several keys, each may park 1/PARKED_SHARE of PTC_MAX_PARKED_JOBS
 TIMEOUT_ANSWER: dict[str, Any] = {"kind": "timeout"}
@@ -159,7 +158,9 @@ def only_waits(broker: Broker) -> bool:
 async def park_due(job: LiveJob, broker: Broker, after_s: float, parked: ParkedJobs) -> None:
     """Return once ``job`` should be parked: every call it has in flight has waited for the harness
     (``PausedCalls``) for ``after_s`` (``PTC_PARK_AFTER_S``) without a break, it is still durable, and a place was
-    reserved for it (``ParkedJobs.reserve``: ``job.park_reserved``); checked at most once a second after that."""
+    reserved for it (``ParkedJobs.reserve``: ``job.park_reserved``); checked at most once a second after that.
+    ``job.parking`` is set in the same step: an answer that comes before the runner acts on it is given to the
+    parked job (``JobManager._settle`` waits for the park), not to the script about to be killed."""
     paused, loop = broker.paused, asyncio.get_running_loop()
     while True:
         since = paused.waiting_since
@@ -168,19 +169,14 @@ async def park_due(job: LiveJob, broker: Broker, after_s: float, parked: ParkedJ
             await asyncio.sleep(min(due, after_s))
             continue
         if job.durable and only_waits(broker) and parked.reserve(job.owner):
-            job.park_reserved = True
+            job.park_reserved = job.parking = True
             return
         await asyncio.sleep(1.0)
 
 
-async def store_answer(store: JobStore, job_id: str, call_id: str, answer: dict[str, Any]) -> bool:
-    """Store ``answer`` in the place of the call ``call_id`` of ``job_id``'s call log (``durable.encode_answer``);
-    False when the log holds no intent of that call without an outcome. Raises what the store raises."""
-    for call in await store.runs.calls(job_id):
-        if call.call_id == call_id:
-            if call.outcome is not None and not call.outcome.startswith(b'{"answer":'):
-                return False
-            entry = LoggedCall(call.seq, call.call_id, call.tool, call.args, encode_answer(answer))
-            await store.runs.write(job_id, [entry])
-            return True
-    return False
+async def store_answer(store: JobStore, job_id: str, call_id: str, answer: dict[str, Any], over: bool = True) -> bool:
+    """Store ``answer`` in the place of the call ``call_id`` of ``job_id``'s call log (``durable.encode_answer``),
+    over an earlier answer too unless not ``over`` (an expiry's timeout never replaces an answer); False when the
+    log holds no intent of that call without an outcome (or, not ``over``, with an answer already). One row is
+    written, none read. Raises what the store raises."""
+    return await store.runs.settle(job_id, call_id, encode_answer(answer), ANSWER if over else None)

@@ -2,10 +2,10 @@
 
 At start-up, before anything is served: take the work dir's lock (``service.workdir``), remove the sandboxes an
 earlier run of this instance left, empty the job folders, set aside the durable jobs the store holds unfinished for
-this instance (``resumable``: the job service resumes them by replay, ``service.jobs.durability``; one parked waiting
-for the harness is held parked instead, ``service.jobs.parking``) and mark every other one ``lost`` (its output as
-far as it was kept), and count the output bytes each owner retains against its
-budget. Then, every ``purge_interval_s``, ended jobs older than ``job_retention_s`` are deleted with their output.
+this instance (``resumable``: the job service resumes them by replay, ``service.jobs.durability``; one parked
+waiting for the harness is made this incarnation's and held parked instead, ``hold_parked``) and mark every other
+one ``lost`` (its output as far as it was kept), and count the output bytes each owner retains against its budget.
+Then, every ``purge_interval_s``, ended jobs older than ``job_retention_s`` are deleted with their output.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ import orjson
 
 from service import workdir
 from service.broker.config import REPORT_FIELD_CAP
+from service.broker.durable import ANSWER
 from service.engines import Engines
 from service.errors import SandboxError
 from service.files import FILES_FOLDER
 from service.jobs.admission import Admitted, Intake, Ticket
 from service.jobs.durability import RunSpec, logged_calls
-from service.jobs.events import JobLost
+from service.jobs.events import JobLost, ParkedJobStopped
 from service.jobs.live import SLICE_BYTES, STREAMS, now
 from service.jobs.marks import read_marks
 from service.jobs.model import ErrorType, Failure, JobStatus
@@ -87,7 +88,7 @@ class Recovery:
         self.jobs_dir = folders.path / "jobs"
         self.output_dir = settings.work_dir / "output"
         self._lock: IO[str] | None = None
-        self.resumable: list[RunSpec] = []  # durable jobs left unfinished, with their run specs (``start``)
+        self.resumable: list[tuple[RunSpec, str]] = []  # durable jobs left unfinished, and why resumed (``start``)
 
     def release(self) -> None:
         """Give the work dir's lock back (at shutdown; the kernel would at the process's exit anyway)."""
@@ -135,10 +136,10 @@ class Recovery:
             spec = await self.spec_of(stored)
             if spec is None:
                 await self.mark_lost(stored)
-            elif spec.waits is not None:  # parked waiting for the harness: an answer or an expiry resumes it
-                self._parked.add(spec.waits)
-            else:
-                self.resumable.append(spec)
+            elif spec.waits is None:
+                self.resumable.append((spec, "drained" if spec.parked else "service_restarted"))
+            elif (resumed := await self.hold_parked(spec, "service_restarted")) is not None:
+                self.resumable.append(resumed)
         for owner, retained in (await asyncio.to_thread(_retained_by_owner, self.output_dir)).items():
             self._quotas.output(owner).take(retained)
 
@@ -171,16 +172,36 @@ class Recovery:
             stored.job_id, (stored.instance_id, stored.instance_epoch), (me.instance_id, me.epoch)
         )
 
-    async def load(self, job_id: str) -> RunSpec | None:
-        """The run spec of an unfinished job (``spec_of``), to resume it; None when the job has ended, or has no spec
-        this version can read (then it is marked lost). Raises what the store raises."""
-        stored = await self._store.jobs.get(job_id)
-        if stored is None or stored.ended_at is not None:
+    def holds(self, stored: StoredJob) -> bool:
+        """Whether ``stored`` (a job parked here, as read now) is unfinished and still this incarnation's: no other
+        replica has taken it over (``adopt``), so this one alone may answer, expire, resume or stop it."""
+        if stored.ended_at is not None:
+            return False
+        if self._replicas is None:
+            return True
+        me = self._replicas.incarnation
+        return (stored.instance_id, stored.instance_epoch) == (me.instance_id, me.epoch)
+
+    async def hold_parked(self, spec: RunSpec, reason: str) -> tuple[RunSpec, str] | None:
+        """Take over a job found parked waiting for the harness (``spec.waits``: left by an earlier run of this
+        instance, or by a dead replica): made this incarnation's (``adopt``; None if another replica took it first),
+        then held parked here (``ParkedJobs``: None), or, returned with the reason of its resume, resumed at once:
+        ``answered`` when an answer to a call it waits for is stored already (the service stopped before that
+        answer's resume saved it), ``reason`` when there is no room among the parked (it waits in a sandbox).
+        Raises what the store raises."""
+        stored, waits = spec.stored, spec.waits
+        assert stored is not None and waits is not None
+        if not await self.adopt(stored):
             return None
-        spec = await self.spec_of(stored)
-        if spec is None:
-            await self.mark_lost(stored, "its run spec cannot be read")
-        return spec
+        if self._replicas is not None:  # its row is this incarnation's now: a resume adopts it from here
+            me = self._replicas.incarnation
+            spec = replace(spec, stored=replace(stored, instance_id=me.instance_id, instance_epoch=me.epoch))
+        if await self._store.runs.settled(spec.job_id, ANSWER) & waits.calls.keys():
+            return spec, "answered"
+        if not self._parked.reserve(spec.owner):
+            return spec, reason
+        self._parked.add(waits, reserved=True)
+        return None
 
     async def mark_lost(self, stored: StoredJob, why: str | None = None) -> None:
         """End a job a previous run left unfinished: status ``lost``, its output as far as it was kept (unless
@@ -193,13 +214,13 @@ class Recovery:
             self._events.publish(JobLost(stored.job_id, stored.status))
             log.warning("job %s was %s when the service last stopped: marked lost", stored.job_id, stored.status)
 
-    async def stop_parked(self, job_id: str) -> None:
-        """End a parked job ``stopped`` (``POST /jobs/{id}/stop``) from its saved view, without running it again:
-        its output and call records as parked, the calls it waited for ``cancelled``. Raises what the store raises."""
-        stored = await self._store.jobs.get(job_id)
-        if stored is not None and stored.ended_at is None:
-            error = Failure(ErrorType.STOPPED, "stopped while parked")
-            await self._end(stored, error, "the job was stopped while parked", JobStatus.STOPPED)
+    async def stop_parked(self, stored: StoredJob) -> None:
+        """End a parked job ``stopped`` (``POST /jobs/{id}/stop``) from its saved view (``stored``: its row, read
+        now), without running it again: its output and call records as parked, the calls it waited for
+        ``cancelled``. Raises what the store raises."""
+        error = Failure(ErrorType.STOPPED, "stopped while parked")
+        if await self._end(stored, error, "the job was stopped while parked", JobStatus.STOPPED):
+            self._events.publish(ParkedJobStopped(stored.job_id))
 
     async def _end(self, stored: StoredJob, error: Failure, cancelled: str, status: JobStatus) -> bool:
         """Save an unfinished job ended (``lost_row``) unless another ended it first (``JobRecords.save_lost``, with
@@ -220,9 +241,8 @@ class Recovery:
         saying why. Call once the engines have started. Returns how many were resumed."""
         specs, self.resumable = self.resumable, []
         resumed = 0
-        for spec in specs:
-            reason = "drained" if spec.parked else "service_restarted"  # parked at a SIGTERM, or the service died
-            resumed += await self.resume_job(spec, reason, intake, start)
+        for spec, reason in specs:  # parked at a SIGTERM, the service died, or parked waiting for the harness
+            resumed += await self.resume_job(spec, reason, intake, start, spec.waits)
         return resumed
 
     async def resume_job(

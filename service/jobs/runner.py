@@ -288,8 +288,8 @@ class Runner:
             remaining = max(job.limits.timeout_s - job.active_s - (time.monotonic() - started), 0)
             done, _ = await asyncio.wait({waiting, *watch}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
             ended_by: EndedBy | None = None
-            if waiting not in done and done and stop not in done:  # parked: the job waits for the harness
-                job.parking = True
+            job.parking = waiting not in done and bool(done) and stop not in done  # park_due's, or an exit or stop
+            if job.parking:  # parked: the job waits for the harness
                 await run.kill()
             elif waiting not in done:
                 if stop in done:
@@ -374,7 +374,7 @@ class Runner:
                 )
                 self._tasks.spawn(again, f"final save {job.id}")  # meanwhile served from the view cache
         finally:
-            broker.records.release()
+            broker.records.release(keep_budget=job.ended)  # a parked job's resume takes them again
             job.broker = None  # its records are taken: no cycle (job, broker, its hooks, job) waits for the collector
             ticket.release()
             job.notify()

@@ -38,9 +38,9 @@ of ``/healthz``, ``/readyz`` and ``/metrics`` are logged at debug level only.
 With traces on (``service.observability.telemetry``), a line written inside a traced request has ``trace_id``, and every
 ``job`` event its job's ``trace_id`` (32 hex digits).
 
-``key`` is the name of the API key that made the request: whoever checks keys
-calls ``bind_key(request, name)``; jobs carry the key of the request that
-submitted them. Without authentication it is null. ``PTC_LOG_FORMAT=text``
+``key`` is the name of the API key that made the request (the request's state
+``key_name``, set by whoever checks keys); a job's events name the key that owns
+it, whoever resumed it. Without authentication it is null. ``PTC_LOG_FORMAT=text``
 gives the same events as ``event key=value ...`` text lines instead.
 """
 
@@ -50,28 +50,25 @@ import logging
 import sys
 from collections import Counter
 from collections.abc import Mapping
-from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from starlette.requests import Request
 from starlette.types import Scope
 
 from service.jobs.model import FINAL
 from service.observability import telemetry
+from service.tenancy import IMPLICIT_OWNER
 
 if TYPE_CHECKING:
     from service.jobs.live import LiveJob
 
 EVENTS = logging.getLogger("service.events")
-KEY_NAME: ContextVar[str | None] = ContextVar("ptc_key_name", default=None)
 QUIET_ROUTES = frozenset({"/healthz", "/readyz", "/metrics"})
 QUIET_LIBRARIES = ("httpx", "httpcore")
 SUMMARY_TOOLS = 20
 PATH_CHARS = 200
 MAX_CLAIMED_TYPE = 100  # characters of a script-reported exception type that the job event logs
-_job_keys: dict[str, str | None] = {}
 _instance: str | None = None  # this process's instance id, in every line (``configure``)
 
 
@@ -167,12 +164,6 @@ def replica_expired(
     )
 
 
-def bind_key(request: Request, name: str | None) -> None:
-    """Record the API key name of ``request``: in its ``request`` event and in the jobs it submits."""
-    request.state.key_name = name
-    KEY_NAME.set(name)
-
-
 def request(scope: Scope, route: str, status: int, seconds: float) -> None:
     """The ``request`` event of an answered HTTP request (probes and scrapes at debug level)."""
     state = scope.get("state")
@@ -192,16 +183,13 @@ def request(scope: Scope, route: str, status: int, seconds: float) -> None:
 
 def job(job: LiveJob) -> None:
     """The ``job`` event of a status change; when the job has ended, also its ``tool_calls`` summary."""
-    if job.id not in _job_keys:
-        _job_keys[job.id] = KEY_NAME.get()
-    key = _job_keys[job.id]
+    key = None if job.owner == IMPLICIT_OWNER else job.owner  # the key that submitted it, whoever resumes it
     fields: dict[str, Any] = {"job_id": job.id, "status": str(job.status), "key": key}
     if job.trace_id is not None:
         fields["trace_id"] = job.trace_id
     if job.started_at is not None and job.status == "running":
         fields["queue_ms"] = _ms(job.created_at, job.started_at)
     if job.status in FINAL:
-        _job_keys.pop(job.id, None)
         fields.update(
             exit_code=job.exit_code,
             error_type=(job.error or {}).get("type"),

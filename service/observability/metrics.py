@@ -304,9 +304,10 @@ class Metrics:
         if job.resumes:  # outcome: its status, or replay_diverged
             self.resumes.labels(job.resumes[-1]["reason"], "replay_diverged" if job.diverged else job.status).inc()
 
-    def job_lost(self) -> None:
-        """Count a job an earlier run of the service left unfinished (found at start-up, marked ``lost``)."""
-        self.executions.labels(status=JobStatus.LOST.value).inc()
+    def ended_from_store(self, status: JobStatus) -> None:
+        """Count a job ended from its stored view, with no run here to end: one an earlier run of the service left
+        unfinished (found at start-up, ``lost``), or a parked job stopped (``stopped``)."""
+        self.executions.labels(status=status.value).inc()
 
     def sandbox_started(self, mode: str | None, seconds: float) -> None:
         """Observe a job's sandbox start (``mode``: warm, cold or session)."""

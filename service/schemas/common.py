@@ -68,11 +68,18 @@ def check_env(env: dict[str, str]) -> dict[str, str]:
             )
         if "\x00" in value:
             raise ValueError(f"environment variable {name!r} contains a NUL character")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"environment variable {name!r} is not valid UTF-8 (a lone surrogate)") from None
+        utf8_text(value, f"environment variable {name!r}")
     return env
+
+
+def utf8_text(text: str, name: str) -> str:
+    """``text`` if it is valid Unicode text; raises ValueError for a lone surrogate (``"\\ud800"`` in JSON), which no
+    UTF-8 store, log or script can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} is not valid UTF-8 text (a lone surrogate)") from None
+    return text
 
 
 Env = Annotated[dict[str, str], AfterValidator(check_env)]

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from service.egress import url_problem
-from service.schemas.common import Env, Files, Limits, Metadata
+from service.schemas.common import Env, Files, Limits, Metadata, utf8_text
 from service.settings import MAX_SCRIPT_CHARS, MAX_TOOLS
 
 # The values of ``service.jobs.model.JobStatus``, spelled out for the OpenAPI document (a unit test keeps them
@@ -223,6 +223,14 @@ class ClientAnswer(BaseModel):
 
     result: Any = None
     error: ToolCallError | None = None
+
+    @field_validator("error")
+    @classmethod
+    def _utf8(cls, error: ToolCallError | None) -> ToolCallError | None:
+        if error is not None:
+            utf8_text(error.type, "error.type")
+            utf8_text(error.message, "error.message")
+        return error
 
 
 class CallbackAttempt(BaseModel):

@@ -61,6 +61,16 @@ class CallLog(Protocol):
         """A job's logged calls, by ``seq``."""
         ...
 
+    async def settle(self, job_id: str, call_id: str, outcome: bytes, over: bytes | None) -> bool:
+        """Set the outcome of the call ``call_id`` of a job's log to ``outcome`` (a harness's answer to a parked
+        job's call) if it has none yet, or (``over``) one that starts with ``over`` (an earlier answer); whether it
+        was set. One row is written; none is read back."""
+        ...
+
+    async def settled(self, job_id: str, prefix: bytes) -> set[str]:
+        """The call ids of a job's log whose outcome starts with ``prefix`` (the answers ``settle`` stored)."""
+        ...
+
     async def forget(self, job_id: str) -> None:
         """Drop a job's run spec and call log (the job has ended; nothing will resume it)."""
         ...

@@ -73,6 +73,32 @@ class PostgresCallLog(CallLog):
 
         return await self._db.call("read_calls", run)
 
+    async def settle(self, job_id: str, call_id: str, outcome: bytes, over: bytes | None) -> bool:
+        c = job_calls.c
+        replaceable: sa.ColumnElement[bool] = c.outcome.is_(None)
+        if over is not None:
+            replaceable = sa.or_(replaceable, sa.func.substr(c.outcome, 1, len(over)) == over)
+        statement = (
+            sa.update(job_calls)
+            .where(c.job_id == job_id, c.call_id == call_id, replaceable)
+            .values(outcome=outcome)
+            .returning(c.seq)
+        )
+
+        async def run(conn: AsyncConnection) -> bool:
+            return (await conn.execute(statement)).first() is not None
+
+        return await self._db.call("settle_call", run, write=True)
+
+    async def settled(self, job_id: str, prefix: bytes) -> set[str]:
+        c = job_calls.c
+        statement = sa.select(c.call_id).where(c.job_id == job_id, sa.func.substr(c.outcome, 1, len(prefix)) == prefix)
+
+        async def run(conn: AsyncConnection) -> set[str]:
+            return {row.call_id for row in await conn.execute(statement)}
+
+        return await self._db.call("settled_calls", run)
+
     async def forget(self, job_id: str) -> None:
         async def run(conn: AsyncConnection) -> None:  # one transaction: never a call log without its run spec
             await conn.execute(sa.delete(job_calls).where(job_calls.c.job_id == job_id))

@@ -56,6 +56,30 @@ class SQLiteCallLog(CallLog):
             for seq, call_id, tool, args, outcome in rows
         ]
 
+    async def settle(self, job_id: str, call_id: str, outcome: bytes, over: bytes | None) -> bool:
+        replaceable = "outcome IS NULL" if over is None else "(outcome IS NULL OR substr(outcome, 1, ?) = ?)"
+        params: tuple[object, ...] = (outcome, job_id, call_id, *(() if over is None else (len(over), over)))
+
+        def update(db: sqlite3.Connection) -> bool:
+            with transaction(db):
+                cursor = db.execute(
+                    f"UPDATE job_calls SET outcome = ? WHERE job_id = ? AND call_id = ? AND {replaceable}", params
+                )
+                changed = cursor.rowcount > 0
+                cursor.close()
+                return changed
+
+        return await self._db.run(update)
+
+    async def settled(self, job_id: str, prefix: bytes) -> set[str]:
+        rows = await self._db.run(
+            lambda db: db.execute(
+                "SELECT call_id FROM job_calls WHERE job_id = ? AND substr(outcome, 1, ?) = ?",
+                (job_id, len(prefix), prefix),
+            ).fetchall()
+        )
+        return {call_id for (call_id,) in rows}
+
     async def forget(self, job_id: str) -> None:
         def delete(db: sqlite3.Connection) -> None:
             with transaction(db):  # one transaction: never a call log without its run spec

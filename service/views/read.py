@@ -360,9 +360,13 @@ class JobViews:
                 summaries = await self.summaries(final) if final is not None and calls == "summary" else None
                 # the records still pending at the last look, then the new ones (each record is looked at once
                 # more per wake only while it is pending: not the whole list each time, O(n^2) over a job)
-                candidates = [*pending, *range(max(looked, at.low), len(records))]
-                pending, looked = [], len(records)
+                # (a resumed job's replay makes its records again from none: those past them wait their turn)
+                count = len(records)
+                candidates = sorted({*pending, *range(max(min(looked, count), at.low), count)})
+                pending, looked = [index for index in candidates if index >= count], count
                 for index in candidates:
+                    if index >= count:
+                        continue
                     record = records[index]
                     if at.sent(index + 1):
                         continue

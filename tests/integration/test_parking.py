@@ -5,6 +5,7 @@ restart. Real engine, a real HTTP tool server."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import secrets
@@ -18,12 +19,22 @@ import docker
 import httpx
 import pytest
 
+from service.broker.paused import client_answer
+from service.jobs.parking import store_answer
+from service.store.sqlite import SQLiteJobStore
 from service.tenancy import hash_token
 from tests.conftest import Service, labelled_containers, start_service, wait_until
 from tests.toolserver import ToolServer
 
 ASK = {"name": "ask", "parameters": {"properties": {"q": {"type": "string"}}}, "endpoint": {"kind": "client"}}
 ASK_SCRIPT = "import tools\nprint('asking', flush=True)\nprint('answer:', tools.ask(q='deploy?'))\n"
+GATHER = (
+    "import asyncio, tools\n"
+    "async def main():\n"
+    "    a, b = await asyncio.gather(tools.aio.ask(q='a'), tools.aio.ask(q='b'))\n"
+    "    print(a, b)\n"
+    "asyncio.run(main())\n"
+)
 OTHER = secrets.token_urlsafe(32)  # a second key: a parked job is not its to see or answer
 
 
@@ -122,6 +133,7 @@ def test_an_approval_given_while_parked_sends_the_call_to_its_endpoint_once(
     assert view["status"] == "succeeded" and view["stdout"] == f"published {marker}\n", (view["error"], view["calls"])
     [record] = view["calls"]
     assert record["approval"]["decision"] == "approved" and record["approval"]["by"] == "pytest"
+    assert record["approval"]["at"].endswith("Z"), record["approval"]  # as a live decision's (was "+00:00")
     seen = [h for (p, a), h in zip(tool_server.requests, tool_server.headers, strict=True) if a == {"text": marker}]
     assert len(seen) == 1  # once, under the call's id
     assert {k.lower(): v for k, v in seen[0].items()}["idempotency-key"] == pending["call_id"]
@@ -164,24 +176,38 @@ def test_parked_time_does_not_count_against_the_jobs_timeout(parking: Service) -
 
 
 def test_calls_gathered_while_parked_are_answered_one_by_one(parking: Service) -> None:
-    script = (
-        "import asyncio, tools\n"
-        "async def main():\n"
-        "    a, b = await asyncio.gather(tools.aio.ask(q='a'), tools.aio.ask(q='b'))\n"
-        "    print(a, b)\n"
-        "asyncio.run(main())\n"
-    )
     with parking.client(timeout=90) as api:
-        job_id = api.post("/execute", json={"script": script, "tools": [ASK], "wait_s": 0}).json()["job_id"]
+        job_id = api.post("/execute", json={"script": GATHER, "tools": [ASK], "wait_s": 0}).json()["job_id"]
         pending = {c["args"]["q"]: c["call_id"] for c in parked_view(api, job_id)["pending_calls"]}
         assert sorted(pending) == ["a", "b"]
         assert api.post(f"/jobs/{job_id}/calls/{pending['a']}", json={"result": "A"}).status_code == 200
-        # Resumed, or parked again: either way the other call is answered under its id.
-        wait_until(
-            lambda: api.post(f"/jobs/{job_id}/calls/{pending['b']}", json={"result": "B"}).status_code == 200, 30
-        )
+        # Resumed (the other call kept for its replay), or parked again: either way answered under its id at once.
+        assert api.post(f"/jobs/{job_id}/calls/{pending['b']}", json={"result": "B"}).status_code == 200
         view = ended(api, job_id)
     assert view["status"] == "succeeded" and view["stdout"] == "A B\n", view
+
+
+def test_requests_that_come_while_an_answer_resumes_a_parked_job_find_it(parking: Service) -> None:
+    """An answer to the other waiting call, or a stop, sent while an answer is resuming the job (before the fix: it
+    had left the parked jobs and was not live yet, so the answer got a 409 and the stop did nothing)."""
+    with parking.client(timeout=90) as api, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for attempt in range(3):
+            job_id = api.post("/execute", json={"script": GATHER, "tools": [ASK], "wait_s": 0}).json()["job_id"]
+            pending = {c["args"]["q"]: c["call_id"] for c in parked_view(api, job_id)["pending_calls"]}
+            first = pool.submit(api.post, f"/jobs/{job_id}/calls/{pending['a']}", json={"result": "A"})
+            time.sleep(0.002 * attempt)
+            second = pool.submit(api.post, f"/jobs/{job_id}/calls/{pending['b']}", json={"result": "B"})
+            assert (first.result().status_code, second.result().status_code) == (200, 200), second.result().text
+            assert ended(api, job_id)["stdout"] == "A B\n"
+        for attempt in range(3):
+            job_id = api.post("/execute", json={"script": ASK_SCRIPT, "tools": [ASK], "wait_s": 0}).json()["job_id"]
+            [pending] = parked_view(api, job_id)["pending_calls"]
+            answer = pool.submit(api.post, f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": "yes"})
+            time.sleep(0.002 * attempt)
+            stop = pool.submit(api.post, f"/jobs/{job_id}/stop")
+            assert stop.result().status_code == 200 and answer.result().status_code in (200, 409)
+            view = ended(api, job_id)
+            assert view["status"] == "stopped", (attempt, answer.result().status_code, view)
 
 
 def test_another_key_cannot_see_or_answer_a_parked_job(engine: docker.DockerClient, scratch: Path) -> None:
@@ -295,6 +321,38 @@ def test_the_event_stream_follows_a_parked_job_to_its_end(parking: Service) -> N
     [call] = [json.loads(data) for name, data in events if name == "call"]  # sent once, with its outcome
     assert call["status"] == "ok" and call["result"] == "go", call
     assert "".join(json.loads(data)["text"] for name, data in events if name == "stdout") == "asking\nanswer: go\n"
+
+
+def test_the_event_stream_follows_a_resumed_job_whose_replay_has_not_made_its_calls_again(parking: Service) -> None:
+    """The stream of a parked job, answered while its one script slot is taken: the resumed job is live with no call
+    record yet (its replay makes them again). Before the fix the stream failed there (an index past its records)."""
+    script = "import tools\nprint('first:', tools.ask(q='1'))\nprint('second:', tools.ask(q='2'))\n"
+    events: list[str] = []
+
+    def follow(job_id: str) -> None:
+        with parking.client(timeout=90) as api, api.stream("GET", f"/jobs/{job_id}/events", timeout=90) as response:
+            for line in response.iter_lines():
+                if line.startswith("event:"):
+                    events.append(line.partition(":")[2].strip())
+                    if events[-1] == "end":
+                        return
+
+    with parking.client(timeout=90) as api:
+        job_id = api.post("/execute", json={"script": script, "tools": [ASK], "wait_s": 0}).json()["job_id"]
+        [first] = parked_view(api, job_id)["pending_calls"]
+        assert api.post(f"/jobs/{job_id}/calls/{first['call_id']}", json={"result": 1}).status_code == 200
+        wait_until(lambda: [c["args"] for c in parked_view(api, job_id)["pending_calls"]] == [{"q": "2"}], 60)
+        [second] = api.get(f"/jobs/{job_id}").json()["pending_calls"]
+        follower = threading.Thread(target=follow, args=(job_id,))
+        follower.start()
+        wait_until(lambda: "call" in events, 30)  # the first call's record, sent while parked
+        blocker = api.post("/execute", json={"script": "import time\ntime.sleep(4)", "wait_s": 0, "durable": False})
+        wait_until(lambda: api.get(f"/jobs/{blocker.json()['job_id']}").json()["status"] == "running", 30)
+        assert api.post(f"/jobs/{job_id}/calls/{second['call_id']}", json={"result": 2}).status_code == 200
+        assert api.get(f"/jobs/{job_id}").json()["status"] == "queued"  # live, no record made again yet
+        follower.join(60)
+    assert not follower.is_alive() and events[-1] == "end", events
+    assert events.count("call") == 2, events  # each record once, the replayed one not again
 
 
 def test_a_parked_jobs_pending_calls_show_in_every_selection_and_odd_answers_are_judged_as_live(
@@ -441,3 +499,69 @@ def test_a_replay_that_no_longer_makes_the_answered_call_ends_replay_diverged(pa
         view = ended(api, job_id)
     assert view["status"] == "failed" and view["error"]["type"] == "replay_diverged", view
     assert "not made again" in view["error"]["message"]
+
+
+def test_an_answer_stored_before_the_service_died_resumes_its_job_at_the_next_start(
+    engine: docker.DockerClient, scratch: Path
+) -> None:
+    """The service stopped after storing an answer to a parked job and before its resume saved it (here: the answer is
+    written to the stopped service's store): the next start resumes the job with it (before the fix it was held
+    parked again, and its expiry replaced the answer with a timeout)."""
+    instance, work_dir = f"pytest-parked-stored-{secrets.token_hex(3)}", scratch / f"stored-{secrets.token_hex(3)}"
+    env = {"PTC_PARK_AFTER_S": "1", "PTC_WARM_POOL_SIZE": "0"}
+    first = start_service(instance, work_dir, **env)
+    with first.client(timeout=90) as api:
+        job_id = api.post("/execute", json={"script": ASK_SCRIPT, "tools": [ASK], "wait_s": 0}).json()["job_id"]
+        [pending] = parked_view(api, job_id)["pending_calls"]
+    first.stop()
+
+    async def answer() -> bool:
+        store = SQLiteJobStore(work_dir / "jobs.sqlite3")
+        await store.open()
+        try:
+            return await store_answer(store, job_id, pending["call_id"], client_answer(True, "stored"))
+        finally:
+            await store.close()
+
+    assert asyncio.run(answer())
+    again = start_service(instance, work_dir, **env)
+    try:
+        with again.client(timeout=90) as api:
+            view = ended(api, job_id)
+        assert view["status"] == "succeeded" and view["stdout"] == "asking\nanswer: stored\n", view
+        assert [r["reason"] for r in view["resumes"]] == ["answered"], view["resumes"]
+    finally:
+        again.stop()
+    assert not labelled_containers(engine, instance, include_pool=True)
+
+
+def test_resumes_give_back_what_the_runs_before_kept_of_the_owners_output_budget(
+    engine: docker.DockerClient, scratch: Path
+) -> None:
+    """Each resume keeps the replayed call records again: what the parked run kept is given back (before the fix it
+    stayed taken, and a key whose jobs parked a few times was refused for ``output_bytes`` until a restart)."""
+    echo = {"name": "echo", "parameters": {"properties": {"blob": {"type": "string"}}}, "endpoint": {"kind": "echo"}}
+    script = "import tools\ntools.echo(blob='x' * 300_000)\nfor i in range(3):\n    print(tools.ask(q=str(i)))\n"
+    instance = f"pytest-parked-budget-{secrets.token_hex(3)}"
+    svc = start_service(
+        instance, scratch / instance, PTC_PARK_AFTER_S="1", PTC_WARM_POOL_SIZE="0", PTC_QUOTA_OUTPUT_BYTES="1500000"
+    )
+    try:
+        with svc.client(timeout=90) as api:
+            job_id = api.post("/execute", json={"script": script, "tools": [echo, ASK], "wait_s": 0}).json()["job_id"]
+            for i in range(3):
+
+                def parked_on(i: int = i) -> bool:  # the i-th call, once parked again
+                    view = api.get(f"/jobs/{job_id}").json()
+                    return bool(view["parked_at"]) and [c["args"] for c in view["pending_calls"]] == [{"q": str(i)}]
+
+                wait_until(parked_on, 60)
+                [pending] = api.get(f"/jobs/{job_id}").json()["pending_calls"]
+                assert api.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": i}).status_code == 200
+            view = ended(api, job_id)
+            assert view["status"] == "succeeded" and len(view["resumes"]) == 3, view
+            after = api.post("/execute", json={"script": "print(1)", "wait_s": 30})
+            assert after.status_code == 200, after.text  # 600 kB of records kept once, not four times
+    finally:
+        svc.stop()
+    assert not labelled_containers(engine, instance, include_pool=True)

@@ -104,7 +104,9 @@ async def stalls_while(work: Any, *args: Any) -> tuple[list[float], Any]:
 
 
 def long_stalls(gaps: list[float]) -> int:
-    return sum(gap > 0.1 for gap in gaps)
+    """Loop gaps past 0.25 s: each call's parse and walks on the loop stalled it >= 0.45 s; a 2-core host running
+    other suites at once showed scheduling gaps of 105-117 ms with the work off the loop (so not 0.1 s)."""
+    return sum(gap > 0.25 for gap in gaps)
 
 
 async def test_large_argument_lines_are_parsed_and_walked_off_the_event_loop(tmp_path: Path) -> None:
@@ -121,7 +123,7 @@ async def test_large_argument_lines_are_parsed_and_walked_off_the_event_loop(tmp
     assert all(r["ok"] and len(r["result"]["args"]["x"]) == len(FLAT) for r in replies)
     assert [r["status"] for r in b.records.calls] == ["ok"] * 8
     # Before: every call stalled the loop for its parse and two depth walks (>= 0.45 s each, 8 of them).
-    assert long_stalls(gaps) <= 2, sorted(gaps)[-5:]  # > 100 ms; allows a hiccup of a loaded host
+    assert long_stalls(gaps) <= 2, sorted(gaps)[-5:]  # allows a hiccup of a loaded host
 
 
 async def test_large_http_results_are_parsed_and_walked_off_the_event_loop(

@@ -10,6 +10,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.jobs.model import JobStatus
 from service.observability.metrics import Metrics, buckets_up_to, callback_outcome
 from service.settings import Settings
 
@@ -88,7 +89,8 @@ def test_ended_jobs_count_oom_kills_timeouts_truncations_and_callbacks() -> None
     metrics.job_ended(ended("stopped", 0, started=False))  # stopped while queued: waited 3 s, ran 0 s
     metrics.job_ended(ended("succeeded", 0, resumed="drained"))
     metrics.job_ended(ended("failed", 0, resumed="service_restarted"))  # its replay diverged
-    metrics.job_lost()
+    metrics.ended_from_store(JobStatus.LOST)
+    metrics.ended_from_store(JobStatus.STOPPED)  # a parked job stopped
     metrics.callback_attempt({"status_code": 503, "error": "HTTP 503"})
     metrics.callback_attempt({"status_code": 200, "error": None})
     metrics.callback_done(True)
@@ -97,6 +99,7 @@ def test_ended_jobs_count_oom_kills_timeouts_truncations_and_callbacks() -> None
     assert value(samples, "ptc_output_truncated_total", stream="stdout") == 1
     assert value(samples, "ptc_output_truncated_total", stream="stderr") == 0
     assert value(samples, "ptc_executions_total", status="lost") == 1
+    assert value(samples, "ptc_executions_total", status="stopped") == 2  # one while queued, one parked
     assert value(samples, "ptc_execution_duration_seconds_count") == 5
     assert value(samples, "ptc_execution_duration_seconds_sum") == 8  # 2 + 2 + 0 + 2 + 2
     assert value(samples, "ptc_queue_wait_seconds_sum") == 7  # 1 + 1 + 3 + 1 + 1

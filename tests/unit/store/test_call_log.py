@@ -107,3 +107,20 @@ async def test_large_bytes_round_trip_exactly(store: JobStore) -> None:
     await store.runs.write("job_1", [LoggedCall(1, "call-1", "upload", args, outcome)])
     assert await store.runs.spec("job_1") == spec
     assert await store.runs.calls("job_1") == [LoggedCall(1, "call-1", "upload", args, outcome)]
+
+
+async def test_settle_sets_one_calls_answer_and_settled_finds_it(store: JobStore) -> None:
+    """A harness's answer is written into its call's row alone: over no outcome, or over an earlier answer when
+    asked (a later answer replaces it), never over an outcome; ``settled`` names the calls holding one."""
+    answer = b'{"answer":'
+    await store.runs.write("job_1", [call(1, b"done"), call(2), call(3)])
+    await store.runs.write("job_2", [call(2)])
+    assert await store.runs.settle("job_1", "call-2", answer + b'"a"}', over=None)
+    assert not await store.runs.settle("job_1", "call-2", answer + b'"timeout"}', over=None)  # answered already
+    assert await store.runs.settle("job_1", "call-2", answer + b'"b"}', over=answer)  # a later answer replaces it
+    assert not await store.runs.settle("job_1", "call-1", answer + b'"c"}', over=answer)  # an outcome stays
+    assert not await store.runs.settle("job_1", "call-9", answer + b'"c"}', over=answer)  # no such call
+    assert await store.runs.calls("job_1") == [call(1, b"done"), call(2, answer + b'"b"}'), call(3)]
+    assert await store.runs.calls("job_2") == [call(2)]  # another job's call of the same id untouched
+    assert await store.runs.settled("job_1", answer) == {"call-2"}
+    assert await store.runs.settled("job_2", answer) == set()

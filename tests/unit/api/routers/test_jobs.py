@@ -102,3 +102,20 @@ async def test_a_client_answer_is_a_result_or_an_error(
     response = await client.post("/jobs/job_1/calls/c1", json=body)
     assert response.status_code == (200 if asked else 422), response.text
     assert jobs.asked == asked
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"error": {"type": "t", "message": "\\ud800"}}',
+        b'{"error": {"type": "\\udfff", "message": "m"}}',
+    ],
+)
+async def test_a_client_error_answer_that_is_not_unicode_text_is_refused(
+    client: httpx.AsyncClient, jobs: FakeJobs, raw: bytes
+) -> None:
+    """An error answer's type and message reach the script and a durable job's call log (UTF-8): a lone surrogate is
+    a 422 naming the field (before the fix, a parked job's answer was a 500, a live durable one's a store failure)."""
+    response = await client.post("/jobs/job_1/calls/c1", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 422, response.text
+    assert "lone surrogate" in response.text and jobs.asked == []
