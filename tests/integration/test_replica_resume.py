@@ -149,3 +149,46 @@ def test_a_rolling_restart_of_both_replicas_loses_no_job(cluster: Cluster, tool_
     assert sorted(seen) == [(n, i) for n in range(jobs) for i in range(3)]
     assert all(len(keys) == 1 for keys in seen.values()), seen  # a call made twice went under one id
     print(f"rolling restart: {jobs} jobs, {len(resumed)} resumes ({sorted(set(resumed))}), none lost")
+
+
+def parked_gauge(api: Any) -> float:
+    """``ptc_parked_jobs`` of one replica."""
+    [line] = [line for line in api.get("/metrics").text.splitlines() if line.startswith("ptc_parked_jobs ")]
+    return float(line.split()[1])
+
+
+def test_a_parked_job_of_a_replica_restarted_within_its_lease_is_held_by_one_replica(
+    cluster: Cluster, tool_server: ToolServer
+) -> None:
+    """A replica killed and started again at once (within its lease) and the survivor, whose reaper sees the dead
+    incarnation's jobs as orphans: one of them holds the parked job, and its expiry resumes it once (before the fix
+    both held it, both resumed it, and the survivor was fenced)."""
+    marker = secrets.token_hex(4)
+    ask = {**ASK, "timeout_s": 15}
+    remember = {
+        "name": "remember",
+        "parameters": {"properties": {"m": {"type": "string"}}},
+        "endpoint": {"kind": "http", "url": tool_server.url("echo")},
+    }
+    script = (
+        "import tools\n"
+        "try:\n    tools.ask(q='x')\nexcept Exception as exc:\n    print('ask:', type(exc).__name__, flush=True)\n"
+        f"tools.remember(m={marker!r})\nprint('done')\n"
+    )
+    with cluster.client(cluster.t2.url) as c2:
+        body: dict[str, Any] = {"script": script, "tools": [ask, remember], "wait_s": 0}
+        job_id = c2.post("/execute", json=body).json()["job_id"]
+        wait_until(lambda: c2.get(f"/jobs/{job_id}").json()["parked_at"] is not None, 60)
+    cluster.t2.kill()
+    cluster.restart("t2")  # at once: within its lease
+    time.sleep(4)  # the survivor's reaper scans a few times
+    with cluster.client(cluster.t1.url) as c1, cluster.client(cluster.t2.url) as c2:
+        held = sorted((parked_gauge(c1), parked_gauge(c2)))
+        assert held == [0.0, 1.0], held
+        wait_until(lambda: c1.get(f"/jobs/{job_id}").json()["ended_at"] is not None, 60)
+        view = c1.get(f"/jobs/{job_id}").json()
+    assert view["status"] == "succeeded" and view["stdout"] == "ask: ToolError\ndone\n", view
+    assert [r["reason"] for r in view["resumes"]] == ["expired"], view["resumes"]
+    assert {name: member.process.poll() for name, member in cluster.members.items()} == {"t1": None, "t2": None}
+    sent = [args for path, args in tool_server.requests if path == "/echo" and args.get("m") == marker]
+    assert len(sent) == 1, sent
