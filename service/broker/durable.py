@@ -22,9 +22,8 @@ a newline and the result's JSON bytes as the endpoint gave them (nothing to pars
 
 - **Answers.** A call that waited for the harness when its job was parked (``service.jobs.parking``) has only its
   intent; the harness's answer to it (or its expiry) is stored in its entry's place as ``{"answer": ...}``
-  (``encode_answer``), not as its outcome: the replay makes the call again, under its id, and the answer is handed
-  to it (``answers``, for ``PausedCalls``), so that it goes through the same checks (and, approved, to its
-  endpoint) as a live answer would.
+  (``encode_answer``) until the call's outcome replaces it: the replay makes the call again, under its id, and the
+  answer is handed to it (``answers``, for ``PausedCalls``), through the same checks as a live answer.
 """
 
 from __future__ import annotations
@@ -168,6 +167,7 @@ class DurableLog:
             if answer is not None:
                 self.answers[entry.call_id] = answer
                 entries[index] = Logged(entry.seq, entry.call_id, entry.tool, entry.args)  # its intent only
+        self._answered = set(self.answers)  # their calls: the store keeps their answers until their outcomes
         self.logged_bytes = sum(len(entry.args) + len(entry.outcome or b"") for entry in entries)
         self._counted = {entry.seq for entry in entries}  # entries whose arguments ``logged_bytes`` counts
         self.given_up = False
@@ -210,7 +210,8 @@ class DurableLog:
         elif entry.outcome is not None:
             self.replayed += 1
             return entry.seq, entry.call_id, decode_outcome(entry.outcome)
-        await self._write(entry)
+        if entry.call_id not in self._answered:  # one stored with its answer keeps it until its outcome
+            await self._write(entry)
         return entry.seq, entry.call_id, None
 
     async def run(

@@ -276,7 +276,11 @@ def _taken(answer: Answer, record: dict[str, Any]) -> Any:
         raise TimeoutError
     if "invalid" in answer:
         return True, InvalidAnswer(str(answer["invalid"]))
-    if answer["kind"] == "approval":  # its time as a live decision's (stored as ISO 8601 text)
-        record["approval"] = {**answer["approval"], "at": datetime.fromisoformat(answer["approval"]["at"])}
+    if answer["kind"] == "approval":  # its time as a live decision's (from the log: ISO 8601 text)
+        at = answer["approval"]["at"]
+        record["approval"] = {
+            **answer["approval"],
+            "at": at if isinstance(at, datetime) else datetime.fromisoformat(at),
+        }
         return answer["approval"]["decision"] == "approved"
     return answer["ok"], answer["value"]

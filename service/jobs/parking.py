@@ -159,8 +159,10 @@ async def park_due(job: LiveJob, broker: Broker, after_s: float, parked: ParkedJ
     """Return once ``job`` should be parked: every call it has in flight has waited for the harness
     (``PausedCalls``) for ``after_s`` (``PTC_PARK_AFTER_S``) without a break, it is still durable, and a place was
     reserved for it (``ParkedJobs.reserve``: ``job.park_reserved``); checked at most once a second after that.
-    ``job.parking`` is set in the same step: an answer that comes before the runner acts on it is given to the
-    parked job (``JobManager._settle`` waits for the park), not to the script about to be killed."""
+    ``job.parking`` is set, and what it waits for taken (``job.parked_calls``), in the same step: an answer that
+    comes before the runner acts on it is given to the parked job (``JobManager._settle`` waits for the park), not
+    to the script about to be killed, and a wait that times out or a call the script makes meanwhile does not
+    leave it parked waiting for nothing."""
     paused, loop = broker.paused, asyncio.get_running_loop()
     while True:
         since = paused.waiting_since
@@ -170,6 +172,7 @@ async def park_due(job: LiveJob, broker: Broker, after_s: float, parked: ParkedJ
             continue
         if job.durable and only_waits(broker) and parked.reserve(job.owner):
             job.park_reserved = job.parking = True
+            job.parked_calls = broker.paused.pending_calls
             return
         await asyncio.sleep(1.0)
 

@@ -34,7 +34,7 @@ from service.jobs.admission import Admitted, Intake, Ticket
 from service.jobs.durability import RunSpec, logged_calls
 from service.jobs.events import JobLost, ParkedJobStopped
 from service.jobs.live import SLICE_BYTES, STREAMS, now
-from service.jobs.marks import read_marks
+from service.jobs.marks import mark_stored, read_marks
 from service.jobs.model import ErrorType, Failure, JobStatus
 from service.jobs.parking import ParkedJob
 from service.jobs.state import JobState
@@ -132,16 +132,16 @@ class Recovery:
             folder.mkdir(parents=True, exist_ok=True)
         # Only root (the service) enters the work dir: the engine mounts job folders into sandboxes itself.
         os.chmod(self._settings.work_dir, 0o700)
+        for owner, retained in (await asyncio.to_thread(_retained_by_owner, self.output_dir)).items():
+            self._quotas.output(owner).take(retained)  # before a job is marked lost below: it charges its own row
         for stored in await self._store.jobs.unfinished(self._instance):
             spec = await self.spec_of(stored)
             if spec is None:
                 await self.mark_lost(stored)
             elif spec.waits is None:
                 self.resumable.append((spec, "drained" if spec.parked else "service_restarted"))
-            elif (resumed := await self.hold_parked(spec, "service_restarted")) is not None:
-                self.resumable.append(resumed)
-        for owner, retained in (await asyncio.to_thread(_retained_by_owner, self.output_dir)).items():
-            self._quotas.output(owner).take(retained)
+            elif (answered := await self.hold_parked(spec)) is not None:
+                self.resumable.append((answered, "answered"))
 
     async def spec_of(self, stored: StoredJob) -> RunSpec | None:
         """The run spec of a durable job left unfinished, with the resumes its last saved view lists; None for a
@@ -182,12 +182,12 @@ class Recovery:
         me = self._replicas.incarnation
         return (stored.instance_id, stored.instance_epoch) == (me.instance_id, me.epoch)
 
-    async def hold_parked(self, spec: RunSpec, reason: str) -> tuple[RunSpec, str] | None:
+    async def hold_parked(self, spec: RunSpec) -> RunSpec | None:
         """Take over a job found parked waiting for the harness (``spec.waits``: left by an earlier run of this
         instance, or by a dead replica): made this incarnation's (``adopt``; None if another replica took it first),
-        then held parked here (``ParkedJobs``: None), or, returned with the reason of its resume, resumed at once:
-        ``answered`` when an answer to a call it waits for is stored already (the service stopped before that
-        answer's resume saved it), ``reason`` when there is no room among the parked (it waits in a sandbox).
+        then held parked here (``ParkedJobs``, past ``PTC_MAX_PARKED_JOBS`` too: it costs rows, where a resume would
+        take a sandbox no bound counts; None), or returned, to be resumed at once (reason ``answered``), when an
+        answer to a call it waits for is stored already (the service stopped before that answer's resume saved it).
         Raises what the store raises."""
         stored, waits = spec.stored, spec.waits
         assert stored is not None and waits is not None
@@ -197,10 +197,8 @@ class Recovery:
             me = self._replicas.incarnation
             spec = replace(spec, stored=replace(stored, instance_id=me.instance_id, instance_epoch=me.epoch))
         if await self._store.runs.settled(spec.job_id, ANSWER) & waits.calls.keys():
-            return spec, "answered"
-        if not self._parked.reserve(spec.owner):
-            return spec, reason
-        self._parked.add(waits, reserved=True)
+            return spec
+        self._parked.add(waits)
         return None
 
     async def mark_lost(self, stored: StoredJob, why: str | None = None) -> None:
@@ -225,7 +223,9 @@ class Recovery:
     async def _end(self, stored: StoredJob, error: Failure, cancelled: str, status: JobStatus) -> bool:
         """Save an unfinished job ended (``lost_row``) unless another ended it first (``JobRecords.save_lost``, with
         its callback's row, pending, in the same transaction: any replica delivers it, docs/scaling.md, Callbacks,
-        exactly once), then drop its run spec and call log; whether this call ended it."""
+        exactly once), then drop its run spec and call log; whether this call ended it. What its row keeps in the
+        store counts against its owner's output budget, as an ended job's does (``live.note_stored_bytes``), when
+        its output folder is here (marked on it: the purge gives it back)."""
 
         async def replay(stream: str, inline: CappedStream, limit: int) -> int:
             return await self._replay(self.output_dir / stored.job_id / stream, inline, limit)
@@ -233,6 +233,14 @@ class Recovery:
         row = await lost_row(stored, error, cancelled, replay, self._settings.output_retention_bytes, status)
         ended = await self._store.jobs.save_lost(row)
         await self._store.runs.forget(stored.job_id)  # its run spec (with its env) and call log: nothing resumes it
+        folder = self.output_dir / stored.job_id
+        if ended and stored.owner is not None and folder.is_dir():
+            kept = len(row.view) + len(row.summary)
+            self._quotas.output(stored.owner).charge(kept)
+            try:
+                mark_stored(folder, kept)
+            except OSError:
+                log.exception("job %s: could not note the bytes it keeps in the store", stored.job_id)
         return ended
 
     async def resume(self, intake: Intake, start: Callable[[Admitted], object]) -> int:
@@ -242,7 +250,10 @@ class Recovery:
         specs, self.resumable = self.resumable, []
         resumed = 0
         for spec, reason in specs:  # parked at a SIGTERM, the service died, or parked waiting for the harness
-            resumed += await self.resume_job(spec, reason, intake, start, spec.waits)
+            try:
+                resumed += await self.resume_job(spec, reason, intake, start, spec.waits)
+            except Exception:  # the store failed: left unfinished, resumed at the next start (or by a survivor)
+                log.exception("job %s could not be resumed now", spec.job_id)
         return resumed
 
     async def resume_job(
@@ -286,8 +297,8 @@ class Recovery:
         entry = {"at": now(), "reason": reason, "instance": self._instance}
         if not await self.adopt(stored):
             return False  # ended, or taken, meanwhile
+        replay = await logged_calls(self._store, spec.job_id)  # a store failure is raised: it stays unfinished
         try:
-            replay = await logged_calls(self._store, spec.job_id)
             waits = (parked.calls, parked.active_s) if parked is not None else None
             admitted = await intake.readmit(spec, replay, entry, waits, ticket)
         except Exception as exc:

@@ -289,6 +289,7 @@ class Runner:
             done, _ = await asyncio.wait({waiting, *watch}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
             ended_by: EndedBy | None = None
             job.parking = waiting not in done and bool(done) and stop not in done  # park_due's, or an exit or stop
+            job.parked_calls = job.parked_calls if job.parking else []  # what it waits for: park_due took it
             if job.parking:  # parked: the job waits for the harness
                 await run.kill()
             elif waiting not in done:
@@ -340,8 +341,8 @@ class Runner:
         try:
             if job.run_began is not None:  # its timeout_s counts each run's time, not the time it is parked
                 job.active_s, job.run_began = job.active_time(), None
-            if job.parking and not job.ended:  # what it waits for, before closing the broker cancels the waits
-                job.parked_calls = waiting_for(broker)
+            if job.parking and not job.ended and not job.parked_calls:  # parked at shutdown: what it waits for now
+                job.parked_calls = waiting_for(broker)  # (before closing the broker cancels the waits)
             try:
                 await broker.close()
             except Exception:

@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from service import exactjson, files
+from service import files
 from service.errors import InvalidField, JobNotFound, NoSuchFile
 from service.jobs import shared
 from service.jobs.live import SLICE_BYTES, STREAMS, LiveJob, LiveJobs, unless_ending, wait_for_end_or_client
@@ -36,13 +36,6 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 15.0
 PARKED_POLL_S = 1.0  # how often a follower of a parked job looks whether it was resumed (s)
 """Seconds without an event after which a follower of a live job gets a ``ping`` (a comment in the stream)."""
-
-
-def _status(record: dict[str, Any] | bytes | memoryview) -> str | None:
-    """A call record's ``status`` (a stored view's record is its JSON bytes)."""
-    if isinstance(record, dict):
-        return str(record["status"])
-    return str(exactjson.loads(bytes(record)).get("status"))
 
 
 class JobViews:
@@ -331,6 +324,9 @@ class JobViews:
         at = start if start is not None else resume.Position()
         looked = 0  # records before this index were each sent, or are in ``pending``
         pending: list[int] = []  # indices of records that were pending (not sent) when last looked at
+        sent_calls: set[str] = set()  # the call ids of the records this stream sent, and where (index -> call id)
+        sent_at: dict[int, str] = {}
+        last_runs = -1  # the job's resumes when last looked at (-1: not yet)
         loop = asyncio.get_running_loop()
         last_progress: tuple[Any, ...] = ()
         quiet_since = loop.time()  # when an event was last sent (or the stream began)
@@ -344,6 +340,7 @@ class JobViews:
                     "status": job.status.value,
                     "stdout_retained_bytes": job.stdout.retained_bytes,
                     "stderr_retained_bytes": job.stderr.retained_bytes,
+                    "resumes": job.resumes,
                 }
                 records = job.calls
             elif final is not None:
@@ -360,23 +357,31 @@ class JobViews:
                 summaries = await self.summaries(final) if final is not None and calls == "summary" else None
                 # the records still pending at the last look, then the new ones (each record is looked at once
                 # more per wake only while it is pending: not the whole list each time, O(n^2) over a job)
-                # (a resumed job's replay makes its records again from none: those past them wait their turn)
-                count = len(records)
-                candidates = sorted({*pending, *range(max(min(looked, count), at.low), count)})
+                # A resume's replay makes the records again, from none, perhaps in another order: all are looked at
+                # again then (a record is known by its call id), and those past the ones made so far wait their turn.
+                count, runs = len(records), len(head.get("resumes") or ())
+                floor = at.low if runs == last_runs else 0
+                looked, last_runs = (looked, runs) if runs == last_runs else (0, runs)
+                candidates = sorted({*pending, *range(max(min(looked, count), floor), count)})
                 pending, looked = [index for index in candidates if index >= count], count
                 for index in candidates:
                     if index >= count:
                         continue
                     record = records[index]
-                    if at.sent(index + 1):
+                    call = resume.record_call_id(record)
+                    if call in sent_calls:  # sent at another place: a replay may make concurrent calls in another order
+                        continue
+                    if at.sent(index + 1) and sent_at.get(index, call) == call:  # this one, or before this stream began
                         continue
                     # sent once it has its outcome (a job being parked: its waits' records are cancelled, then pending)
                     if (job is not None and job.parking) or (
-                        (job is not None or parked) and _status(record) == "pending"
+                        (job is not None or parked) and resume.record_status(record) == "pending"
                     ):
                         pending.append(index)
                         continue
                     at.mark(index + 1)
+                    sent_calls.add(call)
+                    sent_at[index] = call
                     if summaries is not None:
                         data = summaries[index]
                     elif calls == "summary":

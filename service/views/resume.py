@@ -5,7 +5,10 @@ A ``Position`` holds what the stream has sent so far: the offset after the last 
 order, so a prefix ``low`` of seqs all sent and the set of later ones sent), the last ``status`` sent, and whether
 ``end`` was sent. Each event's ``id`` is the position after it, as an opaque token; a follower that reconnects
 with it (``Last-Event-ID``) gets exactly the events it has not had: no output byte twice or never, each call once,
-a status only if it changed since.
+a status only if it changed since. A resumed durable job's replay may make concurrent calls in another order than
+its first run: a stream that follows the job through the resume knows each record by its ``call_id``
+(``record_call_id``) and sends it once; a follower that reconnects after such a resume with an earlier token may
+miss a record that changed places.
 
 The token (URL-safe base64, no padding) is opaque to clients; inside, version 1::
 
@@ -25,13 +28,18 @@ import base64
 import binascii
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any
 
+from service import exactjson
 from service.jobs.model import JobStatus
 
 VERSION = 1
 MAX_TOKEN_CHARS = 16 * 1024  # longer than any token of a job within PTC_MAX_TOOL_CALLS' bound (10,000: ~1.7 KiB)
 _STATUSES = frozenset(status.value for status in JobStatus)
 _MAX_VARINT_BYTES = 10
+
+
+CALL_ID_WITHIN = 128  # bytes of a stored record that hold its seq and call_id (a call id is 21 characters)
 
 
 class InvalidPosition(ValueError):
@@ -221,3 +229,19 @@ class _Reader:
         chunk = self._raw[self._at :]
         self._at = len(self._raw)
         return chunk
+
+
+def record_status(record: dict[str, Any] | bytes | memoryview) -> str | None:
+    """A call record's ``status`` (a stored view's record is its JSON bytes)."""
+    if isinstance(record, dict):
+        return str(record["status"])
+    return str(exactjson.loads(bytes(record)).get("status"))
+
+
+def record_call_id(record: dict[str, Any] | bytes | memoryview) -> str:
+    """A call record's ``call_id`` (a stored view's record is its JSON bytes: ``seq``, then ``call_id``, first)."""
+    if isinstance(record, dict):
+        return str(record["call_id"])
+    head = bytes(record[:CALL_ID_WITHIN])
+    start = head.find(b'"call_id":"') + len(b'"call_id":"')
+    return head[start : head.index(b'"', start)].decode()

@@ -562,6 +562,117 @@ def test_resumes_give_back_what_the_runs_before_kept_of_the_owners_output_budget
             assert view["status"] == "succeeded" and len(view["resumes"]) == 3, view
             after = api.post("/execute", json={"script": "print(1)", "wait_s": 30})
             assert after.status_code == 200, after.text  # 600 kB of records kept once, not four times
+            # A job stopped while parked keeps its records in the store: they count once it has ended (before the
+            # fix nothing counted them, and a key kept any amount of records by stopping its parked jobs).
+            stopping = "import tools\ntools.echo(blob='x' * 300_000)\nprint(tools.ask(q='go?'))\n"
+            kept = []
+            for _ in range(2):
+                body = {"script": stopping, "tools": [echo, ASK], "wait_s": 0}
+                stopped_id = api.post("/execute", json=body).json()["job_id"]
+                parked_view(api, stopped_id)
+                assert api.post(f"/jobs/{stopped_id}/stop").json()["status"] == "stopped"
+                kept.append(api.get(f"/jobs/{stopped_id}").json()["calls"][0]["args_dropped_bytes"] is None)
+            assert kept == [True, False], kept  # 0.6 + 0.6 MB counted: past 1.5 MB the next job's records are dropped
     finally:
         svc.stop()
+    assert not labelled_containers(engine, instance, include_pool=True)
+
+
+def test_a_call_that_times_out_as_its_job_is_parked_is_answered_by_its_timeout(parking: Service) -> None:
+    """A client call whose timeout_s falls just after PTC_PARK_AFTER_S times out while its job is being parked: the
+    job is parked with that call, which expires at once, and it ends with the timeout (before the fix it was parked
+    waiting for nothing: never resumed, not stoppable, outside every bound, until a restart)."""
+    with parking.client(timeout=90) as api:
+        for timeout_s in (1.001, 1.003, 1.005):
+            tool = {**ASK, "timeout_s": timeout_s}
+            script = "import tools\ntry:\n    tools.ask(q='x')\nexcept tools.ToolError as exc:\n    print(exc.type)\n"
+            job_id = api.post("/execute", json={"script": script, "tools": [tool], "wait_s": 0}).json()["job_id"]
+            view = ended(api, job_id)
+            assert view["status"] == "succeeded" and view["stdout"] == "timeout\n", (timeout_s, view)
+
+
+def test_the_event_stream_sends_each_record_once_when_a_replay_makes_calls_in_another_order(
+    parking: Service,
+) -> None:
+    """The first run makes ask (pending) then echo (sent); the replay makes echo, then ask: each record is sent once
+    (before the fix the stream went by place: echo twice, ask never)."""
+    until = time.time() + 4
+    script = (
+        "import asyncio, time, tools\n"
+        f"FIRST = time.time() < {until}\n"
+        "async def ask():\n"
+        "    if not FIRST: await asyncio.sleep(0.5)\n"
+        "    return await tools.aio.ask(q='a')\n"
+        "async def echo():\n"
+        "    if FIRST: await asyncio.sleep(0.5)\n"
+        "    return (await tools.aio.echo(blob='e'))['args']['blob']\n"
+        "async def main():\n"
+        "    print(*await asyncio.gather(ask(), echo()))\n"
+        "asyncio.run(main())\n"
+    )
+    echo = {"name": "echo", "parameters": {"properties": {"blob": {"type": "string"}}}, "endpoint": {"kind": "echo"}}
+    sent: list[str] = []
+
+    def follow(job_id: str) -> None:
+        with parking.client(timeout=90) as api, api.stream("GET", f"/jobs/{job_id}/events", timeout=90) as response:
+            name = ""
+            for line in response.iter_lines():
+                if line.startswith("event:"):
+                    name = line.partition(":")[2].strip()
+                elif line.startswith("data:") and name == "call":
+                    sent.append(json.loads(line.partition(":")[2])["tool"])
+                elif name == "end":
+                    return
+
+    with parking.client(timeout=90) as api:
+        job_id = api.post("/execute", json={"script": script, "tools": [ASK, echo], "wait_s": 0}).json()["job_id"]
+        follower = threading.Thread(target=follow, args=(job_id,))
+        follower.start()
+        [pending] = parked_view(api, job_id)["pending_calls"]
+        assert [c["tool"] for c in api.get(f"/jobs/{job_id}").json()["calls"]] == ["ask", "echo"]
+        time.sleep(max(until - time.time(), 0) + 0.5)
+        assert api.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": "A"}).status_code == 200
+        follower.join(60)
+        final = ended(api, job_id)
+    assert final["status"] == "succeeded" and final["stdout"] == "A e\n", final
+    assert [c["tool"] for c in final["calls"]] == ["echo", "ask"]  # made again in the other order
+    assert sorted(sent) == ["ask", "echo"], sent
+
+
+def test_an_approved_call_whose_service_dies_during_its_request_is_not_asked_again(
+    engine: docker.DockerClient, scratch: Path, tool_server: ToolServer
+) -> None:
+    """The approval stored for a parked job stays in its log until the call's outcome replaces it: the service dying
+    while the approved call is at its endpoint does not make the next start ask for an approval again (before the
+    fix the replay wrote the call's bare intent over the stored approval)."""
+    marker = secrets.token_hex(6)
+    port = tool_server.url("").rsplit(":", 1)[1].split("/")[0]
+    publish = {
+        "name": "publish",
+        "parameters": {"properties": {"text": {"type": "string"}}},
+        "endpoint": {"kind": "http", "url": tool_server.url("hang")},
+        "approval": "always",
+        "timeout_s": 60,
+    }
+    script = f"import tools\nprint('published', tools.publish(text={marker!r}))\n"
+    instance = f"pytest-parked-approved-{secrets.token_hex(3)}"
+    env = {"PTC_PARK_AFTER_S": "1", "PTC_WARM_POOL_SIZE": "0", "PTC_EGRESS_ALLOW": f"http://127.0.0.1:{port}"}
+    first = start_service(instance, scratch / instance, **env)
+    try:
+        with first.client(timeout=90) as api:
+            job_id = api.post("/execute", json={"script": script, "tools": [publish], "wait_s": 0}).json()["job_id"]
+            [pending] = parked_view(api, job_id)["pending_calls"]
+            assert api.post(f"/jobs/{job_id}/calls/{pending['call_id']}/approve").status_code == 200
+            wait_until(lambda: any(args == {"text": marker} for _, args in tool_server.requests), 60)
+    finally:
+        first.kill()
+    again = start_service(instance, scratch / instance, **env)
+    try:
+        with again.client(timeout=90) as api:
+            wait_until(lambda: [args for _, args in tool_server.requests].count({"text": marker}) == 2, 60)
+            view = api.get(f"/jobs/{job_id}").json()
+            assert view["pending_calls"] == [] and view["resumes"][-1]["reason"] == "service_restarted", view
+            assert api.post(f"/jobs/{job_id}/stop").status_code == 200
+    finally:
+        again.stop()
     assert not labelled_containers(engine, instance, include_pool=True)

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from service.broker import Broker, BrokerConfig, BrokerHooks, BrokerShared
-from service.broker.durable import Diverged, DurableLog, Logged, call_id, decode_outcome, encode_outcome
+from service.broker.durable import Diverged, DurableLog, Logged, call_id, decode_outcome, encode_answer, encode_outcome
 from service.egress import EgressPolicy
 from service.toolkit.endpoints import EndpointClients
 from service.toolkit.manifest import parse_manifest
@@ -209,3 +209,17 @@ async def test_a_closing_broker_waits_for_the_writes_under_way() -> None:
     await log.flushed()
     assert sorted(port.stored) == [1, 2, 3]
     await asyncio.gather(*pending)
+
+
+async def test_a_stored_answer_stays_in_the_log_until_its_call_has_an_outcome() -> None:
+    """The replay reaching a call answered while its job was parked does not write its bare intent over the stored
+    answer: for an approval, the whole endpoint request lies between, and a crash there lost the decision (the next
+    start asked for an approval again of a call its endpoint had received)."""
+    answer = {"kind": "approval", "approval": {"decision": "approved", "by": "alice", "at": "2026-12-07T00:00:00Z"}}
+    stored = Logged(1, "c1", "publish", b"{}", encode_answer(answer))
+    port = Port()
+    durable = DurableLog("job_a", port, [stored])
+    assert durable.answers == {"c1": answer}
+    assert await durable.begin("publish", b"{}") == (1, "c1", None)  # made again, to take its answer
+    await asyncio.sleep(0.01)
+    assert port.writes == []  # the answer stays stored

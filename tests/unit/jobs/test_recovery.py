@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
@@ -15,6 +16,7 @@ import orjson
 import pytest
 
 from service.errors import WorkDirBusy
+from service.jobs.durability import RunSpec
 from service.jobs.events import Events
 from service.jobs.live import LiveJobs, stored_job
 from service.jobs.marks import OWNER_FILE, RECORDS_FILE
@@ -24,6 +26,7 @@ from service.jobs.state import JobState
 from service.jobs.tasks import Tasks
 from service.quotas import HostCapacity, Quotas
 from service.sandbox.folders import SandboxFolders
+from service.schemas.job_models import ExecuteRequest
 from service.settings import Settings
 from service.store import StoredJob
 from service.views import render
@@ -73,8 +76,8 @@ class Store:
         return purged
 
 
-def recovery(work_dir: Path, store: Store | None = None, quotas: Quotas | None = None) -> Recovery:
-    settings = Settings(work_dir=work_dir, sandbox_folders_tmpfs_mb=0, instance_id="test")
+def recovery(work_dir: Path, store: Store | None = None, quotas: Quotas | None = None, **more: Any) -> Recovery:
+    settings = Settings(work_dir=work_dir, sandbox_folders_tmpfs_mb=0, instance_id="test", **more)
     return Recovery(
         settings,
         cast(Any, Engines()),
@@ -155,3 +158,32 @@ async def test_a_job_marked_lost_keeps_its_calls_in_arrival_order(tmp_path: Path
     lost = orjson.loads(store.puts[-1].view)
     assert lost["status"] == "lost"
     assert [(call["seq"], call["status"]) for call in lost["calls"]] == [(1, "ok"), (2, "error"), (3, "ok")]
+
+
+class FailingLog(Store):
+    """The store's call log read fails (a connection reset, a failover)."""
+
+    async def calls(self, job_id: str) -> list[Any]:
+        raise ConnectionResetError("connection reset by peer")
+
+
+async def test_a_store_failure_reading_the_call_log_leaves_a_job_to_resume_unfinished(
+    tmp_path: Path, parts: Parts
+) -> None:
+    """A parked job's answer, or a start-up resume, that cannot read the job's call log raises what the store raised
+    (the answer is refused, the job stays parked): before the fix it was marked lost, its answer with it."""
+    job = parts.new_job("alice")
+    job.move(JobStatus.RUNNING)
+    view = job.view_dict()
+    job.stdout.close()
+    job.stderr.close()
+    encoded = await render.encode(render_head(view), render.snapshot(view["calls"]))
+    stored = stored_job(encoded.head, 0, encoded.body, "test")
+    spec = RunSpec(job.id, "alice", False, "docker", "default", job.created_at, 1, ExecuteRequest(script="1"))
+    store = FailingLog()
+    work_dir = tmp_path / "work"
+    work_dir.mkdir()
+    with pytest.raises(ConnectionResetError):
+        resumer = recovery(work_dir, store, auth="disabled")  # any owner's jobs resume
+        await resumer.resume_job(replace(spec, stored=stored), "answered", cast(Any, None), print)
+    assert store.puts == []  # not marked lost
