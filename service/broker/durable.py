@@ -167,7 +167,6 @@ class DurableLog:
             if answer is not None:
                 self.answers[entry.call_id] = answer
                 entries[index] = Logged(entry.seq, entry.call_id, entry.tool, entry.args)  # its intent only
-        self._answered = set(self.answers)  # their calls: the store keeps their answers until their outcomes
         self.logged_bytes = sum(len(entry.args) + len(entry.outcome or b"") for entry in entries)
         self._counted = {entry.seq for entry in entries}  # entries whose arguments ``logged_bytes`` counts
         self.given_up = False
@@ -207,12 +206,11 @@ class DurableLog:
         if entry is None:
             seq, self._next_seq = self._next_seq, self._next_seq + 1
             entry = Logged(seq, call_id(self._job_id, seq), tool, args)
+            await self._write(entry)
         elif entry.outcome is not None:
             self.replayed += 1
             return entry.seq, entry.call_id, decode_outcome(entry.outcome)
-        if entry.call_id not in self._answered:  # one stored with its answer keeps it until its outcome
-            await self._write(entry)
-        return entry.seq, entry.call_id, None
+        return entry.seq, entry.call_id, None  # a logged intent is stored (an answer with it, until its outcome)
 
     async def run(
         self,

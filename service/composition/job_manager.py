@@ -370,7 +370,10 @@ class JobManager:
         if spec.waits is None:
             await self.recovery.resume_job(spec, "replica_lost", self._intake, self._runner.start)
         elif (answered := await self.recovery.hold_parked(spec)) is not None:
-            await self.recovery.resume_job(answered, "answered", self._intake, self._runner.start, spec.waits)
+            try:
+                await self.recovery.resume_job(answered, "answered", self._intake, self._runner.start, spec.waits)
+            except Exception:
+                self.recovery.failed_resume(answered)
         elif self._parked.get(stored.job_id) is not None:
             log.warning("job %s, parked on replica %s, which died: parked here", stored.job_id, stored.instance_id)
         return True

@@ -158,10 +158,15 @@ def left_unmade(broker: Broker, ended_by: str | None) -> Failure | None:
     return Failure(ErrorType.REPLAY_DIVERGED, unmade) if unmade is not None else None
 
 
-def waiting_for(broker: Broker) -> list[dict[str, Any]]:
-    """The calls a job being parked waits for (``pending_calls``), when every call it has in flight waits for the
-    harness: an answer resumes it then (``service.jobs.parking``); else none (it is resumed at the next start)."""
+def waiting_for(broker: Broker, taken: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The calls a job being parked waits for (``pending_calls``): ``taken`` (what ``park_due`` took when it decided
+    to park it) and the calls that began to wait for the harness since; at a shutdown (none taken), they when every
+    call it has in flight waits for the harness: an answer resumes it then (``service.jobs.parking``); else none (it
+    is resumed at the next start)."""
     pending = broker.paused.pending_calls
+    if taken:
+        known = {call["call_id"] for call in taken}
+        return taken + [call for call in pending if call["call_id"] not in known]
     return pending if pending and only_waits(broker) else []
 
 

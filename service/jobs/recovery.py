@@ -196,8 +196,11 @@ class Recovery:
         if self._replicas is not None:  # its row is this incarnation's now: a resume adopts it from here
             me = self._replicas.incarnation
             spec = replace(spec, stored=replace(stored, instance_id=me.instance_id, instance_epoch=me.epoch))
-        if await self._store.runs.settled(spec.job_id, ANSWER) & waits.calls.keys():
-            return spec
+        try:  # unreadable: held parked all the same (an answer, or its expiry, resumes it with a stored answer)
+            if await self._store.runs.settled(spec.job_id, ANSWER) & waits.calls.keys():
+                return spec
+        except Exception:
+            log.exception("job %s: its call log could not be read; held parked", spec.job_id)
         self._parked.add(waits)
         return None
 
@@ -223,24 +226,22 @@ class Recovery:
     async def _end(self, stored: StoredJob, error: Failure, cancelled: str, status: JobStatus) -> bool:
         """Save an unfinished job ended (``lost_row``) unless another ended it first (``JobRecords.save_lost``, with
         its callback's row, pending, in the same transaction: any replica delivers it, docs/scaling.md, Callbacks,
-        exactly once), then drop its run spec and call log; whether this call ended it. What its row keeps in the
-        store counts against its owner's output budget, as an ended job's does (``live.note_stored_bytes``), when
-        its output folder is here (marked on it: the purge gives it back)."""
+        exactly once), then drop its run spec and call log; whether this call ended it. Its row counts against its
+        owner's output budget as an ended job's does, when it is this instance's (marked: the purge gives it back)."""
 
         async def replay(stream: str, inline: CappedStream, limit: int) -> int:
             return await self._replay(self.output_dir / stored.job_id / stream, inline, limit)
 
         row = await lost_row(stored, error, cancelled, replay, self._settings.output_retention_bytes, status)
         ended = await self._store.jobs.save_lost(row)
-        await self._store.runs.forget(stored.job_id)  # its run spec (with its env) and call log: nothing resumes it
-        folder = self.output_dir / stored.job_id
-        if ended and stored.owner is not None and folder.is_dir():
-            kept = len(row.view) + len(row.summary)
-            self._quotas.output(stored.owner).charge(kept)
+        folder = self.output_dir / stored.job_id  # this instance's purge gives it back: only its own rows count
+        if ended and stored.owner is not None and stored.instance_id == self._instance and folder.is_dir():
+            self._quotas.output(stored.owner).charge(kept := len(row.view) + len(row.summary))
             try:
                 mark_stored(folder, kept)
             except OSError:
                 log.exception("job %s: could not note the bytes it keeps in the store", stored.job_id)
+        await self._store.runs.forget(stored.job_id)  # its run spec (with its env) and call log: nothing resumes it
         return ended
 
     async def resume(self, intake: Intake, start: Callable[[Admitted], object]) -> int:
@@ -252,9 +253,16 @@ class Recovery:
         for spec, reason in specs:  # parked at a SIGTERM, the service died, or parked waiting for the harness
             try:
                 resumed += await self.resume_job(spec, reason, intake, start, spec.waits)
-            except Exception:  # the store failed: left unfinished, resumed at the next start (or by a survivor)
-                log.exception("job %s could not be resumed now", spec.job_id)
+            except Exception:
+                self.failed_resume(spec)
         return resumed
+
+    def failed_resume(self, spec: RunSpec) -> None:
+        """A resume the store failed, after its adopt (no replica takes it now): held parked if it waits for the
+        harness (an answer, or its expiry, resumes it again), else left unfinished until the next start."""
+        log.exception("job %s could not be resumed now", spec.job_id)
+        if spec.waits is not None:
+            self._parked.add(spec.waits)
 
     async def resume_job(
         self,

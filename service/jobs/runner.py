@@ -306,9 +306,6 @@ class Runner:
         finally:
             for watcher in watch:
                 watcher.cancel()
-            if job.park_reserved and not job.parking:  # its place was reserved as it ended by itself
-                job.park_reserved = False
-                self._parked.release(job.owner)
             if not waiting.done():
                 waiting.cancel()
 
@@ -341,8 +338,8 @@ class Runner:
         try:
             if job.run_began is not None:  # its timeout_s counts each run's time, not the time it is parked
                 job.active_s, job.run_began = job.active_time(), None
-            if job.parking and not job.ended and not job.parked_calls:  # parked at shutdown: what it waits for now
-                job.parked_calls = waiting_for(broker)  # (before closing the broker cancels the waits)
+            if job.parking and not job.ended:  # what it waits for, before closing the broker cancels the waits
+                job.parked_calls = waiting_for(broker, job.parked_calls)
             try:
                 await broker.close()
             except Exception:
@@ -375,6 +372,9 @@ class Runner:
                 )
                 self._tasks.spawn(again, f"final save {job.id}")  # meanwhile served from the view cache
         finally:
+            if job.park_reserved:  # a place reserved, not taken by a park (it ended, its kill failed)
+                job.park_reserved = False
+                self._parked.release(job.owner)
             broker.records.release(keep_budget=job.ended)  # a parked job's resume takes them again
             job.broker = None  # its records are taken: no cycle (job, broker, its hooks, job) waits for the collector
             ticket.release()

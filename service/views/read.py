@@ -370,6 +370,7 @@ class JobViews:
                     record = records[index]
                     call = resume.record_call_id(record)
                     if call in sent_calls:  # sent at another place: a replay may make concurrent calls in another order
+                        at.mark(index + 1)  # this place's record is sent too (``low`` keeps up)
                         continue
                     if at.sent(index + 1) and sent_at.get(index, call) == call:  # this one, or before this stream began
                         continue

@@ -243,5 +243,8 @@ def record_call_id(record: dict[str, Any] | bytes | memoryview) -> str:
     if isinstance(record, dict):
         return str(record["call_id"])
     head = bytes(record[:CALL_ID_WITHIN])
-    start = head.find(b'"call_id":"') + len(b'"call_id":"')
+    found = head.find(b'"call_id":"')
+    if found < 0:  # another key order: parsed whole
+        return str(exactjson.loads(bytes(record))["call_id"])
+    start = found + len(b'"call_id":"')
     return head[start : head.index(b'"', start)].decode()

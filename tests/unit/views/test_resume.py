@@ -30,7 +30,7 @@ from service.settings import Settings
 from service.tenancy import IMPLICIT_OWNER, Caller
 from service.views import read as job_views
 from service.views.render import BATCH_BYTES, FULL
-from service.views.resume import InvalidPosition, Position, parse
+from service.views.resume import InvalidPosition, Position, parse, record_call_id
 from tests.unit.test_view_modes import ARG, RESULT, SCRIPT, TOOLS, fake_service, parse_sse, run_job, wait_for_pending
 
 ANYONE = Caller(IMPLICIT_OWNER)
@@ -477,3 +477,13 @@ def test_a_lost_jobs_position_is_clamped_to_what_it_kept() -> None:
     kept.check(5, {"stdout": 100, "stderr": 7}, clamp=True)
     assert (kept.stdout, kept.low, kept.after) == (100, 3, {5})
     assert parse(kept.token("job_1"), "job_1", 5).after == {5}  # a valid position of the lost job
+
+
+def test_a_records_call_id_is_read_from_its_head_or_its_whole_json() -> None:
+    """The stream knows a record by its call id (a resume's replay may reorder records): a stored record as written
+    (``seq``, then ``call_id``) is read from its first bytes; one in another key order is parsed whole."""
+    assert record_call_id({"seq": 1, "call_id": "call_a"}) == "call_a"
+    assert record_call_id(memoryview(b'{"seq":12,"call_id":"call_0123456789abcdef","tool":"t"}')) == (
+        "call_0123456789abcdef"
+    )
+    assert record_call_id(b'{"seq":1,"tool":"' + b"x" * 200 + b'","call_id":"call_b"}') == "call_b"
