@@ -160,9 +160,9 @@ def left_unmade(broker: Broker, ended_by: str | None) -> Failure | None:
 
 def waiting_for(broker: Broker, taken: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The calls a job being parked waits for (``pending_calls``): ``taken`` (what ``park_due`` took when it decided
-    to park it) and the calls that began to wait for the harness since; at a shutdown (none taken), they when every
-    call it has in flight waits for the harness: an answer resumes it then (``service.jobs.parking``); else none (it
-    is resumed at the next start)."""
+    to park it) and the calls that began to wait for the harness since. At a shutdown (none taken): the calls that
+    wait for the harness if every call it has in flight does (an answer resumes it then, ``service.jobs.parking``),
+    else none (it is resumed at the next start)."""
     pending = broker.paused.pending_calls
     if taken:
         known = {call["call_id"] for call in taken}
