@@ -6,7 +6,7 @@
 #                           tools and callbacks may reach the demo tool server http://127.0.0.1:8765 only)
 #   deploy/local.sh test    set everything up, then run ruff, mypy --strict and the whole test suite (args passed
 #                           on to pytest: `deploy/local.sh test tests/unit` runs the unit tests only)
-#   deploy/local.sh setup   only set up: Python venv, Docker engine, gVisor, sandbox images (minimal and data)
+#   deploy/local.sh setup   only set up: Python venv, Docker engine, gVisor, sandbox images (minimal, data, node)
 #   deploy/local.sh engine  only the Docker engine and gVisor steps
 #   deploy/local.sh haproxy   only HAProxy for the tests (installed, never started as a service)
 #   deploy/local.sh postgres  only PostgreSQL for the tests (started, role and database made); prints its URL
@@ -34,8 +34,9 @@
 #     keep running); an engine that already has it so is left alone. Missing runsc fails under CI=true;
 #   - kernel.pid_max raised to 4194304 when lower (gVisor's threads count there: docs/operations.md);
 #   - the sandbox image (sandbox_image/build.sh; offline base when no registry) and the data image on it
-#     (numpy, pandas, matplotlib: sandbox_image/build.sh --data, wheels downloaded on the host once); `serve`
-#     offers both (PTC_IMAGES default and data, data with 1 GiB of memory) unless PTC_IMAGES is set;
+#     (numpy, pandas, matplotlib: sandbox_image/build.sh --data, wheels downloaded on the host once), and the node
+#     image (Debian's nodejs and esbuild, for JavaScript and TypeScript: sandbox_image/build.sh --node); `serve`
+#     offers the three (PTC_IMAGES default, data and node, data with 1 GiB of memory) unless PTC_IMAGES is set;
 #   - for the tests only: Debian's haproxy (the replicas' tests run their own balancer), Debian's PostgreSQL (a cluster started with pg_ctlcluster, no systemd; a role and a
 #     database ptc_test; `test` exports PTC_TEST_STORE_URL for the store tests), Debian's docker-compose when no
 #     `docker compose` works, Debian's
@@ -45,7 +46,7 @@
 # Env: PTC_REPLICAS_DIR (replicas: env file, work dirs r1 and r2, the store's data; default /var/lib/ptc-sandbox),
 #      PTC_SERVICE_IMAGE (replicas: the service image's tag, default ptc-sandbox:latest),
 #      PTC_TEST_STORE_URL (a PostgreSQL for the tests; default: the local cluster's ptc_test database),
-#      PTC_SANDBOX_IMAGE (image tag), PTC_DATA_IMAGE (data image tag), PYTHON (interpreter for the venv),
+#      PTC_SANDBOX_IMAGE (image tag), PTC_DATA_IMAGE (data image tag), PTC_NODE_IMAGE (node image tag), PYTHON (interpreter for the venv),
 #      PTC_DOCKERD_LOG (default /var/log/ptc-dockerd.log),
 #      PTC_DOCKER_DAEMON_JSON (default /etc/docker/daemon.json),
 #      PTC_DOCKERD_PIDFILE (default /var/run/docker.pid: the dockerd that gets SIGHUP).
@@ -259,6 +260,7 @@ setup() {
   setup_engine
   setup_pid_max
   sandbox_image/build.sh --data >/dev/null  # the minimal image, then the data image on it (cached: seconds)
+  sandbox_image/build.sh --node >/dev/null  # the JavaScript and TypeScript image (Debian's nodejs, esbuild)
   if [ "${1:-}" = "[test]" ]; then setup_prometheus; setup_compose; setup_chromium; setup_openssl; setup_haproxy; setup_postgres; fi
 }
 
@@ -391,10 +393,11 @@ case "${1:-}" in
       export PTC_AUTH=disabled
     fi
     if [ -z "${PTC_IMAGES:-}" ]; then
-      # Both images set-up built: a request chooses with "image": "data" (docs/sandbox.md, Images per request).
-      export PTC_IMAGES="default=${PTC_SANDBOX_IMAGE:-ptc-sandbox-runtime:latest},data=${PTC_DATA_IMAGE:-ptc-sandbox-data:latest}"
+      # The images set-up built: a request chooses with "image": "data" (docs/sandbox.md, Images per request); a
+      # JavaScript or TypeScript one gets node.
+      export PTC_IMAGES="default=${PTC_SANDBOX_IMAGE:-ptc-sandbox-runtime:latest},data=${PTC_DATA_IMAGE:-ptc-sandbox-data:latest},node=${PTC_NODE_IMAGE:-ptc-sandbox-node:latest}"
       export PTC_IMAGE_DEFAULTS="${PTC_IMAGE_DEFAULTS:-{\"data\": {\"memory_mb\": 1024}}}"
-      log "offering the images default and data (PTC_IMAGES=$PTC_IMAGES)"
+      log "offering the images default, data and node (PTC_IMAGES=$PTC_IMAGES)"
     fi
     if [ -z "${PTC_EGRESS_ALLOW+set}" ]; then
       # The README's example calls the demo tool server; nothing else on this host is reachable (set

@@ -3,6 +3,7 @@
 #
 #   sandbox_image/build.sh [--base auto|registry|offline] [--tag NAME:TAG]
 #   sandbox_image/build.sh --data
+#   sandbox_image/build.sh --node
 #   sandbox_image/build.sh --requirements REQS.txt --tag NAME:TAG [--preload "mod1,mod2"]
 #
 #   registry  FROM python:3.12-slim (needs a reachable registry)
@@ -20,6 +21,9 @@
 # --preload: modules the resident interpreter imports before it forks each script (env PTC_PRELOAD and
 # label io.ptc-sandbox.preload). --data = --requirements sandbox_image/requirements-data.txt
 # --preload numpy,pandas,matplotlib,matplotlib.pyplot --tag ${PTC_DATA_IMAGE:-ptc-sandbox-data:latest}.
+# --node: the image for JavaScript and TypeScript scripts (tag PTC_NODE_IMAGE, default ptc-sandbox-node:latest): the
+# same runtime on a bookworm root filesystem made with mmdebstrap that also holds Debian's nodejs and esbuild (the
+# TypeScript transpiler), built offline like the offline base (PTC_NODE_BASE, default ptc-sandbox-base-node:bookworm).
 # Prints the tag of the last image built.
 # Env: PTC_SANDBOX_IMAGE (minimal image's tag), PTC_DATA_IMAGE (--data's tag), PTC_OFFLINE_BASE (the offline
 #      base's tag, default ptc-sandbox-base:bookworm), PIP (host pip command,
@@ -35,6 +39,9 @@ preload=""
 registry_base=python:3.12-slim
 offline_base=${PTC_OFFLINE_BASE:-ptc-sandbox-base:bookworm}
 data_preload=numpy,pandas,matplotlib,matplotlib.pyplot
+node=""
+node_tag=${PTC_NODE_IMAGE:-ptc-sandbox-node:latest}
+node_base=${PTC_NODE_BASE:-ptc-sandbox-base-node:bookworm}
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -47,7 +54,8 @@ while [ $# -gt 0 ]; do
       preload=$data_preload
       tag=${PTC_DATA_IMAGE:-ptc-sandbox-data:latest}
       shift ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    --node) node=1; shift ;;
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
     *) echo "build.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -63,15 +71,19 @@ if [ -n "$preload" ] && ! [[ $preload =~ ^[A-Za-z_][A-Za-z0-9_.]*(,[A-Za-z_][A-Z
   echo "build.sh: --preload must be module names separated by commas" >&2; exit 2
 fi
 
-build_offline_base() {
-  if docker image inspect "$offline_base" >/dev/null 2>&1; then return; fi
+# debian_base TAG PACKAGES: a bookworm root filesystem with PACKAGES (comma-separated), imported as TAG (kept).
+debian_base() {
+  local name=$1 packages=$2
+  if docker image inspect "$name" >/dev/null 2>&1; then return; fi
   command -v mmdebstrap >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap; }
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' RETURN
-  echo "build.sh: making a bookworm root filesystem with mmdebstrap (about 30 s)" >&2
-  mmdebstrap --quiet --variant=minbase --include=python3 bookworm "$tmp/rootfs.tar"
-  docker import "$tmp/rootfs.tar" "$offline_base" >/dev/null
+  echo "build.sh: making a bookworm root filesystem with $packages (mmdebstrap, about 30 s)" >&2
+  mmdebstrap --quiet --variant=minbase --include="$packages" bookworm "$tmp/rootfs.tar"
+  docker import "$tmp/rootfs.tar" "$name" >/dev/null
 }
+
+build_offline_base() { debian_base "$offline_base" python3; }
 
 case "$base_mode" in
   registry) base=$registry_base ;;
@@ -93,6 +105,16 @@ docker_build() {
     echo "$out" >&2; exit 1
   fi
 }
+
+if [ -n "$node" ]; then
+  [ -z "$requirements" ] || { echo "build.sh: --node builds an image of its own (no --requirements)" >&2; exit 2; }
+  debian_base "$node_base" python3,nodejs,esbuild
+  echo "build.sh: building $node_tag from $node_base" >&2
+  docker_build "$node_tag" "$here" --build-arg "BASE_IMAGE=$node_base" --build-arg LANGUAGES=python,javascript,typescript
+  docker run --rm --network none --entrypoint sh "$node_tag" -c 'node --version && esbuild --version' >/dev/null
+  echo "$node_tag"
+  exit 0
+fi
 
 echo "build.sh: building $runtime_tag from $base" >&2
 docker_build "$runtime_tag" "$here" --build-arg "BASE_IMAGE=$base"

@@ -11,10 +11,11 @@ ended), in both directions; ``FIELD_OP`` names its kind:
 - sandbox -> service ``HELLO``: ``{"op": "hello", "pid": n, "features": [...]}`` once connected (``features``:
   ``FEATURE_FILES`` when it serves the file requests below; older runtimes send none);
 - service -> sandbox ``RUN``: ``{"op": "run", "id": job_id, "env": {name: value}}``: run the ``SCRIPT`` now in
-  the folder (one at a time); to a runtime whose hello lists ``FEATURE_ENV_FILE`` the service sends
-  ``"env_file": ENV_FILE`` instead of ``"env"`` and writes the env (one JSON object) to that file in the run folder,
-  removed once the run has ended: the script's own process reads it, so that no run's env passes through the
-  resident interpreter, whose memory every later script of the session inherits;
+  the folder (one at a time; with ``"language": name``, the script of that language, ``SCRIPTS``); to a runtime
+  whose hello lists ``FEATURE_ENV_FILE`` the service sends ``"env_file": ENV_FILE`` instead of ``"env"`` and
+  writes the env (one JSON object) to that file in the run folder, removed once the run has ended: the script's
+  own process reads it, so that no run's env passes through the resident interpreter, whose memory every later
+  script of the session inherits;
 - sandbox -> service ``OUT``: ``{"op": "out", "id": job_id, "stream": "stdout"|"stderr", "n": n}`` followed by
   exactly ``n`` raw bytes of the script's output, ``0 <= n <= MAX_FRAME_BYTES``;
 - service -> sandbox ``SIGNAL``: ``{"op": "signal", "id": job_id, "signal": "SIGTERM"|"SIGKILL"}`` (one of
@@ -59,7 +60,21 @@ RUN_DIR = "/run/ptc"
 CONTROL_SOCKET = "control.sock"
 """The control socket's name in the run folder (the service listens, the sandbox connects)."""
 SCRIPT = "script.py"
-"""The script of the next run, in the run folder."""
+"""The script of the next run, in the run folder (a Python run's: ``SCRIPTS``)."""
+PYTHON = "python"
+JAVASCRIPT = "javascript"
+TYPESCRIPT = "typescript"
+LANGUAGES = (PYTHON, JAVASCRIPT, TYPESCRIPT)
+"""The script languages a ``RUN`` may name (its ``LANGUAGE`` field; Python when absent)."""
+SCRIPTS = {PYTHON: SCRIPT, JAVASCRIPT: "script.mjs", TYPESCRIPT: "script.ts"}
+"""The script of a run in each language, in the run folder."""
+JS_TOOLS = "tools.mjs"
+"""The generated tools module of a JavaScript or TypeScript run, in the run folder (what ``import "tools"`` gives)."""
+LANGUAGE = "language"
+"""A ``RUN``'s field: the script's language (one of ``LANGUAGES``), to runtimes whose hello lists
+``FEATURE_LANGUAGES``."""
+LANGUAGES_LABEL = "io.ptc-sandbox.languages"
+"""The image label listing the script languages it runs (comma-separated); absent: Python only."""
 TOOLS_SOCKET = "tools.sock"
 """The broker's socket of the current run, in the run folder (``ptc_runtime.client``)."""
 FILES_DIR = ".files-in"
@@ -78,6 +93,9 @@ MAX_FRAME_BYTES = 64 * 1024
 
 FEATURE_FILES = "files"
 """A ``HELLO``'s feature: the runtime serves ``PUT``/``GET``/``LIST`` and sends a run's outputs."""
+FEATURE_LANGUAGES = "languages"
+"""A ``HELLO``'s feature: the runtime takes a ``RUN``'s ``LANGUAGE`` (and runs the languages its image's
+``LANGUAGES_LABEL`` lists)."""
 FEATURE_ENV_FILE = "env_file"
 """A ``HELLO``'s feature: the runtime takes a ``RUN``'s env from ``ENV_FILE`` (its ``"env_file"`` field)."""
 ENV_FILE = ".run-env.json"

@@ -158,6 +158,8 @@ PRELOAD_ENV = "PTC_PRELOAD"  # the image's modules to import before forking: "nu
 SIGNALS = {protocol.SIGTERM: signal.SIGTERM, protocol.SIGKILL: signal.SIGKILL}
 WORKDIR = "/tmp"  # the scripts' working directory (the image's WORKDIR): files in go there, outputs come from there
 FILE_OPS = (protocol.PUT, protocol.GET, protocol.LIST)
+Child = Tuple[Any, Dict[str, str], str]
+"""What ``serve`` returns in a script's forked process once its run starts: (None, the run's env, its language)."""
 
 
 def oom_kills() -> Optional[int]:
@@ -311,9 +313,9 @@ class Server:
             finally:
                 self.cork = None
 
-    def serve(self) -> Optional[Tuple[Any, Dict[str, str]]]:
-        """Follow the service until it hangs up (returns None); in a forked child, return (None, env) once its run
-        starts (``__main__`` compiles and runs the script)."""
+    def serve(self) -> Optional[Child]:
+        """Follow the service until it hangs up (returns None); in a forked child, return (None, env, language) once
+        its run starts (``__main__`` compiles and runs the script)."""
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         # The server is the container's init (pid 1): the kernel delivers it, from inside the sandbox, only the
@@ -321,7 +323,7 @@ class Server:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.selector.register(self.control, selectors.EVENT_READ, "control")
         self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
-        features = [protocol.FEATURE_FILES, protocol.FEATURE_ENV_FILE]
+        features = [protocol.FEATURE_FILES, protocol.FEATURE_ENV_FILE, protocol.FEATURE_LANGUAGES]
         self.send({protocol.FIELD_OP: protocol.HELLO, "pid": os.getpid(), "features": features})
         while True:
             if self.run is None and self.spare is None:  # no script's process exists: fork the next one now
@@ -359,7 +361,7 @@ class Server:
             if run is not None and (due or time.monotonic() >= run.next_pass):
                 self.take_pass(run)
 
-    def handle(self, line: bytes) -> Optional[Tuple[Any, Dict[str, str]]]:
+    def handle(self, line: bytes) -> Optional[Child]:
         try:
             request = json.loads(line)
             op = request[protocol.FIELD_OP]
@@ -375,6 +377,11 @@ class Server:
             go: Dict[str, Any] = {"env": dict(request.get("env") or {})}
             if request.get("env_file") == protocol.ENV_FILE:
                 go = {"env_file": os.path.join(protocol.RUN_DIR, protocol.ENV_FILE)}
+            language = request.get(protocol.LANGUAGE, protocol.PYTHON)
+            if language not in protocol.LANGUAGES:
+                self.send({protocol.FIELD_OP: protocol.ERROR, "message": "unknown language"})
+                return None
+            go[protocol.LANGUAGE] = language
             return self.start(str(request["id"]), go, outputs if isinstance(outputs, dict) else None)
         if op in FILE_OPS:
             if self.run is not None:
@@ -410,10 +417,10 @@ class Server:
         except OSError:
             pass
 
-    def spawn(self) -> Optional[Tuple[Any, Dict[str, str]]]:
+    def spawn(self) -> Optional[Child]:
         """Fork the next script's process now, while no script runs (``spare``): it confines itself, takes the
         run's pipes and rings and waits for its run frame's ``go`` (``wait_for_go``). Returns None in the server;
-        in the child, (None, env) once its run starts."""
+        in the child, (None, env, language) once its run starts."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         nudge_r, nudge_w = os.pipe()
@@ -430,7 +437,8 @@ class Server:
             for fd in (out_r, err_r, nudge_r, ack_w, go_w):
                 os.close(fd)
             self.become_child(out_w, err_w, script_streams)
-            return None, wait_for_go(go_r)
+            env, language = wait_for_go(go_r)
+            return None, env, language
         for fd in (out_w, err_w, nudge_w, ack_r, go_r):
             os.close(fd)
         streams = [_Stream("stdout", out_r, rings[0]), _Stream("stderr", err_r, rings[1])]
@@ -442,9 +450,7 @@ class Server:
         self.spare.script_streams = script_streams
         return None
 
-    def start(
-        self, job_id: str, go: Dict[str, Any], outputs: Optional[Dict[str, Any]] = None
-    ) -> Optional[Tuple[Any, Dict[str, str]]]:
+    def start(self, job_id: str, go: Dict[str, Any], outputs: Optional[Dict[str, Any]] = None) -> Optional[Child]:
         """Start the run with the spare process (one forked now if there is none, or it has ended: an OOM kill
         between runs, a failed confinement, which the new one then reports as the run's); ``go``: what ``send_go``
         sends it."""
@@ -740,9 +746,10 @@ class Server:
             run.go = None
 
 
-def wait_for_go(go: int) -> Dict[str, str]:
+def wait_for_go(go: int) -> Tuple[Dict[str, str], str]:
     """In a spare process: block until the server sends its go (``Server.send_go``: JSON, then the pipe's end) and
-    return the run's env: the go's own, or the one in the env file it names (``protocol.ENV_FILE``), read here,
+    return the run's env and language (``protocol.LANGUAGES``). The env is the go's own, or the one in the env file
+    it names (``protocol.ENV_FILE``), read here,
     as the sandbox user, so that the resident interpreter never holds it. The process exits when the server never
     sends a go (it left), and with 126 and a line on stderr when the env file cannot be read."""
     chunks = []
@@ -770,7 +777,8 @@ def wait_for_go(go: int) -> Dict[str, str]:
     if not isinstance(env, dict):
         os.write(2, b"ptc_runtime: the run's env is not an object\n")
         os._exit(126)
-    return {str(name): str(value) for name, value in env.items()}
+    language = message.get(protocol.LANGUAGE, protocol.PYTHON)
+    return {str(name): str(value) for name, value in env.items()}, str(language)
 
 
 def preload(names: str) -> List[str]:
@@ -810,7 +818,7 @@ def no_stdin() -> None:
         os.close(null)
 
 
-def serve() -> Optional[Tuple[Any, Dict[str, str]]]:
+def serve() -> Optional[Child]:
     """Connect to the service's control socket and serve it; see ``Server.serve``."""
     import asyncio  # noqa: F401 - imported now, so that a script's own import is free after the fork
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 from service.engines.interface import (
+    JAVASCRIPT,
     PYTHON,
+    TYPESCRIPT,
     CallPort,
     Engine,
     EngineRun,
@@ -23,8 +25,8 @@ from service.engines.interface import (
 )
 
 __all__ = [
-    "CONTAINER", "PYTHON", "CallPort", "Engine", "EngineRun", "EngineSite", "Engines", "ExitStatus", "OutputSink",
-    "Sandbox", "Stream",
+    "CONTAINER", "JAVASCRIPT", "PYTHON", "TYPESCRIPT", "CallPort", "Engine", "EngineRun", "EngineSite", "Engines",
+    "ExitStatus", "OutputSink", "Sandbox", "Stream",
 ]  # fmt: skip
 
 CONTAINER = "container"
@@ -62,7 +64,7 @@ class Engines(Mapping[str, Engine]):
 
     def choose(self, language: str | None = None) -> Engine:
         """The engine of a new job or session with a script in ``language`` (None: its engine's default): the
-        default engine (requests name neither yet). Raises ValueError when it does not run ``language``."""
+        default engine (requests name no engine yet). Raises ValueError when it does not run ``language``."""
         engine = self._engines[self.default]
         if language is not None and language not in engine.languages:
             raise ValueError(f"the engine {engine.name!r} does not run {language!r}")

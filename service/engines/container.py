@@ -1,4 +1,6 @@
-"""Today's engine: CPython in a container, fed by the generated Python ``tools`` package.
+"""Today's engine: scripts in a container: Python (CPython, fed by the generated ``tools`` package), JavaScript and
+TypeScript (Node.js, fed by the generated ``tools.mjs`` module: ``toolkit.js_stubs``; in an image that has it,
+``sandbox_image/build.sh --node``).
 
 Its sandbox is a ``service.sandbox.resident.ResidentSandbox`` (a container whose resident interpreter forks one
 process per script, over the folder's ``control.sock``) on a ``SandboxBackend``: the Docker one in service, the
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from service import normalize
 from service.engines import CONTAINER
-from service.engines.interface import PYTHON, Engine, EngineSite, Sandbox
+from service.engines.interface import JAVASCRIPT, PYTHON, TYPESCRIPT, Engine, EngineSite, Sandbox
 from service.normalize import Normalized
 from service.sandbox.images import Images
 from service.sandbox.labels import LABEL_JOB, LABEL_SESSION
@@ -30,10 +32,11 @@ from service.sandbox.resident import KILL_CONFIRM_S, ResidentSandbox
 from service.sandbox.spec import SandboxLimits, sandbox_spec
 from service.settings import DEFAULT_IMAGE
 from service.toolkit.cache import CompiledManifest
+from service.toolkit.js_stubs import javascript_module
 
 
 class ContainerEngine(Engine):
-    """CPython scripts in resident containers (module docstring).
+    """Scripts in resident containers (module docstring).
 
     Args:
         site: what it is built from (``EngineSite``): the sandboxes' settings (``sandbox.spec.sandbox_spec``:
@@ -46,11 +49,14 @@ class ContainerEngine(Engine):
     """
 
     name = CONTAINER
-    languages = (PYTHON,)
+    languages = (PYTHON, JAVASCRIPT, TYPESCRIPT)
     kill_confirm_s = KILL_CONFIRM_S
 
-    def prepare(self, script: str, repair: bool) -> Normalized:
-        """Python's repairs of a script that does not compile, and the compile verdict (``service.normalize``)."""
+    def prepare(self, script: str, repair: bool, language: str = PYTHON) -> Normalized:
+        """Python's repairs of a script that does not compile, and the compile verdict (``service.normalize``); a
+        JavaScript or TypeScript script runs as sent (its syntax errors are the runtime's to report)."""
+        if language != PYTHON:
+            return Normalized(script, script)
         return normalize.prepare(script, repair)
 
     def __init__(self, site: EngineSite, pool: WarmPools, images: Images) -> None:
@@ -65,9 +71,12 @@ class ContainerEngine(Engine):
         self._on_stop = site.on_stop
 
     def stubs(self, manifest: CompiledManifest, language: str) -> str:
-        """The ``tools`` package's source (``toolkit.stubs``), generated once per manifest content when the manifest
-        was compiled (``toolkit.cache``, on the manifest threads)."""
-        return manifest.stub_source
+        """Python: the ``tools`` package's source (``toolkit.stubs``), generated once per manifest content when the
+        manifest was compiled (``toolkit.cache``, on the manifest threads); JavaScript and TypeScript: the
+        ``tools.mjs`` module (``toolkit.js_stubs``: the tools' names only, kept per manifest)."""
+        if language == PYTHON:
+            return manifest.stub_source
+        return javascript_module(manifest.tools)
 
     def take(
         self, job_id: str, owner: str, limits: SandboxLimits, image: str, hash_seed: int | None = None
@@ -139,10 +148,10 @@ class ContainerEngine(Engine):
         sandbox.commitment = held
         return sandbox
 
-    async def require_image(self, image: str) -> None:
-        """Raise ``ImageUnusable`` (503) unless the image is present with the ``session`` feature; EngineUnavailable
-        when the backend cannot be asked."""
-        await self.images.require(image)
+    async def require_image(self, image: str, language: str = PYTHON) -> None:
+        """Raise ``ImageUnusable`` (503) unless the image is present with the ``session`` feature, InvalidField
+        (422) unless its labels list ``language``; EngineUnavailable when the backend cannot be asked."""
+        await self.images.require(image, language)
 
     async def ready(self) -> tuple[bool, str]:
         """The backend answers, has the runtime of ``PTC_RUNTIME``, and the default image (``PTC_SANDBOX_IMAGE``) is

@@ -40,11 +40,16 @@ from service.settings import Settings
 from service.toolkit.cache import CompiledManifest
 
 __all__ = [
-    "PYTHON", "CallPort", "Engine", "EngineRun", "EngineSite", "ExitStatus", "OutputSink", "Sandbox", "Stream",
+    "JAVASCRIPT", "PYTHON", "TYPESCRIPT", "CallPort", "Engine", "EngineRun", "EngineSite", "ExitStatus",
+    "OutputSink", "Sandbox", "Stream",
 ]  # fmt: skip
 
 PYTHON = "python"
-"""The language of every script today (the request has no language field yet)."""
+"""A Python script's language (a request's ``language`` when it names none)."""
+JAVASCRIPT = "javascript"
+"""A JavaScript script's language: an ES module with top-level ``await``."""
+TYPESCRIPT = "typescript"
+"""A TypeScript script's language: type-stripped by the engine, then run as JavaScript."""
 
 
 class CallPort(Protocol):
@@ -111,8 +116,9 @@ class Sandbox(Protocol):
     async def start(self) -> None:
         """Make it able to run scripts (a cold start). Raises SandboxError (nothing is left behind)."""
 
-    async def lay_out(self, script: str, stubs: str | None) -> None:
-        """Give it the next run's script and stubs (None: the stubs it holds are the run's). Raises OSError."""
+    async def lay_out(self, script: str, stubs: str | None, language: str = PYTHON) -> None:
+        """Give it the next run's script in ``language`` and its stubs (None: the stubs it holds are the run's; a
+        session's scripts are all in one language). Raises OSError."""
 
     async def connect(self, port: CallPort) -> None:
         """Make the next run's tool calls reach ``port`` (the job's broker)."""
@@ -148,8 +154,8 @@ class Engine(abc.ABC):
 
     Attributes:
         name: its name in the registry (``service.engines.Engines``), kept on each job it runs.
-        languages: the script languages it runs (``PYTHON``, ...); the first is its scripts' when a request names
-            none (requests name no language yet).
+        languages: the script languages it runs (``PYTHON``, ``JAVASCRIPT``, ``TYPESCRIPT``); the first is its
+            scripts' when a request names none.
         kill_confirm_s: how long a killed script's end may take to be confirmed (s), before the sandbox is ended.
     """
 
@@ -162,10 +168,10 @@ class Engine(abc.ABC):
         """The language of its scripts when a request names none: the first of ``languages``."""
         return self.languages[0]
 
-    def prepare(self, script: str, repair: bool) -> Normalized:
-        """The script to run and the verdict on it before it runs (``normalize.Normalized``): ``repair`` asks for
-        the repairs of a script that does not compile (the request's ``normalize``). CPU-bound: called on a worker
-        thread. The default runs the script as sent, with no verdict."""
+    def prepare(self, script: str, repair: bool, language: str = PYTHON) -> Normalized:
+        """The script in ``language`` to run and the verdict on it before it runs (``normalize.Normalized``):
+        ``repair`` asks for the repairs of a script that does not compile (the request's ``normalize``). CPU-bound:
+        called on a worker thread. The default runs the script as sent, with no verdict."""
         return Normalized(script, script)
 
     @abc.abstractmethod
@@ -213,9 +219,9 @@ class Engine(abc.ABC):
         """Start the sandbox of session ``session_id`` (``env``: every run's; ``runtime``: the OCI runtime, None
         for the default); ``held`` (from ``hold_room``) is given back once it is removed. Raises SandboxError."""
 
-    async def require_image(self, image: str) -> None:
-        """Raise (``ImageUnusable``, a SandboxError) unless ``image`` (a name in ``PTC_IMAGES``) can run scripts
-        here. The default accepts every name."""
+    async def require_image(self, image: str, language: str = PYTHON) -> None:
+        """Raise (``ImageUnusable``, a SandboxError; InvalidField when it does not run ``language``) unless ``image``
+        (a name in ``PTC_IMAGES``) can run scripts in ``language`` here. The default accepts every name."""
         return None
 
     async def ready(self) -> tuple[bool, str]:

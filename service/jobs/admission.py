@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from service.broker.durable import Logged
 from service.callbacks import CallbackPolicy
 from service.egress import EgressDenied
-from service.engines import Engine, Engines
+from service.engines import PYTHON, Engine, Engines
 from service.errors import EngineUnavailable, InvalidField, QueueFull, SessionNotFound
 from service.jobs.durability import RunSpec
 from service.jobs.live import SANDBOX_LIMITS, LiveJob, LiveJobs, ResolvedLimits, resolve_limits
@@ -234,13 +234,15 @@ class Intake:
                     ("body", "durable"),
                 )
             return await self._admit_to_session(request, limits, caller, request.session_id)
-        engine = self._engines.choose() if self._engines is not None else None
-        if engine is not None and image != DEFAULT_IMAGE:  # the default image: /readyz, as before images
+        language = request.language or PYTHON
+        engine = self._engines.choose(language) if self._engines is not None else None
+        if engine is not None and (image != DEFAULT_IMAGE or language != PYTHON):  # the default: /readyz's
             with contextlib.suppress(EngineUnavailable):  # the job's start reports it, as any job's does
-                await engine.require_image(image)  # before any sandbox or job: a 503 naming the image
+                await engine.require_image(image, language)  # before any sandbox or job: a 503 naming the image
         ticket = self._admission.one_shot(caller.owner)
         try:
-            job, manifest = await self._new_job(limits, request, request.tools, request.toolset, caller, engine)
+            tools, toolset = request.tools, request.toolset
+            job, manifest = await self._new_job(limits, request, tools, toolset, caller, engine, None, language)
         except BaseException:
             ticket.release()
             raise
@@ -273,7 +275,7 @@ class Intake:
         ticket = ticket or self._admission.resumed(caller.owner)
         try:
             job, manifest = await self._new_job(
-                limits, request, request.tools, request.toolset, caller, engine, spec.job_id
+                limits, request, request.tools, request.toolset, caller, engine, spec.job_id, request.language or PYTHON
             )
         except BaseException:
             ticket.release()
@@ -285,22 +287,17 @@ class Intake:
 
     def _image(self, request: ExecuteRequest, caller: Caller) -> str:
         """The image name of ``request``'s job: with ``session_id``, the session's (``image`` must be absent or
-        equal to it); else ``image`` or ``default``.
+        equal to it); else ``image``, or its language's default (``image_name``).
 
         Raises:
             SessionNotFound: an unknown session, or another owner's (before its image is compared).
-            InvalidField: ``image`` is not the session's.
+            InvalidField: ``image`` or ``language`` is not the session's; no image offered runs ``language``.
             UnknownImage: ``image`` is not a name in ``PTC_IMAGES``.
         """
         if request.session_id is None:
-            return image_name(self._settings, request.image)
+            return image_name(self._settings, request.image, request.language)
         session = find_session(self._sessions, request.session_id, caller)
-        if request.image is not None and request.image != session.image:
-            raise InvalidField(
-                f"a session's scripts run in its sandbox: its image is {session.image!r}, not {request.image!r}",
-                ("body", "image"),
-            )
-        return session.image
+        return session.script_image(request.image, request.language)
 
     async def _admit_to_session(
         self, request: ExecuteRequest, limits: ResolvedLimits, caller: Caller, session_id: str
@@ -330,6 +327,7 @@ class Intake:
                 request.toolset if own_tools else session.toolset,
                 job_caller,
                 self._engines[session.engine] if self._engines is not None else None,
+                language=session.language,
             )
         except BaseException:
             ticket.release()
@@ -347,9 +345,10 @@ class Intake:
         caller: Caller,
         engine: Engine | None,
         resumed: str | None = None,
+        language: str = PYTHON,
     ) -> tuple[LiveJob, CompiledManifest]:
         """A job for an admitted ``request`` (live from now on) and its compiled manifest (``tools`` or ``toolset``),
-        its script prepared by ``engine`` (``Engine.prepare``; None: the default engine's name, Python's repairs).
+        its script (in ``language``) prepared by ``engine`` (``Engine.prepare``; None: the default engine's, Python's).
         ``resumed``: the id of a durable job resumed (its output folder taken up: ``OutputLog.resume``).
 
         Raises:
@@ -362,7 +361,8 @@ class Intake:
         budget = self._admission.quotas.output(caller.owner)
 
         def script_and_files() -> tuple[Normalized, OutputLog, OutputLog]:  # CPU and file system: not on the loop
-            normalized = (engine.prepare if engine is not None else prepare)(request.script, request.normalize)
+            script, repair = request.script, request.normalize
+            normalized = prepare(script, repair) if engine is None else engine.prepare(script, repair, language)
             if resumed is None or not output_dir.exists():  # a resumed job's is there (unless removed since)
                 output_dir.mkdir(mode=0o700)
                 mark_owner(output_dir, caller.owner)
@@ -395,5 +395,6 @@ class Intake:
         )
         if engine is not None:
             job.engine = engine.name
+        job.language = language
         self.live.add(job)
         return job, manifest

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry.trace import Span
 
 from service.broker import Broker
-from service.engines import CONTAINER
+from service.engines import CONTAINER, PYTHON
 from service.errors import EngineUnavailable, FileRefused, RequestLimitError, SandboxError
 from service.files import FileBudget, OutputFiles
 from service.jobs.marks import mark_stored
@@ -127,6 +127,7 @@ class LiveJob(Job):
     session_id: str | None = None  # the session it runs in (not counted in the admission of one-shot jobs)
     image: str = DEFAULT_IMAGE  # the name (in PTC_IMAGES) of its sandbox's image
     engine: str = CONTAINER  # the name of the script engine that runs it (``service.engines``); not in its view
+    language: str = PYTHON  # its script's language (``service.engines``: ``PYTHON``, ``JAVASCRIPT``, ``TYPESCRIPT``)
     stop_reason: str | None = None  # why a stop was asked, when not by POST /jobs/{id}/stop
     normalized: Normalized | None = None  # the script's normalization (no repairs when switched off)
     output_files: OutputFiles | None = None  # what the script left in outputs/, once its run began
@@ -210,6 +211,7 @@ class LiveJob(Job):
             "sandbox_id": self.sandbox_id,
             "session_id": self.session_id,
             "image": self.image,
+            "language": self.language,
             "owner": self.owner,
             "trace_id": self.trace_id,
             "ran_as_coroutine": self.ran_as_coroutine

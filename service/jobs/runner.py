@@ -143,8 +143,8 @@ class Runner:
                     job.sandbox_id = sandbox.sandbox_id
                     keeping = asyncio.ensure_future(keep_spec(self._store, admitted, sandbox.hash_seed))
                     engine = self._engine(job)
-                    stubs = placement.stubs(engine.stubs(manifest, engine.language))
-                    await self._lay_out(sandbox, job.script(request), stubs, broker)
+                    stubs = placement.stubs(engine.stubs(manifest, job.language))
+                    await self._lay_out(sandbox, job.script(request), stubs, job.language, broker)
                 finally:
                     await saving  # saved running before the script starts (a failed save ends the run, as before)
                     stages.mark("saved-running")
@@ -197,10 +197,10 @@ class Runner:
                     await entering
 
     @staticmethod
-    async def _lay_out(sandbox: Sandbox, script: str, stubs: str | None, broker: Broker) -> None:
-        """Give the sandbox the run's script and stubs, then connect its calls to the job's broker (the container
-        engine: the broker listens on ``tools.sock`` in the sandbox's folder)."""
-        await sandbox.lay_out(script, stubs)
+    async def _lay_out(sandbox: Sandbox, script: str, stubs: str | None, language: str, broker: Broker) -> None:
+        """Give the sandbox the run's script (in ``language``) and stubs, then connect its calls to the job's broker
+        (the container engine: the broker listens on ``tools.sock`` in the sandbox's folder)."""
+        await sandbox.lay_out(script, stubs, language)
         stages.mark("run-files-written")
         await sandbox.connect(broker)
         stages.mark("broker-listening")

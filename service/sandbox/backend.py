@@ -30,14 +30,22 @@ RUN_DIR = protocol.RUN_DIR
 """Where the sandbox's folder appears inside the sandbox."""
 
 
-def write_run_files(folder: Path, script: str, stub_source: str | None) -> None:
-    """Lay out a run in ``folder``: ``script.py`` and (unless ``stub_source`` is None: unchanged) ``tools/__init__.py``.
+def write_run_files(folder: Path, script: str, stub_source: str | None, language: str = protocol.PYTHON) -> None:
+    """Lay out a run in ``folder``: the script of ``language`` (``protocol.SCRIPTS``: ``script.py``, ``script.mjs``,
+    ``script.ts``) and (unless ``stub_source`` is None: unchanged) its stubs: ``tools/__init__.py`` for Python,
+    ``tools.mjs`` (``protocol.JS_TOOLS``) for JavaScript and TypeScript.
 
     The folder and files are world-readable (the sandbox user reads them through the read-only mount).
     The broker's ``tools.sock`` is added by the broker itself.
     """
     folder.mkdir(parents=True, mode=0o755, exist_ok=True)
     os.chmod(folder, 0o755)
+    if language != protocol.PYTHON:
+        for name, text in ((protocol.JS_TOOLS, stub_source), (protocol.SCRIPTS[language], script)):
+            if text is not None:
+                (folder / name).write_text(text, encoding="utf-8", errors="surrogatepass")
+                os.chmod(folder / name, 0o644)
+        return
     if stub_source is not None:
         package = folder / "tools"
         package.mkdir(mode=0o755, exist_ok=True)

@@ -16,25 +16,48 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from service.errors import EngineUnavailable, SandboxError, UnknownImage
+from ptc_runtime.protocol import LANGUAGES_LABEL, PYTHON
+
+from service.errors import EngineUnavailable, InvalidField, SandboxError, UnknownImage
 from service.sandbox.backend import SandboxBackend
 from service.sandbox.labels import FEATURE_SESSION, features
-from service.settings import DEFAULT_IMAGE, Settings
+from service.settings import DEFAULT_IMAGE, NODE_IMAGE, Settings
 
 log = logging.getLogger(__name__)
 
 
-def image_name(settings: Settings, asked: str | None, loc: tuple[str | int, ...] = ("body", "image")) -> str:
-    """The image name a request gets: ``asked``, or ``default`` when it asks none.
+def image_name(
+    settings: Settings, asked: str | None, language: str | None = None, loc: tuple[str | int, ...] = ("body", "image")
+) -> str:
+    """The image name a request gets: ``asked``, or when it asks none, ``default`` for a Python script (``language``
+    None or ``python``) and ``node`` for a JavaScript or TypeScript one (``NODE_IMAGE``).
 
     Raises:
         UnknownImage: ``asked`` is not a name in ``settings.images`` (the error lists the names, never the images).
+        InvalidField: a JavaScript or TypeScript script asks no image and ``PTC_IMAGES`` offers no ``node``.
     """
+    if asked is None and language not in (None, PYTHON):
+        if NODE_IMAGE not in settings.images:
+            raise InvalidField(
+                f"{language} scripts run in an image with Node.js, which this server does not offer: PTC_IMAGES "
+                f"names no {NODE_IMAGE!r} image (sandbox_image/build.sh --node builds one); name one that has it in "
+                "image",
+                ("body", "language"),
+            )
+        return NODE_IMAGE
     if asked is None:
         return DEFAULT_IMAGE
     if asked not in settings.images:
         raise UnknownImage(asked, sorted(settings.images), loc)
     return asked
+
+
+def languages(labels: Mapping[str, str]) -> frozenset[str]:
+    """The script languages an image's labels say it runs (``LANGUAGES_LABEL``; Python alone when absent)."""
+    listed = labels.get(LANGUAGES_LABEL)
+    if listed is None:
+        return frozenset({PYTHON})
+    return frozenset(part.strip() for part in listed.split(",") if part.strip())
 
 
 class ImageUnusable(SandboxError):
@@ -53,6 +76,7 @@ class Images:
         self._backend = backend
         self._refs = dict(refs)
         self._usable: dict[str, frozenset[str]] = {}  # name -> its runtime's features, once found usable
+        self._languages: dict[str, frozenset[str]] = {}  # name -> the script languages it runs, once found usable
 
     @property
     def names(self) -> list[str]:
@@ -69,20 +93,30 @@ class Images:
         found = features(labels)
         if FEATURE_SESSION not in found:
             return f"image {name!r} cannot run scripts: its runtime is older than the service (rebuild it)"
+        self._languages[name] = languages(labels)
         self._usable[name] = found
         return None
 
-    async def require(self, name: str) -> None:
-        """Make sure image ``name`` (a name ``image_name`` accepted) can run scripts.
+    async def require(self, name: str, language: str = PYTHON) -> None:
+        """Make sure image ``name`` (a name ``image_name`` accepted) can run scripts in ``language``.
 
         Raises:
             ImageUnusable: it is not present, or its runtime lacks the ``session`` feature (names the image by
                 its name, never its reference).
+            InvalidField: its ``io.ptc-sandbox.languages`` label does not list ``language`` (a 422 on
+                ``body.language``).
             EngineUnavailable: the engine cannot be asked.
         """
         problem = await self._problem(name)
         if problem is not None:
             raise ImageUnusable(problem)
+        if language not in self._languages[name]:
+            runs = ", ".join(sorted(self._languages[name]))
+            raise InvalidField(
+                f"image {name!r} cannot run {language} scripts (it runs {runs}); javascript and typescript run in an "
+                "image built by sandbox_image/build.sh --node",
+                ("body", "language"),
+            )
 
     async def missing(self) -> dict[str, str]:
         """The images that cannot run scripts now: name -> why (empty when all can).

@@ -145,6 +145,7 @@ class ResidentSandbox(SandboxFiles):
         self._stray_lines = 0
         self._stray = bytearray()
         self.features: frozenset[str] = frozenset()  # what the runtime said it serves (its hello)
+        self.language = protocol.PYTHON  # the language of the script laid out last (the next run's)
         self._requests: dict[str, FileRequest] = {}
         self._request_ids = 0
 
@@ -158,13 +159,14 @@ class ResidentSandbox(SandboxFiles):
         """The container's short id (12 hex digits), as views show it; None before ``start``."""
         return self.handle.id[:12] if self.handle is not None else None
 
-    async def lay_out(self, script: str, stubs: str | None) -> None:
-        """Write the next run's ``script.py`` and (unless ``stubs`` is None: unchanged) ``tools`` package into the
+    async def lay_out(self, script: str, stubs: str | None, language: str = protocol.PYTHON) -> None:
+        """Write the next run's script in ``language`` and (unless ``stubs`` is None: unchanged) its stubs into the
         folder (``backend.write_run_files``); a small script alone is written on the loop. Raises OSError."""
+        self.language = language
         if stubs is None and len(script) <= INLINE_SCRIPT_CHARS:  # a few small writes: less than a hand-off
-            write_run_files(self.folder, script, stubs)
+            write_run_files(self.folder, script, stubs, language)
         else:
-            await asyncio.to_thread(write_run_files, self.folder, script, stubs)
+            await asyncio.to_thread(write_run_files, self.folder, script, stubs, language)
 
     async def connect(self, port: CallSocket) -> None:
         """Let the run's broker listen on the folder's ``tools.sock``, where the script's stubs connect."""
@@ -389,6 +391,9 @@ class ResidentSandbox(SandboxFiles):
         """
         if protocol.FEATURE_FILES not in self.features:
             outputs = None  # an older runtime: no outputs (the view lists none)
+        language = self.language
+        if language != protocol.PYTHON and protocol.FEATURE_LANGUAGES not in self.features:
+            raise SandboxError(f"the sandbox's runtime is older than the service: it cannot run {language} scripts")
         every = {**self.spec.env, **env}
         message: dict[str, Any] = {protocol.FIELD_OP: protocol.RUN, "id": job_id, "env": every}
         if every and protocol.FEATURE_ENV_FILE in self.features:
@@ -398,6 +403,8 @@ class ResidentSandbox(SandboxFiles):
             else:
                 await asyncio.to_thread(self._write_env, data)
             message = {protocol.FIELD_OP: protocol.RUN, "id": job_id, "env_file": protocol.ENV_FILE}
+        if language != protocol.PYTHON:
+            message[protocol.LANGUAGE] = language
         run = ResidentRun(self, job_id, sink, outputs)
         self._run = run
         self.job_id = job_id

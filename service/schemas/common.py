@@ -6,7 +6,7 @@ import base64
 import binascii
 import math
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import orjson
 from ptc_runtime.files import check_path
@@ -19,7 +19,16 @@ MAX_METADATA_BYTES = 64 * 1024
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 # PYTHON*: read by the interpreter as it starts, which a sandbox's resident interpreter did before the job came
 # (and some, e.g. PYTHONMALLOC, could stop it); LD_*: read by the dynamic loader, likewise; PTC_*: the runtime's.
-_RESERVED_ENV = ("PYTHON", "LD_", "PTC_")
+# NODE_*: read by Node.js as it starts (NODE_OPTIONS loads code before the runtime's own), for JavaScript scripts.
+_RESERVED_ENV = ("PYTHON", "LD_", "PTC_", "NODE_")
+
+Language = Literal["python", "javascript", "typescript"]
+"""A script's language: what ``language`` on ``/execute``, ``POST /sessions`` and ``POST /stubs`` may name."""
+LANGUAGE_DESCRIPTION = (
+    "The script's language: python (default), javascript (an ES module, run by Node.js) or typescript (type-stripped, "
+    "then run as javascript). JavaScript and TypeScript run in an image that has Node.js (PTC_IMAGES' node unless "
+    "image names another)."
+)
 
 
 def _has_non_finite(value: Any) -> bool:
@@ -63,8 +72,8 @@ def check_env(env: dict[str, str]) -> dict[str, str]:
             raise ValueError(f"environment variable name {name!r} is not a valid name")
         if name.startswith(_RESERVED_ENV):
             raise ValueError(
-                f"environment variable {name!r} is reserved: PYTHON*, LD_* and PTC_* variables act when the "
-                "interpreter starts, before a script's env applies"
+                f"environment variable {name!r} is reserved: PYTHON*, LD_*, PTC_* and NODE_* variables act "
+                "when the interpreter starts, before a script's env applies"
             )
         if "\x00" in value:
             raise ValueError(f"environment variable {name!r} contains a NUL character")

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from service.egress import url_problem
-from service.schemas.common import Env, Files, Limits, Metadata, utf8_text
+from service.schemas.common import LANGUAGE_DESCRIPTION, Env, Files, Language, Limits, Metadata, utf8_text
 from service.settings import MAX_SCRIPT_CHARS, MAX_TOOLS
 
 # The values of ``service.jobs.model.JobStatus``, spelled out for the OpenAPI document (a unit test keeps them
@@ -41,7 +41,7 @@ class ExecuteRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    script: str = Field(..., max_length=MAX_SCRIPT_CHARS, description="Python source to run (UTF-8).")
+    script: str = Field(..., max_length=MAX_SCRIPT_CHARS, description="Source to run (UTF-8), in its language.")
     tools: list[dict[str, Any]] = Field(
         default_factory=list, max_length=MAX_TOOLS, description="Tool manifest: one entry per tool."
     )
@@ -59,6 +59,9 @@ class ExecuteRequest(BaseModel):
         None, max_length=2048, description="Where to POST the final job view, signed (see docs/api.md, Callbacks)."
     )
     limits: Limits = Field(default_factory=Limits)
+    language: Language | None = Field(
+        None, description=LANGUAGE_DESCRIPTION + " With session_id: the session's, or absent."
+    )
     image: str | None = Field(
         None,
         max_length=64,
@@ -306,6 +309,7 @@ class JobView(BaseModel):
     image: str | None = Field(
         None, description="The name (in PTC_IMAGES) of the image the job ran in (null: saved before images were named)."
     )
+    language: str = Field("python", description="The script's language: python, javascript or typescript.")
     sandbox_id: str | None = Field(None, description="The engine's id of the job's container (12 hex digits).")
     owner: str | None = Field(
         None,

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.schemas.common import Env, Files, Limits, Metadata
+from service.schemas.common import LANGUAGE_DESCRIPTION, Env, Files, Language, Limits, Metadata
 from service.schemas.job_models import JobError
 from service.settings import MAX_TOOLS
 
@@ -49,8 +49,10 @@ class SessionRequest(BaseModel):
     image: str | None = Field(
         None,
         max_length=64,
-        description="The session sandbox's image, by its name in PTC_IMAGES; default: default.",
+        description="The session sandbox's image, by its name in PTC_IMAGES; default: default (node for javascript "
+        "and typescript).",
     )
+    language: Language = Field("python", description=LANGUAGE_DESCRIPTION + " Every script of the session is in it.")
     tools: list[dict[str, Any]] = Field(
         default_factory=list, max_length=MAX_TOOLS, description="Manifest for the session's scripts (default)."
     )
@@ -96,6 +98,7 @@ class SessionView(BaseModel):
     limits: SessionLimits
     runtime: str | None
     image: str = Field("default", description="The name (in PTC_IMAGES) of the session sandbox's image.")
+    language: str = Field("python", description="The language of its scripts: python, javascript or typescript.")
     executions: int = Field(description="Scripts that ran in it.")
     queued: int = Field(description="Scripts waiting for their turn.")
     current_job_id: str | None = Field(description="The job running now.")

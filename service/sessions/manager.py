@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from service.engines import CONTAINER, Sandbox
-from service.errors import SessionClosed, SessionNotFound, TooManySessions
+from service.engines import CONTAINER, PYTHON, Sandbox
+from service.errors import InvalidField, SessionClosed, SessionNotFound, TooManySessions
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class Session:
     current_job_id: str | None = None
     image: str = "default"  # the name (in PTC_IMAGES) of its sandbox's image; its scripts run in it
     engine: str = CONTAINER  # the script engine of its sandbox; its scripts run on it
+    language: str = PYTHON  # the language of its scripts
     stub_source: str | None = None  # the tools package now in the folder
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     put_bytes_waiting: int = 0  # bytes of PUT bodies waiting for the turn, held in the service's memory
@@ -83,6 +84,19 @@ class Session:
         """A script runs or waits for its turn."""
         return self.current_job_id is not None or self.queued > 0
 
+    def script_image(self, image: str | None, language: str | None) -> str:
+        """The image of a script sent to the session with ``image`` and ``language`` (each absent, or the
+        session's): the session's. Raises InvalidField (``body.language``, ``body.image``) for another."""
+        if language is not None and language != self.language:
+            raise InvalidField(
+                f"a session's scripts are all in its language: {self.language}, not {language}", ("body", "language")
+            )
+        if image is not None and image != self.image:
+            raise InvalidField(
+                f"a session's scripts run in its sandbox: its image is {self.image!r}, not {image!r}", ("body", "image")
+            )
+        return self.image
+
     def view(self) -> dict[str, Any]:
         """The session view (see ``schemas.SessionView``)."""
         return {
@@ -98,6 +112,7 @@ class Session:
             "limits": self.limits,
             "runtime": self.runtime,
             "image": self.image,
+            "language": self.language,
             "executions": self.executions,
             "queued": self.queued,
             "current_job_id": self.current_job_id,
@@ -158,10 +173,11 @@ class SessionManager:
         metadata: dict[str, Any],
         owner: str,
         image: str = "default",
+        language: str = PYTHON,
     ) -> Session:
         """Start a session's sandbox (``open_sandbox(session_id)``: ``engine``'s, ``Engine.open_session``);
-        ``owner`` owns it; ``image`` is the name (in PTC_IMAGES) of its image and ``runtime`` its OCI runtime (None:
-        the default), for its view and its scripts.
+        ``owner`` owns it; ``image`` is the name (in PTC_IMAGES) of its image, ``runtime`` its OCI runtime (None:
+        the default) and ``language`` its scripts', for its view and its scripts.
 
         Raises:
             TooManySessions: ``max_sessions`` are live (or starting) already.
@@ -189,6 +205,7 @@ class SessionManager:
             owner=owner,
             image=image,
             engine=engine,
+            language=language,
         )
         self._live[session_id] = session
         self._on_count(len(self._live))

@@ -104,7 +104,7 @@ class SessionJobs:
         if self.draining is not None:
             raise Draining(self.draining)
         settings = self._settings
-        image = image_name(settings, request.image)
+        image = image_name(settings, request.image, request.language)
         limits = resolve_limits(ExecuteRequest(script="", limits=request.limits, image=image), settings)
         lifetimes = {}
         for name, value, default in (
@@ -123,8 +123,8 @@ class SessionJobs:
                 ("body", "runtime"),
             )
         await self._toolsets.manifest(request.tools, request.toolset, Caller(owner, admin))  # a bad manifest fails now
-        engine = self._sandboxes.engines.choose()
-        await engine.require_image(image)
+        engine = self._sandboxes.engines.choose(request.language)
+        await engine.require_image(image, request.language)
         runtime = None if runtime == "runc" else runtime
         memory_mb, cpus = limits.memory_mb, limits.cpus
         self._admission.quotas.admit_session(owner, memory_mb, cpus)  # from here to the commitment: no await
@@ -146,6 +146,7 @@ class SessionJobs:
                     metadata=request.metadata,
                     owner=owner,
                     image=image,
+                    language=request.language,
                     **lifetimes,
                 )
             except BaseException:

@@ -58,6 +58,7 @@ class KeyQuotas(BaseModel):
 
 IMAGE_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,31}")  # a name in PTC_IMAGES (what requests send as image)
 DEFAULT_IMAGE = "default"  # the image of a request that names none
+NODE_IMAGE = "node"  # the image of a JavaScript or TypeScript request that names none (when PTC_IMAGES offers it)
 
 
 class ImageDefaults(BaseModel):

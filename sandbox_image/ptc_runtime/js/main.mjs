@@ -1,0 +1,87 @@
+// Run one JavaScript or TypeScript script: `node main.mjs /run/ptc/script.mjs` (or script.ts), in the process the
+// resident interpreter forked and confined for the run (ptc_runtime/node.py execs it), as `node script.mjs` would run
+// it: an ES module with top-level await; console.log and console.error write stdout and stderr; process.exit(n) is
+// the exit code. Before the script, the manifest's tools are made globals (`tools`, `ToolError`, and each tool whose
+// name is an identifier, not over a global that exists), as Cloudflare's and OpenAI's runtimes expose them.
+//
+// An uncaught exception or unhandled rejection ends the script with exit code 1, printed on stderr as Node prints
+// it; a short description (type, message, line) goes to the broker as the script's report, which the job's view
+// keeps apart from the verdict (the service trusts none of it).
+import { register } from "node:module";
+import { inspect } from "node:util";
+import { request } from "./client.mjs";
+
+const MESSAGE_CAP = 2000;
+const script = process.argv[2];
+const scriptName = script.slice(script.lastIndexOf("/") + 1);
+process.argv.splice(1, 1); // as `node script.mjs`: argv[1] is the script
+const write = process.stderr.write.bind(process.stderr);
+const exit = process.exit.bind(process);
+
+register("./hooks.mjs", import.meta.url);
+
+function scriptLine(error) {
+  if (error !== null && typeof error === "object" && typeof error.ptcLine === "number") return error.ptcLine;
+  let stack;
+  try {
+    stack = String(error?.stack ?? "");
+  } catch {
+    return null;
+  }
+  const escaped = scriptName.replace(/\./g, "\\.");
+  const match = new RegExp(`${escaped}:(\\d+)(?::\\d+)?`).exec(stack);
+  return match ? Number(match[1]) : null;
+}
+
+function describe(error) {
+  let type = typeof error;
+  let message = "";
+  try {
+    if (error instanceof Error || (error !== null && typeof error === "object" && "message" in error)) {
+      type = String(error.name ?? error.constructor?.name ?? "Error");
+      message = String(error.message ?? "");
+    } else {
+      type = error === null ? "null" : typeof error;
+      message = inspect(error);
+    }
+  } catch {
+    message = "<the thrown value could not be described>";
+  }
+  const report = { type: type.slice(0, 200), message: message.slice(0, MESSAGE_CAP), line: scriptLine(error) };
+  if (typeof error?.ptcColumn === "number") report.column = error.ptcColumn;
+  return report;
+}
+
+let ending = false;
+async function fail(error) {
+  if (ending) return;
+  ending = true;
+  try {
+    const text = typeof error?.ptcReport === "string" ? error.ptcReport : inspect(error);
+    write(`${text}\n\nNode.js ${process.version}\n`);
+  } catch {
+    write("Uncaught exception (it could not be printed)\n");
+  }
+  const stop = setTimeout(() => exit(1), 2000);
+  try {
+    await request({ op: "report", error: describe(error) });
+  } finally {
+    clearTimeout(stop);
+    exit(1);
+  }
+}
+
+process.on("uncaughtException", fail);
+process.on("unhandledRejection", fail);
+
+const tools = await import("tools");
+for (const [name, value] of Object.entries({ tools: tools.default, ...tools })) {
+  if (name !== "default" && !(name in globalThis)) {
+    Object.defineProperty(globalThis, name, { value, writable: true, configurable: true, enumerable: false });
+  }
+}
+try {
+  await import(script);
+} catch (error) {
+  await fail(error);
+}
