@@ -7,6 +7,7 @@
 // An uncaught exception or unhandled rejection ends the script with exit code 1, printed on stderr as Node prints
 // it; a short description (type, message, line) goes to the broker as the script's report, which the job's view
 // keeps apart from the verdict (the service trusts none of it).
+import { spawnSync } from "node:child_process";
 import { register } from "node:module";
 import { inspect } from "node:util";
 import { request } from "./client.mjs";
@@ -52,10 +53,38 @@ function describe(error) {
   return report;
 }
 
+const RUNTIME_FRAME = /^\s+at .*(?:\/opt\/ptc\/ptc_runtime\/js\/|node:internal\/modules\/)/;
+
+function withoutRuntimeFrames(error) {
+  // The stack from the script's frames on: the runtime's and Node's module loader's frames left out (as
+  // `node script.mjs` shows no frame of a main module that imported the script).
+  try {
+    if (error instanceof Error && typeof error.stack === "string") {
+      error.stack = error.stack.split("\n").filter((line) => !RUNTIME_FRAME.test(line)).join("\n");
+    }
+  } catch {
+    // a stack the script made unwritable: printed as it is
+  }
+}
+
+function locateSyntaxError(error) {
+  // A syntax error of the script's own module carries no location when the module is imported (Node 18 keeps it
+  // for the message it prints at start-up only): ask `node --check`, which prints it, and keep its report.
+  if (!(error instanceof SyntaxError) || !script.endsWith(".mjs") || scriptLine(error) !== null) return;
+  const check = spawnSync(process.execPath, ["--check", script], { encoding: "utf8", timeout: 10000 });
+  const report = check.stderr ?? "";
+  const where = new RegExp(`${scriptName.replace(/\./g, "\\.")}:(\\d+)\n([^\n]*)\n( *)\\^`).exec(report);
+  if (check.status === 0 || where === null) return;
+  error.ptcLine = Number(where[1]);
+  error.ptcColumn = where[3].length + 1;
+  error.ptcReport = report.replace(/\n\s+at checkSyntax[^\n]*/, "").replace(/\n+Node\.js v[^\n]*\n?$/, "").trim();
+}
+
 let ending = false;
 async function fail(error) {
   if (ending) return;
   ending = true;
+  withoutRuntimeFrames(error);
   try {
     const text = typeof error?.ptcReport === "string" ? error.ptcReport : inspect(error);
     write(`${text}\n\nNode.js ${process.version}\n`);
@@ -83,5 +112,6 @@ for (const [name, value] of Object.entries({ tools: tools.default, ...tools })) 
 try {
   await import(script);
 } catch (error) {
+  locateSyntaxError(error);
   await fail(error);
 }
