@@ -110,7 +110,8 @@ if [ -n "$node" ]; then
   [ -z "$requirements" ] || { echo "build.sh: --node builds an image of its own (no --requirements)" >&2; exit 2; }
   debian_base "$node_base" python3,nodejs,esbuild
   echo "build.sh: building $node_tag from $node_base" >&2
-  docker_build "$node_tag" "$here" --build-arg "BASE_IMAGE=$node_base" --build-arg LANGUAGES=python,javascript,typescript
+  docker_build "$node_tag" "$here" --build-arg "BASE_IMAGE=$node_base" --build-arg LANGUAGES=python,javascript,typescript \
+    --build-arg SPARE_LANGUAGE=javascript
   docker run --rm --network none --entrypoint sh "$node_tag" -c 'node --version && esbuild --version' >/dev/null
   echo "$node_tag"
   exit 0

@@ -32,7 +32,7 @@ import types
 from typing import Any, Dict, List, Optional, Set
 
 from ptc_runtime.client import ToolError, client
-from ptc_runtime.protocol import PYTHON, RUN_DIR, SCRIPT, SESSION_ENV
+from ptc_runtime.protocol import RUN_DIR, SCRIPT, SESSION_ENV
 
 MESSAGE_CAP = 2000
 EXIT_KEYBOARD_INTERRUPT = 130  # 128 + SIGINT: how python3 ends on an uncaught KeyboardInterrupt
@@ -367,12 +367,8 @@ if __name__ == "__main__":
         run = serve()
         if run is None:  # the service closed the session
             sys.exit(0)
-        compiled, env, language = run  # in the forked child of one script: run it like a one-shot job
+        compiled, env, _ = run  # in the forked child of one script (a Python one): run it like a one-shot job
         set_env(env)
-        if language != PYTHON:  # JavaScript or TypeScript: this process becomes node (ptc_runtime.node)
-            from ptc_runtime import node
-
-            node.run(language)
         set_env(CLEAN_IMPORT_ENV)  # never the run's to change (the service refuses PYTHON* names anyway)
         if "TZ" in env:
             import time

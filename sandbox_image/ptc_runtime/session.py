@@ -118,7 +118,7 @@ import sys
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from ptc_runtime import files, protocol
+from ptc_runtime import files, node, protocol
 from ptc_runtime.confine import (
     drop,
     install_filter,
@@ -158,6 +158,7 @@ PRELOAD_ENV = "PTC_PRELOAD"  # the image's modules to import before forking: "nu
 SIGNALS = {protocol.SIGTERM: signal.SIGTERM, protocol.SIGKILL: signal.SIGKILL}
 WORKDIR = "/tmp"  # the scripts' working directory (the image's WORKDIR): files in go there, outputs come from there
 FILE_OPS = (protocol.PUT, protocol.GET, protocol.LIST)
+SPARE_LANGUAGE_ENV = "PTC_SPARE_LANGUAGE"  # the image's language of the first spare (the node image: javascript)
 Child = Tuple[Any, Dict[str, str], str]
 """What ``serve`` returns in a script's forked process once its run starts: (None, the run's env, its language)."""
 
@@ -236,6 +237,7 @@ class _Run:
         self.status: Optional[int] = None
         self.stamps: Dict[str, int] = {}  # time.monotonic_ns() of the run's moments (the exit frame's "stamps")
         self.script_streams: Optional[Streams] = None  # its sys.stdout and sys.stderr, made here before the fork
+        self.language = protocol.PYTHON  # what it runs: Python (this interpreter, forked) or node (``spare``)
 
     def ended(self) -> bool:
         """Whether the script's process has ended (collected, or a zombie not collected yet)."""
@@ -259,6 +261,12 @@ class Server:
         self.buffer = b""
         self.run: Optional[_Run] = None
         self.spare: Optional[_Run] = None  # the next script's process, confined and waiting for its run frame
+        # The language of the next spare: the last run's (a session's scripts share one), at first the image's
+        # ``SPARE_LANGUAGE_ENV`` (the node image: javascript), else Python. A JavaScript or TypeScript spare is node
+        # itself, started and waiting for its go (``ptc_runtime.node``): its start-up is off the run's path.
+        self.spare_language = os.environ.get(SPARE_LANGUAGE_ENV, protocol.PYTHON)
+        if self.spare_language not in protocol.LANGUAGES:
+            self.spare_language = protocol.PYTHON
         self.wake_r, self.wake_w = os.pipe()
         self.cork: Optional[List[bytes]] = None  # frames kept to go out in one write (``corked``)
         self.cork_bytes = 0
@@ -327,7 +335,7 @@ class Server:
         self.send({protocol.FIELD_OP: protocol.HELLO, "pid": os.getpid(), "features": features})
         while True:
             if self.run is None and self.spare is None:  # no script's process exists: fork the next one now
-                child = self.spawn()
+                child = self.spawn(self.spare_language)
                 if child is not None:
                     return child
             due = False
@@ -417,7 +425,7 @@ class Server:
         except OSError:
             pass
 
-    def spawn(self) -> Optional[Child]:
+    def spawn(self, language: str) -> Optional[Child]:
         """Fork the next script's process now, while no script runs (``spare``): it confines itself, takes the
         run's pipes and rings and waits for its run frame's ``go`` (``wait_for_go``). Returns None in the server;
         in the child, (None, env, language) once its run starts."""
@@ -437,14 +445,20 @@ class Server:
             for fd in (out_r, err_r, nudge_r, ack_w, go_w):
                 os.close(fd)
             self.become_child(out_w, err_w, script_streams)
-            env, language = wait_for_go(go_r)
-            return None, env, language
+            if language != protocol.PYTHON:
+                node.spare(go_r)  # becomes node, which waits for its go itself; never returns
+            env, asked = wait_for_go(go_r)
+            if asked != protocol.PYTHON:  # a Python spare is never given another language's run (``start``)
+                os.write(2, ("ptc_runtime: a Python process was given a %s run\n" % asked[:20]).encode())
+                os._exit(126)
+            return None, env, asked
         for fd in (out_w, err_w, nudge_w, ack_r, go_r):
             os.close(fd)
         streams = [_Stream("stdout", out_r, rings[0]), _Stream("stderr", err_r, rings[1])]
         for fd in (out_r, err_r, nudge_r, ack_w):
             os.set_blocking(fd, False)
         self.spare = _Run(pid, streams, nudge_r, ack_w, go_w)
+        self.spare.language = language
         # Kept until the run ends (``close_run``): let go of now, they would be freed while the spare shares this
         # interpreter's pages, each page they are on copied.
         self.spare.script_streams = script_streams
@@ -456,10 +470,14 @@ class Server:
         sends it."""
         received = time.monotonic_ns()
         run, self.spare = self.spare, None
+        language = go.get(protocol.LANGUAGE, protocol.PYTHON)
+        self.spare_language = language
+        if run is not None and node.kind(run.language) != node.kind(language) and not run.ended():  # another kind
+            kill_spare(run)
         if run is None or run.ended():
             if run is not None:
                 self.discard(run)
-            child = self.spawn()
+            child = self.spawn(language)
             if child is not None:
                 return child
             run, self.spare = self.spare, None
@@ -744,6 +762,18 @@ class Server:
         if run.go is not None:
             os.close(run.go)
             run.go = None
+
+
+def kill_spare(spare: _Run) -> None:
+    """End a spare process that waits for its go (and collect it: ``_Run.ended`` is then true)."""
+    try:
+        os.kill(spare.pid, signal.SIGKILL)
+        _, status = os.waitpid(spare.pid, 0)
+        spare.status = status
+    except ChildProcessError:  # collected already (``collect``)
+        pass
+    except OSError:
+        pass
 
 
 def wait_for_go(go: int) -> Tuple[Dict[str, str], str]:

@@ -234,15 +234,14 @@ class Intake:
                     ("body", "durable"),
                 )
             return await self._admit_to_session(request, limits, caller, request.session_id)
-        language = request.language or PYTHON
-        engine = self._engines.choose(language) if self._engines is not None else None
-        if engine is not None and (image != DEFAULT_IMAGE or language != PYTHON):  # the default: /readyz's
+        engine = self._engines.choose(request.language) if self._engines is not None else None
+        if engine is not None and (image != DEFAULT_IMAGE or request.language not in (None, engine.language)):
             with contextlib.suppress(EngineUnavailable):  # the job's start reports it, as any job's does
-                await engine.require_image(image, language)  # before any sandbox or job: a 503 naming the image
+                await engine.require_image(image, request.language or engine.language)  # a 503 naming the image
         ticket = self._admission.one_shot(caller.owner)
         try:
             tools, toolset = request.tools, request.toolset
-            job, manifest = await self._new_job(limits, request, tools, toolset, caller, engine, None, language)
+            job, manifest = await self._new_job(limits, request, tools, toolset, caller, engine, None, request.language)
         except BaseException:
             ticket.release()
             raise
@@ -275,7 +274,7 @@ class Intake:
         ticket = ticket or self._admission.resumed(caller.owner)
         try:
             job, manifest = await self._new_job(
-                limits, request, request.tools, request.toolset, caller, engine, spec.job_id, request.language or PYTHON
+                limits, request, request.tools, request.toolset, caller, engine, spec.job_id, request.language
             )
         except BaseException:
             ticket.release()
@@ -345,16 +344,17 @@ class Intake:
         caller: Caller,
         engine: Engine | None,
         resumed: str | None = None,
-        language: str = PYTHON,
+        language: str | None = None,
     ) -> tuple[LiveJob, CompiledManifest]:
         """A job for an admitted ``request`` (live from now on) and its compiled manifest (``tools`` or ``toolset``),
-        its script (in ``language``) prepared by ``engine`` (``Engine.prepare``; None: the default engine's, Python's).
+        its script (in ``language``; None: the engine's) prepared by ``engine`` (``Engine.prepare``; None: Python's).
         ``resumed``: the id of a durable job resumed (its output folder taken up: ``OutputLog.resume``).
 
         Raises:
             ManifestError / InvalidField: the manifest is unusable.
         """
         manifest = await self._toolsets.manifest(tools, toolset, caller)
+        language = language or (engine.language if engine is not None else PYTHON)
         job_id = resumed or "job_" + secrets.token_hex(12)
         output_dir = self._output_dir / job_id
         retain, inline = self._settings.output_retention_bytes, limits.output_bytes

@@ -52,7 +52,7 @@ class SessionRequest(BaseModel):
         description="The session sandbox's image, by its name in PTC_IMAGES; default: default (node for javascript "
         "and typescript).",
     )
-    language: Language = Field("python", description=LANGUAGE_DESCRIPTION + " Every script of the session is in it.")
+    language: Language | None = Field(None, description=LANGUAGE_DESCRIPTION + " Every script of the session is in it.")
     tools: list[dict[str, Any]] = Field(
         default_factory=list, max_length=MAX_TOOLS, description="Manifest for the session's scripts (default)."
     )

@@ -124,7 +124,8 @@ class SessionJobs:
             )
         await self._toolsets.manifest(request.tools, request.toolset, Caller(owner, admin))  # a bad manifest fails now
         engine = self._sandboxes.engines.choose(request.language)
-        await engine.require_image(image, request.language)
+        language = request.language or engine.language
+        await engine.require_image(image, language)
         runtime = None if runtime == "runc" else runtime
         memory_mb, cpus = limits.memory_mb, limits.cpus
         self._admission.quotas.admit_session(owner, memory_mb, cpus)  # from here to the commitment: no await
@@ -146,7 +147,7 @@ class SessionJobs:
                     metadata=request.metadata,
                     owner=owner,
                     image=image,
-                    language=request.language,
+                    language=language,
                     **lifetimes,
                 )
             except BaseException:

@@ -248,3 +248,22 @@ fs.writeFileSync("outputs/count.json", JSON.stringify({ rows: rows.length }));
     view = run_js(js, script, files=files)
     assert view["status"] == "succeeded", view
     assert [f["path"] for f in view["files"]] == ["outputs/count.json"], view["files"]
+
+
+def test_the_node_image_runs_python_too_whichever_language_its_spare_process_was(js: httpx.Client) -> None:
+    runs = [
+        ("python", "print(2)", "2\n"),
+        ("javascript", "console.log(3)", "3\n"),
+        ("typescript", "console.log(4 as number)", "4\n"),
+    ]
+    for language, script, out in runs + runs[::-1]:
+        view = execute(js, script, image="node", language=language)
+        assert (view["status"], view["stdout"], view["language"]) == ("succeeded", out, language), view
+    session = js.post("/sessions", json={"image": "node"}).json()  # Python: its sandbox's first spare was node
+    try:
+        assert session["language"] == "python"
+        for _ in range(2):
+            view = execute(js, "print(5)", session_id=session["session_id"])
+            assert (view["status"], view["stdout"]) == ("succeeded", "5\n"), view
+    finally:
+        js.delete(f"/sessions/{session['session_id']}")

@@ -1,25 +1,69 @@
-// Run one JavaScript or TypeScript script: `node main.mjs /run/ptc/script.mjs` (or script.ts), in the process the
-// resident interpreter forked and confined for the run (ptc_runtime/node.py execs it), as `node script.mjs` would run
-// it: an ES module with top-level await; console.log and console.error write stdout and stderr; process.exit(n) is
-// the exit code. Before the script, the manifest's tools are made globals (`tools`, `ToolError`, and each tool whose
-// name is an identifier, not over a global that exists), as Cloudflare's and OpenAI's runtimes expose them.
+// A JavaScript or TypeScript script's process: `node main.mjs`, exec'd by a spare process the resident interpreter
+// forked and confined ahead of the run (ptc_runtime/node.py). It prepares what it can (its module hooks, the tools
+// runtime), then waits for the run's go on fd 3: {"env": {...}} or {"env_file": path} (the run's env, read here as the
+// sandbox user) and "language". It then runs the run's script (/run/ptc/script.mjs or script.ts) as `node script.mjs`
+// would run it: an ES module with top-level await; console.log and console.error write stdout and stderr;
+// process.exit(n) is the exit code. Before the script, the manifest's tools are made globals (`tools`, `ToolError`,
+// and each tool whose name is an identifier, not over a global that exists), as Cloudflare's and OpenAI's runtimes
+// expose them.
 //
 // An uncaught exception or unhandled rejection ends the script with exit code 1, printed on stderr as Node prints
 // it; a short description (type, message, line) goes to the broker as the script's report, which the job's view
 // keeps apart from the verdict (the service trusts none of it).
 import { spawnSync } from "node:child_process";
+import { closeSync, readFileSync } from "node:fs";
 import { register } from "node:module";
 import { inspect } from "node:util";
 import { request } from "./client.mjs";
+import "./tools.mjs";
 
-const MESSAGE_CAP = 2000;
-const script = process.argv[2];
-const scriptName = script.slice(script.lastIndexOf("/") + 1);
-process.argv.splice(1, 1); // as `node script.mjs`: argv[1] is the script
-const write = process.stderr.write.bind(process.stderr);
-const exit = process.exit.bind(process);
+const GO_FD = 3;
+const RUN_DIR = "/run/ptc/";
+const SCRIPTS = { javascript: "script.mjs", typescript: "script.ts" };
+const EXIT_CANNOT_RUN = 126;
 
 register("./hooks.mjs", import.meta.url);
+
+function waitForGo() {
+  // The run's go (blocking until the server sends it; the process exits quietly when the server never does), its env
+  // applied; returns the run's language.
+  let message;
+  try {
+    message = JSON.parse(readFileSync(GO_FD, "utf8"));
+    closeSync(GO_FD);
+  } catch {
+    process.exit(0);
+  }
+  if (message === null || typeof message !== "object") process.exit(0);
+  let env = message.env;
+  if (typeof message.env_file === "string") {
+    try {
+      env = JSON.parse(readFileSync(message.env_file, "utf8"));
+    } catch (exc) {
+      process.stderr.write(`ptc_runtime: cannot read the run's env: ${exc.message}\n`);
+      process.exit(EXIT_CANNOT_RUN);
+    }
+  }
+  if (env === null || typeof env !== "object") {
+    process.stderr.write("ptc_runtime: the run's env is not an object\n");
+    process.exit(EXIT_CANNOT_RUN);
+  }
+  for (const [name, value] of Object.entries(env)) process.env[name] = String(value);
+  return message.language;
+}
+
+const language = waitForGo();
+if (!Object.hasOwn(SCRIPTS, language)) {
+  process.stderr.write(`ptc_runtime: this process runs no ${String(language).slice(0, 20)} scripts\n`);
+  process.exit(EXIT_CANNOT_RUN);
+}
+const script = RUN_DIR + SCRIPTS[language];
+const scriptName = SCRIPTS[language];
+if (language === "typescript") process.setSourceMapsEnabled(true); // stack traces in the lines of the script as sent
+process.argv[1] = script; // as `node script.mjs`: argv[1] is the script
+const MESSAGE_CAP = 2000;
+const write = process.stderr.write.bind(process.stderr);
+const exit = process.exit.bind(process);
 
 function scriptLine(error) {
   if (error !== null && typeof error === "object" && typeof error.ptcLine === "number") return error.ptcLine;

@@ -124,7 +124,7 @@ class ToySandbox:
     async def start(self) -> None:
         self.started = True
 
-    async def lay_out(self, script: str, stubs: str | None) -> None:
+    async def lay_out(self, script: str, stubs: str | None, language: str = TOY) -> None:
         self._lines = script.splitlines()
         if stubs is not None:
             self.files[".stubs"] = stubs.encode()
