@@ -22,6 +22,12 @@ Layout of ``bfcl_eval/data`` as of 2026.3.23:
   The ``live_*`` files (user-contributed entries, ids such as
   ``live_simple_0-0-0``) have the same layout as the others; what differs is
   only in the values (see :func:`load_ground_truth`, rule 3).
+
+Replays: :func:`replay_script` writes entries' ground-truth calls as a Python script, :func:`js_replay_script` as a
+JavaScript module (sequential ``await`` or ``Promise.all``); ``simple_javascript``, whose types and values are
+BFCL's JavaScript dialect, is loaded by :func:`load_javascript_ground_truth`.  What a number becomes on its way from
+a JavaScript script to the call record is said at :func:`js_literal` (a large integer is a BigInt, sent exactly) and
+:func:`as_sent_from_javascript` (a whole float is sent as an integer).
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import keyword
+import math
 import pathlib
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -37,14 +45,22 @@ from typing import Any, Final, Literal
 __all__ = [
     "CASE_MARKER",
     "GROUND_TRUTH_CATEGORIES",
+    "JAVASCRIPT_CATEGORY",
+    "MAX_SAFE_INTEGER",
     "GroundTruthCase",
     "ReplayKind",
     "ReplayOutcome",
+    "as_sent_from_javascript",
     "bfcl_data_dir",
     "call_source",
     "classify_replay",
     "iter_function_docs",
+    "javascript_expectation",
+    "js_call_source",
+    "js_literal",
+    "js_replay_script",
     "load_ground_truth",
+    "load_javascript_ground_truth",
     "pack_batches",
     "replay_manifest",
     "replay_script",
@@ -448,3 +464,201 @@ def classify_replay(case: GroundTruthCase, records: list[dict[str, Any]]) -> Rep
     if refused:
         return ReplayOutcome("rejected", "; ".join(r["error"]["message"] for r in refused))
     return ReplayOutcome("exact")
+
+
+# --- simple_javascript: BFCL's JavaScript dialect ------------------------------------------------------------------
+
+#: The BFCL category of JavaScript functions (:func:`load_javascript_ground_truth`); not one of
+#: :data:`GROUND_TRUTH_CATEGORIES`, whose values are Python's.
+JAVASCRIPT_CATEGORY: Final = "simple_javascript"
+
+
+def load_javascript_ground_truth() -> list[GroundTruthCase]:
+    """Load ``BFCL_v4_simple_javascript.json`` (50 entries, one call each) with its possible answers.
+
+    Each argument is resolved to one value by the rule of :func:`load_ground_truth` (recursing into ``dict``
+    arguments), and the value is replayed as it is: the possible answers are JSON values already, not JavaScript
+    source.  BFCL asks the model for a JavaScript call and reads each argument's source text by the parameter's
+    declared type (``ast_checker`` through ``js_type_converter``): a quoted string for ``String``, a number for
+    ``integer`` / ``float``, ``true`` / ``false`` for ``Boolean``, an array or object literal for ``array`` / ``dict``,
+    and for ``any`` nothing at all (the text itself, as a string); text that is not a literal of its type (a
+    variable's name, a call) stays text.  The possible answers hold what that reading gives, so, type by type:
+
+    * ``String`` -> a string, ``integer`` -> an integer, ``float`` -> a number (whole ones such as ``4.0``: see
+      :func:`as_sent_from_javascript` for what JavaScript sends), ``Boolean`` -> a boolean, ``array`` -> an array,
+      ``dict`` -> an object (its values are accepted-values lists, resolved by the same rule);
+    * ``any`` -> a string: the argument's source text (``"listElement"``, ``"React.createContext()"``, ``"null"``),
+      which is what BFCL compares; the service reads ``any`` as "any value", so such a call passes;
+    * a string for an ``array`` or ``dict`` parameter (or property of a ``dict``): the name of a variable holding the
+      value in the model's call (BFCL's ``type_checker`` takes an answer whose type is not the declared one as a
+      variable).  A replay has no such variable and passes the name, a string, which the entry's own schema refuses
+      (``simple_javascript_9``: ``jsonPayload: "responseData"`` for a ``dict``; 8 entries of 50): like the Python
+      categories' schema contradictions, such calls are expected to be refused, from JavaScript and Python alike.
+
+    Every tool name of the category is an identifier.  ``simple_javascript_16`` lists two accepted values for
+    ``vertices`` (``[10.0, 15.0]``, ``[20.0, 25.0]``); rule 2 takes the first.
+
+    Raises:
+        ValueError, TypeError: as :func:`load_ground_truth` does for a malformed ground truth.
+    """
+    data = bfcl_data_dir()
+    questions = _read_jsonl(data / f"BFCL_v4_{JAVASCRIPT_CATEGORY}.json")
+    answers = {str(a["id"]): a for a in _read_jsonl(data / "possible_answer" / f"BFCL_v4_{JAVASCRIPT_CATEGORY}.json")}
+    cases: list[GroundTruthCase] = []
+    for entry in questions:
+        case_id = str(entry["id"])
+        functions: list[dict[str, Any]] = entry["function"]
+        by_name = {doc["name"]: doc for doc in functions}
+        calls: list[tuple[str, dict[str, Any]]] = []
+        for index, call in enumerate(answers[case_id]["ground_truth"]):
+            if not isinstance(call, dict) or len(call) != 1:
+                raise ValueError(f"{case_id}: ground-truth call #{index} is not a one-key object")
+            ((name, accepted_args),) = call.items()
+            if name not in by_name:
+                raise ValueError(f"{case_id}: ground truth calls unknown function {name!r}")
+            parameters: dict[str, Any] = by_name[name]["parameters"]
+            properties: dict[str, Any] = parameters.get("properties", {})
+            args: dict[str, Any] = {}
+            for arg, value in _resolve_dict(accepted_args, parameters, f"{case_id}:{name}").items():
+                args[arg] = _resolve_value(value, properties.get(arg, {}), f"{case_id}:{name}.{arg}")
+            calls.append((name, args))
+        cases.append(GroundTruthCase(id=case_id, category=JAVASCRIPT_CATEGORY, functions=functions, calls=calls))
+    if len(answers) != len(cases):
+        raise ValueError(f"{JAVASCRIPT_CATEGORY}: {len(answers)} answers for {len(cases)} entries")
+    return cases
+
+
+# --- Replay as JavaScript ------------------------------------------------------------------------------------------
+
+#: ``Number.MAX_SAFE_INTEGER``: past it a JavaScript number no longer holds every integer, so an integer beyond
+#: ``±MAX_SAFE_INTEGER`` is written as a BigInt literal (:func:`js_literal`).
+MAX_SAFE_INTEGER: Final = 2**53 - 1
+_JS_EXPONENT_FROM: Final = 1e21  # JSON.stringify writes a number at least this large with an exponent ("1e+21")
+_JS_IDENTIFIER: Final = re.compile(r"[A-Za-z_$][A-Za-z0-9_$]*")
+
+
+def _js_key(key: Any) -> str:
+    """An object literal's property name: bare when an identifier, else a string literal; ``__proto__`` computed."""
+    if not isinstance(key, str):
+        raise TypeError(f"an object key must be a string, got {key!r}")
+    if key == "__proto__":  # `{__proto__: v}` and `{"__proto__": v}` set the prototype; `{["__proto__"]: v}` does not
+        return f"[{json.dumps(key)}]"
+    return key if _JS_IDENTIFIER.fullmatch(key) else json.dumps(key, ensure_ascii=True)
+
+
+def js_literal(value: Any) -> str:
+    """A JSON value as JavaScript source that evaluates to it, as a model writes it (``{city: "Oslo", days: 3}``).
+
+    * an integer within ``±MAX_SAFE_INTEGER`` is a number literal; beyond, a BigInt literal (``12345678901234567890n``),
+      which the runtime sends as that exact integer (``ptc_runtime/js/client.mjs``).  A number literal there would be
+      rounded to a double before it is sent: ``12345678901234567890`` is recorded as ``12345678901234567000``;
+    * a float is Python's ``repr`` (``0.1``, ``1e-05``, ``4.0``), which JavaScript reads as the same double; a whole
+      one keeps its ``.0`` for the reader, though ``4.0`` is ``4`` in JavaScript (:func:`as_sent_from_javascript`);
+    * a string is a JSON string literal with every non-ASCII character escaped (U+2028 and U+2029 included);
+    * an object's keys are bare when identifiers, else string literals, and ``__proto__`` is computed
+      (``["__proto__"]: ...``), because in a literal ``__proto__: ...`` sets the prototype instead of a property;
+    * ``None``, booleans and lists (or tuples) are ``null``, ``true`` / ``false`` and arrays.
+
+    Raises:
+        ValueError: for NaN or an infinity (JSON has no such number).
+        TypeError: for what JSON has not (a set, a non-string object key, ...).
+    """
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value) if abs(value) <= MAX_SAFE_INTEGER else f"{value}n"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{value!r} is not a JSON number")
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=True)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(js_literal(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_js_key(key)}: {js_literal(item)}" for key, item in value.items()) + "}"
+    raise TypeError(f"{type(value).__name__} is not a JSON value: {value!r}")
+
+
+def as_sent_from_javascript(value: Any) -> Any:
+    """What the broker records for ``value`` written by :func:`js_literal`: the same JSON value, a whole float aside.
+
+    JavaScript has one number type, and ``JSON.stringify`` writes a whole number below 1e21 without a fraction: the
+    literal ``4.0`` is sent as ``4`` (``-0.0`` as ``0``, ``1e16`` as ``10000000000000000``), so the broker records
+    the integer ``4`` where a Python script, whose ``json`` writes ``4.0``, gets ``4.0`` recorded.  Measured on the
+    node image (Node.js 18, ``ptc-sandbox-node``): Python ``tools.f(a=2.0)`` records ``{"a": 2.0}``, JavaScript
+    ``tools.f({a: 2.0})`` records ``{"a": 2}``; no JavaScript value is sent as ``2.0``.  The records of the two
+    replays thus differ only there, in the JSON spelling of one value; this gives that integer (exact: a whole double
+    is an integer), so a JavaScript record compares exactly with it, which compares the Python record by value.
+    Everything else is recorded as Python's is: integers exactly (a BigInt beyond ``MAX_SAFE_INTEGER``), other floats
+    as the same double (``0.1``; ``1e+21`` and above stay floats), strings, booleans, null; tuples become lists.
+    """
+    if isinstance(value, float) and value.is_integer() and abs(value) < _JS_EXPONENT_FROM:
+        return int(value)
+    if isinstance(value, (list, tuple)):
+        return [as_sent_from_javascript(item) for item in value]
+    if isinstance(value, dict):
+        return {key: as_sent_from_javascript(item) for key, item in value.items()}
+    return value
+
+
+def javascript_expectation(case: GroundTruthCase) -> GroundTruthCase:
+    """``case`` with its calls as a JavaScript replay gets them recorded (:func:`as_sent_from_javascript`), for
+    :func:`classify_replay`."""
+    calls = [(name, as_sent_from_javascript(args)) for name, args in case.calls]
+    return GroundTruthCase(id=case.id, category=case.category, functions=case.functions, calls=calls)
+
+
+def js_call_source(name: str, args: dict[str, Any]) -> str:
+    """A call as JavaScript: ``tools[<name as a string literal>](<args as an object literal>)``, a promise.
+
+    Every tool is on the ``tools`` object under its original name, so the bracket form needs no rule for dotted
+    names or names that are not identifiers; the arguments are :func:`js_literal`'s.
+
+    Raises:
+        TypeError: if ``args`` is not a dict (a tool takes one object of arguments), or as :func:`js_literal`.
+        ValueError: as :func:`js_literal`.
+    """
+    if not isinstance(args, dict):
+        raise TypeError(f"{name}: the arguments must be one object, got {args!r}")
+    return f"tools[{json.dumps(name, ensure_ascii=True)}]({js_literal(args)})"
+
+
+_JS_PRELUDE: Final = (
+    'import tools, { ToolError } from "tools";',
+    "",
+    "// A refused call (ToolError) does not stop the replay; any other exception does (it would be a runtime bug).",
+    "const refused = (error) => {",
+    "  if (!(error instanceof ToolError)) throw error;",
+    "};",
+    "",
+)
+
+
+def js_replay_script(cases: list[GroundTruthCase], marker: bool = True, gather: bool = False) -> str:
+    """Source of a JavaScript module that makes each case's ground-truth calls, as :func:`replay_script` does in Python.
+
+    Sequential (the default): one ``await`` per call, in ``try`` / ``catch``.  With ``gather`` a case's calls are
+    started together: ``await Promise.all([call.catch(refused), ...])``, one per case.  Either way the records come in
+    the Python replay's order, the ground truth's: a call's request is written on the broker connection when the call
+    starts, before its first ``await`` (``ptc_runtime/js/client.mjs``), ``Promise.all`` starts its calls in array
+    order, and the broker numbers records (``seq``) in arrival order (``service/broker/records.py``).
+
+    With ``marker`` each case's calls are preceded by ``await tools["bfcl_case"]({id: <case id>})``, awaited, so that
+    :func:`split_records` applies.  A refused call (``ToolError``) does not stop the script; any other exception does.
+
+    Raises:
+        TypeError, ValueError: as :func:`js_literal`, for a value JSON cannot carry.
+    """
+    lines = list(_JS_PRELUDE)
+    for case in cases:
+        if marker:
+            lines.append(f"await {js_call_source(CASE_MARKER, {'id': case.id})};")
+        calls = [js_call_source(name, args) for name, args in case.calls]
+        if gather:
+            lines += ["await Promise.all([", *(f"  {call}.catch(refused)," for call in calls), "]);"]
+        else:
+            lines += [f"try {{ await {call}; }} catch (error) {{ refused(error); }}" for call in calls]
+    return "\n".join(lines) + "\n"
