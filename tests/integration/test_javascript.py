@@ -15,7 +15,7 @@ import docker
 import httpx
 import pytest
 
-from tests.conftest import IMAGE, Service, execute, require_runtime, start_service, stop_clean
+from tests.conftest import IMAGE, Service, execute, require_runtime, start_service, stop_clean, wait_until
 
 NODE_IMAGE = os.environ.get("PTC_NODE_IMAGE", "ptc-sandbox-node:latest")
 ECHO = {"name": "echo", "parameters": {"properties": {"x": {}}}, "endpoint": {"kind": "echo"}}
@@ -267,3 +267,12 @@ def test_the_node_image_runs_python_too_whichever_language_its_spare_process_was
             assert (view["status"], view["stdout"]) == ("succeeded", "5\n"), view
     finally:
         js.delete(f"/sessions/{session['session_id']}")
+
+
+def test_output_is_live_while_the_script_runs(js: httpx.Client) -> None:
+    script = 'console.log("first");\nawait new Promise((r) => setTimeout(r, 3000));\nconsole.log("second");\n'
+    job_id = js.post("/execute", json={"script": script, "language": "javascript", "wait_s": 0}).json()["job_id"]
+    wait_until(lambda: js.get(f"/jobs/{job_id}").json()["stdout"] == "first\n", 2.5)
+    assert js.get(f"/jobs/{job_id}").json()["ended_at"] is None
+    view = js.post(f"/jobs/{job_id}/wait", params={"timeout_s": 30}).json()
+    assert (view["status"], view["stdout"], view["stdout_next_offset"]) == ("succeeded", "first\nsecond\n", 13)

@@ -24,6 +24,7 @@ from service.jobs.parking import store_answer
 from service.store.sqlite import SQLiteJobStore
 from service.tenancy import hash_token
 from tests.conftest import Service, labelled_containers, start_service, wait_until
+from tests.integration.test_javascript import node_images
 from tests.toolserver import ToolServer
 
 ASK = {"name": "ask", "parameters": {"properties": {"q": {"type": "string"}}}, "endpoint": {"kind": "client"}}
@@ -49,6 +50,7 @@ def parking(engine: docker.DockerClient, scratch: Path, tool_server: ToolServer)
         PTC_MAX_CONCURRENT_SANDBOXES="1",
         PTC_WARM_POOL_SIZE="0",
         PTC_EGRESS_ALLOW=f"http://127.0.0.1:{port}",
+        PTC_IMAGES=node_images(engine),  # JavaScript jobs park and resume too
     )
     yield svc
     svc.stop()
@@ -104,6 +106,34 @@ def test_a_job_waiting_for_a_client_call_is_parked_and_the_answer_resumes_it(
     assert [r["reason"] for r in view["resumes"]] == ["answered"] and view["parked_at"] is None
     [record] = view["calls"]
     assert record["call_id"] == pending["call_id"] and record["status"] == "ok" and record["result"] == "yes"
+
+
+def test_a_javascript_job_is_parked_and_resumed_like_a_python_one(parking: Service) -> None:
+    script = """console.log("asking");
+const [a, b] = await Promise.all([tools.ask({ q: "a" }), tools.ask({ q: "b" })]);
+try {
+  await tools.ask({ q: "no" });
+} catch (e) {
+  console.log(e.type, e.message);
+}
+console.log("answers:", a, b);
+"""
+    with parking.client(timeout=90) as api:
+        body = {"script": script, "tools": [ASK], "wait_s": 0, "language": "javascript"}
+        job_id = api.post("/execute", json=body).json()["job_id"]
+        view = parked_view(api, job_id)
+        assert view["status"] == "waiting" and view["language"] == "javascript", view
+        for pending in view["pending_calls"]:
+            answered = api.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": pending["args"]["q"] * 2})
+            assert answered.status_code == 200, answered.text
+        wait_until(lambda: len(api.get(f"/jobs/{job_id}").json()["pending_calls"]) == 1, 60)
+        [last] = api.get(f"/jobs/{job_id}").json()["pending_calls"]
+        refused = api.post(f"/jobs/{job_id}/calls/{last['call_id']}", json={"error": {"type": "nope", "message": "no"}})
+        assert refused.status_code == 200, refused.text
+        view = ended(api, job_id)
+    assert view["status"] == "succeeded", view
+    assert view["stdout"] == "asking\nnope no\nanswers: aa bb\n", view
+    assert [(c["args"]["q"], c["status"]) for c in view["calls"]] == [("a", "ok"), ("b", "ok"), ("no", "error")]
 
 
 def test_an_approval_given_while_parked_sends_the_call_to_its_endpoint_once(
