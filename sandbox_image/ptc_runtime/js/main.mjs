@@ -153,9 +153,17 @@ for (const [name, value] of Object.entries({ tools: tools.default, ...tools })) 
     Object.defineProperty(globalThis, name, { value, writable: true, configurable: true, enumerable: false });
   }
 }
+let settled = false;
+process.on("exit", (code) => {
+  if (code === 13 && !settled && !ending) {
+    write("Warning: the script's top-level await never settled: nothing was left to run (exit code 13, as Node)\n");
+  }
+});
 try {
   await import(script);
+  settled = true;
 } catch (error) {
+  settled = true;
   locateSyntaxError(error);
   await fail(error);
 }
