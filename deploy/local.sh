@@ -239,6 +239,16 @@ setup_openssl() {
   apt_install --no-install-recommends openssl
 }
 
+# The TypeScript compiler the declarations' tests type-check with (tests/unit/toolkit/test_ts_stubs.py: PTC_TEST_TSC),
+# from the npm registry into the user's cache (Debian's nodejs and npm when the host has no npm).
+typescript_dir=${XDG_CACHE_HOME:-$HOME/.cache}/ptc-sandbox/typescript-5.9.3
+setup_typescript() {
+  if [ -x "$typescript_dir/node_modules/.bin/tsc" ]; then return; fi
+  command -v npm >/dev/null || apt_install --no-install-recommends nodejs npm
+  mkdir -p "$typescript_dir"
+  npm install --silent --no-audit --no-fund --prefix "$typescript_dir" typescript@5.9.3 >/dev/null
+}
+
 # A headless browser for the API documents' test (tests/integration/test_docs_ui.py).
 setup_chromium() {
   if command -v chromium >/dev/null; then return; fi
@@ -261,7 +271,7 @@ setup() {
   setup_pid_max
   sandbox_image/build.sh --data >/dev/null  # the minimal image, then the data image on it (cached: seconds)
   sandbox_image/build.sh --node >/dev/null  # the JavaScript and TypeScript image (Debian's nodejs, esbuild)
-  if [ "${1:-}" = "[test]" ]; then setup_prometheus; setup_compose; setup_chromium; setup_openssl; setup_haproxy; setup_postgres; fi
+  if [ "${1:-}" = "[test]" ]; then setup_prometheus; setup_compose; setup_chromium; setup_openssl; setup_haproxy; setup_postgres; setup_typescript; fi
 }
 
 # The replicas' env file: written once (mode 0600), then it is the deployment's configuration (edit it, or
@@ -412,6 +422,7 @@ case "${1:-}" in
     .venv/bin/ruff format --check .
     .venv/bin/mypy
     if [ -n "$pg_test_url" ]; then export PTC_TEST_STORE_URL=$pg_test_url; fi
+    export PTC_TEST_TSC=${PTC_TEST_TSC:-$typescript_dir/node_modules/.bin/tsc}
     .venv/bin/pytest -q -p no:cacheprovider "${@:2}" ;;
   bench)
     setup "[test]"

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from service.egress import header_problem, url_problem
+from service.schemas.common import Language
 from service.settings import MAX_TOOLS
 
 
@@ -52,13 +53,22 @@ class ManifestRequest(BaseModel):
         max_length=32,
         description="For POST /toolsets: MCP servers whose tools/list entries join the manifest.",
     )
+    language: Language | None = Field(
+        None,
+        description="For POST /stubs: the language of the scripts; javascript or typescript answer the tools' "
+        "TypeScript declarations and a usage text for such scripts. Default python (the tools package).",
+    )
 
 
 class StubsView(BaseModel):
     """Answer of ``POST /stubs``."""
 
-    module: str = Field(description="The exact source of the `tools` package the sandbox imports.")
-    usage: str = Field(description="A short text for the model's system prompt.")
+    module: str = Field(
+        description="python: the exact source of the `tools` package the sandbox imports; javascript, typescript: "
+        'the TypeScript declarations of the tools (`declare module "tools"` and the globals).'
+    )
+    usage: str = Field(description="A short text for the model's system prompt, for scripts in `language`.")
+    language: str = Field(description="The language the module and usage are for: python, javascript or typescript.")
     toolset_id: str = Field(description="The manifest's content id (what POST /toolsets would return).")
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -26,6 +26,7 @@ from service.errors import CheckTooCostly, ManifestError
 from service.toolkit.manifest import parse_manifest
 from service.toolkit.specs import ToolSpec
 from service.toolkit.stubs import generate_stub_module
+from service.toolkit.ts_stubs import typescript_declarations
 from service.toolkit.validation import CheckScheduler
 
 CACHED_MANIFESTS = 256
@@ -39,12 +40,29 @@ class CompiledManifest:
     ``toolset_id`` is ``ts_`` + the first 32 hex digits of an HMAC-SHA-256 of
     the manifest's canonical JSON, keyed with the installation's secret salt
     (so the id, which a caller sees, reveals nothing about endpoint headers);
-    None when the manifest has no canonical JSON (e.g. a lone surrogate).
+    None when the manifest has no canonical JSON (e.g. a lone surrogate). The TypeScript declarations of its tools
+    (for JavaScript and TypeScript scripts) are made on first use and kept with it (``declarations``).
     """
 
     tools: dict[str, ToolSpec]
     stub_source: str
     toolset_id: str | None = None
+    _declarations: dict[str, str] = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def declarations(self) -> str:
+        """The tools' TypeScript declarations (``ts_stubs.typescript_declarations``), generated once and kept.
+
+        The first call is CPU work that grows with the schemas (call it off the event loop for a large manifest);
+        the next ones, from any thread, return the kept text (two first calls at once both generate it, equal).
+        """
+        text = self._declarations.get("typescript")
+        if text is None:
+            text = self._declarations["typescript"] = typescript_declarations(self.tools.values())
+        return text
+
+    def declarations_ready(self) -> bool:
+        """Whether ``declarations`` returns at once (generated already)."""
+        return "typescript" in self._declarations
 
 
 def compile_manifest(entries: list[dict[str, Any]], toolset_id: str | None = None) -> CompiledManifest:

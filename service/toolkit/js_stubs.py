@@ -37,12 +37,15 @@ script relies on (reachable still as ``tools["name"]``)."""
 
 def exported_names(names: Iterable[str]) -> list[str]:
     """The named exports (and globals) of a manifest's tools, in order: each tool name, or first segment of a dotted
-    one, that is an identifier and not ``RESERVED``, once."""
+    one with no empty segment (``makeTools`` makes no namespaces of ``a..b`` or ``.c``), that is an identifier and not
+    ``RESERVED``, once."""
     exports: dict[str, None] = {}
     for name in names:
-        first = name.split(".", 1)[0]
-        if IDENTIFIER.fullmatch(first) and first not in RESERVED:
-            exports[first] = None
+        parts = name.split(".")
+        if len(parts) > 1 and "" in parts:
+            continue
+        if IDENTIFIER.fullmatch(parts[0]) and parts[0] not in RESERVED:
+            exports[parts[0]] = None
     return list(exports)
 
 

@@ -258,7 +258,7 @@ class Client(_Base):
         **body: Any,
     ) -> JobView:
         """``POST /execute``: the final view if the job ended within ``wait_s`` (server default 30), else the view so
-        far. ``body`` takes the other fields (``timeout_s``, ``limits``, ``image``, ``env``, ``metadata``,
+        far. ``body`` takes the other fields (``language``, ``timeout_s``, ``limits``, ``image``, ``env``, ``metadata``,
         ``callback_url``, ``session_id``, ``files``, ...)."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         timeout = self.timeout + (wait_s if wait_s is not None else 30.0)

@@ -85,6 +85,7 @@ class JobView(_Model):
     queue_ms: float | None = None
     session_id: str | None = None
     image: str | None = None
+    language: str | None = None
     files: list[OutputFile] = []
     pending_calls: list[PendingCall] = []
     calls_total: int | None = None
@@ -110,6 +111,7 @@ class SessionView(_Model):
     status: str = ""
     metadata: Any = None
     image: str | None = None
+    language: str | None = None
     created_at: str | None = None
     ended_at: str | None = None
 

@@ -7,6 +7,13 @@
 // object and its functions are frozen: a script cannot replace a tool for the rest of its own run by accident.
 import { call, ToolError } from "./client.mjs";
 
+function define(target, key, value) {
+  // An own, enumerable member: defined, not assigned, so that a namespace member named like one of
+  // Function.prototype's ("caller", "arguments", "toString") lands on the function instead of hitting the prototype's
+  // accessor (which throws in strict mode) or being shadowed.
+  Object.defineProperty(target, key, { value, writable: true, enumerable: true, configurable: true });
+}
+
 function stub(name) {
   const fn = async (args) => call(name, args);
   Object.defineProperty(fn, "name", { value: name });
@@ -16,7 +23,7 @@ function stub(name) {
 export function makeTools(names) {
   const tools = {};
   const stubs = new Map(names.map((name) => [name, stub(name)]));
-  for (const [name, fn] of stubs) tools[name] = fn;
+  for (const [name, fn] of stubs) define(tools, name, fn);
   for (const name of names) {
     const parts = name.split(".");
     if (parts.length < 2 || parts.some((part) => part === "")) continue;
@@ -24,7 +31,7 @@ export function makeTools(names) {
     for (let i = 0; i < parts.length - 1; i++) {
       const part = parts[i];
       if (!Object.hasOwn(node, part)) {
-        node[part] = stubs.get(parts.slice(0, i + 1).join(".")) ?? {};
+        define(node, part, stubs.get(parts.slice(0, i + 1).join(".")) ?? {});
       } else if (typeof node[part] !== "object" && typeof node[part] !== "function") {
         node = null;
         break;
@@ -32,7 +39,7 @@ export function makeTools(names) {
       node = node[part];
     }
     const last = parts[parts.length - 1];
-    if (node !== null && !Object.hasOwn(node, last)) node[last] = stubs.get(name);
+    if (node !== null && !Object.hasOwn(node, last)) define(node, last, stubs.get(name));
   }
   const freeze = (value) => {
     if ((typeof value === "object" || typeof value === "function") && !Object.isFrozen(value)) {
