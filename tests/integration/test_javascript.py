@@ -276,3 +276,24 @@ def test_output_is_live_while_the_script_runs(js: httpx.Client) -> None:
     assert js.get(f"/jobs/{job_id}").json()["ended_at"] is None
     view = js.post(f"/jobs/{job_id}/wait", params={"timeout_s": 30}).json()
     assert (view["status"], view["stdout"], view["stdout_next_offset"]) == ("succeeded", "first\nsecond\n", 13)
+
+
+def test_a_call_awaiting_approval_rejects_with_denied_when_denied(js: httpx.Client) -> None:
+    guarded = {**ECHO, "name": "publish", "approval": "always", "approval_timeout_s": 60}
+    script = """try {
+  await tools.publish({ x: "draft" });
+} catch (e) {
+  console.log(e.type, e.message);
+}
+"""
+    job_id = js.post("/execute", json={"script": script, "tools": [guarded], "language": "javascript", "wait_s": 0})
+    job_id = job_id.json()["job_id"]
+    wait_until(lambda: js.get(f"/jobs/{job_id}").json()["pending_calls"], 30)
+    [pending] = js.get(f"/jobs/{job_id}").json()["pending_calls"]
+    assert pending["awaiting"] == "approval"
+    denied = js.post(f"/jobs/{job_id}/calls/{pending['call_id']}/deny", json={"reason": "not today"})
+    assert denied.status_code == 200, denied.text
+    view = js.post(f"/jobs/{job_id}/wait", params={"timeout_s": 30}).json()
+    assert view["status"] == "succeeded" and view["stdout"].startswith("denied "), view
+    assert "not today" in view["stdout"]
+    assert [(c["status"], c["error"]["type"]) for c in view["calls"]] == [("error", "denied")]
