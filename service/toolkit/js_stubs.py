@@ -28,11 +28,12 @@ RESERVED = frozenset(
     tools ToolError globalThis console process require module exports Object Function Array Number String Boolean
     Symbol BigInt Math JSON Date RegExp Error Promise Map Set WeakMap WeakSet Proxy Reflect Buffer URL
     setTimeout setInterval setImmediate clearTimeout clearInterval clearImmediate queueMicrotask structuredClone
-    fetch atob btoa
+    fetch atob btoa then
     """.split()
 )
-"""Names a tool never gets as a named export or global: JavaScript's reserved words and the well-known globals a
-script relies on (reachable still as ``tools["name"]``)."""
+"""Names a tool never gets as a named export or global: JavaScript's reserved words, the well-known globals a
+script relies on, and ``then`` (a module namespace exporting it is a thenable: ``await import("tools")`` would call
+it). A tool of such a name is reachable still as ``tools["name"]``."""
 
 
 def exported_names(names: Iterable[str]) -> list[str]:

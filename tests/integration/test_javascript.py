@@ -297,3 +297,9 @@ def test_a_call_awaiting_approval_rejects_with_denied_when_denied(js: httpx.Clie
     assert view["status"] == "succeeded" and view["stdout"].startswith("denied "), view
     assert "not today" in view["stdout"]
     assert [(c["status"], c["error"]["type"]) for c in view["calls"]] == [("error", "denied")]
+
+
+def test_a_tool_named_then_is_no_thenable_export(js: httpx.Client) -> None:
+    script = 'const m = await import("tools");\nconsole.log(typeof m.then, (await tools["then"]({ x: 1 })).tool);\n'
+    view = run_js(js, script, [{**ECHO, "name": "then"}])
+    assert (view["status"], view["stdout"]) == ("succeeded", "undefined then\n"), view
