@@ -129,6 +129,14 @@ def _probe(url: str, timeout_s: float, interval_s: float, strict: bool) -> None:
     """The probe process: one line per answer on stdout (``latency <seconds>``), or ``problem <text>`` and the end;
     each second, ``stall <seconds>``: the worst lateness of its own 10 ms sleeps; stops at the end of its stdin."""
     stopping = threading.Event()
+    saying = threading.Lock()
+
+    def say(kind: str, text: object) -> None:
+        """One whole line on stdout: the two threads' lines never interleave (``print`` writes its parts one by one,
+        so a ``latency`` line could be cut by a ``stall`` one, which the reader took for a failed probe)."""
+        with saying:
+            sys.stdout.write(f"{kind} {text}\n")
+            sys.stdout.flush()
 
     def wait_for_the_end() -> None:
         sys.stdin.read()
@@ -141,7 +149,7 @@ def _probe(url: str, timeout_s: float, interval_s: float, strict: bool) -> None:
             time.sleep(0.01)
             worst = max(worst, time.monotonic() - began - 0.01)
             if time.monotonic() - since >= 1:
-                print("stall", worst, flush=True)
+                say("stall", worst)
                 worst, since = 0.0, time.monotonic()
 
     threading.Thread(target=wait_for_the_end, daemon=True).start()
@@ -154,9 +162,9 @@ def _probe(url: str, timeout_s: float, interval_s: float, strict: bool) -> None:
                 if strict:
                     answer.raise_for_status()
             except httpx.HTTPError as exc:
-                print("problem", f"{type(exc).__name__}: {exc}"[:500].replace("\n", " "), flush=True)
+                say("problem", f"{type(exc).__name__}: {exc}"[:500].replace("\n", " "))
                 return
-            print("latency", time.perf_counter() - begin, flush=True)
+            say("latency", time.perf_counter() - begin)
             stopping.wait(interval_s)
 
 
