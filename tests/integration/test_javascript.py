@@ -303,3 +303,13 @@ def test_a_tool_named_then_is_no_thenable_export(js: httpx.Client) -> None:
     script = 'const m = await import("tools");\nconsole.log(typeof m.then, (await tools["then"]({ x: 1 })).tool);\n'
     view = run_js(js, script, [{**ECHO, "name": "then"}])
     assert (view["status"], view["stdout"]) == ("succeeded", "undefined then\n"), view
+
+
+def test_what_node_prints_of_link_errors_unsettled_awaits_and_thrown_values(js: httpx.Client) -> None:
+    view = run_js(js, 'import { nope } from "tools";\n')
+    assert view["stderr"].startswith("file:///run/ptc/script.mjs:1\n") and "[" not in view["stderr"], view["stderr"]
+    assert view["error"]["script_report"]["type"] == "SyntaxError"
+    view = run_js(js, "await new Promise(() => {});\n")
+    assert view["exit_code"] == 13 and "top-level await never settled" in view["stderr"], view
+    view = run_js(js, 'throw "no";\n')
+    assert view["exit_code"] == 1 and view["error"]["script_report"]["type"] == "string", view

@@ -125,13 +125,20 @@ function locateSyntaxError(error) {
   error.ptcReport = report.replace(/\n\s+at checkSyntax[^\n]*/, "").replace(/\n+Node\.js v[^\n]*\n?$/, "").trim();
 }
 
+function printed(error) {
+  // What Node prints of an uncaught value: an error with stack frames through inspect (its own properties shown), one
+  // without frames (a module's link error) as its stack text, not inspect's "[SyntaxError: ...]".
+  if (error instanceof Error && typeof error.stack === "string" && !/\n\s+at /.test(error.stack)) return error.stack;
+  return inspect(error);
+}
+
 let ending = false;
 async function fail(error) {
   if (ending) return;
   ending = true;
   withoutRuntimeFrames(error);
   try {
-    const text = typeof error?.ptcReport === "string" ? error.ptcReport : inspect(error);
+    const text = typeof error?.ptcReport === "string" ? error.ptcReport : printed(error);
     write(`${text}\n\nNode.js ${process.version}\n`);
   } catch {
     write("Uncaught exception (it could not be printed)\n");
@@ -155,8 +162,9 @@ for (const [name, value] of Object.entries({ tools: tools.default, ...tools })) 
   }
 }
 let settled = false;
-process.on("exit", (code) => {
-  if (code === 13 && !settled && !ending) {
+process.on("beforeExit", () => {
+  // Nothing is left to run (no explicit exit) while the script's top-level await still waits: Node ends with 13.
+  if (!settled && !ending) {
     write("Warning: the script's top-level await never settled: nothing was left to run (exit code 13, as Node)\n");
   }
 });
