@@ -30,6 +30,7 @@ from service.toolkit.ts_stubs import typescript_declarations
 from service.toolkit.validation import CheckScheduler
 
 CACHED_MANIFESTS = 256
+KEPT_DECLARATIONS_CHARS = 256 * 1024  # TypeScript declarations kept with a compiled manifest, at most
 CACHED_BYTES = 32 * 1024 * 1024  # of canonical manifest JSON; a compiled manifest takes some 20 times that
 
 
@@ -54,10 +55,14 @@ class CompiledManifest:
 
         The first call is CPU work that grows with the schemas (call it off the event loop for a large manifest);
         the next ones, from any thread, return the kept text (two first calls at once both generate it, equal).
+        Text over ``KEPT_DECLARATIONS_CHARS`` is not kept (the cache's byte bound counts manifests only). Raises
+        InvalidField (``ts_stubs.typescript_declarations``: past its size bound).
         """
         text = self._declarations.get("typescript")
         if text is None:
-            text = self._declarations["typescript"] = typescript_declarations(self.tools.values())
+            text = typescript_declarations(self.tools.values())
+            if len(text) <= KEPT_DECLARATIONS_CHARS:  # a larger one is made again when asked (its size is bounded)
+                self._declarations["typescript"] = text
         return text
 
     def declarations_ready(self) -> bool:

@@ -300,9 +300,11 @@ def test_a_call_awaiting_approval_rejects_with_denied_when_denied(js: httpx.Clie
 
 
 def test_a_tool_named_then_is_no_thenable_export(js: httpx.Client) -> None:
-    script = 'const m = await import("tools");\nconsole.log(typeof m.then, (await tools["then"]({ x: 1 })).tool);\n'
-    view = run_js(js, script, [{**ECHO, "name": "then"}])
-    assert (view["status"], view["stdout"]) == ("succeeded", "undefined then\n"), view
+    script = """const m = await import("tools");
+console.log(typeof m.then, typeof tools.then, typeof tools.x.then, (await tools["x.then"]({ x: 1 })).tool);
+"""
+    view = run_js(js, script, [{**ECHO, "name": "then"}, {**ECHO, "name": "x.then"}, {**ECHO, "name": "x.y"}])
+    assert (view["status"], view["stdout"]) == ("succeeded", "undefined undefined undefined x.then\n"), view
 
 
 def test_what_node_prints_of_link_errors_unsettled_awaits_and_thrown_values(js: httpx.Client) -> None:

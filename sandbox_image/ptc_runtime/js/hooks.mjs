@@ -22,9 +22,15 @@ function transpile(source, name) {
     { input: source, encoding: "utf8", maxBuffer: MAX_SOURCE_BYTES },
   );
   if (run.error) throw new Error(`cannot run the TypeScript transpiler (${ESBUILD}): ${run.error.message}`);
+  const report = (run.stderr || "").trim();
+  if (run.signal !== null || (run.status !== 0 && !report.includes("[ERROR]"))) {
+    // Killed (the sandbox's memory limit), or failed without a report of the script's (no thread to start): the
+    // transpiler's failure, not the script's syntax.
+    const how = run.signal !== null ? `was killed by ${run.signal} (out of memory?)` : `failed (exit code ${run.status})`;
+    throw new Error(`the TypeScript transpiler ${how}: ${report.slice(0, 2000) || "no report"}`);
+  }
   if (run.status !== 0) {
     // esbuild's report: "✘ [ERROR] <message>\n\n    script.ts:LINE:COLUMN:\n ..." (the first error is the one reported)
-    const report = run.stderr || "";
     const message = /\[ERROR\] ([^\n]*)/.exec(report)?.[1] ?? "the TypeScript transpiler refused the script";
     const where = new RegExp(`${name.replace(/\./g, "\\.")}:(\\d+):(\\d+):`).exec(report);
     const error = new SyntaxError(message);
@@ -32,7 +38,7 @@ function transpile(source, name) {
       error.ptcLine = Number(where[1]);
       error.ptcColumn = Number(where[2]) + 1;
     }
-    error.ptcReport = report.trim();
+    error.ptcReport = report;
     throw error;
   }
   return run.stdout;

@@ -12,7 +12,7 @@
 // keeps apart from the verdict (the service trusts none of it).
 import { spawnSync } from "node:child_process";
 import { closeSync, readFileSync } from "node:fs";
-import { register } from "node:module";
+import { createRequire, register } from "node:module";
 import { inspect } from "node:util";
 import { request } from "./client.mjs";
 import "./tools.mjs";
@@ -23,7 +23,22 @@ const SCRIPTS = { javascript: "script.mjs", typescript: "script.ts" };
 const EXIT_CANNOT_RUN = 126;
 
 register("./hooks.mjs", import.meta.url);
+noHomePackages();
 await import("data:text/javascript,export default 1"); // the loader's dynamic-import path made ready (~4 ms of a run)
+
+function noHomePackages() {
+  // CommonJS's global folders without $HOME's (HOME is /tmp, where a session's earlier script may have left
+  // .node_modules/<package>): `require` of an image's package is never code a script left, as PYTHONNOUSERSITE
+  // keeps a Python script's ~/.local out. Node reads them once, at start-up; they are read again without HOME.
+  const Module = createRequire(import.meta.url)("node:module");
+  const home = process.env.HOME;
+  delete process.env.HOME;
+  try {
+    Module._initPaths();
+  } finally {
+    if (home !== undefined) process.env.HOME = home;
+  }
+}
 
 function waitForGo() {
   // The run's go (blocking until the server sends it; the process exits quietly when the server never does), its env

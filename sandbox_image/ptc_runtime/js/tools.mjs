@@ -10,7 +10,10 @@ import { call, ToolError } from "./client.mjs";
 function define(target, key, value) {
   // An own, enumerable member: defined, not assigned, so that a namespace member named like one of
   // Function.prototype's ("caller", "arguments", "toString") lands on the function instead of hitting the prototype's
-  // accessor (which throws in strict mode) or being shadowed.
+  // accessor (which throws in strict mode) or being shadowed. No member is named "then": an object with a then
+  // method is a thenable, which `await` and a promise's resolution would call (a tool named "then" is not reachable;
+  // "x.then" is, by its full name).
+  if (key === "then") return;
   Object.defineProperty(target, key, { value, writable: true, enumerable: true, configurable: true });
 }
 
@@ -30,6 +33,10 @@ export function makeTools(names) {
     let node = tools;
     for (let i = 0; i < parts.length - 1; i++) {
       const part = parts[i];
+      if (part === "then") {
+        node = null; // no namespace of that name (``define``)
+        break;
+      }
       if (!Object.hasOwn(node, part)) {
         define(node, part, stubs.get(parts.slice(0, i + 1).join(".")) ?? {});
       } else if (typeof node[part] !== "object" && typeof node[part] !== "function") {

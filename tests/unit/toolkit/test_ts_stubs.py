@@ -520,7 +520,19 @@ def test_the_declared_tools_object_is_the_one_the_runtime_builds(tmp_path: Path)
         missing(f"no node, or no {library} beside the tsc of PTC_TEST_TSC")
     names = ["math", "math.factorial", "geo.area", "geo.v2.length", "x.y.z", "x.y", "auth", "auth.name"]
     names += ["auth.length.x", "get-user", "my-api.v1.get", "my-api", "a..b", ".c", "delete", "delete.me"]
-    names += ["toString.x", "crypto", "name", "lone.name", 'q"uote.*/', "9lives.x-y", "get_weather"]
+    names += [
+        "then",
+        "geo.then",
+        "then.x",
+        "makeTools",
+        "toString.x",
+        "crypto",
+        "name",
+        "lone.name",
+        'q"uote.*/',
+        "9lives.x-y",
+        "get_weather",
+    ]
     (tmp_path / "tools.d.ts").write_text(declare([tool(name) for name in names]), encoding="utf-8")
     (tmp_path / "shapes.mjs").write_text(SHAPES, encoding="utf-8")
     exported = json.dumps(exported_names(names))
