@@ -92,7 +92,7 @@ def check_execute(body: ExecuteRequest, settings: Settings, key_name: str | None
         RequestLimitError: a value, or the number of tools, over the key's or the server's maximum.
         UnknownImage: ``image`` is not a name in ``PTC_IMAGES`` (checked first: before any sandbox starts).
     """
-    image_name(settings, body.image)
+    image_name(settings, body.image, body.language)
     script_bytes = len(body.script.encode("utf-8", "surrogatepass"))
     if script_bytes > settings.max_script_bytes:
         raise PayloadTooLarge(
@@ -100,7 +100,6 @@ def check_execute(body: ExecuteRequest, settings: Settings, key_name: str | None
             ("body", "script"),
             settings.max_script_bytes,
         )
-    image_name(settings, body.image)
     _check_manifest(body.tools, None, settings, key_name)
     check_files(body.files, settings)
     _cap(body, settings, key_name)
@@ -116,7 +115,7 @@ def check_session(body: SessionRequest, settings: Settings, key_name: str | None
         RequestLimitError: a value, or the number of tools, over the key's or the server's maximum.
         UnknownImage: ``image`` is not a name in ``PTC_IMAGES``.
     """
-    image_name(settings, body.image)
+    image_name(settings, body.image, body.language)
     _check_manifest(body.tools, None, settings, key_name)
     check_files(body.files, settings)
     _cap(body, settings, key_name)
@@ -130,7 +129,7 @@ def _cap(body: ExecuteRequest | SessionRequest, settings: Settings, key_name: st
     key = _key_limits(settings, key_name)
     if key is None:
         return
-    defaults = settings.image_defaults_of(image_name(settings, body.image))
+    defaults = settings.image_defaults_of(image_name(settings, body.image, body.language))
 
     def capped(value: Any, default: Any, maximum: Any, loc: tuple[str, ...]) -> Any:
         if maximum is None:
