@@ -68,6 +68,11 @@ function waitForGo() {
   return message.language;
 }
 
+// stdout and stderr block when their pipe is full, as a Python script's print does: libuv writes a pipe at once
+// while it has room and otherwise queues the rest in memory, so a script printing faster than the pipe drains
+// (an endless console.log) would grow until the sandbox's memory limit ended it (oom_killed, not timed_out).
+for (const stream of [process.stdout, process.stderr]) stream._handle?.setBlocking?.(true);
+
 const language = waitForGo();
 if (!Object.hasOwn(SCRIPTS, language)) {
   process.stderr.write(`ptc_runtime: this process runs no ${String(language).slice(0, 20)} scripts\n`);
