@@ -285,6 +285,11 @@ def load_ground_truth(category: str) -> list[GroundTruthCase]:
     """
     if category not in GROUND_TRUTH_CATEGORIES:
         raise ValueError(f"unsupported category {category!r}; expected one of {GROUND_TRUTH_CATEGORIES}")
+    return _load_cases(category)
+
+
+def _load_cases(category: str) -> list[GroundTruthCase]:
+    """The entries of ``category`` with their ground truth resolved (:func:`load_ground_truth`'s rules)."""
     data = bfcl_data_dir()
     questions = _read_jsonl(data / f"BFCL_v4_{category}.json")
     answers = {str(a["id"]): a for a in _read_jsonl(data / "possible_answer" / f"BFCL_v4_{category}.json")}
@@ -501,31 +506,7 @@ def load_javascript_ground_truth() -> list[GroundTruthCase]:
     Raises:
         ValueError, TypeError: as :func:`load_ground_truth` does for a malformed ground truth.
     """
-    data = bfcl_data_dir()
-    questions = _read_jsonl(data / f"BFCL_v4_{JAVASCRIPT_CATEGORY}.json")
-    answers = {str(a["id"]): a for a in _read_jsonl(data / "possible_answer" / f"BFCL_v4_{JAVASCRIPT_CATEGORY}.json")}
-    cases: list[GroundTruthCase] = []
-    for entry in questions:
-        case_id = str(entry["id"])
-        functions: list[dict[str, Any]] = entry["function"]
-        by_name = {doc["name"]: doc for doc in functions}
-        calls: list[tuple[str, dict[str, Any]]] = []
-        for index, call in enumerate(answers[case_id]["ground_truth"]):
-            if not isinstance(call, dict) or len(call) != 1:
-                raise ValueError(f"{case_id}: ground-truth call #{index} is not a one-key object")
-            ((name, accepted_args),) = call.items()
-            if name not in by_name:
-                raise ValueError(f"{case_id}: ground truth calls unknown function {name!r}")
-            parameters: dict[str, Any] = by_name[name]["parameters"]
-            properties: dict[str, Any] = parameters.get("properties", {})
-            args: dict[str, Any] = {}
-            for arg, value in _resolve_dict(accepted_args, parameters, f"{case_id}:{name}").items():
-                args[arg] = _resolve_value(value, properties.get(arg, {}), f"{case_id}:{name}.{arg}")
-            calls.append((name, args))
-        cases.append(GroundTruthCase(id=case_id, category=JAVASCRIPT_CATEGORY, functions=functions, calls=calls))
-    if len(answers) != len(cases):
-        raise ValueError(f"{JAVASCRIPT_CATEGORY}: {len(answers)} answers for {len(cases)} entries")
-    return cases
+    return _load_cases(JAVASCRIPT_CATEGORY)
 
 
 # --- Replay as JavaScript ------------------------------------------------------------------------------------------
