@@ -265,8 +265,14 @@ setup_pid_max() {
   fi
 }
 
+# The Monty engine's workers are confined by bubblewrap, setpriv and prlimit (service/engines/monty_workers.py).
+setup_monty() {
+  if ! command -v bwrap >/dev/null; then apt_install --no-install-recommends bubblewrap; fi
+}
+
 setup() {
   setup_venv "${1:-}"
+  setup_monty
   setup_engine
   setup_pid_max
   sandbox_image/build.sh --data >/dev/null  # the minimal image, then the data image on it (cached: seconds)

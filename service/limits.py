@@ -28,7 +28,7 @@ from service.files import check_files
 from service.sandbox.images import image_name
 from service.schemas.job_models import ExecuteRequest
 from service.schemas.session_models import SessionRequest
-from service.schemas.toolset_models import ManifestRequest
+from service.schemas.toolset_models import CheckRequest, ManifestRequest
 from service.settings import KeyLimits, Settings
 
 
@@ -78,6 +78,12 @@ def check_manifest_request(body: ManifestRequest, settings: Settings, key_name: 
     """
     servers = [server.model_dump() for server in body.mcp_servers]
     _check_manifest(body.tools, servers, settings, key_name)
+
+
+def check_check_request(body: CheckRequest, settings: Settings, key_name: str | None) -> None:
+    """Check the body of ``POST /check`` (its manifest, as ``check_manifest_request``). Raises PayloadTooLarge,
+    RequestLimitError."""
+    _check_manifest(body.tools, None, settings, key_name)
 
 
 def check_execute(body: ExecuteRequest, settings: Settings, key_name: str | None) -> None:

@@ -23,7 +23,7 @@ from service.broker.durable import Logged
 from service.callbacks import CallbackPolicy
 from service.egress import EgressDenied
 from service.engines import PYTHON, Engine, Engines
-from service.errors import EngineUnavailable, InvalidField, QueueFull, SessionNotFound
+from service.errors import EngineUnavailable, InvalidField, QueueFull
 from service.jobs.durability import RunSpec
 from service.jobs.live import SANDBOX_LIMITS, LiveJob, LiveJobs, ResolvedLimits, resolve_limits
 from service.jobs.marks import mark_owner
@@ -32,7 +32,7 @@ from service.output import OutputLog
 from service.quotas import Quotas
 from service.sandbox.images import image_name
 from service.schemas.job_models import ExecuteRequest
-from service.sessions.manager import Session, SessionManager
+from service.sessions.manager import Session, SessionManager, find_session
 from service.settings import DEFAULT_IMAGE, Settings
 from service.slots import OwnerSlot, Slots
 from service.tenancy import Caller
@@ -47,14 +47,6 @@ def _discard(made: asyncio.Future[tuple[Normalized, OutputLog, OutputLog]], outp
         for log in made.result()[1:]:
             log.close()
     asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, output_dir, True)
-
-
-def find_session(sessions: SessionManager, session_id: str, caller: Caller) -> Session:
-    """A live or recently ended session ``caller`` may access; raises SessionNotFound (another owner's too)."""
-    session = sessions.get(session_id)
-    if not caller.may_access(session.owner):
-        raise SessionNotFound(session_id)
-    return session
 
 
 class Queue(Protocol):
@@ -234,7 +226,7 @@ class Intake:
                     ("body", "durable"),
                 )
             return await self._admit_to_session(request, limits, caller, request.session_id)
-        engine = self._engines.choose(request.language) if self._engines is not None else None
+        engine = await self._engines.pick(request, caller.owner) if self._engines is not None else None
         if engine is not None and (image != DEFAULT_IMAGE or request.language not in (None, engine.language)):
             with contextlib.suppress(EngineUnavailable):  # the job's start reports it, as any job's does
                 await engine.require_image(image, request.language or engine.language)  # a 503 naming the image
@@ -296,7 +288,7 @@ class Intake:
         if request.session_id is None:
             return image_name(self._settings, request.image, request.language)
         session = find_session(self._sessions, request.session_id, caller)
-        return session.script_image(request.image, request.language)
+        return session.script_image(request.image, request.language, request.engine)
 
     async def _admit_to_session(
         self, request: ExecuteRequest, limits: ResolvedLimits, caller: Caller, session_id: str
@@ -354,6 +346,8 @@ class Intake:
             ManifestError / InvalidField: the manifest is unusable.
         """
         manifest = await self._toolsets.manifest(tools, toolset, caller)
+        if engine is not None and self._engines is not None and resumed is None:  # refused before anything runs
+            engine = await self._engines.screen(engine, request, manifest, caller.owner)
         language = language or (engine.language if engine is not None else PYTHON)
         job_id = resumed or "job_" + secrets.token_hex(12)
         output_dir = self._output_dir / job_id

@@ -126,7 +126,7 @@ class LiveJob(Job):
     sandbox_id: str | None = None  # the engine's container id, once the job has one
     session_id: str | None = None  # the session it runs in (not counted in the admission of one-shot jobs)
     image: str = DEFAULT_IMAGE  # the name (in PTC_IMAGES) of its sandbox's image
-    engine: str = CONTAINER  # the name of the script engine that runs it (``service.engines``); not in its view
+    engine: str = CONTAINER  # the name of the script engine that runs it (``service.engines``)
     language: str = PYTHON  # its script's language (``service.engines``: ``PYTHON``, ``JAVASCRIPT``, ``TYPESCRIPT``)
     stop_reason: str | None = None  # why a stop was asked, when not by POST /jobs/{id}/stop
     normalized: Normalized | None = None  # the script's normalization (no repairs when switched off)
@@ -212,6 +212,7 @@ class LiveJob(Job):
             "session_id": self.session_id,
             "image": self.image,
             "language": self.language,
+            "engine": self.engine,
             "owner": self.owner,
             "trace_id": self.trace_id,
             "ran_as_coroutine": self.ran_as_coroutine

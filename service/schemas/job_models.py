@@ -9,7 +9,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from service.egress import url_problem
-from service.schemas.common import LANGUAGE_DESCRIPTION, Env, Files, Language, Limits, Metadata, utf8_text
+from service.schemas.common import (
+    ENGINE_DESCRIPTION,
+    LANGUAGE_DESCRIPTION,
+    EngineName,
+    Env,
+    Files,
+    Language,
+    Limits,
+    Metadata,
+    utf8_text,
+)
 from service.settings import MAX_SCRIPT_CHARS, MAX_TOOLS
 
 # The values of ``service.jobs.model.JobStatus``, spelled out for the OpenAPI document (a unit test keeps them
@@ -62,6 +72,9 @@ class ExecuteRequest(BaseModel):
     language: Language | None = Field(
         None, description=LANGUAGE_DESCRIPTION + " With session_id: the session's, or absent."
     )
+    engine: EngineName | None = Field(
+        None, description=ENGINE_DESCRIPTION + " With session_id: the session's, or absent."
+    )
     image: str | None = Field(
         None,
         max_length=64,
@@ -82,6 +95,12 @@ class ExecuteRequest(BaseModel):
         True,
         strict=True,
         description="Repair a script that does not compile (fences, wrappers, literal \\n; docs/normalization.md).",
+    )
+    check: bool = Field(
+        False,
+        strict=True,
+        description="Type-check the script against its tools' stubs first (as POST /check does); a script with type "
+        "errors is refused with 422 script-check-failed and its diagnostics, nothing of it run (docs/engines.md).",
     )
     durable: bool | None = Field(
         None,
@@ -310,6 +329,7 @@ class JobView(BaseModel):
         None, description="The name (in PTC_IMAGES) of the image the job ran in (null: saved before images were named)."
     )
     language: str = Field("python", description="The script's language: python, javascript or typescript.")
+    engine: str = Field("container", description="The script engine that ran it: container or monty.")
     sandbox_id: str | None = Field(None, description="The engine's id of the job's container (12 hex digits).")
     owner: str | None = Field(
         None,

@@ -28,7 +28,6 @@ from service.errors import (
     SessionNotFound,
     StoreUnavailable,
 )
-from service.jobs.admission import find_session
 from service.jobs.live import SANDBOX_LIMITS, LiveJobs, resolve_limits
 from service.jobs.placement import Sandboxes
 from service.jobs.runner import Runner
@@ -38,7 +37,7 @@ from service.replicas.registration import Replicas
 from service.sandbox.images import image_name
 from service.schemas.job_models import ExecuteRequest
 from service.schemas.session_models import SessionRequest, SessionView
-from service.sessions.manager import Session
+from service.sessions.manager import Session, find_session
 from service.settings import Settings
 from service.store import StoredSession
 from service.tenancy import Caller
@@ -123,7 +122,10 @@ class SessionJobs:
                 ("body", "runtime"),
             )
         await self._toolsets.manifest(request.tools, request.toolset, Caller(owner, admin))  # a bad manifest fails now
-        engine = self._sandboxes.engines.choose(request.language)
+        try:
+            engine = self._sandboxes.engines.choose(request.language, request.engine)
+        except ValueError as exc:
+            raise InvalidField(str(exc), ("body", "engine")) from exc
         language = request.language or engine.language
         await engine.require_image(image, language)
         runtime = None if runtime == "runc" else runtime

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,16 @@ class CompiledManifest:
     def declarations_ready(self) -> bool:
         """Whether ``declarations`` returns at once (generated already)."""
         return "typescript" in self._declarations
+
+    def derived(self, kind: str, make: Callable[[], str]) -> str:
+        """A text an engine derives from the tools (``kind`` names it, e.g. ``monty``), made by ``make`` on first use
+        and kept with the manifest if at most ``KEPT_DECLARATIONS_CHARS`` long."""
+        text = self._declarations.get(kind)
+        if text is None:
+            text = make()
+            if len(text) <= KEPT_DECLARATIONS_CHARS:
+                self._declarations[kind] = text
+        return text
 
 
 def compile_manifest(entries: list[dict[str, Any]], toolset_id: str | None = None) -> CompiledManifest:

@@ -105,15 +105,24 @@ def test_each_image_has_its_own_warm_pool(
         ]
 
     wait_until(lambda: pooled(IMAGE), 60)
-    api.post("/execute", json={"script": "print(1)", "image": "data"}).raise_for_status()  # creates its pool
+    first = api.post("/execute", json={"script": "print(1)", "image": "data"})  # creates its pool
+    first.raise_for_status()
+    used = first.json()["sandbox_id"]  # a sandbox a job took from a pool keeps its pool label while it is removed
 
     # the data image's default profile (its memory default); an earlier test's own limits (memory_mb 200) may
     # have given the same image a second profile, with a pool of its own
+    seen: list[Container] = []
+
     def default_profile() -> list[Container]:
-        return [c for c in pooled(data_image) if c.attrs["HostConfig"]["Memory"] == DATA_MEMORY_MB * 1024 * 1024]
+        seen[:] = [
+            c
+            for c in pooled(data_image)
+            if c.id != used and c.attrs["HostConfig"]["Memory"] == DATA_MEMORY_MB * 1024 * 1024
+        ]
+        return seen
 
     wait_until(default_profile, 60)
-    data_pool = default_profile()[0]
+    data_pool = seen[0]
     assert data_pool.labels[LABEL_POOL].startswith("data-")  # its profile, in metrics and logs, names the image
     assert f'ptc_sandbox_pool_size{{profile="{data_pool.labels[LABEL_POOL]}"}}' in api.get("/metrics").text
 
