@@ -221,9 +221,11 @@ class Engine(abc.ABC):
         image: str,
         runtime: str | None,
         held: Held | None,
+        owner: str = "",
     ) -> Sandbox:
-        """Start the sandbox of session ``session_id`` (``env``: every run's; ``runtime``: the OCI runtime, None
-        for the default); ``held`` (from ``hold_room``) is given back once it is removed. Raises SandboxError."""
+        """Start the sandbox of session ``session_id`` of ``owner`` (an API key's name; ``env``: every run's;
+        ``runtime``: the OCI runtime, None for the default); ``held`` (from ``hold_room``) is given back once it is
+        removed. Raises SandboxError."""
 
     async def require_image(self, image: str, language: str = PYTHON) -> None:
         """Raise (``ImageUnusable``, a SandboxError; InvalidField when it does not run ``language``) unless ``image``

@@ -59,6 +59,7 @@ CHECK_STOP = "ptc_check_stop_8c1f"
 PRINT_FLUSH_S = 0.001  # a worker holds printed output at most this long: a worker that dies loses at most that
 # (0, a message per line, made 300,000 prints take 7 s instead of 0.2 s)
 TIME_BACKSTOP_S = 2.0  # the interpreter's own feed time limit is the job's timeout plus this
+SESSION_SUSPENSIONS = 100  # a session's checkout serves many scripts: its suspensions budget is this many jobs'
 SUSPENSIONS_PER_CALL = 3  # a call's suspensions (the call, its future's settling, a lookup), for max_suspensions
 
 
@@ -71,23 +72,29 @@ def _table(plan: str) -> ToolTable:
 
 
 class MontySandbox:
-    """A job's (or a session script's) place in its key's worker pool (``Sandbox``): what the next run needs, and
-    the worker's session while it runs."""
+    """A one-shot job's or a session's place in its key's worker pool (``Sandbox``). A one-shot job's worker is
+    checked out for its run and given back after it; a session's (``keep``) is checked out at its first script and
+    kept for the next ones, so a session keeps its interpreter's state between scripts (globals, functions, imports)
+    until it ends. A run that ends the interpreter's guarantees about its state (killed: a stop or the time limit;
+    out of memory; its worker died) ends a session ``broken``."""
 
     started = True
     hash_seed: int | None = None
 
-    def __init__(self, engine: MontyEngine, owner: str, limits: SandboxLimits) -> None:
+    def __init__(self, engine: MontyEngine, owner: str, limits: SandboxLimits, keep: bool = False) -> None:
         self._engine = engine
         self._owner = owner
         self._limits = limits
+        self._keep = keep
         self.sandbox_id: str | None = "monty-" + secrets.token_hex(8)
         self.broken: str | None = None
-        self.stop_reason = "job"
+        self.stop_reason = "session" if keep else "job"
         self._script = ""
         self._plan = "[]"
         self._port: CallPort | None = None
         self._checkout: Any = None
+        self._session: Any = None
+        self._modules: dict[str, Any] = {}  # the checkout's external modules, read live: a new manifest's tools
         self._run: MontyRun | None = None
 
     async def start(self) -> None:
@@ -109,37 +116,47 @@ class MontySandbox:
     async def run(
         self, job_id: str, env: dict[str, str], sink: OutputSink, outputs: OutputCollector | None = None
     ) -> EngineRun:
-        """Check a worker out of the key's pool and start the script in it. Raises SandboxError (EngineUnavailable:
-        the engine cannot start workers here)."""
+        """Check a worker out of the key's pool (a session's: at its first script) and start the script in it.
+        Raises SandboxError (EngineUnavailable: the engine cannot start workers here)."""
         if self._port is None:
             raise SandboxError("the run was not connected to its broker")
+        if self.broken is not None:
+            raise SandboxError(self.broken)
         table = await asyncio.to_thread(_table, self._plan) if len(self._plan) > 65536 else _table(self._plan)
-        workers = self._engine.workers()
-        timeout_s = float(getattr(self._limits, "timeout_s", 3600.0))
+        self._modules["tools"] = table.module
+        if self._session is None:
+            await self._check_out()
+        if outputs is not None:
+            outputs.end()  # no outputs/: nothing to collect
+        run = self._run = MontyRun(self._session, self._script, table, self._port, sink)
+        run.exit.add_done_callback(lambda _: asyncio.ensure_future(self._ended(run)))
+        return run
+
+    async def _check_out(self) -> None:
+        timeout_s = float(getattr(self._limits, "timeout_s", self._engine.max_timeout_s))
         limits = {
             "max_memory": self._limits.memory_mb * 1024 * 1024,
-            "max_feed_duration_secs": timeout_s + TIME_BACKSTOP_S,
-            "max_suspensions": self._engine.max_suspensions,
+            "max_feed_duration_secs": (self._engine.max_timeout_s if self._keep else timeout_s) + TIME_BACKSTOP_S,
+            "max_suspensions": self._engine.max_suspensions * (SESSION_SUSPENSIONS if self._keep else 1),
         }
-        self._checkout = workers.checkout(
-            self._owner,
-            limits=limits,
-            external_modules={"tools": table.module},
-            print_flush_interval=PRINT_FLUSH_S,
+        self._checkout = self._engine.workers().checkout(
+            self._owner, limits=limits, external_modules=self._modules, print_flush_interval=PRINT_FLUSH_S
         )
         try:
-            session = await self._checkout.__aenter__()
+            self._session = await self._checkout.__aenter__()
         except Exception as exc:
             self._checkout = None
             raise SandboxError(f"no Monty worker could be started: {exc}") from exc
-        if outputs is not None:
-            outputs.end()  # no outputs/: nothing to collect
-        self._run = MontyRun(session, self._script, table, self._port, sink)
-        self._run.exit.add_done_callback(lambda _: asyncio.ensure_future(self._give_back()))
-        return self._run
+
+    async def _ended(self, run: MontyRun) -> None:
+        """After a run: a one-shot job's worker given back; a session's kept, unless the run spoiled it."""
+        if self._keep and run.spoiled is not None:
+            self.broken = self.broken or f"the session's interpreter was lost: {run.spoiled}"
+        if not self._keep or self.broken is not None:
+            await self._give_back()
 
     async def _give_back(self) -> None:
-        checkout, self._checkout = self._checkout, None
+        checkout, self._checkout, self._session = self._checkout, None, None
         if checkout is not None:
             try:
                 await checkout.__aexit__(None, None, None)
@@ -183,6 +200,7 @@ class MontyEngine(Engine):
         self._workers: WorkerPools | None = None
         self._why: str | None = "the Monty engine has not started"
         self.max_suspensions = SUSPENSIONS_PER_CALL * site.settings.max_tool_calls + 10_000
+        self.max_timeout_s = site.settings.max_timeout_s
 
     def prepare(self, script: str, repair: bool, language: str = PYTHON) -> Normalized:
         """Python's repairs of a script that does not compile, and the compile verdict (``service.normalize``)."""
@@ -236,8 +254,12 @@ class MontyEngine(Engine):
         image: str,
         runtime: str | None,
         held: Held | None,
+        owner: str = "",
     ) -> Sandbox:
-        raise EngineUnavailable("the monty engine runs no sessions yet: create the session with engine container")
+        """A session's place in ``owner``'s pool: its worker is checked out at its first script and kept until it
+        ends (``MontySandbox``). Raises EngineUnavailable."""
+        self.workers()
+        return MontySandbox(self, owner, limits, keep=True)
 
     async def require_image(self, image: str, language: str = PYTHON) -> None:
         """Raise InvalidField (``image``) for any image but the default: a Monty script runs in no image."""

@@ -198,6 +198,7 @@ class MontyRun:
         self._calls: dict[int, tuple[asyncio.Future[dict[str, Any]], _Binder | None]] = {}  # awaitables pending
         self._failures: list[str] = []
         self._signalled = 0
+        self.spoiled: str | None = None  # why the interpreter's state can no longer be trusted after this run
         self.task = asyncio.ensure_future(self._run())
         self.task.add_done_callback(self._ended)
 
@@ -229,12 +230,16 @@ class MontyRun:
             kind, message = type(inner).__name__, str(inner)
             if isinstance(inner, MemoryError) and _out_of_memory(message, exc.traceback()):
                 self._sink("stderr", f"MemoryError: {message}\n".encode())
+                self.spoiled = "it ran out of memory"
                 return ExitStatus(OOM_EXIT, oom_killed=True)
+            if isinstance(inner, TimeoutError) and not exc.traceback():  # the interpreter's own time limit
+                self.spoiled = "its time limit stopped it mid-operation"
             if kind == "RuntimeError" and message in self._failures:
                 kind = "ToolError"
             return self._failed(exc, kind, message)
         except MontyCrashedError as exc:
             why = "its watchdog ended it" if exc.timed_out else str(exc)
+            self.spoiled = f"its worker died ({why})"[:300]
             return ExitStatus(CRASH_EXIT, oom_killed=False, lost=f"the Monty worker died ({why})"[:500])
         except MontyError as exc:
             return self._failed(exc, type(exc).__name__, str(exc))
@@ -340,6 +345,7 @@ class MontyRun:
         if self.exit.done():
             return
         if task.cancelled():
+            self.spoiled = self.spoiled or "it was killed (a stop or its time limit)"
             self.exit.set_result(ExitStatus(128 + (self._signalled or 9), oom_killed=False, killed=True))
         elif (error := task.exception()) is not None:
             log.error("a Monty run failed in the service", exc_info=error)

@@ -126,6 +126,8 @@ class SessionJobs:
             engine = self._sandboxes.engines.choose(request.language, request.engine)
         except ValueError as exc:
             raise InvalidField(str(exc), ("body", "engine")) from exc
+        if request.env and not engine.takes_env:
+            raise InvalidField(f"the engine {engine.name!r} takes no env: use the container engine", ("body", "env"))
         language = request.language or engine.language
         await engine.require_image(image, language)
         runtime = None if runtime == "runc" else runtime
@@ -136,7 +138,7 @@ class SessionJobs:
             try:
 
                 def open_sandbox(session_id: str) -> Awaitable[Sandbox]:
-                    return engine.open_session(session_id, limits, request.env, image, runtime, commitment)
+                    return engine.open_session(session_id, limits, request.env, image, runtime, commitment, owner)
 
                 session = await self._sessions.create(
                     open_sandbox,

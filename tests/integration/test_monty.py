@@ -227,3 +227,40 @@ def test_tools_monty_cannot_offer_are_refused_and_auto_sends_them_to_a_container
         answer = api.post("/execute", json={"script": "print(1)", "tools": tools, "engine": "monty"})
         assert answer.status_code == 422 and named in answer.json()["detail"], answer.text
         assert execute(api, "print(1)", tools, engine="auto")["engine"] == "container"
+
+
+def test_a_monty_session_keeps_its_interpreter_state_between_scripts(api: httpx.Client) -> None:
+    created = api.post("/sessions", json={"engine": "monty", "tools": TOOLS})
+    assert created.status_code == 201, created.text
+    session = created.json()
+    sid = session["session_id"]
+    try:
+        assert session["engine"] == "monty"
+        first = execute(api, "import json\nimport tools\ncount = 1\ndef twice(x):\n    return 2 * x\n", session_id=sid)
+        assert (first["status"], first["engine"], first["sandbox_start"]) == ("succeeded", "monty", "session"), first
+        second = execute(
+            api, "count += 1\nprint(count, twice(21), json.dumps(tools.echo(x=count)['args']))", session_id=sid
+        )
+        assert second["status"] == "succeeded" and second["stdout"] == '2 42 {"x": 2}\n', second
+        assert [c["args"] for c in second["calls"]] == [{"x": 2}]
+        wrong = api.post("/execute", json={"script": "1", "session_id": sid, "engine": "container"})
+        assert wrong.status_code == 422 and wrong.json()["errors"][0]["loc"] == ["body", "engine"], wrong.text
+        killed = execute(api, "while True:\n    pass", session_id=sid, timeout_s=1)
+        assert killed["status"] == "timed_out", killed
+        after = api.post("/execute", json={"script": "print(count)", "session_id": sid})
+        assert after.status_code == 409, after.text  # its interpreter's state was lost with the kill: it ended
+        assert api.get(f"/sessions/{sid}").json()["status"] == "broken"
+    finally:
+        api.delete(f"/sessions/{sid}")
+
+
+def test_sessions_of_two_keys_and_of_one_key_are_apart(api: httpx.Client) -> None:
+    sessions = [api.post("/sessions", json={"engine": "monty"}).json()["session_id"] for _ in range(2)]
+    try:
+        execute(api, "secret = 'first'", session_id=sessions[0])
+        other = execute(api, "print(secret)", session_id=sessions[1])
+        assert other["status"] == "failed" and other["error"]["script_report"]["type"] == "NameError", other
+        assert api.post("/sessions", json={"engine": "monty", "env": {"A": "1"}}).status_code == 422
+    finally:
+        for sid in sessions:
+            api.delete(f"/sessions/{sid}")

@@ -136,6 +136,36 @@ console.log("answers:", a, b);
     assert [(c["args"]["q"], c["status"]) for c in view["calls"]] == [("a", "ok"), ("b", "ok"), ("no", "error")]
 
 
+def test_a_monty_job_is_parked_and_resumed_like_a_container_one(parking: Service) -> None:
+    """The Monty engine's job parks (its worker given back) and an answer resumes it by replay, as a container's."""
+    script = """import asyncio
+import tools
+print("asking")
+a, b = await asyncio.gather(tools.aio.ask(q="a"), tools.aio.ask(q="b"))
+try:
+    tools.ask(q="no")
+except RuntimeError as e:
+    print(e)
+print("answers:", a, b)
+"""
+    with parking.client(timeout=90) as api:
+        body = {"script": script, "tools": [ASK], "wait_s": 0, "engine": "monty"}
+        job_id = api.post("/execute", json=body).json()["job_id"]
+        view = parked_view(api, job_id)
+        assert view["status"] == "waiting" and view["engine"] == "monty", view
+        for pending in view["pending_calls"]:
+            answered = api.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": pending["args"]["q"] * 2})
+            assert answered.status_code == 200, answered.text
+        wait_until(lambda: len(api.get(f"/jobs/{job_id}").json()["pending_calls"]) == 1, 60)
+        [last] = api.get(f"/jobs/{job_id}").json()["pending_calls"]
+        refused = api.post(f"/jobs/{job_id}/calls/{last['call_id']}", json={"error": {"type": "nope", "message": "no"}})
+        assert refused.status_code == 200, refused.text
+        view = ended(api, job_id)
+    assert view["status"] == "succeeded", view
+    assert view["stdout"] == "asking\nnope: no\nanswers: aa bb\n", view
+    assert [(c["args"]["q"], c["status"]) for c in view["calls"]] == [("a", "ok"), ("b", "ok"), ("no", "error")]
+
+
 def test_an_approval_given_while_parked_sends_the_call_to_its_endpoint_once(
     parking: Service, tool_server: ToolServer, engine: docker.DockerClient
 ) -> None:

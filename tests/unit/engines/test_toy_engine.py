@@ -188,6 +188,7 @@ class ToyEngine(Engine):
         image: str,
         runtime: str | None,
         held: Held | None,
+        owner: str = "",
     ) -> Sandbox:
         sandbox = ToySandbox(f"toy-{session_id[4:16]}", env)
         self.sandboxes.append(sandbox)
