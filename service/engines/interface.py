@@ -91,6 +91,11 @@ class EngineRun(Protocol):
         """End the script now (and what it started); if the sandbox does not confirm within the engine's
         ``kill_confirm_s``, end the sandbox too."""
 
+    async def suspend(self) -> bytes | None:
+        """The script's state, for a resume that continues it where it waits (``Sandbox.restore``), taken when its
+        job is parked while all its calls wait for the harness, before its ``kill``: opaque bytes of the engine's;
+        None when it cannot (its job is then resumed by replay: the script runs again from its start)."""
+
 
 class Sandbox(Protocol):
     """Where an engine runs scripts, one at a time: a one-shot job's own, or a session's, kept between its scripts.
@@ -120,6 +125,10 @@ class Sandbox(Protocol):
     async def lay_out(self, script: str, stubs: str | None, language: str = PYTHON) -> None:
         """Give it the next run's script in ``language`` and its stubs (None: the stubs it holds are the run's; a
         session's scripts are all in one language). Raises OSError."""
+
+    async def restore(self, state: bytes) -> None:
+        """Make the next run continue from ``state`` (an ``EngineRun.suspend``'s, of the same engine) instead of
+        starting the laid-out script. Raises SandboxError (this sandbox cannot)."""
 
     async def connect(self, port: CallPort) -> None:
         """Make the next run's tool calls reach ``port`` (the job's broker)."""

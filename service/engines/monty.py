@@ -96,6 +96,7 @@ class MontySandbox:
         self._session: Any = None
         self._modules: dict[str, Any] = {}  # the checkout's external modules, read live: a new manifest's tools
         self._run: MontyRun | None = None
+        self._state: bytes | None = None  # what the next run continues from (``restore``)
 
     async def start(self) -> None:
         return None
@@ -104,6 +105,12 @@ class MontySandbox:
         self._script = script
         if stubs is not None:
             self._plan = stubs
+
+    async def restore(self, state: bytes) -> None:
+        """Make the next run continue from ``state`` (``MontyRun.suspend``'s) in a new interpreter session."""
+        if self._keep:
+            raise SandboxError("a session's script is not resumed from a saved state")
+        self._state = state
 
     async def connect(self, port: CallPort) -> None:
         self._port = port
@@ -128,7 +135,7 @@ class MontySandbox:
             await self._check_out()
         if outputs is not None:
             outputs.end()  # no outputs/: nothing to collect
-        run = self._run = MontyRun(self._session, self._script, table, self._port, sink)
+        run = self._run = MontyRun(self._session, self._script, table, self._port, sink, self._state)
         run.exit.add_done_callback(lambda _: asyncio.ensure_future(self._ended(run)))
         return run
 

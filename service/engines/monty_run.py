@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import base64
 import bisect
 import inspect
+import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -187,15 +189,23 @@ class MontyRun:
         sink: the job's output sink (``stdout``/``stderr``, bytes).
     """
 
-    def __init__(self, session: Any, script: str, table: ToolTable, port: CallPort, sink: OutputSink) -> None:
+    def __init__(
+        self, session: Any, script: str, table: ToolTable, port: CallPort, sink: OutputSink, state: bytes | None = None
+    ) -> None:
         self.exit: asyncio.Future[ExitStatus] = asyncio.get_running_loop().create_future()
         self._session = session
+        self._state = state  # what it continues from (``suspend``'s), else it starts the script
+        self._waiting: Any = None  # the snapshot the run waits at while calls are under way (``suspend`` dumps it)
+        self._requests: dict[int, dict[str, Any]] = {}  # each awaitable call's request, by the interpreter's id
+        self._suspended = False
+        self._snapshot: Any = None  # the future snapshot being settled
         self._script = script
         self._table = table
         self._port = port
         self._sink = sink
         self._contexts = AsyncContexts(script)
         self._calls: dict[int, tuple[asyncio.Future[dict[str, Any]], _Binder | None]] = {}  # awaitables pending
+        self._sync: asyncio.Future[dict[str, Any]] | None = None  # the call the script blocks on, if any
         self._failures: list[str] = []
         self._signalled = 0
         self.spoiled: str | None = None  # why the interpreter's state can no longer be trusted after this run
@@ -213,6 +223,27 @@ class MontyRun:
 
     async def kill(self) -> None:
         await self.signal("SIGKILL")
+
+    async def suspend(self) -> bytes | None:
+        """The interpreter's state where the script waits for calls (its dump, and the awaitable calls it waits for),
+        for a run that continues from it (``MontyRun(state=...)``); None unless it waits for calls only (one done
+        already, a sleep, or no wait: the job resumes by replay). Stops the driving of the run: the calls under way
+        go on until the broker ends them."""
+        waiting, calls = self._waiting, list(self._calls.values())
+        if waiting is None or self.task.done() or any(c.done() or b is None for c, b in calls):
+            return None
+        if self._sync is not None and self._sync.done():
+            return None
+        self._suspended = True
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        try:
+            dump = waiting.dump()
+        except Exception:  # the worker went away: a replay it is
+            log.warning("a Monty run could not be dumped for its park", exc_info=True)
+            return None
+        state = {"dump": base64.b64encode(dump).decode(), "calls": self._requests}
+        return json.dumps(state, separators=(",", ":")).encode()
 
     def _print(self, stream: str, text: str) -> None:
         self._sink("stderr" if stream == "stderr" else "stdout", text.encode("utf-8", "surrogatepass"))
@@ -244,7 +275,7 @@ class MontyRun:
         except MontyError as exc:
             return self._failed(exc, type(exc).__name__, str(exc))
         finally:
-            for call, _ in self._calls.values():
+            for call, _ in self._calls.values() if not self._suspended else ():  # suspended: the broker ends them
                 call.cancel()
 
     def _failed(self, exc: Any, kind: str, message: str) -> ExitStatus:
@@ -262,9 +293,12 @@ class MontyRun:
     async def _drive(self) -> None:
         from pydantic_monty import AsyncFunctionSnapshot, AsyncFutureSnapshot, MontyComplete
 
-        snapshot = await self._session.feed_start(
-            self._script, print_callback=self._print, external_lookup=self._table.globals
-        )
+        if self._state is None:
+            snapshot = await self._session.feed_start(
+                self._script, print_callback=self._print, external_lookup=self._table.globals
+            )
+        else:
+            snapshot = await self._restore(json.loads(self._state))
         while not isinstance(snapshot, MontyComplete):
             if isinstance(snapshot, AsyncFunctionSnapshot):
                 if snapshot.is_os_function and str(snapshot.function_name) in SLEEPS:
@@ -274,9 +308,23 @@ class MontyRun:
                 else:
                     snapshot = await self._call(snapshot)
             elif isinstance(snapshot, AsyncFutureSnapshot):
+                self._snapshot = snapshot
                 snapshot = await snapshot.resume(await self._settle(snapshot.pending_call_ids))
             else:
                 snapshot = await snapshot.resume_auto()  # a name: a global tool or a NameError
+
+    async def _restore(self, state: dict[str, Any]) -> Any:
+        """The interpreter's snapshot ``state`` holds (``suspend``'s), re-announced, and its awaitable calls made
+        again (the broker answers each from its call log, or waits for the harness as before)."""
+        snapshot = await self._session.load_snapshot(
+            base64.b64decode(state["dump"]), print_callback=self._print, external_lookup=self._table.globals
+        )
+        for key, request in state["calls"].items():
+            entry = self._table.entries.get(request["name"])
+            call = self._port.call(request["tool"], request["args"], request.get("repair"))
+            self._calls[int(key)] = (asyncio.ensure_future(call), entry.binder if entry else None)
+            self._requests[int(key)] = request
+        return snapshot
 
     async def _sleep(self, snapshot: Any) -> Any:
         """``time.sleep`` waits here (the job's time limit bounds it); ``asyncio.sleep`` is an awaitable that ends
@@ -306,17 +354,27 @@ class MontyRun:
             entry.mode == CONTEXT
             and (snapshot.allow_eager_await or self._contexts.awaitable_at(snapshot.position.start))
         )
-        call = self._port.call(request["tool"], request["args"], request.get("repair"))
+        call = asyncio.ensure_future(self._port.call(request["tool"], request["args"], request.get("repair")))
         if awaitable:
-            self._calls[snapshot.call_id] = (asyncio.ensure_future(call), entry.binder)
+            self._calls[snapshot.call_id] = (call, entry.binder)
+            self._requests[snapshot.call_id] = {**request, "name": name}
             return await snapshot.resume({"future": ...})
-        return await snapshot.resume(self._answer(entry.binder, await call))
+        self._waiting, self._sync = snapshot, call
+        try:
+            reply = await asyncio.shield(call)  # a cancelled run (``suspend``) leaves the call to the broker
+        finally:
+            self._waiting = self._sync = None
+        return await snapshot.resume(self._answer(entry.binder, reply))
 
     async def _settle(self, call_ids: list[int]) -> dict[int, Any]:
         """The answers of the calls ``call_ids`` that have ended, waiting for at least one."""
         waiting = [self._calls[i][0] for i in call_ids if i in self._calls]
-        if waiting:
-            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if waiting and not any(call.done() for call in waiting):
+            self._waiting = self._snapshot
+            try:
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self._waiting = None
         settled: dict[int, Any] = {}
         for call_id in call_ids:
             pending = self._calls.get(call_id)
@@ -324,6 +382,7 @@ class MontyRun:
                 settled[call_id] = {"exc_type": "RuntimeError", "message": "broker_unavailable: the call was lost"}
             elif pending[0].done():
                 del self._calls[call_id]
+                self._requests.pop(call_id, None)
                 settled[call_id] = self._answer(pending[1], pending[0].result())
         return settled
 

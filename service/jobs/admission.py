@@ -24,7 +24,7 @@ from service.callbacks import CallbackPolicy
 from service.egress import EgressDenied
 from service.engines import PYTHON, Engine, Engines
 from service.errors import EngineUnavailable, InvalidField, QueueFull
-from service.jobs.durability import RunSpec
+from service.jobs.durability import RunSpec, SavedState
 from service.jobs.live import SANDBOX_LIMITS, LiveJob, LiveJobs, ResolvedLimits, resolve_limits
 from service.jobs.marks import mark_owner
 from service.normalize import Normalized, count, prepare
@@ -153,6 +153,7 @@ class Admitted:
     resumed: bool = False  # its spec is stored already
     admin: bool = False  # its owner had the admin role (a resume resolves its toolset as then)
     carried: Mapping[str, tuple[str, datetime]] = field(default_factory=dict)  # a parked job's unanswered calls
+    state: SavedState | None = None  # the script state a parked job continues from (else: a replay)
 
 
 class Intake:
@@ -266,15 +267,16 @@ class Intake:
         ticket = ticket or self._admission.resumed(caller.owner)
         try:
             job, manifest = await self._new_job(
-                limits, request, request.tools, request.toolset, caller, engine, spec.job_id, request.language
-            )
+                limits, request, request.tools, request.toolset, caller, engine, spec.job_id, request.language,
+                replays=spec.state is None,
+            )  # fmt: skip
         except BaseException:
             ticket.release()
             raise
         job.image, job.durable, job.hash_seed, job.created_at = spec.image, True, spec.hash_seed, spec.created_at
-        job.resumes = [*spec.resumes, resume]
+        job.resumes = [*spec.resumes, {**resume, "via": "replay" if spec.state is None else "state"}]
         carried, job.active_s = parked if parked is not None else ({}, spec.active_s)
-        return Admitted(job, request, manifest, ticket, None, replay, True, spec.admin, carried)
+        return Admitted(job, request, manifest, ticket, None, replay, True, spec.admin, carried, spec.state)
 
     def _image(self, request: ExecuteRequest, caller: Caller) -> str:
         """The image name of ``request``'s job: with ``session_id``, the session's (``image`` must be absent or
@@ -337,10 +339,12 @@ class Intake:
         engine: Engine | None,
         resumed: str | None = None,
         language: str | None = None,
+        replays: bool = True,
     ) -> tuple[LiveJob, CompiledManifest]:
         """A job for an admitted ``request`` (live from now on) and its compiled manifest (``tools`` or ``toolset``),
         its script (in ``language``; None: the engine's) prepared by ``engine`` (``Engine.prepare``; None: Python's).
-        ``resumed``: the id of a durable job resumed (its output folder taken up: ``OutputLog.resume``).
+        ``resumed``: the id of a durable job resumed (its output folder taken up: ``OutputLog.resume``; ``replays``:
+        its script runs again from its start, so what it prints first is dropped, else it continues a saved state).
 
         Raises:
             ManifestError / InvalidField: the manifest is unusable.
@@ -363,7 +367,7 @@ class Intake:
             logs = [OutputLog(output_dir / name, inline, retain, budget) for name in ("stdout", "stderr")]
             if resumed is not None:
                 for log in logs:
-                    log.resume()
+                    log.resume(skip=replays)
             return normalized, logs[0], logs[1]
 
         work = asyncio.ensure_future(asyncio.to_thread(script_and_files))  # one hand-off to a thread

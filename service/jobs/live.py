@@ -141,6 +141,7 @@ class LiveJob(Job):
     parking: bool = False  # the service is stopping: a durable job is parked (left unfinished for a resume), not lost
     park_reserved: bool = False  # a place among the parked jobs is reserved for it (``ParkedJobs.reserve``)
     spec_kept: bool = False  # its run spec is in the store (``service.jobs.durability.keep_spec``)
+    saved_state: Any = None  # parked: its script's state (``durability.SavedState``), when its engine keeps one
     parked_at: datetime | None = None  # when it was parked
     parked_calls: list[dict[str, Any]] = field(default_factory=list)  # the calls it waits for while parked
     active_s: float = 0.0  # seconds its earlier runs took (parked time excluded): its timeout_s counts them too

@@ -283,6 +283,11 @@ class JobResume(BaseModel):
         "and a call it waited for reached its expires_at."
     )
     instance: str = Field(description="The instance id (PTC_INSTANCE_ID) that resumed it.")
+    via: Literal["replay", "state"] = Field(
+        "replay",
+        description="replay: its script ran again from its start, each logged call answered from its call log; "
+        "state: its script continued from the state kept when it was parked (the Monty engine: docs/engines.md).",
+    )
 
 
 class JobView(BaseModel):

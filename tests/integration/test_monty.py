@@ -223,10 +223,12 @@ def test_tools_monty_cannot_offer_are_refused_and_auto_sends_them_to_a_container
         {"name": "auth", "parameters": {"properties": {}}, "endpoint": {"kind": "echo"}},
         {"name": "auth.login", "parameters": {"properties": {}}, "endpoint": {"kind": "echo"}},
     ]
-    for tools, named in (([factorial], "math"), (auth, "auth")):
-        answer = api.post("/execute", json={"script": "print(1)", "tools": tools, "engine": "monty"})
+    for tools, named, script in (([factorial], "math", "print(1)"), (auth, "auth", "import tools\ntools.auth()")):
+        answer = api.post("/execute", json={"script": script, "tools": tools, "engine": "monty"})
         assert answer.status_code == 422 and named in answer.json()["detail"], answer.text
-        assert execute(api, "print(1)", tools, engine="auto")["engine"] == "container"
+        assert execute(api, script, tools, engine="auto")["engine"] == "container"
+    login = execute(api, "import tools\nprint(tools.auth.login()['tool'])", auth, engine="monty")
+    assert (login["status"], login["stdout"]) == ("succeeded", "auth.login\n"), login  # its other tools work
 
 
 def test_a_monty_session_keeps_its_interpreter_state_between_scripts(api: httpx.Client) -> None:

@@ -105,6 +105,9 @@ class ToyRun:
     async def kill(self) -> None:
         await self.signal("SIGKILL")
 
+    async def suspend(self) -> bytes | None:
+        return None
+
 
 class ToySandbox:
     """A toy sandbox: the script, stubs and files in memory, calls through the port it was connected to."""
@@ -128,6 +131,9 @@ class ToySandbox:
         self._lines = script.splitlines()
         if stubs is not None:
             self.files[".stubs"] = stubs.encode()
+
+    async def restore(self, state: bytes) -> None:
+        raise SandboxError("the toy resumes by replay")
 
     async def connect(self, port: CallPort) -> None:
         self._port = port
