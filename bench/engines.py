@@ -8,13 +8,16 @@ each engine in the same run, rounds interleaved so that the machine's drift fall
 trip of ``POST /execute``, median and p90):
 
 - ``print(1)``: Monty one-shot (``engine: "monty"``), beside the container engine in a session (its fastest path)
-  and from its warm pool;
+  and from its warm pool (each round after an untimed 0.5 s in which the pool refills: a container starting takes
+  the CPUs of this machine);
 - a script of 3 sequential echo tool calls, the same three ways;
 - a fan-out of 1,000 concurrent echo calls (``tools.aio`` + ``asyncio.gather``), HTTP round trip of the job;
 - sustained runs per second of ``print(1)`` with 8 concurrent clients for ``--sustain-s`` seconds: Monty one-shot
   beside the container engine in sessions (one per client), with error counts;
 - memory: the resident set of one idle Monty worker (``/proc/<pid>/status`` VmRSS of the key's ``monty``
-  processes), beside an idle container session (the engine's stats, usage minus page cache).
+  processes), beside an idle container session (the engine's stats, usage minus page cache); and what a parked
+  Monty job keeps (its run spec with the interpreter's state, bytes in the job store; it holds no worker), for a
+  script that made 100 calls and keeps a 1,000-item list when it parks on a client-executed call.
 
 Prints one table; ``docs/performance.md`` quotes it.
 """
@@ -22,9 +25,11 @@ Prints one table; ``docs/performance.md`` quotes it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import shutil
+import sqlite3
 import tempfile
 import threading
 import time
@@ -38,6 +43,11 @@ from bench.__main__ import stats
 from tests.conftest import start_service
 
 ECHO = [{"name": "echo", "parameters": {"properties": {"i": {"type": "integer"}}}, "endpoint": {"kind": "echo"}}]
+ASK = {"name": "ask", "parameters": {"properties": {"q": {"type": "string"}}}, "endpoint": {"kind": "client"}}
+PARKS = """import tools
+kept = [tools.echo(i=i) for i in range(100)] + list(range(900))
+print(len(kept), tools.ask(q="go"))
+"""
 PRINT = "print(1)"
 THREE_CALLS = "import tools\nfor i in range(3):\n    tools.echo(i=i)\nprint(1)"
 FAN_OUT = """import asyncio, tools
@@ -118,6 +128,23 @@ def session_memory_mib(session: dict[str, Any]) -> float:
     return float(memory["usage"] - cache) / 2**20
 
 
+def parked_state_bytes(api: httpx.Client, work_dir: Path) -> tuple[int, int]:
+    """(run spec bytes, its state's share) of a parked Monty job (``PARKS``), read from the service's store."""
+    job_id = api.post("/execute", json={"script": PARKS, "tools": [*ECHO, ASK], "engine": "monty", "wait_s": 0}).json()[
+        "job_id"
+    ]
+    deadline = time.monotonic() + 30
+    while api.get(f"/jobs/{job_id}").json().get("parked_at") is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the job was not parked")
+        time.sleep(0.2)
+    with sqlite3.connect(work_dir / "jobs.sqlite3") as db:
+        (spec,) = db.execute("SELECT spec FROM job_runs WHERE job_id = ?", (job_id,)).fetchone()
+    state = json.loads(spec).get("state") or [""]
+    api.post(f"/jobs/{job_id}/stop")
+    return len(spec), len(state[0])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=200, help="timed runs per figure and way (default 200)")
@@ -132,6 +159,7 @@ def main() -> None:
         PTC_WARM_POOL_SIZE="2",
         PTC_QUOTA_JOBS_PER_MINUTE="1000000",
         PTC_MONTY_WORKERS_PER_KEY="8",
+        PTC_PARK_AFTER_S="1",
     )
     figures: dict[str, dict[str, list[float]]] = {key: {way: [] for way in WAYS} for key in ("print", "calls")}
     fan_out: dict[str, list[float]] = {"monty": [], "container": []}
@@ -148,14 +176,14 @@ def main() -> None:
             for key, script in (("print", PRINT), ("calls", THREE_CALLS)):
                 for _ in range(args.runs):
                     for way, extra in ways.items():
-                        if way == "container warm pool":
-                            time.sleep(0.3)  # the pool refills
                         figures[key][way].append(timed(api, {"script": script, "tools": ECHO, **extra}))
+                    time.sleep(0.5)  # the warm pool refills (a container started) before the next round is timed
             for _ in range(args.fan_out_runs):
                 for engine in fan_out:
                     body = {"script": FAN_OUT, "tools": ECHO, "engine": engine, "timeout_s": 120}
                     fan_out[engine].append(timed(api, body))
             rss = worker_rss_kb(service.process.pid)
+            spec_bytes, state_bytes = parked_state_bytes(api, service.work_dir)
             idle_session = session_memory_mib(session)
             sessions = [api.post("/sessions", json={}).json()["session_id"] for _ in range(8)]
             headers = service.headers
@@ -187,6 +215,10 @@ def main() -> None:
     )
     workers = f"{min(rss) / 1024:.1f}-{max(rss) / 1024:.1f} MiB ({len(rss)} workers)" if rss else "none found"
     print(f"{'memory: an idle Monty worker (RSS)':44} {workers}   an idle container session: {idle_session:.1f} MiB")
+    print(
+        f"{'a parked Monty job (100 calls made)':44} {spec_bytes / 1024:.1f} KiB of run spec in the store, of which "
+        f"{state_bytes / 1024:.1f} KiB the interpreter's state (base64); no worker"
+    )
 
 
 if __name__ == "__main__":

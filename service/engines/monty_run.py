@@ -39,6 +39,7 @@ SLEEPS = frozenset({"system.sleep", "system.async_sleep"})  # the interpreter's 
 OOM_EXIT = 137  # as a container's script killed by the OOM killer
 OOM_MESSAGES = ("memory limit exceeded", "the worker exceeded its memory limit")  # pydantic-monty 1.4's
 CRASH_EXIT = 139
+SETTLE_BATCH_S = 0.001  # after a first answer of a gather, how long others may join it (each resume is a round trip)
 FAILED_CALL_MESSAGES = 256  # failure messages kept to tell an uncaught tool failure's report from another error's
 
 
@@ -373,6 +374,7 @@ class MontyRun:
             self._waiting = self._snapshot
             try:
                 await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waiting, timeout=SETTLE_BATCH_S)  # the answers close behind it: one resume
             finally:
                 self._waiting = None
         settled: dict[int, Any] = {}

@@ -43,6 +43,7 @@ LOOP = "print('go')\nn = 0\nwhile True:\n    n += 1\n"
 FILLER = "x = 1\n" * ((MAX_SCRIPT_BYTES - 4096) // 6)  # ~170,000 statements, just under the script size limit
 ENDED = frozenset({"succeeded", "failed", "oom_killed", "timed_out", "stopped"})
 WORKER_CMDLINE = [b"/monty", b"subprocess"]
+PAUSE_S = 0.02  # between a victim's round trips
 
 
 # -- the service, its keys -----------------------------------------------------------------------------------------
@@ -64,6 +65,7 @@ def svc(engine: docker.DockerClient, scratch: Path) -> Iterator[Service]:
         PTC_MONTY_MAX_POOLS=str(MAX_POOLS),
         PTC_MAX_CONCURRENT_SANDBOXES="24",
         PTC_QUOTA_RUNNING_JOBS="4",
+        PTC_QUOTA_JOBS_PER_MINUTE="1000000",
         PTC_HOST_CPUS="64",
         PTC_HOST_MEMORY_MB="65536",
         PTC_MAX_TIMEOUT_S="60",
@@ -139,6 +141,7 @@ def latencies(api: httpx.Client, seconds: float) -> list[float]:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline or not found:
         found.append(round_trip(api))
+        time.sleep(PAUSE_S)
     return found
 
 
@@ -159,6 +162,7 @@ def while_attacked(attack: Callable[[], Any], victim: httpx.Client, at_least_s: 
     found: list[float] = []
     while thread.is_alive() or time.monotonic() - began < at_least_s:
         found.append(round_trip(victim))
+        time.sleep(PAUSE_S)
     thread.join()
     return outcome[0], found
 
@@ -306,10 +310,10 @@ def test_a_check_flood_with_a_large_toolset_does_not_stall_another_keys_jobs(
 
 
 def test_a_check_flood_of_costly_scripts_does_not_stall_another_keys_jobs(svc: Service, keys: dict[str, Any]) -> None:
-    """40 concurrent checks of a script with 5,000 type errors each (its diagnostics are parsed and answered by the
+    """20 concurrent checks of a script with 3,000 type errors each (its diagnostics are parsed and answered by the
     service) wait for alice's own worker; bob's Monty jobs stay prompt."""
     bob = keys["bob"]
-    script = "import tools\n" + "tools.echo(y=1)\n" * 5000
+    script = "import tools\n" + "tools.echo(y=1)\n" * 3000
     baseline = latencies(bob, 1.0)
     with (
         httpx.Client(
@@ -318,15 +322,15 @@ def test_a_check_flood_of_costly_scripts_does_not_stall_another_keys_jobs(svc: S
             headers={"Authorization": f"Bearer {TOKENS['alice']}"},
             limits=httpx.Limits(max_connections=50),
         ) as alice,
-        ThreadPoolExecutor(40) as pool,
+        ThreadPoolExecutor(20) as pool,
     ):
         body = {"script": script, "tools": [ECHO], "engine": "monty"}
-        flood = [pool.submit(alice.post, "/check", json=body) for _ in range(40)]
+        flood = [pool.submit(alice.post, "/check", json=body) for _ in range(20)]
         time.sleep(1.0)
         attacked = latencies(bob, 4.0)
         answers = [each.result() for each in flood]
     assert all(a.status_code == 200 for a in answers), {a.status_code for a in answers}
-    assert_not_starved(baseline, attacked, "40 checks of 5,000 errors each")
+    assert_not_starved(baseline, attacked, "20 checks of 3,000 errors each")
 
 
 def test_a_flood_of_looping_monty_jobs_does_not_stall_another_keys_jobs(keys: dict[str, httpx.Client]) -> None:
@@ -538,7 +542,7 @@ def test_check_and_run_with_1000_tools(keys: dict[str, httpx.Client]) -> None:
     1000th tool is found."""
     tools = [
         {
-            "name": f"ns{i % 10}.tool_{i}",
+            "name": f"tool_{i}",
             "parameters": {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
             "endpoint": {"kind": "echo"},
         }
@@ -546,19 +550,34 @@ def test_check_and_run_with_1000_tools(keys: dict[str, httpx.Client]) -> None:
     ]
     erin = keys["erin"]
     began = time.monotonic()
-    good = erin.post("/check", json={"script": "import tools\ntools.ns9.tool_999(a='z')\n", "tools": tools})
-    bad = erin.post(
-        "/check", json={"script": "import tools\ntools.ns9.tool_999()\n", "tools": tools, "engine": "monty"}
-    )
+    good = erin.post("/check", json={"script": "import tools\ntools.tool_999(a='z')\n", "tools": tools})
+    bad = erin.post("/check", json={"script": "import tools\ntools.tool_999()\n", "tools": tools, "engine": "monty"})
     ran = erin.post(
         "/execute",
-        json={"script": "import tools\nprint(tools.ns9.tool_999(a='z')['args'])", "tools": tools, "engine": "monty"},
+        json={"script": "import tools\nprint(tools.tool_999(a='z')['args'])", "tools": tools, "engine": "monty"},
     )
     assert time.monotonic() - began < 30
     assert good.status_code == 200 and good.json()["ok"] is True, good.text[:300]
     assert bad.status_code == 200 and bad.json()["ok"] is False, bad.text[:300]
     assert {d["line"] for d in bad.json()["diagnostics"]} == {2}, bad.text[:500]
     assert ran.status_code == 200 and ran.json()["stdout"] == "{'a': 'z'}\n", ran.text[:300]
+
+
+@pytest.mark.parametrize("call", ["tools.ns.tool()", "tools.ns.tool(5)", "tools.ns.tool(b='z')"])
+def test_check_finds_a_bad_call_of_a_dotted_tool_as_of_a_flat_one(keys: dict[str, httpx.Client], call: str) -> None:
+    """``check: true`` is what stands between a wrong call and a write tool. The same wrong call (a missing required
+    argument, a wrong type, an unknown parameter) is found for ``tools.tool`` but passes for ``tools.ns.tool``: the
+    ``.pyi`` (toolkit.stubs.type_stubs) declares a dotted tool as a ``@staticmethod`` of a namespace class, whose
+    calls the checker does not check."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    tools = [{"name": name, "parameters": schema, "endpoint": {"kind": "echo"}} for name in ("tool", "ns.tool")]
+    erin = keys["erin"]
+    flat = erin.post("/check", json={"script": f"import tools\n{call.replace('ns.', '')}\n", "tools": tools})
+    dotted = erin.post("/check", json={"script": f"import tools\n{call}\n", "tools": tools, "engine": "monty"})
+    assert flat.status_code == 200 and flat.json()["ok"] is False, flat.text[:300]
+    assert dotted.status_code == 200 and dotted.json()["ok"] is False, (
+        f"{call} passes the check ({dotted.text[:300]}); its flat twin: {flat.json()['diagnostics'][0]['code']}"
+    )
 
 
 # -- check: true with idempotency keys, durable jobs and sessions --------------------------------------------------
@@ -586,21 +605,25 @@ def test_a_refused_check_binds_no_idempotency_key_and_makes_no_job(keys: dict[st
     assert job_count(carol) == before + 1
 
 
+WRITE = "open('/tmp/x', 'w').write('%d')\n"
+
+
 def test_a_refused_check_leaves_a_session_as_it_was(keys: dict[str, httpx.Client]) -> None:
     """A container session's script refused by ``check: true`` (checked in a Monty worker of the key) runs nothing
-    of itself (its assignment does not happen), is not counted, and the session's next script runs."""
+    of itself (the file it would write is not written), is not counted, and the session's next script runs."""
     carol = keys["carol"]
     opened = carol.post("/sessions", json={"tools": [ECHO]})
     assert opened.status_code == 201, opened.text
     session_id = opened.json()["session_id"]
     try:
         assert (
-            carol.post("/execute", json={"session_id": session_id, "script": "x = 5"}).json()["status"] == "succeeded"
+            carol.post("/execute", json={"session_id": session_id, "script": WRITE % 5}).json()["status"] == "succeeded"
         )
-        body = {"session_id": session_id, "script": "x = 6\nimport tools\ntools.echo(y=1)\n", "check": True}
+        body = {"session_id": session_id, "script": WRITE % 6 + "import tools\ntools.echo(y=1)\n", "check": True}
         refused = carol.post("/execute", json=body, timeout=15)
         assert refused.status_code == 422 and problem(refused)["type"].endswith("/script-check-failed"), refused.text
-        after = carol.post("/execute", json={"session_id": session_id, "script": "print(x)"}, timeout=15)
+        read = "print(open('/tmp/x').read())"
+        after = carol.post("/execute", json={"session_id": session_id, "script": read}, timeout=15)
         assert after.json()["stdout"] == "5\n", after.text[:300]
         assert carol.get(f"/sessions/{session_id}").json()["executions"] == 2
     finally:
@@ -616,26 +639,27 @@ def test_engine_field_abuse_is_a_422_naming_the_field(keys: dict[str, httpx.Clie
     assert session.status_code == 201, session.text
     container_session = session.json()["session_id"]
     try:
-        cases: list[tuple[str, dict[str, Any], str]] = [
+        cases: list[tuple[str, dict[str, Any], str | tuple[str, ...]]] = [
             ("/execute", {"script": "1", "engine": 5}, "engine"),
             ("/execute", {"script": "1", "engine": None, "session_id": "ses_nope"}, "session"),
             ("/execute", {"script": "1", "engine": ["monty"]}, "engine"),
             ("/execute", {"script": "1", "engine": "MONTY"}, "engine"),
             ("/execute", {"script": "1", "engine": ""}, "engine"),
             ("/execute", {"script": "1", "engine": "monty", "image": "python-data"}, "image"),
-            ("/execute", {"script": "1", "engine": "monty", "language": "typescript"}, "engine"),
+            ("/execute", {"script": "1", "engine": "monty", "language": "typescript"}, ("engine", "language")),
             ("/execute", {"script": "1", "engine": "monty", "session_id": container_session}, "engine"),
             ("/execute", {"script": "1", "engine": "auto", "session_id": container_session}, "engine"),
             ("/sessions", {"engine": "auto"}, "engine"),
             ("/sessions", {"engine": "monty", "files": [{"path": "a.txt", "content": "hi"}]}, "files"),
             ("/sessions", {"engine": "monty", "env": {"A": "1"}}, "env"),
-            ("/sessions", {"engine": "monty", "language": "javascript"}, "engine"),
+            ("/sessions", {"engine": "monty", "language": "javascript"}, ("engine", "language")),
         ]
         for path, body, field in cases:
             answer = erin.post(path, json=body)
             assert answer.status_code in (404, 422), (body, answer.status_code, answer.text[:300])
             found = problem(answer)
-            assert field in str(found.get("errors") or found["detail"]), (body, found)
+            named = str(found.get("errors") or found["detail"])
+            assert any(each in named for each in ((field,) if isinstance(field, str) else field)), (body, found)
     finally:
         erin.delete(f"/sessions/{container_session}")
     assert erin.post("/execute", json={"script": "print(1)", "engine": "monty"}).json()["stdout"] == "1\n"
