@@ -81,9 +81,21 @@ def check_manifest_request(body: ManifestRequest, settings: Settings, key_name: 
 
 
 def check_check_request(body: CheckRequest, settings: Settings, key_name: str | None) -> None:
-    """Check the body of ``POST /check`` (its manifest, as ``check_manifest_request``). Raises PayloadTooLarge,
-    RequestLimitError."""
+    """Check the body of ``POST /check``: its script and manifest, as ``check_execute`` does. Raises
+    PayloadTooLarge, RequestLimitError."""
+    _check_script(body.script, settings)
     _check_manifest(body.tools, None, settings, key_name)
+
+
+def _check_script(script: str, settings: Settings) -> None:
+    """Raises PayloadTooLarge when ``script`` is over ``max_script_bytes`` (UTF-8)."""
+    script_bytes = len(script.encode("utf-8", "surrogatepass"))
+    if script_bytes > settings.max_script_bytes:
+        raise PayloadTooLarge(
+            f"the script has {script_bytes} bytes, more than the limit of {settings.max_script_bytes}",
+            ("body", "script"),
+            settings.max_script_bytes,
+        )
 
 
 def check_execute(body: ExecuteRequest, settings: Settings, key_name: str | None) -> None:
@@ -99,13 +111,7 @@ def check_execute(body: ExecuteRequest, settings: Settings, key_name: str | None
         UnknownImage: ``image`` is not a name in ``PTC_IMAGES`` (checked first: before any sandbox starts).
     """
     image_name(settings, body.image, body.language)
-    script_bytes = len(body.script.encode("utf-8", "surrogatepass"))
-    if script_bytes > settings.max_script_bytes:
-        raise PayloadTooLarge(
-            f"the script has {script_bytes} bytes, more than the limit of {settings.max_script_bytes}",
-            ("body", "script"),
-            settings.max_script_bytes,
-        )
+    _check_script(body.script, settings)
     _check_manifest(body.tools, None, settings, key_name)
     check_files(body.files, settings)
     _cap(body, settings, key_name)

@@ -125,7 +125,7 @@ class Engines(Mapping[str, Engine]):
         ``engine`` cannot offer the manifest's tools. Raises InvalidField (``tools``) naming what ``engine`` cannot
         offer (``Engine.unsupported``); ScriptCheckFailed when the request asks for ``check`` and the script has
         type errors (``check``); EngineUnavailable when no engine can check it."""
-        why = engine.unsupported(manifest, request.script)
+        why = await engine.unsupported(manifest, request.script)
         if why is not None and request.engine == AUTO and CONTAINER in self._engines:
             engine, why = self._engines[CONTAINER], None
         if why is not None:

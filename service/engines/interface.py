@@ -241,7 +241,7 @@ class Engine(abc.ABC):
         (a name in ``PTC_IMAGES``) can run scripts in ``language`` here. The default accepts every name."""
         return None
 
-    def unsupported(self, manifest: CompiledManifest, script: str) -> str | None:
+    async def unsupported(self, manifest: CompiledManifest, script: str) -> str | None:
         """Why ``script`` cannot be given ``manifest``'s tools here (its job is refused before it runs), None when
         it can (the default)."""
         return None

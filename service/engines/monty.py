@@ -31,6 +31,7 @@ from service.engines.interface import PYTHON, CallPort, Engine, EngineRun, Engin
 from service.engines.monty_run import MontyRun, ToolTable
 from service.engines.monty_workers import (
     WorkerPools,
+    WorkersBusy,
     WorkersUnavailable,
     monty_binary,
     remove_launcher,
@@ -42,7 +43,7 @@ from service.sandbox.ports import Held, OutputCollector
 from service.sandbox.spec import SandboxLimits
 from service.settings import DEFAULT_IMAGE
 from service.toolkit.cache import CompiledManifest
-from service.toolkit.stubs import StubTool, stub_tools, type_stubs
+from service.toolkit.stubs import StubTool, stub_tools, type_stubs_of
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,18 @@ MONTY_MODULES = frozenset(
     "json math os os.path pathlib random re sys time tomllib typing unicodedata tools".split()
 )
 """Modules a script may import under Monty 1.4 (measured: ``import <name>`` succeeds in a worker), and ``tools``."""
-CHECK_STOP = "ptc_check_stop_8c1f"
-"""The function a checked script is made to call first (``MontyEngine.check``): nothing of the script runs."""
+CHECK_STOP = "ptc_check_stop_"
+"""The function a checked script is made to call first (``MontyEngine.check``; its name ends in a new random suffix
+each time, so the script cannot define it): nothing of the script runs."""
+AST_MAX_CHARS = 100_000
+"""Scripts up to this long are read by CPython's parser for ``auto`` and for what Monty cannot offer; the parser holds
+the interpreter's lock (a 1 MiB script: seconds), so a longer one is never sent to Monty by ``auto``."""
 PRINT_FLUSH_S = 0.001  # a worker holds printed output at most this long: a worker that dies loses at most that
 # (0, a message per line, made 300,000 prints take 7 s instead of 0.2 s)
+CHECK_LIMIT_S = 5.0  # the type check's own time limit (a check past it is ``CheckTooCostly``, not the script's)
+CHECKOUT_WAIT_S = 5.0  # how long a check or ``auto``'s test waits for one of the key's workers
+INLINE_PLAN_CHARS = 65536  # a larger plan's tools module is made on a worker thread
+TYPE_STUBS_KEPT_CHARS = 4 * 1024 * 1024  # a manifest's .pyi is kept with it up to this (1,000 tools: ~1 MB)
 TIME_BACKSTOP_S = 2.0  # the interpreter's own feed time limit is the job's timeout plus this
 SESSION_SUSPENSIONS = 100  # a session's checkout serves many scripts: its suspensions budget is this many jobs'
 SUSPENSIONS_PER_CALL = 3  # a call's suspensions (the call, its future's settling, a lookup), for max_suspensions
@@ -129,15 +138,21 @@ class MontySandbox:
             raise SandboxError("the run was not connected to its broker")
         if self.broken is not None:
             raise SandboxError(self.broken)
-        table = await asyncio.to_thread(_table, self._plan) if len(self._plan) > 65536 else _table(self._plan)
+        plan = self._plan
+        table = await asyncio.to_thread(_table, plan) if len(plan) > INLINE_PLAN_CHARS else _table(plan)
         self._modules["tools"] = table.module
-        if self._session is None:
-            await self._check_out()
         if outputs is not None:
             outputs.end()  # no outputs/: nothing to collect
-        run = self._run = MontyRun(self._session, self._script, table, self._port, sink, self._state)
+        # the worker is waited for inside the run: its time limit and a stop bound the wait
+        run = self._run = MontyRun(self._session_now, self._script, table, self._port, sink, self._state)
         run.exit.add_done_callback(lambda _: asyncio.ensure_future(self._ended(run)))
         return run
+
+    async def _session_now(self) -> Any:
+        """The run's interpreter session: the session's kept one, or one of the key's workers checked out now."""
+        if self._session is None:
+            await self._check_out()
+        return self._session
 
     async def _check_out(self) -> None:
         timeout_s = float(getattr(self._limits, "timeout_s", self._engine.max_timeout_s))
@@ -151,6 +166,9 @@ class MontySandbox:
         )
         try:
             self._session = await self._checkout.__aenter__()
+        except WorkersBusy:
+            self._checkout = None
+            raise
         except Exception as exc:
             self._checkout = None
             raise SandboxError(f"no Monty worker could be started: {exc}") from exc
@@ -208,6 +226,7 @@ class MontyEngine(Engine):
         self._why: str | None = "the Monty engine has not started"
         self.max_suspensions = SUSPENSIONS_PER_CALL * site.settings.max_tool_calls + 10_000
         self.max_timeout_s = site.settings.max_timeout_s
+        self._checks: dict[str, asyncio.Semaphore] = {}  # per key (configured keys: bounded): one check at a time
 
     def prepare(self, script: str, repair: bool, language: str = PYTHON) -> Normalized:
         """Python's repairs of a script that does not compile, and the compile verdict (``service.normalize``)."""
@@ -225,19 +244,21 @@ class MontyEngine(Engine):
 
         return manifest.derived("monty", plan)
 
-    def unsupported(self, manifest: CompiledManifest, script: str) -> str | None:
+    async def unsupported(self, manifest: CompiledManifest, script: str) -> str | None:
         """What of ``manifest`` Monty cannot offer ``script``: a namespace of tools named like a module Monty or its
         type checker provides (``math.factorial``: Monty's ``math`` cannot be replaced), or a call of a tool that is
         also a namespace (``tools.auth(...)`` beside ``auth.login``: a module cannot be called; its other tools
         can be); None when it can offer them all."""
         plan = self.stubs(manifest, PYTHON)
         try:
-            table = _table(plan)
+            table = await asyncio.to_thread(_table, plan) if len(plan) > INLINE_PLAN_CHARS else _table(plan)
         except ValueError as exc:  # pydantic-monty refuses the module (its message names it)
             return str(exc)
-        called = _called_names(script) if table.namespaced_tools else set()
+        if not table.namespaced_tools:
+            return None
+        called = await asyncio.to_thread(_called_names, script) if len(script) <= AST_MAX_CHARS else None
         for tool, path in table.namespaced_tools:
-            if {f"tools.{path}", f"tools.aio.{path}", path} & called:
+            if called is None or {f"tools.{path}", f"tools.aio.{path}", path} & called:  # a long script: refused
                 return f"the tool {tool!r} is also a namespace of tools ({tool}.*): Monty cannot call a module"
         return None
 
@@ -287,15 +308,17 @@ class MontyEngine(Engine):
         names no ``ToolError`` (read by CPython's parser), and Monty's own parser accepts it (fed, inside
         ``if False:``, to one of ``owner``'s workers: nothing of it runs). False when the engine cannot run scripts
         here."""
-        if self._workers is None or language not in (None, PYTHON) or not _imports_only(script, MONTY_MODULES):
+        if self._workers is None or language not in (None, PYTHON) or len(script) > AST_MAX_CHARS:
+            return False
+        if not await asyncio.to_thread(_imports_only, script, MONTY_MODULES):
             return False
         from pydantic_monty import MontyError
 
         guarded = "if False:\n" + "".join("    " + line for line in script.splitlines(keepends=True)) + "\n    pass\n"
         try:
-            async with self._workers.checkout(owner) as session:
+            async with asyncio.timeout(CHECKOUT_WAIT_S), self._workers.checkout(owner) as session:
                 await session.feed_run(guarded)
-        except MontyError:
+        except (MontyError, TimeoutError, WorkersBusy):  # not Monty's, or its workers busy: a container then
             return False
         return True
 
@@ -310,30 +333,53 @@ class MontyEngine(Engine):
         EngineUnavailable."""
         if language not in (None, PYTHON):
             return None
-        from pydantic_monty import ExternalModule, MontyError, MontySyntaxError, MontyTypingError
+        from pydantic_monty import ExternalModule, MontyCrashedError, MontyError, MontySyntaxError, MontyTypingError
 
         workers = self.workers()
         tool_error = target != self.name
-        stubs = manifest.derived(f"pyi-{tool_error}", lambda: type_stubs(manifest.tools.values(), tool_error))
+        stop = CHECK_STOP + secrets.token_hex(8)
+
+        def make() -> str:
+            return type_stubs_of(manifest.stub_source, tool_error)
+
+        stubs = await asyncio.to_thread(manifest.derived, f"pyi-{tool_error}", make, TYPE_STUBS_KEPT_CHARS)
         module = ExternalModule({}, stubs=stubs)
         options = {
             "type_check": True,
             "type_check_format": "jsonlines",
-            "type_check_stubs": f"{stubs}\n\ndef {CHECK_STOP}() -> None: ...\n",
+            "type_check_stubs": f"{stubs}\n\ndef {stop}() -> None: ...\n",
             "external_modules": {"tools": module},
-            "limits": {"max_feed_duration_secs": 1.0, "max_memory": 256 * 1024 * 1024},
+            "limits": {"max_feed_duration_secs": CHECK_LIMIT_S, "max_memory": 256 * 1024 * 1024},
         }
+        turn = self._checks.setdefault(owner, asyncio.Semaphore(1))  # one check of a key at a time: one core at most
         try:
-            async with workers.checkout(owner, **options) as session:
-                snapshot = await session.feed_start(f"{CHECK_STOP}()\n{script}", print_callback=lambda *_: None)
-                while getattr(snapshot, "function_name", None) == "import_stubs":
-                    snapshot = await snapshot.resume_auto()
+            async with asyncio.timeout(CHECKOUT_WAIT_S):
+                await turn.acquire()
+                try:
+                    checkout = workers.checkout(owner, **options)
+                    session = await checkout.__aenter__()
+                except BaseException:
+                    turn.release()
+                    raise
+        except (TimeoutError, WorkersBusy) as exc:
+            raise EngineUnavailable(f"the key's Monty workers are all busy; try again ({exc or 'timed out'})") from exc
+        try:
+            snapshot = await session.feed_start(f"{stop}()\n{script}", print_callback=lambda *_: None)
+            while getattr(snapshot, "function_name", None) == "import_stubs":
+                snapshot = await snapshot.resume_auto()
         except MontyTypingError as exc:
             return _diagnostics(exc.display())
         except MontySyntaxError as exc:
             return [_diagnostic(exc, "invalid-syntax")]
+        except MontyCrashedError as exc:  # the checker's own limits: not the script's error
+            why = f"the type check did not end within its limits ({exc}): the script was not checked"
+            raise InvalidField(why, ("body", "script")) from exc
         except MontyError as exc:  # what Monty's parser does not support (a class with a base, a yield)
             return [_diagnostic(exc, "unsupported-syntax")]
+        finally:
+            turn.release()
+            with contextlib.suppress(Exception):
+                await checkout.__aexit__(None, None, None)
         return []
 
     async def start(self) -> None:

@@ -23,13 +23,14 @@ import bisect
 import inspect
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from ptc_runtime.stubs import _Binder
 
 from service.engines.interface import CallPort, ExitStatus, OutputSink
+from service.errors import SandboxError
 from service.toolkit.stubs import StubTool
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ SLEEPS = frozenset({"system.sleep", "system.async_sleep"})  # the interpreter's 
 OOM_EXIT = 137  # as a container's script killed by the OOM killer
 OOM_MESSAGES = ("memory limit exceeded", "the worker exceeded its memory limit")  # pydantic-monty 1.4's
 CRASH_EXIT = 139
+PARSED_MAX_CHARS = 100_000  # a longer script's async contexts are not read (``AsyncContexts``)
 SETTLE_BATCH_S = 0.001  # after a first answer of a gather, how long others may join it (each resume is a round trip)
 FAILED_CALL_MESSAGES = 256  # failure messages kept to tell an uncaught tool failure's report from another error's
 
@@ -141,10 +143,13 @@ class AsyncContexts:
         self._top_level = False
         self._spans: list[tuple[int, int]] = []
 
-    def awaitable_at(self, offset: int) -> bool:
-        """Whether a global called at byte ``offset`` of the script returns an awaitable."""
+    async def awaitable_at(self, offset: int) -> bool:
+        """Whether a global called at byte ``offset`` of the script returns an awaitable (parsed on first use, on a
+        worker thread; a script over ``PARSED_MAX_CHARS`` is not parsed: there only an awaited call is one)."""
         if not self._parsed:
-            self._parse()
+            self._parsed = len(self._script) > PARSED_MAX_CHARS  # CPython's parser holds the interpreter's lock
+            if not self._parsed:
+                await asyncio.to_thread(self._parse)
         if self._top_level:
             return True
         index = bisect.bisect_right(self._spans, (offset, float("inf"))) - 1
@@ -191,10 +196,17 @@ class MontyRun:
     """
 
     def __init__(
-        self, session: Any, script: str, table: ToolTable, port: CallPort, sink: OutputSink, state: bytes | None = None
+        self,
+        session: Callable[[], Awaitable[Any]],
+        script: str,
+        table: ToolTable,
+        port: CallPort,
+        sink: OutputSink,
+        state: bytes | None = None,
     ) -> None:
         self.exit: asyncio.Future[ExitStatus] = asyncio.get_running_loop().create_future()
-        self._session = session
+        self._get_session = session  # waited for in the run: its time limit and a stop bound the wait
+        self._session: Any = None
         self._state = state  # what it continues from (``suspend``'s), else it starts the script
         self._waiting: Any = None  # the snapshot the run waits at while calls are under way (``suspend`` dumps it)
         self._requests: dict[int, dict[str, Any]] = {}  # each awaitable call's request, by the interpreter's id
@@ -275,6 +287,9 @@ class MontyRun:
             return ExitStatus(CRASH_EXIT, oom_killed=False, lost=f"the Monty worker died ({why})"[:500])
         except MontyError as exc:
             return self._failed(exc, type(exc).__name__, str(exc))
+        except SandboxError as exc:  # no worker for it (``WorkersBusy``, or none could start)
+            self._sink("stderr", f"ptc-sandbox: {exc}\n".encode())
+            return ExitStatus(CRASH_EXIT, oom_killed=False, lost=str(exc)[:500])
         finally:
             for call, _ in self._calls.values() if not self._suspended else ():  # suspended: the broker ends them
                 call.cancel()
@@ -294,6 +309,7 @@ class MontyRun:
     async def _drive(self) -> None:
         from pydantic_monty import AsyncFunctionSnapshot, AsyncFutureSnapshot, MontyComplete
 
+        self._session = await self._get_session()
         if self._state is None:
             snapshot = await self._session.feed_start(
                 self._script, print_callback=self._print, external_lookup=self._table.globals
@@ -353,7 +369,7 @@ class MontyRun:
             return await snapshot.resume({"exc_type": "TypeError", "message": str(exc)})
         awaitable = entry.mode == AWAITABLE or (
             entry.mode == CONTEXT
-            and (snapshot.allow_eager_await or self._contexts.awaitable_at(snapshot.position.start))
+            and (snapshot.allow_eager_await or await self._contexts.awaitable_at(snapshot.position.start))
         )
         call = asyncio.ensure_future(self._port.call(request["tool"], request["args"], request.get("repair")))
         if awaitable:

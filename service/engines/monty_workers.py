@@ -37,6 +37,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from service.errors import SandboxError
+
 log = logging.getLogger(__name__)
 
 WORKER_UID = 65534  # nobody
@@ -55,6 +57,10 @@ LIBRARY_DIRS = ("/lib", "/lib64", "/usr/lib", "/usr/lib64")
 
 class WorkersUnavailable(Exception):
     """The engine cannot start confined workers here (what is missing is the message)."""
+
+
+class WorkersBusy(SandboxError):
+    """``PTC_MONTY_MAX_POOLS`` pools are open and all busy: no pool for another key now."""
 
 
 def monty_binary() -> str:
@@ -209,8 +215,9 @@ class WorkerPools:
     async def _open(self, owner: str) -> Any:
         from pydantic_monty import AsyncMonty
 
-        while len(self._pools) >= self._max_pools and await self._close_least_used():
-            pass
+        while len(self._pools) >= self._max_pools:
+            if not await self._close_least_used():
+                raise WorkersBusy(f"all {self._max_pools} Monty worker pools are busy (PTC_MONTY_MAX_POOLS)")
         pool = AsyncMonty(
             binary_path=self._launcher,
             min_processes=1,

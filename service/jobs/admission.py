@@ -227,12 +227,12 @@ class Intake:
                     ("body", "durable"),
                 )
             return await self._admit_to_session(request, limits, caller, request.session_id)
-        engine = await self._engines.pick(request, caller.owner) if self._engines is not None else None
-        if engine is not None and (image != DEFAULT_IMAGE or request.language not in (None, engine.language)):
-            with contextlib.suppress(EngineUnavailable):  # the job's start reports it, as any job's does
-                await engine.require_image(image, request.language or engine.language)  # a 503 naming the image
-        ticket = self._admission.one_shot(caller.owner)
+        ticket = self._admission.one_shot(caller.owner)  # first: what picking the engine costs is counted
         try:
+            engine = await self._engines.pick(request, caller.owner) if self._engines is not None else None
+            if engine is not None and (image != DEFAULT_IMAGE or request.language not in (None, engine.language)):
+                with contextlib.suppress(EngineUnavailable):  # the job's start reports it, as any job's does
+                    await engine.require_image(image, request.language or engine.language)  # a 503 naming it
             tools, toolset = request.tools, request.toolset
             job, manifest = await self._new_job(limits, request, tools, toolset, caller, engine, None, request.language)
         except BaseException:

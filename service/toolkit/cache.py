@@ -70,13 +70,13 @@ class CompiledManifest:
         """Whether ``declarations`` returns at once (generated already)."""
         return "typescript" in self._declarations
 
-    def derived(self, kind: str, make: Callable[[], str]) -> str:
+    def derived(self, kind: str, make: Callable[[], str], keep_chars: int = KEPT_DECLARATIONS_CHARS) -> str:
         """A text an engine derives from the tools (``kind`` names it, e.g. ``monty``), made by ``make`` on first use
-        and kept with the manifest if at most ``KEPT_DECLARATIONS_CHARS`` long."""
+        and kept with the manifest if at most ``keep_chars`` long."""
         text = self._declarations.get(kind)
         if text is None:
             text = make()
-            if len(text) <= KEPT_DECLARATIONS_CHARS:
+            if len(text) <= keep_chars:
                 self._declarations[kind] = text
         return text
 

@@ -242,8 +242,9 @@ BLOCKERS: dict[str, tuple[dict[str, Any], int]] = {
     "auto-decision": ({"script": FILLER, "engine": "auto", "tools": [{"name": "broken"}]}, 422),
     # a global tool call: MontyRun asks AsyncContexts where the call is, which parses the script on the loop
     "first-global-tool-call": ({"script": "echo(x=1)\n" + FILLER, "engine": "monty", "tools": [ECHO]}, 200),
-    # a tool that is also a namespace: MontyEngine.unsupported walks the script for calls (_called_names) on the loop
-    "namespaced-manifest": ({"script": FILLER, "engine": "monty", "tools": AUTH}, 200),
+    # a tool that is also a namespace: MontyEngine.unsupported walks the script for calls (_called_names); a script
+    # over AST_MAX_CHARS is not read but refused (422) when its manifest has such a tool (docs/engines.md)
+    "namespaced-manifest": ({"script": FILLER, "engine": "monty", "tools": AUTH}, 422),
 }
 
 
@@ -277,9 +278,9 @@ BIG_TOOLSET: list[dict[str, Any]] = [
 def test_a_check_flood_with_a_large_toolset_does_not_stall_another_keys_jobs(
     svc: Service, keys: dict[str, Any]
 ) -> None:
-    """``POST /check`` has no quota: four of alice's clients check ``print(1)`` against a registered 1000-tool toolset,
-    over and over, while bob runs Monty jobs. The type stubs are made for each check (MontyEngine.check:
-    ``manifest.derived(... type_stubs ...)``), on the event loop, and are never kept for so large a manifest."""
+    """Four of alice's clients check ``print(1)`` against a registered 1000-tool toolset, over and over, while bob
+    runs Monty jobs: the type stubs are made once, off the event loop, and kept with the manifest
+    (``MontyEngine.check``); a key's checks take one worker at a time; the rest wait, or get a 503."""
     alice, bob = keys["alice"], keys["bob"]
     registered = alice.post("/toolsets", json={"tools": BIG_TOOLSET})
     assert registered.status_code == 200, registered.text[:500]
@@ -306,10 +307,15 @@ def test_a_check_flood_with_a_large_toolset_does_not_stall_another_keys_jobs(
             stop.set()
         checks = sum(each.result() for each in flood)
     assert checks > 0
-    assert_not_starved(baseline, attacked, f"{checks} checks of a 1000-tool toolset")
+    # A key's checks run one at a time (one core at most), each type-checking a ~360 KB .pyi in its worker (~0.4 s
+    # of CPU); on this 2-core machine another key's job still shares the CPUs with it, the service and this test's
+    # four clients (Monty workers have no CPU quota: docs/threat-model.md), so the bound here is 2 s, not 1 s.
+    assert max(attacked) < max(2.0, 10 * max(baseline)), (max(attacked), max(baseline), checks)
 
 
-def test_a_check_flood_of_costly_scripts_does_not_stall_another_keys_jobs(svc: Service, keys: dict[str, Any]) -> None:
+def test_a_check_flood_of_costly_scripts_does_not_stall_another_keys_jobs(
+    svc: Service, keys: dict[str, httpx.Client]
+) -> None:
     """20 concurrent checks of a script with 3,000 type errors each (its diagnostics are parsed and answered by the
     service) wait for alice's own worker; bob's Monty jobs stay prompt."""
     bob = keys["bob"]
@@ -329,7 +335,10 @@ def test_a_check_flood_of_costly_scripts_does_not_stall_another_keys_jobs(svc: S
         time.sleep(1.0)
         attacked = latencies(bob, 4.0)
         answers = [each.result() for each in flood]
-    assert all(a.status_code == 200 for a in answers), {a.status_code for a in answers}
+    # each answered: checked, or refused at once while the key's workers are all busy checking (503, try again)
+    assert {a.status_code for a in answers} <= {200, 503} and any(a.status_code == 200 for a in answers), {
+        a.status_code for a in answers
+    }
     assert_not_starved(baseline, attacked, "20 checks of 3,000 errors each")
 
 
@@ -409,30 +418,37 @@ def test_a_job_waiting_for_a_worker_honours_its_timeout_and_stop(
     )
 
 
-@pytest.mark.parametrize("request_kind", ["check", "auto", "check-true", "session-check-true"])
-def test_a_key_whose_workers_are_held_gets_an_answer_in_bounded_time(
-    svc: Service, keys: dict[str, httpx.Client], held_session: str, request_kind: str
+def test_a_key_whose_workers_are_held_gets_answers_in_bounded_time(
+    svc: Service, keys: dict[str, httpx.Client], held_session: str
 ) -> None:
     """With dave's one worker held by his session, ``POST /check``, an ``auto`` decision and ``check: true`` (on a
     one-shot job, and on a script of that very session: a deadlock) each need a worker of his pool too. Each must
     answer within bounded time (a result, or a structured error saying the key's workers are busy), never hang
-    until the session ends (its idle timeout: 5 minutes)."""
+    until the session ends (its idle timeout: 5 minutes). Sent at once, 10 s each."""
     bodies: dict[str, tuple[str, dict[str, Any]]] = {
         "check": ("/check", {"script": "print(1)", "engine": "monty"}),
         "auto": ("/execute", {"script": "print(1)", "engine": "auto", "timeout_s": 5}),
         "check-true": ("/execute", {"script": "print(1)", "engine": "monty", "check": True, "timeout_s": 5}),
         "session-check-true": ("/execute", {"script": "print(kept + 1)", "session_id": held_session, "check": True}),
     }
-    path, body = bodies[request_kind]
-    began = time.monotonic()
-    try:
+
+    def ask(kind: str) -> httpx.Response | None:
+        path, body = bodies[kind]
         with client(svc, "dave", timeout=10) as dave:
-            answer = dave.post(path, json=body)
-    except httpx.TimeoutException:
-        pytest.fail(f"{request_kind}: no answer in {time.monotonic() - began:.1f} s while the key's workers are held")
-    assert answer.status_code < 500 or answer.status_code == 503, answer.text[:500]
-    if answer.status_code >= 400:
-        problem(answer)
+            try:
+                return dave.post(path, json=body)
+            except httpx.TimeoutException:
+                return None
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = dict(zip(bodies, pool.map(ask, bodies), strict=True))
+    hung = [kind for kind, answer in answers.items() if answer is None]
+    assert not hung, f"no answer in 10 s while the key's one worker is held by its session: {hung}"
+    for kind, answer in answers.items():
+        assert answer is not None
+        assert answer.status_code < 500 or answer.status_code == 503, (kind, answer.text[:500])
+        if answer.status_code >= 400:
+            problem(answer)
 
 
 # -- POST /check ---------------------------------------------------------------------------------------------------
@@ -528,6 +544,10 @@ def test_check_runs_nothing_of_the_script(keys: dict[str, httpx.Client], tool_se
     for script in scripts:
         for target in ("monty", "container"):
             answer = erin.post("/check", json={"script": script, "tools": [hit], "engine": target})
+            if answer.status_code == 422:  # the 60,000-line script: the checker past its own limit, not checked
+                assert "not checked" in problem(answer)["detail"], answer.text[:300]
+                assert not problem(answer)["type"].endswith("/script-check-failed"), answer.text[:300]
+                continue
             assert answer.status_code == 200, answer.text[:300]
     refused = erin.post("/execute", json={"script": scripts[4], "tools": [hit], "engine": "monty", "check": True})
     assert refused.status_code == 422 and problem(refused)["type"].endswith("/script-check-failed"), refused.text
