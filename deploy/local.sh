@@ -14,7 +14,6 @@
 #   deploy/local.sh bench   set everything up, then run the benchmark (bench/; args passed on)
 #   deploy/local.sh bench --replicas 1|2   the same through HAProxy with 1 or 2 replicas on PostgreSQL
 #                           (bench/replicas.py; args passed on)
-#   deploy/local.sh bench --engines   the Monty engine beside the container engine (bench/engines.py; args passed on)
 #   deploy/local.sh replicas [up|down|env]   two replicas on a shared PostgreSQL behind HAProxy at 127.0.0.1:8080, in
 #                           containers (docker-compose.yml, profile "replicas"; docs/operations.md, Deployment:
 #                           replicas). `up` (the default) sets up the engine, writes $PTC_REPLICAS_DIR/replicas.env
@@ -266,14 +265,8 @@ setup_pid_max() {
   fi
 }
 
-# The Monty engine's workers are confined by bubblewrap, setpriv and prlimit (service/engines/monty_workers.py).
-setup_monty() {
-  if ! command -v bwrap >/dev/null; then apt_install --no-install-recommends bubblewrap; fi
-}
-
 setup() {
   setup_venv "${1:-}"
-  setup_monty
   setup_engine
   setup_pid_max
   sandbox_image/build.sh --data >/dev/null  # the minimal image, then the data image on it (cached: seconds)
@@ -439,9 +432,6 @@ case "${1:-}" in
         setup_haproxy
         export PTC_TEST_STORE_URL=$pg_test_url
         .venv/bin/python -m bench.replicas "${@:2}" ;;
-      *" --engines "*)  # the Monty engine beside the container engine (bench/engines.py)
-        args=(); for a in "${@:2}"; do [ "$a" = --engines ] || args+=("$a"); done
-        .venv/bin/python -m bench.engines "${args[@]}" ;;
       *) .venv/bin/python -m bench "${@:2}" ;;
     esac ;;
   *) sed -n "2,48p" "$0"; exit 2 ;;

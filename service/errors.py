@@ -33,8 +33,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 
 class PtcError(Exception):
     """Root of every error this service raises on purpose."""
@@ -58,20 +56,6 @@ class InvalidField(PtcError):
     def __init__(self, message: str, loc: tuple[str | int, ...] = ()) -> None:
         super().__init__(message)
         self.loc = loc
-
-
-class ScriptCheckFailed(InvalidField):
-    """``check: true`` and the script's type check found errors (``diagnostics``: each ``line``, ``column``,
-    ``end_line``, ``end_column``, ``code``, ``severity``, ``message``); nothing of it ran."""
-
-    def __init__(self, diagnostics: list[dict[str, Any]]) -> None:
-        first = diagnostics[0]
-        super().__init__(
-            f"the script failed its type check ({len(diagnostics)} error(s)); the first, line {first['line']}: "
-            f"{first['message']}",
-            ("body", "script"),
-        )
-        self.diagnostics = diagnostics
 
 
 class RequestLimitError(InvalidField):

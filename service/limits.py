@@ -28,7 +28,7 @@ from service.files import check_files
 from service.sandbox.images import image_name
 from service.schemas.job_models import ExecuteRequest
 from service.schemas.session_models import SessionRequest
-from service.schemas.toolset_models import CheckRequest, ManifestRequest
+from service.schemas.toolset_models import ManifestRequest
 from service.settings import KeyLimits, Settings
 
 
@@ -80,24 +80,6 @@ def check_manifest_request(body: ManifestRequest, settings: Settings, key_name: 
     _check_manifest(body.tools, servers, settings, key_name)
 
 
-def check_check_request(body: CheckRequest, settings: Settings, key_name: str | None) -> None:
-    """Check the body of ``POST /check``: its script and manifest, as ``check_execute`` does. Raises
-    PayloadTooLarge, RequestLimitError."""
-    _check_script(body.script, settings)
-    _check_manifest(body.tools, None, settings, key_name)
-
-
-def _check_script(script: str, settings: Settings) -> None:
-    """Raises PayloadTooLarge when ``script`` is over ``max_script_bytes`` (UTF-8)."""
-    script_bytes = len(script.encode("utf-8", "surrogatepass"))
-    if script_bytes > settings.max_script_bytes:
-        raise PayloadTooLarge(
-            f"the script has {script_bytes} bytes, more than the limit of {settings.max_script_bytes}",
-            ("body", "script"),
-            settings.max_script_bytes,
-        )
-
-
 def check_execute(body: ExecuteRequest, settings: Settings, key_name: str | None) -> None:
     """Check the body of ``POST /execute`` against the size limits and the key's maxima.
 
@@ -111,7 +93,13 @@ def check_execute(body: ExecuteRequest, settings: Settings, key_name: str | None
         UnknownImage: ``image`` is not a name in ``PTC_IMAGES`` (checked first: before any sandbox starts).
     """
     image_name(settings, body.image, body.language)
-    _check_script(body.script, settings)
+    script_bytes = len(body.script.encode("utf-8", "surrogatepass"))
+    if script_bytes > settings.max_script_bytes:
+        raise PayloadTooLarge(
+            f"the script has {script_bytes} bytes, more than the limit of {settings.max_script_bytes}",
+            ("body", "script"),
+            settings.max_script_bytes,
+        )
     _check_manifest(body.tools, None, settings, key_name)
     check_files(body.files, settings)
     _cap(body, settings, key_name)

@@ -156,11 +156,11 @@ class OutputLog:
         self._closed = False
         self._skip = 0  # bytes still to drop: a resumed job's replay writing what its file holds already
 
-    def resume(self, skip: bool = True) -> None:
+    def resume(self) -> None:
         """Take up the stream an earlier run of the job began (a resumed durable job; blocking: call it on a worker
-        thread): the bytes its file keeps are the stream so far (the inline view is made from them again), and
-        (``skip``) as many of the next bytes written are dropped, being the same again (a replay's; not for a run
-        that continues a saved state). Its bytes were counted against the owner's budget already (at start-up)."""
+        thread): the bytes its file keeps are the stream so far (the inline view is made from them again), and as
+        many of the next bytes written are dropped, being the same again (the replay's). Its bytes were counted
+        against the owner's budget already (at start-up)."""
         try:
             size = self.path.stat().st_size
         except FileNotFoundError:
@@ -169,8 +169,7 @@ class OutputLog:
             while chunk := kept.read(RESUME_SLICE_BYTES):
                 self.inline.write(chunk)
         self._file = open(self.path, "ab", buffering=0)
-        self.retained_bytes = size
-        self._skip = size if skip else 0
+        self.retained_bytes = self._skip = size
 
     def write(self, data: bytes) -> None:
         """Append one chunk."""

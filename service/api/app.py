@@ -29,7 +29,7 @@ from service.api.routers import tools as tools_router
 from service.composition.engine_table import ENGINES, EngineFactory
 from service.composition.job_manager import JobManager
 from service.composition.root import open_services
-from service.engines import Engines
+from service.engines import CONTAINER, Engines
 from service.errors import InsecureConfig, SandboxError
 from service.mcp import front as mcp_front
 from service.observability import telemetry
@@ -52,7 +52,7 @@ def create_app(
     backend: SandboxBackend | None = None,
     *,
     engines: Mapping[str, EngineFactory] = ENGINES,
-    default_engine: str | None = None,
+    default_engine: str = CONTAINER,
 ) -> FastAPI:
     """Build the service: its middleware, routers and lifespan; the lifespan builds and starts what it serves
     (``composition.root.open_services``) and closes it.

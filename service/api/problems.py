@@ -56,7 +56,6 @@ from service.errors import (
     QuotaExceeded,
     RequestLimitError,
     SandboxError,
-    ScriptCheckFailed,
     SessionClosed,
     SessionNotFound,
     StoreUnavailable,
@@ -97,7 +96,6 @@ class ProblemType:
 INVALID_REQUEST = ProblemType("invalid-request", 422, "Invalid request")
 LIMIT_EXCEEDED = ProblemType("limit-exceeded", 422, "Limit exceeds the server maximum")
 UNKNOWN_IMAGE = ProblemType("unknown-image", 422, "Unknown image")
-SCRIPT_CHECK_FAILED = ProblemType("script-check-failed", 422, "Script failed its type check")
 INVALID_MANIFEST = ProblemType("invalid-manifest", 422, "Invalid tool manifest")
 PAYLOAD_TOO_LARGE = ProblemType("payload-too-large", 413, "Request body too large")
 UNAUTHORIZED = ProblemType("unauthorized", 401, "Unauthorized")
@@ -114,7 +112,7 @@ QUEUE_FULL = ProblemType("queue-full", 429, "Too many jobs")
 QUOTA_EXCEEDED = ProblemType("quota-exceeded", 429, "Quota exceeded")
 HOST_CAPACITY_EXCEEDED = ProblemType("host-capacity-exceeded", 429, "Host capacity exceeded")
 TOO_MANY_SESSIONS = ProblemType("too-many-sessions", 429, "Too many sessions")
-ENGINE_UNAVAILABLE = ProblemType("engine-unavailable", 503, "Script engine unavailable")
+ENGINE_UNAVAILABLE = ProblemType("engine-unavailable", 503, "Container engine unavailable")
 STORE_UNAVAILABLE = ProblemType("store-unavailable", 503, "Job store unavailable")
 OWNER_UNAVAILABLE = ProblemType("owner-unavailable", 503, "Job owner unavailable")
 SANDBOX_FAILURE = ProblemType("sandbox-failure", 503, "Sandbox failure")
@@ -135,7 +133,6 @@ TYPES: tuple[ProblemType, ...] = (
     INVALID_REQUEST,
     LIMIT_EXCEEDED,
     UNKNOWN_IMAGE,
-    SCRIPT_CHECK_FAILED,
     INVALID_MANIFEST,
     PAYLOAD_TOO_LARGE,
     UNAUTHORIZED,
@@ -238,11 +235,6 @@ def _unknown_image(exc: UnknownImage) -> Answer:
     return Answer(answer.detail, {**answer.extra, "allowed_images": exc.allowed})
 
 
-def _check_failed(exc: ScriptCheckFailed) -> Answer:
-    answer = _fields(exc.loc, str(exc), ("body",), "request", "check_failed")
-    return Answer(answer.detail, {**answer.extra, "diagnostics": exc.diagnostics})
-
-
 def _too_large(exc: PayloadTooLarge) -> Answer:
     return _fields(exc.loc, str(exc), ("body",), "", "too_large")
 
@@ -286,7 +278,6 @@ RULES: dict[type[Exception], Rule] = dict(
         _rule(InvalidField, INVALID_REQUEST, _invalid),
         _rule(RequestLimitError, LIMIT_EXCEEDED, _limit),
         _rule(UnknownImage, UNKNOWN_IMAGE, _unknown_image),
-        _rule(ScriptCheckFailed, SCRIPT_CHECK_FAILED, _check_failed),
         _rule(PayloadTooLarge, PAYLOAD_TOO_LARGE, _too_large),
         _rule(JobNotFound, JOB_NOT_FOUND, lambda exc: Answer(f"no job with id {exc}")),
         _rule(SessionNotFound, SESSION_NOT_FOUND, lambda exc: Answer(f"no session with id {exc}")),

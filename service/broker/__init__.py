@@ -104,11 +104,11 @@ class Broker:
         """Listen on ``path`` (a unix socket, mode 0666 so the sandbox user can connect)."""
         await self._connections.start(path)
 
-    async def call(self, tool: str, args: Any, repair: str | None = None) -> dict[str, Any]:
+    async def call(self, tool: str, args: Any) -> dict[str, Any]:
         """Make one call of ``tool`` with ``args`` (JSON values) from this process, as the line
-        ``{"id": n, "tool": tool, "args": args}`` (and ``"repair": repair`` when given) on the socket would be:
-        bounded (``Connections.call``: a line over ``max_line_bytes`` closes the port as it would a connection; the
-        requests and bytes in flight, the pace), read, checked, forwarded and recorded.
+        ``{"id": n, "tool": tool, "args": args}`` on the socket would be: bounded (``Connections.call``: a line over
+        ``max_line_bytes`` closes the port as it would a connection; the requests and bytes in flight, the pace),
+        read, checked, forwarded and recorded.
 
         Returns the reply: ``{"ok": true, "result": value}`` or ``{"ok": false, "error": {"type", "message"}}``
         (``bad_request`` for arguments JSON cannot carry, ``broker_unavailable`` from a line over
@@ -117,10 +117,7 @@ class Broker:
         """
         self._in_process_calls += 1
         try:
-            body: dict[str, Any] = {"id": self._in_process_calls, "tool": tool, "args": args}
-            if repair is not None:
-                body["repair"] = repair
-            line = orjson.dumps(body)
+            line = orjson.dumps({"id": self._in_process_calls, "tool": tool, "args": args})
         except TypeError as exc:
             return {"ok": False, "error": {"type": "bad_request", "message": f"the arguments are not JSON: {exc}"}}
         reply = await self._connections.call(line)

@@ -174,7 +174,7 @@ class DurableLog:
         for entry in sorted(entries, key=lambda entry: entry.seq):
             self._unconsumed.setdefault((entry.tool, entry.args), deque()).append(entry)
         self._left = len(entries)
-        self.next_seq = max((entry.seq for entry in entries), default=0) + 1  # a new call's place in the log
+        self._next_seq = max((entry.seq for entry in entries), default=0) + 1
         self._settle_s = settle_s
         self._held = 0  # calls waiting for the log to be consumed (they match nothing in it)
         self._consumed_at = 0.0  # loop time of the last consumption (the settle watchdog reads it)
@@ -204,7 +204,7 @@ class DurableLog:
         """
         entry = await self._match(tool, args)
         if entry is None:
-            seq, self.next_seq = self.next_seq, self.next_seq + 1
+            seq, self._next_seq = self._next_seq, self._next_seq + 1
             entry = Logged(seq, call_id(self._job_id, seq), tool, args)
             await self._write(entry)
         elif entry.outcome is not None:

@@ -15,7 +15,7 @@ from service.broker import BrokerShared, CallMemory
 from service.callbacks import CallbackPolicy
 from service.composition.engine_table import ENGINES, EngineFactory
 from service.composition.job_manager import JobManager, JobParts
-from service.engines import Engines, EngineSite
+from service.engines import CONTAINER, Engines, EngineSite
 from service.jobs.admission import Admission, Intake
 from service.jobs.events import (
     CallEnded,
@@ -71,7 +71,7 @@ def build_jobs(
     *,
     single_tenant: bool = False,
     engines: Mapping[str, EngineFactory] = ENGINES,
-    default_engine: str | None = None,
+    default_engine: str = CONTAINER,
 ) -> JobManager:
     """The job service and its parts, with metrics, logs and webhooks subscribed to its lifecycle events.
     Nothing is started: ``JobManager.start`` does that.
@@ -91,9 +91,7 @@ def build_jobs(
     folders = SandboxFolders(settings.work_dir / "run", settings.sandbox_folders_tmpfs_mb)
     output_dir = settings.work_dir / "output"
     site = EngineSite(settings, backend, capacity, folders.path, instance_labels, logs.sandbox_stopped)
-    built = Engines(
-        {name: factory(site) for name, factory in engines.items()}, default_engine or settings.default_engine
-    )
+    built = Engines({name: factory(site) for name, factory in engines.items()}, default_engine)
     manifests = ManifestCache(
         installation_salt(settings.work_dir), threads=settings.manifest_threads, budget_s=settings.manifest_budget_s
     )

@@ -1,8 +1,7 @@
 """The script engines a service runs and the sandbox backend they run on by default.
 
 ``ENGINES`` is the table of engines (name -> factory of an ``engines.EngineSite``: what an engine is built
-from); its rows are ``container_engine`` (resident containers with their warm pools) and the Monty engine
-(``engines.monty``: the Monty interpreter in confined worker processes). ``docker_backend`` is
+from); today's one row is ``container_engine`` (resident containers with their warm pools). ``docker_backend`` is
 the backend ``open_services`` builds when it is given none. Nothing here starts anything: the engines start with
 the job service (``JobManager.start``), the backend's threads on first use.
 """
@@ -13,7 +12,6 @@ from collections.abc import Callable
 
 from service.engines import CONTAINER, Engine, EngineSite
 from service.engines.container import ContainerEngine
-from service.engines.monty import MONTY, MontyEngine
 from service.jobs.live import resolve_limits
 from service.sandbox.backend import SandboxBackend
 from service.sandbox.images import Images
@@ -42,7 +40,7 @@ def container_engine(site: EngineSite) -> Engine:
 
 
 EngineFactory = Callable[[EngineSite], Engine]
-ENGINES: dict[str, EngineFactory] = {CONTAINER: container_engine, MONTY: MontyEngine}
+ENGINES: dict[str, EngineFactory] = {CONTAINER: container_engine}
 """The script engines a service runs, by name (``service.engines``); a new engine is one module and one row here."""
 
 

@@ -18,6 +18,7 @@ from service.composition.assembly import build_jobs
 from service.composition.engine_table import ENGINES, EngineFactory, docker_backend
 from service.composition.job_manager import JobManager
 from service.egress import EgressPolicy, OwnAddress
+from service.engines import CONTAINER
 from service.idempotency import IdempotencyKeys
 from service.observability import telemetry
 from service.observability.metrics import Metrics
@@ -81,7 +82,7 @@ async def open_services(
     backend: SandboxBackend | None = None,
     single_tenant: bool = False,
     engines: Mapping[str, EngineFactory] = ENGINES,
-    default_engine: str | None = None,
+    default_engine: str = CONTAINER,
 ) -> Services:
     """Build and start everything the app serves, in order: the backend (``docker_backend`` unless given), the
     endpoint clients, the store (opened: migrations first), the replica's registration, the job service

@@ -138,7 +138,6 @@ class ContainerEngine(Engine):
         image: str,
         runtime: str | None,
         held: Held | None,
-        owner: str = "",
     ) -> Sandbox:
         """Start the session's resident sandbox in ``<sessions_dir>/<session_id>``; ``held`` is given back at its
         removal. Raises SandboxError (the sandbox could not start: nothing is left, ``held`` is the caller's)."""

@@ -64,9 +64,8 @@ class CallPort(Protocol):
         """Listen on the unix socket ``path`` (mode 0666): one JSON line per call (``service.broker``'s protocol),
         for a script in another process (a container's)."""
 
-    async def call(self, tool: str, args: Any, repair: str | None = None) -> dict[str, Any]:
-        """Make one call from this process (``repair``: the stub's, as the socket's line carries it:
-        ``positional_dict``); returns the reply: ``{"ok": true, "result": value}`` or
+    async def call(self, tool: str, args: Any) -> dict[str, Any]:
+        """Make one call from this process; returns the reply: ``{"ok": true, "result": value}`` or
         ``{"ok": false, "error": {"type", "message"}}`` (never raises for the call's own failure). A call whose line
         would pass the socket's line cap closes the port as it would a connection: it and every later call are
         answered ``broker_unavailable``."""
@@ -90,11 +89,6 @@ class EngineRun(Protocol):
     async def kill(self) -> None:
         """End the script now (and what it started); if the sandbox does not confirm within the engine's
         ``kill_confirm_s``, end the sandbox too."""
-
-    async def suspend(self) -> bytes | None:
-        """The script's state, for a resume that continues it where it waits (``Sandbox.restore``), taken when its
-        job is parked while all its calls wait for the harness, before its ``kill``: opaque bytes of the engine's;
-        None when it cannot (its job is then resumed by replay: the script runs again from its start)."""
 
 
 class Sandbox(Protocol):
@@ -125,10 +119,6 @@ class Sandbox(Protocol):
     async def lay_out(self, script: str, stubs: str | None, language: str = PYTHON) -> None:
         """Give it the next run's script in ``language`` and its stubs (None: the stubs it holds are the run's; a
         session's scripts are all in one language). Raises OSError."""
-
-    async def restore(self, state: bytes) -> None:
-        """Make the next run continue from ``state`` (an ``EngineRun.suspend``'s, of the same engine) instead of
-        starting the laid-out script. Raises SandboxError (this sandbox cannot)."""
 
     async def connect(self, port: CallPort) -> None:
         """Make the next run's tool calls reach ``port`` (the job's broker)."""
@@ -167,16 +157,11 @@ class Engine(abc.ABC):
         languages: the script languages it runs (``PYTHON``, ``JAVASCRIPT``, ``TYPESCRIPT``); the first is its
             scripts' when a request names none.
         kill_confirm_s: how long a killed script's end may take to be confirmed (s), before the sandbox is ended.
-        takes_files: whether its scripts can be given ``files`` (and leave ``outputs/``); a request with files for
-            an engine without is refused (``Engines.pick``).
-        takes_env: whether its scripts can be given ``env``; likewise.
     """
 
     name: str = ""
     languages: tuple[str, ...] = ()
     kill_confirm_s: float = 5.0
-    takes_files: bool = True
-    takes_env: bool = True
 
     @property
     def language(self) -> str:
@@ -230,35 +215,13 @@ class Engine(abc.ABC):
         image: str,
         runtime: str | None,
         held: Held | None,
-        owner: str = "",
     ) -> Sandbox:
-        """Start the sandbox of session ``session_id`` of ``owner`` (an API key's name; ``env``: every run's;
-        ``runtime``: the OCI runtime, None for the default); ``held`` (from ``hold_room``) is given back once it is
-        removed. Raises SandboxError."""
+        """Start the sandbox of session ``session_id`` (``env``: every run's; ``runtime``: the OCI runtime, None
+        for the default); ``held`` (from ``hold_room``) is given back once it is removed. Raises SandboxError."""
 
     async def require_image(self, image: str, language: str = PYTHON) -> None:
         """Raise (``ImageUnusable``, a SandboxError; InvalidField when it does not run ``language``) unless ``image``
         (a name in ``PTC_IMAGES``) can run scripts in ``language`` here. The default accepts every name."""
-        return None
-
-    async def unsupported(self, manifest: CompiledManifest, script: str) -> str | None:
-        """Why ``script`` cannot be given ``manifest``'s tools here (its job is refused before it runs), None when
-        it can (the default)."""
-        return None
-
-    async def suits(self, script: str, language: str | None, owner: str) -> bool:
-        """Whether a request naming ``engine: "auto"`` should run ``script`` (in ``language``; None: the engine's) of
-        ``owner`` here, decided before anything of it runs. The default: never (``auto`` then falls back to the
-        container engine)."""
-        return False
-
-    async def check(
-        self, script: str, manifest: CompiledManifest, language: str | None, owner: str, target: str
-    ) -> list[dict[str, Any]] | None:
-        """Type-check ``script`` (in ``language``) of ``owner`` against ``manifest``'s tools as the engine named
-        ``target`` gives them, running nothing of it: its diagnostics (each ``line``, ``column``, ``end_line``,
-        ``end_column``, ``code``, ``severity``, ``message``), empty when it passes; None when this engine checks no
-        such script (the default). Raises EngineUnavailable."""
         return None
 
     async def ready(self) -> tuple[bool, str]:

@@ -23,8 +23,8 @@ from service.broker.durable import Logged
 from service.callbacks import CallbackPolicy
 from service.egress import EgressDenied
 from service.engines import PYTHON, Engine, Engines
-from service.errors import EngineUnavailable, InvalidField, QueueFull
-from service.jobs.durability import RunSpec, SavedState
+from service.errors import EngineUnavailable, InvalidField, QueueFull, SessionNotFound
+from service.jobs.durability import RunSpec
 from service.jobs.live import SANDBOX_LIMITS, LiveJob, LiveJobs, ResolvedLimits, resolve_limits
 from service.jobs.marks import mark_owner
 from service.normalize import Normalized, count, prepare
@@ -32,7 +32,7 @@ from service.output import OutputLog
 from service.quotas import Quotas
 from service.sandbox.images import image_name
 from service.schemas.job_models import ExecuteRequest
-from service.sessions.manager import Session, SessionManager, find_session
+from service.sessions.manager import Session, SessionManager
 from service.settings import DEFAULT_IMAGE, Settings
 from service.slots import OwnerSlot, Slots
 from service.tenancy import Caller
@@ -47,6 +47,14 @@ def _discard(made: asyncio.Future[tuple[Normalized, OutputLog, OutputLog]], outp
         for log in made.result()[1:]:
             log.close()
     asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, output_dir, True)
+
+
+def find_session(sessions: SessionManager, session_id: str, caller: Caller) -> Session:
+    """A live or recently ended session ``caller`` may access; raises SessionNotFound (another owner's too)."""
+    session = sessions.get(session_id)
+    if not caller.may_access(session.owner):
+        raise SessionNotFound(session_id)
+    return session
 
 
 class Queue(Protocol):
@@ -153,7 +161,6 @@ class Admitted:
     resumed: bool = False  # its spec is stored already
     admin: bool = False  # its owner had the admin role (a resume resolves its toolset as then)
     carried: Mapping[str, tuple[str, datetime]] = field(default_factory=dict)  # a parked job's unanswered calls
-    state: SavedState | None = None  # the script state a parked job continues from (else: a replay)
 
 
 class Intake:
@@ -227,12 +234,12 @@ class Intake:
                     ("body", "durable"),
                 )
             return await self._admit_to_session(request, limits, caller, request.session_id)
-        ticket = self._admission.one_shot(caller.owner)  # first: what picking the engine costs is counted
+        engine = self._engines.choose(request.language) if self._engines is not None else None
+        if engine is not None and (image != DEFAULT_IMAGE or request.language not in (None, engine.language)):
+            with contextlib.suppress(EngineUnavailable):  # the job's start reports it, as any job's does
+                await engine.require_image(image, request.language or engine.language)  # a 503 naming the image
+        ticket = self._admission.one_shot(caller.owner)
         try:
-            engine = await self._engines.pick(request, caller.owner) if self._engines is not None else None
-            if engine is not None and (image != DEFAULT_IMAGE or request.language not in (None, engine.language)):
-                with contextlib.suppress(EngineUnavailable):  # the job's start reports it, as any job's does
-                    await engine.require_image(image, request.language or engine.language)  # a 503 naming it
             tools, toolset = request.tools, request.toolset
             job, manifest = await self._new_job(limits, request, tools, toolset, caller, engine, None, request.language)
         except BaseException:
@@ -267,16 +274,15 @@ class Intake:
         ticket = ticket or self._admission.resumed(caller.owner)
         try:
             job, manifest = await self._new_job(
-                limits, request, request.tools, request.toolset, caller, engine, spec.job_id, request.language,
-                replays=spec.state is None,
-            )  # fmt: skip
+                limits, request, request.tools, request.toolset, caller, engine, spec.job_id, request.language
+            )
         except BaseException:
             ticket.release()
             raise
         job.image, job.durable, job.hash_seed, job.created_at = spec.image, True, spec.hash_seed, spec.created_at
-        job.resumes = [*spec.resumes, {**resume, "via": "replay" if spec.state is None else "state"}]
+        job.resumes = [*spec.resumes, resume]
         carried, job.active_s = parked if parked is not None else ({}, spec.active_s)
-        return Admitted(job, request, manifest, ticket, None, replay, True, spec.admin, carried, spec.state)
+        return Admitted(job, request, manifest, ticket, None, replay, True, spec.admin, carried)
 
     def _image(self, request: ExecuteRequest, caller: Caller) -> str:
         """The image name of ``request``'s job: with ``session_id``, the session's (``image`` must be absent or
@@ -290,7 +296,7 @@ class Intake:
         if request.session_id is None:
             return image_name(self._settings, request.image, request.language)
         session = find_session(self._sessions, request.session_id, caller)
-        return session.script_image(request.image, request.language, request.engine)
+        return session.script_image(request.image, request.language)
 
     async def _admit_to_session(
         self, request: ExecuteRequest, limits: ResolvedLimits, caller: Caller, session_id: str
@@ -339,19 +345,15 @@ class Intake:
         engine: Engine | None,
         resumed: str | None = None,
         language: str | None = None,
-        replays: bool = True,
     ) -> tuple[LiveJob, CompiledManifest]:
         """A job for an admitted ``request`` (live from now on) and its compiled manifest (``tools`` or ``toolset``),
         its script (in ``language``; None: the engine's) prepared by ``engine`` (``Engine.prepare``; None: Python's).
-        ``resumed``: the id of a durable job resumed (its output folder taken up: ``OutputLog.resume``; ``replays``:
-        its script runs again from its start, so what it prints first is dropped, else it continues a saved state).
+        ``resumed``: the id of a durable job resumed (its output folder taken up: ``OutputLog.resume``).
 
         Raises:
             ManifestError / InvalidField: the manifest is unusable.
         """
         manifest = await self._toolsets.manifest(tools, toolset, caller)
-        if engine is not None and self._engines is not None and resumed is None:  # refused before anything runs
-            engine = await self._engines.screen(engine, request, manifest, caller.owner)
         language = language or (engine.language if engine is not None else PYTHON)
         job_id = resumed or "job_" + secrets.token_hex(12)
         output_dir = self._output_dir / job_id
@@ -367,7 +369,7 @@ class Intake:
             logs = [OutputLog(output_dir / name, inline, retain, budget) for name in ("stdout", "stderr")]
             if resumed is not None:
                 for log in logs:
-                    log.resume(skip=replays)
+                    log.resume()
             return normalized, logs[0], logs[1]
 
         work = asyncio.ensure_future(asyncio.to_thread(script_and_files))  # one hand-off to a thread

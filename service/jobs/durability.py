@@ -5,15 +5,11 @@ A durable job's run spec is written once its sandbox is ready and before its scr
 string-hash seed is known then): the request as admitted (script, files, env, manifest or toolset, limits, image,
 metadata, callback), its owner, engine and creation time. At start-up a job this instance left unfinished is
 resumed from its spec and its call log when it has both (``Intake.readmit``), else it is marked ``lost`` as before.
-Both are dropped once the job's final view is saved. A job parked while its calls wait for the harness may also keep
-its script's state in its spec (``SavedState``: an engine that can, the Monty engine, continues the script from there
-instead of replaying it from its start).
+Both are dropped once the job's final view is saved.
 """
 
 from __future__ import annotations
 
-import asyncio
-import base64
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -33,23 +29,11 @@ from service.store.call_log import LoggedCall
 
 if TYPE_CHECKING:
     from service.broker import Broker
-    from service.engines import EngineRun
     from service.jobs.admission import Admitted
 
 log = logging.getLogger(__name__)
 
 SPEC_VERSION = 1
-
-
-@dataclass(frozen=True)
-class SavedState:
-    """A parked job's script state (``EngineRun.suspend``: the engine's bytes) and where its call log stood then:
-    the entries below ``below`` but for the calls ``waiting`` (in flight, waiting for the harness) are behind the
-    state (``catch_up``)."""
-
-    engine: bytes
-    below: int
-    waiting: frozenset[str]
 
 
 @dataclass(frozen=True)
@@ -69,15 +53,11 @@ class RunSpec:
     parked: bool = False  # its last saved view says it was parked, when read back (not stored here)
     waits: ParkedJob | None = None  # parked waiting for the harness: for what, when read back (not stored here)
     active_s: float = 0.0  # the time its runs took as its last saved view says (``active_ms``; not stored here)
-    state: SavedState | None = None  # its script's state, kept when it was parked (an engine's that can)
 
     def encode(self) -> bytes:
         """The spec as stored (JSON)."""
-        state = self.state
-        saved = None if state is None else [base64.b64encode(state.engine).decode(), state.below, sorted(state.waiting)]
         return orjson.dumps(
             {
-                "state": saved,
                 "version": SPEC_VERSION,
                 "job_id": self.job_id,
                 "owner": self.owner,
@@ -97,8 +77,6 @@ class RunSpec:
         spec = orjson.loads(data)
         if not isinstance(spec, dict) or spec.get("version") != SPEC_VERSION:
             raise ValueError("a run spec of another version")
-        saved = spec.get("state")
-        state = None if not saved else SavedState(base64.b64decode(saved[0]), int(saved[1]), frozenset(saved[2]))
         return cls(
             job_id=spec["job_id"],
             owner=spec["owner"],
@@ -108,7 +86,6 @@ class RunSpec:
             created_at=datetime.fromisoformat(spec["created_at"]),
             hash_seed=spec["hash_seed"],
             request=ExecuteRequest.model_validate(spec["request"]),
-            state=state,
         )
 
 
@@ -119,27 +96,11 @@ async def keep_spec(store: JobStore, admitted: Admitted, hash_seed: int | None) 
     if not job.durable or admitted.resumed:
         return
     job.hash_seed = hash_seed
-    await store.runs.put_spec(job.id, _spec(admitted).encode())
+    spec = RunSpec(
+        job.id, job.owner, admitted.admin, job.engine, job.image, job.created_at, hash_seed, admitted.request
+    )
+    await store.runs.put_spec(job.id, spec.encode())
     job.spec_kept = True
-
-
-def _spec(admitted: Admitted, state: SavedState | None = None) -> RunSpec:
-    job = admitted.job
-    return RunSpec(
-        job.id, job.owner, admitted.admin, job.engine, job.image, job.created_at, job.hash_seed, admitted.request,
-        state=state,
-    )  # fmt: skip
-
-
-async def suspend(job: LiveJob, run: EngineRun, broker: Broker) -> None:
-    """Before the kill of a durable job being parked while its calls all wait for the harness: keep its script's
-    state (``EngineRun.suspend``; none from an engine that cannot) and where its call log stands, for ``park``."""
-    if broker.durable is None or broker.durable.given_up:
-        return
-    state = await run.suspend()
-    if state is not None:
-        waiting = frozenset(r["call_id"] for r in broker.records.calls if r["status"] == "pending" and r["call_id"])
-        job.saved_state = SavedState(state, broker.durable.next_seq, waiting)
 
 
 def stop_diverged(job: LiveJob, message: str) -> None:
@@ -174,8 +135,6 @@ async def park(
     try:
         if not job.spec_kept:
             await keep_spec(store, admitted, None)
-        if job.saved_state is not None:  # its script continues from there (not replayed)
-            await store.runs.put_spec(job.id, _spec(admitted, job.saved_state).encode())
         await save(job)
     except Exception:  # its last saved row is unfinished still: it is resumed all the same
         log.exception("job %s: could not save it parked", job.id)
@@ -222,16 +181,6 @@ def call_log(store: JobStore, job: LiveJob, replay: list[Logged], max_bytes: int
         await store.runs.forget(job.id)
 
     return DurableLog(job.id, log_port(store, job.id), replay, bounds=(max_bytes, give_up)) if job.durable else None
-
-
-async def catch_up(broker: Broker, replay: list[Logged], state: SavedState | None) -> None:
-    """Before a run that continues a saved state (``state``): the calls behind it (logged before it, none it waited
-    for) made again through ``broker``, in their order and at once, each answered from the call log, so the job's
-    records are what they were and the log is consumed as a replay's would be; the script is not told of them."""
-    if state is None:
-        return
-    behind = sorted((e for e in replay if e.seq < state.below and e.call_id not in state.waiting), key=lambda e: e.seq)
-    await asyncio.gather(*(broker.call(entry.tool, orjson.loads(entry.args)) for entry in behind))
 
 
 async def forget_run(store: JobStore, job: LiveJob) -> None:

@@ -126,7 +126,7 @@ class LiveJob(Job):
     sandbox_id: str | None = None  # the engine's container id, once the job has one
     session_id: str | None = None  # the session it runs in (not counted in the admission of one-shot jobs)
     image: str = DEFAULT_IMAGE  # the name (in PTC_IMAGES) of its sandbox's image
-    engine: str = CONTAINER  # the name of the script engine that runs it (``service.engines``)
+    engine: str = CONTAINER  # the name of the script engine that runs it (``service.engines``); not in its view
     language: str = PYTHON  # its script's language (``service.engines``: ``PYTHON``, ``JAVASCRIPT``, ``TYPESCRIPT``)
     stop_reason: str | None = None  # why a stop was asked, when not by POST /jobs/{id}/stop
     normalized: Normalized | None = None  # the script's normalization (no repairs when switched off)
@@ -141,7 +141,6 @@ class LiveJob(Job):
     parking: bool = False  # the service is stopping: a durable job is parked (left unfinished for a resume), not lost
     park_reserved: bool = False  # a place among the parked jobs is reserved for it (``ParkedJobs.reserve``)
     spec_kept: bool = False  # its run spec is in the store (``service.jobs.durability.keep_spec``)
-    saved_state: Any = None  # parked: its script's state (``durability.SavedState``), when its engine keeps one
     parked_at: datetime | None = None  # when it was parked
     parked_calls: list[dict[str, Any]] = field(default_factory=list)  # the calls it waits for while parked
     active_s: float = 0.0  # seconds its earlier runs took (parked time excluded): its timeout_s counts them too
@@ -213,7 +212,6 @@ class LiveJob(Job):
             "session_id": self.session_id,
             "image": self.image,
             "language": self.language,
-            "engine": self.engine,
             "owner": self.owner,
             "trace_id": self.trace_id,
             "ran_as_coroutine": self.ran_as_coroutine

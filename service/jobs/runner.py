@@ -21,16 +21,18 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
+from datetime import datetime
 from functools import partial
 from typing import Any
 
 from service import verdict
 from service.broker import Broker, BrokerConfig, BrokerHooks, BrokerShared
+from service.broker.durable import Logged
 from service.engines import Engine, EngineRun, ExitStatus, Sandbox
 from service.files import OutputFiles
-from service.jobs import durability
 from service.jobs.admission import Admitted
-from service.jobs.durability import SavedState, call_log, forget_run, keep_spec, left_unmade, park, stop_diverged
+from service.jobs.durability import call_log, forget_run, keep_spec, left_unmade, park, stop_diverged, waiting_for
 from service.jobs.events import CallEnded, JobEnded, SandboxStarted, StatusChanged
 from service.jobs.live import LiveJob, end_by_failure, note_stored_bytes, now, save_final_again, stored_job
 from service.jobs.model import EndedBy, JobStatus, end_of_run
@@ -44,6 +46,7 @@ from service.observability import stages, telemetry
 from service.replicas.registration import Replicas
 from service.settings import Settings
 from service.store import JobStore
+from service.toolkit.cache import CompiledManifest
 from service.views import render
 from service.views.render import render_head, snapshot
 
@@ -103,7 +106,7 @@ class Runner:
             placement = OneShot(self._sandboxes, self._engine(job), job)
         else:
             placement = InSession(admitted.session, self._sandboxes, ticket, job, self._tasks)
-        broker = self._new_broker(admitted)  # answers find it at once
+        broker = self._new_broker(job, admitted.manifest, admitted.replay, admitted.carried)  # answers find it at once
         task = self._tasks.spawn(self.run(admitted, placement, broker), f"job {job.id}")
 
         def ended(_: asyncio.Task[Any]) -> None:
@@ -120,7 +123,7 @@ class Runner:
         """The run path of one job in ``placement`` (see the module's docstring). Never raises but
         CancelledError (the service stopping: the job ends ``lost``)."""
         job, request, manifest = admitted.job, admitted.request, admitted.manifest
-        broker = broker or self._new_broker(admitted)
+        broker = broker or self._new_broker(job, manifest, admitted.replay, admitted.carried)
         try:
             try:
                 sandbox = await self._enter(job, placement)
@@ -141,7 +144,7 @@ class Runner:
                     keeping = asyncio.ensure_future(keep_spec(self._store, admitted, sandbox.hash_seed))
                     engine = self._engine(job)
                     stubs = placement.stubs(engine.stubs(manifest, job.language))
-                    await self._lay_out(sandbox, job.script(request), stubs, job.language, broker, admitted.state)
+                    await self._lay_out(sandbox, job.script(request), stubs, job.language, broker)
                 finally:
                     await saving  # saved running before the script starts (a failed save ends the run, as before)
                     stages.mark("saved-running")
@@ -152,7 +155,6 @@ class Runner:
                 caps = self._settings.max_output_files, self._settings.max_output_files_bytes
                 job.output_files = OutputFiles(job.output_dir, *caps, job.output_budget)
                 sending = time.perf_counter_ns()
-                await durability.catch_up(broker, admitted.replay, admitted.state)  # a saved state's earlier calls
                 run = await sandbox.run(job.id, request.env, job.sink, job.output_files)
                 stages.mark("run-sent")
                 self._events.publish(SandboxStarted(job, time.monotonic() - begin))
@@ -195,24 +197,24 @@ class Runner:
                     await entering
 
     @staticmethod
-    async def _lay_out(
-        sandbox: Sandbox, script: str, stubs: str | None, language: str, broker: Broker, state: SavedState | None
-    ) -> None:
-        """Give the sandbox the run's script (in ``language``) and stubs (and the saved state it continues from),
-        then connect its calls to the job's broker (the container engine: its ``tools.sock`` in the sandbox's
-        folder)."""
+    async def _lay_out(sandbox: Sandbox, script: str, stubs: str | None, language: str, broker: Broker) -> None:
+        """Give the sandbox the run's script (in ``language``) and stubs, then connect its calls to the job's broker
+        (the container engine: the broker listens on ``tools.sock`` in the sandbox's folder)."""
         await sandbox.lay_out(script, stubs, language)
-        if state is not None:
-            await sandbox.restore(state.engine)
         stages.mark("run-files-written")
         await sandbox.connect(broker)
         stages.mark("broker-listening")
 
-    def _new_broker(self, admitted: Admitted) -> Broker:
+    def _new_broker(
+        self,
+        job: LiveJob,
+        manifest: CompiledManifest,
+        replay: list[Logged],
+        carried: Mapping[str, tuple[str, datetime]] | None = None,
+    ) -> Broker:
         """The job's broker (not listening yet); its records are the job's call records. A durable job's logs its
-        calls in the store (``service.broker.durable``), a resumed one's answers them from its ``replay`` first
+        calls in the store (``service.broker.durable``), a resumed one's answers them from ``replay`` first
         (``carried``: the calls a parked job waited for, unanswered: ``PausedCalls``)."""
-        job, manifest = admitted.job, admitted.manifest
         hooks = BrokerHooks(
             trace_parent=job.span,
             lease=self._replicas.holds_lease,
@@ -220,7 +222,7 @@ class Runner:
             on_paused_calls=lambda waiting: self._statuses.calls_changed(job, waiting),
             on_diverged=lambda message: stop_diverged(job, message),
         )
-        durable = call_log(self._store, job, admitted.replay, self._settings.max_call_log_bytes)
+        durable = call_log(self._store, job, replay, self._settings.max_call_log_bytes)
         broker = Broker(
             manifest.tools,
             self._brokers,
@@ -228,7 +230,7 @@ class Runner:
             budget=job.output_budget,  # the records count against the owner's output_bytes quota
             hooks=hooks,
             durable=durable,
-            carried=admitted.carried,
+            carried=carried,
         )
         job.calls = broker.records.calls
         job.broker = broker
@@ -288,8 +290,7 @@ class Runner:
             ended_by: EndedBy | None = None
             job.parking = waiting not in done and bool(done) and stop not in done  # park_due's, or an exit or stop
             job.parked_calls = job.parked_calls if job.parking else []  # what it waits for: park_due took it
-            if job.parking:  # parked: the job waits for the harness (its script's state kept, where its engine can)
-                await durability.suspend(job, run, broker)
+            if job.parking:  # parked: the job waits for the harness
                 await run.kill()
             elif waiting not in done:
                 if stop in done:
@@ -338,7 +339,7 @@ class Runner:
             if job.run_began is not None:  # its timeout_s counts each run's time, not the time it is parked
                 job.active_s, job.run_began = job.active_time(), None
             if job.parking and not job.ended:  # what it waits for, before closing the broker cancels the waits
-                job.parked_calls = durability.waiting_for(broker, job.parked_calls)
+                job.parked_calls = waiting_for(broker, job.parked_calls)
             try:
                 await broker.close()
             except Exception:

@@ -12,9 +12,10 @@ sandbox starts, and writes each run's ``script.py`` and ``tools`` package there,
 ``tools.sock``. A run's output arrives as ``out`` frames on the control connection and reaches the run's
 ``OutputSink`` on the event loop; its end is the ``exit`` frame, preceded by the files it left in ``outputs/``
 (``file``/``data``/``skipped`` frames into the run's ``ports.OutputCollector``). Between runs, ``put_files``,
-``get_file`` and ``list_files`` ask the sandbox for file I/O under its ``/tmp`` (docs/files.md). Nothing the sandbox
-says is trusted: a frame outside the protocol marks the sandbox broken and ends it. When the control connection ends
-(the interpreter died, the container was killed or lost), the running script ends ``lost`` with the engine's view.
+``get_file`` and ``list_files`` ask the sandbox for file I/O under its ``/tmp`` (docs/files.md). Nothing the
+sandbox says is trusted: a frame outside the protocol marks the sandbox broken and ends it. When the control
+connection ends (the interpreter died, the container was killed or lost), the running script ends ``lost`` with the
+engine's view of the exit.
 """
 
 from __future__ import annotations
@@ -102,9 +103,6 @@ class ResidentRun:
             return
         await self._sandbox.destroy(f"the sandbox did not end a script within {KILL_CONFIRM_S:g} s of SIGKILL")
 
-    async def suspend(self) -> None:  # a container's script is resumed by replay (``EngineRun.suspend``)
-        return None
-
 
 class ResidentSandbox(SandboxFiles):
     """The service's side of one resident sandbox: container, folder and control connection.
@@ -169,9 +167,6 @@ class ResidentSandbox(SandboxFiles):
             write_run_files(self.folder, script, stubs, language)
         else:
             await asyncio.to_thread(write_run_files, self.folder, script, stubs, language)
-
-    async def restore(self, state: bytes) -> None:  # never given one: its runs leave none (``EngineRun.suspend``)
-        raise SandboxError("a container's script is resumed by replay, not from a saved state")
 
     async def connect(self, port: CallSocket) -> None:
         """Let the run's broker listen on the folder's ``tools.sock``, where the script's stubs connect."""

@@ -31,16 +31,6 @@ LANGUAGE_DESCRIPTION = (
 )
 
 
-EngineName = Literal["container", "monty", "auto"]
-"""A script engine a request may name: ``engine`` on ``/execute`` (all three) and ``POST /sessions`` (not auto)."""
-ENGINE_DESCRIPTION = (
-    "The script engine: container (a script in a container: all of Python, files, images) or monty (the Monty "
-    "interpreter: a subset of Python, about a millisecond to start; docs/engines.md); auto picks monty for a Python "
-    "script that compiles under Monty and imports only what it provides, else container, before anything runs. "
-    "Default: the server's PTC_DEFAULT_ENGINE (container unless set)."
-)
-
-
 def _has_non_finite(value: Any) -> bool:
     """Whether a JSON-like value holds a float NaN or infinity anywhere (walked without recursion)."""
     stack = [value]

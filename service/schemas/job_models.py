@@ -9,17 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from service.egress import url_problem
-from service.schemas.common import (
-    ENGINE_DESCRIPTION,
-    LANGUAGE_DESCRIPTION,
-    EngineName,
-    Env,
-    Files,
-    Language,
-    Limits,
-    Metadata,
-    utf8_text,
-)
+from service.schemas.common import LANGUAGE_DESCRIPTION, Env, Files, Language, Limits, Metadata, utf8_text
 from service.settings import MAX_SCRIPT_CHARS, MAX_TOOLS
 
 # The values of ``service.jobs.model.JobStatus``, spelled out for the OpenAPI document (a unit test keeps them
@@ -72,9 +62,6 @@ class ExecuteRequest(BaseModel):
     language: Language | None = Field(
         None, description=LANGUAGE_DESCRIPTION + " With session_id: the session's, or absent."
     )
-    engine: EngineName | None = Field(
-        None, description=ENGINE_DESCRIPTION + " With session_id: the session's, or absent."
-    )
     image: str | None = Field(
         None,
         max_length=64,
@@ -95,12 +82,6 @@ class ExecuteRequest(BaseModel):
         True,
         strict=True,
         description="Repair a script that does not compile (fences, wrappers, literal \\n; docs/normalization.md).",
-    )
-    check: bool = Field(
-        False,
-        strict=True,
-        description="Type-check the script against its tools' stubs first (as POST /check does); a script with type "
-        "errors is refused with 422 script-check-failed and its diagnostics, nothing of it run (docs/engines.md).",
     )
     durable: bool | None = Field(
         None,
@@ -283,11 +264,6 @@ class JobResume(BaseModel):
         "and a call it waited for reached its expires_at."
     )
     instance: str = Field(description="The instance id (PTC_INSTANCE_ID) that resumed it.")
-    via: Literal["replay", "state"] = Field(
-        "replay",
-        description="replay: its script ran again from its start, each logged call answered from its call log; "
-        "state: its script continued from the state kept when it was parked (the Monty engine: docs/engines.md).",
-    )
 
 
 class JobView(BaseModel):
@@ -334,7 +310,6 @@ class JobView(BaseModel):
         None, description="The name (in PTC_IMAGES) of the image the job ran in (null: saved before images were named)."
     )
     language: str = Field("python", description="The script's language: python, javascript or typescript.")
-    engine: str = Field("container", description="The script engine that ran it: container or monty.")
     sandbox_id: str | None = Field(None, description="The engine's id of the job's container (12 hex digits).")
     owner: str | None = Field(
         None,

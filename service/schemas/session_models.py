@@ -7,15 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.schemas.common import (
-    ENGINE_DESCRIPTION,
-    LANGUAGE_DESCRIPTION,
-    Env,
-    Files,
-    Language,
-    Limits,
-    Metadata,
-)
+from service.schemas.common import LANGUAGE_DESCRIPTION, Env, Files, Language, Limits, Metadata
 from service.schemas.job_models import JobError
 from service.settings import MAX_TOOLS
 
@@ -61,9 +53,6 @@ class SessionRequest(BaseModel):
         "and typescript).",
     )
     language: Language | None = Field(None, description=LANGUAGE_DESCRIPTION + " Every script of the session is in it.")
-    engine: Literal["container", "monty"] | None = Field(
-        None, description=ENGINE_DESCRIPTION.split("; auto")[0] + "; every script of the session runs on it."
-    )
     tools: list[dict[str, Any]] = Field(
         default_factory=list, max_length=MAX_TOOLS, description="Manifest for the session's scripts (default)."
     )
@@ -110,7 +99,6 @@ class SessionView(BaseModel):
     runtime: str | None
     image: str = Field("default", description="The name (in PTC_IMAGES) of the session sandbox's image.")
     language: str = Field("python", description="The language of its scripts: python, javascript or typescript.")
-    engine: str = Field("container", description="The script engine of its scripts: container or monty.")
     executions: int = Field(description="Scripts that ran in it.")
     queued: int = Field(description="Scripts waiting for their turn.")
     current_job_id: str | None = Field(description="The job running now.")

@@ -3,13 +3,13 @@ takes over."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from service.egress import header_problem, url_problem
 from service.schemas.common import Language
-from service.settings import MAX_SCRIPT_CHARS, MAX_TOOLS
+from service.settings import MAX_TOOLS
 
 
 class McpServer(BaseModel):
@@ -77,39 +77,3 @@ class ToolsetView(BaseModel):
 
     toolset_id: str = Field(description="Pass as toolset in /execute or /stubs; the same manifest gives the same id.")
     tools: list[str] = Field(description="The tools' original names.")
-
-
-class CheckRequest(BaseModel):
-    """Body of ``POST /check``: a script and its tools (a manifest, or a registered toolset)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    script: str = Field(..., max_length=MAX_SCRIPT_CHARS, description="The Python script to check (UTF-8).")
-    tools: list[dict[str, Any]] = Field(default_factory=list, max_length=MAX_TOOLS)
-    toolset: str | None = Field(None, max_length=64, description="Id from POST /toolsets (instead of tools).")
-    language: Language | None = Field(None, description="The script's language: python (the only one checked).")
-    engine: Literal["container", "monty"] | None = Field(
-        None,
-        description="The engine the script is meant for (default: the server's): under monty, tools.ToolError does "
-        "not exist, and the check says so.",
-    )
-
-
-class Diagnostic(BaseModel):
-    """One finding of the type check: where (lines and columns of the script as sent, from 1) and what."""
-
-    line: int
-    column: int
-    end_line: int
-    end_column: int
-    code: str = Field(description="The checker's rule, e.g. invalid-argument-type, unresolved-attribute.")
-    severity: str = Field(description="error or warning.")
-    message: str
-
-
-class CheckView(BaseModel):
-    """Answer of ``POST /check``."""
-
-    ok: bool = Field(description="No error: /execute with check: true would accept the script.")
-    diagnostics: list[Diagnostic]
-    engine: str = Field(description="The engine the script was checked for.")

@@ -28,7 +28,6 @@ from typing import Any
 
 from service.engines import CONTAINER, PYTHON, Sandbox
 from service.errors import InvalidField, SessionClosed, SessionNotFound, TooManySessions
-from service.tenancy import Caller
 
 log = logging.getLogger(__name__)
 
@@ -85,14 +84,9 @@ class Session:
         """A script runs or waits for its turn."""
         return self.current_job_id is not None or self.queued > 0
 
-    def script_image(self, image: str | None, language: str | None, engine: str | None = None) -> str:
-        """The image of a script sent to the session with ``image``, ``language`` and ``engine`` (each absent, or
-        the session's): the session's. Raises InvalidField (``body.language``, ``body.image``, ``body.engine``) for
-        another."""
-        if engine is not None and engine != self.engine:
-            raise InvalidField(
-                f"a session's scripts run on its engine: {self.engine}, not {engine}", ("body", "engine")
-            )
+    def script_image(self, image: str | None, language: str | None) -> str:
+        """The image of a script sent to the session with ``image`` and ``language`` (each absent, or the
+        session's): the session's. Raises InvalidField (``body.language``, ``body.image``) for another."""
         if language is not None and language != self.language:
             raise InvalidField(
                 f"a session's scripts are all in its language: {self.language}, not {language}", ("body", "language")
@@ -119,7 +113,6 @@ class Session:
             "runtime": self.runtime,
             "image": self.image,
             "language": self.language,
-            "engine": self.engine,
             "executions": self.executions,
             "queued": self.queued,
             "current_job_id": self.current_job_id,
@@ -280,11 +273,3 @@ class SessionManager:
                         await self.end(session, "expired", f"idle for its idle_timeout_s of {session.idle_timeout_s:g}")
                 except Exception:
                     log.exception("session %s: could not expire it", session.id)
-
-
-def find_session(sessions: SessionManager, session_id: str, caller: Caller) -> Session:
-    """A live or recently ended session ``caller`` may access; raises SessionNotFound (another owner's too)."""
-    session = sessions.get(session_id)
-    if not caller.may_access(session.owner):
-        raise SessionNotFound(session_id)
-    return session

@@ -28,6 +28,7 @@ from service.errors import (
     SessionNotFound,
     StoreUnavailable,
 )
+from service.jobs.admission import find_session
 from service.jobs.live import SANDBOX_LIMITS, LiveJobs, resolve_limits
 from service.jobs.placement import Sandboxes
 from service.jobs.runner import Runner
@@ -37,7 +38,7 @@ from service.replicas.registration import Replicas
 from service.sandbox.images import image_name
 from service.schemas.job_models import ExecuteRequest
 from service.schemas.session_models import SessionRequest, SessionView
-from service.sessions.manager import Session, find_session
+from service.sessions.manager import Session
 from service.settings import Settings
 from service.store import StoredSession
 from service.tenancy import Caller
@@ -122,12 +123,7 @@ class SessionJobs:
                 ("body", "runtime"),
             )
         await self._toolsets.manifest(request.tools, request.toolset, Caller(owner, admin))  # a bad manifest fails now
-        try:
-            engine = self._sandboxes.engines.choose(request.language, request.engine)
-        except ValueError as exc:
-            raise InvalidField(str(exc), ("body", "engine")) from exc
-        if request.env and not engine.takes_env:
-            raise InvalidField(f"the engine {engine.name!r} takes no env: use the container engine", ("body", "env"))
+        engine = self._sandboxes.engines.choose(request.language)
         language = request.language or engine.language
         await engine.require_image(image, language)
         runtime = None if runtime == "runc" else runtime
@@ -138,7 +134,7 @@ class SessionJobs:
             try:
 
                 def open_sandbox(session_id: str) -> Awaitable[Sandbox]:
-                    return engine.open_session(session_id, limits, request.env, image, runtime, commitment, owner)
+                    return engine.open_session(session_id, limits, request.env, image, runtime, commitment)
 
                 session = await self._sessions.create(
                     open_sandbox,

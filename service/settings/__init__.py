@@ -93,7 +93,6 @@ class Settings(BaseSettings):
 
     A ``default_*`` setting is what a request gets when it asks for nothing; it may lower a limit, or
     raise it up to the ``max_*`` ceiling. A default above its maximum is refused (``default_ceilings``).
-    ``default_engine`` is a choice, not a limit: it has no maximum.
     """
 
     model_config = SettingsConfigDict(env_prefix="PTC_", extra="ignore")
@@ -349,30 +348,6 @@ class Settings(BaseSettings):
         "The others are shared fairly between keys (a key holding two more than another gives one up to it).",
     )
     warm_pool_max_age_s: float = Field(600, gt=0, description="A pooled sandbox idle longer than this is replaced (s).")
-    default_engine: Literal["container", "monty"] = Field(
-        "container",
-        description="The script engine of a request that names none: container (a script in a container, the "
-        "default) or monty (the Monty interpreter, in confined worker processes; docs/engines.md).",
-    )
-    monty_workers_per_key: int = Field(
-        2, ge=1, le=64, description="Monty worker processes one API key's scripts run in at once (its pool's size)."
-    )
-    monty_max_pools: int = Field(
-        64,
-        ge=1,
-        le=4096,
-        description="Monty worker pools (one per API key) open at once; the least used idle one "
-        "is closed for a new key.",
-    )
-    monty_pool_idle_s: float = Field(
-        300, gt=0, description="A key's Monty worker pool unused this long is closed, its workers ended (s)."
-    )
-    monty_worker_address_space_mb: int = Field(
-        8192,
-        ge=256,
-        description="Address space of a Monty worker process (its RLIMIT_AS, MiB): a backstop to the "
-        "script's own memory limit, which the interpreter enforces.",
-    )
     max_sessions: int = Field(32, ge=0, description="Sessions open at once; past that POST /sessions answers 429.")
     session_idle_timeout_s: float = Field(
         300, gt=0, description="A session without a script this long ends, when it sets no idle_timeout_s (s)."

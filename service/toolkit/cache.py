@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,16 +68,6 @@ class CompiledManifest:
     def declarations_ready(self) -> bool:
         """Whether ``declarations`` returns at once (generated already)."""
         return "typescript" in self._declarations
-
-    def derived(self, kind: str, make: Callable[[], str], keep_chars: int = KEPT_DECLARATIONS_CHARS) -> str:
-        """A text an engine derives from the tools (``kind`` names it, e.g. ``monty``), made by ``make`` on first use
-        and kept with the manifest if at most ``keep_chars`` long."""
-        text = self._declarations.get(kind)
-        if text is None:
-            text = make()
-            if len(text) <= keep_chars:
-                self._declarations[kind] = text
-        return text
 
 
 def compile_manifest(entries: list[dict[str, Any]], toolset_id: str | None = None) -> CompiledManifest:

@@ -136,53 +136,6 @@ console.log("answers:", a, b);
     assert [(c["args"]["q"], c["status"]) for c in view["calls"]] == [("a", "ok"), ("b", "ok"), ("no", "error")]
 
 
-def test_a_monty_job_is_parked_and_resumed_like_a_container_one(parking: Service) -> None:
-    """The Monty engine's job parks (its worker given back) and an answer resumes it by replay, as a container's."""
-    script = """import asyncio
-import tools
-print("asking")
-a, b = await asyncio.gather(tools.aio.ask(q="a"), tools.aio.ask(q="b"))
-try:
-    tools.ask(q="no")
-except RuntimeError as e:
-    print(e)
-print("answers:", a, b)
-"""
-    with parking.client(timeout=90) as api:
-        body = {"script": script, "tools": [ASK], "wait_s": 0, "engine": "monty"}
-        job_id = api.post("/execute", json=body).json()["job_id"]
-        view = parked_view(api, job_id)
-        assert view["status"] == "waiting" and view["engine"] == "monty", view
-        for pending in view["pending_calls"]:
-            answered = api.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": pending["args"]["q"] * 2})
-            assert answered.status_code == 200, answered.text
-        wait_until(lambda: len(api.get(f"/jobs/{job_id}").json()["pending_calls"]) == 1, 60)
-        [last] = api.get(f"/jobs/{job_id}").json()["pending_calls"]
-        refused = api.post(f"/jobs/{job_id}/calls/{last['call_id']}", json={"error": {"type": "nope", "message": "no"}})
-        assert refused.status_code == 200, refused.text
-        view = ended(api, job_id)
-    assert view["status"] == "succeeded", view
-    assert view["stdout"] == "asking\nnope: no\nanswers: aa bb\n", view
-    assert [(c["args"]["q"], c["status"]) for c in view["calls"]] == [("a", "ok"), ("b", "ok"), ("no", "error")]
-    assert view["resumes"] and {r["via"] for r in view["resumes"]} == {"state"}, view["resumes"]
-
-
-def test_a_monty_job_blocked_on_one_call_continues_from_its_state(parking: Service) -> None:
-    """A blocking call (``tools.ask``), parked: the answer continues the script where it waited, its globals and
-    the results it had intact, the earlier call answered once and not made again."""
-    script = "import tools\nfirst = tools.echo(x=1)['args']['x']\ntotal = first + 41\nprint(total, tools.ask(q='go'))\n"
-    echo = {"name": "echo", "parameters": {"properties": {"x": {}}}, "endpoint": {"kind": "echo"}}
-    with parking.client(timeout=90) as api:
-        body = {"script": script, "tools": [ASK, echo], "wait_s": 0, "engine": "monty"}
-        job_id = api.post("/execute", json=body).json()["job_id"]
-        [pending] = parked_view(api, job_id)["pending_calls"]
-        api.post(f"/jobs/{job_id}/calls/{pending['call_id']}", json={"result": "gone"}).raise_for_status()
-        view = ended(api, job_id)
-    assert (view["status"], view["stdout"]) == ("succeeded", "42 gone\n"), view
-    assert [(c["tool"], c["status"]) for c in view["calls"]] == [("echo", "ok"), ("ask", "ok")]
-    assert [r["via"] for r in view["resumes"]] == ["state"], view["resumes"]
-
-
 def test_an_approval_given_while_parked_sends_the_call_to_its_endpoint_once(
     parking: Service, tool_server: ToolServer, engine: docker.DockerClient
 ) -> None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from service.api.bodies import ParsedOffLoop
-from service.api.deps import AppSettings, Key, ScriptEngines, Toolsets, Who
+from service.api.deps import AppSettings, Key, Toolsets, Who
 from service.errors import InvalidField
-from service.limits import check_check_request, check_manifest_request
-from service.schemas.toolset_models import CheckRequest, CheckView, Diagnostic, ManifestRequest, StubsView, ToolsetView
+from service.limits import check_manifest_request
+from service.schemas.toolset_models import ManifestRequest, StubsView, ToolsetView
 from service.toolkit.cache import CompiledManifest
 from service.toolkit.stubs import USAGE
 from service.toolkit.ts_stubs import JS_USAGE, TS_USAGE
@@ -56,20 +56,3 @@ async def toolsets(body: ManifestRequest, registry: Toolsets, who: Who, settings
         raise InvalidField("language is for POST /stubs; a toolset serves every language", ("body", "language"))
     compiled = await registry.register(body.tools, body.mcp_servers, who.owner)
     return ToolsetView(toolset_id=compiled.toolset_id or "", tools=list(compiled.tools))
-
-
-@router.post("/check", response_model=CheckView, responses={422: {}, 503: {}})
-async def check(
-    body: CheckRequest, registry: Toolsets, who: Who, settings: AppSettings, key: Key, engines: ScriptEngines
-) -> CheckView:
-    """Type-check a Python script against its tools' stubs without running anything (docs/engines.md, Type check):
-    the diagnostics ``/execute`` with ``check: true`` would refuse it with."""
-    check_check_request(body, settings, key)
-    compiled = await registry.manifest(body.tools, body.toolset, who)
-    try:
-        engine = engines.choose(body.language, body.engine)
-    except ValueError as exc:
-        raise InvalidField(str(exc), ("body", "engine")) from exc
-    found = await engines.check(body.script, compiled, body.language, who.owner, engine.name)
-    ok = not any(item["severity"] == "error" for item in found)
-    return CheckView(ok=ok, diagnostics=[Diagnostic(**item) for item in found], engine=engine.name)

@@ -85,7 +85,7 @@ def test_engine_down_at_start_is_engine_unavailable_then_the_pool_fills(
         with svc.client(timeout=60) as api:
             refused = api.post("/sessions", json={})
             assert refused.status_code == 503, refused.text
-            assert refused.json()["title"] == "Script engine unavailable", refused.json()
+            assert refused.json()["title"] == "Container engine unavailable", refused.json()
 
             forwarder = Forwarder(late, engine_socket())
             deadline = time.monotonic() + 60

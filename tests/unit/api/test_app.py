@@ -43,7 +43,7 @@ ROUTES = {
         ("GET", "/sessions/{session_id}/files/{path:path}"),
         ("GET", "/sessions/{session_id}/files"),
     },
-    "tools": {("POST", "/stubs"), ("POST", "/toolsets"), ("POST", "/check")},
+    "tools": {("POST", "/stubs"), ("POST", "/toolsets")},
     "health": {("GET", "/healthz"), ("GET", "/metrics"), ("GET", "/readyz")},
     "docs": {("GET", "/docs"), ("GET", "/redoc"), *(("GET", f"/docs/assets/{name}") for name in ASSETS)},
 }

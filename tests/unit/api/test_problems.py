@@ -121,7 +121,7 @@ CASES: list[tuple[Exception, int, str, str, dict[str, Any]]] = [
         "Host capacity exceeded",
         {"reason": "host_cpus", "limit": 4.0},
     ),
-    (errors.EngineUnavailable("down"), 503, "engine-unavailable", "Script engine unavailable", {"detail": "down"}),
+    (errors.EngineUnavailable("down"), 503, "engine-unavailable", "Container engine unavailable", {"detail": "down"}),
     (errors.SandboxError("broke"), 503, "sandbox-failure", "Sandbox failure", {"detail": "broke"}),
     (
         errors.StoreUnavailable("get"),

@@ -105,9 +105,6 @@ class ToyRun:
     async def kill(self) -> None:
         await self.signal("SIGKILL")
 
-    async def suspend(self) -> bytes | None:
-        return None
-
 
 class ToySandbox:
     """A toy sandbox: the script, stubs and files in memory, calls through the port it was connected to."""
@@ -131,9 +128,6 @@ class ToySandbox:
         self._lines = script.splitlines()
         if stubs is not None:
             self.files[".stubs"] = stubs.encode()
-
-    async def restore(self, state: bytes) -> None:
-        raise SandboxError("the toy resumes by replay")
 
     async def connect(self, port: CallPort) -> None:
         self._port = port
@@ -194,7 +188,6 @@ class ToyEngine(Engine):
         image: str,
         runtime: str | None,
         held: Held | None,
-        owner: str = "",
     ) -> Sandbox:
         sandbox = ToySandbox(f"toy-{session_id[4:16]}", env)
         self.sandboxes.append(sandbox)

@@ -114,7 +114,7 @@ async def test_broker_close_failures_are_logged(
     placement._turn = True
     session.sandbox = type("Sandbox", (), {"broken": None})()
     with caplog.at_level(logging.ERROR):
-        await placement.leave(parts.runner._new_broker(other_admitted))
+        await placement.leave(parts.runner._new_broker(other_admitted.job, MANIFEST, []))
     assert f"job {other_admitted.job.id}: closing its broker failed" in caplog.text and not session.turn.locked()
     for output in (other_admitted.job.stdout, other_admitted.job.stderr):  # never run: its cleanup is ours
         output.close()

@@ -17,11 +17,6 @@ from service.settings import Settings
 
 TOOLS = [{"name": "t", "parameters": {"properties": {"x": {"type": "integer"}}}, "endpoint": {"kind": "echo"}}]
 
-# The app's lifespan (its warm pool, the fake interpreters' tasks) runs in the fixture's loop, the session's
-# (asyncio_default_fixture_loop_scope): the tests must run there too, or a pooled sandbox's interpreter, a task of
-# that loop, never reads the run it is sent (the pooled case ran cold until a slower start let the pool fill).
-pytestmark = pytest.mark.asyncio(loop_scope="session")
-
 
 @pytest.fixture(params=[0, 1], ids=["cold", "pooled"])
 async def api(request: pytest.FixtureRequest) -> AsyncIterator[tuple[httpx.AsyncClient, FakeBackend]]:
