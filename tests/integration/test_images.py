@@ -107,7 +107,7 @@ def test_each_image_has_its_own_warm_pool(
     wait_until(lambda: pooled(IMAGE), 60)
     first = api.post("/execute", json={"script": "print(1)", "image": "data"})  # creates its pool
     first.raise_for_status()
-    used = first.json()["sandbox_id"]  # a sandbox a job took from a pool keeps its pool label while it is removed
+    used = first.json()["sandbox_id"]  # short id; a sandbox a job took from a pool keeps its pool label while removed
 
     # the data image's default profile (its memory default); an earlier test's own limits (memory_mb 200) may
     # have given the same image a second profile, with a pool of its own
@@ -117,7 +117,7 @@ def test_each_image_has_its_own_warm_pool(
         seen[:] = [
             c
             for c in pooled(data_image)
-            if c.id != used and c.attrs["HostConfig"]["Memory"] == DATA_MEMORY_MB * 1024 * 1024
+            if not (c.id or "").startswith(used) and c.attrs["HostConfig"]["Memory"] == DATA_MEMORY_MB * 1024 * 1024
         ]
         return seen
 
